@@ -1,0 +1,1 @@
+"""Speculative decoder: lossless draft-then-verify decoding over Hugging Face causal LMs."""

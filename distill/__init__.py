@@ -1,0 +1,1 @@
+"""Distill draft models against a frozen target for speculative decoding."""

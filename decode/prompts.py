@@ -1,0 +1,215 @@
+"""Prompt sets for benchmarking the speculative decoder.
+
+Named sets are read from the shared data folder (``<repo>/../shared/data``, or ``$DRAFTKIT_SHARED_DATA``); never
+copied into the repository. Any local ``.jsonl`` / ``.jsonl.gz`` file works too, with a configurable text field.
+
+| name        | file                          | text field  | category |
+| ----------- | ----------------------------- | ----------- | -------- |
+| humaneval   | humaneval/HumanEval.jsonl.gz  | prompt      | -        |
+| mbpp        | mbpp/mbpp.jsonl               | text        | -        |
+| spec_bench  | spec_bench/question.jsonl     | turns[0]    | category |
+| mt_bench    | mt_bench/question.jsonl       | turns[0]    | category |
+| gsm8k       | gsm8k/test.jsonl              | question    | -        |
+
+Spec-Bench (Xia et al., 2024) and MT-Bench (Zheng et al., 2023) are single-turn here: only the first turn is used,
+as Spec-Bench does for its speed measurements of the first turn.
+"""
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHARED_DATA_ENV = "DRAFTKIT_SHARED_DATA"
+
+
+@dataclass(frozen=True)
+class PromptSetSpec:
+    """Where a named prompt set lives under the shared data folder and which fields hold its text and category."""
+
+    relpath: str
+    field: str
+    id_field: str | None
+    category_field: str | None = None
+
+
+PROMPT_SETS: dict[str, PromptSetSpec] = {
+    "humaneval": PromptSetSpec("humaneval/HumanEval.jsonl.gz", "prompt", "task_id"),
+    "mbpp": PromptSetSpec("mbpp/mbpp.jsonl", "text", "task_id"),
+    "spec_bench": PromptSetSpec("spec_bench/question.jsonl", "turns", "question_id", "category"),
+    "mt_bench": PromptSetSpec("mt_bench/question.jsonl", "turns", "question_id", "category"),
+    "gsm8k": PromptSetSpec("gsm8k/test.jsonl", "question", None),
+}
+
+# Tried in order when a local jsonl is given without a field.
+DEFAULT_LOCAL_FIELDS = ("prompt", "text", "question", "turns", "instruction")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt: an id unique within its set, the raw text (no chat template), and an optional category."""
+
+    id: str
+    text: str
+    category: str | None = None
+
+
+def shared_data_dir() -> Path:
+    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``."""
+    env = os.environ.get(SHARED_DATA_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+    return rows
+
+
+def _text_of(row: dict[str, Any], field: str, where: str) -> str:
+    if field not in row:
+        raise KeyError(f"{where}: no field {field!r}; fields present: {sorted(row)}. Pass the right one as prompt field")
+    value = row[field]
+    if isinstance(value, list):  # chat-style `turns`: the first user turn opens the conversation
+        if not value:
+            raise ValueError(f"{where}: field {field!r} is an empty list")
+        value = value[0]
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: field {field!r} holds {type(value).__name__}, expected a string or list of strings")
+    return value
+
+
+def _balanced(prompts: list[Prompt], limit: int) -> list[Prompt]:
+    """Round-robin over categories in first-seen order, so a small limit still covers every category."""
+    groups: dict[str | None, list[Prompt]] = {}
+    for p in prompts:
+        groups.setdefault(p.category, []).append(p)
+    out = []
+    for row in itertools.zip_longest(*groups.values()):
+        out.extend(p for p in row if p is not None)
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def load_prompts(
+    source: str | os.PathLike,
+    limit: int | None = None,
+    field: str | None = None,
+    category_field: str | None = "category",
+    balanced: bool = True,
+) -> list[Prompt]:
+    """Load a prompt set by name (see ``PROMPT_SETS``) or from a local ``.jsonl`` / ``.jsonl.gz`` file.
+
+    Args:
+        source: a set name (``humaneval``, ``mbpp``, ``spec_bench``, ``mt_bench``, ``gsm8k``) or a path.
+        limit: keep at most this many prompts (None: all). For sets with categories and ``balanced=True``, prompts
+            are taken round-robin over categories so that e.g. ``limit=26`` gives two of each Spec-Bench category.
+        field: the text field; for named sets it overrides the default, for a local file it defaults to the first of
+            ``prompt, text, question, turns, instruction`` present in the first row. A list value uses its first item.
+        category_field: for a local file, the field holding the category, if present (missing -> no category).
+        balanced: round-robin over categories when limiting (else the first ``limit`` rows in file order).
+
+    Returns:
+        list of ``Prompt`` in a deterministic order.
+
+    Raises:
+        ValueError: unknown set name that is not a path either, non-positive limit, bad JSON, empty file.
+        FileNotFoundError: a path, or the shared data folder, does not exist.
+        KeyError: the text field is missing in a row (the message lists the fields present).
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"prompt limit must be >= 1 (got {limit}); omit it to use every prompt")
+    name = str(source)
+    if name in PROMPT_SETS:
+        spec = PROMPT_SETS[name]
+        path = shared_data_dir() / spec.relpath
+        if not path.exists():
+            raise FileNotFoundError(
+                f"prompt set {name!r} expects {path}; put the shared data beside the repo (../shared/data) "
+                f"or set {SHARED_DATA_ENV} to its folder")
+        text_field, id_field, cat_field = field or spec.field, spec.id_field, spec.category_field
+    else:
+        path = Path(name)
+        looks_like_path = path.suffix in (".jsonl", ".gz", ".json") or os.sep in name
+        if not path.exists():
+            if looks_like_path:
+                raise FileNotFoundError(f"prompt file {path} does not exist")
+            raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS)} or a path to a .jsonl file")
+        if path.is_dir():
+            raise ValueError(f"prompt path {path} is a directory; give a .jsonl or .jsonl.gz file")
+        text_field, id_field, cat_field = field, "id", category_field
+    rows = _read_jsonl(path)
+    if not rows:
+        raise ValueError(f"prompt file {path} has no rows")
+    if text_field is None:
+        text_field = next((f for f in DEFAULT_LOCAL_FIELDS if f in rows[0]), None)
+        if text_field is None:
+            raise KeyError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
+                           f"(fields present: {sorted(rows[0])}); pass the prompt field explicitly")
+    prompts = []
+    for i, row in enumerate(rows):
+        where = f"{path}:{i + 1}"
+        pid = str(row[id_field]) if id_field and id_field in row else str(i)
+        cat = row.get(cat_field) if cat_field else None
+        prompts.append(Prompt(id=pid, text=_text_of(row, text_field, where), category=None if cat is None else str(cat)))
+    if limit is None:
+        return prompts
+    has_categories = any(p.category is not None for p in prompts)
+    return _balanced(prompts, limit) if balanced and has_categories else prompts[:limit]
+
+
+def encode_prompts(
+    prompts: list[Prompt],
+    tokenizer,
+    chat_template: bool = True,
+    max_prompt_tokens: int | None = None,
+) -> list[list[int]]:
+    """Tokenize prompts, applying the tokenizer's chat template when it has one.
+
+    Args:
+        prompts: from ``load_prompts``.
+        tokenizer: a Hugging Face tokenizer.
+        chat_template: apply ``tokenizer.apply_chat_template`` (single user turn, generation prompt added) when the
+            tokenizer defines a template; otherwise plain ``tokenizer(text)`` with its special tokens.
+        max_prompt_tokens: keep only the last this many tokens (the end of the prompt is what the model continues).
+
+    Returns:
+        one list of token ids per prompt (no padding).
+
+    Raises:
+        ValueError: a prompt encodes to zero tokens, or ``max_prompt_tokens < 1``.
+    """
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1 (got {max_prompt_tokens})")
+    use_template = chat_template and getattr(tokenizer, "chat_template", None)
+    out = []
+    for p in prompts:
+        if use_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(p.text)["input_ids"]
+        ids = list(ids)
+        if not ids:
+            raise ValueError(f"prompt {p.id!r} encodes to zero tokens")
+        if max_prompt_tokens is not None:
+            ids = ids[-max_prompt_tokens:]
+        out.append([int(t) for t in ids])
+    return out

@@ -1,0 +1,158 @@
+"""Token-level distillation losses between a draft q and a frozen target p. Pure functions, no state.
+
+Every divergence takes ``(draft_logits (B, T, V), target_logits (B, T, V), mask (B, T), n_tokens)`` and returns
+``Σ_{masked positions} d(p_t, q_t) / n_tokens`` as a float32 scalar. The token count comes from outside so that
+prompt and pad positions contribute nothing and gradient accumulation is exact: pass the number of masked
+tokens of the whole accumulation window (over all processes, divided by the number of processes under DDP),
+not of the micro-batch (TRL GKDTrainer does the same).
+
+Divergences (DistillSpec, Zhou et al. ICLR 2024, Table 1; GKD, Agarwal et al. ICLR 2024):
+
+- ``fkl``: forward KL(p‖q), mode-covering; the classic KD objective.
+- ``rkl``: reverse KL(q‖p), mode-seeking.
+- ``jsd``: generalized JSD(β) = β·KL(p‖m) + (1−β)·KL(q‖m) with m = β·p + (1−β)·q. Following TRL's
+  ``generalized_jsd_loss``, β=0 is defined as FKL and β=1 as RKL (the limits of JSD(β)/β and JSD(β)/(1−β)).
+- ``tvd``: total variation ½Σ|p−q| = 1 − Σ min(p, q). With the same sampling on both sides this is exactly the
+  expected rejection probability of speculative sampling at that position (Leviathan et al. 2023, Thm 3.5), so
+  minimizing it maximizes the acceptance rate α directly.
+
+Temperature divides both logits before the softmax (no T² gradient rescaling; the acceptance rule compares the
+distributions at the sampling temperature, so that is the one to match). Numerics: computed in float32 whatever
+the input dtype; masked positions are zeroed before the softmax, so rows that are all -inf or NaN there cannot
+poison the result or its gradient; -inf logits at unmasked positions (vocabulary masks) give probability 0 and
+log-probabilities clamped to ``LOG_FLOOR``, so 0·log 0 terms are 0 and the loss stays finite.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# exp(-1e4) is 0 in every float format, so clamping log-probabilities here changes no probability and keeps
+# p·(log p − log q) finite when a vocabulary entry is masked with -inf on one side.
+LOG_FLOOR = -1e4
+
+
+def _prepare(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float):
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} and target_logits {tuple(target_logits.shape)} "
+                         "must have the same shape; slice both to the shared vocabulary first")
+    if mask.shape != draft_logits.shape[:-1]:
+        raise ValueError(f"mask {tuple(mask.shape)} must match the logits without the vocab dim "
+                         f"{tuple(draft_logits.shape[:-1])}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    keep = mask.bool().unsqueeze(-1)
+    # Zero logits where the mask is off: uniform there, so garbage (all -inf, NaN) cannot reach the gradient.
+    d = torch.where(keep, draft_logits.float(), 0.0) / temperature
+    t = torch.where(keep, target_logits.float(), 0.0) / temperature
+    log_q = F.log_softmax(d, dim=-1).clamp(min=LOG_FLOOR)
+    log_p = F.log_softmax(t, dim=-1).clamp(min=LOG_FLOOR)
+    return log_q, log_p
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, n_tokens: int | float | torch.Tensor) -> torch.Tensor:
+    """Σ over masked positions / n_tokens; n_tokens = 0 (a fully masked window) gives 0, not NaN."""
+    total = torch.where(mask.bool(), per_token, 0.0).sum()
+    if isinstance(n_tokens, torch.Tensor):
+        n_tokens = n_tokens.to(total.device, torch.float32)
+        return total / n_tokens.clamp(min=1.0)
+    return total / max(float(n_tokens), 1.0)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a‖b) per position, (B, T); 0·log 0 = 0."""
+    a = log_a.exp()
+    return (a * (log_a - log_b)).sum(-1)
+
+
+def fkl(draft_logits, target_logits, mask, n_tokens, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL(p_target‖q_draft) summed over masked positions / n_tokens. Shapes: (B,T,V), (B,T,V), (B,T)."""
+    log_q, log_p = _prepare(draft_logits, target_logits, mask, temperature)
+    return _reduce(_kl(log_p, log_q), mask, n_tokens)
+
+
+def rkl(draft_logits, target_logits, mask, n_tokens, temperature: float = 1.0) -> torch.Tensor:
+    """Reverse KL(q_draft‖p_target) summed over masked positions / n_tokens."""
+    log_q, log_p = _prepare(draft_logits, target_logits, mask, temperature)
+    return _reduce(_kl(log_q, log_p), mask, n_tokens)
+
+
+def jsd(draft_logits, target_logits, mask, n_tokens, beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """Generalized JSD(β) = β·KL(p‖m) + (1−β)·KL(q‖m), m = β·p + (1−β)·q; β=0 → FKL, β=1 → RKL (TRL's convention).
+
+    Raises ValueError if β is outside [0, 1].
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must be in [0, 1], got {beta} (0 = forward KL, 1 = reverse KL)")
+    log_q, log_p = _prepare(draft_logits, target_logits, mask, temperature)
+    if beta == 0.0:
+        per = _kl(log_p, log_q)
+    elif beta == 1.0:
+        per = _kl(log_q, log_p)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1.0 - beta)]), dim=0)
+        per = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
+    return _reduce(per, mask, n_tokens)
+
+
+def tvd(draft_logits, target_logits, mask, n_tokens, temperature: float = 1.0) -> torch.Tensor:
+    """Total variation ½Σ|p−q| = 1 − Σmin(p, q): the expected rejection rate of speculative sampling at that
+    position (DistillSpec's objective for maximizing α)."""
+    log_q, log_p = _prepare(draft_logits, target_logits, mask, temperature)
+    per = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    return _reduce(per, mask, n_tokens)
+
+
+def cross_entropy(draft_logits, labels, mask, n_tokens) -> torch.Tensor:
+    """Token-level CE of the draft on ``labels`` (B, T) (the next tokens), summed over masked positions / n_tokens.
+
+    Labels at masked-off positions are ignored (any value, e.g. a pad id, is fine).
+    """
+    keep = mask.bool()
+    logits = torch.where(keep.unsqueeze(-1), draft_logits.float(), 0.0)
+    safe_labels = torch.where(keep, labels, 0)
+    per = F.cross_entropy(logits.flatten(0, 1), safe_labels.flatten(), reduction="none").view_as(safe_labels)
+    return _reduce(per, mask, n_tokens)
+
+
+DIVERGENCES: dict[str, Callable[..., torch.Tensor]] = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd}
+
+
+def check_loss_name(name: str) -> None:
+    """Raise ValueError naming the valid choices if ``name`` is not a known divergence."""
+    if name not in DIVERGENCES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(DIVERGENCES)} "
+                         f"(override with loss={'|'.join(sorted(DIVERGENCES))})")
+
+
+def distill_loss(name: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
+                 n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None, beta: float = 0.5,
+                 temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
+    """``(1 − ce_weight)·divergence + ce_weight·CE(draft, labels)`` over masked positions / n_tokens.
+
+    Args:
+        name: one of ``fkl``, ``rkl``, ``jsd``, ``tvd``.
+        draft_logits, target_logits: (B, T, V), sliced to the shared vocabulary.
+        mask: (B, T), 1 where position t's next token is a completion token.
+        n_tokens: masked tokens of the whole accumulation window (see module docstring).
+        labels: (B, T) next tokens; required when ``ce_weight > 0``.
+        beta: JSD β (only used by ``jsd``).
+        temperature: softmax temperature applied to both sides (divergence only; CE uses T=1).
+        ce_weight: weight of the token-level CE term in [0, 1].
+
+    Raises:
+        ValueError: unknown name, ce_weight outside [0, 1], or ce_weight > 0 without labels.
+    """
+    check_loss_name(name)
+    if not 0.0 <= ce_weight <= 1.0:
+        raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
+    kw = {"beta": beta} if name == "jsd" else {}
+    loss = DIVERGENCES[name](draft_logits, target_logits, mask, n_tokens, temperature=temperature, **kw)
+    if ce_weight > 0:
+        if labels is None:
+            raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
+        loss = (1.0 - ce_weight) * loss + ce_weight * cross_entropy(draft_logits, labels, mask, n_tokens)
+    return loss

@@ -1,0 +1,121 @@
+"""KV-cache handling for ragged speculative decoding: forward with explicit positions, roll back, compact.
+
+Layout. Each model keeps one Hugging Face ``DynamicCache`` of physical width W for the whole batch and a
+``(B, W)`` mask of which slots hold committed tokens. Rows are right-aligned (left padding). Keys are stored
+already rotated by their own position ids, so a slot's meaning does not depend on its physical column: slots
+can be masked out (rollback) or moved (compaction) without recomputing anything.
+
+Rollback after a rejection only clears mask bits of the rejected slots (no copy). :func:`compact` then drops
+those holes: a crop when every row's holes are trailing (always so at batch size 1), otherwise one gather per
+layer that right-aligns each row's valid slots. Its cost is one read and write of the cache per step, about the
+attention traffic of one extra forward; it keeps every row's cache exactly as long as its committed prefix.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+
+def _layers(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(
+            f"unsupported KV cache type {type(cache).__name__}: the decoder needs a transformers DynamicCache "
+            "(transformers >= 4.56) whose layers expose .keys/.values"
+        )
+    return layers
+
+
+def new_cache(model: Any) -> Any:
+    """An empty ``DynamicCache`` for ``model``."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older signature
+        return DynamicCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_for(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_kwarg(model: Any) -> str:
+    # transformers 5.x renamed past_key_values to cache; peft wrappers forward **kwargs to the base model.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_kwarg_for(type(base))
+
+
+def cache_width(cache: Any) -> int:
+    """Physical number of slots W held by the cache (0 when empty)."""
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor, input_mask: torch.Tensor,
+            logits_to_keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``model`` on new tokens appended to ``cache``, with explicit per-row positions.
+
+    Args:
+        cache: a DynamicCache of width W (updated in place).
+        mask: ``(B, W)`` int64, 1 where the slot holds a committed token.
+        input_ids: ``(B, k)`` new tokens; input_mask: ``(B, k)`` 1 for real tokens, 0 for holes.
+        logits_to_keep: if given, only the last this-many positions' logits are computed.
+
+    Returns:
+        ``(logits (B, k or logits_to_keep, V), mask (B, W + k))``. The position of a new token is the number of
+        valid slots before it, as in Hugging Face ``generate`` (``cumsum(mask) - 1``).
+    """
+    full_mask = torch.cat([mask, input_mask], dim=-1)
+    positions = (mask.sum(-1, keepdim=True) + input_mask.cumsum(-1) - 1).clamp_min(0)
+    kwargs = {_cache_kwarg(model): cache}
+    if logits_to_keep is not None:
+        kwargs["logits_to_keep"] = logits_to_keep
+    out = model(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True, **kwargs)
+    return out.logits, full_mask
+
+
+def select_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` ``(B',)`` in every layer (in place)."""
+    for layer in _layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+
+
+def _gather_slots(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    B, H, _, D = x.shape
+    return x.gather(2, order[:, None, :, None].expand(B, H, order.shape[-1], D))
+
+
+def compact(cache: Any, mask: torch.Tensor) -> torch.Tensor:
+    """Remove every hole from the cache, right-aligning each row's valid slots; returns the new ``(B, W')`` mask
+    with ``W' = max_b valid_b``. Slot order within a row is kept, so attention results are unchanged.
+
+    Cost: nothing when there are no holes; a crop when all holes are trailing; else a gather of every layer.
+    """
+    counts = mask.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    W = mask.shape[-1]
+    if width == W and bool((mask == 1).all()):
+        return mask
+    cols = torch.arange(W, device=mask.device)
+    # Trailing-holes-only and rows already right-aligned up to a common cut: crop.
+    cut_mask = mask[:, :width]
+    if bool((mask[:, width:] == 0).all()) and bool((cut_mask == (cols[:width] >= width - counts[:, None])).all()):
+        for layer in _layers(cache):
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :width, :]
+                layer.values = layer.values[..., :width, :]
+        return cut_mask.contiguous()
+    # General case: stable sort puts holes first and keeps the order of valid slots.
+    order = torch.sort(mask, dim=-1, stable=True).indices[:, W - width:]  # (B, W')
+    for layer in _layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = _gather_slots(layer.keys, order)
+            layer.values = _gather_slots(layer.values, order)
+    return (torch.arange(width, device=mask.device) >= width - counts[:, None]).long()

@@ -1,0 +1,85 @@
+"""Vocabulary and tokenizer compatibility of a target/draft pair: one rule for the decoder and the recipe.
+
+The shared vocabulary is the tokenizer's (``len(tokenizer)``). lm_head rows beyond it are padding (e.g. a
+32000-token tokenizer with 32064 rows) and get probability 0 in both p and q (see
+:func:`decode.sampling.logits_to_probs`). A draft whose lm_head covers fewer ids than the shared vocabulary
+stays lossless: its q is 0 on the missing ids, so they are reachable only through the residual
+``max(p - q, 0)``, which gives them exactly the target's probability. A *target* that covers fewer ids than the
+tokenizer is an error (it could never produce them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncompatibleModelsError(ValueError):
+    """Target and draft (or their tokenizers) cannot be used as a speculative pair."""
+
+
+def output_vocab_size(model: Any) -> int:
+    """Number of lm_head rows (logit columns) of a Hugging Face causal LM (peft-wrapped models too)."""
+    emb = model.get_output_embeddings()
+    if emb is not None and hasattr(emb, "weight"):
+        return int(emb.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config")
+               else model.config.vocab_size)
+
+
+def _special_ids(tok: Any) -> dict[str, Any]:
+    return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+
+
+def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Raise :class:`IncompatibleModelsError` if the two tokenizers map any shared id to a different token or
+    disagree on bos/eos/pad/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ)."""
+    if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
+        return
+    t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
+    for name in t_special:
+        if t_special[name] != d_special[name]:
+            raise IncompatibleModelsError(
+                f"target and draft tokenizers disagree on the {name} token id: target {t_special[name]!r}, "
+                f"draft {d_special[name]!r}. Use the target's tokenizer for the draft (train or convert the draft "
+                "with the same tokenizer)."
+            )
+    t_vocab = {i: t for t, i in target_tokenizer.get_vocab().items()}
+    d_vocab = {i: t for t, i in draft_tokenizer.get_vocab().items()}
+    diffs = [i for i in sorted(t_vocab.keys() & d_vocab.keys()) if t_vocab[i] != d_vocab[i]]
+    if diffs:
+        shown = ", ".join(f"id {i}: target {t_vocab[i]!r} vs draft {d_vocab[i]!r}" for i in diffs[:3])
+        raise IncompatibleModelsError(
+            f"target and draft tokenizers map {len(diffs)} shared ids to different tokens ({shown}). "
+            "Speculative decoding needs one tokenizer: use the target's tokenizer for the draft."
+        )
+
+
+def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
+    """Check that ``draft`` can propose tokens for ``target`` and return the shared vocabulary size V.
+
+    V is ``len(target_tokenizer)`` when a tokenizer is given, else the target's lm_head size.
+
+    Raises:
+        IncompatibleModelsError: tokenizers disagree (see :func:`check_tokenizers`); the target's lm_head has
+            fewer rows than the tokenizer; or, with no tokenizer given, the draft's lm_head is larger than the
+            target's (the extra draft ids have no target probability, so the pair is ambiguous).
+    """
+    check_tokenizers(target_tokenizer, draft_tokenizer)
+    v_target = output_vocab_size(target)
+    if target_tokenizer is not None:
+        vocab = len(target_tokenizer)
+        if draft_tokenizer is not None:
+            vocab = max(vocab, len(draft_tokenizer))
+        if v_target < vocab:
+            raise IncompatibleModelsError(
+                f"the target's lm_head has {v_target} rows but the tokenizer has {vocab} tokens; the target could "
+                "never produce the extra ids. Resize the target's embeddings (model.resize_token_embeddings) or "
+                "use its own tokenizer."
+            )
+    else:
+        vocab = v_target
+        if draft is not None and output_vocab_size(draft) > v_target:
+            raise IncompatibleModelsError(
+                f"the draft's lm_head has {output_vocab_size(draft)} rows but the target's has {v_target}; pass the "
+                "tokenizer(s) so the shared vocabulary is known, or use a draft built for this target's vocabulary."
+            )
+    return vocab

@@ -1,0 +1,117 @@
+"""Decoding metrics, pooled over tokens (never averaged per request).
+
+Definitions (Leviathan et al. 2023; Spec-Bench, Xia et al. 2024):
+- acceptance rate α = Σ accepted draft tokens / Σ drafted tokens;
+- mean accepted length τ = Σ (accepted + 1) / number of verify steps (tokens per target forward, counting
+  the correction or bonus token);
+- acceptance by draft position i = number of verify steps whose draft token i was accepted;
+- time to first token (TTFT): seconds from the call until the first new token is committed (prefill + first step);
+- per-token latency: seconds per new token after the first; throughput: new tokens / total seconds;
+- peak memory: process RSS high-water mark on CPU, ``torch.cuda.max_memory_allocated`` on GPU (bytes).
+"""
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counters and timings of one ``generate`` call (all rows of the batch pooled).
+
+    ``num_verify_steps`` counts (row, target forward) pairs in which that row drafted at least one token;
+    ``num_target_forwards`` counts batched target forwards after prefill.
+    """
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_length_histogram: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+    num_sequences: int = 0
+    num_target_forwards: int = 0
+    num_draft_forwards: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    peak_memory_bytes: int = 0
+
+    def record_step(self, num_drafted: int, num_accepted: list[int]) -> None:
+        """Add one verify step: every row in ``num_accepted`` drafted ``num_drafted`` tokens and accepted a prefix."""
+        for lst, n in ((self.accepted_per_position, num_drafted), (self.drafted_per_position, num_drafted),
+                       (self.accepted_length_histogram, num_drafted + 1)):
+            lst.extend([0] * (n - len(lst)))
+        for n in num_accepted:
+            self.num_drafted += num_drafted
+            self.num_accepted += n
+            self.num_verify_steps += 1
+            self.accepted_length_histogram[n] += 1
+            for i in range(num_drafted):
+                self.drafted_per_position[i] += 1
+                self.accepted_per_position[i] += int(i < n)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α = Σaccepted / Σdrafted (0.0 when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ = Σ(accepted + 1) / verify steps: tokens committed per target forward (0.0 with no steps)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted + self.num_verify_steps) / self.num_verify_steps
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of verify steps whose i-th draft token was accepted, for each drafted position i."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def per_token_latency_s(self) -> float:
+        """Seconds per new token after the first one (decode phase); 0.0 with fewer than two tokens per row."""
+        n = self.num_new_tokens - self.num_sequences
+        return (self.total_s - self.ttft_s) / n if n > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens (all rows) per second of wall time."""
+        return self.num_new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Counters plus the derived metrics, JSON-serialisable."""
+        d = asdict(self)
+        for name in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position", "per_token_latency_s",
+                     "tokens_per_s"):
+            d[name] = getattr(self, name)
+        return d
+
+    @classmethod
+    def merge(cls, stats: list["DecodeStats"]) -> "DecodeStats":
+        """Pool several calls: counters and times add, peak memory is the max, TTFT is summed (divide by
+        ``num_sequences`` calls yourself for a mean over batch-1 calls)."""
+        out = cls()
+        for s in stats:
+            for name in ("num_drafted", "num_accepted", "num_verify_steps", "num_new_tokens", "num_sequences",
+                         "num_target_forwards", "num_draft_forwards", "ttft_s", "total_s"):
+                setattr(out, name, getattr(out, name) + getattr(s, name))
+            out.peak_memory_bytes = max(out.peak_memory_bytes, s.peak_memory_bytes)
+            for name in ("accepted_per_position", "drafted_per_position", "accepted_length_histogram"):
+                a, b = getattr(out, name), getattr(s, name)
+                a.extend([0] * (len(b) - len(a)))
+                for i, v in enumerate(b):
+                    a[i] += v
+        return out
+
+
+def peak_memory_bytes(device: torch.device | str | None = None) -> int:
+    """Peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a CUDA device, else the process's peak RSS."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB

@@ -1,0 +1,90 @@
+"""Predicted speedup of speculative decoding and the adaptive choice of γ.
+
+Leviathan, Kalman, Matias (2023), Sec. 3.1–3.4: with i.i.d. acceptance α, γ drafted tokens and a draft/target
+cost ratio c (time of one draft forward / time of one target forward), a verify step commits on average
+``(1 − α^(γ+1)) / (1 − α)`` tokens and costs ``γc + 1`` target-forward units, so the expected wall-clock
+improvement over plain target decoding is ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
+"""
+from __future__ import annotations
+
+import math
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """Expected committed tokens per verify step, ``(1 − α^(γ+1)) / (1 − α)``; equals γ+1 at α = 1.
+
+    Raises ValueError if α is outside [0, 1] or γ < 0.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Predicted speedup over plain target decoding, ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
+
+    Args:
+        alpha: acceptance rate in [0, 1].
+        gamma: drafted tokens per step (γ = 0 gives 1.0: plain decoding).
+        cost_ratio: c >= 0, draft forward time / target forward time on the same hardware.
+    """
+    if cost_ratio < 0 or math.isnan(cost_ratio):
+        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + 1.0)
+
+
+def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: int = 0) -> int:
+    """The γ in ``[min_gamma, max_gamma]`` that maximizes :func:`predicted_speedup` (smallest on ties)."""
+    if max_gamma < min_gamma:
+        raise ValueError(f"max_gamma ({max_gamma}) must be >= min_gamma ({min_gamma})")
+    return max(range(min_gamma, max_gamma + 1), key=lambda g: (predicted_speedup(alpha, g, cost_ratio), -g))
+
+
+class AdaptiveGamma:
+    """Chooses γ each step from running estimates of α and c to maximize the predicted speedup.
+
+    α is estimated from pooled counts with exponential forgetting (``decay`` per update) and a weak prior, so
+    it follows drift in the text; c from timed draft and target forwards the same way. γ stays in
+    ``[1, max_gamma]``: at least one token is always drafted so that α keeps being measured.
+    """
+
+    def __init__(self, max_gamma: int = 8, initial_gamma: int = 4, decay: float = 0.9,
+                 prior_alpha: float = 0.5, prior_weight: float = 4.0, initial_cost_ratio: float = 0.1):
+        if max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        self.max_gamma = max_gamma
+        self.gamma = max(1, min(initial_gamma, max_gamma))
+        self.decay = decay
+        self._accepted = prior_alpha * prior_weight
+        self._drafted = prior_weight
+        self._draft_s = initial_cost_ratio
+        self._target_s = 1.0
+        self._timed = False
+
+    @property
+    def alpha(self) -> float:
+        """Current acceptance-rate estimate."""
+        return self._accepted / self._drafted
+
+    @property
+    def cost_ratio(self) -> float:
+        """Current estimate of c = draft forward time / target forward time."""
+        return self._draft_s / self._target_s
+
+    def update(self, num_drafted: int, num_accepted: int, draft_s_per_forward: float | None = None,
+               target_s_per_forward: float | None = None) -> int:
+        """Fold in one verify step (pooled over rows) and return the γ to use next."""
+        self._accepted = self.decay * self._accepted + num_accepted
+        self._drafted = self.decay * self._drafted + num_drafted
+        if draft_s_per_forward is not None and target_s_per_forward is not None and target_s_per_forward > 0:
+            if not self._timed:  # replace the guess on the first measurement
+                self._draft_s, self._target_s, self._timed = draft_s_per_forward, target_s_per_forward, True
+            else:
+                self._draft_s = self.decay * self._draft_s + (1 - self.decay) * draft_s_per_forward
+                self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s_per_forward
+        self.gamma = best_gamma(min(max(self.alpha, 0.0), 1.0), self.cost_ratio, self.max_gamma, min_gamma=1)
+        return self.gamma

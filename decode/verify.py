@@ -1,0 +1,56 @@
+"""The speculative acceptance rule, as a pure function over batched tensors (no model, no cache).
+
+Leviathan, Kalman, Matias (2023), "Fast Inference from Transformers via Speculative Decoding", Algorithm 1;
+Chen et al. (2023), "Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def verify(
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of the drafted tokens and draw the token that follows it.
+
+    Draft token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``. At the first rejection
+    (position n) the next token is drawn from ``normalize(max(p_n - q_n, 0))``; if all γ are accepted a bonus
+    token is drawn from ``p_γ``. The committed tokens are then distributed exactly as sampling from p.
+
+    Args:
+        draft_probs: ``(B, γ, V)`` q, the distribution each draft token was drawn from (one-hot if greedy).
+        target_probs: ``(B, γ + 1, V)`` p on the same prefixes; row γ is the bonus distribution.
+        draft_tokens: ``(B, γ)`` int64 drafted ids.
+        generator: source of every random draw.
+
+    Returns:
+        ``(n_accepted, next_token)``: ``(B,)`` int64 in ``[0, γ]`` and ``(B,)`` int64.
+        With one-hot p and q (temperature 0) this reduces to: accept while the draft equals the target's
+        argmax, then emit the target's argmax, so output equals plain greedy decoding.
+    """
+    B, gamma, V = draft_probs.shape
+    if target_probs.shape != (B, gamma + 1, V):
+        raise ValueError(f"target_probs must be (B, γ+1, V) = {(B, gamma + 1, V)}, got {tuple(target_probs.shape)}")
+    if draft_tokens.shape != (B, gamma):
+        raise ValueError(f"draft_tokens must be (B, γ) = {(B, gamma)}, got {tuple(draft_tokens.shape)}")
+    idx = draft_tokens.unsqueeze(-1)
+    p_x = target_probs[:, :gamma].gather(-1, idx).squeeze(-1)  # (B, γ)
+    q_x = draft_probs.gather(-1, idx).squeeze(-1)  # (B, γ)
+    u = torch.rand((B, gamma), generator=generator, device=draft_probs.device, dtype=torch.float32)
+    # u < p/q without dividing; q_x > 0 because x was drawn from q.
+    accepted = u * q_x < p_x
+    n_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # (B,)
+
+    # q padded with a zero row at position γ makes the bonus case the same formula: max(p_γ - 0, 0) = p_γ.
+    q_pad = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, V)], dim=1)
+    rows = torch.arange(B, device=draft_probs.device)
+    p_n = target_probs[rows, n_accepted]  # (B, V)
+    residual = (p_n - q_pad[rows, n_accepted]).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # A rejection at p == q has probability 0; guard float round-off by falling back to p.
+    residual = torch.where(mass > 0, residual, p_n)
+    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return n_accepted, next_token

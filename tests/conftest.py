@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny real Hugging Face models built from configs (no hub access) and a real tokenizer."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+# CI has 2 cores; more threads than cores thrash.
+torch.set_num_threads(1)
+
+VOCAB = 96
+
+
+def tiny_llama(vocab_size: int = VOCAB, layers: int = 2, hidden: int = 32, seed: int = 0, dtype=torch.float64, **kw):
+    """A randomly initialised LlamaForCausalLM small enough to run in milliseconds on CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=kw.pop("max_position_embeddings", 256),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **kw,
+    )
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    # Random init gives near-uniform logits; sharpen them so sampled text has structure and greedy ties are rare.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+def tiny_gpt2(vocab_size: int = VOCAB, layers: int = 2, hidden: int = 32, seed: int = 0, dtype=torch.float64):
+    """A randomly initialised GPT2LMHeadModel (learned absolute positions, fused qkv)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = GPT2LMHeadModel(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture
+def target():
+    return tiny_llama(seed=0, layers=2)
+
+
+@pytest.fixture
+def draft():
+    return tiny_llama(seed=1, layers=1)

@@ -6,8 +6,9 @@ Algorithm: Leviathan et al. (2023), Algorithm 1; Chen et al. (2023). The accepta
 State between steps (per model, see :mod:`decode.cache` for the layout). Every committed token except the
 last one is in both KV caches; the last committed token (``last``) is the next input of the target. The
 draft may additionally lack the token before it: when all γ drafts were accepted, the γ-th draft was never fed
-to the draft model. Those pending tokens (``draft_in``, at most 2) are fed in the first draft forward of the
-next step, so all-accepted steps bring the draft's cache up to date without an extra forward.
+to the draft model (and after a step with γ = 0 it lacks that step's token too). Those pending tokens
+(``draft_in``, usually 1 or 2) are fed in the first draft forward of the next step, so all-accepted steps bring
+the draft's cache up to date without an extra forward.
 
 Batching: each row accepts its own prefix. Rejected slots are masked out and then compacted away, positions
 are per row (number of committed tokens before the slot), finished rows leave the batch. So every row's output
@@ -53,8 +54,8 @@ class DecodeState:
     draft_cache: Any
     draft_mask: torch.Tensor             # (B, W_d) int64
     last: torch.Tensor                   # (B,) last committed token, not yet in either cache
-    draft_in: torch.Tensor               # (B, 2) tokens to feed the draft before drafting; column 1 == last
-    draft_in_mask: torch.Tensor          # (B, 2) which of draft_in are real
+    draft_in: torch.Tensor               # (B, k) tokens to feed the draft before drafting; last column == last
+    draft_in_mask: torch.Tensor          # (B, k) which of draft_in are real
     committed: list[list[int]] = field(default_factory=list)  # per active row: prompt + new tokens
     num_new: list[int] = field(default_factory=list)
 
@@ -135,8 +136,9 @@ class SpeculativeDecoder:
                 )
         return prompts
 
-    def prefill(self, prompts: list[list[int]]) -> DecodeState:
-        """Left-pad the prompts and run both models on all but each prompt's last token."""
+    def prefill(self, prompts: list[list[int]], use_draft: bool = True) -> DecodeState:
+        """Left-pad the prompts and run both models (the target only if ``use_draft`` is false) on all but each
+        prompt's last token."""
         device = self.target.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(B, T, dtype=torch.long)
@@ -149,7 +151,7 @@ class SpeculativeDecoder:
         pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
         keep = int(pre_mask.sum(-1).max())
         pre_ids, pre_mask = pre_ids[:, pre_ids.shape[1] - keep:], pre_mask[:, pre_mask.shape[1] - keep:]
-        models = [(self.target, "target")] + ([(self.draft, "draft")] if self.draft is not None else [])
+        models = [(self.target, "target")] + ([(self.draft, "draft")] if self.draft is not None and use_draft else [])
         caches, masks = {}, {}
         for model, name in models:
             caches[name] = kv.new_cache(model)
@@ -168,9 +170,10 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ one step
     def _draft(self, state: DecodeState, gamma: int, sampling: dict, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``."""
-        # Feed one or two pending tokens: two only if some row has the γ-th draft of the last step pending.
-        width = 2 if bool(state.draft_in_mask[:, 0].any()) else 1
-        inp, inp_mask = state.draft_in[:, 2 - width:], state.draft_in_mask[:, 2 - width:]
+        # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
+        needed = state.draft_in_mask.any(0).nonzero()
+        first = int(needed[0]) if len(needed) else state.draft_in.shape[1] - 1
+        inp, inp_mask = state.draft_in[:, first:], state.draft_in_mask[:, first:]
         tokens, probs = [], []
         for i in range(gamma):
             logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, inp, inp_mask,
@@ -218,8 +221,9 @@ class SpeculativeDecoder:
             state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
             state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
         else:
-            # Plain step: the draft (if any) falls behind; it is not used again in this call.
-            state.draft_in = torch.stack([torch.zeros_like(nxt), nxt], dim=-1)
+            # Plain step: the draft did not see this token either; it catches up in its next forward.
+            state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
+            state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
         state.last = nxt
         state.target_mask = kv.compact(state.target_cache, state.target_mask)
         if gamma > 0:
@@ -291,24 +295,22 @@ class SpeculativeDecoder:
 
         stats = DecodeStats(num_sequences=len(prompts))
         start = time.perf_counter()
-        state = self.prefill(prompts)
+        state = self.prefill(prompts, use_draft=gamma_cfg != 0)
         if streamer is not None:
             streamer.put(torch.tensor(prompts[0]))
         outputs: dict[int, list[int]] = {}
-        draft_usable = gamma_cfg != 0
         timings: dict = {}
         while state.rows:
-            remaining = [max_new_tokens - n for n in state.num_new]
-            gamma = (adaptive.gamma if adaptive is not None else gamma_cfg) if draft_usable else 0
-            gamma = min(gamma, max(remaining) - 1)
             lengths = [len(c) for c in state.committed]
-            if self.context_length is not None:  # the target sees last + γ drafts at positions len-1 .. len-1+γ
-                gamma = min(gamma, self.context_length - max(lengths))
-            if self.draft_context_length is not None and gamma > 0:
-                gamma = min(gamma, self.draft_context_length - max(lengths))
+            # A row ends at max_new_tokens, at eos, or when it fills the target's context.
+            remaining = [min(max_new_tokens - n, (self.context_length or 1 << 62) - n_len)
+                         for n, n_len in zip(state.num_new, lengths)]
+            gamma = adaptive.gamma if adaptive is not None else gamma_cfg
+            gamma = min(gamma, max(remaining) - 1)
+            for ctx in (self.context_length, self.draft_context_length):
+                if ctx is not None:  # the models see positions up to len - 1 + γ
+                    gamma = min(gamma, ctx - max(lengths))
             gamma = max(gamma, 0)
-            if gamma == 0:
-                draft_usable = False  # only at the very end of the budget or context; the draft falls behind
             n_acc, new = self.step(state, gamma, sampling, generator, timings)
             stats.num_target_forwards += 1
             stats.num_draft_forwards += gamma
@@ -327,7 +329,7 @@ class SpeculativeDecoder:
                 state.num_new[i] += len(tokens)
                 if streamer is not None:
                     streamer.put(torch.tensor(tokens))
-                if hit is not None or state.num_new[i] >= max_new_tokens:
+                if hit is not None or len(tokens) >= remaining[i]:
                     outputs[state.rows[i]] = state.committed[i]
                 else:
                     keep.append(i)

@@ -48,7 +48,7 @@ def tiny_gpt2(vocab_size: int = VOCAB, layers: int = 2, hidden: int = 32, seed: 
 
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
-                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     model = GPT2LMHeadModel(cfg).to(dtype).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
@@ -63,3 +63,30 @@ def target():
 @pytest.fixture
 def draft():
     return tiny_llama(seed=1, layers=1)
+
+
+def perturbed_copy(model, noise: float = 0.5, seed: int = 0):
+    """A draft that agrees with ``model`` often but not always: a copy with Gaussian noise on the lm_head."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = draft.lm_head.weight
+        w.add_(noise * w.std() * torch.randn(w.shape, generator=g, dtype=w.dtype))
+    return draft
+
+
+def make_tokenizer(words: list[str] | None = None, **special):
+    """A real ``PreTrainedTokenizerFast`` (word-level, whitespace split) built in memory with the tokenizers
+    library; ids 0-3 are <pad>, <s>, </s>, <unk> unless ``special`` overrides the special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = words if words is not None else [f"w{i}" for i in range(VOCAB - 4)]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    kw = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    kw.update(special)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)

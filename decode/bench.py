@@ -1,0 +1,896 @@
+"""Speedup-calibrated benchmark: plain decoding, our speculative decoder at each γ and γ="auto", and Hugging Face
+assisted generation, side by side on one target/draft pair and one prompt set, in one run.
+
+    python -m decode bench --target PATH --draft PATH --prompts humaneval --limit 20 --max-new-tokens 64 \
+        --gammas 1,2,4,8 --temperatures 0,1 --batch-sizes 1,4,8 --out checkpoints/bench
+
+Method (see docs/bench.md):
+- Interleaved: for each prompt, every temperature and every method runs before the next prompt (method order rotated
+  per prompt), so machine drift and thermal state hit all methods alike.
+- Throughput is wall-clock around each generate call (device synchronised), identical for our engine and for HF.
+- α is the per-token acceptance probability of Leviathan et al. (2023), estimated from accept/reject trials
+  (``alpha_from_steps``), under the exact sampler and temperature being benchmarked.
+- c = draft / target time of one single-token decode forward with a KV cache at a realistic context length (median).
+- Predicted speedup (Leviathan et al., 2023, eq. in Thm 3.8): (1 − α^(γ+1)) / ((1 − α)(γc + 1)), from ``decode.speedup``.
+
+Outputs under ``--out``: ``results.json`` (schema ``SCHEMA_VERSION``, checked by ``validate_results``), PNG plots,
+and a rich table on the terminal.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+SCHEMA_VERSION = 1
+OURS, HF = "ours", "hf"
+
+
+# --------------------------------------------------------------------------------------------------- configuration
+@dataclass
+class BenchConfig:
+    """Everything a run depends on; stored verbatim in ``results.json["config"]``."""
+
+    gammas: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    auto: bool = True  # also run num_draft_tokens="auto"
+    auto_max_gamma: int = 8  # upper bound of the adaptive γ controller
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    max_new_tokens: int = 64
+    hf: bool = True  # run HF generate (target alone, and with assistant_model=draft)
+    hf_num_assistant_tokens: int | None = None  # None: HF's own default (20, with its confidence threshold)
+    ignore_eos: bool = False  # always generate max_new_tokens (comparable token counts across methods)
+    batch_gamma: int | None = None  # γ for the batch pass; None: best measured fixed γ at that temperature
+    cost_context_tokens: int | None = None  # None: mean prompt length + max_new_tokens // 2
+    cost_repeats: int = 21
+    warmup: bool = True
+    seed: int = 0
+    # Descriptive, filled by the CLI.
+    target: str | None = None
+    draft: str | None = None
+    prompts: str | None = None
+    limit: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
+        if not self.gammas and not self.auto:
+            raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")
+        if any((not isinstance(g, int)) or g < 1 for g in self.gammas):
+            raise ValueError(f"every γ must be an integer >= 1 (got {self.gammas}); γ=0 (plain decoding) always runs")
+        if any((not math.isfinite(t)) or t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"temperatures must be >= 0 and finite, at least one (got {self.temperatures})")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be >= 1 (got {self.batch_sizes})")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.cost_repeats < 3:
+            raise ValueError(f"cost_repeats must be >= 3 for a meaningful median (got {self.cost_repeats})")
+        if self.auto and self.auto_max_gamma < 1:
+            raise ValueError(f"auto_max_gamma must be >= 1 (got {self.auto_max_gamma})")
+        if self.batch_gamma is not None and self.batch_gamma < 1:
+            raise ValueError(f"batch_gamma must be >= 1 (got {self.batch_gamma})")
+
+
+def parse_gammas(text: str) -> tuple[list[int], bool]:
+    """Parse ``"1,2,4,8,auto"`` -> ([1, 2, 4, 8], True). Raises ValueError naming the bad item."""
+    gammas, auto = [], False
+    for item in (s.strip() for s in str(text).split(",")):
+        if not item:
+            continue
+        if item.lower() == "auto":
+            auto = True
+            continue
+        try:
+            g = int(item)
+        except ValueError:
+            raise ValueError(f"bad γ {item!r} in {text!r}: use comma-separated integers >= 1 and/or 'auto', "
+                             "e.g. --gammas 1,2,4,8") from None
+        if g < 1:
+            raise ValueError(f"bad γ {g} in {text!r}: every γ must be >= 1 (plain decoding, γ=0, always runs)")
+        gammas.append(g)
+    if not gammas and not auto:
+        raise ValueError(f"empty γ list {text!r}: e.g. --gammas 1,2,4,8")
+    return sorted(set(gammas)), auto
+
+
+def _parse_list(text: str, kind: type, what: str) -> list:
+    try:
+        out = [kind(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"bad {what} list {text!r}: use comma-separated numbers, e.g. 0,1") from None
+    if not out:
+        raise ValueError(f"empty {what} list {text!r}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- measurement
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_bytes(device: torch.device) -> int:
+    """Same definition for every method (``decode.metrics.peak_memory_bytes``): the CUDA allocator's peak since the
+    reset before the call; on CPU the process's RSS high-water mark, which only ever grows (a coarse upper bound)."""
+    from decode.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(device)
+
+
+@torch.no_grad()
+def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21) -> dict[str, Any]:
+    """Measure c = draft forward time / target forward time on this hardware.
+
+    Each model is prefilled with ``context_ids`` and then timed on single-token decode forwards that reuse its KV
+    cache (the forward a speculative step repeats); target and draft alternate so drift hits both. Each timed
+    forward appends one token, so the prefix is ``repeats // 2`` shorter than the nominal context to centre the
+    mean context on it.
+
+    Args:
+        target, draft: causal LMs on the same device.
+        context_ids: (1, L) LongTensor, a realistic context (a real prompt, repeated if needed).
+        repeats: timed forwards per model (after 2 untimed ones); the median is used.
+
+    Returns:
+        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, and
+        the raw samples.
+    """
+    from decode import cache as kv
+
+    device = context_ids.device
+    prefix = context_ids[:, : max(1, context_ids.shape[1] - repeats // 2)]
+    state = {}
+    for name, model in (("target", target), ("draft", draft)):
+        cache = kv.new_cache(model)
+        _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
+        state[name] = (cache, mask)
+    samples: dict[str, list[float]] = {"target": [], "draft": []}
+    token = prefix[:, -1:]
+    for i in range(repeats + 2):
+        for name, model in (("target", target), ("draft", draft)):
+            cache, mask = state[name]
+            _sync(device)
+            t0 = time.perf_counter()
+            # The engine's own forward (explicit positions and mask), so c covers what a draft step really costs.
+            _, mask = kv.forward(model, cache, mask, token, torch.ones_like(token), logits_to_keep=1)
+            _sync(device)
+            state[name] = (cache, mask)
+            if i >= 2:  # the first calls pay for lazy initialisation
+                samples[name].append(time.perf_counter() - t0)
+    t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
+    return {"context_tokens": int(context_ids.shape[1]), "repeats": repeats, "target_forward_s": t,
+            "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": samples["target"],
+            "draft_forward_samples_s": samples["draft"]}
+
+
+def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None:
+    """Estimate Leviathan et al.'s α (probability that one draft token is accepted) from verify steps.
+
+    Args:
+        steps: ``(γ_s, n_accepted per row)`` of each verify step, as returned by ``SpeculativeDecoder.step``.
+
+    Every step with γ_s > 0 is a run of Bernoulli(α) trials that stops at the first rejection or after γ_s
+    acceptances, so the maximum-likelihood estimate is accepted / (accepted + rejections), with a rejection
+    wherever n < γ_s. Exact also for γ="auto" and for steps shortened at the end of the token budget. This is not
+    ``DecodeStats.acceptance_rate`` (accepted / drafted), which counts drafts after a rejection as failures and so
+    falls as γ grows even when α does not.
+
+    Returns None when nothing was drafted.
+    """
+    accepted = rejections = 0
+    for gamma, n_acc in steps:
+        if gamma > 0:
+            accepted += sum(n_acc)
+            rejections += sum(n < gamma for n in n_acc)
+    return accepted / (accepted + rejections) if accepted + rejections else None
+
+
+def _step_counts(steps) -> dict[str, int]:
+    """Pooled counts of a step log: what ``alpha_from_steps`` and the mean γ need, small enough to store."""
+    out = {"accepted": 0, "rejections": 0, "drafting_steps": 0, "gamma_sum": 0}
+    for gamma, n_acc in steps:
+        if gamma > 0:
+            out["accepted"] += sum(n_acc)
+            out["rejections"] += sum(n < gamma for n in n_acc)
+            out["drafting_steps"] += len(n_acc)
+            out["gamma_sum"] += gamma * len(n_acc)
+    return out
+
+
+class _StepLog:
+    """Records ``(γ_s, n_accepted per row)`` of every verify step of a decoder, by wrapping its public ``step``
+    on the instance. ``DecodeStats`` pools counters and cannot tell a full acceptance at a shortened γ_s from a
+    rejection; the per-step log can, and it also gives the γ actually used by ``"auto"``."""
+
+    def __init__(self, decoder):
+        self.steps: list[tuple[int, list[int]]] = []
+        inner = decoder.step
+
+        def step(state, gamma, *args, **kwargs):
+            n_acc, new = inner(state, gamma, *args, **kwargs)
+            self.steps.append((int(gamma), list(n_acc)))
+            return n_acc, new
+
+        decoder.step = step
+
+    def take(self) -> list[tuple[int, list[int]]]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+# --------------------------------------------------------------------------------------------------- running
+@dataclass(frozen=True)
+class Method:
+    """One way to decode: ``kind`` is OURS or HF; ``gamma`` is 0 (plain), an int or "auto" for ours, None for HF."""
+
+    name: str
+    kind: str
+    gamma: int | str | None
+    assisted: bool = False  # HF only: generate(..., assistant_model=draft)
+
+
+def build_methods(cfg: BenchConfig) -> list[Method]:
+    """plain, spec_g{γ} for each γ, spec_auto, hf_target, hf_assisted (as configured)."""
+    methods = [Method("plain", OURS, 0)] + [Method(f"spec_g{g}", OURS, g) for g in cfg.gammas]
+    if cfg.auto:
+        methods.append(Method("spec_auto", OURS, "auto"))
+    if cfg.hf:
+        methods += [Method("hf_target", HF, None), Method("hf_assisted", HF, None, assisted=True)]
+    return methods
+
+
+def _seed_for(cfg: BenchConfig, prompt_index: int, batch: int = 0) -> int:
+    # Same seed for every method on a prompt: common random numbers make method differences less noisy.
+    return cfg.seed * 1_000_003 + prompt_index * 101 + batch
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _run_ours(decoder, log: _StepLog, method: Method, ids, mask, temperature: float, cfg: BenchConfig, eos,
+              seed: int, device):
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    _reset_peak(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = decoder.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                           eos_token_id=eos, generator=generator, num_draft_tokens=method.gamma)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    out.stats.step_counts = _step_counts(log.take())
+    return [t.tolist() for t in out.new_tokens], wall, out.stats, _peak_bytes(device)
+
+
+def _run_hf(target, draft, method: Method, ids, mask, temperature: float, cfg: BenchConfig, eos, pad_id: int,
+            seed: int, device):
+    """HF ``generate``; batch 1 only for assisted generation (an HF limitation). Token ids go in directly, so no
+    tokenizer is needed (both models share the vocabulary, checked before the run)."""
+    kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                                  pad_token_id=pad_id, do_sample=temperature > 0)
+    if temperature > 0:
+        # HF's sampling defaults (top_k=50) would change the distribution; ours samples from the full softmax.
+        kwargs.update(temperature=float(temperature), top_k=0, top_p=1.0)
+        torch.manual_seed(seed)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if method.assisted:
+        kwargs["assistant_model"] = draft
+        if cfg.hf_num_assistant_tokens is not None:
+            kwargs["num_assistant_tokens"] = cfg.hf_num_assistant_tokens
+    kwargs["eos_token_id"] = None if cfg.ignore_eos else eos
+    generation_config = _hf_generation_config(target, cfg)
+    _reset_peak(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    seqs = target.generate(generation_config=generation_config, **kwargs)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    new = seqs[:, ids.shape[1]:]
+    rows = []
+    for row in new.tolist():
+        # Finished rows are padded with pad_id after EOS; cut at the first EOS like our engine does.
+        if eos is not None and not cfg.ignore_eos:
+            eos_set = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+            for j, t in enumerate(row):
+                if t in eos_set:
+                    row = row[: j + 1]
+                    break
+        rows.append(row)
+    return rows, wall, None, _peak_bytes(device)
+
+
+def _hf_generation_config(target, cfg: BenchConfig):
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig.from_dict(target.generation_config.to_dict())
+    if cfg.ignore_eos:
+        gc.eos_token_id = None  # an explicit None kwarg would fall back to the config's EOS
+    return gc
+
+
+# --------------------------------------------------------------------------------------------------- aggregation
+def _merge_stats(stats_list):
+    from decode import DecodeStats
+
+    merged = DecodeStats.merge(list(stats_list))
+    merged.step_counts = {k: sum(s.step_counts[k] for s in stats_list) for k in _step_counts([])}
+    return merged
+
+
+def _alpha(counts: dict[str, int]) -> float | None:
+    n = counts["accepted"] + counts["rejections"]
+    return counts["accepted"] / n if n else None
+
+
+def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma,
+               temperature: float, auto_max_gamma: int = 8) -> dict[str, Any]:
+    """Pool per-prompt records of one method (and optionally one category) into the metrics of the JSON schema."""
+    from decode.speedup import best_gamma, predicted_speedup
+
+    n_tokens = sum(len(r["new_tokens"]) for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    tps = n_tokens / wall if wall > 0 else None
+    m: dict[str, Any] = {
+        "num_prompts": len(records), "num_new_tokens": n_tokens, "total_s": wall, "tokens_per_s": tps,
+        "per_token_latency_s": wall / n_tokens if n_tokens else None,
+        "ttft_s": None, "peak_memory_bytes": None, "speedup": None,
+        "alpha": None, "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": None,
+        "accepted_per_position": None, "accepted_length_histogram": None, "num_verify_steps": None,
+        "num_drafted": None, "num_accepted": None, "mean_gamma": None, "predicted_speedup": None,
+        "predicted_gamma": None,
+        "matches_plain_greedy": None, "num_matching_plain_greedy": None,
+    }
+    ttfts = [r["ttft_s"] for r in records if r.get("ttft_s") is not None]
+    m["ttft_s"] = statistics.mean(ttfts) if ttfts else None
+    peaks = [r["peak_memory_bytes"] for r in records if r.get("peak_memory_bytes")]
+    m["peak_memory_bytes"] = max(peaks) if peaks else None
+    if plain_records is not None:
+        p_tokens = sum(len(r["new_tokens"]) for r in plain_records)
+        p_wall = sum(r["wall_s"] for r in plain_records)
+        if p_wall > 0 and p_tokens and tps:
+            m["speedup"] = tps / (p_tokens / p_wall)
+        if temperature == 0:
+            by_key = {r["key"]: r["new_tokens"] for r in plain_records}
+            same = sum(by_key.get(r["key"]) == r["new_tokens"] for r in records)
+            m["num_matching_plain_greedy"], m["matches_plain_greedy"] = same, same / len(records)
+    stats = [r["stats"] for r in records if r.get("stats") is not None]
+    if stats and gamma not in (0, None):
+        s = _merge_stats(stats)
+        alpha = _alpha(s.step_counts)
+        steps = int(s.num_verify_steps)
+        m.update(
+            alpha=alpha, acceptance_rate=s.acceptance_rate if s.num_drafted else None,
+            mean_accepted_length=s.mean_accepted_length if steps else None,
+            accepted_per_position=[int(x) for x in s.accepted_per_position],
+            acceptance_by_position=[float(x) for x in s.acceptance_by_position],
+            accepted_length_histogram=[int(x) for x in s.accepted_length_histogram],
+            num_verify_steps=steps, num_drafted=int(s.num_drafted), num_accepted=int(s.num_accepted),
+            mean_gamma=(s.step_counts["gamma_sum"] / s.step_counts["drafting_steps"]
+                        if s.step_counts["drafting_steps"] else None),
+        )
+        if alpha is not None:
+            # For "auto" the fair prediction is at the γ its controller should settle on (same bounds as it).
+            g = best_gamma(alpha, cost_ratio, max_gamma=auto_max_gamma, min_gamma=1) if gamma == "auto" else int(gamma)
+            m["predicted_gamma"] = int(g)
+            m["predicted_speedup"] = float(predicted_speedup(alpha, g, cost_ratio))
+    return m
+
+
+def _strip(records: list[dict]) -> list[dict]:
+    """Per-prompt records for the JSON: DecodeStats objects become their step counts."""
+    out = []
+    for r in records:
+        row = {k: v for k, v in r.items() if k != "stats"}
+        row["step_counts"] = r["stats"].step_counts if r.get("stats") is not None else None
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- the benchmark
+def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[str | None], cfg: BenchConfig,
+                  pad_token_id: int, eos_token_id=None, prompt_names: list[str] | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    """Run every method on every prompt (interleaved), measure c, and pool into the results dict.
+
+    Args:
+        target, draft: causal LMs sharing a vocabulary, on one device, in eval mode.
+        prompt_ids: token ids per prompt (unpadded, already fitting the models' positions).
+        categories: one category (or None) per prompt.
+        cfg: the run's settings (validated here first).
+        pad_token_id: used to left-pad batches and given to HF generate.
+        eos_token_id: int, list of ints, or None; generation stops there unless ``cfg.ignore_eos``.
+        prompt_names: ids of the prompts, stored with the per-prompt records.
+        progress: show a rich progress bar.
+
+    Returns:
+        the results dict described in docs/bench.md (without ``plots``; ``write_outputs`` adds them).
+
+    Raises:
+        ValueError: bad config or empty prompt list (before any model work).
+    """
+    from decode import SpeculativeDecoder
+
+    cfg.validate()
+    if not prompt_ids:
+        raise ValueError("no prompts to benchmark")
+    if len(categories) != len(prompt_ids):
+        raise ValueError(f"{len(categories)} categories for {len(prompt_ids)} prompts")
+    device = next(target.parameters()).device
+    eos = None if cfg.ignore_eos else eos_token_id
+    decoder = SpeculativeDecoder(target, draft, num_draft_tokens=max(cfg.gammas or [1]),
+                                 max_auto_draft_tokens=cfg.auto_max_gamma)
+    log = _StepLog(decoder)
+    methods = build_methods(cfg)
+    cost = measure_cost_ratio(target, draft, _cost_context(prompt_ids, cfg, device), cfg.cost_repeats)
+
+    def run(method, rows, temperature, seed):
+        ids, mask = _left_pad(rows, pad_token_id, device)
+        if method.kind == OURS:
+            return _run_ours(decoder, log, method, ids, mask, temperature, cfg, eos, seed, device)
+        return _run_hf(target, draft, method, ids, mask, temperature, cfg, eos, pad_token_id, seed, device)
+
+    if cfg.warmup:  # first calls pay for allocator growth and lazy init; keep them out of the timings
+        short = BenchConfig(**{**asdict(cfg), "max_new_tokens": min(4, cfg.max_new_tokens)})
+        for method in methods:
+            for t in cfg.temperatures:
+                ids, mask = _left_pad(prompt_ids[:1], pad_token_id, device)
+                if method.kind == OURS:
+                    _run_ours(decoder, log, method, ids, mask, t, short, eos, 0, device)
+                else:
+                    _run_hf(target, draft, method, ids, mask, t, short, eos, pad_token_id, 0, device)
+
+    records: dict[tuple[float, str], list[dict]] = {(t, m.name): [] for t in cfg.temperatures for m in methods}
+    names = prompt_names or [str(i) for i in range(len(prompt_ids))]
+    with _progress(progress, len(prompt_ids) * len(cfg.temperatures) * len(methods), "decoding") as tick:
+        for i, row in enumerate(prompt_ids):
+            for t in cfg.temperatures:
+                k = i % len(methods)  # rotate so no method is always first after a prompt switch
+                for method in methods[k:] + methods[:k]:
+                    new, wall, stats, peak = run(method, [row], t, _seed_for(cfg, i))
+                    records[(t, method.name)].append({
+                        "key": i, "prompt": names[i], "category": categories[i], "prompt_tokens": len(row),
+                        "new_tokens": new[0], "wall_s": wall, "stats": stats, "peak_memory_bytes": peak,
+                        "ttft_s": getattr(stats, "ttft_s", None) if stats is not None else None,
+                    })
+                    tick()
+    runs, summary = _pool(records, methods, cfg, cost["cost_ratio"], categories)
+    batch = _batch_pass(run, records, methods, summary, prompt_ids, cfg, progress)
+    return {
+        "schema_version": SCHEMA_VERSION, "kind": "draftkit.bench",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": asdict(cfg), "environment": _environment(device),
+        "prompts": {"source": cfg.prompts, "count": len(prompt_ids),
+                    "categories": _count(c for c in categories if c is not None),
+                    "mean_prompt_tokens": statistics.mean(len(r) for r in prompt_ids)},
+        "cost": cost, "runs": runs, "summary": summary, "batch": batch,
+        "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
+    }
+
+
+def _cost_context(prompt_ids, cfg: BenchConfig, device) -> torch.Tensor:
+    n = cfg.cost_context_tokens or int(statistics.mean(len(r) for r in prompt_ids)) + cfg.max_new_tokens // 2
+    flat = [t for r in prompt_ids for t in r]
+    ids = (flat * (n // len(flat) + 1))[:n]  # real tokens, repeated when the prompts are shorter than n
+    return torch.tensor([ids], dtype=torch.long, device=device)
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _pool(records, methods, cfg: BenchConfig, c: float, categories) -> tuple[list[dict], list[dict]]:
+    from decode.speedup import best_gamma, predicted_speedup
+
+    cats = sorted({x for x in categories if x is not None})
+    runs, summary = [], []
+    for t in cfg.temperatures:
+        plain = records[(t, "plain")]
+        for m in methods:
+            rs = records[(t, m.name)]
+            run = {"temperature": t, "method": m.name, "kind": m.kind,
+                   "num_draft_tokens": None if m.kind == HF else m.gamma,
+                   "overall": _aggregate(rs, plain, c, m.gamma, t, cfg.auto_max_gamma), "by_category": {}}
+            for cat in cats:
+                sub = [r for r in rs if r["category"] == cat]
+                run["by_category"][cat] = _aggregate(sub, [r for r in plain if r["category"] == cat], c, m.gamma, t,
+                                                     cfg.auto_max_gamma)
+            runs.append(run)
+        fixed = [r for r in runs if r["temperature"] == t and isinstance(r["num_draft_tokens"], int)
+                 and r["num_draft_tokens"] > 0]
+        pooled = _merge_stats([r["stats"] for m in methods if isinstance(m.gamma, int) and m.gamma > 0
+                               for r in records[(t, m.name)]]) if fixed else None
+        alpha = _alpha(pooled.step_counts) if pooled is not None else None
+        entry: dict[str, Any] = {"temperature": t, "alpha": alpha, "cost_ratio": c}
+        measured = {r["num_draft_tokens"]: r["overall"]["speedup"] for r in fixed if r["overall"]["speedup"]}
+        entry["best_gamma_measured"] = max(measured, key=measured.get) if measured else None
+        entry["measured_speedup_at_best"] = measured.get(entry["best_gamma_measured"])
+        if alpha is not None:
+            top = max(16, *cfg.gammas)
+            bg = int(best_gamma(alpha, c, max_gamma=top))  # 0 means: speculation cannot pay off with this c
+            curve = {g: float(predicted_speedup(alpha, g, c)) for g in range(0, top + 1)}
+            tested = {g: curve[g] for g in cfg.gammas}
+            entry.update(best_gamma_predicted=bg, predicted_speedup_at_best=curve[bg],
+                         best_gamma_predicted_tested=max(tested, key=tested.get) if tested else None,
+                         predicted_curve=[{"gamma": g, "predicted_speedup": s} for g, s in curve.items()])
+        else:
+            entry.update(best_gamma_predicted=None, predicted_speedup_at_best=None, best_gamma_predicted_tested=None,
+                         predicted_curve=[])
+        for name in ("spec_auto", "hf_target", "hf_assisted"):
+            hit = [r for r in runs if r["temperature"] == t and r["method"] == name]
+            entry[f"{name}_speedup"] = hit[0]["overall"]["speedup"] if hit else None
+        summary.append(entry)
+    return runs, summary
+
+
+def _batch_pass(run, records, methods, summary, prompt_ids, cfg: BenchConfig, progress: bool) -> list[dict]:
+    """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch.
+
+    Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
+    so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size.
+    """
+    out = []
+    jobs = []
+    for entry in summary:
+        t = entry["temperature"]
+        g = cfg.batch_gamma or entry["best_gamma_measured"] or (cfg.gammas[0] if cfg.gammas else None)
+        pair = [Method("plain", OURS, 0)] + ([Method(f"spec_g{g}", OURS, g)] if g else [])
+        for bs in cfg.batch_sizes:
+            if bs == 1:
+                for m in pair:
+                    rs = records.get((t, m.name))
+                    if rs:
+                        out.append(_batch_row(t, m, 1, rs, reused=True))
+            else:
+                jobs.append((t, pair, bs))
+    total = sum(math.ceil(len(prompt_ids) / bs) * len(pair) for _, pair, bs in jobs)
+    with _progress(progress, total, "batches") as tick:
+        for t, pair, bs in jobs:
+            n_batches = math.ceil(len(prompt_ids) / bs)
+            rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
+            if cfg.warmup:
+                for m in pair:
+                    run(m, rows[:bs], t, 0)
+            recs: dict[str, list[dict]] = {m.name: [] for m in pair}
+            for b in range(n_batches):
+                chunk = rows[b * bs:(b + 1) * bs]
+                for m in (pair if b % 2 == 0 else pair[::-1]):
+                    new, wall, _, peak = run(m, chunk, t, _seed_for(cfg, b, batch=bs))
+                    recs[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
+                                         "peak_memory_bytes": peak})
+                    tick()
+            for m in pair:
+                out.append(_batch_row(t, m, bs, recs[m.name], reused=False))
+    for row in out:  # speedup of speculative over plain at the same temperature and batch size
+        plain = [r for r in out if r["temperature"] == row["temperature"] and r["batch_size"] == row["batch_size"]
+                 and r["num_draft_tokens"] == 0]
+        row["speedup"] = (row["tokens_per_s"] / plain[0]["tokens_per_s"]
+                          if plain and plain[0]["tokens_per_s"] and row["tokens_per_s"] else None)
+    return out
+
+
+def _batch_row(t, m: Method, bs: int, recs: list[dict], reused: bool) -> dict[str, Any]:
+    n = sum(len(r["new_tokens"]) for r in recs)
+    wall = sum(r["wall_s"] for r in recs)
+    peaks = [r["peak_memory_bytes"] for r in recs if r.get("peak_memory_bytes")]
+    return {"temperature": t, "method": m.name, "num_draft_tokens": m.gamma, "batch_size": bs,
+            "num_batches": len(recs), "num_new_tokens": n, "total_s": wall,
+            "tokens_per_s": n / wall if wall > 0 else None, "peak_memory_bytes": max(peaks) if peaks else None,
+            "reused_main_pass": reused}
+
+
+class _progress:
+    """A rich progress bar, or nothing (tests, non-terminals)."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label = enabled and total > 0, total, label
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import Progress
+
+        self._p = Progress(transient=True)
+        self._p.start()
+        task = self._p.add_task(self.label, total=self.total)
+        return lambda: self._p.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._p.stop()
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "device": str(device), "torch_threads": torch.get_num_threads(),
+           "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    return env
+
+
+# --------------------------------------------------------------------------------------------------- schema
+_RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s", "ttft_s",
+                "peak_memory_bytes", "speedup", "alpha", "acceptance_rate", "mean_accepted_length",
+                "acceptance_by_position", "accepted_per_position", "accepted_length_histogram", "num_verify_steps",
+                "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup", "predicted_gamma",
+                "matches_plain_greedy",
+                "num_matching_plain_greedy")
+_SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "measured_speedup_at_best",
+                 "best_gamma_predicted", "predicted_speedup_at_best", "best_gamma_predicted_tested",
+                 "predicted_curve", "spec_auto_speedup", "hf_target_speedup", "hf_assisted_speedup")
+_BATCH_KEYS = ("temperature", "method", "num_draft_tokens", "batch_size", "num_batches", "num_new_tokens", "total_s",
+               "tokens_per_s", "peak_memory_bytes", "reused_main_pass", "speedup")
+_TOP_KEYS = ("schema_version", "kind", "created", "config", "environment", "prompts", "cost", "runs", "summary",
+             "batch", "records")
+
+
+def validate_results(results: dict[str, Any]) -> None:
+    """Check a results dict (or loaded results.json) against schema version ``SCHEMA_VERSION``.
+
+    Raises:
+        ValueError: naming the first missing key, wrong version or wrong type.
+    """
+    def need(obj, keys, where):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+        missing = [k for k in keys if k not in obj]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing}")
+
+    need(results, _TOP_KEYS, "results")
+    if results["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"results: schema_version {results['schema_version']!r}, this code reads {SCHEMA_VERSION}")
+    need(results["cost"], ("context_tokens", "target_forward_s", "draft_forward_s", "cost_ratio"), "cost")
+    if not isinstance(results["runs"], list) or not results["runs"]:
+        raise ValueError("results.runs: expected a non-empty list")
+    for i, run in enumerate(results["runs"]):
+        need(run, ("temperature", "method", "kind", "num_draft_tokens", "overall", "by_category"), f"runs[{i}]")
+        need(run["overall"], _RUN_METRICS, f"runs[{i}].overall")
+        for cat, m in run["by_category"].items():
+            need(m, _RUN_METRICS, f"runs[{i}].by_category[{cat}]")
+    for i, s in enumerate(results["summary"]):
+        need(s, _SUMMARY_KEYS, f"summary[{i}]")
+    for i, b in enumerate(results["batch"]):
+        need(b, _BATCH_KEYS, f"batch[{i}]")
+
+
+# --------------------------------------------------------------------------------------------------- output
+def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
+    """Write ``results.json`` and the PNG plots into ``out_dir``; return {name: path} (also stored in results)."""
+    from decode.plots import write_plots
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = write_plots(results, out)
+    validate_results(results)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    return {"results": str(path), **results["plots"]}
+
+
+def _json_default(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def _fmt(x, spec=".2f", scale=1.0, none="-"):
+    return none if x is None else format(x * scale, spec)
+
+
+def render_tables(results: dict[str, Any], console=None) -> None:
+    """Print the per-temperature method table, the category table, and the batch table with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    c = results["cost"]
+    console.print(f"cost ratio c = {c['cost_ratio']:.3f}  (draft {c['draft_forward_s'] * 1e3:.2f} ms / target "
+                  f"{c['target_forward_s'] * 1e3:.2f} ms per decode forward at {c['context_tokens']} tokens)")
+    for s in results["summary"]:
+        t = s["temperature"]
+        table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  best γ: measured {s['best_gamma_measured']}, "
+                            f"predicted {s['best_gamma_predicted']} (tested {s['best_gamma_predicted_tested']})")
+        for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "=greedy",
+                    "peak MiB"):
+            table.add_column(col, justify="left" if col == "method" else "right")
+        for run in (r for r in results["runs"] if r["temperature"] == t):
+            m = run["overall"]
+            g = run["num_draft_tokens"]
+            table.add_row(run["method"], "-" if g is None else str(g), _fmt(m["alpha"], ".3f"),
+                          _fmt(m["mean_accepted_length"]), _fmt(m["ttft_s"], ".1f", 1e3),
+                          _fmt(m["per_token_latency_s"], ".2f", 1e3), _fmt(m["tokens_per_s"], ".1f"),
+                          _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
+                          _fmt(m["predicted_speedup"], ".2f") + ("x" if m["predicted_speedup"] is not None else ""),
+                          _fmt(m["matches_plain_greedy"], ".0%"), _fmt(m["peak_memory_bytes"], ".0f", 2 ** -20))
+        console.print(table)
+    _render_categories(results, console)
+    if results["batch"]:
+        table = Table(title="batch throughput (our engine)")
+        for col in ("T", "method", "batch", "tok/s", "speedup"):
+            table.add_column(col, justify="right")
+        for b in results["batch"]:
+            table.add_row(f"{b['temperature']:g}", b["method"], str(b["batch_size"]), _fmt(b["tokens_per_s"], ".1f"),
+                          _fmt(b["speedup"]))
+        console.print(table)
+
+
+def _render_categories(results, console) -> None:
+    from rich.table import Table
+
+    cats = sorted(results["prompts"]["categories"])
+    if not cats:
+        return
+    for s in results["summary"]:
+        t, best = s["temperature"], s["best_gamma_measured"]
+        shown = [f"spec_g{best}"] if best else []
+        shown += ["spec_auto", "hf_assisted"]
+        runs = {r["method"]: r for r in results["runs"] if r["temperature"] == t and r["method"] in shown}
+        table = Table(title=f"T={t:g} by category: α / speedup")
+        table.add_column("category")
+        table.add_column("n", justify="right")
+        for name in shown:
+            if name in runs:
+                table.add_column(name, justify="right")
+        for cat in cats:
+            cells = []
+            for name in shown:
+                if name in runs:
+                    m = runs[name]["by_category"].get(cat, {})
+                    cells.append(f"{_fmt(m.get('alpha'), '.2f')} / {_fmt(m.get('speedup'))}x")
+            table.add_row(cat, str(results["prompts"]["categories"][cat]), *cells)
+        console.print(table)
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decode bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target checkpoint: local path or HF id (loaded offline)")
+    p.add_argument("--draft", required=True, help="draft checkpoint: local path or HF id")
+    p.add_argument("--tokenizer", help="tokenizer path (default: the target's, else the draft's)")
+    p.add_argument("--prompts", default="humaneval",
+                   help="humaneval | mbpp | spec_bench | mt_bench | gsm8k | path/to/file.jsonl[.gz]")
+    p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question or turns)")
+    p.add_argument("--limit", type=int, default=20, help="number of prompts (category-balanced for Spec-Bench)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gammas", default="1,2,4,8", help="comma-separated γ list; add 'auto' or use --no-auto")
+    p.add_argument("--no-auto", action="store_true", help="skip num_draft_tokens='auto'")
+    p.add_argument("--auto-max-gamma", type=int, default=8, help="largest γ the adaptive controller may pick")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--batch-sizes", default="1,4,8")
+    p.add_argument("--batch-gamma", type=int, help="γ for the batch pass (default: best measured γ)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate (plain and assisted)")
+    p.add_argument("--hf-num-assistant-tokens", type=int, help="HF assisted: num_assistant_tokens (default: HF's)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
+    p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
+    p.add_argument("--cost-context", type=int, help="context length for measuring c (default: mean prompt + N/2)")
+    p.add_argument("--cost-repeats", type=int, default=21)
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--out", default="checkpoints/bench", help="output folder for results.json and plots")
+    return p
+
+
+def _load_tokenizer(paths: list[str]):
+    from transformers import AutoTokenizer
+
+    errors = []
+    for path in paths:
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - try the next candidate; all failures are reported together
+            errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    raise FileNotFoundError("no tokenizer could be loaded (" + "; ".join(errors) + "); pass --tokenizer PATH")
+
+
+def _load_model(path: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if os.path.sep in path or path.startswith("."):
+        if not Path(path).exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _max_positions(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """CLI entry point (``python -m decode bench ...``); returns the results dict."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    gammas, auto = parse_gammas(args.gammas)
+    cfg = BenchConfig(
+        gammas=gammas, auto=auto or not args.no_auto, auto_max_gamma=args.auto_max_gamma,
+        temperatures=_parse_list(args.temperatures, float, "temperature"),
+        batch_sizes=_parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
+        hf=not args.no_hf, hf_num_assistant_tokens=args.hf_num_assistant_tokens, ignore_eos=args.ignore_eos,
+        batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context, cost_repeats=args.cost_repeats,
+        warmup=not args.no_warmup, seed=args.seed, target=args.target, draft=args.draft, prompts=args.prompts,
+        limit=args.limit)
+    cfg.validate()
+    for name in ("target", "draft"):
+        path = getattr(args, name)
+        if (os.path.sep in path or path.startswith(".")) and not Path(path).exists():
+            raise FileNotFoundError(f"--{name} {path} does not exist")
+    from decode.prompts import encode_prompts, load_prompts
+
+    prompts = load_prompts(args.prompts, limit=args.limit, field=args.prompt_field)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
+    tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft])
+    target, draft = _load_model(args.target, device, dtype), _load_model(args.draft, device, dtype)
+    from decode.compat import check_compatibility
+
+    check_compatibility(target, draft, target_tokenizer=tokenizer)
+    positions = [p for p in (_max_positions(target), _max_positions(draft)) if p]
+    max_prompt = None
+    if positions:
+        max_prompt = min(positions) - cfg.max_new_tokens - max(cfg.gammas or [1]) - 2
+        if max_prompt < 1:
+            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt within the models' "
+                             f"{min(positions)} positions; lower it")
+    prompt_ids = encode_prompts(prompts, tokenizer, chat_template=not args.no_chat_template,
+                                max_prompt_tokens=max_prompt)
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    eos = target.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    results = run_benchmark(target, draft, prompt_ids, [p.category for p in prompts], cfg, pad_token_id=pad,
+                            eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=sys.stderr.isatty())
+    paths = write_outputs(results, args.out)
+    render_tables(results)
+    from rich.console import Console
+
+    Console().print("wrote " + ", ".join(paths.values()))
+    return results
+
+
+if __name__ == "__main__":
+    main()

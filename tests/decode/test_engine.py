@@ -1,0 +1,235 @@
+"""Greedy equality, ragged batches, stop/length rules, seeds and bad input for the speculative decoder."""
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from tests.conftest import perturbed_copy, tiny_gpt2, tiny_llama
+
+MAX_NEW = 24
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, max_new_tokens, eos=None):
+    """Plain greedy decoding with no KV cache at all: an independent reference."""
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        seq.append(nxt)
+        if nxt == eos:
+            break
+    return seq[len(prompt):]
+
+
+def prompts_of(lengths, seed=0, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, layers=2)
+    return target, {"copy": target, "random": tiny_llama(seed=1, layers=1), "perturbed": perturbed_copy(target, 0.6)}
+
+
+@pytest.fixture(scope="module")
+def references(pair):
+    target, _ = pair
+    prompts = prompts_of([1, 5, 11, 3])
+    return prompts, [reference_greedy(target, p, MAX_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+@pytest.mark.parametrize("kind", ["copy", "random", "perturbed"])
+def test_greedy_equality_batch1(pair, references, gamma, kind):
+    target, drafts = pair
+    prompts, refs = references
+    dec = SpeculativeDecoder(target, drafts[kind], num_draft_tokens=gamma)
+    for prompt, ref in zip(prompts[:2], refs[:2]):
+        out = dec.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW)
+        assert out.new_tokens[0].tolist() == ref
+        assert out.sequences[0].tolist() == prompt + ref
+        s = out.stats
+        if kind == "copy":
+            assert s.acceptance_rate == 1.0
+            # every full step commits γ+1; only the step cut by max_new_tokens may draft fewer
+            assert s.accepted_length_histogram[-1] >= s.num_verify_steps - 1
+        if kind == "random":
+            assert s.acceptance_rate < 0.1
+            assert s.num_verify_steps >= MAX_NEW * 0.9  # about one committed token per step
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["copy", "random", "perturbed"])
+def test_greedy_equality_ragged_left_padded_batch(pair, references, gamma, kind):
+    target, drafts = pair
+    prompts, refs = references
+    T = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    out = SpeculativeDecoder(target, drafts[kind], num_draft_tokens=gamma).generate(ids, mask, max_new_tokens=MAX_NEW)
+    assert [t.tolist() for t in out.new_tokens] == refs
+
+
+def test_perturbed_draft_has_ragged_acceptance(pair, references):
+    target, drafts = pair
+    prompts, _ = references
+    out = SpeculativeDecoder(target, drafts["perturbed"], 4).generate(prompts, max_new_tokens=MAX_NEW)
+    hist = out.stats.accepted_length_histogram
+    assert 0.1 < out.stats.acceptance_rate < 0.95
+    assert sum(1 for h in hist if h > 0) >= 3  # rows really accepted different lengths
+
+
+def test_right_padded_and_list_inputs_match(pair, references):
+    target, drafts = pair
+    prompts, refs = references
+    T = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+        mask[i, : len(p)] = 1
+    dec = SpeculativeDecoder(target, drafts["perturbed"], 3)
+    assert [t.tolist() for t in dec.generate(ids, mask, max_new_tokens=MAX_NEW).new_tokens] == refs
+    assert [t.tolist() for t in dec.generate(prompts, max_new_tokens=MAX_NEW).new_tokens] == refs
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_gpt2_pair_greedy_equality(gamma):
+    target, draft = tiny_gpt2(seed=0, layers=2), tiny_gpt2(seed=3, layers=1)
+    prompts = prompts_of([2, 7, 4], seed=5)
+    refs = [reference_greedy(target, p, 16) for p in prompts]
+    out = SpeculativeDecoder(target, draft, gamma).generate(prompts, max_new_tokens=16)
+    assert [t.tolist() for t in out.new_tokens] == refs
+
+
+def test_plain_decoding_through_same_engine(pair, references):
+    target, drafts = pair
+    prompts, refs = references
+    out = SpeculativeDecoder(target, drafts["random"], 4).generate(prompts, max_new_tokens=MAX_NEW, num_draft_tokens=0)
+    assert [t.tolist() for t in out.new_tokens] == refs
+    assert out.stats.num_drafted == 0 and out.stats.mean_accepted_length == 1.0
+    assert out.stats.num_target_forwards == MAX_NEW
+    only_target = SpeculativeDecoder(target, None, 0).generate(prompts, max_new_tokens=MAX_NEW)
+    assert [t.tolist() for t in only_target.new_tokens] == refs
+
+
+def test_auto_gamma_is_lossless_and_adapts(pair, references):
+    target, drafts = pair
+    prompts, refs = references
+    dec = SpeculativeDecoder(target, drafts["copy"], "auto", max_auto_draft_tokens=6)
+    out = dec.generate(prompts, max_new_tokens=MAX_NEW)
+    assert [t.tolist() for t in out.new_tokens] == refs
+    assert 1 <= len(out.stats.accepted_per_position) <= 6  # γ stays within [1, max_auto_draft_tokens]
+    out = SpeculativeDecoder(target, drafts["random"], "auto").generate(prompts, max_new_tokens=MAX_NEW)
+    assert [t.tolist() for t in out.new_tokens] == refs
+
+
+# ---------------------------------------------------------------- stop and length
+def eos_case(pair):
+    """A prompt whose greedy continuation contains a token we then declare as eos."""
+    target, drafts = pair
+    prompt = prompts_of([6], seed=11)[0]
+    ref = reference_greedy(target, prompt, MAX_NEW)
+    return target, drafts, prompt, ref, ref[5]
+
+
+@pytest.mark.parametrize("kind", ["copy", "perturbed", "random"])
+def test_nothing_after_first_eos(pair, kind):
+    target, drafts, prompt, ref, eos = eos_case(pair)
+    for gamma in (1, 4, 8):
+        out = SpeculativeDecoder(target, drafts[kind], gamma).generate([prompt], max_new_tokens=MAX_NEW, eos_token_id=eos)
+        new = out.new_tokens[0].tolist()
+        assert new == ref[: ref.index(eos) + 1]
+        assert out.stats.num_new_tokens == len(new)
+
+
+def test_eos_rows_finish_independently(pair):
+    target, drafts, prompt, ref, eos = eos_case(pair)
+    others = prompts_of([3, 9], seed=12)
+    refs = [reference_greedy(target, p, MAX_NEW, eos=eos) for p in [prompt] + others]
+    out = SpeculativeDecoder(target, drafts["copy"], 4).generate([prompt] + others, max_new_tokens=MAX_NEW,
+                                                                  eos_token_id=[eos, 99999])
+    assert [t.tolist() for t in out.new_tokens] == refs
+    assert len(refs[0]) < MAX_NEW
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7])
+def test_never_more_than_max_new_tokens(pair, max_new):
+    target, drafts = pair
+    prompts = prompts_of([4, 8])
+    for kind in ("copy", "perturbed"):
+        out = SpeculativeDecoder(target, drafts[kind], 4).generate(prompts, max_new_tokens=max_new)
+        assert [len(t) for t in out.new_tokens] == [max_new, max_new]
+        assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, max_new) for p in prompts]
+
+
+def test_prompt_up_to_context_length():
+    target = tiny_llama(seed=0, max_position_embeddings=32)
+    draft = perturbed_copy(target, 0.3)
+    prompt = prompts_of([28])[0]
+    short = prompts_of([5], seed=3)[0]
+    out = SpeculativeDecoder(target, draft, 8).generate([prompt, short], max_new_tokens=10)
+    # a row stops when it fills the target's context (32 positions, 28 used by the prompt); the others go on
+    assert out.new_tokens[0].tolist() == reference_greedy(target, prompt, 4)
+    assert out.new_tokens[1].tolist() == reference_greedy(target, short, 10)
+    assert out.stats.num_drafted > 0
+    with pytest.raises(ValueError, match="context is 32"):
+        SpeculativeDecoder(target, draft, 4).generate([prompts_of([32])[0]], max_new_tokens=4)
+
+
+# ---------------------------------------------------------------- sampling, seeds, bad input
+def test_same_seed_same_output_sampling(pair):
+    target, drafts = pair
+    prompts = prompts_of([3, 6])
+    dec = SpeculativeDecoder(target, drafts["perturbed"], 4)
+    run = lambda seed: [t.tolist() for t in dec.generate(prompts, max_new_tokens=20, temperature=1.0, top_k=20,
+                                                         generator=torch.Generator().manual_seed(seed)).new_tokens]
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=2.0), "top_p"),
+    (dict(num_draft_tokens=-1), "num_draft_tokens"),
+    (dict(num_draft_tokens="fast"), "num_draft_tokens"),
+])
+def test_bad_arguments(pair, kwargs, match):
+    target, drafts = pair
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, drafts["copy"], 2).generate([[5, 6]], **kwargs)
+
+
+def test_bad_prompts(pair):
+    target, drafts = pair
+    dec = SpeculativeDecoder(target, drafts["copy"], 2)
+    with pytest.raises(ValueError, match="no tokens"):
+        dec.generate([[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        dec.generate([[5, 500]])
+    with pytest.raises(ValueError, match="needs a draft"):
+        SpeculativeDecoder(target, None, 3)
+
+
+def test_streamer_receives_prompt_then_tokens(pair):
+    target, drafts = pair
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, t):
+            self.chunks.append(t.tolist())
+
+        def end(self):
+            self.ended = True
+
+    s = Collect()
+    prompt = [4, 9, 12]
+    out = SpeculativeDecoder(target, drafts["perturbed"], 3).generate([prompt], max_new_tokens=12, streamer=s)
+    assert s.chunks[0] == prompt and s.ended
+    assert sum(s.chunks[1:], []) == out.new_tokens[0].tolist()

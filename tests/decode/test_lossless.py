@@ -1,0 +1,80 @@
+"""End-to-end losslessness: the joint distribution of the first two generated tokens at a fixed prefix must be
+the target's own (after temperature/top-k/top-p), whatever the draft. Chi-square goodness of fit on 20k rows."""
+import math
+
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from decode.sampling import logits_to_probs
+from tests.conftest import perturbed_copy, tiny_llama
+
+V = 8
+N = 20_000
+PROMPT = [1, 5, 3, 6]
+
+
+def small_vocab_llama(seed, layers):
+    model = tiny_llama(vocab_size=V, seed=seed, layers=layers)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # undo most of the fixture's sharpening: keep mass on many ids
+    return model
+
+
+@torch.no_grad()
+def exact_joint(model, temperature, top_k, top_p):
+    """p(x1, x2 | PROMPT) under the processed sampling distribution, (V, V)."""
+    p1 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], temperature, top_k, top_p)
+    seqs = torch.tensor([PROMPT + [x] for x in range(V)])
+    p2 = logits_to_probs(model(seqs).logits[:, -1], temperature, top_k, top_p)
+    return p1[:, None] * p2
+
+
+def chi_square(counts, expected):
+    """Chi-square statistic over cells with expected > 0, and its degrees of freedom."""
+    m = expected > 0
+    return float(((counts[m] - expected[m]) ** 2 / expected[m]).sum()), int(m.sum()) - 1
+
+
+def critical(df):
+    """A bound the statistic exceeds with probability well under 1e-4 for a correct sampler
+    (Wilson–Hilferty approximation of the chi-square quantile at z = 4)."""
+    z = 4.0
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def joint_counts(out):
+    pairs = torch.stack([t[:2] for t in out.new_tokens])
+    return torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).double()
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = small_vocab_llama(seed=0, layers=2)
+    return target, {"unrelated": small_vocab_llama(seed=7, layers=1), "perturbed": perturbed_copy(target, 1.0, seed=3)}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,draft_kind,gamma", [
+    (1.0, None, None, "unrelated", 2), (1.0, None, None, "perturbed", 3), (0.7, None, None, "unrelated", 3),
+    (0.7, None, None, "perturbed", 1), (1.0, 4, None, "perturbed", 2), (0.7, None, 0.8, "unrelated", 2),
+    (1.0, 5, 0.9, "perturbed", 4)])
+def test_first_two_tokens_follow_target(models, temperature, top_k, top_p, draft_kind, gamma):
+    target, drafts = models
+    draft = drafts[draft_kind]
+    expected = exact_joint(target, temperature, top_k, top_p).double() * N
+    dec = SpeculativeDecoder(target, draft, num_draft_tokens=gamma)
+    g = torch.Generator().manual_seed(1234)
+    out = dec.generate([PROMPT] * N, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+    counts = joint_counts(out)
+    assert counts[expected == 0].sum() == 0, "sampled a pair the target's top-k/top-p gives probability 0"
+    stat, df = chi_square(counts, expected)
+    assert stat < critical(df), (stat, df)
+    assert 0.0 < out.stats.acceptance_rate < 1.0  # the draft really differs from the target
+
+    # Power: the draft's own samples fail the same test, so the check above can fail.
+    own = SpeculativeDecoder(draft, None, 0).generate([PROMPT] * N, max_new_tokens=2, temperature=temperature,
+                                                      top_k=top_k, top_p=top_p, generator=g)
+    own_counts = joint_counts(own)
+    m = expected > 0
+    bad = own_counts[~m].sum() > 0 or chi_square(own_counts, expected)[0] > critical(df)
+    assert bad

@@ -292,46 +292,62 @@ def _run_hf(target, draft, method: Method, ids, mask, temperature: float, cfg: B
             seed: int, device):
     """HF ``generate``; batch 1 only for assisted generation (an HF limitation). Token ids go in directly, so no
     tokenizer is needed (both models share the vocabulary, checked before the run)."""
-    kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                  pad_token_id=pad_id, do_sample=temperature > 0)
-    if temperature > 0:
-        # HF's sampling defaults (top_k=50) would change the distribution; ours samples from the full softmax.
-        kwargs.update(temperature=float(temperature), top_k=0, top_p=1.0)
-        torch.manual_seed(seed)
-    else:
-        kwargs.update(temperature=None, top_k=None, top_p=None)
+    generation_config = hf_generation_config(target, cfg, temperature, eos, pad_id)
+    ttft = _FirstTokenTimer() if ids.shape[0] == 1 else None  # HF streamers take batch size 1 only
+    kwargs: dict[str, Any] = {"streamer": ttft} if ttft is not None else {}
     if method.assisted:
         kwargs["assistant_model"] = draft
-        if cfg.hf_num_assistant_tokens is not None:
-            kwargs["num_assistant_tokens"] = cfg.hf_num_assistant_tokens
-    kwargs["eos_token_id"] = None if cfg.ignore_eos else eos
-    generation_config = _hf_generation_config(target, cfg)
+    if temperature > 0:
+        torch.manual_seed(seed)  # HF draws from the global generator
     _reset_peak(device)
     _sync(device)
     t0 = time.perf_counter()
-    seqs = target.generate(generation_config=generation_config, **kwargs)
+    if ttft is not None:
+        ttft.start = t0
+    seqs = target.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **kwargs)
     _sync(device)
     wall = time.perf_counter() - t0
-    new = seqs[:, ids.shape[1]:]
+    eos_set = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
     rows = []
-    for row in new.tolist():
-        # Finished rows are padded with pad_id after EOS; cut at the first EOS like our engine does.
-        if eos is not None and not cfg.ignore_eos:
-            eos_set = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-            for j, t in enumerate(row):
-                if t in eos_set:
-                    row = row[: j + 1]
-                    break
-        rows.append(row)
-    return rows, wall, None, _peak_bytes(device)
+    for row in seqs[:, ids.shape[1]:].tolist():
+        # Finished rows are padded after EOS; cut at the first EOS like our engine does.
+        hit = next((j for j, t in enumerate(row) if t in eos_set), None)
+        rows.append(row if hit is None else row[: hit + 1])
+    return rows, wall, ttft, _peak_bytes(device)
 
 
-def _hf_generation_config(target, cfg: BenchConfig):
+class _FirstTokenTimer:
+    """An HF streamer that only notes when the first new token arrives (HF ``put``s the prompt first)."""
+
+    def __init__(self):
+        self.start, self.ttft_s, self._puts = 0.0, None, 0
+
+    def put(self, value) -> None:
+        self._puts += 1
+        if self._puts == 2 and self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generation_config(target, cfg: BenchConfig, temperature: float, eos, pad_id: int):
+    """The ``GenerationConfig`` of the HF baseline: the target's own, with our sampler's settings.
+
+    Sampling is from the full softmax at ``temperature`` (HF's top_k=50 default would change the distribution);
+    greedy when temperature is 0. ``eos`` None means never stop early (``cfg.ignore_eos``).
+    """
     from transformers import GenerationConfig
 
     gc = GenerationConfig.from_dict(target.generation_config.to_dict())
-    if cfg.ignore_eos:
-        gc.eos_token_id = None  # an explicit None kwarg would fall back to the config's EOS
+    gc.max_new_tokens, gc.pad_token_id, gc.eos_token_id = cfg.max_new_tokens, pad_id, eos
+    gc.min_new_tokens = gc.min_length = gc.max_length = None
+    if temperature > 0:
+        gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, float(temperature), 0, 1.0
+    else:
+        gc.do_sample, gc.temperature, gc.top_k, gc.top_p = False, None, None, None
+    if cfg.hf_num_assistant_tokens is not None:
+        gc.num_assistant_tokens = cfg.hf_num_assistant_tokens
     return gc
 
 
@@ -359,7 +375,7 @@ def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio
     tps = n_tokens / wall if wall > 0 else None
     m: dict[str, Any] = {
         "num_prompts": len(records), "num_new_tokens": n_tokens, "total_s": wall, "tokens_per_s": tps,
-        "per_token_latency_s": wall / n_tokens if n_tokens else None,
+        "per_token_latency_s": wall / n_tokens if n_tokens else None, "decode_latency_s": None,
         "ttft_s": None, "peak_memory_bytes": None, "speedup": None,
         "alpha": None, "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": None,
         "accepted_per_position": None, "accepted_length_histogram": None, "num_verify_steps": None,
@@ -392,6 +408,7 @@ def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio
             acceptance_by_position=[float(x) for x in s.acceptance_by_position],
             accepted_length_histogram=[int(x) for x in s.accepted_length_histogram],
             num_verify_steps=steps, num_drafted=int(s.num_drafted), num_accepted=int(s.num_accepted),
+            decode_latency_s=s.per_token_latency_s or None,
             mean_gamma=(s.step_counts["gamma_sum"] / s.step_counts["drafting_steps"]
                         if s.step_counts["drafting_steps"] else None),
         )
@@ -476,8 +493,9 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                     new, wall, stats, peak = run(method, [row], t, _seed_for(cfg, i))
                     records[(t, method.name)].append({
                         "key": i, "prompt": names[i], "category": categories[i], "prompt_tokens": len(row),
-                        "new_tokens": new[0], "wall_s": wall, "stats": stats, "peak_memory_bytes": peak,
-                        "ttft_s": getattr(stats, "ttft_s", None) if stats is not None else None,
+                        "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
+                        "stats": stats if method.kind == OURS else None,
+                        "ttft_s": getattr(stats, "ttft_s", None),
                     })
                     tick()
     runs, summary = _pool(records, methods, cfg, cost["cost_ratio"], categories)
@@ -641,7 +659,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- schema
-_RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s", "ttft_s",
+_RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s",
+                "decode_latency_s", "ttft_s",
                 "peak_memory_bytes", "speedup", "alpha", "acceptance_rate", "mean_accepted_length",
                 "acceptance_by_position", "accepted_per_position", "accepted_length_histogram", "num_verify_steps",
                 "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup", "predicted_gamma",
@@ -715,7 +734,8 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # Not a terminal (logs, CI): wide enough that no column is cut.
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
     c = results["cost"]
     console.print(f"cost ratio c = {c['cost_ratio']:.3f}  (draft {c['draft_forward_s'] * 1e3:.2f} ms / target "
                   f"{c['target_forward_s'] * 1e3:.2f} ms per decode forward at {c['context_tokens']} tokens)")
@@ -741,7 +761,7 @@ def render_tables(results: dict[str, Any], console=None) -> None:
         table = Table(title="batch throughput (our engine)")
         for col in ("T", "method", "batch", "tok/s", "speedup"):
             table.add_column(col, justify="right")
-        for b in results["batch"]:
+        for b in sorted(results["batch"], key=lambda b: (b["temperature"], b["batch_size"], b["method"] != "plain")):
             table.add_row(f"{b['temperature']:g}", b["method"], str(b["batch_size"]), _fmt(b["tokens_per_s"], ".1f"),
                           _fmt(b["speedup"]))
         console.print(table)
@@ -839,6 +859,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """CLI entry point (``python -m decode bench ...``); returns the results dict."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # HF's assisted generate warns about its own internal generation_config use
     gammas, auto = parse_gammas(args.gammas)
     cfg = BenchConfig(
         gammas=gammas, auto=auto or not args.no_auto, auto_max_gamma=args.auto_max_gamma,

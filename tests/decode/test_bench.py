@@ -1,0 +1,216 @@
+"""The benchmark: formulas it reports, the JSON schema, that every method ran, plots, CLI, and bad input.
+
+Timings are never asserted (they live in the benchmark output); only structure, counts and exact relations.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from decode.bench import (SCHEMA_VERSION, BenchConfig, alpha_from_steps, build_methods, main, parse_gammas,
+                          run_benchmark, validate_results, write_outputs)
+from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
+from tests.conftest import perturbed_copy, tiny_llama
+from tests.decode.test_prompts import char_tokenizer
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------ formulas
+def test_predicted_speedup_matches_leviathan():
+    for alpha, gamma, c in [(0.8, 4, 0.05), (0.5, 2, 0.3), (0.9, 8, 0.0)]:
+        expected = (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+        assert predicted_speedup(alpha, gamma, c) == pytest.approx(expected)
+    # α = 1: every draft accepted, γ+1 tokens per step.
+    assert predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
+    assert expected_tokens_per_step(0.0, 5) == 1.0
+    # With a free draft the best γ is the largest allowed; with a draft as slow as the target, no speculation.
+    assert best_gamma(0.9, 0.0, max_gamma=12) == 12
+    assert best_gamma(0.5, 1.0) == 0
+
+
+def test_alpha_estimator_is_the_bernoulli_mle():
+    steps = [(4, [4]), (4, [1]), (4, [0]), (4, [2, 4])]  # accepted 11; rejections at n<4: 3
+    assert alpha_from_steps(steps) == pytest.approx(11 / 14)
+    # A step shortened to γ_s=2 at the end of the budget that accepted both is not a rejection.
+    assert alpha_from_steps([(4, [1]), (2, [2])]) == pytest.approx(3 / 4)
+    # Plain steps (γ_s=0) carry no information about α.
+    assert alpha_from_steps([(0, [0]), (3, [3])]) == 1.0
+    assert alpha_from_steps([(0, [0])]) is None
+
+
+def test_alpha_estimator_recovers_alpha_on_simulated_steps():
+    g = torch.Generator().manual_seed(0)
+    alpha, steps = 0.7, []
+    for gamma in [1, 3, 5] * 800:  # variable γ, as with "auto"
+        u = torch.rand(gamma, generator=g)
+        n = int((u < alpha).long().cumprod(0).sum())
+        steps.append((gamma, [n]))
+    assert alpha_from_steps(steps) == pytest.approx(alpha, abs=0.02)
+
+
+# ------------------------------------------------------------------------------------------------ a real run
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    torch.manual_seed(0)
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target)
+    rng = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(3, 96, (n,), generator=rng).tolist() for n in (5, 9, 7)]
+    cfg = BenchConfig(gammas=[1, 3], temperatures=[0.0, 1.0], batch_sizes=[1, 2], max_new_tokens=8, cost_repeats=5)
+    results = run_benchmark(target, draft, prompts, ["x", "y", "x"], cfg, pad_token_id=0, eos_token_id=None,
+                            progress=False)
+    out = tmp_path_factory.mktemp("bench")
+    paths = write_outputs(results, out)
+    return results, paths, cfg, prompts
+
+
+def test_schema_and_json_round_trip(bench_run):
+    results, paths, _, _ = bench_run
+    loaded = json.loads(open(paths["results"]).read())
+    validate_results(loaded)
+    assert loaded["schema_version"] == SCHEMA_VERSION
+    assert loaded["prompts"]["categories"] == {"x": 2, "y": 1}
+    bad = json.loads(json.dumps(loaded))
+    del bad["runs"][0]["overall"]["alpha"]
+    with pytest.raises(ValueError, match=r"runs\[0\].overall: missing keys \['alpha'\]"):
+        validate_results(bad)
+    bad = dict(loaded, schema_version=SCHEMA_VERSION + 1)
+    with pytest.raises(ValueError, match="schema_version"):
+        validate_results(bad)
+
+
+def test_every_method_ran_on_every_prompt(bench_run):
+    results, _, cfg, prompts = bench_run
+    names = [m.name for m in build_methods(cfg)]
+    assert names == ["plain", "spec_g1", "spec_g3", "spec_auto", "hf_target", "hf_assisted"]
+    for t in cfg.temperatures:
+        for name in names:
+            recs = results["records"][f"{t}/{name}"]
+            assert [r["key"] for r in recs] == list(range(len(prompts)))
+            assert all(len(r["new_tokens"]) == cfg.max_new_tokens for r in recs)  # no EOS given
+            assert all(r["wall_s"] > 0 for r in recs)
+        runs = {r["method"]: r for r in results["runs"] if r["temperature"] == t}
+        assert set(runs) == set(names)
+        assert runs["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+        for name in ("spec_g1", "spec_g3", "spec_auto"):
+            m = runs[name]["overall"]
+            assert m["num_verify_steps"] > 0 and m["num_drafted"] > 0 and 0 <= m["alpha"] <= 1
+            assert m["ttft_s"] > 0 and m["speedup"] > 0
+        assert len(runs["spec_g3"]["overall"]["acceptance_by_position"]) == 3
+        assert 1 <= runs["spec_auto"]["overall"]["mean_gamma"] <= cfg.auto_max_gamma
+        assert set(runs["spec_g1"]["by_category"]) == {"x", "y"}
+        assert runs["spec_g1"]["by_category"]["x"]["num_prompts"] == 2
+
+
+def test_greedy_outputs_equal_plain_decoding(bench_run):
+    results, _, _, _ = bench_run
+    for run in results["runs"]:
+        m = run["overall"]
+        if run["temperature"] == 0:
+            # Lossless at T=0: ours exactly; HF greedy (with and without assistant) too on the same float64 models.
+            assert m["matches_plain_greedy"] == 1.0, run["method"]
+        else:
+            assert m["matches_plain_greedy"] is None
+
+
+def test_reported_predictions_follow_the_formula(bench_run):
+    results, _, cfg, _ = bench_run
+    c = results["cost"]["cost_ratio"]
+    assert c > 0 and results["cost"]["target_forward_s"] > 0
+    for run in results["runs"]:
+        m = run["overall"]
+        if isinstance(run["num_draft_tokens"], int) and run["num_draft_tokens"] > 0:
+            assert m["predicted_speedup"] == pytest.approx(predicted_speedup(m["alpha"], run["num_draft_tokens"], c))
+            # τ is tokens per verify step; α from the same steps predicts it under i.i.d. acceptance only
+            # roughly, but it can never exceed γ + 1.
+            assert 1.0 <= m["mean_accepted_length"] <= run["num_draft_tokens"] + 1
+    for s in results["summary"]:
+        assert s["best_gamma_predicted"] == best_gamma(s["alpha"], c, max_gamma=16)
+        assert s["best_gamma_measured"] in cfg.gammas
+        curve = {p["gamma"]: p["predicted_speedup"] for p in s["predicted_curve"]}
+        assert curve[0] == 1.0 and max(curve.values()) == pytest.approx(s["predicted_speedup_at_best"])
+
+
+def test_batch_pass_has_every_size(bench_run):
+    results, _, cfg, _ = bench_run
+    for t in cfg.temperatures:
+        rows = [b for b in results["batch"] if b["temperature"] == t]
+        assert {(b["batch_size"], b["num_draft_tokens"] == 0) for b in rows} == {(1, True), (1, False), (2, True),
+                                                                                 (2, False)}
+        assert all(b["tokens_per_s"] > 0 for b in rows)
+        two = [b for b in rows if b["batch_size"] == 2]
+        assert all(b["num_new_tokens"] == 2 * 2 * cfg.max_new_tokens for b in two)  # 2 batches of 2 rows
+
+
+def test_plots_are_written(bench_run):
+    results, paths, _, _ = bench_run
+    assert set(results["plots"]) == {"speedup_vs_gamma", "predicted_vs_measured", "acceptance_by_position",
+                                     "batch_throughput"}
+    for name in results["plots"]:
+        with open(paths[name], "rb") as f:
+            head = f.read(8)
+        assert head == PNG_MAGIC, name
+
+
+# ------------------------------------------------------------------------------------------------ CLI and bad input
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    perturbed_copy(target).save_pretrained(root / "draft")
+    target.save_pretrained(root / "target")
+    char_tokenizer().save_pretrained(root / "target")
+    return root
+
+
+def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path):
+    out = tmp_path / "bench"
+    results = main(["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                    "--prompts", "mt_bench", "--limit", "2", "--max-new-tokens", "4", "--gammas", "2",
+                    "--temperatures", "0", "--batch-sizes", "1,2", "--cost-repeats", "3", "--out", str(out)])
+    validate_results(json.loads((out / "results.json").read_text()))
+    assert (out / "speedup_vs_gamma.png").exists()
+    assert results["prompts"]["count"] == 2 and set(results["prompts"]["categories"]) == {"writing", "roleplay"}
+    assert {r["method"] for r in results["runs"]} == {"plain", "spec_g2", "spec_auto", "hf_target", "hf_assisted"}
+    assert results["config"]["target"] == str(saved_pair / "target")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1,x", "bad γ 'x'"), ("0,2", "every γ must be >= 1"), (" , ", "empty γ list"), ("-1", "every γ must be >= 1"),
+])
+def test_bad_gamma_lists(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_gammas(text)
+
+
+def test_gamma_list_with_auto():
+    assert parse_gammas("8,1,auto,4") == ([1, 4, 8], True)
+    assert parse_gammas("2") == ([2], False)
+
+
+def test_cli_bad_input_fails_before_loading_models(saved_pair, tmp_path):
+    pair = ["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="unknown prompt set 'humaneva'"):
+        main(pair + ["--prompts", "humaneva"])
+    with pytest.raises(FileNotFoundError, match="--target .*missing does not exist"):
+        main(["--target", str(tmp_path / "missing"), "--draft", str(saved_pair / "draft"), "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="bad γ"):
+        main(pair + ["--gammas", "1,two"])
+    with pytest.raises(ValueError, match="temperatures must be >= 0"):
+        main(pair + ["--temperatures", "0,-1"])
+    with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+        main(pair + ["--batch-sizes", "0"])
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        BenchConfig(max_new_tokens=0).validate()
+    with pytest.raises(ValueError, match="no speculative method"):
+        BenchConfig(gammas=[], auto=False).validate()
+    with pytest.raises(ValueError, match="temperatures"):
+        BenchConfig(temperatures=[math.nan]).validate()

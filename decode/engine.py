@@ -136,6 +136,7 @@ class SpeculativeDecoder:
                 )
         return prompts
 
+    @torch.no_grad()
     def prefill(self, prompts: list[list[int]], use_draft: bool = True) -> DecodeState:
         """Left-pad the prompts and run both models (the target only if ``use_draft`` is false) on all but each
         prompt's last token."""
@@ -185,6 +186,7 @@ class SpeculativeDecoder:
             inp, inp_mask = tok[:, None], torch.ones_like(tok)[:, None]
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
+    @torch.no_grad()
     def step(self, state: DecodeState, gamma: int, sampling: dict, generator=None,
              timings: dict | None = None) -> tuple[list[int], list[list[int]]]:
         """One verify step for every active row.

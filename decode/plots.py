@@ -12,6 +12,7 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 def _figure(width: float = 6.4, height: float = 4.2) -> Figure:
@@ -45,6 +46,9 @@ def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> s
             (line,) = ax.plot(*zip(*pts), "o-", label=f"measured T={t:g}")
             colors[t] = line.get_color()
         curve = s.get("predicted_curve") or []
+        # The stored curve runs to γ=16; show it only around the tested γs and the predicted optimum.
+        top = max([g for g, _ in pts] + [s.get("best_gamma_predicted") or 0]) + 1
+        curve = [c for c in curve if c["gamma"] <= top]
         if curve:
             ax.plot([c["gamma"] for c in curve], [c["predicted_speedup"] for c in curve], "--", color=colors.get(t),
                     alpha=0.8, label=f"predicted T={t:g} (α={s['alpha']:.2f})")
@@ -54,6 +58,7 @@ def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> s
                 ax.axhline(run["overall"]["speedup"], linestyle=style, color=colors.get(t), alpha=0.6,
                            label=f"{name} T={t:g}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("γ (num_draft_tokens)")
     ax.set_ylabel("speedup over plain decoding (tokens/s ratio)")
     ax.set_title(f"speedup vs γ (c = {results['cost']['cost_ratio']:.3f})")
@@ -108,6 +113,7 @@ def plot_acceptance_by_position(results: dict[str, Any], path: str | os.PathLike
             ax.plot(range(1, n + 1), [s["alpha"] ** i for i in range(1, n + 1)], "k--", alpha=0.6,
                     label=f"α^i, α={s['alpha']:.2f}")
         ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position i")
         ax.set_ylabel("fraction of verify steps accepting position i")
         ax.set_title(f"T={s['temperature']:g}")
@@ -127,6 +133,7 @@ def plot_batch_throughput(results: dict[str, Any], path: str | os.PathLike) -> s
         pts = [(b["batch_size"], b["tokens_per_s"]) for b in rows if b["tokens_per_s"]]
         if pts:
             ax.plot(*zip(*pts), "o-" if method == "plain" else "s--", label=f"{method} T={t:g}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s (all rows)")
     ax.set_title("batch throughput")

@@ -1,0 +1,45 @@
+"""Leviathan et al. (2023) speedup formulas and the adaptive γ controller."""
+import pytest
+
+from decode.speedup import AdaptiveGamma, best_gamma, expected_tokens_per_step, predicted_speedup
+
+
+def test_expected_tokens_matches_series():
+    for alpha in (0.0, 0.3, 0.8, 0.99):
+        for gamma in range(0, 9):
+            series = sum(alpha ** i for i in range(gamma + 1))  # E = Σ_{i=0..γ} α^i
+            assert expected_tokens_per_step(alpha, gamma) == pytest.approx(series)
+    assert expected_tokens_per_step(1.0, 4) == 5
+
+
+def test_predicted_speedup_values():
+    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
+    assert predicted_speedup(0.5, 0, 0.1) == 1.0
+    assert predicted_speedup(0.0, 3, 0.1) < 1.0  # a useless draft only costs
+
+
+def test_best_gamma():
+    assert best_gamma(0.9, 0.01, 16) >= 8
+    assert best_gamma(0.2, 0.5, 16, min_gamma=0) == 0
+    assert best_gamma(0.2, 0.5, 16, min_gamma=1) == 1
+    g = best_gamma(0.8, 0.05, 16)
+    assert all(predicted_speedup(0.8, g, 0.05) >= predicted_speedup(0.8, k, 0.05) for k in range(17))
+
+
+@pytest.mark.parametrize("bad", [dict(alpha=1.5, gamma=2), dict(alpha=0.5, gamma=-1)])
+def test_bad_values(bad):
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(**bad)
+    with pytest.raises(ValueError):
+        predicted_speedup(0.5, 2, -1.0)
+
+
+def test_adaptive_gamma_follows_acceptance():
+    ctl = AdaptiveGamma(max_gamma=8)
+    for _ in range(30):
+        ctl.update(num_drafted=ctl.gamma, num_accepted=ctl.gamma, draft_s_per_forward=0.01, target_s_per_forward=1.0)
+    assert ctl.gamma == 8 and ctl.alpha > 0.95
+    for _ in range(60):
+        ctl.update(num_drafted=ctl.gamma, num_accepted=0, draft_s_per_forward=0.01, target_s_per_forward=1.0)
+    assert ctl.gamma == 1 and ctl.alpha < 0.05
+    assert ctl.cost_ratio == pytest.approx(0.01)

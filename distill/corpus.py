@@ -1,0 +1,225 @@
+"""Real text nobody here wrote, present offline: corpora for pretraining and prompt sets for evaluation.
+
+Corpora (``load_corpus``), each split deterministically into train/validation/test by a hash of a stable key,
+so every machine with the same inputs gets the same split and no file is in two splits:
+
+- ``stdlib``: the ``.py`` files of the running interpreter's standard library (key: path relative to the stdlib
+  root). Tests, site-packages and generated tables (``encodings``, ``pydoc_data``) are left out.
+- ``tinystories``, ``tinyshakespeare``: text files under the shared data folder (``<repo>/../shared/data``, or
+  ``$DRAFTKIT_SHARED_DATA``), cut into blank-line separated chunks (key: the chunk's text).
+
+Prompt sets (``load_prompts``) for measuring acceptance on held-out real prompts:
+
+- ``humaneval``: the 164 HumanEval ``prompt`` fields (signature + docstring).
+- ``mbpp``: MBPP tasks turned into a code prompt: the task's ``def`` line, then its ``text`` as a docstring.
+- ``stdlib``: held-out (``test`` split) stdlib files cut just after their first ``def`` line, so the model
+  continues real code rather than a license header.
+
+HumanEval and MBPP are read through ``decode.prompts`` (the decoder's benchmark prompt sets); this module only
+reshapes MBPP into code and adds the stdlib prompts.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sysconfig
+from pathlib import Path
+
+import datasets
+
+from decode import prompts as dprompts
+
+SPLITS = ("train", "validation", "test")
+# Fractions of train and validation; test gets the rest. Keys hash uniformly, so sizes are close to these.
+DEFAULT_FRACTIONS = (0.90, 0.05)
+
+# Path components never read from the stdlib: tests (code about code, huge and repetitive), installed packages
+# (differ between machines, so the split would too), and generated codec/doc tables that are data, not code.
+_STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
+                     "encodings", "pydoc_data", "lib-dynload"}
+
+_TEXT_FILES = {"tinystories": "tinystories/tinystories_val.txt", "tinyshakespeare": "tinyshakespeare/input.txt"}
+CORPORA = ("stdlib",) + tuple(_TEXT_FILES)
+PROMPT_SETS = ("humaneval", "mbpp", "stdlib")
+
+
+def shared_data_dir() -> Path:
+    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``.
+
+    Raises:
+        FileNotFoundError: the folder does not exist; names both ways to point at it.
+    """
+    path = dprompts.shared_data_dir()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"shared data folder {path} not found: set DRAFTKIT_SHARED_DATA to the folder holding humaneval/, "
+            "mbpp/, tinystories/ and tinyshakespeare/ (it sits beside the repository as shared/data in CI)")
+    return path
+
+
+def split_of(key: str, fractions: tuple[float, float] = DEFAULT_FRACTIONS) -> str:
+    """The split ("train", "validation" or "test") that ``key`` falls in, from the SHA-1 of the key.
+
+    Stable across processes and machines (unlike ``hash``), so a file never moves between splits.
+    """
+    u = int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:12], 16) / float(16**12)  # uniform in [0, 1)
+    if u < fractions[0]:
+        return "train"
+    return "validation" if u < fractions[0] + fractions[1] else "test"
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library folder (``sysconfig.get_paths()['stdlib']``)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: str | os.PathLike | None = None) -> list[tuple[str, Path]]:
+    """Sorted ``(relative_path, absolute_path)`` of the stdlib ``.py`` files used as a corpus."""
+    root = Path(root) if root is not None else stdlib_root()
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place keeps os.walk from descending into skipped folders at all.
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("config-"))
+        for name in sorted(filenames):
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
+                path = Path(dirpath) / name
+                out.append((path.relative_to(root).as_posix(), path))
+    return out
+
+
+def _stdlib_rows(split: str, fractions, root=None, max_files: int | None = None) -> dict[str, list[str]]:
+    rows: dict[str, list[str]] = {"text": [], "path": []}
+    for rel, path in stdlib_files(root):
+        if split_of(rel, fractions) != split:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            rows["text"].append(text)
+            rows["path"].append(rel)
+        if max_files is not None and len(rows["text"]) >= max_files:
+            break
+    return rows
+
+
+def _text_rows(name: str, split: str, fractions, max_chunks: int | None = None) -> dict[str, list[str]]:
+    path = shared_data_dir() / _TEXT_FILES[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: corpus {name!r} reads it from the shared data folder "
+                                "(see SOURCES.md there)")
+    chunks = [c.strip() for c in re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))]
+    texts = [c for c in chunks if c and split_of(c, fractions) == split]
+    return {"text": texts[:max_chunks] if max_chunks is not None else texts}
+
+
+def load_corpus(name: str, split: str, *, fractions: tuple[float, float] = DEFAULT_FRACTIONS,
+                max_items: int | None = None, root: str | os.PathLike | None = None) -> datasets.Dataset:
+    """One split of a pretraining corpus as a ``datasets.Dataset``.
+
+    Args:
+        name: "stdlib", "tinystories" or "tinyshakespeare".
+        split: "train", "validation" or "test".
+        fractions: (train, validation) fractions of keys; test gets the rest.
+        max_items: keep at most this many files/chunks (in sorted order), for tests.
+        root: stdlib folder to read instead of the running interpreter's (for tests).
+
+    Returns:
+        A Dataset with a "text" column (one file or chunk per row), plus "path" (relative to the stdlib root)
+        for stdlib.
+
+    Raises:
+        ValueError: unknown corpus or split, or the split came out empty.
+        FileNotFoundError: a shared-data corpus file is missing.
+    """
+    _check_split(split)
+    if name == "stdlib":
+        rows = _stdlib_rows(split, fractions, root, max_items)
+    elif name in _TEXT_FILES:
+        rows = _text_rows(name, split, fractions, max_items)
+    else:
+        raise ValueError(f"unknown corpus {name!r}: use one of {', '.join(CORPORA)}")
+    if not rows["text"]:
+        raise ValueError(f"corpus {name!r} split {split!r} is empty: check fractions={fractions} and the source")
+    return datasets.Dataset.from_dict(rows)
+
+
+# ----------------------------------------------------------------------------------------------- prompt sets
+
+def mbpp_to_prompt(text: str, code: str, test_list: list[str] | None = None) -> str:
+    """An MBPP task as a code prompt: the solution's ``def`` line for the tested function, then ``text`` as a
+    docstring, ending where the body starts (the same shape as a HumanEval prompt).
+
+    The function is the one the first test asserts on; if its ``def`` line is not found, the first ``def`` line
+    is used, and with none at all the prompt is the docstring followed by ``def``.
+    """
+    code = code.replace("\r\n", "\n")
+    text = " ".join(text.split())
+    m = re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?(\w+)\(", " ".join(test_list or []))
+    defs = re.findall(r"^def .*:\s*$", code, flags=re.M)
+    wanted = [d for d in defs if m and d.startswith(f"def {m.group(1)}(")]
+    if wanted or defs:
+        return f"{(wanted or defs)[0].rstrip()}\n    \"\"\"{text}\n    \"\"\"\n"
+    return f"\"\"\"{text}\"\"\"\ndef"
+
+
+def _mbpp_prompts() -> list[str]:
+    # decode.prompts reads one field per call; the code field gives the def line, the text field the task.
+    texts = dprompts.load_prompts("mbpp", field="text")
+    codes = dprompts.load_prompts("mbpp", field="code")
+    tests = dprompts.load_prompts("mbpp", field="test_list")  # a list field: its first assert
+    return [mbpp_to_prompt(t.text, c.text, [a.text]) for t, c, a in zip(texts, codes, tests)]
+
+
+def stdlib_prompt(text: str, max_chars: int = 600) -> str | None:
+    """A held-out file cut just after its first ``def`` line, keeping at most the last ``max_chars``
+    characters at line boundaries; ``None`` if the file has no ``def``."""
+    m = re.search(r"^[ \t]*def .*:[ \t]*\n", text, flags=re.M)
+    if m is None:
+        return None
+    prefix = text[: m.end()]
+    if len(prefix) > max_chars:
+        cut = prefix.find("\n", len(prefix) - max_chars)
+        prefix = prefix[cut + 1:]
+    return prefix
+
+
+def _stdlib_prompts(split: str, max_chars: int, root=None) -> list[str]:
+    rows = _stdlib_rows(split, DEFAULT_FRACTIONS, root)
+    return [p for p in (stdlib_prompt(t, max_chars) for t in rows["text"]) if p]
+
+
+def load_prompts(name: str, n: int | None = None, *, split: str = "test", max_chars: int = 600,
+                 root: str | os.PathLike | None = None) -> list[str]:
+    """Held-out real prompts for evaluation.
+
+    Args:
+        name: "humaneval", "mbpp" or "stdlib".
+        n: the first ``n`` prompts (in file order; stdlib in path order), or all.
+        split: the stdlib split to cut prompts from ("test": never trained on).
+        max_chars: longest stdlib prompt, in characters.
+        root: stdlib folder to read instead of the running interpreter's (for tests).
+
+    Returns:
+        A list of prompt strings.
+
+    Raises:
+        ValueError: unknown prompt set, or no prompts.
+        FileNotFoundError: a shared-data file is missing.
+    """
+    if name == "humaneval":
+        prompts = [p.text for p in dprompts.load_prompts("humaneval")]
+    elif name == "mbpp":
+        prompts = _mbpp_prompts()
+    elif name == "stdlib":
+        _check_split(split)
+        prompts = _stdlib_prompts(split, max_chars, root)
+    else:
+        raise ValueError(f"unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)}")
+    if not prompts:
+        raise ValueError(f"prompt set {name!r} is empty")
+    return prompts[:n] if n is not None else prompts

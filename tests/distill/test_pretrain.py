@@ -1,0 +1,113 @@
+"""distill.pretrain: tokenizer, budgeted LR schedule, training, caching and exact resume on a tiny model."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from distill import pretrain as pt
+from distill.pretrain import PretrainConfig, lr_at, train_tokenizer
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class A:\n    def m(self):\n        return self.x\n"] * 50
+
+
+def test_tokenizer_roundtrips_through_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    train_tokenizer(TEXTS, 300, tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert 259 < len(tok) <= 300  # merges stop early when pairs run out on this tiny text
+    text = "def add(a, b):\n    return a + b  # ünïcode never seen"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    with pytest.raises(ValueError, match="259"):
+        train_tokenizer(TEXTS, 100, tmp_path / "bad")
+
+
+def test_lr_follows_the_budget_fraction():
+    cfg = PretrainConfig(out="", tokenizer="", lr=1.0, warmup_frac=0.1, min_lr_ratio=0.1)
+    assert lr_at(0.05, cfg) == pytest.approx(0.5)
+    assert lr_at(0.1, cfg) == pytest.approx(1.0)
+    assert lr_at(1.0, cfg) == pytest.approx(0.1)
+    after = [lr_at(p / 100, cfg) for p in range(10, 101)]
+    assert all(a >= b for a, b in zip(after, after[1:]))
+    assert lr_at(0.55, cfg) == pytest.approx(0.55)  # cosine midpoint: (1 + 0.1) / 2
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(out=str(tmp_path / "model"), tokenizer=str(tmp_path / "tok"), size="smoke_draft",
+                corpus="tinyshakespeare", vocab_size=300, seq_len=32, batch_size=4, budget_s=0, max_steps=30,
+                lr=3e-3, val_tokens=2048, device="cpu")
+    base.update(kw)
+    return PretrainConfig(**base)
+
+
+def test_pretrain_learns_saves_and_is_reused(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logs = []
+    result = pt.pretrain(_cfg(tmp_path), log=logs.append)
+    out = tmp_path / "model"
+    saved = json.loads((out / "pretrain.json").read_text())
+    assert saved["val_loss"] == pytest.approx(result["val_loss"])
+    assert saved["steps"] == 30 and saved["tokens_seen"] == 30 * 4 * 32
+    # an untrained model scores ~ln(300) = 5.7 nats; 30 steps must learn character statistics
+    assert result["val_loss"] < math.log(300) - 1.0
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert sum(p.numel() for p in model.parameters()) == result["params"]
+    assert model.config.eos_token_id == AutoTokenizer.from_pretrained(str(out)).eos_token_id
+    assert not (out / pt.RESUME_FILE).exists()
+
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    again = pt.pretrain(_cfg(tmp_path), log=logs.append)
+    assert again["val_loss"] == result["val_loss"] and (out / "model.safetensors").stat().st_mtime_ns == mtime
+    assert "reusing" in logs[-1]
+    with pytest.raises(ValueError, match="--force"):
+        pt.pretrain(_cfg(tmp_path, size="smoke_target"))
+
+
+def test_interrupted_run_resumes_exactly(tmp_path, monkeypatch):
+    straight = pt.pretrain(_cfg(tmp_path / "a", max_steps=6, save_every_s=0.0), log=lambda *_: None)
+
+    real_sample, calls = pt.sample_batch, {"n": 0}
+
+    def crash_on_fourth(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real_sample(*a, **k)
+
+    cfg = _cfg(tmp_path / "b", max_steps=6, save_every_s=0.0)
+    monkeypatch.setattr(pt, "sample_batch", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        pt.pretrain(cfg, log=lambda *_: None)
+    monkeypatch.setattr(pt, "sample_batch", real_sample)
+    assert torch.load(tmp_path / "b" / "model" / pt.RESUME_FILE, weights_only=False)["state"]["step"] == 3
+    resumed = pt.pretrain(cfg, log=lambda *_: None)
+    assert resumed["steps"] == 6 and resumed["val_loss"] == straight["val_loss"]
+
+    from safetensors.torch import load_file
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_settings_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match="unknown size"):
+        pt.pretrain(_cfg(tmp_path, size="huge"))
+    with pytest.raises(ValueError, match="unknown corpus"):
+        pt.pretrain(_cfg(tmp_path, corpus="wiki"))
+    with pytest.raises(ValueError, match="--budget-s"):
+        pt.pretrain(_cfg(tmp_path, max_steps=None, budget_s=0))
+
+
+def test_cli_tokenizer_only(tmp_path, capsys):
+    pt.main(["--tokenizer", str(tmp_path / "tok"), "--corpus", "tinyshakespeare", "--vocab-size", "280",
+             "--tokenizer-only"])
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    with pytest.raises(SystemExit):
+        pt.main(["--tokenizer", str(tmp_path / "tok")])  # --out missing

@@ -1,0 +1,188 @@
+"""``python -m distill SUBCOMMAND ...``: the command line of the distillation toolkit.
+
+Subcommands:
+  train          distill a draft against a frozen target (Hydra overrides, see conf/ and docs/distill.md)
+  generate-data  make and cache target-generated completions (sequence-level KD) for the configured data
+  eval           measure α/τ of a draft (draft.name_or_path) against the target on the eval prompts
+  export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
+  pretrain       pre-train a small target/draft pair on a text corpus (distill/pretrain.py)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+CONF_ENV = "DRAFTKIT_CONF"
+SUBCOMMANDS = {
+    "train": "distill a draft against a frozen target: python -m distill train +target.name_or_path=T draft=... [k=v ...]",
+    "generate-data": "generate and cache target completions (sequence-level KD): python -m distill generate-data [k=v ...]",
+    "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
+    "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
+    "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
+}
+
+
+def conf_dir() -> Path:
+    """The Hydra config folder: ``$DRAFTKIT_CONF`` or ``<repo>/conf``."""
+    return Path(os.environ.get(CONF_ENV) or Path(__file__).resolve().parents[1] / "conf").resolve()
+
+
+def compose(overrides: list[str]):
+    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def _overrides_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m distill {prog}", description=help_text)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +target.name_or_path=PATH loss=tvd "
+                   "train.max_steps=100 +experiment=NAME")
+    p.add_argument("--print-config", action="store_true", help="print the composed config and exit")
+    return p
+
+
+def _fail(e: Exception) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def cmd_train(argv: list[str]) -> None:
+    from omegaconf import OmegaConf
+
+    from distill.models import SetupError
+    from distill.recipe import train
+
+    args = _overrides_parser("train", SUBCOMMANDS["train"]).parse_args(argv)
+    cfg = compose(args.overrides)
+    if args.print_config:
+        print(OmegaConf.to_yaml(cfg))
+        return
+    try:
+        summary = train(cfg)
+    except SetupError as e:
+        _fail(e)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "best", "num_processes", "output_dir")},
+                         indent=2))
+
+
+def cmd_generate_data(argv: list[str]) -> None:
+    import torch
+
+    from distill.data import build_examples, check_lengths
+    from distill.models import SetupError, check_pair, context_length, load_draft, load_target, load_tokenizer
+    from distill.recipe import normalize_config, prepare_target_data, target_data_dir
+
+    args = _overrides_parser("generate-data", SUBCOMMANDS["generate-data"]).parse_args(argv)
+    try:
+        cfg = normalize_config(compose(args.overrides))
+        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+        target = load_target(cfg.target)
+        draft = None
+        if cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"):
+            draft = load_draft(cfg.draft, target).eval()
+            check_pair(target, draft, tokenizer)
+        device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
+        target.to(device)
+        if draft is not None:
+            draft.to(device)
+        ctx = context_length(target)
+        examples = check_lengths(build_examples(cfg.data.source, tokenizer, cfg.data), ctx, cfg.data)
+        # The same examples train() will use: the eval holdout is cut off first.
+        if not cfg.eval.get("prompts") and int(cfg.data.holdout) > 0:
+            examples = examples[:-int(cfg.data.holdout)]
+        rows = prepare_target_data(cfg, target, draft, tokenizer, examples)
+    except SetupError as e:
+        _fail(e)
+    print(json.dumps({"rows": len(rows), "path": str(target_data_dir(cfg) / "dataset")}))
+
+
+def cmd_eval(argv: list[str]) -> None:
+    import torch
+
+    from distill.evaluate import acceptance_eval
+    from distill.models import SetupError, check_pair, context_length, load_draft, load_target, load_tokenizer
+    from distill.recipe import load_data, normalize_config
+
+    p = _overrides_parser("eval", SUBCOMMANDS["eval"])
+    p.add_argument("--out", help="write the JSON result here too")
+    args = p.parse_args(argv)
+    try:
+        cfg = normalize_config(compose(args.overrides))
+        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+        target = load_target(cfg.target)
+        draft = load_draft(cfg.draft, target).eval()
+        check_pair(target, draft, tokenizer)
+        ctx = [c for c in (context_length(target), context_length(draft)) if c]
+        _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    except SetupError as e:
+        _fail(e)
+    device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
+    target.to(device), draft.to(device)
+    result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
+                             num_draft_tokens=int(cfg.eval.num_draft_tokens), max_new_tokens=int(cfg.eval.max_new_tokens),
+                             batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
+                             cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma))
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+def cmd_export(argv: list[str]) -> None:
+    from distill.export import export
+    from distill.models import resolve_dtype
+
+    p = argparse.ArgumentParser(prog="python -m distill export", description=SUBCOMMANDS["export"])
+    p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
+    p.add_argument("out_dir", help="where to write the Hugging Face draft")
+    p.add_argument("--dtype", default=None, help="save in this dtype (float32, bf16, fp16); default: as trained")
+    args = p.parse_args(argv)
+    try:
+        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype))
+    except (FileNotFoundError, ValueError) as e:
+        _fail(e)
+    ev = card.get("evaluation") or {}
+    print(json.dumps({"out_dir": args.out_dir, "target": card["target"],
+                      "acceptance_rate": ev.get("acceptance_rate")}, indent=2))
+
+
+def cmd_pretrain(argv: list[str]) -> None:
+    try:
+        from distill.pretrain import main as pretrain_main
+    except ImportError as e:
+        _fail(RuntimeError(f"`pretrain` needs distill/pretrain.py, which is not available here ({e})"))
+    pretrain_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "generate-data": cmd_generate_data, "eval": cmd_eval, "export": cmd_export,
+            "pretrain": cmd_pretrain}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``python -m distill SUBCOMMAND ARGS``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        width = max(map(len, SUBCOMMANDS))
+        lines = "\n".join(f"  {name.ljust(width)}  {text}" for name, text in SUBCOMMANDS.items())
+        print(f"usage: python -m distill SUBCOMMAND [ARGS]\n\nsubcommands:\n{lines}\n\n"
+              "Run `python -m distill SUBCOMMAND --help` for each one; configs live in conf/ (docs/distill.md).")
+        if not argv:
+            raise SystemExit(2)
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        _fail(ValueError(f"unknown subcommand {name!r}; choose one of {list(COMMANDS)} (python -m distill --help)"))
+    COMMANDS[name](rest)
+
+
+if __name__ == "__main__":
+    main()

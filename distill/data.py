@@ -1,0 +1,297 @@
+"""Data: sources -> tokenized (prompt, completion) examples -> padded training batches; target-generated cache.
+
+A source (``data.source``, or ``eval.prompts``) is one of
+
+- a local file through ``datasets``: ``.jsonl``/``.jsonl.gz``/``.json`` (json builder), ``.parquet``, ``.txt``
+  (text builder, ``sample_by`` line/paragraph/document). Paths starting with ``../shared/data/`` resolve against
+  ``$DRAFTKIT_SHARED_DATA`` or ``<repo>/../shared/data``; other relative paths against the working directory.
+- a text corpus by name (``corpus: stdlib``), loaded with ``distill.corpus.load_corpus(name, split)``.
+
+``kind: prompts`` rows give a prompt (``prompt_field``) and optionally a fixed completion (``completion_field``);
+the chat template is applied to prompts when the tokenizer has one. ``kind: text`` rows are documents
+(``text_field``), cut into consecutive windows of ``prompt_tokens`` prefix + ``completion_tokens`` continuation:
+that is how a corpus without prompt/completion split becomes distillation data.
+
+Every example is ``{"prompt_ids": list[int], "completion_ids": list[int]}`` (completion possibly empty).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from distill.models import SetupError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_PREFIX = "../shared/data/"
+BUILDERS = {".jsonl": "json", ".json": "json", ".gz": "json", ".parquet": "parquet", ".txt": "text",
+            ".csv": "csv"}
+
+
+def resolve_path(path: str) -> Path:
+    """A data path: ``../shared/data/...`` goes through ``$DRAFTKIT_SHARED_DATA`` (else ``<repo>/../shared/data``)."""
+    p = str(path)
+    if p.startswith(SHARED_PREFIX):
+        base = os.environ.get("DRAFTKIT_SHARED_DATA") or str(REPO_ROOT.parent / "shared" / "data")
+        return Path(base) / p[len(SHARED_PREFIX):]
+    return Path(p).expanduser()
+
+
+def load_rows(src: Any) -> Any:
+    """The raw ``datasets.Dataset`` of a source config (``path`` or ``corpus``), limited to ``src.limit`` rows.
+
+    Raises SetupError for a missing file, unknown suffix, missing corpus module, or no rows.
+    """
+    import datasets
+
+    if src.get("corpus"):
+        try:
+            from distill.corpus import load_corpus
+        except ImportError as e:
+            raise SetupError(f"data corpus {src.corpus!r} needs distill/corpus.py (load_corpus), which is not "
+                             f"installed here ({e}); use data.source.path=FILE instead") from e
+        ds = load_corpus(src.corpus, src.get("split") or "train", **dict(src.get("corpus_kwargs") or {}))
+        where = f"corpus {src.corpus!r}"
+    elif src.get("path"):
+        path = resolve_path(src.path)
+        if not path.exists():
+            raise SetupError(f"data file {path} does not exist (from path={src.path!r}); fix the path, or set "
+                             "DRAFTKIT_SHARED_DATA to the shared data folder")
+        suffix = path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
+        builder = BUILDERS.get(suffix)
+        if builder is None:
+            raise SetupError(f"data file {path}: unknown format {suffix!r}; use one of {sorted(BUILDERS)}")
+        kw = {"sample_by": src.get("sample_by") or "paragraph"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kw)
+        where = str(path)
+    else:
+        raise SetupError("no data source: set data.source.path=FILE (jsonl/json/parquet/txt) or "
+                         "data.source.corpus=NAME")
+    if src.get("limit"):
+        ds = ds.select(range(min(int(src.limit), len(ds))))
+    if len(ds) == 0:
+        raise SetupError(f"data source {where} is empty; point data.source at a file with rows")
+    return ds
+
+
+def _field(row: dict, field: str, where: str) -> str:
+    if field not in row:
+        raise SetupError(f"{where}: field {field!r} not found (fields: {sorted(row)}); set the *_field key to one "
+                         "of them")
+    value = row[field]
+    if isinstance(value, list):  # multi-turn sets (MT-Bench "turns"): the first turn
+        value = value[0] if value else ""
+    return str(value)
+
+
+def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
+    """Token ids of a prompt: the tokenizer's chat template (one user turn + generation prompt) when it has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+def _source_kind(src: Any) -> str:
+    kind = src.get("kind") or "auto"
+    if kind == "auto":
+        is_txt = bool(src.get("path")) and str(src.path).endswith(".txt")
+        return "text" if src.get("corpus") or is_txt else "prompts"
+    if kind not in ("prompts", "text"):
+        raise SetupError(f"data source kind {kind!r}: use auto, prompts or text")
+    return kind
+
+
+def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, list[int]]]:
+    """Tokenized examples of a source (see module doc). Completions are cut to ``data.max_new_tokens``.
+
+    Raises SetupError if no example results (empty source, documents shorter than one window).
+    """
+    rows = load_rows(src)
+    where = src.get("path") or f"corpus {src.get('corpus')}"
+    max_new = int(data_cfg.max_new_tokens)
+    out = []
+    if _source_kind(src) == "text":
+        p_len, c_len = int(src.get("prompt_tokens") or 32), int(src.get("completion_tokens") or max_new)
+        per_doc = src.get("windows_per_doc")
+        text_field = src.get("text_field") or "text"
+        for row in rows:
+            ids = tokenizer(_field(row, text_field, where), add_special_tokens=False)["input_ids"]
+            bos = [tokenizer.bos_token_id] if src.get("add_bos", True) and tokenizer.bos_token_id is not None else []
+            n_win = len(ids) // (p_len + c_len)
+            for w in range(n_win if per_doc is None else min(n_win, int(per_doc))):
+                chunk = ids[w * (p_len + c_len):(w + 1) * (p_len + c_len)]
+                out.append({"prompt_ids": bos + chunk[:p_len], "completion_ids": chunk[p_len:][:max_new]})
+        if not out:
+            raise SetupError(f"{where}: no document has {p_len + c_len} tokens (prompt_tokens + completion_tokens);"
+                             " lower data.source.prompt_tokens / completion_tokens")
+        return out
+    prompt_field, completion_field = src.get("prompt_field") or "prompt", src.get("completion_field")
+    eos = [tokenizer.eos_token_id] if data_cfg.get("append_eos", True) and tokenizer.eos_token_id is not None else []
+    for row in rows:
+        prompt = encode_prompt(tokenizer, _field(row, prompt_field, where), bool(data_cfg.get("chat_template", True)))
+        completion = []
+        if completion_field:
+            completion = tokenizer(_field(row, completion_field, where), add_special_tokens=False)["input_ids"]
+            completion = (list(completion) + eos)[:max_new]
+        out.append({"prompt_ids": prompt, "completion_ids": completion})
+    return out
+
+
+def check_lengths(examples: list[dict], context: int | None, data_cfg: Any, what: str = "data.source") -> list[dict]:
+    """Enforce ``len(prompt) + data.max_new_tokens <= context`` and ``data.max_prompt_tokens``.
+
+    Long prompts are left-truncated when ``data.truncate_prompts`` is true; otherwise SetupError names the fix.
+    """
+    max_new = int(data_cfg.max_new_tokens)
+    limit = int(data_cfg.max_prompt_tokens) if data_cfg.get("max_prompt_tokens") else None
+    if context is not None:
+        if max_new >= context:
+            raise SetupError(f"data.max_new_tokens={max_new} leaves no room for a prompt in the models' context of "
+                             f"{context} positions; lower data.max_new_tokens")
+        limit = min(limit, context - max_new) if limit else context - max_new
+    if limit is None:
+        return examples
+    too_long = [i for i, e in enumerate(examples) if len(e["prompt_ids"]) > limit]
+    if too_long and not data_cfg.get("truncate_prompts", False):
+        longest = max(len(examples[i]["prompt_ids"]) for i in too_long)
+        raise SetupError(
+            f"{len(too_long)} of {len(examples)} prompts in {what} are longer than {limit} tokens (longest "
+            f"{longest}; context {context}, data.max_new_tokens={max_new}, data.max_prompt_tokens="
+            f"{data_cfg.get('max_prompt_tokens')}). Set data.truncate_prompts=true to keep their last {limit} "
+            "tokens, or lower data.max_new_tokens")
+    return [dict(e, prompt_ids=e["prompt_ids"][-limit:]) for e in examples]
+
+
+def epoch_order(n: int, epoch: int, seed: int, shuffle: bool = True) -> list[int]:
+    """The example order of one epoch, a pure function of (n, epoch, seed): resume needs no saved iterator."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def micro_batch_indices(n: int, micro_step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[int]:
+    """Example indices of global micro-batch ``micro_step`` (epochs wrap around with a fresh order)."""
+    out = []
+    for k in range(micro_step * batch_size, (micro_step + 1) * batch_size):
+        epoch, pos = divmod(k, n)
+        out.append(epoch_order(n, epoch, seed, shuffle)[pos])
+    return out
+
+
+def collate_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) input_ids and attention_mask, as the decoder and rollouts take them."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        att[i, width - len(p):] = 1
+    return ids, att
+
+
+def collate_sequences(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded training batch of prompt + completion.
+
+    Returns input_ids, attention_mask (B, L); labels (B, L) = next token (pad at the end); loss_mask (B, L) = 1 at
+    positions whose next token is a completion token, so prompt and padding contribute nothing to the loss.
+    """
+    width = max(len(e["prompt_ids"]) + len(e["completion_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        seq = list(e["prompt_ids"]) + list(e["completion_ids"])
+        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        att[i, :len(seq)] = 1
+        p = len(e["prompt_ids"])
+        loss_mask[i, p - 1:len(seq) - 1] = 1
+    labels = torch.cat([ids[:, 1:], torch.full((len(examples), 1), pad_id, dtype=torch.long)], dim=1)
+    return {"input_ids": ids, "attention_mask": att, "labels": labels, "loss_mask": loss_mask}
+
+
+# ---- target-generated completions (sequence-level KD), cached with `datasets` ------------------------------------
+
+def cache_key(target_name: str, examples: list[dict], gen_cfg: dict) -> str:
+    """Hash of target, prompts and generation settings: a changed input never reuses a stale cache."""
+    h = hashlib.sha256(json.dumps({"target": target_name, "gen": gen_cfg}, sort_keys=True).encode())
+    for e in examples:
+        h.update(json.dumps(e["prompt_ids"]).encode())
+    return h.hexdigest()[:16]
+
+
+def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cache_dir: str | Path, key: str,
+                         temperature: float, max_new_tokens: int, batch_size: int, shard_size: int, seed: int,
+                         draft: Any = None, num_draft_tokens: int = 4, progress: Any = None) -> Any:
+    """Generate one target completion per prompt with the decoder and cache it as a ``datasets`` dataset.
+
+    Shards of ``shard_size`` prompts are saved as they finish (``cache_dir/shards/NNNNN``), so an interrupted run
+    resumes at the first missing shard. With a ``draft`` the decoder drafts γ tokens per step; its output follows the
+    target's distribution exactly (lossless), it is only faster. Each shard's sampling generator is seeded from
+    (seed, shard index), so resumed and straight runs give the same data.
+
+    Returns the concatenated ``datasets.Dataset`` (columns prompt_ids, completion_ids); also saved at
+    ``cache_dir/dataset`` with ``meta.json`` naming ``key``.
+    """
+    import datasets
+
+    from decode import SpeculativeDecoder
+
+    cache_dir = Path(cache_dir)
+    meta_path = cache_dir / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") != key:
+            raise SetupError(f"target-data cache {cache_dir} was made for other prompts/target/settings (key "
+                             f"{meta.get('key')} != {key}); delete it or set data.target_generated.path elsewhere")
+        if meta.get("complete"):
+            return datasets.load_from_disk(str(cache_dir / "dataset"))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps({"key": key, "complete": False, "num_prompts": len(examples)}))
+    dec = SpeculativeDecoder(target, draft, num_draft_tokens=num_draft_tokens if draft is not None else 0)
+    device = next(target.parameters()).device
+    n_shards = (len(examples) + shard_size - 1) // shard_size
+    shard_dirs = []
+    for s in range(n_shards):
+        shard_dir = cache_dir / "shards" / f"{s:05d}"
+        shard_dirs.append(shard_dir)
+        if (shard_dir / "dataset_info.json").exists():
+            continue
+        rows = examples[s * shard_size:(s + 1) * shard_size]
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + s)
+        completions = []
+        for b in range(0, len(rows), batch_size):
+            ids, att = collate_prompts([r["prompt_ids"] for r in rows[b:b + batch_size]], tokenizer.pad_token_id)
+            out = dec.generate(ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
+                               temperature=temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
+                               num_draft_tokens=num_draft_tokens if draft is not None else 0)
+            completions.extend(t.tolist() for t in out.new_tokens)
+        part = datasets.Dataset.from_dict({"prompt_ids": [r["prompt_ids"] for r in rows],
+                                           "completion_ids": completions})
+        tmp = shard_dir.with_name(shard_dir.name + ".tmp")
+        part.save_to_disk(str(tmp))
+        tmp.rename(shard_dir)  # atomic: a killed run never leaves a half shard that looks done
+        if progress is not None:
+            progress(s + 1, n_shards)
+    full = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in shard_dirs])
+    full.save_to_disk(str(cache_dir / "dataset"))
+    meta_path.write_text(json.dumps({"key": key, "complete": True, "num_prompts": len(examples)}))
+    return full
+
+
+def as_examples(ds: Any) -> list[dict[str, list[int]]]:
+    """A cached ``datasets.Dataset`` (prompt_ids, completion_ids) back to example dicts."""
+    return [{"prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"])} for r in ds]
+
+
+def count_tokens(examples: Iterable[dict]) -> int:
+    """Total completion tokens (the tokens the loss sees)."""
+    return sum(len(e["completion_ids"]) for e in examples)

@@ -1,0 +1,110 @@
+"""Acceptance evaluation of a draft against its target with the bundled speculative decoder.
+
+The loss only stands in for the real objective; this measures it: the acceptance rate α (Σaccepted/Σdrafted),
+the mean accepted length τ (committed tokens per verify step), the accepted-length histogram, and the speedup
+predicted by Leviathan et al. (2023) at the best γ for a measured cost ratio c = draft forward / target forward.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from distill.data import collate_prompts
+
+SELECT_KEYS = ("acceptance_rate", "predicted_speedup")
+
+
+@torch.no_grad()
+def measure_cost_ratio(target: Any, draft: Any, seq_len: int = 32, reps: int = 5, vocab: int | None = None) -> float:
+    """c = median draft forward time / median target forward time on one (1, seq_len) sequence, after a warm-up.
+
+    A rough stand-in for the per-token decode cost ratio: it ignores KV-cache reuse but keeps the ratio of the
+    models' sizes on this hardware, which is what the γ choice needs. Pass ``eval.cost_ratio`` to fix it instead.
+    """
+    device = next(target.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab or 2, (1, seq_len), generator=g).to(device)
+
+    def timed(model: Any) -> float:
+        was_training = model.training
+        model.eval()
+        times = []
+        for i in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first call pays for lazy init
+                times.append(time.perf_counter() - t0)
+        model.train(was_training)
+        return sorted(times)[len(times) // 2]
+
+    return timed(draft) / max(timed(target), 1e-9)
+
+
+@torch.no_grad()
+def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer: Any, temperatures: list[float],
+                    num_draft_tokens: int = 4, max_new_tokens: int = 32, batch_size: int = 8, seed: int = 0,
+                    cost_ratio: float | None = None, max_gamma: int = 8) -> dict[str, Any]:
+    """α, τ, accepted-length histogram and predicted speedup of ``draft`` for ``target``, per temperature.
+
+    Args:
+        target, draft: causal LMs (the draft unwrapped from DDP/peft wrappers is fine, peft models work as is).
+        prompts: token-id lists (held-out prompts, chat template already applied).
+        tokenizer: the shared tokenizer (eos, pad, and the decoder's compatibility check).
+        temperatures: sampling temperatures; 0 is greedy.
+        num_draft_tokens: γ used for the measurement.
+        seed: seeds the decoder's generator for each temperature, so evaluations are repeatable.
+        cost_ratio: c; measured with :func:`measure_cost_ratio` when None.
+        max_gamma: largest γ considered for the best-γ prediction.
+
+    Returns:
+        ``{"per_temperature": {"0.0": {acceptance_rate, mean_accepted_length, accepted_length_histogram,
+        acceptance_by_position, best_gamma, predicted_speedup, num_new_tokens}, ...}, "cost_ratio": c,
+        "acceptance_rate": mean α over temperatures, "mean_accepted_length": mean τ,
+        "predicted_speedup": mean predicted speedup}``.
+    """
+    from decode import DecodeStats, SpeculativeDecoder
+    from decode.speedup import best_gamma, predicted_speedup
+
+    if not prompts:
+        raise ValueError("acceptance_eval needs at least one prompt")
+    device = next(target.parameters()).device
+    was_training = draft.training
+    draft.eval()
+    try:
+        if cost_ratio is None:
+            cost_ratio = measure_cost_ratio(target, draft, vocab=len(tokenizer))
+        dec = SpeculativeDecoder(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer)
+        per_t = {}
+        for temperature in temperatures:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            stats = []
+            for b in range(0, len(prompts), batch_size):
+                ids, att = collate_prompts(prompts[b:b + batch_size], tokenizer.pad_token_id)
+                out = dec.generate(ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
+                                   temperature=float(temperature), eos_token_id=tokenizer.eos_token_id,
+                                   generator=gen)
+                stats.append(out.stats)
+            s = DecodeStats.merge(stats)
+            alpha = float(s.acceptance_rate)
+            g = best_gamma(min(max(alpha, 0.0), 1.0), cost_ratio, max_gamma=max_gamma, min_gamma=1)
+            per_t[str(float(temperature))] = {
+                "acceptance_rate": alpha,
+                "mean_accepted_length": float(s.mean_accepted_length),
+                "accepted_length_histogram": list(s.accepted_length_histogram),
+                "acceptance_by_position": list(s.acceptance_by_position),
+                "best_gamma": g,
+                "predicted_speedup": predicted_speedup(min(max(alpha, 0.0), 1.0), g, cost_ratio),
+                "num_new_tokens": int(s.num_new_tokens),
+            }
+    finally:
+        draft.train(was_training)
+    mean = lambda key: sum(v[key] for v in per_t.values()) / len(per_t)  # noqa: E731
+    return {"per_temperature": per_t, "cost_ratio": float(cost_ratio), "num_draft_tokens": num_draft_tokens,
+            "acceptance_rate": mean("acceptance_rate"), "mean_accepted_length": mean("mean_accepted_length"),
+            "predicted_speedup": mean("predicted_speedup")}

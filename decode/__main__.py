@@ -1,0 +1,120 @@
+"""``python -m decode generate|bench|serve``: the speculative decoder's command line."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _gamma(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        g = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--num-draft-tokens must be an integer >= 0 or 'auto', got {value!r}")
+    if g < 0:
+        raise argparse.ArgumentTypeError(f"--num-draft-tokens must be >= 0, got {g}")
+    return g
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decode generate",
+                                description="Stream a speculative completion of one prompt and print its metrics.")
+    p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
+    p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
+    p.add_argument("--num-draft-tokens", "-g", type=_gamma, default=4, help="γ, or 'auto' (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    import json
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from transformers import TextStreamer
+
+    from decode import SpeculativeDecoder
+    from decode.loading import default_device, load_causal_lm, load_tokenizer
+
+    device = args.device or default_device()
+    target = load_causal_lm(args.target, "target", args.dtype, device)
+    tok = load_tokenizer(args.tokenizer or args.target)
+    draft = load_causal_lm(args.draft, "draft", args.dtype, device) if args.draft else None
+    gamma = args.num_draft_tokens if draft is not None else 0
+    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise SystemExit("error: --chat given but the tokenizer has no chat template")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = tok(prompt)["input_ids"]
+    streamer = TextStreamer(tok, skip_prompt=False)
+    out = dec.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, eos_token_id=tok.eos_token_id, streamer=streamer,
+                       generator=torch.Generator(device=device).manual_seed(args.seed))
+    s = out.stats
+    metrics = {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens, "acceptance_rate": s.acceptance_rate,
+               "mean_accepted_length": s.mean_accepted_length, "acceptance_by_position": s.acceptance_by_position,
+               "ttft_s": s.ttft_s, "per_token_latency_s": s.per_token_latency_s, "tokens_per_s": s.tokens_per_s,
+               "peak_memory_bytes": s.peak_memory_bytes}
+    if args.json:
+        print(json.dumps(metrics))
+        return 0
+    table = Table(title="speculative decoding metrics")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else
+                      (f"{v:.4g}" if isinstance(v, float) else str(v)))
+    Console(stderr=True).print(table)
+    return 0
+
+
+COMMANDS = {
+    "generate": ("decode.__main__", "cmd_generate", "stream a completion and print α, τ, TTFT, latency, memory"),
+    "bench": ("decode.bench", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
+    "serve": ("decode.server", "main", "HTTP server over the decoder"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m decode {generate,bench,serve} [options]\n")
+        for name, (_, _, help_) in COMMANDS.items():
+            print(f"  {name:10s} {help_}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as err:
+        print(f"error: the {name!r} command is not available ({err})", file=sys.stderr)
+        return 2
+    try:
+        return fn(rest) or 0
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

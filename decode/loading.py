@@ -1,0 +1,62 @@
+"""Load a target/draft pair and its tokenizer from local paths or hub ids, with clear errors."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
+
+
+def resolve_dtype(name: str | torch.dtype) -> Any:
+    """``"float32" | "bfloat16" | "float16" | "auto"`` (or a torch.dtype) -> the value for ``from_pretrained``."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype = "float32",
+                   device: str | None = None) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` looks like a local path (contains a path separator or starts with
+            ``.``) but does not exist, or it could not be loaded from the hub (e.g. offline), naming the role.
+    """
+    from transformers import AutoModelForCausalLM
+
+    looks_local = os.sep in name_or_path or name_or_path.startswith(".")
+    if looks_local and not os.path.isdir(name_or_path):
+        raise FileNotFoundError(f"{role} path {name_or_path!r} does not exist; pass a directory written by "
+                                "save_pretrained (or a hub id when online)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=resolve_dtype(dtype))
+    except OSError as err:
+        raise FileNotFoundError(
+            f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
+            f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
+        ) from err
+    model.eval().requires_grad_(False)
+    if device:
+        model.to(device)
+    return model
+
+
+def load_tokenizer(name_or_path: str, role: str = "tokenizer") -> Any:
+    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
+                                "the model (tokenizer.save_pretrained) or pass --tokenizer PATH.") from err
+
+
+def default_device() -> str:
+    """``"cuda"`` when available, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

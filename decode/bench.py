@@ -332,20 +332,23 @@ class _FirstTokenTimer:
 
 
 def hf_generation_config(target, cfg: BenchConfig, temperature: float, eos, pad_id: int):
-    """The ``GenerationConfig`` of the HF baseline: the target's own, with our sampler's settings.
+    """The ``GenerationConfig`` of the HF baseline, set to sample exactly what our decoder samples.
 
-    Sampling is from the full softmax at ``temperature`` (HF's top_k=50 default would change the distribution);
-    greedy when temperature is 0. ``eos`` None means never stop early (``cfg.ignore_eos``).
+    HF fills every unset (None) field from the checkpoint's ``generation_config`` (which may carry e.g.
+    temperature 0.6, top_p 0.9 or a repetition penalty) and then from its global defaults (top_k=50). So every
+    logits processor that would change the distribution is set explicitly to neutral: full softmax at
+    ``temperature``, greedy at 0. ``eos`` None means never stop early; it becomes ``[]``, since None would be
+    filled with the checkpoint's EOS.
     """
     from transformers import GenerationConfig
 
-    gc = GenerationConfig.from_dict(target.generation_config.to_dict())
-    gc.max_new_tokens, gc.pad_token_id, gc.eos_token_id = cfg.max_new_tokens, pad_id, eos
-    gc.min_new_tokens = gc.min_length = gc.max_length = None
+    gc = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
+        eos_token_id=[] if eos is None else eos, do_sample=temperature > 0,
+        repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+    )
     if temperature > 0:
-        gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, float(temperature), 0, 1.0
-    else:
-        gc.do_sample, gc.temperature, gc.top_k, gc.top_p = False, None, None, None
+        gc.temperature, gc.top_k, gc.top_p, gc.min_p = float(temperature), 0, 1.0, 0.0
     if cfg.hf_num_assistant_tokens is not None:
         gc.num_assistant_tokens = cfg.hf_num_assistant_tokens
     return gc
@@ -433,7 +436,7 @@ def _strip(records: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------------------------------- the benchmark
 def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[str | None], cfg: BenchConfig,
                   pad_token_id: int, eos_token_id=None, prompt_names: list[str] | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, tokenizer=None, draft_tokenizer=None) -> dict[str, Any]:
     """Run every method on every prompt (interleaved), measure c, and pool into the results dict.
 
     Args:
@@ -445,6 +448,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         eos_token_id: int, list of ints, or None; generation stops there unless ``cfg.ignore_eos``.
         prompt_names: ids of the prompts, stored with the per-prompt records.
         progress: show a rich progress bar.
+        tokenizer, draft_tokenizer: optional; passed to the decoder, which then checks them and limits sampling
+            to the tokenizer's vocabulary (lm_head padding rows never sampled).
 
     Returns:
         the results dict described in docs/bench.md (without ``plots``; ``write_outputs`` adds them).
@@ -461,8 +466,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         raise ValueError(f"{len(categories)} categories for {len(prompt_ids)} prompts")
     device = next(target.parameters()).device
     eos = None if cfg.ignore_eos else eos_token_id
-    decoder = SpeculativeDecoder(target, draft, num_draft_tokens=max(cfg.gammas or [1]),
-                                 max_auto_draft_tokens=cfg.auto_max_gamma)
+    decoder = SpeculativeDecoder(target, draft, num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer,
+                                 draft_tokenizer=draft_tokenizer, max_auto_draft_tokens=cfg.auto_max_gamma)
     log = _StepLog(decoder)
     methods = build_methods(cfg)
     cost = measure_cost_ratio(target, draft, _cost_context(prompt_ids, cfg, device), cfg.cost_repeats)
@@ -886,10 +891,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
     tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft])
+    draft_tokenizer = None
+    if not args.tokenizer and Path(args.draft).is_dir() and (Path(args.draft) / "tokenizer_config.json").exists():
+        draft_tokenizer = _load_tokenizer([args.draft])
     target, draft = _load_model(args.target, device, dtype), _load_model(args.draft, device, dtype)
     from decode.compat import check_compatibility
 
-    check_compatibility(target, draft, target_tokenizer=tokenizer)
+    # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.
+    check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     positions = [p for p in (_max_positions(target), _max_positions(draft)) if p]
     max_prompt = None
     if positions:
@@ -906,7 +915,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if eos is None:
         eos = tokenizer.eos_token_id
     results = run_benchmark(target, draft, prompt_ids, [p.category for p in prompts], cfg, pad_token_id=pad,
-                            eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=sys.stderr.isatty())
+                            eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=sys.stderr.isatty(),
+                            tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     paths = write_outputs(results, args.out)
     render_tables(results)
     from rich.console import Console

@@ -214,3 +214,23 @@ def test_config_validation_messages():
         BenchConfig(gammas=[], auto=False).validate()
     with pytest.raises(ValueError, match="temperatures"):
         BenchConfig(temperatures=[math.nan]).validate()
+
+
+def test_eos_handling_is_the_same_for_every_method():
+    """With an EOS every method stops where plain greedy decoding stops; with ignore_eos none stops early, even
+    though the checkpoint's generation_config names that EOS (HF would otherwise fill it in)."""
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target)
+    prompt = [1, 5, 6, 7]
+    cfg = BenchConfig(gammas=[2], auto=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=10,
+                      cost_repeats=3, warmup=False)
+    free = run_benchmark(target, draft, [prompt], [None], cfg, pad_token_id=0, progress=False)
+    eos = free["records"]["0.0/plain"][0]["new_tokens"][3]  # a token plain greedy emits 4th
+    target.generation_config.eos_token_id = eos
+    stopped = run_benchmark(target, draft, [prompt], [None], cfg, pad_token_id=0, eos_token_id=eos, progress=False)
+    ignored = run_benchmark(target, draft, [prompt], [None], BenchConfig(**{**cfg.__dict__, "ignore_eos": True}),
+                            pad_token_id=0, eos_token_id=eos, progress=False)
+    cut = free["records"]["0.0/plain"][0]["new_tokens"].index(eos) + 1
+    for name in ("plain", "spec_g2", "hf_target", "hf_assisted"):
+        assert len(stopped["records"][f"0.0/{name}"][0]["new_tokens"]) == cut, name
+        assert len(ignored["records"][f"0.0/{name}"][0]["new_tokens"]) == cfg.max_new_tokens, name

@@ -195,12 +195,7 @@ def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None
 
     Returns None when nothing was drafted.
     """
-    accepted = rejections = 0
-    for gamma, n_acc in steps:
-        if gamma > 0:
-            accepted += sum(n_acc)
-            rejections += sum(n < gamma for n in n_acc)
-    return accepted / (accepted + rejections) if accepted + rejections else None
+    return _alpha(_step_counts(steps))
 
 
 def _step_counts(steps) -> dict[str, int]:
@@ -213,6 +208,11 @@ def _step_counts(steps) -> dict[str, int]:
             out["drafting_steps"] += len(n_acc)
             out["gamma_sum"] += gamma * len(n_acc)
     return out
+
+
+def _alpha(counts: dict[str, int]) -> float | None:
+    n = counts["accepted"] + counts["rejections"]
+    return counts["accepted"] / n if n else None
 
 
 class _StepLog:
@@ -361,11 +361,6 @@ def _merge_stats(stats_list):
     merged = DecodeStats.merge(list(stats_list))
     merged.step_counts = {k: sum(s.step_counts[k] for s in stats_list) for k in _step_counts([])}
     return merged
-
-
-def _alpha(counts: dict[str, int]) -> float | None:
-    n = counts["accepted"] + counts["rejections"]
-    return counts["accepted"] / n if n else None
 
 
 def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma,
@@ -834,34 +829,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_tokenizer(paths: list[str]):
-    from transformers import AutoTokenizer
+    from decode.loading import load_tokenizer
 
-    errors = []
-    for path in paths:
+    for i, path in enumerate(paths):
         try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # noqa: BLE001 - try the next candidate; all failures are reported together
-            errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    raise FileNotFoundError("no tokenizer could be loaded (" + "; ".join(errors) + "); pass --tokenizer PATH")
-
-
-def _load_model(path: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    if os.path.sep in path or path.startswith("."):
-        if not Path(path).exists():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    return model
+            return load_tokenizer(path)
+        except FileNotFoundError:
+            if i == len(paths) - 1:
+                raise
 
 
 def _max_positions(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """CLI entry point (``python -m decode bench ...``); returns the results dict."""
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point (``python -m decode bench ...``); returns the exit status."""
+    run_cli(argv)
+    return 0
+
+
+def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv``, validate everything before loading models, run the benchmark, write outputs, print tables.
+
+    Returns:
+        the results dict (also written to ``--out``/results.json).
+
+    Raises:
+        ValueError: bad γ list, temperatures, batch sizes, prompt set, or a prompt budget that cannot fit.
+        FileNotFoundError: missing target/draft/tokenizer/prompt file.
+        decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -894,7 +892,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     draft_tokenizer = None
     if not args.tokenizer and Path(args.draft).is_dir() and (Path(args.draft) / "tokenizer_config.json").exists():
         draft_tokenizer = _load_tokenizer([args.draft])
-    target, draft = _load_model(args.target, device, dtype), _load_model(args.draft, device, dtype)
+    from decode.loading import load_causal_lm
+
+    target = load_causal_lm(args.target, "target", dtype, str(device))
+    draft = load_causal_lm(args.draft, "draft", dtype, str(device))
     from decode.compat import check_compatibility
 
     # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.
@@ -926,4 +927,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from decode.bench import (SCHEMA_VERSION, BenchConfig, alpha_from_steps, build_methods, main, parse_gammas,
+from decode.bench import (SCHEMA_VERSION, BenchConfig, alpha_from_steps, build_methods, parse_gammas, run_cli,
                           run_benchmark, validate_results, write_outputs)
 from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
 from tests.conftest import perturbed_copy, tiny_llama
@@ -167,16 +167,26 @@ def saved_pair(tmp_path_factory):
     return root
 
 
-def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path):
+def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
+    from decode.__main__ import main as decode_main
+
     out = tmp_path / "bench"
-    results = main(["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
-                    "--prompts", "mt_bench", "--limit", "2", "--max-new-tokens", "4", "--gammas", "2",
-                    "--temperatures", "0", "--batch-sizes", "1,2", "--cost-repeats", "3", "--out", str(out)])
-    validate_results(json.loads((out / "results.json").read_text()))
+    status = decode_main(["bench", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                          "--prompts", "mt_bench", "--limit", "2", "--max-new-tokens", "4", "--gammas", "2",
+                          "--temperatures", "0", "--batch-sizes", "1,2", "--cost-repeats", "3", "--out", str(out)])
+    assert status == 0
+    results = json.loads((out / "results.json").read_text())
+    validate_results(results)
     assert (out / "speedup_vs_gamma.png").exists()
     assert results["prompts"]["count"] == 2 and set(results["prompts"]["categories"]) == {"writing", "roleplay"}
     assert {r["method"] for r in results["runs"]} == {"plain", "spec_g2", "spec_auto", "hf_target", "hf_assisted"}
     assert results["config"]["target"] == str(saved_pair / "target")
+    printed = capsys.readouterr().out
+    assert "cost ratio c =" in printed and "hf_assisted" in printed
+    # Bad input through the dispatcher: exit status 2 and the message, no traceback.
+    assert decode_main(["bench", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                        "--prompts", "humaneva"]) == 2
+    assert "unknown prompt set 'humaneva'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, message", [
@@ -195,15 +205,15 @@ def test_gamma_list_with_auto():
 def test_cli_bad_input_fails_before_loading_models(saved_pair, tmp_path):
     pair = ["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--out", str(tmp_path)]
     with pytest.raises(ValueError, match="unknown prompt set 'humaneva'"):
-        main(pair + ["--prompts", "humaneva"])
+        run_cli(pair + ["--prompts", "humaneva"])
     with pytest.raises(FileNotFoundError, match="--target .*missing does not exist"):
-        main(["--target", str(tmp_path / "missing"), "--draft", str(saved_pair / "draft"), "--out", str(tmp_path)])
+        run_cli(["--target", str(tmp_path / "missing"), "--draft", str(saved_pair / "draft"), "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="bad γ"):
-        main(pair + ["--gammas", "1,two"])
+        run_cli(pair + ["--gammas", "1,two"])
     with pytest.raises(ValueError, match="temperatures must be >= 0"):
-        main(pair + ["--temperatures", "0,-1"])
+        run_cli(pair + ["--temperatures", "0,-1"])
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
-        main(pair + ["--batch-sizes", "0"])
+        run_cli(pair + ["--batch-sizes", "0"])
     assert not (tmp_path / "results.json").exists()
 
 

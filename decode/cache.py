@@ -92,30 +92,42 @@ def _gather_slots(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.gather(2, order[:, None, :, None].expand(B, H, order.shape[-1], D))
 
 
-def compact(cache: Any, mask: torch.Tensor) -> torch.Tensor:
-    """Remove every hole from the cache, right-aligning each row's valid slots; returns the new ``(B, W')`` mask
-    with ``W' = max_b valid_b``. Slot order within a row is kept, so attention results are unchanged.
+def crop(cache: Any, width: int) -> None:
+    """Keep the first ``width`` slots of every layer (drop trailing slots, in place)."""
+    for layer in _layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :width, :]
+            layer.values = layer.values[..., :width, :]
 
-    Cost: nothing when there are no holes; a crop when all holes are trailing; else a gather of every layer.
+
+def compact(cache: Any, mask: torch.Tensor, counts: list[int], trailing_holes: int | None = None) -> torch.Tensor:
+    """Remove the holes from the cache and return the new mask; slot order within a row is kept, so attention
+    results are unchanged.
+
+    Args:
+        cache: DynamicCache of width W; mask: ``(B, W)`` its valid slots.
+        counts: valid slots per row, known on the host (so this makes no device-to-host sync).
+        trailing_holes: if given, every row's holes are these last columns (always so at batch size 1) and
+            rows were right-aligned before them: a crop suffices.
+
+    Returns:
+        the ``(B, W')`` mask; rows right-aligned. Cost: nothing without holes; a crop for ``trailing_holes``;
+        else one gather of every layer, giving ``W' = max(counts)``.
     """
-    counts = mask.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
     W = mask.shape[-1]
-    if width == W and bool((mask == 1).all()):
+    width = max(counts) if counts else 0
+    if trailing_holes is not None:
+        if trailing_holes > 0:
+            crop(cache, W - trailing_holes)
+            return mask[:, : W - trailing_holes]
         return mask
-    cols = torch.arange(W, device=mask.device)
-    # Trailing-holes-only and rows already right-aligned up to a common cut: crop.
-    cut_mask = mask[:, :width]
-    if bool((mask[:, width:] == 0).all()) and bool((cut_mask == (cols[:width] >= width - counts[:, None])).all()):
-        for layer in _layers(cache):
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys[..., :width, :]
-                layer.values = layer.values[..., :width, :]
-        return cut_mask.contiguous()
-    # General case: stable sort puts holes first and keeps the order of valid slots.
+    if width == W and min(counts) == W:
+        return mask
+    # Stable sort puts holes first and keeps the order of valid slots.
     order = torch.sort(mask, dim=-1, stable=True).indices[:, W - width:]  # (B, W')
     for layer in _layers(cache):
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
-    return (torch.arange(width, device=mask.device) >= width - counts[:, None]).long()
+    counts_t = torch.tensor(counts, device=mask.device)
+    return (torch.arange(width, device=mask.device) >= width - counts_t[:, None]).long()

@@ -58,6 +58,10 @@ class DecodeState:
     draft_in_mask: torch.Tensor          # (B, k) which of draft_in are real
     committed: list[list[int]] = field(default_factory=list)  # per active row: prompt + new tokens
     num_new: list[int] = field(default_factory=list)
+    # Host-side bookkeeping, so cache maintenance needs no device-to-host sync:
+    target_len: list[int] = field(default_factory=list)     # valid target-cache slots per row
+    draft_len: list[int] = field(default_factory=list)      # valid draft-cache slots per row
+    draft_pending: list[int] = field(default_factory=list)  # real tokens in draft_in per row (right-aligned)
 
 
 def _context_length(model: Any) -> int | None:
@@ -148,10 +152,9 @@ class SpeculativeDecoder:
             ids[b, T - len(p):] = torch.tensor(p)
             mask[b, T - len(p):] = 1
         ids, mask = ids.to(device), mask.to(device)
-        # The prefix without the last token; columns that are padding in every row are dropped.
+        # Everything but each prompt's last token (the longest prompt fills the width, so no column is all padding).
         pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
-        keep = int(pre_mask.sum(-1).max())
-        pre_ids, pre_mask = pre_ids[:, pre_ids.shape[1] - keep:], pre_mask[:, pre_mask.shape[1] - keep:]
+        keep = T - 1
         models = [(self.target, "target")] + ([(self.draft, "draft")] if self.draft is not None and use_draft else [])
         caches, masks = {}, {}
         for model, name in models:
@@ -166,15 +169,15 @@ class SpeculativeDecoder:
             rows=list(range(B)), target_cache=caches["target"], target_mask=masks["target"],
             draft_cache=caches.get("draft"), draft_mask=masks.get("draft", pre_mask[:, :0]), last=last,
             draft_in=draft_in, draft_in_mask=draft_in_mask, committed=[list(p) for p in prompts], num_new=[0] * B,
+            target_len=[len(p) - 1 for p in prompts], draft_len=[len(p) - 1 for p in prompts], draft_pending=[1] * B,
         )
 
     # ------------------------------------------------------------------ one step
     def _draft(self, state: DecodeState, gamma: int, sampling: dict, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``."""
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
-        needed = state.draft_in_mask.any(0).nonzero()
-        first = int(needed[0]) if len(needed) else state.draft_in.shape[1] - 1
-        inp, inp_mask = state.draft_in[:, first:], state.draft_in_mask[:, first:]
+        width = max(state.draft_pending)
+        inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
         tokens, probs = [], []
         for i in range(gamma):
             logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, inp, inp_mask,
@@ -213,6 +216,7 @@ class SpeculativeDecoder:
             timings["draft_s"], timings["target_s"] = t1 - t0, time.perf_counter() - t1
 
         # Roll back: rejected slots leave the mask; both caches then drop them.
+        n_list = [row[gamma] for row in host]
         pos = torch.arange(gamma, device=device)
         if gamma > 0:
             state.target_mask[:, state.target_mask.shape[1] - gamma:] = (pos < n_acc[:, None]).long()
@@ -222,15 +226,22 @@ class SpeculativeDecoder:
             all_acc = n_acc == gamma
             state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
             state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
+            fed_pending = state.draft_pending
+            state.target_len = [t + 1 + n for t, n in zip(state.target_len, n_list)]
+            state.draft_len = [d + p + min(n, fed) for d, p, n in zip(state.draft_len, fed_pending, n_list)]
+            state.draft_pending = [2 if n == gamma else 1 for n in n_list]
+            same = len(set(n_list)) == 1
+            t_holes = gamma - n_list[0] if same else None
+            d_holes = fed - min(n_list[0], fed) if same and len(set(fed_pending)) == 1 else None
+            state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len, t_holes)
+            state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len, d_holes)
         else:
             # Plain step: the draft did not see this token either; it catches up in its next forward.
             state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
             state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
+            state.draft_pending = [p + 1 for p in state.draft_pending]
+            state.target_len = [t + 1 for t in state.target_len]
         state.last = nxt
-        state.target_mask = kv.compact(state.target_cache, state.target_mask)
-        if gamma > 0:
-            state.draft_mask = kv.compact(state.draft_cache, state.draft_mask)
-        n_list = [row[gamma] for row in host]
         new = [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
         return n_list, new
 
@@ -242,11 +253,13 @@ class SpeculativeDecoder:
         if state.draft_cache is not None:
             kv.select_rows(state.draft_cache, idx)
         state.rows = [state.rows[i] for i in keep]
-        state.committed = [state.committed[i] for i in keep]
-        state.num_new = [state.num_new[i] for i in keep]
-        state.target_mask = kv.compact(state.target_cache, state.target_mask)
-        if state.draft_cache is not None:
-            state.draft_mask = kv.compact(state.draft_cache, state.draft_mask)
+        for name in ("committed", "num_new", "target_len", "draft_len", "draft_pending"):
+            setattr(state, name, [getattr(state, name)[i] for i in keep])
+        # Drop the leading columns that only the removed rows used.
+        if max(state.target_len) < state.target_mask.shape[1]:
+            state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len)
+        if state.draft_cache is not None and max(state.draft_len) < state.draft_mask.shape[1]:
+            state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()

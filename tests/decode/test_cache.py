@@ -84,9 +84,19 @@ def test_compact_right_aligns_and_keeps_order():
     keys = torch.arange(2 * 1 * 5 * 1, dtype=torch.float64).view(2, 1, 5, 1)
     cache.update(keys.clone(), keys.clone() + 100, 0)
     mask = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0]])
-    new_mask = kv.compact(cache, mask)
+    new_mask = kv.compact(cache, mask, counts=[3, 2])
     assert new_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
     layer = cache.layers[0]
     assert layer.keys[0, 0, :, 0].tolist() == [0, 2, 3]
     assert layer.keys[1, 0, 1:, 0].tolist() == [6, 7]
     assert layer.values[1, 0, 1:, 0].tolist() == [106, 107]
+
+
+def test_compact_crop_path_for_uniform_trailing_holes():
+    cache = kv.new_cache(tiny_llama())
+    keys = torch.arange(2 * 1 * 5 * 1, dtype=torch.float64).view(2, 1, 5, 1)
+    cache.update(keys.clone(), keys.clone(), 0)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 0, 0]])
+    new_mask = kv.compact(cache, mask, counts=[3, 2], trailing_holes=2)
+    assert new_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert kv.cache_width(cache) == 3 and cache.layers[0].keys[1, 0, :, 0].tolist() == [5, 6, 7]

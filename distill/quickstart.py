@@ -1,0 +1,415 @@
+"""The toolkit's main job end to end, offline, in one command: bootstrap a target on real code, pretrain a baseline
+draft, distill it against the target, export it, and measure both drafts on held-out real prompts.
+
+    scripts/quickstart.sh                  # installs, then: python -m distill.quickstart
+    python -m distill.quickstart --smoke   # the same path in about a minute (CI end-to-end test)
+
+Phases (each reuses its artifact under ``--out`` when present; the commands are printed so each can be rerun alone):
+
+1. tokenizer  ``python -m distill pretrain --tokenizer-only``: byte-level BPE on the stdlib train split.
+2. target     ``python -m distill pretrain --size target``: Llama from scratch, wall-clock budgeted.
+3. draft      ``python -m distill pretrain --size draft``: the baseline draft, plain next-token cross-entropy.
+4. distill    ``python -m distill train +experiment=quickstart``: the recipe, starting from the baseline draft.
+5. export     ``python -m distill export``: a plain Hugging Face checkpoint of the distilled draft.
+6. eval       in this process: α, τ, tokens/s and speedup over plain target decoding for the baseline and the
+              exported distilled draft, at each temperature, on HumanEval, MBPP and held-out stdlib prompts.
+
+Measurement (see ``evaluate``): every run goes through ``decode.SpeculativeDecoder``; plain decoding is the same
+engine with ``num_draft_tokens=0``. For each prompt, plain, baseline and distilled runs follow each other (order
+rotated per prompt) with the same generator seed, so machine drift hits all three alike. Speedup is pooled
+tokens/s of a draft over pooled tokens/s of plain decoding on the same prompts and temperature. α = Σaccepted /
+Σdrafted, τ = mean tokens committed per verify step (Leviathan et al., 2023).
+
+Settings live in ``conf/experiment/quickstart.yaml`` (``quickstart_smoke.yaml`` for ``--smoke``), under the
+``quickstart:`` key; the rest of that file configures ``python -m distill train``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_FILE = "results.json"
+MODES = ("plain", "baseline", "distilled")
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
+    """The ``quickstart:`` section of ``conf/experiment/<experiment>.yaml`` with ``key=value`` overrides applied
+    (keys relative to that section, e.g. ``eval.max_new_tokens=32``).
+
+    Raises:
+        FileNotFoundError: no such experiment file.
+        KeyError: the file has no ``quickstart:`` section.
+    """
+    from omegaconf import OmegaConf
+
+    path = REPO / "conf" / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --experiment names a file in conf/experiment/")
+    raw = OmegaConf.load(path)
+    if "quickstart" not in raw:
+        raise KeyError(f"{path} has no 'quickstart:' section; it is not a quickstart experiment")
+    return OmegaConf.merge(raw.quickstart, OmegaConf.from_dotlist(list(overrides)))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               WANDB_MODE=env.get("WANDB_MODE", "offline"), WANDB_SILENT="true")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None) -> bool:
+    """Run one phase's command and record command, seconds and status; True on success.
+
+    ``cmd`` runs as a subprocess (output streamed), or, given ``in_process``, as ``in_process(cmd[4:])`` in this
+    process (``python -m distill pretrain`` phases: saves the seconds of importing torch and transformers again).
+    """
+    console.rule(f"[bold]{name}")
+    console.print("$ " + shlex.join(["python"] + cmd[1:]), markup=False, highlight=False)
+    t0 = time.time()
+    if in_process is None:
+        rc = subprocess.run(cmd, cwd=REPO, env=_env()).returncode
+    else:
+        try:
+            in_process(cmd[4:])
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001 - report and let main() decide, like a failed subprocess
+            console.print_exception()
+            rc = 1
+    phases[name] = {"command": shlex.join(["python"] + cmd[1:]), "seconds": round(time.time() - t0, 1),
+                    "status": "ok" if rc == 0 else f"failed (exit {rc})"}
+    return rc == 0
+
+
+def _pretrain_cmd(qs, out: Path, which: str) -> list[str]:
+    cmd = [sys.executable, "-m", "distill", "pretrain", "--tokenizer", str(out / "tokenizer"), "--corpus", qs.corpus,
+           "--vocab-size", str(qs.vocab_size)]
+    if which == "tokenizer":
+        return cmd + ["--tokenizer-only"]
+    p = qs[which]
+    cmd += ["--out", str(out / p.dir), "--size", p.size, "--budget-s", str(p.budget_s), "--batch-size",
+            str(p.batch_size), "--seq-len", str(p.seq_len), "--lr", str(p.lr), "--val-tokens", str(p.val_tokens)]
+    if qs.get("threads"):
+        cmd += ["--threads", str(qs.threads)]
+    return cmd
+
+
+def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
+    run_dir = out / qs.distill.dir
+    cmd = [sys.executable, "-m", "distill", "train", f"+experiment={experiment}",
+           f"++target.name_or_path={out / qs.target.dir}", f"draft.name_or_path={out / qs.draft.dir}",
+           f"train.output_dir={run_dir}"]
+    if run_dir.is_dir() and any(run_dir.glob("step_*")):
+        cmd.append("train.resume=true")  # an interrupted run continues where it stopped
+    return cmd + list(extra)
+
+
+def _distilled_checkpoint(qs, out: Path) -> Path | None:
+    """The recipe's checkpoint to export: ``best/`` (highest α on its held-out windows) else the last step."""
+    run_dir = out / qs.distill.dir
+    best = run_dir / "best"
+    if best.is_dir():
+        return best
+    steps = sorted(run_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]) if p.name[5:].isdigit() else -1)
+    return steps[-1] if steps else None
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    """``(set_name, token_ids)`` for the first ``n`` prompts of each set, keeping each prompt's last
+    ``max_prompt_tokens`` tokens (the end is what the model continues; the target was trained on short windows)."""
+    from distill.corpus import load_prompts
+
+    out = []
+    for name, n in sets.items():
+        for text in load_prompts(name, int(n)):
+            out.append((name, tokenizer(text)["input_ids"][-max_prompt_tokens:]))
+    return out
+
+
+def _load_lm(path: str | Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().requires_grad_(False)
+
+
+def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, console=None) -> dict:
+    """Measure each draft against the target on held-out prompts, interleaved with plain target decoding.
+
+    Args:
+        target_dir: Hugging Face checkpoint of the target (its tokenizer is used for every model).
+        drafts: name -> draft checkpoint, e.g. {"baseline": ..., "distilled": ...}.
+        ecfg: ``quickstart.eval`` settings: prompt_sets {name: n}, temperatures, num_draft_tokens (γ),
+            max_new_tokens, max_prompt_tokens, seed.
+        console: rich console for the progress bar (None: a new one).
+
+    Returns:
+        dict with ``rows`` (one per temperature x prompt set, plus "all": plain tokens/s and, per draft, α, τ,
+        tokens/s, speedup, predicted speedup), ``cost_ratio`` per draft, ``greedy_lossless`` (greedy speculative
+        outputs that equal plain greedy outputs / total) and the settings.
+
+    Raises:
+        decode.compat.IncompatibleModelsError: a draft does not share the target's vocabulary.
+    """
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from transformers import AutoTokenizer
+
+    from decode import DecodeStats, SpeculativeDecoder
+
+    console = console or Console()
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = _load_lm(target_dir)
+    models = {name: _load_lm(path) for name, path in drafts.items()}
+    gamma = int(ecfg.num_draft_tokens)
+    decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0)}
+    for name, model in models.items():
+        decoders[name] = SpeculativeDecoder(target, model, num_draft_tokens=gamma, tokenizer=tokenizer,
+                                            draft_tokenizer=tokenizer)
+    prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), int(ecfg.max_prompt_tokens))
+    temps = [float(t) for t in ecfg.temperatures]
+    new = int(ecfg.max_new_tokens)
+    modes = list(decoders)
+
+    def generate(mode, ids, temperature, seed):
+        # eos is not a stop: every run generates max_new_tokens, so tokens/s compares equal amounts of work.
+        gen = torch.Generator().manual_seed(seed)
+        return decoders[mode].generate(torch.tensor([ids]), max_new_tokens=new, temperature=temperature,
+                                       generator=gen, num_draft_tokens=0 if mode == "plain" else gamma)
+
+    for mode in modes:  # untimed: the first call of each model pays for lazy initialisation
+        generate(mode, prompts[0][1][-16:], 0.0, 0)
+    records: list[dict] = []
+    lossless = [0, 0]
+    columns = (TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("", total=len(temps) * len(prompts) * len(modes))
+        for temperature in temps:
+            for i, (set_name, ids) in enumerate(prompts):
+                seed = int(ecfg.seed) * 1_000_003 + i
+                order = modes[i % len(modes):] + modes[: i % len(modes)]  # rotate who runs first
+                outs = {}
+                for mode in order:
+                    outs[mode] = generate(mode, ids, temperature, seed)
+                    records.append({"mode": mode, "temperature": temperature, "set": set_name,
+                                    "stats": outs[mode].stats})
+                    bar.update(task, advance=1, description=f"T={temperature:g} {set_name}")
+                if temperature == 0.0:
+                    for mode in modes[1:]:
+                        lossless[0] += int(torch.equal(outs[mode].new_tokens[0], outs["plain"].new_tokens[0]))
+                        lossless[1] += 1
+    costs = {name: _cost_ratio(target, m, prompts[0][1]) for name, m in models.items()}
+    rows = _pool(records, temps, [p[0] for p in prompts], list(models), costs, gamma, DecodeStats)
+    return {"rows": rows, "cost_ratio": costs, "greedy_lossless": {"equal": lossless[0], "total": lossless[1]},
+            "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": gamma,
+            "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens), "temperatures": temps}
+
+
+def _cost_ratio(target, draft, context: list[int]) -> float | None:
+    """c = draft / target time of one cached single-token forward (decode.bench's measurement), or None if the
+    bench module is unavailable."""
+    import torch
+
+    try:
+        from decode.bench import measure_cost_ratio
+    except ImportError:
+        return None
+    return float(measure_cost_ratio(target, draft, torch.tensor([context]))["cost_ratio"])
+
+
+def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[dict]:
+    """One row per (temperature, prompt set) and (temperature, "all"), pooling DecodeStats over prompts."""
+    from decode.speedup import predicted_speedup
+
+    sets = list(dict.fromkeys(set_names)) + ["all"]
+    rows = []
+    for t in temps:
+        for s in sets:
+            def pooled(mode):
+                return DecodeStats.merge([r["stats"] for r in records
+                                          if r["mode"] == mode and r["temperature"] == t and s in ("all", r["set"])])
+            plain = pooled("plain")
+            row = {"temperature": t, "set": s, "plain_tokens_per_s": plain.tokens_per_s,
+                   "plain_new_tokens": plain.num_new_tokens}
+            for d in drafts:
+                st = pooled(d)
+                alpha = st.acceptance_rate
+                row[d] = {"acceptance_rate": alpha, "mean_accepted_length": st.mean_accepted_length,
+                          "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
+                          "predicted_speedup": (predicted_speedup(alpha, gamma, costs[d])
+                                                if costs.get(d) is not None else None),
+                          "num_new_tokens": st.num_new_tokens, "num_verify_steps": st.num_verify_steps,
+                          "accepted_length_histogram": list(st.accepted_length_histogram)}
+            rows.append(row)
+    return rows
+
+
+def render_table(results: dict, console) -> None:
+    """The quickstart's summary: models, then α / τ / tokens/s / speedup per draft, temperature and prompt set."""
+    from rich.table import Table
+
+    models = Table(title="quickstart models (measured in this run)")
+    for col in ("model", "params", "non-embedding", "val loss (nats/token)", "bits/byte", "tokens seen", "train s"):
+        models.add_column(col, justify="right" if col != "model" else "left")
+    for name in ("target", "baseline_draft"):
+        m = results.get(name)
+        if m:
+            models.add_row(name, f"{m['params'] / 1e6:.2f}M", f"{m['params_non_embedding'] / 1e6:.2f}M",
+                           f"{m['val_loss']:.3f}", f"{m['val_bits_per_byte']:.3f}", f"{m['tokens_seen'] / 1e6:.2f}M",
+                           f"{m['train_s']:.0f}")
+    console.print(models)
+    ev = results.get("eval")
+    if not ev:
+        return
+    drafts = [d for d in ("baseline", "distilled") if d in ev["rows"][0]]
+    table = Table(title=f"speculative decoding vs plain target decoding (γ={ev['num_draft_tokens']}, "
+                        f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
+    for col in ("T", "prompts", "draft", "α", "τ", "tokens/s", "plain tokens/s", "speedup", "predicted"):
+        table.add_column(col, justify="left" if col in ("prompts", "draft") else "right")
+    for r in ev["rows"]:
+        n = ev["num_prompts"].get(r["set"], sum(ev["num_prompts"].values()))
+        for i, d in enumerate(drafts):
+            m = r[d]
+            pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
+            table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
+                          f"{m['acceptance_rate']:.3f}", f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
+                          f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
+                          end_section=(i == len(drafts) - 1 and r["set"] == "all"))
+    console.print(table)
+    costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
+    lossless = ev["greedy_lossless"]
+    console.print(f"draft/target forward cost ratio: {costs or 'n/a'}; greedy speculative output identical to plain "
+                  f"greedy output in {lossless['equal']}/{lossless['total']} runs")
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m distill.quickstart",
+        description="Bootstrap a target on the Python stdlib, pretrain a baseline draft, distill it, export it, and "
+                    "measure α, τ and speedup of both drafts on HumanEval, MBPP and held-out stdlib prompts. "
+                    "Artifacts under --out are reused when present.")
+    p.add_argument("overrides", nargs="*", help="settings of the quickstart: section, e.g. target.budget_s=300 "
+                   "eval.prompt_sets.mbpp=20")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes and seconds of training (experiment "
+                   "quickstart_smoke): the same path in about a minute")
+    p.add_argument("--experiment", default=None, help="conf/experiment/NAME.yaml (default: quickstart, or "
+                   "quickstart_smoke with --smoke)")
+    p.add_argument("--out", default=None, help="output folder (default: the experiment's out_dir)")
+    p.add_argument("--distill-overrides", default="", help="extra Hydra overrides for `python -m distill train`, "
+                   "quoted, e.g. \"loss=jsd data.on_policy_fraction=0.5\"")
+    return p
+
+
+def _environment() -> dict:
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available()}
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the quickstart; print the tables; write ``<out>/results.json``. Returns the exit status (1 if a phase
+    failed; the evaluation still runs on whatever was produced)."""
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
+    qs = load_settings(experiment, args.overrides)
+    out = Path(args.out or qs.out_dir)
+    out = (out if out.is_absolute() else REPO / out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=None if sys.stdout.isatty() else 132)  # CI logs: wide enough for the tables
+    phases: dict[str, dict] = {}
+    results: dict[str, Any] = {"experiment": experiment, "out": str(out), "environment": _environment(),
+                               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "phases": phases}
+    t_start = time.time()
+
+    def cached(name: str, marker: Path) -> bool:
+        if marker.is_file():
+            phases[name] = {"status": f"cached ({marker.parent})", "seconds": 0.0}
+            console.print(f"[dim]{name}: reusing {marker.parent}")
+        return marker.is_file()
+
+    from distill.pretrain import main as pretrain_main
+
+    for key, value in _env().items():  # the in-process phases run offline too
+        os.environ.setdefault(key, value)
+    ok = True
+    for name in ("tokenizer", "target", "draft"):
+        marker = out / "tokenizer" / "tokenizer.json" if name == "tokenizer" else out / qs[name].dir / "pretrain.json"
+        if not cached(name, marker) and not run_phase(name, _pretrain_cmd(qs, out, name), phases, console,
+                                                       in_process=pretrain_main):
+            console.print(f"[red]{name} failed; see the output above. Nothing to evaluate without it.")
+            return _finish(results, out, console, t_start, 1)
+
+    export_dir = out / qs.export.dir
+    distilled = cached("distill+export", export_dir / "config.json")
+    if not distilled:
+        extra = shlex.split(args.distill_overrides)
+        if run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console):
+            ckpt = _distilled_checkpoint(qs, out)
+            distilled = ckpt is not None and run_phase(
+                "export", [sys.executable, "-m", "distill", "export", str(ckpt), str(export_dir)], phases, console)
+        if not distilled:
+            ok = False
+            console.print("[red]The distill/export step failed (see above): `python -m distill train` must run with "
+                          f"+experiment={experiment}. Evaluating the baseline draft only.")
+
+    drafts = {"baseline": out / qs.draft.dir}
+    if distilled:
+        drafts["distilled"] = export_dir
+    console.rule("[bold]eval")
+    t0 = time.time()
+    results["eval"] = evaluate(out / qs.target.dir, drafts, qs.eval, console)
+    phases["eval"] = {"seconds": round(time.time() - t0, 1), "status": "ok"}
+    results["target"] = _read_json(out / qs.target.dir / "pretrain.json")
+    results["baseline_draft"] = _read_json(out / qs.draft.dir / "pretrain.json")
+    results["distilled_draft"] = _export_card(export_dir) if distilled else None
+    return _finish(results, out, console, t_start, 0 if ok else 1)
+
+
+def _export_card(export_dir: Path) -> dict | None:
+    try:
+        from distill.export import CARD_JSON
+    except ImportError:
+        return None
+    return _read_json(export_dir / CARD_JSON)
+
+
+def _finish(results: dict, out: Path, console, t_start: float, status: int) -> int:
+    results["total_s"] = round(time.time() - t_start, 1)
+    results["status"] = "ok" if status == 0 else "failed"
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    console.rule("[bold]quickstart results")
+    render_table(results, console)
+    timing = ", ".join(f"{k} {v.get('seconds', 0):.0f}s" for k, v in results["phases"].items())
+    console.print(f"phases: {timing}; total {results['total_s']:.0f}s -> {out / RESULTS_FILE}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -61,6 +61,7 @@ class BenchConfig:
     draft: str | None = None
     prompts: str | None = None
     limit: int | None = None
+    max_prompt_tokens: int | None = None  # prompts were cut to their last this-many tokens
     device: str | None = None
     dtype: str | None = None
 
@@ -749,6 +750,8 @@ def render_tables(results: dict[str, Any], console=None) -> None:
         for run in (r for r in results["runs"] if r["temperature"] == t):
             m = run["overall"]
             g = run["num_draft_tokens"]
+            if g == "auto" and m["mean_gamma"] is not None:
+                g = f"auto ({m['mean_gamma']:.1f})"  # the mean γ the controller actually used
             table.add_row(run["method"], "-" if g is None else str(g), _fmt(m["alpha"], ".3f"),
                           _fmt(m["mean_accepted_length"]), _fmt(m["ttft_s"], ".1f", 1e3),
                           _fmt(m["per_token_latency_s"], ".2f", 1e3), _fmt(m["tokens_per_s"], ".1f"),
@@ -816,6 +819,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-num-assistant-tokens", type=int, help="HF assisted: num_assistant_tokens (default: HF's)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="keep each prompt's last N tokens (default: what the models' positions allow); use the "
+                        "training window minus --max-new-tokens for models trained on short windows")
     p.add_argument("--cost-context", type=int, help="context length for measuring c (default: mean prompt + N/2)")
     p.add_argument("--cost-repeats", type=int, default=21)
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
@@ -875,6 +881,8 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         warmup=not args.no_warmup, seed=args.seed, target=args.target, draft=args.draft, prompts=args.prompts,
         limit=args.limit)
     cfg.validate()
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
     for name in ("target", "draft"):
         path = getattr(args, name)
         if (os.path.sep in path or path.startswith(".")) and not Path(path).exists():
@@ -907,8 +915,11 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         if max_prompt < 1:
             raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt within the models' "
                              f"{min(positions)} positions; lower it")
+    if args.max_prompt_tokens is not None:
+        max_prompt = args.max_prompt_tokens if max_prompt is None else min(max_prompt, args.max_prompt_tokens)
     prompt_ids = encode_prompts(prompts, tokenizer, chat_template=not args.no_chat_template,
                                 max_prompt_tokens=max_prompt)
+    cfg.max_prompt_tokens = max_prompt
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

@@ -1,0 +1,82 @@
+"""The quickstart end to end (``python -m distill.quickstart --smoke``): every phase runs and hands over to the next,
+the results JSON holds measured numbers for both drafts, and a second run reuses the artifacts. Not slow: CI runs it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distill import quickstart
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "distill.quickstart", "--smoke", "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.timeout(600)
+def test_smoke_quickstart_end_to_end(tmp_path):
+    out = tmp_path / "qs"
+    proc = _run(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "ok"
+    assert [res["phases"][p]["status"] for p in ("tokenizer", "target", "draft", "distill", "export", "eval")] \
+        == ["ok"] * 6
+    assert "python -m distill train +experiment=quickstart_smoke" in res["phases"]["distill"]["command"]
+    for d in ("target", "draft-baseline", "draft-distilled"):
+        assert (out / d / "model.safetensors").is_file() and (out / d / "tokenizer.json").is_file()
+    target, draft = res["target"], res["baseline_draft"]
+    assert target["params"] > draft["params"] > 0 and target["tokens_seen"] > 0 and target["val_loss"] > 0
+
+    ev = res["eval"]
+    sets = {"humaneval", "mbpp", "stdlib", "all"}
+    assert {(r["temperature"], r["set"]) for r in ev["rows"]} == {(t, s) for t in (0.0, 1.0) for s in sets}
+    gamma = ev["num_draft_tokens"]
+    for r in ev["rows"]:
+        assert r["plain_tokens_per_s"] > 0
+        for d in ("baseline", "distilled"):
+            m = r[d]
+            assert 0.0 <= m["acceptance_rate"] <= 1.0
+            assert 1.0 <= m["mean_accepted_length"] <= gamma + 1
+            assert m["speedup"] == pytest.approx(m["tokens_per_s"] / r["plain_tokens_per_s"])
+            assert sum(m["accepted_length_histogram"]) == m["num_verify_steps"] > 0
+    # greedy speculative decoding is lossless: every greedy run equals plain greedy decoding
+    assert ev["greedy_lossless"]["equal"] == ev["greedy_lossless"]["total"] == 2 * 3
+    assert "speculative decoding vs plain target decoding" in proc.stdout
+
+    again = _run(out)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    res2 = json.loads((out / "results.json").read_text())
+    assert all(res2["phases"][p]["status"].startswith("cached") for p in ("tokenizer", "target", "draft",
+                                                                            "distill+export"))
+    assert res2["target"]["val_loss"] == target["val_loss"]
+
+
+def test_settings_load_with_overrides_and_fail_clearly():
+    qs = quickstart.load_settings("quickstart", ["target.budget_s=5", "eval.prompt_sets.mbpp=3"])
+    assert qs.target.budget_s == 5 and qs.eval.prompt_sets.mbpp == 3 and qs.draft.size == "draft"
+    with pytest.raises(FileNotFoundError, match="conf/experiment"):
+        quickstart.load_settings("no_such_experiment")
+    with pytest.raises(KeyError, match="quickstart"):
+        quickstart.load_settings("distillspec_qwen")
+
+
+@pytest.mark.parametrize("experiment", ["quickstart", "quickstart_smoke"])
+def test_experiments_compose_for_the_recipe(experiment):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf"), job_name="test"):
+        cfg = compose(config_name="config", overrides=[f"+experiment={experiment}", "++target.name_or_path=/t"])
+    assert cfg.target.name_or_path == "/t" and cfg.data.source.corpus == "stdlib"
+    assert cfg.draft.name_or_path.endswith("draft-baseline") and cfg.quickstart.target.size
+    assert 0.0 <= cfg.data.on_policy_fraction <= 1.0 and cfg.loss.name in ("fkl", "rkl", "jsd", "tvd")

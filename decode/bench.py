@@ -137,49 +137,68 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 @torch.no_grad()
-def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21) -> dict[str, Any]:
-    """Measure c = draft forward time / target forward time on this hardware.
+def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21,
+                       verify_gammas: Sequence[int] = ()) -> dict[str, Any]:
+    """Measure c = draft forward time / target forward time on this hardware, and the cost of verify forwards.
 
-    Each model is prefilled with ``context_ids`` and then timed on single-token decode forwards that reuse its KV
-    cache (the forward a speculative step repeats); target and draft alternate so drift hits both. Each timed
-    forward appends one token, so the prefix is ``repeats // 2`` shorter than the nominal context to centre the
-    mean context on it.
+    Both models are prefilled with all but the last token of ``context_ids``; each timed call is then one decode
+    forward on a fresh copy of that KV cache (so every call sees the same context), through the engine's own
+    forward (``decode.cache.forward``: explicit positions and mask). Target and draft alternate so drift hits both.
+
+    Leviathan et al. (2023) assume a verify forward of γ+1 tokens costs one single-token target forward. On
+    compute-bound hardware (CPU, large batches) it does not; ``verify_gammas`` also times target forwards of γ+1
+    tokens, giving v_γ = t(γ+1 tokens) / t(1 token) for the verify-aware prediction.
 
     Args:
         target, draft: causal LMs on the same device.
-        context_ids: (1, L) LongTensor, a realistic context (a real prompt, repeated if needed).
-        repeats: timed forwards per model (after 2 untimed ones); the median is used.
+        context_ids: (1, L) LongTensor, a realistic context (real prompt tokens, repeated if needed).
+        repeats: timed forwards per measurement (after 2 untimed ones); the median is used.
+        verify_gammas: γ values whose verify forward (γ+1 tokens) is timed on the target.
 
     Returns:
-        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, and
-        the raw samples.
+        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
+        raw samples, and ``verify``: [{gamma, tokens, forward_s, relative_cost v_γ}].
     """
+    import copy
+
     from decode import cache as kv
 
     device = context_ids.device
-    prefix = context_ids[:, : max(1, context_ids.shape[1] - repeats // 2)]
-    state = {}
+    prefix, last = context_ids[:, :-1], context_ids[:, -1:]
+    base = {}
     for name, model in (("target", target), ("draft", draft)):
         cache = kv.new_cache(model)
         _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
-        state[name] = (cache, mask)
-    samples: dict[str, list[float]] = {"target": [], "draft": []}
-    token = prefix[:, -1:]
+        base[name] = (cache, mask)
+    # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
+    jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
+    jobs += [(f"verify{g}", target, "target", g + 1, None) for g in sorted(set(verify_gammas))]
+    samples: dict[str, list[float]] = {label: [] for label, *_ in jobs}
     for i in range(repeats + 2):
-        for name, model in (("target", target), ("draft", draft)):
-            cache, mask = state[name]
+        for label, model, name, k, keep in jobs:
+            cache, mask = copy.deepcopy(base[name][0]), base[name][1]
+            ids = last.expand(1, k)
             _sync(device)
             t0 = time.perf_counter()
-            # The engine's own forward (explicit positions and mask), so c covers what a draft step really costs.
-            _, mask = kv.forward(model, cache, mask, token, torch.ones_like(token), logits_to_keep=1)
+            kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep)
             _sync(device)
-            state[name] = (cache, mask)
             if i >= 2:  # the first calls pay for lazy initialisation
-                samples[name].append(time.perf_counter() - t0)
+                samples[label].append(time.perf_counter() - t0)
     t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
+    verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(samples[f"verify{g}"]),
+               "relative_cost": statistics.median(samples[f"verify{g}"]) / t} for g in sorted(set(verify_gammas))]
     return {"context_tokens": int(context_ids.shape[1]), "repeats": repeats, "target_forward_s": t,
             "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": samples["target"],
-            "draft_forward_samples_s": samples["draft"]}
+            "draft_forward_samples_s": samples["draft"], "verify": verify}
+
+
+def predicted_speedup_verify_aware(alpha: float, gamma: int, cost_ratio: float, verify_cost: float) -> float:
+    """Leviathan et al.'s prediction with the measured verify cost: E[tokens per step] / (γc + v_γ), where v_γ is
+    the time of a (γ+1)-token target forward over a 1-token one (``measure_cost_ratio``); v_γ = 1 gives the
+    paper's formula. Still ignores sampling, cache bookkeeping and host syncs."""
+    from decode.speedup import expected_tokens_per_step
+
+    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + verify_cost)
 
 
 def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None:
@@ -365,7 +384,7 @@ def _merge_stats(stats_list):
 
 
 def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma,
-               temperature: float, auto_max_gamma: int = 8) -> dict[str, Any]:
+               temperature: float, auto_max_gamma: int = 8, verify_cost: dict | None = None) -> dict[str, Any]:
     """Pool per-prompt records of one method (and optionally one category) into the metrics of the JSON schema."""
     from decode.speedup import best_gamma, predicted_speedup
 
@@ -378,7 +397,7 @@ def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio
         "ttft_s": None, "peak_memory_bytes": None, "speedup": None,
         "alpha": None, "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": None,
         "accepted_per_position": None, "accepted_length_histogram": None, "num_verify_steps": None,
-        "num_drafted": None, "num_accepted": None, "mean_gamma": None, "predicted_speedup": None,
+        "num_drafted": None, "num_accepted": None, "mean_gamma": None, "predicted_speedup": None, "predicted_speedup_verify_aware": None,
         "predicted_gamma": None,
         "matches_plain_greedy": None, "num_matching_plain_greedy": None,
     }
@@ -416,6 +435,9 @@ def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio
             g = best_gamma(alpha, cost_ratio, max_gamma=auto_max_gamma, min_gamma=1) if gamma == "auto" else int(gamma)
             m["predicted_gamma"] = int(g)
             m["predicted_speedup"] = float(predicted_speedup(alpha, g, cost_ratio))
+            if verify_cost and g in verify_cost:
+                m["predicted_speedup_verify_aware"] = predicted_speedup_verify_aware(alpha, g, cost_ratio,
+                                                                                     verify_cost[g])
     return m
 
 
@@ -466,7 +488,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                                  draft_tokenizer=draft_tokenizer, max_auto_draft_tokens=cfg.auto_max_gamma)
     log = _StepLog(decoder)
     methods = build_methods(cfg)
-    cost = measure_cost_ratio(target, draft, _cost_context(prompt_ids, cfg, device), cfg.cost_repeats)
+    cost = measure_cost_ratio(target, draft, _cost_context(prompt_ids, cfg, device), cfg.cost_repeats,
+                              verify_gammas=cfg.gammas)
 
     def run(method, rows, temperature, seed):
         ids, mask = _left_pad(rows, pad_token_id, device)
@@ -499,7 +522,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                         "ttft_s": getattr(stats, "ttft_s", None),
                     })
                     tick()
-    runs, summary = _pool(records, methods, cfg, cost["cost_ratio"], categories)
+    runs, summary = _pool(records, methods, cfg, cost, categories)
     batch = _batch_pass(run, records, methods, summary, prompt_ids, cfg, progress)
     return {
         "schema_version": SCHEMA_VERSION, "kind": "draftkit.bench",
@@ -527,8 +550,11 @@ def _count(items) -> dict[str, int]:
     return out
 
 
-def _pool(records, methods, cfg: BenchConfig, c: float, categories) -> tuple[list[dict], list[dict]]:
+def _pool(records, methods, cfg: BenchConfig, cost: dict, categories) -> tuple[list[dict], list[dict]]:
     from decode.speedup import best_gamma, predicted_speedup
+
+    c = cost["cost_ratio"]
+    v = {e["gamma"]: e["relative_cost"] for e in cost.get("verify", [])}
 
     cats = sorted({x for x in categories if x is not None})
     runs, summary = [], []
@@ -538,11 +564,11 @@ def _pool(records, methods, cfg: BenchConfig, c: float, categories) -> tuple[lis
             rs = records[(t, m.name)]
             run = {"temperature": t, "method": m.name, "kind": m.kind,
                    "num_draft_tokens": None if m.kind == HF else m.gamma,
-                   "overall": _aggregate(rs, plain, c, m.gamma, t, cfg.auto_max_gamma), "by_category": {}}
+                   "overall": _aggregate(rs, plain, c, m.gamma, t, cfg.auto_max_gamma, v), "by_category": {}}
             for cat in cats:
                 sub = [r for r in rs if r["category"] == cat]
                 run["by_category"][cat] = _aggregate(sub, [r for r in plain if r["category"] == cat], c, m.gamma, t,
-                                                     cfg.auto_max_gamma)
+                                                     cfg.auto_max_gamma, v)
             runs.append(run)
         fixed = [r for r in runs if r["temperature"] == t and isinstance(r["num_draft_tokens"], int)
                  and r["num_draft_tokens"] > 0]
@@ -558,12 +584,14 @@ def _pool(records, methods, cfg: BenchConfig, c: float, categories) -> tuple[lis
             bg = int(best_gamma(alpha, c, max_gamma=top))  # 0 means: speculation cannot pay off with this c
             curve = {g: float(predicted_speedup(alpha, g, c)) for g in range(0, top + 1)}
             tested = {g: curve[g] for g in cfg.gammas}
+            aware = {g: predicted_speedup_verify_aware(alpha, g, c, v[g]) for g in cfg.gammas if g in v}
             entry.update(best_gamma_predicted=bg, predicted_speedup_at_best=curve[bg],
                          best_gamma_predicted_tested=max(tested, key=tested.get) if tested else None,
+                         best_gamma_verify_aware_tested=max(aware, key=aware.get) if aware else None,
                          predicted_curve=[{"gamma": g, "predicted_speedup": s} for g, s in curve.items()])
         else:
             entry.update(best_gamma_predicted=None, predicted_speedup_at_best=None, best_gamma_predicted_tested=None,
-                         predicted_curve=[])
+                         best_gamma_verify_aware_tested=None, predicted_curve=[])
         for name in ("spec_auto", "hf_target", "hf_assisted"):
             hit = [r for r in runs if r["temperature"] == t and r["method"] == name]
             entry[f"{name}_speedup"] = hit[0]["overall"]["speedup"] if hit else None
@@ -664,11 +692,13 @@ _RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per
                 "decode_latency_s", "ttft_s",
                 "peak_memory_bytes", "speedup", "alpha", "acceptance_rate", "mean_accepted_length",
                 "acceptance_by_position", "accepted_per_position", "accepted_length_histogram", "num_verify_steps",
-                "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup", "predicted_gamma",
+                "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup", "predicted_speedup_verify_aware",
+                "predicted_gamma",
                 "matches_plain_greedy",
                 "num_matching_plain_greedy")
 _SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "measured_speedup_at_best",
                  "best_gamma_predicted", "predicted_speedup_at_best", "best_gamma_predicted_tested",
+                 "best_gamma_verify_aware_tested",
                  "predicted_curve", "spec_auto_speedup", "hf_target_speedup", "hf_assisted_speedup")
 _BATCH_KEYS = ("temperature", "method", "num_draft_tokens", "batch_size", "num_batches", "num_new_tokens", "total_s",
                "tokens_per_s", "peak_memory_bytes", "reused_main_pass", "speedup")
@@ -692,7 +722,7 @@ def validate_results(results: dict[str, Any]) -> None:
     need(results, _TOP_KEYS, "results")
     if results["schema_version"] != SCHEMA_VERSION:
         raise ValueError(f"results: schema_version {results['schema_version']!r}, this code reads {SCHEMA_VERSION}")
-    need(results["cost"], ("context_tokens", "target_forward_s", "draft_forward_s", "cost_ratio"), "cost")
+    need(results["cost"], ("context_tokens", "target_forward_s", "draft_forward_s", "cost_ratio", "verify"), "cost")
     if not isinstance(results["runs"], list) or not results["runs"]:
         raise ValueError("results.runs: expected a non-empty list")
     for i, run in enumerate(results["runs"]):
@@ -740,12 +770,16 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     c = results["cost"]
     console.print(f"cost ratio c = {c['cost_ratio']:.3f}  (draft {c['draft_forward_s'] * 1e3:.2f} ms / target "
                   f"{c['target_forward_s'] * 1e3:.2f} ms per decode forward at {c['context_tokens']} tokens)")
+    if c.get("verify"):
+        console.print("verify cost v_γ = t(γ+1 tokens) / t(1 token): "
+                      + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in c["verify"]))
     for s in results["summary"]:
         t = s["temperature"]
         table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  best γ: measured {s['best_gamma_measured']}, "
-                            f"predicted {s['best_gamma_predicted']} (tested {s['best_gamma_predicted_tested']})")
-        for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "=greedy",
-                    "peak MiB"):
+                            f"predicted {s['best_gamma_predicted']} (among tested {s['best_gamma_predicted_tested']}, "
+                            f"verify-aware {s['best_gamma_verify_aware_tested']})")
+        for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "pred. v-aware",
+                    "=greedy", "peak MiB"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for run in (r for r in results["runs"] if r["temperature"] == t):
             m = run["overall"]
@@ -757,6 +791,8 @@ def render_tables(results: dict[str, Any], console=None) -> None:
                           _fmt(m["per_token_latency_s"], ".2f", 1e3), _fmt(m["tokens_per_s"], ".1f"),
                           _fmt(m["speedup"], ".2f") + ("x" if m["speedup"] is not None else ""),
                           _fmt(m["predicted_speedup"], ".2f") + ("x" if m["predicted_speedup"] is not None else ""),
+                          _fmt(m["predicted_speedup_verify_aware"], ".2f")
+                          + ("x" if m["predicted_speedup_verify_aware"] is not None else ""),
                           _fmt(m["matches_plain_greedy"], ".0%"), _fmt(m["peak_memory_bytes"], ".0f", 2 ** -20))
         console.print(table)
     _render_categories(results, console)

@@ -69,7 +69,8 @@ def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> s
 
 def plot_predicted_vs_measured(results: dict[str, Any], path: str | os.PathLike) -> str:
     """One point per speculative run (fixed γ and auto, per temperature): predicted speedup against measured,
-    with the y = x line; points below it mean the cost model is optimistic (overheads it does not see)."""
+    with the y = x line; points below it mean the cost model is optimistic (overheads it does not see). Hollow
+    markers: the verify-aware prediction (measured cost of the (γ+1)-token verify forward)."""
     fig = _figure(5.2, 5.0)
     ax = fig.add_subplot()
     values = []
@@ -81,9 +82,15 @@ def plot_predicted_vs_measured(results: dict[str, Any], path: str | os.PathLike)
             continue
         xs = [r["overall"]["predicted_speedup"] for r in runs]
         ys = [r["overall"]["speedup"] for r in runs]
-        ax.scatter(xs, ys, label=f"T={t:g}")
+        points = ax.scatter(xs, ys, label=f"T={t:g} (Leviathan)")
         for r, x, y in zip(runs, xs, ys):
             ax.annotate(f"γ={r['num_draft_tokens']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        aware = [(r["overall"]["predicted_speedup_verify_aware"], r["overall"]["speedup"]) for r in runs
+                 if r["overall"].get("predicted_speedup_verify_aware") is not None]
+        if aware:
+            ax.scatter(*zip(*aware), facecolors="none", edgecolors=points.get_facecolor(),
+                       label=f"T={t:g} (verify-aware)")
+            values += [x for x, _ in aware]
         values += xs + ys
     lo, hi = (min(values + [1.0]) * 0.9, max(values + [1.0]) * 1.1) if values else (0.5, 2.0)
     ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8, label="measured = predicted")

@@ -121,10 +121,16 @@ def test_reported_predictions_follow_the_formula(bench_run):
     results, _, cfg, _ = bench_run
     c = results["cost"]["cost_ratio"]
     assert c > 0 and results["cost"]["target_forward_s"] > 0
+    assert [e["gamma"] for e in results["cost"]["verify"]] == cfg.gammas
     for run in results["runs"]:
         m = run["overall"]
         if isinstance(run["num_draft_tokens"], int) and run["num_draft_tokens"] > 0:
-            assert m["predicted_speedup"] == pytest.approx(predicted_speedup(m["alpha"], run["num_draft_tokens"], c))
+            g = run["num_draft_tokens"]
+            assert m["predicted_speedup"] == pytest.approx(predicted_speedup(m["alpha"], g, c))
+            v = {e["gamma"]: e["relative_cost"] for e in results["cost"]["verify"]}[g]
+            assert v > 0
+            assert m["predicted_speedup_verify_aware"] == pytest.approx(
+                expected_tokens_per_step(m["alpha"], g) / (g * c + v))
             # τ is tokens per verify step; α from the same steps predicts it under i.i.d. acceptance only
             # roughly, but it can never exceed γ + 1.
             assert 1.0 <= m["mean_accepted_length"] <= run["num_draft_tokens"] + 1

@@ -11,7 +11,7 @@ Method (see docs/bench.md):
 - α is the per-token acceptance probability of Leviathan et al. (2023), estimated from accept/reject trials
   (``alpha_from_steps``), under the exact sampler and temperature being benchmarked.
 - c = draft / target time of one single-token decode forward with a KV cache at a realistic context length (median).
-- Predicted speedup (Leviathan et al., 2023, eq. in Thm 3.8): (1 − α^(γ+1)) / ((1 − α)(γc + 1)), from ``decode.speedup``.
+- Predicted speedup (Leviathan et al., 2023, Sec. 3): (1 − α^(γ+1)) / ((1 − α)(γc + 1)), from ``decode.speedup``.
 
 Outputs under ``--out``: ``results.json`` (schema ``SCHEMA_VERSION``, checked by ``validate_results``), PNG plots,
 and a rich table on the terminal.
@@ -397,9 +397,9 @@ def _aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio
         "ttft_s": None, "peak_memory_bytes": None, "speedup": None,
         "alpha": None, "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": None,
         "accepted_per_position": None, "accepted_length_histogram": None, "num_verify_steps": None,
-        "num_drafted": None, "num_accepted": None, "mean_gamma": None, "predicted_speedup": None, "predicted_speedup_verify_aware": None,
-        "predicted_gamma": None,
-        "matches_plain_greedy": None, "num_matching_plain_greedy": None,
+        "num_drafted": None, "num_accepted": None, "mean_gamma": None, "predicted_speedup": None,
+        "predicted_speedup_verify_aware": None, "predicted_gamma": None, "matches_plain_greedy": None,
+        "num_matching_plain_greedy": None,
     }
     ttfts = [r["ttft_s"] for r in records if r.get("ttft_s") is not None]
     m["ttft_s"] = statistics.mean(ttfts) if ttfts else None

@@ -82,7 +82,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _text_of(row: dict[str, Any], field: str, where: str) -> str:
     if field not in row:
-        raise KeyError(f"{where}: no field {field!r}; fields present: {sorted(row)}. Pass the right one as prompt field")
+        raise KeyError(f"{where}: no field {field!r}; fields present: {sorted(row)}. "
+                       "Pass the right one as the prompt field")
     value = row[field]
     if isinstance(value, list):  # chat-style `turns`: the first user turn opens the conversation
         if not value:
@@ -149,7 +150,8 @@ def load_prompts(
         if not path.exists():
             if looks_like_path:
                 raise FileNotFoundError(f"prompt file {path} does not exist")
-            raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS)} or a path to a .jsonl file")
+            raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS)} "
+                             "or a path to a .jsonl file")
         if path.is_dir():
             raise ValueError(f"prompt path {path} is a directory; give a .jsonl or .jsonl.gz file")
         text_field, id_field, cat_field = field, "id", category_field
@@ -166,7 +168,8 @@ def load_prompts(
         where = f"{path}:{i + 1}"
         pid = str(row[id_field]) if id_field and id_field in row else str(i)
         cat = row.get(cat_field) if cat_field else None
-        prompts.append(Prompt(id=pid, text=_text_of(row, text_field, where), category=None if cat is None else str(cat)))
+        category = None if cat is None else str(cat)
+        prompts.append(Prompt(id=pid, text=_text_of(row, text_field, where), category=category))
     if limit is None:
         return prompts
     has_categories = any(p.category is not None for p in prompts)

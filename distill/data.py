@@ -65,8 +65,14 @@ def load_rows(src: Any) -> Any:
         builder = BUILDERS.get(suffix)
         if builder is None:
             raise SetupError(f"data file {path}: unknown format {suffix!r}; use one of {sorted(BUILDERS)}")
+        if path.stat().st_size == 0:
+            raise SetupError(f"data file {path} is empty; point the source at a file with rows")
         kw = {"sample_by": src.get("sample_by") or "paragraph"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kw)
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kw)
+        except Exception as e:  # datasets raises many types (ArrowInvalid, DatasetGenerationError, ...)
+            raise SetupError(f"cannot read {path} with the datasets '{builder}' builder ({type(e).__name__}: {e}); "
+                             "check the file's format") from e
         where = str(path)
     else:
         raise SetupError("no data source: set data.source.path=FILE (jsonl/json/parquet/txt) or "

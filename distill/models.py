@@ -56,6 +56,21 @@ def load_tokenizer(name_or_path: str, key: str = "target.name_or_path") -> Any:
     return tok
 
 
+def load_draft_tokenizer(cfg: Any) -> Any:
+    """The tokenizer saved with an existing draft checkpoint (None for a built draft or a folder without one).
+
+    The recipe trains with the target's tokenizer; the draft's own is loaded only to check that they agree.
+    """
+    from transformers import AutoTokenizer
+
+    if not cfg.get("name_or_path"):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(cfg.name_or_path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def load_target(cfg: Any) -> Any:
     """The frozen target: ``eval()``, ``requires_grad_(False)``, in ``target.dtype``. ``cfg`` is the target node.
 

@@ -35,7 +35,7 @@ from distill.data import (as_examples, build_examples, cache_key, check_lengths,
 from distill.evaluate import SELECT_KEYS, acceptance_eval, measure_cost_ratio
 from distill.losses import DIVERGENCES, distill_loss
 from distill.models import (ARCH_KEYS, SetupError, attach_lora, check_pair, context_length, is_local_path,
-                            load_draft, load_target, load_tokenizer)
+                            load_draft, load_draft_tokenizer, load_target, load_tokenizer)
 from distill.rollout import rollout
 
 # Keys that may be absent from a composed config (the target group is not in the defaults list, and a
@@ -288,7 +288,7 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
     target = load_target(cfg.target)
     draft = load_draft(cfg.draft, target)
-    vocab = check_pair(target, draft, tokenizer)
+    vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
     ctx = [c for c in (context_length(target), context_length(draft)) if c]
     examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
 

@@ -1,0 +1,89 @@
+"""Every bad input of the issue raises a clear error naming the fix, before any training step runs."""
+import json
+import time
+
+import pytest
+
+from distill.models import SetupError
+from distill.recipe import train
+from distill_helpers import compose, make_tokenizer, overrides
+
+
+def _fails(pair, tmp_path, *extra, match):
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    with pytest.raises(SetupError, match=match):
+        train(compose(overrides(pair, out, *extra)), log=lambda *_: None)
+    assert not list(out.glob("step_*")) and not (out / "metrics.jsonl").exists()  # no training happened
+    return time.perf_counter() - t0
+
+
+def test_missing_target_path(pair, tmp_path):
+    ov = [o for o in overrides(pair, tmp_path / "run") if not o.startswith("+target")]
+    with pytest.raises(SetupError, match=r"no target given.*\+target.name_or_path"):
+        train(compose(ov))
+    _fails(pair, tmp_path, f"++target.name_or_path={tmp_path / 'nowhere'}", match="target path .* does not exist")
+
+
+def test_missing_draft_path(pair, tmp_path):
+    _fails(pair, tmp_path, f"draft.name_or_path={tmp_path / 'nowhere'}", match="draft.name_or_path")
+    _fails(pair, tmp_path, "draft.name_or_path=null", match="draft.num_hidden_layers")
+
+
+def test_incompatible_tokenizer(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    bad = tmp_path / "bad_draft"
+    AutoModelForCausalLM.from_pretrained(str(pair["draft"])).save_pretrained(str(bad))
+    other = make_tokenizer(bad, vocab_size=280)
+    other.add_special_tokens({"pad_token": "<pad2>"})
+    other.save_pretrained(str(bad))
+    _fails(pair, tmp_path, f"draft.name_or_path={bad}", match="incompatible target/draft pair")
+
+
+def test_empty_data(pair, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    _fails(pair, tmp_path, f"data.source.path={empty}", match="empty")
+    few = tmp_path / "few.jsonl"
+    few.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    _fails(pair, tmp_path, f"data.source.path={few}", match="data.holdout")
+
+
+def test_prompts_longer_than_context(pair, tmp_path):
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"prompt": "the draft " * 200, "completion": " x"}) for _ in range(8)))
+    _fails(pair, tmp_path, f"data.source.path={long}", "data.max_prompt_tokens=1000",
+           match=r"longer than 116 tokens.*context 128.*truncate_prompts=true")
+    s = train(compose(overrides(pair, tmp_path / "ok", f"data.source.path={long}", "data.truncate_prompts=true",
+                                "train.max_steps=1")), log=lambda *_: None)
+    assert s["steps"] == 1
+
+
+def test_unknown_loss_name(pair, tmp_path):
+    from hydra.errors import MissingConfigException
+
+    _fails(pair, tmp_path, "loss.name=kld", match="unknown loss 'kld'.*loss=fkl\\|rkl\\|jsd\\|tvd")
+    with pytest.raises(MissingConfigException, match="loss/kld"):
+        compose(overrides(pair, tmp_path, "loss=kld"))
+
+
+@pytest.mark.parametrize("lam", ["1.5", "-0.1"])
+def test_on_policy_fraction_out_of_range(pair, tmp_path, lam):
+    took = _fails(pair, tmp_path, f"data.on_policy_fraction={lam}", match=r"on_policy_fraction=.* must be in \[0, 1\]")
+    assert took < 5.0  # a config error: caught before loading any model
+
+
+def test_no_completions_without_on_policy(pair, tmp_path):
+    _fails(pair, tmp_path, "data.source.completion_field=null",
+           match="no completions.*on_policy_fraction=1.0.*completions=target")
+    s = train(compose(overrides(pair, tmp_path / "ok", "data.source.completion_field=null",
+                                "data.on_policy_fraction=1.0", "train.max_steps=1")), log=lambda *_: None)
+    assert s["steps"] == 1
+
+
+def test_other_bad_values(pair, tmp_path):
+    _fails(pair, tmp_path, "eval.select_by=loss", match="eval.select_by")
+    _fails(pair, tmp_path, "loss.beta=2", match="loss.beta")
+    _fails(pair, tmp_path, "data.completions=teacher", match="data.completions")
+    _fails(pair, tmp_path, "train.lora.enabled=true", "train.lora.target_modules=[nope]", match="matches no module")

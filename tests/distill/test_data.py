@@ -1,0 +1,199 @@
+"""Data sources, field mapping, text windows, chat template, masks, deterministic order, target-data cache."""
+import gzip
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from distill.data import (build_examples, check_lengths, collate_prompts, collate_sequences, epoch_order,
+                          generate_target_data, micro_batch_indices, resolve_path)
+from distill.models import SetupError
+
+
+def _data_cfg(**kw):
+    base = {"max_new_tokens": 8, "chat_template": True, "append_eos": True, "max_prompt_tokens": 64,
+            "truncate_prompts": False}
+    return OmegaConf.create({**base, **kw})
+
+
+def _src(**kw):
+    return OmegaConf.create(kw)
+
+
+@pytest.fixture
+def tok(pair):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
+
+
+def test_jsonl_fields_and_eos(pair, tok):
+    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", completion_field="completion"), tok,
+                        _data_cfg(max_new_tokens=100))
+    first = json.loads(open(pair["data"]).readline())
+    assert ex[0]["prompt_ids"] == tok(first["prompt"])["input_ids"]
+    assert ex[0]["completion_ids"] == tok(first["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert len(ex) == 80
+    short = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", completion_field="completion"), tok,
+                           _data_cfg(max_new_tokens=3))
+    assert all(len(e["completion_ids"]) <= 3 for e in short)
+
+
+def test_gz_parquet_and_list_fields(tmp_path, tok):
+    import datasets
+
+    gz = tmp_path / "p.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        for i in range(3):
+            f.write(json.dumps({"turns": [f"the draft {i}", "second turn"], "x": i}) + "\n")
+    ex = build_examples(_src(path=str(gz), prompt_field="turns"), tok, _data_cfg())
+    assert [e["prompt_ids"] for e in ex] == [tok(f"the draft {i}")["input_ids"] for i in range(3)]
+    assert all(e["completion_ids"] == [] for e in ex)
+    pq = tmp_path / "p.parquet"
+    datasets.Dataset.from_dict({"q": ["a b", "c d"], "a": [" x", " y"]}).to_parquet(str(pq))
+    ex = build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())
+    assert len(ex) == 2 and ex[1]["completion_ids"][-1] == tok.eos_token_id
+
+
+def test_text_windows(pair, tok):
+    src = _src(path=str(pair["text"]), kind="auto", text_field="text", sample_by="paragraph", prompt_tokens=6,
+               completion_tokens=4, windows_per_doc=None, add_bos=True)
+    ex = build_examples(src, tok, _data_cfg(max_new_tokens=4))
+    assert len(ex) > 10
+    for e in ex:
+        assert e["prompt_ids"][0] == tok.bos_token_id and len(e["prompt_ids"]) == 7 and len(e["completion_ids"]) == 4
+    # consecutive windows of one document continue each other
+    doc = open(pair["text"]).read().split("\n\n")[0]
+    ids = tok(doc, add_special_tokens=False)["input_ids"]
+    assert ex[0]["prompt_ids"][1:] + ex[0]["completion_ids"] + ex[1]["prompt_ids"][1:] == ids[:16]
+    capped = build_examples(OmegaConf.merge(src, {"windows_per_doc": 1}), tok, _data_cfg(max_new_tokens=4))
+    assert len(capped) == 10
+    with pytest.raises(SetupError, match="prompt_tokens"):
+        build_examples(OmegaConf.merge(src, {"prompt_tokens": 5000}), tok, _data_cfg())
+
+
+def test_corpus_source_calls_load_corpus(monkeypatch, tok):
+    import datasets
+
+    import distill.corpus
+
+    seen = {}
+
+    def fake(name, split, **kw):
+        seen.update(name=name, split=split, **kw)
+        return datasets.Dataset.from_dict({"text": ["the draft proposes tokens and the target verifies them " * 3]})
+
+    monkeypatch.setattr(distill.corpus, "load_corpus", fake)
+    src = _src(corpus="stdlib", split="validation", corpus_kwargs={"max_items": 5}, prompt_tokens=4,
+               completion_tokens=4, text_field="text")
+    ex = build_examples(src, tok, _data_cfg(max_new_tokens=4))
+    assert seen == {"name": "stdlib", "split": "validation", "max_items": 5} and len(ex) >= 2
+
+
+def test_chat_template_is_applied(pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt"), tok, _data_cfg())
+    first = json.loads(open(pair["data"]).readline())["prompt"]
+    assert ex[0]["prompt_ids"] == tok.apply_chat_template([{"role": "user", "content": first}],
+                                                         add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+    plain = build_examples(_src(path=str(pair["data"]), prompt_field="prompt"), tok, _data_cfg(chat_template=False))
+    assert plain[0]["prompt_ids"] != ex[0]["prompt_ids"]
+
+
+def test_bad_sources(pair, tok, tmp_path):
+    with pytest.raises(SetupError, match="does not exist"):
+        build_examples(_src(path=str(tmp_path / "nope.jsonl")), tok, _data_cfg())
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SetupError, match="is empty"):
+        build_examples(_src(path=str(empty)), tok, _data_cfg())
+    with pytest.raises(SetupError, match="field 'question' not found.*completion"):
+        build_examples(_src(path=str(pair["data"]), prompt_field="question"), tok, _data_cfg())
+    (tmp_path / "x.xml").write_text("<a/>")
+    with pytest.raises(SetupError, match="unknown format"):
+        build_examples(_src(path=str(tmp_path / "x.xml")), tok, _data_cfg())
+    header_only = tmp_path / "rows.jsonl"
+    header_only.write_text("\n")
+    with pytest.raises(SetupError, match="empty|cannot read"):
+        build_examples(_src(path=str(header_only)), tok, _data_cfg())
+
+
+def test_shared_data_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTKIT_SHARED_DATA", str(tmp_path))
+    assert resolve_path("../shared/data/humaneval/HumanEval.jsonl.gz") == tmp_path / "humaneval/HumanEval.jsonl.gz"
+    monkeypatch.delenv("DRAFTKIT_SHARED_DATA")
+    real = resolve_path("../shared/data/humaneval/HumanEval.jsonl.gz")
+    assert real.name == "HumanEval.jsonl.gz" and real.parent.parent.name == "data"
+
+
+def test_humaneval_prompt_set_by_path(tok):
+    path = resolve_path("../shared/data/humaneval/HumanEval.jsonl.gz")
+    if not path.exists():
+        pytest.skip("shared data folder not present beside the repository")
+    ex = build_examples(_src(path="../shared/data/humaneval/HumanEval.jsonl.gz", prompt_field="prompt", limit=5),
+                        tok, _data_cfg())
+    assert len(ex) == 5 and all(len(e["prompt_ids"]) > 10 for e in ex)
+
+
+def test_length_checks():
+    ex = [{"prompt_ids": list(range(1, 30)), "completion_ids": [5]}, {"prompt_ids": [1, 2], "completion_ids": [5]}]
+    cfg = _data_cfg(max_new_tokens=8, max_prompt_tokens=100)
+    with pytest.raises(SetupError, match=r"1 of 2 prompts .* longer than 24 tokens.*truncate_prompts=true"):
+        check_lengths(ex, 32, cfg)
+    out = check_lengths(ex, 32, _data_cfg(max_new_tokens=8, max_prompt_tokens=100, truncate_prompts=True))
+    assert out[0]["prompt_ids"] == list(range(6, 30)) and out[1] == ex[1]
+    with pytest.raises(SetupError, match="no room"):
+        check_lengths(ex, 8, cfg)
+
+
+def test_collate_masks_prompt_and_padding():
+    ex = [{"prompt_ids": [1, 5, 6], "completion_ids": [7, 8]}, {"prompt_ids": [1, 9], "completion_ids": [3]}]
+    b = collate_sequences(ex, pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 5, 6, 7, 8], [1, 9, 3, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # position t predicts token t+1: only positions whose next token is a completion token count
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]
+    assert b["labels"][b["loss_mask"].bool()].tolist() == [7, 8, 3]
+    ids, att = collate_prompts([[1, 2, 3], [4]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and att.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_order_is_a_function_of_seed_epoch_and_step():
+    assert epoch_order(10, 0, 1) == epoch_order(10, 0, 1) != epoch_order(10, 1, 1)
+    assert sorted(epoch_order(10, 3, 1)) == list(range(10))
+    seen = [i for m in range(5) for i in micro_batch_indices(10, m, 2, seed=0)]
+    assert sorted(seen) == list(range(10))  # one epoch covers every example once
+    assert micro_batch_indices(10, 5, 2, seed=0) == epoch_order(10, 1, 0)[:2]  # then a fresh order
+
+
+def test_target_generated_cache_is_resumable(pair, tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(pair["draft"])).eval()
+    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, _data_cfg())
+    kw = dict(temperature=1.0, max_new_tokens=6, batch_size=2, shard_size=2, seed=3)
+    full = generate_target_data(target, tok, ex, tmp_path / "a", "k1", **kw)
+    assert len(full) == 6 and all(1 <= len(c) <= 6 for c in full["completion_ids"])
+    assert full["prompt_ids"] == [e["prompt_ids"] for e in ex]
+    # an interrupted run: one shard missing, the final dataset not written yet
+    import shutil
+
+    shutil.rmtree(tmp_path / "a" / "shards" / "00001")
+    shutil.rmtree(tmp_path / "a" / "dataset")
+    (tmp_path / "a" / "meta.json").write_text(json.dumps({"key": "k1", "complete": False}))
+    calls = []
+    again = generate_target_data(target, tok, ex, tmp_path / "a", "k1", progress=lambda i, n: calls.append(i), **kw)
+    assert calls == [2] and again["completion_ids"] == full["completion_ids"]
+    # with the draft drafting speculatively: same prompts, valid completions (lossless: same distribution)
+    spec = generate_target_data(target, tok, ex, tmp_path / "b", "k1", draft=draft, **{**kw, "temperature": 0.0})
+    greedy = generate_target_data(target, tok, ex, tmp_path / "c", "k1", **{**kw, "temperature": 0.0})
+    assert spec["completion_ids"] == greedy["completion_ids"]  # greedy: speculative output is token-identical
+    with pytest.raises(SetupError, match="other prompts"):
+        generate_target_data(target, tok, ex, tmp_path / "a", "other-key", **kw)
+    assert torch.is_grad_enabled()

@@ -1,0 +1,106 @@
+"""Export round trip: LoRA merged, safetensors without adapter keys, equal logits, works as assistant_model in a
+fresh process; the card names the target and the measured α/τ."""
+import json
+import subprocess
+
+import torch
+
+from distill.export import export, load_checkpoint_draft
+from distill.recipe import train
+from distill_helpers import PY, REPO, compose, overrides, subprocess_env
+
+CHECK = r"""
+import json, sys, torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+out, target_path, ids_path = sys.argv[1:4]
+with safe_open(out + "/model.safetensors", "pt") as f:
+    keys = list(f.keys())
+draft = AutoModelForCausalLM.from_pretrained(out).eval()
+target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+ids = torch.load(ids_path)
+with torch.no_grad():
+    logits = draft(ids).logits
+gen = target.generate(ids[:1], assistant_model=draft, max_new_tokens=6, do_sample=False, pad_token_id=0)
+plain = target.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+torch.save(logits, out + "/check_logits.pt")
+print(json.dumps({"adapter_keys": [k for k in keys if "lora" in k or "base_layer" in k], "n_keys": len(keys),
+                  "assisted": gen[0].tolist(), "plain": plain[0].tolist()}))
+"""
+
+
+def test_lora_export_round_trip_in_fresh_process(pair, tmp_path):
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.lora.enabled=true", "optim.lr=5e-2", "train.max_steps=2",
+                            "eval.every=1")), log=lambda *_: None)
+    ckpt = run / "best"
+    assert (ckpt / "draft" / "adapter_config.json").exists()
+    # the trained model as the recipe holds it: base + unmerged adapter
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(pair["draft"])),
+                                           str(ckpt / "draft")).eval()
+    ids = torch.tensor([[1, 20, 33, 47, 60, 71], [1, 9, 100, 4, 5, 6]])
+    with torch.no_grad():
+        trained = peft_model(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(pair["draft"])).eval()(ids).logits
+    assert not torch.allclose(trained, base, atol=1e-4)  # the adapter changed something worth exporting
+    torch.save(ids, tmp_path / "ids.pt")
+
+    out = tmp_path / "export"
+    env = subprocess_env()
+    r = subprocess.run([PY, "-m", "distill", "export", str(ckpt), str(out)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([PY, "-c", CHECK, str(out), str(pair["target"]), str(tmp_path / "ids.pt")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["adapter_keys"] == [] and res["n_keys"] > 0
+    torch.testing.assert_close(torch.load(out / "check_logits.pt"), trained, rtol=1e-4, atol=1e-4)
+    assert res["assisted"] == res["plain"]  # greedy assisted generation is exactly the target's greedy output
+    assert len(res["assisted"]) > ids.shape[1]
+
+    card = json.loads((out / "draftkit_card.json").read_text())
+    assert card["target"] == str(pair["target"]) and card["lora_merged"] is True
+    assert set(card["evaluation"]["per_temperature"]) == {"0.0", "1.0"}
+    assert card["config"]["loss"]["name"] == "tvd"
+    readme = (out / "README.md").read_text()
+    assert str(pair["target"]) in readme and "| 0.0 |" in readme and "| 1.0 |" in readme
+    assert (out / "tokenizer.json").exists()
+
+
+def test_export_of_built_full_finetune_draft(pair, tmp_path):
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "draft.name_or_path=null", "draft.num_hidden_layers=1", "train.max_steps=2")),
+          log=lambda *_: None)
+    draft, _, state = load_checkpoint_draft(run / "step_000002")
+    card = export(run / "step_000002", tmp_path / "out")
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, draft(ids).logits)
+    assert again.config.num_hidden_layers == 1 and card["steps"] == 2 and state["lora"] is False
+
+
+def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "draft.name_or_path=null", "draft.num_hidden_layers=1",
+                            "train.lora.enabled=true", "train.max_steps=1")), log=lambda *_: None)
+    state = json.loads((run / "step_000001" / "trainer_state.json").read_text())
+    assert state["draft_base"] == str((run / "draft_base").resolve())
+    card = export(run / "step_000001", tmp_path / "out")
+    assert card["lora_merged"] and (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_bad_checkpoint(tmp_path, capsys):
+    import pytest
+
+    from distill.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(tmp_path), str(tmp_path / "o")])
+    assert e.value.code == 2 and "not a distill checkpoint" in capsys.readouterr().err

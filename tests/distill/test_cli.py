@@ -1,0 +1,98 @@
+"""The `python -m distill` command line: help, subcommand dispatch, and a 2-process CPU (gloo) accelerate launch."""
+import json
+import subprocess
+
+import pytest
+import torch
+
+from distill.__main__ import SUBCOMMANDS, main
+from distill_helpers import PY, REPO, overrides, subprocess_env
+
+
+def test_help_lists_subcommands(capsys):
+    main(["--help"])
+    text = capsys.readouterr().out
+    for name in ("train", "export", "generate-data", "eval", "pretrain"):
+        assert name in text and name in SUBCOMMANDS
+
+
+def test_unknown_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fly"])
+    assert e.value.code == 2 and "unknown subcommand 'fly'" in capsys.readouterr().err
+
+
+def test_pretrain_dispatches_lazily(monkeypatch):
+    import sys
+    import types
+
+    seen = []
+    fake = types.ModuleType("distill.pretrain")
+    fake.main = lambda argv: seen.append(argv)
+    monkeypatch.setitem(sys.modules, "distill.pretrain", fake)
+    main(["pretrain", "--budget", "1"])
+    assert seen == [["--budget", "1"]]
+
+
+def test_train_setup_error_exits_2(pair, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *overrides(pair, tmp_path / "run", "data.on_policy_fraction=2")])
+    assert e.value.code == 2 and "on_policy_fraction" in capsys.readouterr().err
+
+
+def test_print_config(capsys):
+    main(["train", "+target.name_or_path=org/t", "draft.num_hidden_layers=2", "loss=jsd", "--print-config"])
+    text = capsys.readouterr().out
+    assert "name: jsd" in text and "name_or_path: org/t" in text
+
+
+def test_eval_and_generate_data_subcommands(pair, tmp_path, capsys):
+    ov = overrides(pair, tmp_path / "run")
+    main(["eval", *ov, "--out", str(tmp_path / "ev.json")])
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    assert set(ev["per_temperature"]) == {"0.0", "1.0"} and 0 <= ev["acceptance_rate"] <= 1
+    capsys.readouterr()
+    main(["generate-data", *ov, "data.source.limit=12", "data.target_generated.shard_size=4"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["rows"] == 8  # 12 rows minus data.holdout=4, exactly what train() trains on
+    import datasets
+
+    ds = datasets.load_from_disk(res["path"])
+    assert len(ds) == 8 and all(len(c) >= 1 for c in ds["completion_ids"])
+    s_ov = [*ov, "data.source.limit=12", "data.target_generated.shard_size=4", "data.completions=target",
+            "train.max_steps=1"]
+    from distill.recipe import train
+    from distill_helpers import compose
+
+    assert train(compose(s_ov), log=lambda *_: None)["steps"] == 1  # reuses the cache
+
+
+def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
+    """`accelerate launch` with 2 processes on CPU (gloo). Rank r takes micro-batch 2k+r, so 2 processes x batch 2
+    see the same examples per step as 1 process x batch 4; with the window's token count taken over both
+    processes, losses and weights must match the single-process run (DDP averaging is exact)."""
+    from safetensors.torch import load_file
+
+    from distill.recipe import train
+    from distill_helpers import compose
+
+    out = tmp_path / "ddp"
+    cmd = [PY, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "conf/launcher/cpu_2proc.yaml"),
+           "--num_processes", "2", "-m", "distill", "train",
+           *overrides(pair, out, "train.max_steps=2", "eval.temperatures=[0.0]", "train.batch_size=2")]
+    r = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["steps"] == 2
+    assert (out / "step_000002" / "accelerate" / "random_states_1.pkl").exists()  # one RNG state per process
+
+    single = tmp_path / "single"
+    ref = train(compose(overrides(pair, single, "train.max_steps=2", "eval.temperatures=[0.0]",
+                                  "train.batch_size=4")), log=lambda *_: None)
+    assert summary["tokens_seen"] == ref["tokens_seen"]
+    losses = lambda d: [json.loads(line)["train/loss"] for line in open(d / "metrics.jsonl")  # noqa: E731
+                        if "train/loss" in line]
+    assert losses(out) == pytest.approx(losses(single), rel=1e-5)
+    w2, w1 = (load_file(str(d / "step_000002" / "accelerate" / "model.safetensors")) for d in (out, single))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)

@@ -41,6 +41,21 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
+def _compose_or_exit(overrides: list[str]):
+    """:func:`compose` for the command line: a bad override prints Hydra's message (no traceback) and exits 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        hint = ""
+        if "target." in str(e) and "Could not override" in str(e):
+            hint = ("\nThe target group is not in the defaults: add target keys with a plus, e.g. "
+                    "+target.name_or_path=PATH +target.dtype=bf16 (or ++ to force).")
+        _fail(RuntimeError(f"{e}{hint}"))
+
+
 def _overrides_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m distill {prog}", description=help_text)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +target.name_or_path=PATH loss=tvd "
@@ -61,7 +76,7 @@ def cmd_train(argv: list[str]) -> None:
     from distill.recipe import train
 
     args = _overrides_parser("train", SUBCOMMANDS["train"]).parse_args(argv)
-    cfg = compose(args.overrides)
+    cfg = _compose_or_exit(args.overrides)
     if args.print_config:
         print(OmegaConf.to_yaml(cfg))
         return
@@ -78,18 +93,19 @@ def cmd_generate_data(argv: list[str]) -> None:
     import torch
 
     from distill.data import build_examples, check_lengths
-    from distill.models import SetupError, check_pair, context_length, load_draft, load_target, load_tokenizer
+    from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
+                                load_target, load_tokenizer)
     from distill.recipe import normalize_config, prepare_target_data, target_data_dir
 
     args = _overrides_parser("generate-data", SUBCOMMANDS["generate-data"]).parse_args(argv)
     try:
-        cfg = normalize_config(compose(args.overrides))
+        cfg = normalize_config(_compose_or_exit(args.overrides))
         tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
         target = load_target(cfg.target)
         draft = None
         if cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"):
             draft = load_draft(cfg.draft, target).eval()
-            check_pair(target, draft, tokenizer)
+            check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
         device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
         target.to(device)
         if draft is not None:
@@ -109,18 +125,19 @@ def cmd_eval(argv: list[str]) -> None:
     import torch
 
     from distill.evaluate import acceptance_eval
-    from distill.models import SetupError, check_pair, context_length, load_draft, load_target, load_tokenizer
+    from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
+                                load_target, load_tokenizer)
     from distill.recipe import load_data, normalize_config
 
     p = _overrides_parser("eval", SUBCOMMANDS["eval"])
     p.add_argument("--out", help="write the JSON result here too")
     args = p.parse_args(argv)
     try:
-        cfg = normalize_config(compose(args.overrides))
+        cfg = normalize_config(_compose_or_exit(args.overrides))
         tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
         target = load_target(cfg.target)
         draft = load_draft(cfg.draft, target).eval()
-        check_pair(target, draft, tokenizer)
+        check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
         ctx = [c for c in (context_length(target), context_length(draft)) if c]
         _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
     except SetupError as e:

@@ -279,6 +279,12 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
     cfg = normalize_config(cfg)
     # On a machine without a GPU, cpu=True is what makes accelerate use gloo across launched processes.
     cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
+    if not torch.distributed.is_initialized():
+        # accelerate keeps its state in a process-wide singleton; a second in-process run (tests, notebooks) with
+        # another precision must start from a clean one.
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(mixed_precision=str(cfg.train.mixed_precision), cpu=cpu)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and int(cfg.train.grad_accum) != 1:
         raise SetupError("DeepSpeed owns gradient accumulation: set train.grad_accum=1 and raise train.batch_size "

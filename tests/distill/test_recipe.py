@@ -187,3 +187,38 @@ def test_lr_schedule_warmup_then_cosine():
     lrs = [lr_lambda(s, warmup=4, total=20, kind="cosine", min_ratio=0.1) for s in range(21)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] == pytest.approx(0.1)
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_continues(pair, tmp_path, monkeypatch):
+    """An interrupted run loses nothing: SIGTERM during step 3 -> checkpoint at step 3 -> resume == straight run."""
+    import os
+    import signal
+
+    import distill.recipe as recipe
+
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    train(compose(overrides(pair, straight, "train.save_every=0")), log=lambda *_: None)
+    real, calls = recipe.loss_on_batch, []
+
+    def interrupt_on_third(run, batch, n_tokens):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(run, batch, n_tokens)
+
+    monkeypatch.setattr(recipe, "loss_on_batch", interrupt_on_third)
+    first = train(compose(overrides(pair, interrupted, "train.save_every=0")), log=lambda *_: None)
+    assert first["steps"] == 3 and (interrupted / "latest").read_text() == "step_000003"
+    assert signal.getsignal(signal.SIGTERM) is not recipe._StopFlag._handle  # handlers restored
+    monkeypatch.setattr(recipe, "loss_on_batch", real)
+    train(compose(overrides(pair, interrupted, "train.save_every=0", "train.resume=true")), log=lambda *_: None)
+    assert _losses(straight) == _losses(interrupted)
+    ws, wi = _weights(straight / "step_000004"), _weights(interrupted / "step_000004")
+    assert all(torch.equal(ws[k], wi[k]) for k in ws)
+
+
+def test_bf16_mixed_precision_and_bf16_target(pair, tmp_path):
+    out = tmp_path / "run"
+    s = train(compose(overrides(pair, out, "train.mixed_precision=bf16", "+target.dtype=bf16", "train.max_steps=2")),
+              log=lambda *_: None)
+    assert s["steps"] == 2 and all(torch.isfinite(torch.tensor(v)) for v in _losses(out).values())

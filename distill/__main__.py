@@ -17,8 +17,8 @@ from pathlib import Path
 
 CONF_ENV = "DRAFTKIT_CONF"
 SUBCOMMANDS = {
-    "train": "distill a draft against a frozen target: python -m distill train +target.name_or_path=T draft=... [k=v ...]",
-    "generate-data": "generate and cache target completions (sequence-level KD): python -m distill generate-data [k=v ...]",
+    "train": "distill a draft against a frozen target: python -m distill train +target.name_or_path=T [k=v ...]",
+    "generate-data": "cache target completions (sequence-level KD): python -m distill generate-data [k=v ...]",
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
     "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
@@ -92,10 +92,9 @@ def cmd_train(argv: list[str]) -> None:
 def cmd_generate_data(argv: list[str]) -> None:
     import torch
 
-    from distill.data import build_examples, check_lengths
     from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
                                 load_target, load_tokenizer)
-    from distill.recipe import normalize_config, prepare_target_data, target_data_dir
+    from distill.recipe import load_data, normalize_config, prepare_target_data, target_data_dir
 
     args = _overrides_parser("generate-data", SUBCOMMANDS["generate-data"]).parse_args(argv)
     try:
@@ -110,11 +109,8 @@ def cmd_generate_data(argv: list[str]) -> None:
         target.to(device)
         if draft is not None:
             draft.to(device)
-        ctx = context_length(target)
-        examples = check_lengths(build_examples(cfg.data.source, tokenizer, cfg.data), ctx, cfg.data)
-        # The same examples train() will use: the eval holdout is cut off first.
-        if not cfg.eval.get("prompts") and int(cfg.data.holdout) > 0:
-            examples = examples[:-int(cfg.data.holdout)]
+        ctx = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
+        examples, _ = load_data(cfg, tokenizer, min(ctx) if ctx else None)  # exactly the examples train() uses
         rows = prepare_target_data(cfg, target, draft, tokenizer, examples)
     except SetupError as e:
         _fail(e)
@@ -145,7 +141,8 @@ def cmd_eval(argv: list[str]) -> None:
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
     result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
-                             num_draft_tokens=int(cfg.eval.num_draft_tokens), max_new_tokens=int(cfg.eval.max_new_tokens),
+                             num_draft_tokens=int(cfg.eval.num_draft_tokens),
+                             max_new_tokens=int(cfg.eval.max_new_tokens),
                              batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
                              cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma))
     text = json.dumps(result, indent=2)

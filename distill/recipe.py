@@ -511,8 +511,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             tokens_per_s = float(n_global.item()) / max(dt, 1e-9)
             progress.update(loss_value, tokens_per_s)
             if step % int(cfg.train.log_every) == 0 or step == 1:
+                grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
                 logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
-                            "train/grad_norm": float(grad_norm), "train/tokens_per_s": tokens_per_s,
+                            "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s,
                             "train/tokens_seen": state["tokens_seen"],
                             "train/on_policy_fraction_batch": sum(p for _, p in drawn) / accum}, step)
             stop_now = flag.stop or step == stop_at

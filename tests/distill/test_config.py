@@ -37,6 +37,33 @@ def test_every_experiment_composes(name):
     validate_config(cfg)
 
 
+def _leaves(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+def _known_keys():
+    known = set()
+    for group in GROUPS + ["target"]:
+        for p in (CONF / group).glob("*.yaml"):
+            known |= {f"{group}.{k}" for k in _leaves(OmegaConf.to_container(OmegaConf.load(p)))}
+    return known
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiments_use_only_known_keys(name):
+    """A typo in an experiment (e.g. train.max_step) would silently add a key; every key must exist in a group."""
+    known = _known_keys()
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{name}.yaml"))
+    cfg.pop("defaults", None)
+    for key in _leaves({k: v for k, v in cfg.items() if k in GROUPS + ["target"]}):
+        # a key below a leaf that is an empty mapping or null (data.source.corpus_kwargs, eval.prompts) is free-form
+        assert key in known or any(key.startswith(k + ".") for k in known), f"{name}: unknown key {key}"
+
+
 @pytest.mark.parametrize("group", GROUPS + ["target"])
 def test_every_group_option_composes(group):
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):

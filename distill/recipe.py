@@ -425,6 +425,17 @@ def resolve_resume(cfg: DictConfig) -> Path | None:
     return path
 
 
+def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
+    """Config keys that decide the data stream and the update, whose values differ from the checkpoint's."""
+    saved_file = Path(checkpoint) / "config.yaml"
+    if not saved_file.exists():
+        return []
+    saved = OmegaConf.load(saved_file)
+    keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source",
+            "data.on_policy_fraction", "loss", "optim", "target.name_or_path"]
+    return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
+
+
 # ------------------------------------------------------------------------------------------------ the recipe
 
 def train(cfg: DictConfig, log: Any = None) -> dict:
@@ -447,6 +458,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     if resume_from is not None:
         state.update(ckpt.load_checkpoint(acc, run["scheduler"], resume_from))
         log(f"resumed from {resume_from} at step {state['step']}")
+        for key in _changed_keys(resume_from, cfg):
+            log(f"warning: {key} differs from the checkpoint's config; the resumed run is not the same experiment")
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
     max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
@@ -506,6 +519,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             optimizer.zero_grad(set_to_none=True)
             state["step"] = step = step + 1
             state["tokens_seen"] += int(n_global.item())
+            state["examples_consumed"] = step * accum * world * int(cfg.train.batch_size)  # the data position
             loss_value = float(acc.reduce(loss_sum, reduction="mean").item())
             dt = time.perf_counter() - t0
             tokens_per_s = float(n_global.item()) / max(dt, 1e-9)

@@ -222,3 +222,12 @@ def test_bf16_mixed_precision_and_bf16_target(pair, tmp_path):
     s = train(compose(overrides(pair, out, "train.mixed_precision=bf16", "+target.dtype=bf16", "train.max_steps=2")),
               log=lambda *_: None)
     assert s["steps"] == 2 and all(torch.isfinite(torch.tensor(v)) for v in _losses(out).values())
+
+
+def test_resume_warns_about_changed_config(pair, tmp_path):
+    out, messages = tmp_path / "run", []
+    train(compose(overrides(pair, out, "train.stop_at=2")), log=lambda *_: None)
+    train(compose(overrides(pair, out, "train.resume=true", "loss=fkl")), log=messages.append)
+    assert any("loss differs" in m for m in messages)
+    state = json.loads((out / "step_000004" / "trainer_state.json").read_text())
+    assert state["examples_consumed"] == 4 * 4 and state["step"] == 4

@@ -128,9 +128,9 @@ def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, li
         p_len, c_len = int(src.get("prompt_tokens") or 32), int(src.get("completion_tokens") or max_new)
         per_doc = src.get("windows_per_doc")
         text_field = src.get("text_field") or "text"
+        bos = [tokenizer.bos_token_id] if src.get("add_bos", True) and tokenizer.bos_token_id is not None else []
         for row in rows:
             ids = tokenizer(_field(row, text_field, where), add_special_tokens=False)["input_ids"]
-            bos = [tokenizer.bos_token_id] if src.get("add_bos", True) and tokenizer.bos_token_id is not None else []
             n_win = len(ids) // (p_len + c_len)
             for w in range(n_win if per_doc is None else min(n_win, int(per_doc))):
                 chunk = ids[w * (p_len + c_len):(w + 1) * (p_len + c_len)]

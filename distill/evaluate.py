@@ -60,7 +60,9 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
         num_draft_tokens: γ used for the measurement.
         seed: seeds the decoder's generator for each temperature, so evaluations are repeatable.
         cost_ratio: c; measured with :func:`measure_cost_ratio` when None.
-        max_gamma: largest γ considered for the best-γ prediction.
+        max_gamma: largest γ considered for the best-γ prediction. The best γ is searched in [1, max_gamma]: a
+            predicted speedup below 1 then says plainly that this draft does not pay off (γ = 0 would hide it
+            behind a flat 1.0). α is measured at ``num_draft_tokens`` and assumed i.i.d. across positions.
 
     Returns:
         ``{"per_temperature": {"0.0": {acceptance_rate, mean_accepted_length, accepted_length_histogram,

@@ -254,7 +254,7 @@ def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[lis
     """Training examples and eval prompts (held out of training when ``eval.prompts`` is null), length-checked."""
     examples = build_examples(cfg.data.source, tokenizer, cfg.data)
     if cfg.eval.get("prompts"):
-        ev_src = OmegaConf.merge({"kind": "prompts", "completion_field": None}, cfg.eval.prompts)
+        ev_src = OmegaConf.merge({"kind": "auto", "completion_field": None}, cfg.eval.prompts)
         eval_examples = build_examples(ev_src, tokenizer, cfg.data)
     else:
         n_hold = int(cfg.data.holdout)

@@ -44,7 +44,7 @@ def _from_pretrained(cls: Any, name_or_path: str, what: str, key: str, **kw: Any
                          f"(a save_pretrained directory) or a cached hub id. ({type(e).__name__}: {e})") from e
 
 
-def load_tokenizer(name_or_path: str, key: str = "target.name_or_path") -> Any:
+def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)") -> Any:
     """AutoTokenizer with a pad token (eos when the tokenizer has none, as batch rollouts need padding)."""
     from transformers import AutoTokenizer
 

@@ -87,3 +87,9 @@ def test_other_bad_values(pair, tmp_path):
     _fails(pair, tmp_path, "loss.beta=2", match="loss.beta")
     _fails(pair, tmp_path, "data.completions=teacher", match="data.completions")
     _fails(pair, tmp_path, "train.lora.enabled=true", "train.lora.target_modules=[nope]", match="matches no module")
+
+
+def test_hub_target_not_in_cache_offline(pair, tmp_path):
+    ov = [o for o in overrides(pair, tmp_path / "run") if not o.startswith("+target")]
+    with pytest.raises(SetupError, match=r"(?s)cannot load the .*'Qwen/Qwen2.5-7B-Instruct'.*\+target.name_or_path"):
+        train(compose(["+target=qwen2.5-7b-instruct", *ov]), log=lambda *_: None)

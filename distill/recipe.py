@@ -365,9 +365,14 @@ def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Ten
     with torch.no_grad(), acc.autocast():
         target_logits = run["target"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     draft_logits = run["draft"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits, run["vocab"]),
-                        _vocab_slice(target_logits, run["vocab"]), batch["loss_mask"], n_tokens,
-                        labels=batch["labels"], beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
+    # Only completion positions enter the loss: select them first, so the float32 softmax work is (1, N, V)
+    # instead of (B, T, V) with the prompt and padding share wasted.
+    keep = batch["loss_mask"].bool()
+    n_keep = int(keep.sum())
+    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits[keep], run["vocab"]).unsqueeze(0),
+                        _vocab_slice(target_logits[keep], run["vocab"]).unsqueeze(0),
+                        torch.ones(1, n_keep, device=keep.device), n_tokens, labels=batch["labels"][keep].unsqueeze(0),
+                        beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
                         ce_weight=float(cfg.loss.ce_weight))
     del target_logits  # (B, T, V) is the largest activation here; free it before the draft's backward
     return loss

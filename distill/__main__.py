@@ -30,15 +30,27 @@ def conf_dir() -> Path:
     return Path(os.environ.get(CONF_ENV) or Path(__file__).resolve().parents[1] / "conf").resolve()
 
 
+def expand_target_shorthand(overrides: list[str]) -> list[str]:
+    """``+target=X`` selects ``conf/target/X.yaml`` when that file exists; otherwise X is a path or hub id and the
+    override becomes ``+target.name_or_path=X`` (so ``+target=/models/qwen`` works as the issue's usage reads)."""
+    out = []
+    for o in overrides:
+        if o.startswith("+target=") and not (conf_dir() / "target" / f"{o.split('=', 1)[1]}.yaml").exists():
+            o = "+target.name_or_path=" + o.split("=", 1)[1]
+        out.append(o)
+    return out
+
+
 def compose(overrides: list[str]):
-    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``)."""
+    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``);
+    ``+target=PATH_OR_HUB_ID`` is accepted too (see :func:`expand_target_shorthand`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=expand_target_shorthand(list(overrides)))
 
 
 def _compose_or_exit(overrides: list[str]):

@@ -72,6 +72,13 @@ def test_every_group_option_composes(group):
         assert cfg[group] is not None
 
 
+def test_target_shorthand_accepts_a_group_option_or_a_path():
+    assert compose(["+target=qwen2.5-7b-instruct"]).target.dtype == "bf16"
+    cfg = compose(["+target=/models/my-target", "draft.num_hidden_layers=2"])
+    assert cfg.target.name_or_path == "/models/my-target"
+    assert compose(["+target=org/hub-model"]).target.name_or_path == "org/hub-model"
+
+
 def test_target_by_path_key_and_missing_target():
     cfg = compose(["+target.name_or_path=org/model", "draft.num_hidden_layers=2"])
     assert normalize_config(cfg).target.dtype is None  # defaults filled in

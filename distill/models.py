@@ -120,21 +120,21 @@ def init_from_target(draft: Any, target: Any) -> list[str]:
 
 
 def load_draft(cfg: Any, target: Any) -> Any:
-    """The trainable draft: ``draft.name_or_path`` if set, else built from the target's config (see module doc)."""
+    """The trainable draft: ``draft.name_or_path`` if set, else built from the target's config (see module doc).
+
+    ``draft.dtype`` null means float32: the optimizer needs float32 master weights (bf16 compute comes from
+    ``train.mixed_precision``); ``auto`` keeps a loaded checkpoint's own dtype.
+    """
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(cfg.get("dtype"))
+    dtype = resolve_dtype(cfg.get("dtype") or "float32")
     if cfg.get("name_or_path"):
-        kw = {"dtype": dtype} if dtype is not None else {}
-        draft = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "draft", "draft.name_or_path", **kw)
+        draft = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "draft", "draft.name_or_path", dtype=dtype)
     else:
         dcfg = draft_config_from_target(target.config, cfg)
         torch.manual_seed(int(cfg.get("seed", 0)))  # the init is part of the experiment: make it repeatable
         draft = AutoModelForCausalLM.from_config(dcfg)
-        if dtype not in (None, "auto"):
-            draft = draft.to(dtype)
-        elif dtype is None:
-            draft = draft.to(target.dtype)
+        draft = draft.to(target.dtype if dtype == "auto" else dtype)
         if cfg.get("init_from_target", True):
             init_from_target(draft, target)
     draft.train()

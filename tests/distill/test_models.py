@@ -14,10 +14,13 @@ def _draft_cfg(**kw):
     return OmegaConf.create({**base, **kw})
 
 
-def test_target_is_frozen(pair):
+def test_target_is_frozen_and_draft_gets_float32_master_weights(pair):
     target = load_target(OmegaConf.create({"name_or_path": str(pair["target"]), "dtype": "bf16"}))
     assert not target.training and not any(p.requires_grad for p in target.parameters())
     assert next(target.parameters()).dtype == torch.bfloat16
+    built = load_draft(_draft_cfg(num_hidden_layers=1), target)
+    assert next(built.parameters()).dtype == torch.float32
+    assert next(load_draft(_draft_cfg(num_hidden_layers=1, dtype="auto"), target).parameters()).dtype == torch.bfloat16
 
 
 def test_draft_built_from_target_copies_first_layers(pair):

@@ -119,10 +119,14 @@ class MetricsLogger:
             mode = cfg.logger.get("mode") or "auto"
             if mode == "auto":
                 mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            id_file = output_dir / "wandb_run_id"  # a resumed run continues the same W&B run
+            run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
             self.run = wandb.init(project=cfg.logger.get("project") or "draftkit",
                                   name=cfg.logger.get("run_name") or output_dir.name, dir=str(output_dir),
-                                  mode=mode, tags=list(cfg.logger.get("tags") or []),
-                                  config=OmegaConf.to_container(cfg, resolve=True), resume="allow" if resumed else None)
+                                  mode=mode, tags=list(cfg.logger.get("tags") or []), id=run_id,
+                                  config=OmegaConf.to_container(cfg, resolve=True),
+                                  resume="allow" if run_id else None)
+            id_file.write_text(self.run.id)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

@@ -175,6 +175,11 @@ def test_wandb_offline_run_dir_has_metrics(pair, tmp_path, monkeypatch):
     assert any(k.startswith("eval/T0.0/accepted_length_hist") for k in logged)  # a wandb.Histogram (bins, values)
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses == [_losses(out)[1], _losses(out)[2]]
+    run_id = (out / "wandb_run_id").read_text()
+    assert runs[0].endswith(f"run-{run_id}.wandb")
+    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=3", "train.resume=true")),
+          log=lambda *_: None)
+    assert (out / "wandb_run_id").read_text() == run_id  # the resumed run logs into the same W&B run id
 
 
 def test_logger_none_writes_no_wandb(pair, tmp_path):

@@ -65,8 +65,10 @@ def load_draft_tokenizer(cfg: Any) -> Any:
 
     if not cfg.get("name_or_path"):
         return None
+    path = Path(cfg.name_or_path) / "draft" if (Path(cfg.name_or_path) / "trainer_state.json").exists() \
+        else cfg.name_or_path
     try:
-        return AutoTokenizer.from_pretrained(cfg.name_or_path)
+        return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -120,7 +122,8 @@ def init_from_target(draft: Any, target: Any) -> list[str]:
 
 
 def load_draft(cfg: Any, target: Any) -> Any:
-    """The trainable draft: ``draft.name_or_path`` if set, else built from the target's config (see module doc).
+    """The trainable draft: ``draft.name_or_path`` if set (a HF checkpoint, or a distill checkpoint folder such as
+    ``<run>/best``, whose LoRA is merged), else built from the target's config (see module doc).
 
     ``draft.dtype`` null means float32: the optimizer needs float32 master weights (bf16 compute comes from
     ``train.mixed_precision``); ``auto`` keeps a loaded checkpoint's own dtype.
@@ -128,7 +131,11 @@ def load_draft(cfg: Any, target: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(cfg.get("dtype") or "float32")
-    if cfg.get("name_or_path"):
+    if cfg.get("name_or_path") and (Path(cfg.name_or_path) / "trainer_state.json").exists():
+        from distill.export import load_checkpoint_draft  # a distill checkpoint (e.g. <run>/best): LoRA merged
+
+        draft = load_checkpoint_draft(cfg.name_or_path, None if dtype == "auto" else dtype)[0]
+    elif cfg.get("name_or_path"):
         draft = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "draft", "draft.name_or_path", dtype=dtype)
     else:
         dcfg = draft_config_from_target(target.config, cfg)
@@ -137,6 +144,7 @@ def load_draft(cfg: Any, target: Any) -> Any:
         draft = draft.to(target.dtype if dtype == "auto" else dtype)
         if cfg.get("init_from_target", True):
             init_from_target(draft, target)
+    draft.requires_grad_(True)  # a merged LoRA checkpoint comes back frozen; attach_lora freezes the base again
     draft.train()
     return draft
 

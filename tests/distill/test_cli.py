@@ -96,3 +96,22 @@ def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
     w2, w1 = (load_file(str(d / "step_000002" / "accelerate" / "model.safetensors")) for d in (out, single))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_eval_and_continue_from_a_distill_checkpoint(pair, tmp_path, capsys):
+    """draft.name_or_path may name a run's checkpoint folder (LoRA merged on load): eval it, or train on from it."""
+    from distill.recipe import train
+    from distill_helpers import compose
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.lora.enabled=true", "train.max_steps=1", "optim.lr=5e-2")),
+          log=lambda *_: None)
+    best = json.loads((run / "best" / "trainer_state.json").read_text())["last_eval"]
+    out = tmp_path / "ev.json"
+    main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}"), "--out", str(out)])
+    ev = json.loads(out.read_text())
+    for t in ("0.0", "1.0"):  # same draft, prompts, seed: the recipe's last evaluation is reproduced
+        assert ev["per_temperature"][t]["acceptance_rate"] == best["per_temperature"][t]["acceptance_rate"]
+    s = train(compose(overrides(pair, tmp_path / "more", f"draft.name_or_path={run / 'best'}", "train.max_steps=1")),
+              log=lambda *_: None)
+    assert s["steps"] == 1

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -296,8 +296,3 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
 def as_examples(ds: Any) -> list[dict[str, list[int]]]:
     """A cached ``datasets.Dataset`` (prompt_ids, completion_ids) back to example dicts."""
     return [{"prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"])} for r in ds]
-
-
-def count_tokens(examples: Iterable[dict]) -> int:
-    """Total completion tokens (the tokens the loss sees)."""
-    return sum(len(e["completion_ids"]) for e in examples)

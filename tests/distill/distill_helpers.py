@@ -2,12 +2,10 @@
 save_pretrained, Hydra overrides of a seconds-long CPU run, and the environment of subprocess tests."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -595,6 +595,9 @@ def _pool(records, methods, cfg: BenchConfig, cost: dict, categories) -> tuple[l
         for name in ("spec_auto", "hf_target", "hf_assisted"):
             hit = [r for r in runs if r["temperature"] == t and r["method"] == name]
             entry[f"{name}_speedup"] = hit[0]["overall"]["speedup"] if hit else None
+        best = entry["measured_speedup_at_best"]
+        # Adaptive γ against the best fixed γ chosen with hindsight: > 1 means the controller beat it.
+        entry["auto_vs_best_fixed"] = entry["spec_auto_speedup"] / best if best and entry["spec_auto_speedup"] else None
         summary.append(entry)
     return runs, summary
 
@@ -699,7 +702,8 @@ _RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per
 _SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "measured_speedup_at_best",
                  "best_gamma_predicted", "predicted_speedup_at_best", "best_gamma_predicted_tested",
                  "best_gamma_verify_aware_tested",
-                 "predicted_curve", "spec_auto_speedup", "hf_target_speedup", "hf_assisted_speedup")
+                 "predicted_curve", "spec_auto_speedup", "hf_target_speedup", "hf_assisted_speedup",
+                 "auto_vs_best_fixed")
 _BATCH_KEYS = ("temperature", "method", "num_draft_tokens", "batch_size", "num_batches", "num_new_tokens", "total_s",
                "tokens_per_s", "peak_memory_bytes", "reused_main_pass", "speedup")
 _TOP_KEYS = ("schema_version", "kind", "created", "config", "environment", "prompts", "cost", "runs", "summary",
@@ -795,6 +799,7 @@ def render_tables(results: dict[str, Any], console=None) -> None:
                           + ("x" if m["predicted_speedup_verify_aware"] is not None else ""),
                           _fmt(m["matches_plain_greedy"], ".0%"), _fmt(m["peak_memory_bytes"], ".0f", 2 ** -20))
         console.print(table)
+    _render_summary(results, console)
     _render_categories(results, console)
     if results["batch"]:
         table = Table(title="batch throughput (our engine)")
@@ -804,6 +809,23 @@ def render_tables(results: dict[str, Any], console=None) -> None:
             table.add_row(f"{b['temperature']:g}", b["method"], str(b["batch_size"]), _fmt(b["tokens_per_s"], ".1f"),
                           _fmt(b["speedup"]))
         console.print(table)
+
+
+def _render_summary(results, console) -> None:
+    """One row per temperature: ours (best fixed γ, auto) vs HF assisted, measured vs predicted."""
+    from rich.table import Table
+
+    table = Table(title=f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f})")
+    for col in ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best",
+                "HF assisted", "HF target"):
+        table.add_column(col, justify="right")
+    for s in results["summary"]:
+        x = lambda v: _fmt(v) + ("x" if v is not None else "")  # noqa: E731
+        table.add_row(f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), str(s["best_gamma_measured"]),
+                      x(s["measured_speedup_at_best"]), str(s["best_gamma_predicted"]),
+                      x(s["predicted_speedup_at_best"]), x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"]),
+                      x(s["hf_assisted_speedup"]), x(s["hf_target_speedup"]))
+    console.print(table)
 
 
 def _render_categories(results, console) -> None:

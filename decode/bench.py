@@ -510,17 +510,20 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     records: dict[tuple[float, str], list[dict]] = {(t, m.name): [] for t in cfg.temperatures for m in methods}
     names = prompt_names or [str(i) for i in range(len(prompt_ids))]
     with _progress(progress, len(prompt_ids) * len(cfg.temperatures) * len(methods), "decoding") as tick:
+        order = 0
         for i, row in enumerate(prompt_ids):
             for t in cfg.temperatures:
                 k = i % len(methods)  # rotate so no method is always first after a prompt switch
                 for method in methods[k:] + methods[:k]:
                     new, wall, stats, peak = run(method, [row], t, _seed_for(cfg, i))
                     records[(t, method.name)].append({
-                        "key": i, "prompt": names[i], "category": categories[i], "prompt_tokens": len(row),
+                        "key": i, "order": order, "prompt": names[i], "category": categories[i],
+                        "prompt_tokens": len(row),
                         "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
                         "stats": stats if method.kind == OURS else None,
                         "ttft_s": getattr(stats, "ttft_s", None),
                     })
+                    order += 1
                     tick()
     runs, summary = _pool(records, methods, cfg, cost, categories)
     batch = _batch_pass(run, records, methods, summary, prompt_ids, cfg, progress)

@@ -106,6 +106,19 @@ def test_every_method_ran_on_every_prompt(bench_run):
         assert runs["spec_g1"]["by_category"]["x"]["num_prompts"] == 2
 
 
+def test_runs_are_interleaved_per_prompt_with_rotated_order(bench_run):
+    results, _, cfg, prompts = bench_run
+    per_prompt = len(cfg.temperatures) * len(build_methods(cfg))
+    firsts = []
+    for i in range(len(prompts)):
+        orders = sorted((r["order"], name) for name, recs in results["records"].items() for r in recs
+                        if r["key"] == i)
+        # Prompt i's runs (every method, every temperature) form one contiguous block, in prompt order.
+        assert [o for o, _ in orders] == list(range(i * per_prompt, (i + 1) * per_prompt))
+        firsts.append(orders[0][1])
+    assert len(set(firsts)) == len(prompts), "the first method must rotate from prompt to prompt"
+
+
 def test_greedy_outputs_equal_plain_decoding(bench_run):
     results, _, _, _ = bench_run
     for run in results["runs"]:

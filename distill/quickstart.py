@@ -62,15 +62,18 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     return OmegaConf.merge(raw.quickstart, OmegaConf.from_dotlist(list(overrides)))
 
 
-def _env() -> dict[str, str]:
+def _env(threads: int | None = None) -> dict[str, str]:
+    """The phases' environment: offline, quiet, and (``threads``) a bound on torch's CPU threads."""
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                WANDB_MODE=env.get("WANDB_MODE", "offline"), WANDB_SILENT="true")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
 
 
-def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None) -> bool:
+def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None, env=None) -> bool:
     """Run one phase's command and record command, seconds and status; True on success.
 
     ``cmd`` runs as a subprocess (output streamed), or, given ``in_process``, as ``in_process(cmd[4:])`` in this
@@ -80,7 +83,7 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None)
     console.print("$ " + shlex.join(["python"] + cmd[1:]), markup=False, highlight=False)
     t0 = time.time()
     if in_process is None:
-        rc = subprocess.run(cmd, cwd=REPO, env=_env()).returncode
+        rc = subprocess.run(cmd, cwd=REPO, env=env or _env()).returncode
     else:
         try:
             in_process(cmd[4:])
@@ -356,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from distill.pretrain import main as pretrain_main
 
-    for key, value in _env().items():  # the in-process phases run offline too
+
+    env = _env(qs.get("threads"))
+    for key, value in env.items():  # the in-process phases run offline too
         os.environ.setdefault(key, value)
     ok = True
     for name in ("tokenizer", "target", "draft"):
@@ -370,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     distilled = cached("distill+export", export_dir / "config.json")
     if not distilled:
         extra = shlex.split(args.distill_overrides)
-        if run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console):
+        if run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console, env=env):
             ckpt = _distilled_checkpoint(qs, out)
             distilled = ckpt is not None and run_phase(
-                "export", [sys.executable, "-m", "distill", "export", str(ckpt), str(export_dir)], phases, console)
+                "export", [sys.executable, "-m", "distill", "export", str(ckpt), str(export_dir)], phases, console,
+                env=env)
         if not distilled:
             ok = False
             console.print("[red]The distill/export step failed (see above): `python -m distill train` must run with "

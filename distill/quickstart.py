@@ -18,7 +18,8 @@ Measurement (see ``evaluate``): every run goes through ``decode.SpeculativeDecod
 engine with ``num_draft_tokens=0``. For each prompt, plain, baseline and distilled runs follow each other (order
 rotated per prompt) with the same generator seed, so machine drift hits all three alike. Speedup is pooled
 tokens/s of a draft over pooled tokens/s of plain decoding on the same prompts and temperature. α = Σaccepted /
-Σdrafted, τ = mean tokens committed per verify step (Leviathan et al., 2023).
+Σdrafted (``DecodeStats.acceptance_rate``), α/token = the per-token acceptance probability of Leviathan et al. (2023)
+that their speedup formula takes, τ = mean tokens committed per verify step.
 
 Settings live in ``conf/experiment/quickstart.yaml`` (``quickstart_smoke.yaml`` for ``--smoke``), under the
 ``quickstart:`` key; the rest of that file configures ``python -m distill train``.
@@ -237,6 +238,20 @@ def _cost_ratio(target, draft, context: list[int]) -> float | None:
     return float(measure_cost_ratio(target, draft, torch.tensor([context]))["cost_ratio"])
 
 
+def alpha_per_token(histogram: list[int], gamma: int) -> float | None:
+    """Leviathan et al.'s α (probability that one draft token is accepted) from an accepted-length histogram.
+
+    Each verify step is a run of Bernoulli(α) trials that stops at the first rejection or after γ acceptances, so
+    the maximum-likelihood estimate is accepted / (accepted + rejections), a rejection wherever n < γ (as
+    ``decode.bench.alpha_from_steps``). This, not Σaccepted/Σdrafted, is the α of the predicted-speedup formula.
+    A run's last step may draft fewer than γ tokens; counting it as a rejection biases α down by at most one
+    trial per run. None when nothing was drafted.
+    """
+    accepted = sum(n * count for n, count in enumerate(histogram))
+    rejections = sum(count for n, count in enumerate(histogram) if n < gamma)
+    return accepted / (accepted + rejections) if accepted + rejections else None
+
+
 def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[dict]:
     """One row per (temperature, prompt set) and (temperature, "all"), pooling DecodeStats over prompts."""
     from decode.speedup import predicted_speedup
@@ -253,15 +268,20 @@ def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[
                    "plain_new_tokens": plain.num_new_tokens}
             for d in drafts:
                 st = pooled(d)
-                alpha = st.acceptance_rate
-                row[d] = {"acceptance_rate": alpha, "mean_accepted_length": st.mean_accepted_length,
+                alpha_token = alpha_per_token(st.accepted_length_histogram, gamma)
+                row[d] = {"acceptance_rate": st.acceptance_rate, "alpha_per_token": alpha_token,
+                          "mean_accepted_length": st.mean_accepted_length,
                           "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
-                          "predicted_speedup": (predicted_speedup(alpha, gamma, costs[d])
-                                                if costs.get(d) is not None else None),
+                          "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d])
+                                                if costs.get(d) is not None and alpha_token is not None else None),
                           "num_new_tokens": st.num_new_tokens, "num_verify_steps": st.num_verify_steps,
                           "accepted_length_histogram": list(st.accepted_length_histogram)}
             rows.append(row)
     return rows
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def render_table(results: dict, console) -> None:
@@ -284,7 +304,7 @@ def render_table(results: dict, console) -> None:
     drafts = [d for d in ("baseline", "distilled") if d in ev["rows"][0]]
     table = Table(title=f"speculative decoding vs plain target decoding (γ={ev['num_draft_tokens']}, "
                         f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
-    for col in ("T", "prompts", "draft", "α", "τ", "tokens/s", "plain tokens/s", "speedup", "predicted"):
+    for col in ("T", "prompts", "draft", "α", "α/token", "τ", "tokens/s", "plain tokens/s", "speedup", "predicted"):
         table.add_column(col, justify="left" if col in ("prompts", "draft") else "right")
     for r in ev["rows"]:
         n = ev["num_prompts"].get(r["set"], sum(ev["num_prompts"].values()))
@@ -292,14 +312,17 @@ def render_table(results: dict, console) -> None:
             m = r[d]
             pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
             table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
-                          f"{m['acceptance_rate']:.3f}", f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
+                          f"{m['acceptance_rate']:.3f}", _fmt(m.get("alpha_per_token"), ".3f"),
+                          f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
                           end_section=(i == len(drafts) - 1 and r["set"] == "all"))
     console.print(table)
     costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
     lossless = ev["greedy_lossless"]
-    console.print(f"draft/target forward cost ratio: {costs or 'n/a'}; greedy speculative output identical to plain "
-                  f"greedy output in {lossless['equal']}/{lossless['total']} runs")
+    console.print(f"α = Σaccepted/Σdrafted; α/token = Leviathan et al.'s per-token acceptance probability (from the "
+                  f"accepted-length histogram); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with α/token and the "
+                  f"measured draft/target forward cost ratio c: {costs or 'n/a'}. Greedy speculative output identical "
+                  f"to plain greedy output in {lossless['equal']}/{lossless['total']} runs.")
 
 
 # ------------------------------------------------------------------------------------------------ main

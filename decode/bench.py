@@ -49,7 +49,8 @@ class BenchConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
     max_new_tokens: int = 64
     hf: bool = True  # run HF generate (target alone, and with assistant_model=draft)
-    hf_num_assistant_tokens: int | None = None  # None: HF's own default (20, with its confidence threshold)
+    # Extra HF assisted runs at fixed γ (constant schedule, no confidence stop), next to HF's defaults.
+    hf_gammas: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # always generate max_new_tokens (comparable token counts across methods)
     batch_gamma: int | None = None  # γ for the batch pass; None: best measured fixed γ at that temperature
     cost_context_tokens: int | None = None  # None: mean prompt length + max_new_tokens // 2
@@ -81,6 +82,8 @@ class BenchConfig:
             raise ValueError(f"cost_repeats must be >= 3 for a meaningful median (got {self.cost_repeats})")
         if self.auto and self.auto_max_gamma < 1:
             raise ValueError(f"auto_max_gamma must be >= 1 (got {self.auto_max_gamma})")
+        if any(g < 1 for g in self.hf_gammas):
+            raise ValueError(f"HF assisted γ values must be >= 1 (got {self.hf_gammas})")
         if self.batch_gamma is not None and self.batch_gamma < 1:
             raise ValueError(f"batch_gamma must be >= 1 (got {self.batch_gamma})")
 
@@ -259,7 +262,8 @@ class _StepLog:
 # --------------------------------------------------------------------------------------------------- running
 @dataclass(frozen=True)
 class Method:
-    """One way to decode: ``kind`` is OURS or HF; ``gamma`` is 0 (plain), an int or "auto" for ours, None for HF."""
+    """One way to decode: ``kind`` is OURS or HF; ``gamma`` is 0 (plain), an int or "auto" for ours; for HF None
+    (its own assistant settings) or the fixed num_assistant_tokens of an assisted run."""
 
     name: str
     kind: str
@@ -274,6 +278,7 @@ def build_methods(cfg: BenchConfig) -> list[Method]:
         methods.append(Method("spec_auto", OURS, "auto"))
     if cfg.hf:
         methods += [Method("hf_target", HF, None), Method("hf_assisted", HF, None, assisted=True)]
+        methods += [Method(f"hf_assisted_g{g}", HF, g, assisted=True) for g in cfg.hf_gammas]
     return methods
 
 
@@ -324,7 +329,8 @@ def _run_hf(target, draft, method: Method, ids, mask, temperature: float, cfg: B
     t0 = time.perf_counter()
     if ttft is not None:
         ttft.start = t0
-    seqs = target.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+    with _AssistantSettings(draft, method.gamma if method.assisted else None):
+        seqs = target.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **kwargs)
     _sync(device)
     wall = time.perf_counter() - t0
     eos_set = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
@@ -369,9 +375,31 @@ def hf_generation_config(target, cfg: BenchConfig, temperature: float, eos, pad_
     )
     if temperature > 0:
         gc.temperature, gc.top_k, gc.top_p, gc.min_p = float(temperature), 0, 1.0, 0.0
-    if cfg.hf_num_assistant_tokens is not None:
-        gc.num_assistant_tokens = cfg.hf_num_assistant_tokens
     return gc
+
+
+class _AssistantSettings:
+    """Temporarily give the draft fixed-γ assisted-generation settings. HF reads ``num_assistant_tokens``, its
+    schedule and ``assistant_confidence_threshold`` from the *assistant's* generation_config (defaults: 20 tokens,
+    a dynamic confidence threshold of 0.4 that often stops drafting after one token); setting them on the
+    target's config has no effect."""
+
+    KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+    def __init__(self, draft, gamma: int | None):
+        self.config, self.gamma, self.saved = draft.generation_config, gamma, None
+
+    def __enter__(self):
+        if self.gamma is not None:
+            self.saved = {k: getattr(self.config, k, None) for k in self.KEYS}
+            self.config.num_assistant_tokens = self.gamma
+            self.config.num_assistant_tokens_schedule = "constant"
+            self.config.assistant_confidence_threshold = 0.0
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            for k, v in self.saved.items():
+                setattr(self.config, k, v)
 
 
 # --------------------------------------------------------------------------------------------------- aggregation
@@ -567,6 +595,7 @@ def _pool(records, methods, cfg: BenchConfig, cost: dict, categories) -> tuple[l
             rs = records[(t, m.name)]
             run = {"temperature": t, "method": m.name, "kind": m.kind,
                    "num_draft_tokens": None if m.kind == HF else m.gamma,
+                   "hf_num_assistant_tokens": m.gamma if m.kind == HF else None,
                    "overall": _aggregate(rs, plain, c, m.gamma, t, cfg.auto_max_gamma, v), "by_category": {}}
             for cat in cats:
                 sub = [r for r in rs if r["category"] == cat]
@@ -575,8 +604,8 @@ def _pool(records, methods, cfg: BenchConfig, cost: dict, categories) -> tuple[l
             runs.append(run)
         fixed = [r for r in runs if r["temperature"] == t and isinstance(r["num_draft_tokens"], int)
                  and r["num_draft_tokens"] > 0]
-        pooled = _merge_stats([r["stats"] for m in methods if isinstance(m.gamma, int) and m.gamma > 0
-                               for r in records[(t, m.name)]]) if fixed else None
+        pooled = _merge_stats([r["stats"] for m in methods if m.kind == OURS and isinstance(m.gamma, int)
+                               and m.gamma > 0 for r in records[(t, m.name)]]) if fixed else None
         alpha = _alpha(pooled.step_counts) if pooled is not None else None
         entry: dict[str, Any] = {"temperature": t, "alpha": alpha, "cost_ratio": c}
         measured = {r["num_draft_tokens"]: r["overall"]["speedup"] for r in fixed if r["overall"]["speedup"]}
@@ -598,6 +627,9 @@ def _pool(records, methods, cfg: BenchConfig, cost: dict, categories) -> tuple[l
         for name in ("spec_auto", "hf_target", "hf_assisted"):
             hit = [r for r in runs if r["temperature"] == t and r["method"] == name]
             entry[f"{name}_speedup"] = hit[0]["overall"]["speedup"] if hit else None
+        entry["hf_assisted_fixed_speedup"] = {
+            str(r["hf_num_assistant_tokens"]): r["overall"]["speedup"] for r in runs
+            if r["temperature"] == t and r["kind"] == HF and r["hf_num_assistant_tokens"] is not None}
         best = entry["measured_speedup_at_best"]
         # Adaptive γ against the best fixed γ chosen with hindsight: > 1 means the controller beat it.
         entry["auto_vs_best_fixed"] = entry["spec_auto_speedup"] / best if best and entry["spec_auto_speedup"] else None
@@ -706,7 +738,7 @@ _SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "m
                  "best_gamma_predicted", "predicted_speedup_at_best", "best_gamma_predicted_tested",
                  "best_gamma_verify_aware_tested",
                  "predicted_curve", "spec_auto_speedup", "hf_target_speedup", "hf_assisted_speedup",
-                 "auto_vs_best_fixed")
+                 "auto_vs_best_fixed", "hf_assisted_fixed_speedup")
 _BATCH_KEYS = ("temperature", "method", "num_draft_tokens", "batch_size", "num_batches", "num_new_tokens", "total_s",
                "tokens_per_s", "peak_memory_bytes", "reused_main_pass", "speedup")
 _TOP_KEYS = ("schema_version", "kind", "created", "config", "environment", "prompts", "cost", "runs", "summary",
@@ -733,7 +765,8 @@ def validate_results(results: dict[str, Any]) -> None:
     if not isinstance(results["runs"], list) or not results["runs"]:
         raise ValueError("results.runs: expected a non-empty list")
     for i, run in enumerate(results["runs"]):
-        need(run, ("temperature", "method", "kind", "num_draft_tokens", "overall", "by_category"), f"runs[{i}]")
+        need(run, ("temperature", "method", "kind", "num_draft_tokens", "hf_num_assistant_tokens", "overall",
+                   "by_category"), f"runs[{i}]")
         need(run["overall"], _RUN_METRICS, f"runs[{i}].overall")
         for cat, m in run["by_category"].items():
             need(m, _RUN_METRICS, f"runs[{i}].by_category[{cat}]")
@@ -790,7 +823,7 @@ def render_tables(results: dict[str, Any], console=None) -> None:
             table.add_column(col, justify="left" if col == "method" else "right")
         for run in (r for r in results["runs"] if r["temperature"] == t):
             m = run["overall"]
-            g = run["num_draft_tokens"]
+            g = run["num_draft_tokens"] if run["kind"] == OURS else run["hf_num_assistant_tokens"]
             if g == "auto" and m["mean_gamma"] is not None:
                 g = f"auto ({m['mean_gamma']:.1f})"  # the mean γ the controller actually used
             table.add_row(run["method"], "-" if g is None else str(g), _fmt(m["alpha"], ".3f"),
@@ -824,10 +857,11 @@ def _render_summary(results, console) -> None:
         table.add_column(col, justify="right")
     for s in results["summary"]:
         x = lambda v: _fmt(v) + ("x" if v is not None else "")  # noqa: E731
+        hf = x(s["hf_assisted_speedup"]) + "".join(f", γ={g}: {x(v)}" for g, v in s["hf_assisted_fixed_speedup"].items())
         table.add_row(f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), str(s["best_gamma_measured"]),
                       x(s["measured_speedup_at_best"]), str(s["best_gamma_predicted"]),
                       x(s["predicted_speedup_at_best"]), x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"]),
-                      x(s["hf_assisted_speedup"]), x(s["hf_target_speedup"]))
+                      hf, x(s["hf_target_speedup"]))
     console.print(table)
 
 
@@ -877,7 +911,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--batch-gamma", type=int, help="γ for the batch pass (default: best measured γ)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (plain and assisted)")
-    p.add_argument("--hf-num-assistant-tokens", type=int, help="HF assisted: num_assistant_tokens (default: HF's)")
+    p.add_argument("--hf-gammas", default="",
+                   help="extra HF assisted runs with num_assistant_tokens=γ, constant schedule, no confidence stop "
+                        "(e.g. 4); hf_assisted always runs with HF's own defaults")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
     p.add_argument("--max-prompt-tokens", type=int,
@@ -937,7 +973,8 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         gammas=gammas, auto=auto or not args.no_auto, auto_max_gamma=args.auto_max_gamma,
         temperatures=_parse_list(args.temperatures, float, "temperature"),
         batch_sizes=_parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
-        hf=not args.no_hf, hf_num_assistant_tokens=args.hf_num_assistant_tokens, ignore_eos=args.ignore_eos,
+        hf=not args.no_hf, hf_gammas=parse_gammas(args.hf_gammas)[0] if args.hf_gammas.strip() else [],
+        ignore_eos=args.ignore_eos,
         batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context, cost_repeats=args.cost_repeats,
         warmup=not args.no_warmup, seed=args.seed, target=args.target, draft=args.draft, prompts=args.prompts,
         limit=args.limit)

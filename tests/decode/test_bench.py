@@ -263,3 +263,33 @@ def test_eos_handling_is_the_same_for_every_method():
     for name in ("plain", "spec_g2", "hf_target", "hf_assisted"):
         assert len(stopped["records"][f"0.0/{name}"][0]["new_tokens"]) == cut, name
         assert len(ignored["records"][f"0.0/{name}"][0]["new_tokens"]) == cfg.max_new_tokens, name
+
+
+def test_hf_fixed_gamma_sets_the_assistants_config_for_the_call_only():
+    """HF reads the assisted-generation settings from the draft's generation_config; the hf_assisted_g{γ} run must
+    really draft γ tokens per step (counted target forwards) and leave the draft's config as it was."""
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, noise=0.0)  # identical: every draft is accepted, so each step drafts γ
+    cfg = BenchConfig(gammas=[3], auto=False, hf_gammas=[3], temperatures=[0.0], batch_sizes=[1], max_new_tokens=13,
+                      cost_repeats=3, warmup=False, ignore_eos=True)
+    before = draft.generation_config.to_dict()
+    results = run_benchmark(target, draft, [[1, 5, 6, 7]], [None], cfg, pad_token_id=0, progress=False)
+    assert draft.generation_config.to_dict() == before
+    run = {r["method"]: r for r in results["runs"]}["hf_assisted_g3"]
+    assert run["hf_num_assistant_tokens"] == 3 and run["overall"]["matches_plain_greedy"] == 1.0
+    assert set(results["summary"][0]["hf_assisted_fixed_speedup"]) == {"3"}
+    # Count target forwards of one call. 13 new tokens with all drafts accepted: γ+1 per verify step, so 4 target
+    # forwards at γ=3 and 7 at γ=1 (prefill included).
+    from decode.bench import Method, _run_hf
+
+    def target_forwards(gamma):
+        calls = []
+        handle = target.register_forward_hook(lambda *a: calls.append(1))
+        ids = torch.tensor([[1, 5, 6, 7]])
+        _run_hf(target, draft, Method("hf", "hf", gamma, assisted=True), ids, torch.ones_like(ids), 0.0, cfg, None,
+                0, 0, torch.device("cpu"))
+        handle.remove()
+        return len(calls)
+
+    assert target_forwards(3) == 4
+    assert target_forwards(1) == 7

@@ -34,7 +34,8 @@ def _run(results, temperature, method):
 
 def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> str:
     """Measured speedup over plain decoding per γ (solid, one line per temperature), Leviathan-predicted speedup
-    from the pooled α and measured c (dashed), γ="auto" and HF assisted generation as horizontal reference lines."""
+    from the pooled α and measured c (dashed), HF assisted generation at fixed γ (crosses), γ="auto" and HF
+    assisted generation with its own settings as horizontal reference lines."""
     fig = _figure()
     ax = fig.add_subplot()
     colors = {}
@@ -52,6 +53,11 @@ def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> s
         if curve:
             ax.plot([c["gamma"] for c in curve], [c["predicted_speedup"] for c in curve], "--", color=colors.get(t),
                     alpha=0.8, label=f"predicted T={t:g} (α={s['alpha']:.2f})")
+        hf_fixed = [(r["hf_num_assistant_tokens"], r["overall"]["speedup"]) for r in results["runs"]
+                    if r["temperature"] == t and r["kind"] == "hf" and r.get("hf_num_assistant_tokens")
+                    and r["overall"]["speedup"] is not None]
+        if hf_fixed:
+            ax.plot(*zip(*hf_fixed), "x", markersize=9, color=colors.get(t), label=f"hf_assisted fixed γ T={t:g}")
         for name, style in (("spec_auto", ":"), ("hf_assisted", "-.")):
             run = _run(results, t, name)
             if run and run["overall"]["speedup"] is not None:

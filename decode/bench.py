@@ -33,6 +33,8 @@ from typing import Any, Sequence
 
 import torch
 
+from decode.speedup import measure_cost_ratio  # noqa: F401  (re-exported: part of the bench API)
+
 SCHEMA_VERSION = 1
 OURS, HF = "ours", "hf"
 
@@ -139,62 +141,6 @@ def _peak_bytes(device: torch.device) -> int:
     return peak_memory_bytes(device)
 
 
-@torch.no_grad()
-def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21,
-                       verify_gammas: Sequence[int] = ()) -> dict[str, Any]:
-    """Measure c = draft forward time / target forward time on this hardware, and the cost of verify forwards.
-
-    Both models are prefilled with all but the last token of ``context_ids``; each timed call is then one decode
-    forward on a fresh copy of that KV cache (so every call sees the same context), through the engine's own
-    forward (``decode.cache.forward``: explicit positions and mask). Target and draft alternate so drift hits both.
-
-    Leviathan et al. (2023) assume a verify forward of γ+1 tokens costs one single-token target forward. On
-    compute-bound hardware (CPU, large batches) it does not; ``verify_gammas`` also times target forwards of γ+1
-    tokens, giving v_γ = t(γ+1 tokens) / t(1 token) for the verify-aware prediction.
-
-    Args:
-        target, draft: causal LMs on the same device.
-        context_ids: (1, L) LongTensor, a realistic context (real prompt tokens, repeated if needed).
-        repeats: timed forwards per measurement (after 2 untimed ones); the median is used.
-        verify_gammas: γ values whose verify forward (γ+1 tokens) is timed on the target.
-
-    Returns:
-        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
-        raw samples, and ``verify``: [{gamma, tokens, forward_s, relative_cost v_γ}].
-    """
-    import copy
-
-    from decode import cache as kv
-
-    device = context_ids.device
-    prefix, last = context_ids[:, :-1], context_ids[:, -1:]
-    base = {}
-    for name, model in (("target", target), ("draft", draft)):
-        cache = kv.new_cache(model)
-        _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
-        base[name] = (cache, mask)
-    # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
-    jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
-    jobs += [(f"verify{g}", target, "target", g + 1, None) for g in sorted(set(verify_gammas))]
-    samples: dict[str, list[float]] = {label: [] for label, *_ in jobs}
-    for i in range(repeats + 2):
-        for label, model, name, k, keep in jobs:
-            cache, mask = copy.deepcopy(base[name][0]), base[name][1]
-            ids = last.expand(1, k)
-            _sync(device)
-            t0 = time.perf_counter()
-            kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep)
-            _sync(device)
-            if i >= 2:  # the first calls pay for lazy initialisation
-                samples[label].append(time.perf_counter() - t0)
-    t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
-    verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(samples[f"verify{g}"]),
-               "relative_cost": statistics.median(samples[f"verify{g}"]) / t} for g in sorted(set(verify_gammas))]
-    return {"context_tokens": int(context_ids.shape[1]), "repeats": repeats, "target_forward_s": t,
-            "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": samples["target"],
-            "draft_forward_samples_s": samples["draft"], "verify": verify}
-
-
 def predicted_speedup_verify_aware(alpha: float, gamma: int, cost_ratio: float, verify_cost: float) -> float:
     """Leviathan et al.'s prediction with the measured verify cost: E[tokens per step] / (γc + v_γ), where v_γ is
     the time of a (γ+1)-token target forward over a 1-token one (``measure_cost_ratio``); v_γ = 1 gives the
@@ -233,30 +179,15 @@ def _step_counts(steps) -> dict[str, int]:
     return out
 
 
+def step_counts_from_stats(stats) -> dict[str, int]:
+    """The counts of :func:`_step_counts`, read off ``DecodeStats`` (which records rejections per verify step)."""
+    return {"accepted": int(stats.num_accepted), "rejections": int(stats.num_rejections),
+            "drafting_steps": int(stats.num_verify_steps), "gamma_sum": int(stats.num_drafted)}
+
+
 def _alpha(counts: dict[str, int]) -> float | None:
     n = counts["accepted"] + counts["rejections"]
     return counts["accepted"] / n if n else None
-
-
-class _StepLog:
-    """Records ``(γ_s, n_accepted per row)`` of every verify step of a decoder, by wrapping its public ``step``
-    on the instance. ``DecodeStats`` pools counters and cannot tell a full acceptance at a shortened γ_s from a
-    rejection; the per-step log can, and it also gives the γ actually used by ``"auto"``."""
-
-    def __init__(self, decoder):
-        self.steps: list[tuple[int, list[int]]] = []
-        inner = decoder.step
-
-        def step(state, gamma, *args, **kwargs):
-            n_acc, new = inner(state, gamma, *args, **kwargs)
-            self.steps.append((int(gamma), list(n_acc)))
-            return n_acc, new
-
-        decoder.step = step
-
-    def take(self) -> list[tuple[int, list[int]]]:
-        steps, self.steps = self.steps, []
-        return steps
 
 
 # --------------------------------------------------------------------------------------------------- running
@@ -297,7 +228,7 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch
     return ids.to(device), mask.to(device)
 
 
-def _run_ours(decoder, log: _StepLog, method: Method, ids, mask, temperature: float, cfg: BenchConfig, eos,
+def _run_ours(decoder, method: Method, ids, mask, temperature: float, cfg: BenchConfig, eos,
               seed: int, device):
     generator = None
     if temperature > 0:
@@ -309,7 +240,7 @@ def _run_ours(decoder, log: _StepLog, method: Method, ids, mask, temperature: fl
                            eos_token_id=eos, generator=generator, num_draft_tokens=method.gamma)
     _sync(device)
     wall = time.perf_counter() - t0
-    out.stats.step_counts = _step_counts(log.take())
+    out.stats.step_counts = step_counts_from_stats(out.stats)
     return [t.tolist() for t in out.new_tokens], wall, out.stats, _peak_bytes(device)
 
 
@@ -407,7 +338,7 @@ def _merge_stats(stats_list):
     from decode import DecodeStats
 
     merged = DecodeStats.merge(list(stats_list))
-    merged.step_counts = {k: sum(s.step_counts[k] for s in stats_list) for k in _step_counts([])}
+    merged.step_counts = step_counts_from_stats(merged)
     return merged
 
 
@@ -514,7 +445,6 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     eos = None if cfg.ignore_eos else eos_token_id
     decoder = SpeculativeDecoder(target, draft, num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer,
                                  draft_tokenizer=draft_tokenizer, max_auto_draft_tokens=cfg.auto_max_gamma)
-    log = _StepLog(decoder)
     methods = build_methods(cfg)
     cost = measure_cost_ratio(target, draft, _cost_context(prompt_ids, cfg, device), cfg.cost_repeats,
                               verify_gammas=cfg.gammas)
@@ -522,7 +452,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     def run(method, rows, temperature, seed):
         ids, mask = _left_pad(rows, pad_token_id, device)
         if method.kind == OURS:
-            return _run_ours(decoder, log, method, ids, mask, temperature, cfg, eos, seed, device)
+            return _run_ours(decoder, method, ids, mask, temperature, cfg, eos, seed, device)
         return _run_hf(target, draft, method, ids, mask, temperature, cfg, eos, pad_token_id, seed, device)
 
     if cfg.warmup:  # first calls pay for allocator growth and lazy init; keep them out of the timings
@@ -531,7 +461,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
             for t in cfg.temperatures:
                 ids, mask = _left_pad(prompt_ids[:1], pad_token_id, device)
                 if method.kind == OURS:
-                    _run_ours(decoder, log, method, ids, mask, t, short, eos, 0, device)
+                    _run_ours(decoder, method, ids, mask, t, short, eos, 0, device)
                 else:
                     _run_hf(target, draft, method, ids, mask, t, short, eos, pad_token_id, 0, device)
 

@@ -2,8 +2,12 @@
 
 Definitions (Leviathan et al. 2023; Spec-Bench, Xia et al. 2024):
 - acceptance rate α = Σ accepted draft tokens / Σ drafted tokens;
+- per-token acceptance α_tok = Σ accepted / (Σ accepted + rejections): the maximum-likelihood estimate of the
+  i.i.d. per-token acceptance probability of Leviathan et al.'s speedup formula. Each verify step is a run of
+  Bernoulli trials that stops at the first rejection, so drafts after a rejection are not trials; α above
+  counts them as failures and falls as γ grows even when α_tok does not;
 - mean accepted length τ = Σ (accepted + 1) / number of verify steps (tokens per target forward, counting
-  the correction or bonus token);
+  the correction or bonus token; 1.0 for plain decoding);
 - acceptance by draft position i = number of verify steps whose draft token i was accepted;
 - time to first token (TTFT): seconds from the call until the first new token is committed (prefill + first step);
 - per-token latency: seconds per new token after the first; throughput: new tokens / total seconds;
@@ -23,12 +27,14 @@ class DecodeStats:
     """Counters and timings of one ``generate`` call (all rows of the batch pooled).
 
     ``num_verify_steps`` counts (row, target forward) pairs in which that row drafted at least one token;
+    ``num_rejections`` those of them that rejected a draft (accepted fewer than drafted);
     ``num_target_forwards`` counts batched target forwards after prefill.
     """
 
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
+    num_rejections: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_length_histogram: list[int] = field(default_factory=list)
@@ -41,7 +47,11 @@ class DecodeStats:
     peak_memory_bytes: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: list[int]) -> None:
-        """Add one verify step: every row in ``num_accepted`` drafted ``num_drafted`` tokens and accepted a prefix."""
+        """Add one verify step: every row in ``num_accepted`` drafted ``num_drafted`` tokens and accepted a prefix.
+
+        A plain step (``num_drafted == 0``) is not a verify step and changes nothing here."""
+        if num_drafted == 0:
+            return
         for lst, n in ((self.accepted_per_position, num_drafted), (self.drafted_per_position, num_drafted),
                        (self.accepted_length_histogram, num_drafted + 1)):
             lst.extend([0] * (n - len(lst)))
@@ -49,6 +59,7 @@ class DecodeStats:
             self.num_drafted += num_drafted
             self.num_accepted += n
             self.num_verify_steps += 1
+            self.num_rejections += int(n < num_drafted)
             self.accepted_length_histogram[n] += 1
             for i in range(num_drafted):
                 self.drafted_per_position[i] += 1
@@ -60,10 +71,22 @@ class DecodeStats:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
     @property
+    def per_token_acceptance(self) -> float:
+        """α_tok = Σaccepted / (Σaccepted + rejections), the α of Leviathan et al.'s formulas (0.0 with no trials)."""
+        trials = self.num_accepted + self.num_rejections
+        return self.num_accepted / trials if trials else 0.0
+
+    @property
+    def mean_num_draft_tokens(self) -> float:
+        """Mean γ over verify steps (differs from the configured γ with ``"auto"`` and at the token budget's end)."""
+        return self.num_drafted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
-        """τ = Σ(accepted + 1) / verify steps: tokens committed per target forward (0.0 with no steps)."""
+        """τ = Σ(accepted + 1) / verify steps: tokens committed per target forward. Plain decoding (target
+        forwards but no verify step) gives 1.0; nothing at all gives 0.0."""
         if not self.num_verify_steps:
-            return 0.0
+            return 1.0 if self.num_target_forwards else 0.0
         return (self.num_accepted + self.num_verify_steps) / self.num_verify_steps
 
     @property
@@ -85,8 +108,8 @@ class DecodeStats:
     def to_dict(self) -> dict:
         """Counters plus the derived metrics, JSON-serialisable."""
         d = asdict(self)
-        for name in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position", "per_token_latency_s",
-                     "tokens_per_s"):
+        for name in ("acceptance_rate", "per_token_acceptance", "mean_num_draft_tokens", "mean_accepted_length",
+                     "acceptance_by_position", "per_token_latency_s", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
 
@@ -96,7 +119,7 @@ class DecodeStats:
         ``num_sequences`` calls yourself for a mean over batch-1 calls)."""
         out = cls()
         for s in stats:
-            for name in ("num_drafted", "num_accepted", "num_verify_steps", "num_new_tokens", "num_sequences",
+            for name in ("num_drafted", "num_accepted", "num_verify_steps", "num_rejections", "num_new_tokens", "num_sequences",
                          "num_target_forwards", "num_draft_forwards", "ttft_s", "total_s"):
                 setattr(out, name, getattr(out, name) + getattr(s, name))
             out.peak_memory_bytes = max(out.peak_memory_bytes, s.peak_memory_bytes)

@@ -7,7 +7,13 @@ improvement over plain target decoding is ``(1 − α^(γ+1)) / ((1 − α)(γc 
 """
 from __future__ import annotations
 
+import copy
 import math
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
@@ -88,3 +94,62 @@ class AdaptiveGamma:
                 self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s_per_forward
         self.gamma = best_gamma(min(max(self.alpha, 0.0), 1.0), self.cost_ratio, self.max_gamma, min_gamma=1)
         return self.gamma
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21,
+                       verify_gammas: Sequence[int] = ()) -> dict[str, Any]:
+    """Measure c = draft forward time / target forward time on this hardware, and the cost of verify forwards.
+
+    Both models are prefilled with all but the last token of ``context_ids``; each timed call is then one decode
+    forward on a fresh copy of that KV cache (so every call sees the same context), through the engine's own
+    forward (``decode.cache.forward``: explicit positions and mask). Target and draft alternate so drift hits both.
+
+    Leviathan et al. (2023) assume a verify forward of γ+1 tokens costs one single-token target forward. On
+    compute-bound hardware (CPU, large batches) it does not; ``verify_gammas`` also times target forwards of γ+1
+    tokens, giving v_γ = t(γ+1 tokens) / t(1 token) for the verify-aware prediction.
+
+    Args:
+        target, draft: causal LMs on the same device.
+        context_ids: (1, L) LongTensor, a realistic context (real prompt tokens, repeated if needed).
+        repeats: timed forwards per measurement (after 2 untimed ones); the median is used.
+        verify_gammas: γ values whose verify forward (γ+1 tokens) is timed on the target.
+
+    Returns:
+        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
+        raw samples, and ``verify``: [{gamma, tokens, forward_s, relative_cost v_γ}].
+    """
+    from decode import cache as kv
+
+    device = context_ids.device
+    prefix, last = context_ids[:, :-1], context_ids[:, -1:]
+    base = {}
+    for name, model in (("target", target), ("draft", draft)):
+        cache = kv.new_cache(model)
+        _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
+        base[name] = (cache, mask)
+    # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
+    jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
+    jobs += [(f"verify{g}", target, "target", g + 1, None) for g in sorted(set(verify_gammas))]
+    samples: dict[str, list[float]] = {label: [] for label, *_ in jobs}
+    for i in range(repeats + 2):
+        for label, model, name, k, keep in jobs:
+            cache, mask = copy.deepcopy(base[name][0]), base[name][1]
+            ids = last.expand(1, k)
+            _sync(device)
+            t0 = time.perf_counter()
+            kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep)
+            _sync(device)
+            if i >= 2:  # the first calls pay for lazy initialisation
+                samples[label].append(time.perf_counter() - t0)
+    t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
+    verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(samples[f"verify{g}"]),
+               "relative_cost": statistics.median(samples[f"verify{g}"]) / t} for g in sorted(set(verify_gammas))]
+    return {"context_tokens": int(context_ids.shape[1]), "repeats": repeats, "target_forward_s": t,
+            "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": samples["target"],
+            "draft_forward_samples_s": samples["draft"], "verify": verify}

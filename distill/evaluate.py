@@ -2,7 +2,8 @@
 
 The loss only stands in for the real objective; this measures it: the acceptance rate α (Σaccepted/Σdrafted),
 the mean accepted length τ (committed tokens per verify step), the accepted-length histogram, and the speedup
-predicted by Leviathan et al. (2023) at the best γ for a measured cost ratio c = draft forward / target forward.
+predicted by Leviathan et al. (2023) at the best γ from the per-token acceptance α_tok and a measured cost
+ratio c = draft / target time of a cached decode forward.
 """
 from __future__ import annotations
 
@@ -16,34 +17,24 @@ from distill.data import collate_prompts
 SELECT_KEYS = ("acceptance_rate", "predicted_speedup")
 
 
-@torch.no_grad()
-def measure_cost_ratio(target: Any, draft: Any, seq_len: int = 32, reps: int = 5, vocab: int | None = None) -> float:
-    """c = median draft forward time / median target forward time on one (1, seq_len) sequence, after a warm-up.
+def measure_cost_ratio(target: Any, draft: Any, prompts: list[list[int]], context_tokens: int = 128,
+                       repeats: int = 7) -> float:
+    """c = draft / target time of one single-token decode forward with a KV cache, at a context built from the
+    held-out prompts (:func:`decode.speedup.measure_cost_ratio`, the benchmark's measurement).
 
-    A rough stand-in for the per-token decode cost ratio: it ignores KV-cache reuse but keeps the ratio of the
-    models' sizes on this hardware, which is what the γ choice needs. Pass ``eval.cost_ratio`` to fix it instead.
+    Pass ``eval.cost_ratio`` in the config to fix c instead (e.g. the ratio measured on the serving hardware).
     """
+    from decode.speedup import measure_cost_ratio as measure
+
     device = next(target.parameters()).device
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab or 2, (1, seq_len), generator=g).to(device)
+    ids = [t for p in prompts for t in p] or [0, 0]
+    limit = min(x for x in (_context(target), _context(draft), context_tokens) if x)
+    ids = (ids * (limit // len(ids) + 1))[: max(2, limit)]
+    return float(measure(target, draft, torch.tensor([ids], device=device), repeats=repeats)["cost_ratio"])
 
-    def timed(model: Any) -> float:
-        was_training = model.training
-        model.eval()
-        times = []
-        for i in range(reps + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:  # the first call pays for lazy init
-                times.append(time.perf_counter() - t0)
-        model.train(was_training)
-        return sorted(times)[len(times) // 2]
 
-    return timed(draft) / max(timed(target), 1e-9)
+def _context(model: Any) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
 
 
 @torch.no_grad()
@@ -59,7 +50,7 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
         temperatures: sampling temperatures; 0 is greedy.
         num_draft_tokens: γ used for the measurement.
         seed: seeds the decoder's generator for each temperature, so evaluations are repeatable.
-        cost_ratio: c; measured with :func:`measure_cost_ratio` when None.
+        cost_ratio: c; measured with :func:`measure_cost_ratio` on the prompts when None.
         max_gamma: largest γ considered for the best-γ prediction. The best γ is searched in [1, max_gamma]: a
             predicted speedup below 1 then says plainly that this draft does not pay off (γ = 0 would hide it
             behind a flat 1.0). α is measured at ``num_draft_tokens`` and assumed i.i.d. across positions.
@@ -80,7 +71,7 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
     draft.eval()
     try:
         if cost_ratio is None:
-            cost_ratio = measure_cost_ratio(target, draft, vocab=len(tokenizer))
+            cost_ratio = measure_cost_ratio(target, draft, prompts)
         dec = SpeculativeDecoder(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer)
         per_t = {}
         for temperature in temperatures:
@@ -94,14 +85,17 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
                 stats.append(out.stats)
             s = DecodeStats.merge(stats)
             alpha = float(s.acceptance_rate)
-            g = best_gamma(min(max(alpha, 0.0), 1.0), cost_ratio, max_gamma=max_gamma, min_gamma=1)
+            # The speedup formula's α is the per-token acceptance probability, not Σaccepted/Σdrafted.
+            alpha_tok = float(s.per_token_acceptance)
+            g = best_gamma(alpha_tok, cost_ratio, max_gamma=max_gamma, min_gamma=1)
             per_t[str(float(temperature))] = {
                 "acceptance_rate": alpha,
+                "per_token_acceptance": alpha_tok,
                 "mean_accepted_length": float(s.mean_accepted_length),
                 "accepted_length_histogram": list(s.accepted_length_histogram),
                 "acceptance_by_position": list(s.acceptance_by_position),
                 "best_gamma": g,
-                "predicted_speedup": predicted_speedup(min(max(alpha, 0.0), 1.0), g, cost_ratio),
+                "predicted_speedup": predicted_speedup(alpha_tok, g, cost_ratio),
                 "num_new_tokens": int(s.num_new_tokens),
             }
     finally:

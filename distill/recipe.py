@@ -327,7 +327,11 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
         raise SetupError("no training examples after loading; check data.source")
     cost_ratio = cfg.eval.get("cost_ratio")
     if cost_ratio is None:
-        cost_ratio = measure_cost_ratio(target, draft, vocab=vocab)
+        cost_ratio = measure_cost_ratio(target, draft, eval_prompts)
+        if accelerator.num_processes > 1:  # timings differ per process; one c keeps checkpoint selection in step
+            from accelerate.utils import broadcast_object_list
+
+            cost_ratio = broadcast_object_list([cost_ratio])[0]
     optimizer, scheduler = build_optimizer(draft, cfg)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     return {"cfg": cfg, "accelerator": accelerator, "tokenizer": tokenizer, "target": target, "draft": draft,

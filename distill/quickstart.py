@@ -227,29 +227,12 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
 
 
 def _cost_ratio(target, draft, context: list[int]) -> float | None:
-    """c = draft / target time of one cached single-token forward (decode.bench's measurement), or None if the
-    bench module is unavailable."""
+    """c = draft / target time of one cached single-token decode forward (``decode.speedup.measure_cost_ratio``)."""
     import torch
 
-    try:
-        from decode.bench import measure_cost_ratio
-    except ImportError:
-        return None
+    from decode.speedup import measure_cost_ratio
+
     return float(measure_cost_ratio(target, draft, torch.tensor([context]))["cost_ratio"])
-
-
-def alpha_per_token(histogram: list[int], gamma: int) -> float | None:
-    """Leviathan et al.'s α (probability that one draft token is accepted) from an accepted-length histogram.
-
-    Each verify step is a run of Bernoulli(α) trials that stops at the first rejection or after γ acceptances, so
-    the maximum-likelihood estimate is accepted / (accepted + rejections), a rejection wherever n < γ (as
-    ``decode.bench.alpha_from_steps``). This, not Σaccepted/Σdrafted, is the α of the predicted-speedup formula.
-    A run's last step may draft fewer than γ tokens; counting it as a rejection biases α down by at most one
-    trial per run. None when nothing was drafted.
-    """
-    accepted = sum(n * count for n, count in enumerate(histogram))
-    rejections = sum(count for n, count in enumerate(histogram) if n < gamma)
-    return accepted / (accepted + rejections) if accepted + rejections else None
 
 
 def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[dict]:
@@ -268,7 +251,7 @@ def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[
                    "plain_new_tokens": plain.num_new_tokens}
             for d in drafts:
                 st = pooled(d)
-                alpha_token = alpha_per_token(st.accepted_length_histogram, gamma)
+                alpha_token = st.per_token_acceptance if st.num_drafted else None
                 row[d] = {"acceptance_rate": st.acceptance_rate, "alpha_per_token": alpha_token,
                           "mean_accepted_length": st.mean_accepted_length,
                           "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
@@ -319,8 +302,8 @@ def render_table(results: dict, console) -> None:
     console.print(table)
     costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
     lossless = ev["greedy_lossless"]
-    console.print(f"α = Σaccepted/Σdrafted; α/token = Leviathan et al.'s per-token acceptance probability (from the "
-                  f"accepted-length histogram); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with α/token and the "
+    console.print(f"α = Σaccepted/Σdrafted; α/token = Leviathan et al.'s per-token acceptance probability "
+                  f"(DecodeStats.per_token_acceptance); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with α/token and the "
                   f"measured draft/target forward cost ratio c: {costs or 'n/a'}. Greedy speculative output identical "
                   f"to plain greedy output in {lossless['equal']}/{lossless['total']} runs.")
 

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from decode.engine import left_pad
 from decode.speedup import measure_cost_ratio  # noqa: F401  (re-exported: part of the bench API)
 
 SCHEMA_VERSION = 1
@@ -216,16 +217,6 @@ def build_methods(cfg: BenchConfig) -> list[Method]:
 def _seed_for(cfg: BenchConfig, prompt_index: int, batch: int = 0) -> int:
     # Same seed for every method on a prompt: common random numbers make method differences less noisy.
     return cfg.seed * 1_000_003 + prompt_index * 101 + batch
-
-
-def _left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _run_ours(decoder, method: Method, ids, mask, temperature: float, cfg: BenchConfig, eos,
@@ -450,7 +441,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                               verify_gammas=cfg.gammas)
 
     def run(method, rows, temperature, seed):
-        ids, mask = _left_pad(rows, pad_token_id, device)
+        ids, mask = left_pad(rows, pad_token_id, device)
         if method.kind == OURS:
             return _run_ours(decoder, method, ids, mask, temperature, cfg, eos, seed, device)
         return _run_hf(target, draft, method, ids, mask, temperature, cfg, eos, pad_token_id, seed, device)
@@ -459,7 +450,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         short = BenchConfig(**{**asdict(cfg), "max_new_tokens": min(4, cfg.max_new_tokens)})
         for method in methods:
             for t in cfg.temperatures:
-                ids, mask = _left_pad(prompt_ids[:1], pad_token_id, device)
+                ids, mask = left_pad(prompt_ids[:1], pad_token_id, device)
                 if method.kind == OURS:
                     _run_ours(decoder, method, ids, mask, t, short, eos, 0, device)
                 else:

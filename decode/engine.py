@@ -64,6 +64,18 @@ class DecodeState:
     draft_pending: list[int] = field(default_factory=list)  # real tokens in draft_in per row (right-aligned)
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(B, T)`` int64 ``input_ids`` and ``attention_mask`` for token-id lists (T = longest row),
+    the layout the decoder, rollouts and the benchmark use."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def _context_length(model: Any) -> int | None:
     cfg = model.config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -145,13 +157,9 @@ class SpeculativeDecoder:
         """Left-pad the prompts and run both models (the target only if ``use_draft`` is false) on all but each
         prompt's last token."""
         device = self.target.device
-        B, T = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, T - len(p):] = torch.tensor(p)
-            mask[b, T - len(p):] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        B = len(prompts)
+        ids, mask = left_pad(prompts, 0, device)
+        T = ids.shape[1]
         # Everything but each prompt's last token (the longest prompt fills the width, so no column is all padding).
         pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
         keep = T - 1

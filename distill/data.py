@@ -195,13 +195,9 @@ def micro_batch_indices(n: int, micro_step: int, batch_size: int, seed: int, shu
 
 def collate_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (B, P) input_ids and attention_mask, as the decoder and rollouts take them."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    att = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        att[i, width - len(p):] = 1
-    return ids, att
+    from decode.engine import left_pad
+
+    return left_pad(prompts, pad_id)
 
 
 def collate_sequences(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

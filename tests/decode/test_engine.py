@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
+from decode.engine import left_pad
 from tests.conftest import perturbed_copy, tiny_gpt2, tiny_llama
 
 MAX_NEW = 24
@@ -63,12 +64,8 @@ def test_greedy_equality_batch1(pair, references, gamma, kind):
 def test_greedy_equality_ragged_left_padded_batch(pair, references, gamma, kind):
     target, drafts = pair
     prompts, refs = references
-    T = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
+    ids, mask = left_pad(prompts, pad_id=0)
+    assert mask[0].tolist()[-1] == 1 and mask.sum(1).tolist() == [len(p) for p in prompts]
     out = SpeculativeDecoder(target, drafts[kind], num_draft_tokens=gamma).generate(ids, mask, max_new_tokens=MAX_NEW)
     assert [t.tolist() for t in out.new_tokens] == refs
 

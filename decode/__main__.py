@@ -48,14 +48,17 @@ def cmd_generate(argv: list[str]) -> int:
     from transformers import TextStreamer
 
     from decode import SpeculativeDecoder
-    from decode.loading import default_device, load_causal_lm, load_tokenizer
+    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.sampling import validate_sampling_args
 
-    device = args.device or default_device()
+    validate_sampling_args(args.temperature, args.top_k, args.top_p)
+    device = check_device(args.device)
     target = load_causal_lm(args.target, "target", args.dtype, device)
     tok = load_tokenizer(args.tokenizer or args.target)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok) if args.draft else None
     gamma = args.num_draft_tokens if draft is not None else 0
-    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok)
+    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         if not getattr(tok, "chat_template", None):
@@ -63,7 +66,8 @@ def cmd_generate(argv: list[str]) -> int:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = tok(prompt)["input_ids"]
-    streamer = TextStreamer(tok, skip_prompt=False)
+    # With --json, stdout carries only the JSON document (text included), so it stays machine-readable.
+    streamer = None if args.json else TextStreamer(tok, skip_prompt=False, skip_special_tokens=True)
     out = dec.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, eos_token_id=tok.eos_token_id, streamer=streamer,
                        generator=torch.Generator(device=device).manual_seed(args.seed))
@@ -73,7 +77,8 @@ def cmd_generate(argv: list[str]) -> int:
                "ttft_s": s.ttft_s, "per_token_latency_s": s.per_token_latency_s, "tokens_per_s": s.tokens_per_s,
                "peak_memory_bytes": s.peak_memory_bytes}
     if args.json:
-        print(json.dumps(metrics))
+        text = tok.decode(out.new_tokens[0].tolist(), skip_special_tokens=True)
+        print(json.dumps({"prompt": prompt, "text": text, "token_ids": out.new_tokens[0].tolist(), **metrics}))
         return 0
     table = Table(title="speculative decoding metrics")
     table.add_column("metric")

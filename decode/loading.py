@@ -60,3 +60,21 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer") -> Any:
 def default_device() -> str:
     """``"cuda"`` when available, else ``"cpu"``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | None) -> str:
+    """The device to use (``default_device()`` when None); raises ValueError if it is a CUDA device and this torch
+    build or machine has none."""
+    device = device or default_device()
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this torch build or machine has no CUDA device; "
+                         "use --device cpu (or install a CUDA build of torch on a GPU machine)")
+    return device
+
+
+def load_draft_tokenizer(draft_path: str, target_tokenizer: Any) -> Any:
+    """The draft's own tokenizer if its checkpoint folder has one (so the pair can be checked), else the target's."""
+    if os.path.isdir(draft_path) and any(os.path.exists(os.path.join(draft_path, f))
+                                         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return load_tokenizer(draft_path, "draft tokenizer")
+    return target_tokenizer

@@ -12,10 +12,10 @@ import torch
 def validate_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise ``ValueError`` naming the bad value and the accepted range.
 
-    temperature >= 0 (0 means greedy), top_k None or >= 1, top_p None or in (0, 1].
+    temperature finite and >= 0 (0 means greedy), top_k None or >= 1, top_p None or in (0, 1].
     """
-    if temperature is None or not (float(temperature) >= 0.0):
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
+    if temperature is None or not (0.0 <= float(temperature) < float("inf")):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if top_k is not None and (int(top_k) != top_k or top_k < 1):
         raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None and not (0.0 < float(top_p) <= 1.0):

@@ -97,14 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import uvicorn
 
-    from decode.loading import default_device, load_causal_lm, load_tokenizer
+    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
 
-    device = args.device or default_device()
+    device = check_device(args.device)
     target = load_causal_lm(args.target, "target", args.dtype, device)
     tok = load_tokenizer(args.tokenizer or args.target)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok) if args.draft else None
     gamma: int | str = args.num_draft_tokens if args.num_draft_tokens == "auto" else int(args.num_draft_tokens)
-    dec = SpeculativeDecoder(target, draft, gamma if draft is not None else 0, tokenizer=tok)
+    dec = SpeculativeDecoder(target, draft, gamma if draft is not None else 0, tokenizer=tok, draft_tokenizer=draft_tok)
     app = create_app(dec, tok, {"target": args.target, "draft": args.draft})
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

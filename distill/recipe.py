@@ -98,6 +98,19 @@ def validate_config(cfg: DictConfig) -> None:
         raise SetupError(f"logger={cfg.logger.name!r}; choose logger=none or logger=wandb")
     if int(cfg.data.max_new_tokens) < 1:
         raise SetupError(f"data.max_new_tokens={cfg.data.max_new_tokens} must be >= 1")
+    for t in cfg.eval.temperatures:
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            raise SetupError(f"eval.temperatures has {t!r}; every temperature must be a finite number >= 0 "
+                             "(0 = greedy), e.g. eval.temperatures=[0.0,1.0]")
+    gamma = cfg.eval.get("num_draft_tokens", 4)
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
+        raise SetupError(f"eval.num_draft_tokens={gamma!r} must be an integer >= 1 (γ during the measurement)")
+    rt = cfg.data.get("rollout_temperature", 1.0)
+    if not (isinstance(rt, (int, float)) and math.isfinite(rt) and rt >= 0):
+        raise SetupError(f"data.rollout_temperature={rt!r} must be a finite number >= 0 (0 = greedy rollouts)")
+    lr = cfg.optim.get("lr", 1e-4)
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise SetupError(f"optim.lr={lr!r} must be a finite number > 0, e.g. optim.lr=1e-4")
 
 
 # ------------------------------------------------------------------------------------------------ logging

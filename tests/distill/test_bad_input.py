@@ -1,6 +1,5 @@
 """Every bad input of the issue raises a clear error naming the fix, before any training step runs."""
 import json
-import time
 
 import pytest
 
@@ -11,11 +10,9 @@ from distill_helpers import compose, make_tokenizer, overrides
 
 def _fails(pair, tmp_path, *extra, match):
     out = tmp_path / "run"
-    t0 = time.perf_counter()
     with pytest.raises(SetupError, match=match):
         train(compose(overrides(pair, out, *extra)), log=lambda *_: None)
     assert not list(out.glob("step_*")) and not (out / "metrics.jsonl").exists()  # no training happened
-    return time.perf_counter() - t0
 
 
 def test_missing_target_path(pair, tmp_path):
@@ -68,10 +65,30 @@ def test_unknown_loss_name(pair, tmp_path):
         compose(overrides(pair, tmp_path, "loss=kld"))
 
 
+def _no_model_loading(monkeypatch):
+    """Config errors must be caught before any model is loaded: loading now fails the test."""
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the config error was raised")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
 @pytest.mark.parametrize("lam", ["1.5", "-0.1"])
-def test_on_policy_fraction_out_of_range(pair, tmp_path, lam):
-    took = _fails(pair, tmp_path, f"data.on_policy_fraction={lam}", match=r"on_policy_fraction=.* must be in \[0, 1\]")
-    assert took < 5.0  # a config error: caught before loading any model
+def test_on_policy_fraction_out_of_range(pair, tmp_path, lam, monkeypatch):
+    _no_model_loading(monkeypatch)
+    _fails(pair, tmp_path, f"data.on_policy_fraction={lam}", match=r"on_policy_fraction=.* must be in \[0, 1\]")
+
+
+@pytest.mark.parametrize("override,match", [
+    ("eval.temperatures=[-1]", "eval.temperatures"), ("eval.temperatures=[inf]", "eval.temperatures"),
+    ("eval.num_draft_tokens=-1", "eval.num_draft_tokens"), ("data.rollout_temperature=-1", "rollout_temperature"),
+    ("optim.lr=-1", "optim.lr"),
+])
+def test_eval_rollout_and_optim_values_checked_up_front(pair, tmp_path, override, match, monkeypatch):
+    _no_model_loading(monkeypatch)
+    _fails(pair, tmp_path, override, match=match)
 
 
 def test_no_completions_without_on_policy(pair, tmp_path):

@@ -48,6 +48,10 @@ def load_rows(src: Any) -> Any:
     """
     import datasets
 
+    if src.get("corpus") and src.get("path"):
+        raise SetupError(f"the data source names both a corpus ({src.corpus!r}) and a file ({src.path!r}); keep one: "
+                         "data.source.corpus=null to use the file (an experiment may have set the corpus), or "
+                         "data.source.path=null to use the corpus")
     if src.get("corpus"):
         try:
             from distill.corpus import load_corpus

@@ -47,6 +47,11 @@ def test_empty_data(pair, tmp_path):
     _fails(pair, tmp_path, f"data.source.path={few}", match="data.holdout")
 
 
+def test_file_and_corpus_both_set(pair, tmp_path, monkeypatch):
+    """An experiment that sets a corpus must not silently win over a file the user passed."""
+    _fails(pair, tmp_path, "data.source.corpus=stdlib", match="both a corpus .* and a file")
+
+
 def test_prompts_longer_than_context(pair, tmp_path):
     long = tmp_path / "long.jsonl"
     long.write_text("\n".join(json.dumps({"prompt": "the draft " * 200, "completion": " x"}) for _ in range(8)))

@@ -50,7 +50,7 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
 
     Raises:
         FileNotFoundError: no such experiment file.
-        KeyError: the file has no ``quickstart:`` section.
+        KeyError: the file has no ``quickstart:`` section, or an override names a key it does not have.
     """
     from omegaconf import OmegaConf
 
@@ -60,7 +60,17 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     raw = OmegaConf.load(path)
     if "quickstart" not in raw:
         raise KeyError(f"{path} has no 'quickstart:' section; it is not a quickstart experiment")
-    return OmegaConf.merge(raw.quickstart, OmegaConf.from_dotlist(list(overrides)))
+    from omegaconf.errors import ConfigKeyError
+
+    base = raw.quickstart
+    OmegaConf.set_struct(base, True)  # a misspelled override is an error, not a silently ignored new key
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except ConfigKeyError as err:
+        raise KeyError(f"unknown quickstart setting ({str(err).splitlines()[0]}); the settings are the keys of the "
+                       f"'quickstart:' section of {path.relative_to(REPO)}") from err
+    OmegaConf.set_struct(merged, False)
+    return merged
 
 
 def _env(threads: int | None = None) -> dict[str, str]:
@@ -347,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
-    qs = load_settings(experiment, args.overrides)
+    try:
+        qs = load_settings(experiment, args.overrides)
+    except (FileNotFoundError, KeyError) as err:
+        print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
+        return 2
     out = Path(args.out or qs.out_dir)
     out = (out if out.is_absolute() else REPO / out).resolve()
     out.mkdir(parents=True, exist_ok=True)

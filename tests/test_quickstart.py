@@ -83,3 +83,11 @@ def test_experiments_compose_for_the_recipe(experiment):
     assert cfg.draft.name_or_path.endswith("draft-baseline") and cfg.quickstart.target.size
     assert 0.0 <= cfg.data.on_policy_fraction <= 1.0 and cfg.loss.name in ("fkl", "rkl", "jsd", "tvd")
 
+
+
+def test_misspelled_setting_is_an_error(capsys):
+    assert quickstart.main(["--smoke", "eval.max_new_token=5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown quickstart setting" in err and "max_new_token" in err
+    qs = quickstart.load_settings("quickstart_smoke", ["eval.max_new_tokens=5"])
+    assert qs.eval.max_new_tokens == 5

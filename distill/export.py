@@ -56,7 +56,7 @@ tags: [speculative-decoding, draft-model, distillation, draftkit]
 # Draft model for `{card['target']}`
 
 A draft model for speculative decoding, distilled against the frozen target `{card['target']}` with
-[draftkit](https://github.com/) (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
+draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
 LoRA merged: {card['lora_merged']}.
 
 ## Measured acceptance (held-out prompts, γ = {ev.get('num_draft_tokens', '?')}, step {ev.get('step', '?')})

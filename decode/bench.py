@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from decode.engine import left_pad
+from decode.engine import context_length, left_pad
 from decode.speedup import measure_cost_ratio  # noqa: F401  (re-exported: part of the bench API)
 
 SCHEMA_VERSION = 1
@@ -863,10 +863,6 @@ def _load_tokenizer(paths: list[str]):
                 raise
 
 
-def _max_positions(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (``python -m decode bench ...``); returns the exit status."""
     run_cli(argv)
@@ -927,7 +923,7 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
 
     # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.
     check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
-    positions = [p for p in (_max_positions(target), _max_positions(draft)) if p]
+    positions = [p for p in (context_length(target), context_length(draft)) if p]
     max_prompt = None
     if positions:
         max_prompt = min(positions) - cfg.max_new_tokens - max(cfg.gammas or [1]) - 2

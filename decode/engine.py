@@ -76,8 +76,9 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device: Any = None)
     return ids.to(device), mask.to(device)
 
 
-def _context_length(model: Any) -> int | None:
-    cfg = model.config
+def context_length(model: Any) -> int | None:
+    """Max positions of a causal LM from its (text) config; None when the architecture states no limit."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
@@ -110,8 +111,8 @@ class SpeculativeDecoder:
         self.vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
         self.max_auto_draft_tokens = max_auto_draft_tokens
         self.num_draft_tokens = self._check_gamma(num_draft_tokens)
-        self.context_length = _context_length(target)
-        self.draft_context_length = _context_length(draft) if draft is not None else None
+        self.context_length = context_length(target)
+        self.draft_context_length = context_length(draft) if draft is not None else None
 
     def _check_gamma(self, gamma: int | str) -> int | str:
         if gamma == "auto":

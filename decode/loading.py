@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
 
 
 def resolve_dtype(name: str | torch.dtype) -> Any:

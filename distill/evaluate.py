@@ -24,17 +24,14 @@ def measure_cost_ratio(target: Any, draft: Any, prompts: list[list[int]], contex
 
     Pass ``eval.cost_ratio`` in the config to fix c instead (e.g. the ratio measured on the serving hardware).
     """
+    from decode.engine import context_length
     from decode.speedup import measure_cost_ratio as measure
 
     device = next(target.parameters()).device
     ids = [t for p in prompts for t in p] or [0, 0]
-    limit = min(x for x in (_context(target), _context(draft), context_tokens) if x)
+    limit = min(x for x in (context_length(target), context_length(draft), context_tokens) if x)
     ids = (ids * (limit // len(ids) + 1))[: max(2, limit)]
     return float(measure(target, draft, torch.tensor([ids], device=device), repeats=repeats)["cost_ratio"])
-
-
-def _context(model: Any) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
 
 
 @torch.no_grad()

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
+from decode.engine import context_length  # noqa: F401  (the recipe imports it from here)
+from decode.loading import DTYPES
+
 
 # Width keys of a derived draft config; passed through only when set, so any architecture works for layers alone.
 ARCH_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
@@ -174,16 +175,6 @@ def check_pair(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any = N
         return check_compatibility(target, draft, tokenizer, draft_tokenizer)
     except IncompatibleModelsError as e:
         raise SetupError(f"incompatible target/draft pair: {e}") from e
-
-
-def context_length(model: Any) -> int | None:
-    """Max positions of a causal LM from its config (None when the architecture has no limit)."""
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = getattr(c, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 def is_local_path(name_or_path: str) -> bool:

@@ -106,7 +106,8 @@ def cmd_generate_data(argv: list[str]) -> None:
 
     from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
                                 load_target, load_tokenizer)
-    from distill.recipe import load_data, normalize_config, prepare_target_data, target_data_dir
+    from distill.config import normalize_config
+    from distill.recipe import load_data, prepare_target_data, target_data_dir
 
     args = _overrides_parser("generate-data", SUBCOMMANDS["generate-data"]).parse_args(argv)
     try:
@@ -135,7 +136,8 @@ def cmd_eval(argv: list[str]) -> None:
     from distill.evaluate import acceptance_eval
     from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
                                 load_target, load_tokenizer)
-    from distill.recipe import load_data, normalize_config
+    from distill.config import normalize_config
+    from distill.recipe import load_data
 
     p = _overrides_parser("eval", SUBCOMMANDS["eval"])
     p.add_argument("--out", help="write the JSON result here too")

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from distill.__main__ import compose, conf_dir
-from distill.recipe import validate_config, normalize_config
+from distill.config import validate_config, normalize_config
 from distill.models import SetupError
 
 CONF = conf_dir()

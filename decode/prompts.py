@@ -58,12 +58,20 @@ class Prompt:
     category: str | None = None
 
 
-def shared_data_dir() -> Path:
-    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``."""
+def shared_data_dir(must_exist: bool = False) -> Path:
+    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``. The one resolver
+    of that folder: prompt sets, corpora and ``../shared/data/...`` paths in configs all go through it.
+
+    Raises:
+        FileNotFoundError: ``must_exist`` and the folder does not exist; names both ways to point at it.
+    """
     env = os.environ.get(SHARED_DATA_ENV)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    path = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    if must_exist and not path.is_dir():
+        raise FileNotFoundError(
+            f"shared data folder {path} not found: set {SHARED_DATA_ENV} to the folder holding humaneval/, "
+            "mbpp/, tinystories/ and tinyshakespeare/ (it sits beside the repository as shared/data in CI)")
+    return path
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -44,20 +44,6 @@ CORPORA = ("stdlib",) + tuple(_TEXT_FILES)
 PROMPT_SETS = ("humaneval", "mbpp", "stdlib")
 
 
-def shared_data_dir() -> Path:
-    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``.
-
-    Raises:
-        FileNotFoundError: the folder does not exist; names both ways to point at it.
-    """
-    path = dprompts.shared_data_dir()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"shared data folder {path} not found: set DRAFTKIT_SHARED_DATA to the folder holding humaneval/, "
-            "mbpp/, tinystories/ and tinyshakespeare/ (it sits beside the repository as shared/data in CI)")
-    return path
-
-
 def split_of(key: str, fractions: tuple[float, float] = DEFAULT_FRACTIONS) -> str:
     """The split ("train", "validation" or "test") that ``key`` falls in, from the SHA-1 of the key.
 
@@ -108,7 +94,7 @@ def _stdlib_rows(split: str, fractions, root=None, max_files: int | None = None)
 
 
 def _text_rows(name: str, split: str, fractions, max_chunks: int | None = None) -> dict[str, list[str]]:
-    path = shared_data_dir() / _TEXT_FILES[name]
+    path = dprompts.shared_data_dir(must_exist=True) / _TEXT_FILES[name]
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: corpus {name!r} reads it from the shared data folder "
                                 "(see SOURCES.md there)")

@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from distill import checkpoint as ckpt
-from distill.config import normalize_config
+from distill.config import check_inputs, normalize_config
 from distill.data import (as_examples, build_examples, cache_key, check_lengths, collate_sequences,
                           generate_target_data, micro_batch_indices)
 from distill.evaluate import acceptance_eval, measure_cost_ratio
@@ -146,6 +146,7 @@ def setup(cfg: DictConfig, log: Any = print) -> Run:
     from accelerate.utils import DistributedType, set_seed
 
     cfg = normalize_config(cfg)
+    check_inputs(cfg)  # data files, output folder, precision vs device: before any model loads
     # On a machine without a GPU, cpu=True is what makes accelerate use gloo across launched processes.
     cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
     if not torch.distributed.is_initialized():

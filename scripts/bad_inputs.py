@@ -1,6 +1,7 @@
 """Run every bad input of the distill command line and print the markdown table of docs/distill.md.
 
     python scripts/bad_inputs.py            # prints the table; exits 1 if any case is not exit 2 or shows a traceback
+    python scripts/bad_inputs.py --write    # also puts it between the bad-inputs markers of docs/distill.md
 
 Each case runs ``python -m distill ...`` in a subprocess against throw-away fixtures (an empty "target" folder, a
 few small JSONL files): every one must exit with code 2, print one ``error:`` message naming the setting, print no
@@ -116,7 +117,19 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ").strip()
 
 
-def main() -> int:
+START, END = "<!-- bad-inputs:start (scripts/bad_inputs.py --write) -->", "<!-- bad-inputs:end -->"
+
+
+def write_docs(table: str, doc: Path = REPO / "docs" / "distill.md") -> None:
+    """Replace the text between the markers of ``doc`` with ``table``."""
+    text = doc.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     bad = 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -136,9 +149,10 @@ def main() -> int:
                 shown = shown.replace("{" + key + "}", f"<{key}>")
             rows.append(f"| {_md(what)} | `python -m distill {_md(shown)}` | {r.returncode} | "
                         f"{_md(message.replace(str(tmp), '<tmp>'))} |" + ("" if ok else " **FAILED** |"))
-    print("| bad input | command | exit | error |")
-    print("| --- | --- | --- | --- |")
-    print("\n".join(rows))
+    table = "\n".join(["| bad input | command | exit | error |", "| --- | --- | --- | --- |", *rows])
+    print(table)
+    if "--write" in argv:
+        write_docs(table)
     print(f"\n{len(CASES)} bad inputs, {len(CASES) - bad} exit 2 with a named error, no traceback, no run folder.",
           file=sys.stderr)
     return 1 if bad else 0

@@ -100,8 +100,6 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
     """
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    from distill.config import GROUPS, unknown_keys  # noqa: F401  (unknown_keys documents the same rule)
-
     cause = err.__cause__ if err.__cause__ is not None else err
     msg = str(err)
     m = re.search(r"Could not find '([\w\-/]+)/([^']+)'", msg)
@@ -116,7 +114,7 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
         parent, _, leaf = key.rpartition(".")
         ref = str(getattr(cause, "ref_type", "") or "")
-        if "Dict[" in ref or "not in struct" in str(cause) and parent.endswith("corpus_kwargs"):
+        if "Dict[" in ref:
             return (f"{key}: {parent} is a free-form mapping; add a new entry with a plus: +{key}=VALUE")
         from omegaconf import OmegaConf
 
@@ -272,7 +270,7 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
     for a in it:
         if a == "--print-config":
             flags += ["--cfg", "job"]
-        elif name == "eval" and a in ("--out", "--overwrite") or a.startswith("--out="):
+        elif name == "eval" and (a in ("--out", "--overwrite") or a.startswith("--out=")):
             if a == "--overwrite":
                 opts["overwrite"] = True
             else:

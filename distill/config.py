@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
@@ -443,7 +442,15 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
     if cfg.get("target") is None or isinstance(cfg.get("target"), str):
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
-    typed = OmegaConf.merge(OmegaConf.structured(Config), cfg) if not _is_typed(cfg) else cfg
+    typed = cfg
+    if not _is_typed(cfg):  # built by hand (tests, notebooks): type it now
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            raise SetupError(f"{key}: {str(e).splitlines()[0]} (the keys and types are in distill/config.py)") from e
     validate(typed)
     return OmegaConf.create(OmegaConf.to_container(typed, resolve=True))
 
@@ -497,6 +504,8 @@ def check_inputs(cfg: DictConfig, *, training: bool = True) -> None:
     Raises:
         SetupError: naming the setting (or the file, line and field) and the fix.
     """
+    import torch
+
     from distill.data import preflight_source
 
     preflight_source(cfg.data.source, "data.source", cfg.data)

@@ -171,3 +171,14 @@ def test_null_completion_and_missing_field_named_by_row_when_loading(pair, tmp_p
     data = OmegaConf.create({"max_new_tokens": 4, "chat_template": False, "append_eos": True})
     with pytest.raises(SetupError, match="row 2: field 'completion' is null"):
         build_examples(src, load_tokenizer(str(pair["tokenizer"])), data)
+
+
+@pytest.mark.parametrize("what", ["typo, as Hydra's hint suggests", "malformed JSON line", "scalar for a list",
+                                  "negative pretrain budget"])
+def test_real_process_exits_2_without_traceback(what, fixtures):
+    """The same cases as a real `python -m distill` process (what scripts/bad_inputs.py tabulates for the docs)."""
+    from scripts.bad_inputs import run_case
+
+    _, args, expect = next(c for c in CASES if c[0] == what)
+    r = run_case(case_args(args, fixtures))
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

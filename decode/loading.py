@@ -10,32 +10,44 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
 
 
-def resolve_dtype(name: str | torch.dtype) -> Any:
-    """``"float32" | "bfloat16" | "float16" | "auto"`` (or a torch.dtype) -> the value for ``from_pretrained``."""
-    if isinstance(name, torch.dtype):
+def resolve_dtype(name: str | torch.dtype | None) -> Any:
+    """``"float32" | "bfloat16" | "float16" | "auto"`` (or a torch.dtype) -> the value for ``from_pretrained``;
+    None stays None (the checkpoint's own default).
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
+    if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
-def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype = "float32",
+def looks_local(name_or_path: str) -> bool:
+    """True for a filesystem path (starts with ``.``, ``/`` or ``~``, or exists) rather than a hub id ``org/name``."""
+    return str(name_or_path).startswith((".", os.sep, "~")) or os.path.exists(name_or_path)
+
+
+def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",
                    device: str | None = None) -> Any:
-    """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights.
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights (``dtype=None``: the checkpoint's
+    default). The one model loader of decode and distill.
 
     Raises:
-        FileNotFoundError: ``name_or_path`` looks like a local path (contains a path separator or starts with
-            ``.``) but does not exist, or it could not be loaded from the hub (e.g. offline), naming the role.
+        FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
+            loaded (not a checkpoint folder, or a hub id that is not cached while offline), naming the role.
     """
     from transformers import AutoModelForCausalLM
 
-    looks_local = os.sep in name_or_path or name_or_path.startswith(".")
-    if looks_local and not os.path.isdir(name_or_path):
+    name_or_path = str(name_or_path)
+    if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         raise FileNotFoundError(f"{role} path {name_or_path!r} does not exist; pass a directory written by "
                                 "save_pretrained (or a hub id when online)")
+    kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=resolve_dtype(dtype))
-    except OSError as err:
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name_or_path), **kw)
+    except (OSError, ValueError) as err:
         raise FileNotFoundError(
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
@@ -46,15 +58,26 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     return model
 
 
-def load_tokenizer(name_or_path: str, role: str = "tokenizer") -> Any:
-    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing."""
+def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing. ``pad_from_eos``: a tokenizer
+    without a pad token gets eos as pad (batched generation and training pad their rows).
+
+    Raises:
+        FileNotFoundError: the tokenizer cannot be loaded, or ``pad_from_eos`` and it has neither pad nor eos.
+    """
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, ValueError) as err:
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)))
+    except (OSError, ValueError, TypeError) as err:
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
                                 "the model (tokenizer.save_pretrained) or pass --tokenizer PATH.") from err
+    if pad_from_eos and tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise FileNotFoundError(f"the {role} {name_or_path!r} has neither a pad nor an eos token; add a pad token "
+                                    "(tokenizer.add_special_tokens) and save it again")
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def default_device() -> str:

@@ -10,6 +10,11 @@ copied into the repository. Any local ``.jsonl`` / ``.jsonl.gz`` file works too,
 | spec_bench  | spec_bench/question.jsonl     | turns[0]    | category |
 | mt_bench    | mt_bench/question.jsonl       | turns[0]    | category |
 | gsm8k       | gsm8k/test.jsonl              | question    | -        |
+| mbpp_code   | mbpp/mbpp.jsonl               | code prompt | -        |
+
+``mbpp`` is the task as written (``text``); ``mbpp_code`` is the same task shaped as a code prompt: the tested
+function's ``def`` line, then the task as its docstring, ending where the body starts (the shape of a HumanEval
+prompt, what a code model continues). Each name means one prompt set everywhere (bench, quickstart, recipe).
 
 Spec-Bench (Xia et al., 2024) and MT-Bench (Zheng et al., 2023) are single-turn here: only the first turn is used,
 as Spec-Bench does for its speed measurements of the first turn.
@@ -20,6 +25,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,9 @@ PROMPT_SETS: dict[str, PromptSetSpec] = {
     "gsm8k": PromptSetSpec("gsm8k/test.jsonl", "question", None),
 }
 
+# Sets derived from another set's rows: name -> (base set, row -> prompt text).
+DERIVED_SETS: dict[str, tuple[str, Any]] = {}
+
 # Tried in order when a local jsonl is given without a field.
 DEFAULT_LOCAL_FIELDS = ("prompt", "text", "question", "turns", "instruction")
 
@@ -58,12 +67,40 @@ class Prompt:
     category: str | None = None
 
 
-def shared_data_dir() -> Path:
-    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``."""
+def shared_data_dir(must_exist: bool = False) -> Path:
+    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``. The one resolver
+    of that folder: prompt sets, corpora and ``../shared/data/...`` paths in configs all go through it.
+
+    Raises:
+        FileNotFoundError: ``must_exist`` and the folder does not exist; names both ways to point at it.
+    """
     env = os.environ.get(SHARED_DATA_ENV)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    path = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    if must_exist and not path.is_dir():
+        raise FileNotFoundError(
+            f"shared data folder {path} not found: set {SHARED_DATA_ENV} to the folder holding humaneval/, "
+            "mbpp/, tinystories/ and tinyshakespeare/ (it sits beside the repository as shared/data in CI)")
+    return path
+
+
+def mbpp_to_prompt(text: str, code: str, test_list: list[str] | None = None) -> str:
+    """An MBPP task as a code prompt: the solution's ``def`` line for the tested function, then ``text`` as a
+    docstring, ending where the body starts (the same shape as a HumanEval prompt).
+
+    The function is the one the first test asserts on; if its ``def`` line is not found, the first ``def`` line
+    is used, and with none at all the prompt is the docstring followed by ``def``.
+    """
+    code = code.replace("\r\n", "\n")
+    text = " ".join(text.split())
+    m = re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?(\w+)\(", " ".join(test_list or []))
+    defs = re.findall(r"^def .*:\s*$", code, flags=re.M)
+    wanted = [d for d in defs if m and d.startswith(f"def {m.group(1)}(")]
+    if wanted or defs:
+        return f"{(wanted or defs)[0].rstrip()}\n    \"\"\"{text}\n    \"\"\"\n"
+    return f"\"\"\"{text}\"\"\"\ndef"
+
+
+DERIVED_SETS["mbpp_code"] = ("mbpp", lambda row: mbpp_to_prompt(row["text"], row["code"], row.get("test_list")))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -117,7 +154,8 @@ def load_prompts(
     """Load a prompt set by name (see ``PROMPT_SETS``) or from a local ``.jsonl`` / ``.jsonl.gz`` file.
 
     Args:
-        source: a set name (``humaneval``, ``mbpp``, ``spec_bench``, ``mt_bench``, ``gsm8k``) or a path.
+        source: a set name (``humaneval``, ``mbpp``, ``mbpp_code``, ``spec_bench``, ``mt_bench``, ``gsm8k``) or a
+            path.
         limit: keep at most this many prompts (None: all). For sets with categories and ``balanced=True``, prompts
             are taken round-robin over categories so that e.g. ``limit=26`` gives two of each Spec-Bench category.
         field: the text field; for named sets it overrides the default, for a local file it defaults to the first of
@@ -136,6 +174,9 @@ def load_prompts(
     if limit is not None and limit < 1:
         raise ValueError(f"prompt limit must be >= 1 (got {limit}); omit it to use every prompt")
     name = str(source)
+    derive = None
+    if name in DERIVED_SETS:
+        name, derive = DERIVED_SETS[name]
     if name in PROMPT_SETS:
         spec = PROMPT_SETS[name]
         path = shared_data_dir() / spec.relpath
@@ -150,7 +191,7 @@ def load_prompts(
         if not path.exists():
             if looks_like_path:
                 raise FileNotFoundError(f"prompt file {path} does not exist")
-            raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS)} "
+            raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS) + sorted(DERIVED_SETS)} "
                              "or a path to a .jsonl file")
         if path.is_dir():
             raise ValueError(f"prompt path {path} is a directory; give a .jsonl or .jsonl.gz file")
@@ -169,7 +210,8 @@ def load_prompts(
         pid = str(row[id_field]) if id_field and id_field in row else str(i)
         cat = row.get(cat_field) if cat_field else None
         category = None if cat is None else str(cat)
-        prompts.append(Prompt(id=pid, text=_text_of(row, text_field, where), category=category))
+        text = derive(row) if derive is not None else _text_of(row, text_field, where)
+        prompts.append(Prompt(id=pid, text=text, category=category))
     if limit is None:
         return prompts
     has_categories = any(p.category is not None for p in prompts)

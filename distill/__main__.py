@@ -1,28 +1,41 @@
 """``python -m distill SUBCOMMAND ...``: the command line of the distillation toolkit.
 
 Subcommands:
-  train          distill a draft against a frozen target (Hydra overrides, see conf/ and docs/distill.md)
+  train          distill a draft against a frozen target (a Hydra app: overrides, --cfg job, --help, -m sweeps)
   generate-data  make and cache target-generated completions (sequence-level KD) for the configured data
   eval           measure α/τ of a draft (draft.name_or_path) against the target on the eval prompts
   export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
   pretrain       pre-train a small target/draft pair on a text corpus (distill/pretrain.py)
+
+``train``, ``generate-data`` and ``eval`` are Hydra apps over ``conf/`` with the typed schema of
+``distill/config.py``. Before Hydra runs anything, every job's overrides (each job of a ``-m`` sweep) are composed
+and checked: a bad override, an unknown key, a wrong type, an out-of-range value, a missing or malformed data file
+is reported as ``error: ...`` naming the setting and the fix, with exit code 2 and nothing loaded.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 CONF_ENV = "DRAFTKIT_CONF"
 SUBCOMMANDS = {
-    "train": "distill a draft against a frozen target: python -m distill train +target.name_or_path=T [k=v ...]",
+    "train": "distill a draft against a frozen target: python -m distill train +target=PATH_OR_NAME [k=v ...]",
     "generate-data": "cache target completions (sequence-level KD): python -m distill generate-data [k=v ...]",
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
     "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
 }
+# Flags Hydra itself takes (passed through); --print-config is kept as an alias of --cfg job.
+HYDRA_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name",
+                          "-cn", "--config-dir", "-cd", "--experimental-rerun")
+HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--resolve", "--multirun", "-m", "--run", "-r",
+               "--shell-completion", "-sc")
 
 
 def conf_dir() -> Path:
@@ -30,126 +43,209 @@ def conf_dir() -> Path:
     return Path(os.environ.get(CONF_ENV) or Path(__file__).resolve().parents[1] / "conf").resolve()
 
 
-def expand_target_shorthand(overrides: list[str]) -> list[str]:
-    """``+target=X`` selects ``conf/target/X.yaml`` when that file exists; otherwise X is a path or hub id and the
-    override becomes ``+target.name_or_path=X`` (so ``+target=/models/qwen`` works as the issue's usage reads)."""
-    out = []
-    for o in overrides:
-        if o.startswith("+target=") and not (conf_dir() / "target" / f"{o.split('=', 1)[1]}.yaml").exists():
-            o = "+target.name_or_path=" + o.split("=", 1)[1]
-        out.append(o)
-    return out
-
-
-def compose(overrides: list[str]):
-    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``);
-    ``+target=PATH_OR_HUB_ID`` is accepted too (see :func:`expand_target_shorthand`)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):
-        return hydra_compose(config_name="config", overrides=expand_target_shorthand(list(overrides)))
-
-
-def _compose_or_exit(overrides: list[str]):
-    """:func:`compose` for the command line: a bad override prints Hydra's message (no traceback) and exits 2."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return compose(overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        hint = ""
-        if "target." in str(e) and "Could not override" in str(e):
-            hint = ("\nThe target group is not in the defaults: add target keys with a plus, e.g. "
-                    "+target.name_or_path=PATH +target.dtype=bf16 (or ++ to force).")
-        _fail(RuntimeError(f"{e}{hint}"))
-
-
-def _overrides_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m distill {prog}", description=help_text)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +target.name_or_path=PATH loss=tvd "
-                   "train.max_steps=100 +experiment=NAME")
-    p.add_argument("--print-config", action="store_true", help="print the composed config and exit")
-    return p
-
-
-def _fail(e: Exception) -> None:
+def _fail(e: Exception | str) -> None:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2)
 
 
-def cmd_train(argv: list[str]) -> None:
+# ------------------------------------------------------------------------------------------------ overrides
+
+def target_options() -> list[str]:
+    """Names of the target configs (``conf/target/NAME.yaml``)."""
+    return sorted(p.stem for p in (conf_dir() / "target").glob("*.yaml"))
+
+
+def expand_target_shorthand(overrides: list[str]) -> list[str]:
+    """``+target=X`` selects ``conf/target/X.yaml`` when it exists; a local path or hub id (anything with a ``/``,
+    or an existing path) becomes ``+target.name_or_path=X``; any other name is an error listing the configs.
+
+    Raises:
+        SetupError: ``X`` matches no target config and no path.
+    """
+    from distill.models import SetupError
+
+    out = []
+    for o in overrides:
+        if o.startswith("+target="):
+            name = o.split("=", 1)[1]
+            options = target_options()
+            if name not in options:
+                if "/" not in name and not Path(name).expanduser().exists():
+                    close = difflib.get_close_matches(name, options, n=1)
+                    hint = f" (did you mean +target={close[0]}?)" if close else ""
+                    raise SetupError(f"+target={name}: no config conf/target/{name}.yaml and no local path {name!r}"
+                                     f"{hint}. Target configs: {', '.join(options)}. Or give a checkpoint: "
+                                     "+target=/path/to/model, +target=org/hub-id, +target.name_or_path=NAME")
+                o = "+target.name_or_path=" + name
+        out.append(o)
+    return out
+
+
+def _schema_default(key: str) -> Any:
     from omegaconf import OmegaConf
 
+    from distill.config import Config
+
+    try:
+        return OmegaConf.select(OmegaConf.structured(Config), key.split("[")[0])
+    except Exception:  # a key outside the schema
+        return None
+
+
+def explain(err: Exception, overrides: list[str] = ()) -> str:
+    """One clear line (or two) for an error Hydra/OmegaConf raised while composing, naming the setting and the fix.
+
+    Hydra's own hint for an unknown key (``use +train.max_step=5``) is never repeated: it would turn a typo into
+    a new key. The closest known key is suggested instead.
+    """
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = err.__cause__ if err.__cause__ is not None else err
+    msg = str(err)
+    m = re.search(r"Could not find '([\w\-/]+)/([^']+)'", msg)
+    if m:  # an unknown group option, e.g. loss=kld or +experiment=nope
+        group, option = m.group(1), m.group(2)
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        plus = "+" if group in ("target", "experiment") else ""
+        return f"{plus}{group}={option}: no such option in conf/{group}/{hint}; choose one of {', '.join(options)}"
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
+        parent, _, leaf = key.rpartition(".")
+        ref = str(getattr(cause, "ref_type", "") or "")
+        if "Dict[" in ref:
+            return (f"{key}: {parent} is a free-form mapping; add a new entry with a plus: +{key}=VALUE")
+        from omegaconf import OmegaConf
+
+        from distill.config import Config
+
+        node = OmegaConf.select(OmegaConf.structured(Config), parent) if parent else OmegaConf.structured(Config)
+        known = list(node.keys()) if OmegaConf.is_dict(node) else []
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+            f"the keys of {parent or 'the config'} are {', '.join(known)}"
+        return f"unknown setting {key}: {hint} (`python -m distill train --help` lists every key)"
+    if isinstance(cause, ValidationError) and key:
+        given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]),
+                     getattr(cause, "value", None))
+        text = str(cause).splitlines()[0]
+        example = _schema_default(key.split("[")[0])
+        kinds = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+        conv = re.search(r"could not be converted to (\w+)", text)
+        if conv and "[" in key:  # an item of a list
+            base = key.split("[")[0]
+            want = kinds.get(conv.group(1), conv.group(1))
+            eg = f", e.g. {base}={json.dumps(list(example)).replace(' ', '')}" if example is not None else ""
+            return f"{base}={given}: every item must be {want}{eg}"
+        if conv:
+            want = kinds.get(conv.group(1), conv.group(1))
+            eg = f", e.g. {key}={example}" if example is not None and "[" not in key else ""
+            return f"{key}={given}: expected {want}{eg}"
+        if "is not a valid bool" in text:
+            return f"{key}={given}: expected true or false, e.g. {key}={str(bool(example)).lower()}"
+        if "is not a ListConfig" in text:
+            return f"{key}={given}: expected a list; write {key}=[{given}] (several: {key}=[0.0,1.0])"
+        return f"{key}={given}: {text}"
+    first = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
+    if "Could not override" in msg or "Could not append" in msg:
+        first = first.replace("Could not", "cannot")
+    return first
+
+
+def compose(overrides: list[str]):
+    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``); the
+    result is typed by ``distill.config.Config``. ``+target=PATH_OR_HUB_ID`` is accepted too.
+
+    Raises:
+        SetupError: the overrides do not compose (unknown option, key or type), with :func:`explain`'s message.
+    """
+    import distill.config  # noqa: F401  (registers the schema in the ConfigStore)
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from distill.models import SetupError
+
+    overrides = expand_target_shorthand(list(overrides))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):
+            return hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise SetupError(explain(e, overrides)) from e
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The override list of every job of a ``-m`` sweep (``loss=fkl,tvd`` -> ``[[loss=fkl], [loss=tvd]]``), in
+    Hydra's BasicSweeper order, so each job can be checked before the first one runs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
+    """(tokenizer, target, draft or None), the pair checked with the decoder's compatibility rule."""
+    from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+    target = load_target(cfg.target)
+    draft = None
+    if with_draft:
+        draft = load_draft(cfg.draft, target).eval()
+        check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
+    return tokenizer, target, draft
+
+
+def run_train(cfg: Any, opts: dict) -> None:
     from distill.recipe import train
 
-    args = _overrides_parser("train", SUBCOMMANDS["train"]).parse_args(argv)
-    cfg = _compose_or_exit(args.overrides)
-    if args.print_config:
-        print(OmegaConf.to_yaml(cfg))
-        return
-    try:
-        summary = train(cfg)
-    except SetupError as e:
-        _fail(e)
+    summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "best", "num_processes", "output_dir")},
                          indent=2))
 
 
-def cmd_generate_data(argv: list[str]) -> None:
+def run_generate_data(cfg: Any, opts: dict) -> None:
     import torch
 
-    from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
-                                load_target, load_tokenizer)
-    from distill.recipe import load_data, normalize_config, prepare_target_data, target_data_dir
+    from distill.config import normalize_config
+    from distill.models import context_length
+    from distill.recipe import load_data, prepare_target_data, target_data_dir
 
-    args = _overrides_parser("generate-data", SUBCOMMANDS["generate-data"]).parse_args(argv)
-    try:
-        cfg = normalize_config(_compose_or_exit(args.overrides))
-        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
-        target = load_target(cfg.target)
-        draft = None
-        if cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"):
-            draft = load_draft(cfg.draft, target).eval()
-            check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
-        device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
-        target.to(device)
-        if draft is not None:
-            draft.to(device)
-        ctx = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
-        examples, _ = load_data(cfg, tokenizer, min(ctx) if ctx else None)  # exactly the examples train() uses
-        rows = prepare_target_data(cfg, target, draft, tokenizer, examples)
-    except SetupError as e:
-        _fail(e)
+    cfg = normalize_config(cfg)
+    use_draft = bool(cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"))
+    tokenizer, target, draft = _load_pair(cfg, with_draft=use_draft)
+    device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
+    target.to(device)
+    if draft is not None:
+        draft.to(device)
+    ctx = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
+    examples, _ = load_data(cfg, tokenizer, min(ctx) if ctx else None)  # exactly the examples train() uses
+    rows = prepare_target_data(cfg, target, draft, tokenizer, examples)
     print(json.dumps({"rows": len(rows), "path": str(target_data_dir(cfg) / "dataset")}))
 
 
-def cmd_eval(argv: list[str]) -> None:
+def run_eval(cfg: Any, opts: dict) -> None:
     import torch
 
+    from distill.config import normalize_config
     from distill.evaluate import acceptance_eval
-    from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
-                                load_target, load_tokenizer)
-    from distill.recipe import load_data, normalize_config
+    from distill.models import context_length
+    from distill.recipe import load_data
 
-    p = _overrides_parser("eval", SUBCOMMANDS["eval"])
-    p.add_argument("--out", help="write the JSON result here too")
-    args = p.parse_args(argv)
-    try:
-        cfg = normalize_config(_compose_or_exit(args.overrides))
-        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
-        target = load_target(cfg.target)
-        draft = load_draft(cfg.draft, target).eval()
-        check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
-        ctx = [c for c in (context_length(target), context_length(draft)) if c]
-        _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
-    except SetupError as e:
-        _fail(e)
+    cfg = normalize_config(cfg)
+    tokenizer, target, draft = _load_pair(cfg)
+    ctx = [c for c in (context_length(target), context_length(draft)) if c]
+    _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
     result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
@@ -158,14 +254,123 @@ def cmd_eval(argv: list[str]) -> None:
                              batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
                              cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma))
     text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
+    if opts.get("out"):
+        Path(opts["out"]).write_text(text)
     print(text)
 
 
+HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {
+    "train": run_train, "generate-data": run_generate_data, "eval": run_eval}
+
+
+def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]:
+    """(Hydra flags, overrides, own options) of a Hydra subcommand's arguments."""
+    flags, overrides, opts = [], [], {}
+    it = iter(argv)
+    for a in it:
+        if a == "--print-config":
+            flags += ["--cfg", "job"]
+        elif name == "eval" and (a in ("--out", "--overwrite") or a.startswith("--out=")):
+            if a == "--overwrite":
+                opts["overwrite"] = True
+            else:
+                opts["out"] = a.split("=", 1)[1] if "=" in a else next(it, None)
+                if not opts["out"]:
+                    _fail("--out needs a file name, e.g. --out results/eval.json")
+        elif a in HYDRA_FLAGS_WITH_VALUE or any(a.startswith(f + "=") for f in HYDRA_FLAGS_WITH_VALUE if
+                                                f.startswith("--")):
+            flags.append(a)
+            if "=" not in a:
+                value = next(it, None)
+                if value is None:
+                    _fail(f"{a} needs a value (e.g. --cfg job)")
+                flags.append(value)
+        elif a in HYDRA_FLAGS:
+            flags.append(a)
+        elif a.startswith("-"):
+            _fail(f"unknown option {a!r} for `python -m distill {name}`; settings are key=value overrides, "
+                  f"see python -m distill {name} --help")
+        else:
+            overrides.append(a)
+    return flags, overrides, opts
+
+
+def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full: bool = True) -> list[list[str]]:
+    """Compose and check every job before Hydra runs any: exits 2 with the first problem. Returns the jobs."""
+    from distill.config import check_inputs, check_output_file, validate
+    from distill.models import SetupError
+
+    try:
+        overrides = expand_target_shorthand(overrides)
+        jobs = sweep_jobs(overrides) if multirun else [overrides]
+        if opts.get("out"):
+            if len(jobs) > 1:
+                raise SetupError("--out with a -m sweep would write every job's result to one file; run the jobs "
+                                 "one by one, or leave --out out and read each job's printed JSON")
+            check_output_file(opts["out"], "--out", bool(opts.get("overwrite")))
+        for job in jobs:
+            cfg = compose(job)
+            if full:
+                validate(cfg)
+                check_inputs(cfg, training=name == "train")
+    except SetupError as e:
+        where = f" (sweep job {jobs.index(job)}: {' '.join(job)})" if multirun and "job" in locals() else ""
+        _fail(f"{e}{where}")
+    except Exception as e:  # a parse error of an override, raised by Hydra's grammar
+        from hydra.errors import HydraException
+
+        if isinstance(e, HydraException):
+            _fail(explain(e, overrides))
+        raise
+    return jobs
+
+
+def run_hydra_command(name: str, argv: list[str]) -> None:
+    """Run ``python -m distill NAME ARGV`` as a Hydra app (``@hydra.main`` over conf/, typed by the schema)."""
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    import distill.config  # noqa: F401  (registers the schema)
+    from distill.models import SetupError
+
+    flags, overrides, opts = _split_argv(name, argv)
+    multirun = any(f in ("-m", "--multirun") for f in flags)
+    helping = any(f in ("--help", "-h", "--hydra-help", "--version", "--info", "-sc", "--shell-completion")
+                  for f in flags)
+    showing = any(f in ("--cfg", "-c") for f in flags)
+    if not helping:
+        preflight(name, overrides, multirun, opts, full=not showing)
+    overrides = [o for o in expand_target_shorthand(overrides)] if not helping else overrides
+    command = HYDRA_COMMANDS[name]
+
+    def task(cfg: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        from omegaconf import open_dict
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:  # each job of a sweep in its own run folder
+            with open_dict(cfg):
+                cfg.train.output_dir = str(hc.runtime.output_dir)
+            print(f"sweep job {hc.job.num}: {' '.join(hc.overrides.task)} -> {cfg.train.output_dir}", flush=True)
+        try:
+            command(cfg, opts)
+        except SetupError as e:
+            _fail(e)
+
+    GlobalHydra.instance().clear()
+    saved = sys.argv
+    sys.argv = [f"python -m distill {name}", *flags, *overrides, f"hydra.job.name={name}"]
+    try:
+        hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(task)()
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+
+
 def cmd_export(argv: list[str]) -> None:
+    from decode.loading import resolve_dtype
     from distill.export import export
-    from distill.models import resolve_dtype
 
     p = argparse.ArgumentParser(prog="python -m distill export", description=SUBCOMMANDS["export"])
     p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
@@ -173,7 +378,7 @@ def cmd_export(argv: list[str]) -> None:
     p.add_argument("--dtype", default=None, help="save in this dtype (float32, bf16, fp16); default: as trained")
     args = p.parse_args(argv)
     try:
-        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype))
+        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
     ev = card.get("evaluation") or {}
@@ -189,8 +394,7 @@ def cmd_pretrain(argv: list[str]) -> None:
     pretrain_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "generate-data": cmd_generate_data, "eval": cmd_eval, "export": cmd_export,
-            "pretrain": cmd_pretrain}
+COMMANDS = {"export": cmd_export, "pretrain": cmd_pretrain}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,14 +404,21 @@ def main(argv: list[str] | None = None) -> None:
         width = max(map(len, SUBCOMMANDS))
         lines = "\n".join(f"  {name.ljust(width)}  {text}" for name, text in SUBCOMMANDS.items())
         print(f"usage: python -m distill SUBCOMMAND [ARGS]\n\nsubcommands:\n{lines}\n\n"
-              "Run `python -m distill SUBCOMMAND --help` for each one; configs live in conf/ (docs/distill.md).")
+              "Run `python -m distill SUBCOMMAND --help` for each one (train/eval/generate-data list every config "
+              "group and key); configs live in conf/ (docs/distill.md).")
         if not argv:
             raise SystemExit(2)
         return
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        _fail(ValueError(f"unknown subcommand {name!r}; choose one of {list(COMMANDS)} (python -m distill --help)"))
-    COMMANDS[name](rest)
+    if name in HYDRA_COMMANDS:
+        run_hydra_command(name, rest)
+    elif name in COMMANDS:
+        COMMANDS[name](rest)
+    else:
+        close = difflib.get_close_matches(name, list(SUBCOMMANDS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        _fail(ValueError(f"unknown subcommand {name!r}{hint}; choose one of {list(SUBCOMMANDS)} "
+                         "(python -m distill --help)"))
 
 
 if __name__ == "__main__":

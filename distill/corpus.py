@@ -8,15 +8,12 @@ so every machine with the same inputs gets the same split and no file is in two 
 - ``tinystories``, ``tinyshakespeare``: text files under the shared data folder (``<repo>/../shared/data``, or
   ``$DRAFTKIT_SHARED_DATA``), cut into blank-line separated chunks (key: the chunk's text).
 
-Prompt sets (``load_prompts``) for measuring acceptance on held-out real prompts:
+Prompt sets (``load_prompts``) for measuring acceptance on held-out real prompts: every named set of
+``decode.prompts`` (the one registry: ``humaneval``, ``mbpp``, ``mbpp_code``, ...; a name means the same prompts in
+the benchmark and here), plus
 
-- ``humaneval``: the 164 HumanEval ``prompt`` fields (signature + docstring).
-- ``mbpp``: MBPP tasks turned into a code prompt: the task's ``def`` line, then its ``text`` as a docstring.
 - ``stdlib``: held-out (``test`` split) stdlib files cut just after their first ``def`` line, so the model
   continues real code rather than a license header.
-
-HumanEval and MBPP are read through ``decode.prompts`` (the decoder's benchmark prompt sets); this module only
-reshapes MBPP into code and adds the stdlib prompts.
 """
 from __future__ import annotations
 
@@ -41,21 +38,8 @@ _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packag
 
 _TEXT_FILES = {"tinystories": "tinystories/tinystories_val.txt", "tinyshakespeare": "tinyshakespeare/input.txt"}
 CORPORA = ("stdlib",) + tuple(_TEXT_FILES)
-PROMPT_SETS = ("humaneval", "mbpp", "stdlib")
-
-
-def shared_data_dir() -> Path:
-    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``.
-
-    Raises:
-        FileNotFoundError: the folder does not exist; names both ways to point at it.
-    """
-    path = dprompts.shared_data_dir()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"shared data folder {path} not found: set DRAFTKIT_SHARED_DATA to the folder holding humaneval/, "
-            "mbpp/, tinystories/ and tinyshakespeare/ (it sits beside the repository as shared/data in CI)")
-    return path
+# Named prompt sets: decode.prompts' registry (one meaning per name everywhere) plus held-out stdlib files.
+PROMPT_SETS = tuple(dprompts.PROMPT_SETS) + tuple(dprompts.DERIVED_SETS) + ("stdlib",)
 
 
 def split_of(key: str, fractions: tuple[float, float] = DEFAULT_FRACTIONS) -> str:
@@ -108,7 +92,7 @@ def _stdlib_rows(split: str, fractions, root=None, max_files: int | None = None)
 
 
 def _text_rows(name: str, split: str, fractions, max_chunks: int | None = None) -> dict[str, list[str]]:
-    path = shared_data_dir() / _TEXT_FILES[name]
+    path = dprompts.shared_data_dir(must_exist=True) / _TEXT_FILES[name]
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: corpus {name!r} reads it from the shared data folder "
                                 "(see SOURCES.md there)")
@@ -150,31 +134,6 @@ def load_corpus(name: str, split: str, *, fractions: tuple[float, float] = DEFAU
 
 # ----------------------------------------------------------------------------------------------- prompt sets
 
-def mbpp_to_prompt(text: str, code: str, test_list: list[str] | None = None) -> str:
-    """An MBPP task as a code prompt: the solution's ``def`` line for the tested function, then ``text`` as a
-    docstring, ending where the body starts (the same shape as a HumanEval prompt).
-
-    The function is the one the first test asserts on; if its ``def`` line is not found, the first ``def`` line
-    is used, and with none at all the prompt is the docstring followed by ``def``.
-    """
-    code = code.replace("\r\n", "\n")
-    text = " ".join(text.split())
-    m = re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?(\w+)\(", " ".join(test_list or []))
-    defs = re.findall(r"^def .*:\s*$", code, flags=re.M)
-    wanted = [d for d in defs if m and d.startswith(f"def {m.group(1)}(")]
-    if wanted or defs:
-        return f"{(wanted or defs)[0].rstrip()}\n    \"\"\"{text}\n    \"\"\"\n"
-    return f"\"\"\"{text}\"\"\"\ndef"
-
-
-def _mbpp_prompts() -> list[str]:
-    # decode.prompts reads one field per call; the code field gives the def line, the text field the task.
-    texts = dprompts.load_prompts("mbpp", field="text")
-    codes = dprompts.load_prompts("mbpp", field="code")
-    tests = dprompts.load_prompts("mbpp", field="test_list")  # a list field: its first assert
-    return [mbpp_to_prompt(t.text, c.text, [a.text]) for t, c, a in zip(texts, codes, tests)]
-
-
 def stdlib_prompt(text: str, max_chars: int = 600) -> str | None:
     """A held-out file cut just after its first ``def`` line, keeping at most the last ``max_chars``
     characters at line boundaries; ``None`` if the file has no ``def``."""
@@ -198,7 +157,7 @@ def load_prompts(name: str, n: int | None = None, *, split: str = "test", max_ch
     """Held-out real prompts for evaluation.
 
     Args:
-        name: "humaneval", "mbpp" or "stdlib".
+        name: a set of ``decode.prompts`` (``humaneval``, ``mbpp``, ``mbpp_code``, ...) or ``stdlib``.
         n: the first ``n`` prompts (in file order; stdlib in path order), or all.
         split: the stdlib split to cut prompts from ("test": never trained on).
         max_chars: longest stdlib prompt, in characters.
@@ -211,10 +170,8 @@ def load_prompts(name: str, n: int | None = None, *, split: str = "test", max_ch
         ValueError: unknown prompt set, or no prompts.
         FileNotFoundError: a shared-data file is missing.
     """
-    if name == "humaneval":
-        prompts = [p.text for p in dprompts.load_prompts("humaneval")]
-    elif name == "mbpp":
-        prompts = _mbpp_prompts()
+    if name in dprompts.PROMPT_SETS or name in dprompts.DERIVED_SETS:
+        prompts = [p.text for p in dprompts.load_prompts(name)]
     elif name == "stdlib":
         _check_split(split)
         prompts = _stdlib_prompts(split, max_chars, root)

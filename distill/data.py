@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +25,19 @@ import torch
 
 from distill.models import SetupError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_PREFIX = "../shared/data/"
 BUILDERS = {".jsonl": "json", ".json": "json", ".gz": "json", ".parquet": "parquet", ".txt": "text",
             ".csv": "csv"}
 
 
 def resolve_path(path: str) -> Path:
-    """A data path: ``../shared/data/...`` goes through ``$DRAFTKIT_SHARED_DATA`` (else ``<repo>/../shared/data``)."""
+    """A data path: ``../shared/data/...`` lives in :func:`decode.prompts.shared_data_dir` (the one resolver of
+    the shared data folder, honouring ``$DRAFTKIT_SHARED_DATA``); other paths are taken as given."""
+    from decode.prompts import shared_data_dir
+
     p = str(path)
     if p.startswith(SHARED_PREFIX):
-        base = os.environ.get("DRAFTKIT_SHARED_DATA") or str(REPO_ROOT.parent / "shared" / "data")
-        return Path(base) / p[len(SHARED_PREFIX):]
+        return shared_data_dir() / p[len(SHARED_PREFIX):]
     return Path(p).expanduser()
 
 
@@ -65,7 +65,7 @@ def load_rows(src: Any) -> Any:
         if not path.exists():
             raise SetupError(f"data file {path} does not exist (from path={src.path!r}); fix the path, or set "
                              "DRAFTKIT_SHARED_DATA to the shared data folder")
-        suffix = path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
+        suffix = _suffix(path)
         builder = BUILDERS.get(suffix)
         if builder is None:
             raise SetupError(f"data file {path}: unknown format {suffix!r}; use one of {sorted(BUILDERS)}")
@@ -88,11 +88,96 @@ def load_rows(src: Any) -> Any:
     return ds
 
 
-def _field(row: dict, field: str, where: str) -> str:
+def _suffix(path: Path) -> str:
+    return path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
+
+
+def _json_rows(path: Path, key: str):
+    """``(line_number, row)`` of a JSON-lines file (or a .json array), each row a JSON object.
+
+    Raises SetupError naming the file, the line and the fix for a line that does not parse or is not an object.
+    """
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if _suffix(path) == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SetupError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file given as {key}.path") from e
+        yield from ((i + 1, r) for i, r in enumerate(rows))
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SetupError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); every line of "
+                             f"{key}.path must be one JSON object: fix or delete line {lineno}") from e
+        yield lineno, row
+
+
+def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
+    """Check a source on disk before any model loads (the tokenizer is not needed): the file exists, is not
+    empty, has a known format; for JSON files every line parses, and every row used (``limit``) has the configured
+    prompt/completion (or text) field, not null. A corpus name was already checked by the config.
+
+    Raises:
+        SetupError: naming ``key`` (``data.source`` or ``eval.prompts``), the file, the line and the field.
+    """
+    if src.get("corpus") or not src.get("path"):
+        return
+    path = resolve_path(src.path)
+    if not path.exists():
+        raise SetupError(f"{key}.path: data file {path} does not exist (from {key}.path={src.path!r}); fix the "
+                         "path, or set DRAFTKIT_SHARED_DATA to the shared data folder")
+    if path.is_dir():
+        raise SetupError(f"{key}.path={src.path!r} is a folder; give a file ({', '.join(sorted(BUILDERS))})")
+    builder = BUILDERS.get(_suffix(path))
+    if builder is None:
+        raise SetupError(f"{key}.path: data file {path}: unknown format {_suffix(path)!r}; use one of "
+                         f"{sorted(BUILDERS)}")
+    if path.stat().st_size == 0:
+        raise SetupError(f"{key}.path: data file {path} is empty; point {key}.path at a file with rows")
+    if builder != "json":
+        return
+    if _source_kind(src) == "text":
+        fields = [src.get("text_field") or "text"]
+    else:
+        fields = [src.get("prompt_field") or "prompt"] + ([src.completion_field] if src.get("completion_field") else [])
+    limit, n = src.get("limit"), 0
+    for lineno, row in _json_rows(path, key):
+        if not isinstance(row, dict):
+            raise SetupError(f"{path}:{lineno}: a row must be a JSON object with the field(s) {fields}, "
+                             f"not {type(row).__name__}")
+        for f in fields:
+            which = "prompt_field" if f == fields[0] else "completion_field"
+            if _source_kind(src) == "text":
+                which = "text_field"
+            if f not in row:
+                raise SetupError(f"{path}:{lineno}: field {f!r} not found (fields: {sorted(row)}); set "
+                                 f"{key}.{which} to one of them")
+            if row[f] is None:
+                raise SetupError(f"{path}:{lineno}: \"{f}\" is null; every row needs a text in {f!r} "
+                                 f"({key}.{which}): fix or delete line {lineno}")
+        n += 1
+        if limit and n >= int(limit):
+            break
+    if n == 0:
+        raise SetupError(f"{key}.path: data file {path} has no rows; point {key}.path at a file with rows")
+
+
+def _field(row: dict, field: str, where: str, index: int | None = None) -> str:
+    at = f"{where}, row {index + 1}" if index is not None else where
     if field not in row:
-        raise SetupError(f"{where}: field {field!r} not found (fields: {sorted(row)}); set the *_field key to one "
+        raise SetupError(f"{at}: field {field!r} not found (fields: {sorted(row)}); set the *_field key to one "
                          "of them")
     value = row[field]
+    if value is None:
+        raise SetupError(f"{at}: field {field!r} is null; give every row a text there, or drop the row")
     if isinstance(value, list):  # multi-turn sets (MT-Bench "turns"): the first turn
         value = value[0] if value else ""
     return str(value)
@@ -133,8 +218,8 @@ def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, li
         per_doc = src.get("windows_per_doc")
         text_field = src.get("text_field") or "text"
         bos = [tokenizer.bos_token_id] if src.get("add_bos", True) and tokenizer.bos_token_id is not None else []
-        for row in rows:
-            ids = tokenizer(_field(row, text_field, where), add_special_tokens=False)["input_ids"]
+        for i, row in enumerate(rows):
+            ids = tokenizer(_field(row, text_field, where, i), add_special_tokens=False)["input_ids"]
             n_win = len(ids) // (p_len + c_len)
             for w in range(n_win if per_doc is None else min(n_win, int(per_doc))):
                 chunk = ids[w * (p_len + c_len):(w + 1) * (p_len + c_len)]
@@ -145,11 +230,11 @@ def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, li
         return out
     prompt_field, completion_field = src.get("prompt_field") or "prompt", src.get("completion_field")
     eos = [tokenizer.eos_token_id] if data_cfg.get("append_eos", True) and tokenizer.eos_token_id is not None else []
-    for row in rows:
-        prompt = encode_prompt(tokenizer, _field(row, prompt_field, where), bool(data_cfg.get("chat_template", True)))
+    for i, row in enumerate(rows):
+        prompt = encode_prompt(tokenizer, _field(row, prompt_field, where, i), bool(data_cfg.get("chat_template", True)))
         completion = []
         if completion_field:
-            completion = tokenizer(_field(row, completion_field, where), add_special_tokens=False)["input_ids"]
+            completion = tokenizer(_field(row, completion_field, where, i), add_special_tokens=False)["input_ids"]
             completion = (list(completion) + eos)[:max_new]
         out.append({"prompt_ids": prompt, "completion_ids": completion})
     return out

@@ -7,14 +7,13 @@ initialized from the target's embeddings and first layers (every tensor whose na
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from decode import loading
 from decode.engine import context_length  # noqa: F401  (the recipe imports it from here)
-from decode.loading import DTYPES
 
 
 # Width keys of a derived draft config; passed through only when set, so any architecture works for layers alone.
@@ -25,53 +24,34 @@ class SetupError(ValueError):
     """A configuration or input problem found before training starts; the message names the fix."""
 
 
-def resolve_dtype(name: str | None) -> Any:
-    """Map a config dtype string (``bf16``, ``float32``, ``auto``, None) to a torch dtype (None = leave as is)."""
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise SetupError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-def _from_pretrained(cls: Any, name_or_path: str, what: str, key: str, **kw: Any) -> Any:
+def _loaded(load: Any, what: str, key: str) -> Any:
+    """Run a ``decode.loading`` loader; its FileNotFoundError becomes a SetupError naming the config key to fix."""
     try:
-        return cls.from_pretrained(name_or_path, **kw)
-    except (OSError, ValueError) as e:
-        local = Path(name_or_path).expanduser()
-        where = ("the directory exists but holds no loadable checkpoint" if local.is_dir() else
-                 "not a local directory, and not a hub id in the local cache (HF_HUB_OFFLINE may be set)")
-        raise SetupError(f"cannot load the {what} {name_or_path!r}: {where}. Set {key}=/path/to/checkpoint "
-                         f"(a save_pretrained directory) or a cached hub id. ({type(e).__name__}: {e})") from e
+        return load()
+    except FileNotFoundError as e:
+        raise SetupError(f"cannot load the {what}: {e} Set {key}=/path/to/checkpoint (a save_pretrained "
+                         "directory) or a cached hub id (HF_HUB_OFFLINE may be set).") from e
 
 
 def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)") -> Any:
-    """AutoTokenizer with a pad token (eos when the tokenizer has none, as batch rollouts need padding)."""
-    from transformers import AutoTokenizer
-
-    tok = _from_pretrained(AutoTokenizer, name_or_path, "tokenizer", key)
-    if tok.pad_token_id is None:
-        if tok.eos_token is None:
-            raise SetupError(f"tokenizer {name_or_path!r} has neither a pad nor an eos token; add a pad token")
-        tok.pad_token = tok.eos_token
-    return tok
+    """The target's tokenizer through ``decode.loading.load_tokenizer``, with eos as pad when it has no pad token
+    (batched rollouts and training pad their rows). Raises SetupError naming ``key``."""
+    return _loaded(lambda: loading.load_tokenizer(str(name_or_path), "tokenizer", pad_from_eos=True),
+                   f"tokenizer {str(name_or_path)!r}", key)
 
 
 def load_draft_tokenizer(cfg: Any) -> Any:
-    """The tokenizer saved with an existing draft checkpoint (None for a built draft or a folder without one).
+    """The tokenizer saved with an existing draft checkpoint (None for a built draft or a folder without one), via
+    ``decode.loading.load_draft_tokenizer``; a run's checkpoint folder keeps it in ``draft/``.
 
     The recipe trains with the target's tokenizer; the draft's own is loaded only to check that they agree.
     """
-    from transformers import AutoTokenizer
-
     if not cfg.get("name_or_path"):
         return None
     path = Path(cfg.name_or_path) / "draft" if (Path(cfg.name_or_path) / "trainer_state.json").exists() \
-        else cfg.name_or_path
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError):
-        return None
+        else Path(cfg.name_or_path)
+    return _loaded(lambda: loading.load_draft_tokenizer(str(path), None), f"draft tokenizer {str(path)!r}",
+                   "draft.name_or_path")
 
 
 def load_target(cfg: Any) -> Any:
@@ -79,15 +59,12 @@ def load_target(cfg: Any) -> Any:
 
     Raises SetupError when ``target.name_or_path`` is missing or cannot be loaded.
     """
-    from transformers import AutoModelForCausalLM
-
     if not cfg.get("name_or_path"):
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
-    kw = {"dtype": resolve_dtype(cfg.get("dtype"))} if cfg.get("dtype") else {}
-    target = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "target", "+target.name_or_path", **kw)
-    target.eval().requires_grad_(False)
-    return target
+    name = str(cfg.name_or_path)
+    return _loaded(lambda: loading.load_causal_lm(name, "target", cfg.get("dtype") or None),  # frozen, eval()
+                   f"target {name!r}", "+target.name_or_path")
 
 
 def draft_config_from_target(target_config: Any, cfg: Any) -> Any:
@@ -131,13 +108,14 @@ def load_draft(cfg: Any, target: Any) -> Any:
     """
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(cfg.get("dtype") or "float32")
+    dtype = loading.resolve_dtype(cfg.get("dtype") or "float32")
     if cfg.get("name_or_path") and (Path(cfg.name_or_path) / "trainer_state.json").exists():
         from distill.export import load_checkpoint_draft  # a distill checkpoint (e.g. <run>/best): LoRA merged
 
         draft = load_checkpoint_draft(cfg.name_or_path, None if dtype == "auto" else dtype)[0]
     elif cfg.get("name_or_path"):
-        draft = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "draft", "draft.name_or_path", dtype=dtype)
+        name = str(cfg.name_or_path)
+        draft = _loaded(lambda: loading.load_causal_lm(name, "draft", dtype), f"draft {name!r}", "draft.name_or_path")
     else:
         dcfg = draft_config_from_target(target.config, cfg)
         torch.manual_seed(int(cfg.get("seed", 0)))  # the init is part of the experiment: make it repeatable
@@ -178,5 +156,5 @@ def check_pair(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any = N
 
 
 def is_local_path(name_or_path: str) -> bool:
-    """True for something that looks like a filesystem path rather than a hub id."""
-    return name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path)
+    """True for something that looks like a filesystem path rather than a hub id (``decode.loading.looks_local``)."""
+    return loading.looks_local(name_or_path)

@@ -424,7 +424,15 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kw = {k: v for k, v in vars(args).items() if k != "threads"}
     kw["out"] = kw["out"] or ""
-    return pretrain(PretrainConfig(**kw))
+    cfg = PretrainConfig(**kw)
+    if cfg.budget_s < 0:
+        build_parser().error(f"--budget-s {cfg.budget_s:g}: the training budget must be >= 0 seconds (0 needs "
+                             "--max-steps), e.g. --budget-s 480")
+    try:
+        _check_config(cfg)  # before the tokenizer or any model is made
+    except ValueError as e:
+        build_parser().error(str(e))
+    return pretrain(cfg)
 
 
 if __name__ == "__main__":

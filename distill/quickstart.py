@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "measure α, τ and speedup of both drafts on HumanEval, MBPP and held-out stdlib prompts. "
                     "Artifacts under --out are reused when present.")
     p.add_argument("overrides", nargs="*", help="settings of the quickstart: section, e.g. target.budget_s=300 "
-                   "eval.prompt_sets.mbpp=20")
+                   "eval.prompt_sets.mbpp_code=20")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and seconds of training (experiment "
                    "quickstart_smoke): the same path in about a minute")
     p.add_argument("--experiment", default=None, help="conf/experiment/NAME.yaml (default: quickstart, or "

@@ -21,8 +21,8 @@ import contextlib
 import json
 import math
 import random
-import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,184 +30,36 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from distill import checkpoint as ckpt
+from distill.config import check_inputs, normalize_config
 from distill.data import (as_examples, build_examples, cache_key, check_lengths, collate_sequences,
                           generate_target_data, micro_batch_indices)
-from distill.evaluate import SELECT_KEYS, acceptance_eval, measure_cost_ratio
-from distill.losses import DIVERGENCES, distill_loss
-from distill.models import (ARCH_KEYS, SetupError, attach_lora, check_pair, context_length, is_local_path,
-                            load_draft, load_draft_tokenizer, load_target, load_tokenizer)
+from distill.evaluate import acceptance_eval, measure_cost_ratio
+from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag
+from distill.losses import distill_loss
+from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
+                            load_draft_tokenizer, load_target, load_tokenizer)
 from distill.rollout import rollout
 
-# Keys that may be absent from a composed config (the target group is not in the defaults list, and a
-# `+target.name_or_path=PATH` override creates only that key).
-TARGET_DEFAULTS = {"name_or_path": None, "tokenizer": None, "dtype": None}
-COMPLETION_SOURCES = ("data", "target", "both")
-
-
-# ------------------------------------------------------------------------------------------------ config checks
-
-def normalize_config(cfg: DictConfig) -> DictConfig:
-    """Fill the target's defaults and validate every cheap-to-check value; raises SetupError naming the fix."""
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    if cfg.get("target") is None or isinstance(cfg.target, str):
-        raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
-                         "+target.name_or_path=/path/or/hub-id")
-    cfg.target = OmegaConf.merge(TARGET_DEFAULTS, cfg.target)
-    validate_config(cfg)
-    return cfg
-
-
-def validate_config(cfg: DictConfig) -> None:
-    """Checks that need no model or data (run before any loading)."""
-    name = cfg.target.name_or_path
-    if not name:
-        raise SetupError("target.name_or_path is empty: pass +target.name_or_path=/path/or/hub-id")
-    if is_local_path(str(name)) and not Path(str(name)).expanduser().exists():
-        raise SetupError(f"target path {name!r} does not exist; fix +target.name_or_path=/path/to/checkpoint")
-    draft = cfg.draft
-    if draft.get("name_or_path"):
-        if is_local_path(str(draft.name_or_path)) and not Path(str(draft.name_or_path)).expanduser().exists():
-            raise SetupError(f"draft path {draft.name_or_path!r} does not exist; fix draft.name_or_path=/path")
-    elif all(draft.get(k) is None for k in ARCH_KEYS):
-        raise SetupError("no draft: set draft.name_or_path=/path/or/hub-id, or build one from the target's config "
-                         "with draft.num_hidden_layers=N (or draft=small)")
-    if cfg.loss.name not in DIVERGENCES:
-        raise SetupError(f"unknown loss {cfg.loss.name!r}; choose loss=fkl|rkl|jsd|tvd")
-    if not 0.0 <= float(cfg.loss.get("beta", 0.5)) <= 1.0:
-        raise SetupError(f"loss.beta={cfg.loss.beta} must be in [0, 1] (0 = forward KL, 1 = reverse KL)")
-    if not 0.0 <= float(cfg.loss.get("ce_weight", 0.0)) <= 1.0:
-        raise SetupError(f"loss.ce_weight={cfg.loss.ce_weight} must be in [0, 1]")
-    if not float(cfg.loss.get("temperature", 1.0)) > 0:
-        raise SetupError(f"loss.temperature={cfg.loss.temperature} must be > 0")
-    lam = float(cfg.data.on_policy_fraction)
-    if not 0.0 <= lam <= 1.0:
-        raise SetupError(f"data.on_policy_fraction={lam} must be in [0, 1] (the probability λ that a micro-batch "
-                         "uses draft rollouts); e.g. data.on_policy_fraction=0.5")
-    if cfg.data.completions not in COMPLETION_SOURCES:
-        raise SetupError(f"data.completions={cfg.data.completions!r}; choose one of {COMPLETION_SOURCES}")
-    if cfg.eval.select_by not in SELECT_KEYS:
-        raise SetupError(f"eval.select_by={cfg.eval.select_by!r}; choose one of {SELECT_KEYS}")
-    if not cfg.eval.temperatures:
-        raise SetupError("eval.temperatures is empty; give at least one, e.g. eval.temperatures=[0.0]")
-    for key in ("max_steps", "batch_size", "grad_accum"):
-        if int(cfg.train[key]) < 1:
-            raise SetupError(f"train.{key}={cfg.train[key]} must be >= 1")
-    if str(cfg.train.mixed_precision) not in ("no", "bf16", "fp16"):
-        raise SetupError(f"train.mixed_precision={cfg.train.mixed_precision!r}; choose no|bf16|fp16")
-    if cfg.logger.name not in ("none", "wandb"):
-        raise SetupError(f"logger={cfg.logger.name!r}; choose logger=none or logger=wandb")
-    if int(cfg.data.max_new_tokens) < 1:
-        raise SetupError(f"data.max_new_tokens={cfg.data.max_new_tokens} must be >= 1")
-    for t in cfg.eval.temperatures:
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
-            raise SetupError(f"eval.temperatures has {t!r}; every temperature must be a finite number >= 0 "
-                             "(0 = greedy), e.g. eval.temperatures=[0.0,1.0]")
-    gamma = cfg.eval.get("num_draft_tokens", 4)
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
-        raise SetupError(f"eval.num_draft_tokens={gamma!r} must be an integer >= 1 (γ during the measurement)")
-    rt = cfg.data.get("rollout_temperature", 1.0)
-    if not (isinstance(rt, (int, float)) and math.isfinite(rt) and rt >= 0):
-        raise SetupError(f"data.rollout_temperature={rt!r} must be a finite number >= 0 (0 = greedy rollouts)")
-    lr = cfg.optim.get("lr", 1e-4)
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise SetupError(f"optim.lr={lr!r} must be a finite number > 0, e.g. optim.lr=1e-4")
-
-
-# ------------------------------------------------------------------------------------------------ logging
-
-class MetricsLogger:
-    """metrics.jsonl always; W&B too with ``logger=wandb`` (offline without an API key). Main process only."""
-
-    def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool, resumed: bool):
-        self.enabled = enabled
-        self.run = None
-        if not enabled:
-            return
-        self.file = open(output_dir / "metrics.jsonl", "a")
-        if cfg.logger.name == "wandb":
-            import os
-
-            import wandb
-
-            mode = cfg.logger.get("mode") or "auto"
-            if mode == "auto":
-                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            id_file = output_dir / "wandb_run_id"  # a resumed run continues the same W&B run
-            run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
-            self.run = wandb.init(project=cfg.logger.get("project") or "draftkit",
-                                  name=cfg.logger.get("run_name") or output_dir.name, dir=str(output_dir),
-                                  mode=mode, tags=list(cfg.logger.get("tags") or []), id=run_id,
-                                  config=OmegaConf.to_container(cfg, resolve=True),
-                                  resume="allow" if run_id else None)
-            id_file.write_text(self.run.id)
-
-    def log(self, metrics: dict, step: int) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
-        if self.run is not None:
-            self.run.log({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, step=step)
-
-    def log_eval(self, ev: dict, step: int) -> None:
-        flat = {"eval/acceptance_rate": ev["acceptance_rate"], "eval/mean_accepted_length": ev["mean_accepted_length"],
-                "eval/predicted_speedup": ev["predicted_speedup"], "eval/cost_ratio": ev["cost_ratio"]}
-        for t, m in ev["per_temperature"].items():
-            for k in ("acceptance_rate", "mean_accepted_length", "predicted_speedup", "best_gamma"):
-                flat[f"eval/T{t}/{k}"] = m[k]
-        self.log({**flat, "eval": ev}, step)
-        if self.enabled and self.run is not None:
-            import numpy as np
-            import wandb
-
-            for t, m in ev["per_temperature"].items():
-                counts = np.asarray(m["accepted_length_histogram"], dtype=float)
-                edges = np.arange(len(counts) + 1, dtype=float) - 0.5
-                self.run.log({f"eval/T{t}/accepted_length_hist": wandb.Histogram(np_histogram=(counts, edges))},
-                             step=step)
-
-    def finish(self) -> None:
-        if not self.enabled:
-            return
-        self.file.close()
-        if self.run is not None:
-            self.run.finish()
-
-
-class Progress:
-    """A rich (or tqdm) progress bar showing loss and tokens/s; ``train.progress=none`` disables it."""
-
-    def __init__(self, kind: str, total: int, start: int, enabled: bool):
-        self.kind = kind if enabled else "none"
-        if self.kind == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
-            from rich.progress import TimeRemainingColumn
-
-            self.bar = RichProgress(TextColumn("[bold]distill"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.bar.start()
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        elif self.kind == "tqdm":
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc="distill")
-
-    def update(self, loss: float, tokens_per_s: float) -> None:
-        info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
-        if self.kind == "rich":
-            self.bar.update(self.task, advance=1, info=info)
-        elif self.kind == "tqdm":
-            self.bar.set_postfix_str(info)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.kind == "rich":
-            self.bar.stop()
-        elif self.kind == "tqdm":
-            self.bar.close()
-
-
 # ------------------------------------------------------------------------------------------------ setup
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by :func:`setup` (models, data, optimizer and the measured c)."""
+
+    cfg: DictConfig                 # the normalized config
+    accelerator: Any                # accelerate.Accelerator
+    tokenizer: Any                  # the target's tokenizer (the pair shares it)
+    target: Any                     # frozen target, on the accelerator's device
+    draft: Any                      # the trainable draft (LoRA-wrapped when train.lora.enabled), prepared
+    vocab: int                      # shared vocabulary size V (logits are sliced to it)
+    examples: list[dict]            # training examples {"prompt_ids", "completion_ids"}
+    eval_prompts: list[list[int]]   # held-out prompt token ids for the α/τ evaluation
+    optimizer: Any                  # AdamW, prepared
+    scheduler: Any                  # LambdaLR warmup + decay
+    cost_ratio: float               # c = draft forward time / target forward time
+    draft_base: str | None          # what a LoRA adapter is applied to (a path/hub id), None for a full fine-tune
+    output_dir: Path                # train.output_dir
+
 
 def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float) -> float:
     """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``."""
@@ -288,12 +140,13 @@ def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[lis
     return examples, [e["prompt_ids"] for e in eval_examples]
 
 
-def setup(cfg: DictConfig, log: Any = print) -> dict:
+def setup(cfg: DictConfig, log: Any = print) -> Run:
     """Everything the loop needs, in order of cost: config checks, models + pair check, data, optimizer."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
 
     cfg = normalize_config(cfg)
+    check_inputs(cfg)  # data files, output folder, precision vs device: before any model loads
     # On a machine without a GPU, cpu=True is what makes accelerate use gloo across launched processes.
     cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
     if not torch.distributed.is_initialized():
@@ -347,29 +200,30 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
             cost_ratio = broadcast_object_list([cost_ratio])[0]
     optimizer, scheduler = build_optimizer(draft, cfg)
     draft, optimizer = accelerator.prepare(draft, optimizer)
-    return {"cfg": cfg, "accelerator": accelerator, "tokenizer": tokenizer, "target": target, "draft": draft,
-            "vocab": vocab, "examples": examples, "eval_prompts": eval_prompts, "optimizer": optimizer,
-            "scheduler": scheduler, "cost_ratio": float(cost_ratio), "draft_base": draft_base,
-            "output_dir": output_dir}
+    return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
+               examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
+               cost_ratio=float(cost_ratio), draft_base=draft_base, output_dir=output_dir)
 
 
-# ------------------------------------------------------------------------------------------------ steps
+# ------------------------------------------------------------------------------------------------ micro-batch
 
-def micro_batch(run: dict, micro_id: int) -> tuple[list[dict], bool]:
+def micro_batch(run: Run, micro_id: int) -> tuple[list[dict], bool]:
     """The examples of global micro-batch ``micro_id``; with probability λ their completions are draft rollouts."""
-    cfg, acc = run["cfg"], run["accelerator"]
-    idx = micro_batch_indices(len(run["examples"]), micro_id, int(cfg.train.batch_size), int(cfg.train.seed),
+    cfg, acc = run.cfg, run.accelerator
+    idx = micro_batch_indices(len(run.examples), micro_id, int(cfg.train.batch_size), int(cfg.train.seed),
                               bool(cfg.data.shuffle))
-    batch = [run["examples"][i] for i in idx]
+    batch = [run.examples[i] for i in idx]
     rng = random.Random(f"{cfg.train.seed}/{micro_id}")
     on_policy = rng.random() < float(cfg.data.on_policy_fraction)
     if on_policy:
         gen = torch.Generator(device=acc.device).manual_seed(rng.randrange(2**63))
-        batch = rollout(acc.unwrap_model(run["draft"]), batch, run["tokenizer"].pad_token_id,
-                        run["tokenizer"].eos_token_id, int(cfg.data.max_new_tokens),
+        batch = rollout(acc.unwrap_model(run.draft), batch, run.tokenizer.pad_token_id,
+                        run.tokenizer.eos_token_id, int(cfg.data.max_new_tokens),
                         float(cfg.data.rollout_temperature), gen)
     return batch, on_policy
 
+
+# ------------------------------------------------------------------------------------------------ loss
 
 def _vocab_slice(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B, T, V') -> (B, T, vocab): drop lm_head padding rows; a smaller lm_head is padded with -inf (q = 0)."""
@@ -379,19 +233,19 @@ def _vocab_slice(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
-def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
+def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
     """Target scores the sequences (no grad), the draft too (grad); the divergence over completion tokens."""
-    cfg, acc = run["cfg"], run["accelerator"]
+    cfg, acc = run.cfg, run.accelerator
     batch = {k: v.to(acc.device) for k, v in batch.items()}
     with torch.no_grad(), acc.autocast():
-        target_logits = run["target"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    draft_logits = run["draft"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        target_logits = run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    draft_logits = run.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     # Only completion positions enter the loss: select them first, so the float32 softmax work is (1, N, V)
     # instead of (B, T, V) with the prompt and padding share wasted.
     keep = batch["loss_mask"].bool()
     n_keep = int(keep.sum())
-    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits[keep], run["vocab"]).unsqueeze(0),
-                        _vocab_slice(target_logits[keep], run["vocab"]).unsqueeze(0),
+    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits[keep], run.vocab).unsqueeze(0),
+                        _vocab_slice(target_logits[keep], run.vocab).unsqueeze(0),
                         torch.ones(1, n_keep, device=keep.device), n_tokens, labels=batch["labels"][keep].unsqueeze(0),
                         beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
                         ce_weight=float(cfg.loss.ce_weight))
@@ -399,45 +253,24 @@ def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Ten
     return loss
 
 
-def evaluate(run: dict) -> dict:
+# ------------------------------------------------------------------------------------------------ evaluate
+
+def evaluate(run: Run) -> dict:
     """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed)."""
-    cfg, acc = run["cfg"], run["accelerator"]
-    return acceptance_eval(run["target"], acc.unwrap_model(run["draft"]), run["eval_prompts"], run["tokenizer"],
+    cfg, acc = run.cfg, run.accelerator
+    return acceptance_eval(run.target, acc.unwrap_model(run.draft), run.eval_prompts, run.tokenizer,
                            list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
                            max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
-                           seed=int(cfg.eval.seed), cost_ratio=run["cost_ratio"], max_gamma=int(cfg.eval.max_gamma))
+                           seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio, max_gamma=int(cfg.eval.max_gamma))
 
 
-def save(run: dict, state: dict, path: Path) -> Path:
+def save(run: Run, state: dict, path: Path) -> Path:
     """A full checkpoint at ``path`` with the current trainer state."""
-    return ckpt.save_checkpoint(run["accelerator"], run["draft"], run["tokenizer"], run["scheduler"], state,
-                                OmegaConf.to_yaml(run["cfg"]), path)
+    return ckpt.save_checkpoint(run.accelerator, run.draft, run.tokenizer, run.scheduler, state,
+                                OmegaConf.to_yaml(run.cfg), path)
 
 
-class _StopFlag:
-    """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and exits cleanly."""
-
-    def __init__(self):
-        self.stop = False
-        self.previous = {}
-
-    def __enter__(self):
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.stop:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.stop = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
+# ------------------------------------------------------------------------------------------------ checkpoints
 
 def resolve_resume(cfg: DictConfig) -> Path | None:
     """The checkpoint to resume from: ``train.resume`` true -> the latest in output_dir; a path -> that path."""
@@ -462,7 +295,7 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
 
 
-# ------------------------------------------------------------------------------------------------ the recipe
+# ------------------------------------------------------------------------------------------------ train
 
 def train(cfg: DictConfig, log: Any = None) -> dict:
     """Run the recipe for a composed config; returns the summary also written to ``<output_dir>/summary.json``.
@@ -472,24 +305,24 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     """
     resume_from = resolve_resume(normalize_config(cfg))
     run = setup(cfg, log=log or print)
-    cfg, acc = run["cfg"], run["accelerator"]
+    cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
-    out = run["output_dir"]
+    out = run.output_dir
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run["draft_base"],
-             "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path), "vocab_size": run["vocab"],
-             "cost_ratio": run["cost_ratio"]}
+    state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
+             "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path), "vocab_size": run.vocab,
+             "cost_ratio": run.cost_ratio}
     if resume_from is not None:
-        state.update(ckpt.load_checkpoint(acc, run["scheduler"], resume_from))
+        state.update(ckpt.load_checkpoint(acc, run.scheduler, resume_from))
         log(f"resumed from {resume_from} at step {state['step']}")
         for key in _changed_keys(resume_from, cfg):
             log(f"warning: {key} differs from the checkpoint's config; the resumed run is not the same experiment")
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
     max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
-    log(f"distill: {len(run['examples'])} examples, {len(run['eval_prompts'])} eval prompts, loss={cfg.loss.name}, "
+    log(f"distill: {len(run.examples)} examples, {len(run.eval_prompts)} eval prompts, loss={cfg.loss.name}, "
         f"λ={cfg.data.on_policy_fraction}, {world} process(es), steps {state['step']}->{stop_at}/{max_steps}")
 
     def maybe_eval_and_save(step: int, force: bool) -> None:
@@ -516,7 +349,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         logger.log_eval(ev, 0)
         log(f"initial draft: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
 
-    draft, optimizer, scheduler = run["draft"], run["optimizer"], run["scheduler"]
+    draft, optimizer, scheduler = run.draft, run.optimizer, run.scheduler
     progress = Progress(str(cfg.train.progress), stop_at, state["step"], acc.is_main_process)
     draft.train()
     loss_value = float("nan")
@@ -526,7 +359,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             t0 = time.perf_counter()
             micro_ids = [(step * accum + j) * world + acc.process_index for j in range(accum)]
             drawn = [micro_batch(run, m) for m in micro_ids]
-            batches = [collate_sequences(b, run["tokenizer"].pad_token_id) for b, _ in drawn]
+            batches = [collate_sequences(b, run.tokenizer.pad_token_id) for b, _ in drawn]
             # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients).
             n_local = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=acc.device)
             n_global = acc.reduce(n_local, reduction="sum")

@@ -37,7 +37,7 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     assert target["params"] > draft["params"] > 0 and target["tokens_seen"] > 0 and target["val_loss"] > 0
 
     ev = res["eval"]
-    sets = {"humaneval", "mbpp", "stdlib", "all"}
+    sets = {"humaneval", "mbpp_code", "stdlib", "all"}
     assert {(r["temperature"], r["set"]) for r in ev["rows"]} == {(t, s) for t in (0.0, 1.0) for s in sets}
     gamma = ev["num_draft_tokens"]
     for r in ev["rows"]:
@@ -63,8 +63,8 @@ def test_smoke_quickstart_end_to_end(tmp_path):
 
 
 def test_settings_load_with_overrides_and_fail_clearly():
-    qs = quickstart.load_settings("quickstart", ["target.budget_s=5", "eval.prompt_sets.mbpp=3"])
-    assert qs.target.budget_s == 5 and qs.eval.prompt_sets.mbpp == 3 and qs.draft.size == "draft"
+    qs = quickstart.load_settings("quickstart", ["target.budget_s=5", "eval.prompt_sets.mbpp_code=3"])
+    assert qs.target.budget_s == 5 and qs.eval.prompt_sets.mbpp_code == 3 and qs.draft.size == "draft"
     with pytest.raises(FileNotFoundError, match="conf/experiment"):
         quickstart.load_settings("no_such_experiment")
     with pytest.raises(KeyError, match="quickstart"):

@@ -115,3 +115,58 @@ def test_eval_and_continue_from_a_distill_checkpoint(pair, tmp_path, capsys):
     s = train(compose(overrides(pair, tmp_path / "more", f"draft.name_or_path={run / 'best'}", "train.max_steps=1")),
               log=lambda *_: None)
     assert s["steps"] == 1
+
+
+def test_cfg_job_prints_the_typed_config(capsys):
+    main(["train", "+target=org/t", "draft.num_hidden_layers=2", "loss=jsd", "--cfg", "job"])
+    text = capsys.readouterr().out
+    assert "name: jsd" in text and "name_or_path: org/t" in text and "trust_remote_code: false" in text
+
+
+def test_help_lists_groups_options_and_keys(capsys):
+    with pytest.raises(SystemExit) as e:  # Hydra exits 0 after --help
+        main(["train", "--help"])
+    assert e.value.code in (0, None)
+    text = capsys.readouterr().out
+    assert "loss: fkl, jsd, rkl, tvd" in text and "target: llama-3.1-8b-instruct" in text
+    assert "on_policy_fraction: 0.0" in text and "--multirun" in text and "-m loss=fkl,tvd,jsd" in text
+
+
+def test_misspelled_target_config_lists_the_configs(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "+target=qwen2.5-7b-instrct", "draft.num_hidden_layers=2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "did you mean +target=qwen2.5-7b-instruct?" in err and "llama-3.1-8b-instruct" in err
+
+
+def test_multirun_sweep_runs_each_job_into_its_own_folder(pair, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    main(["train", *overrides(pair, out, "train.max_steps=1", "eval.at_start=false", "eval.temperatures=[0.0]"),
+          "-m", "loss=fkl,tvd"])
+    from omegaconf import OmegaConf
+
+    for num, loss in ((0, "fkl"), (1, "tvd")):
+        job = out / str(num)
+        assert json.loads((job / "summary.json").read_text())["steps"] == 1
+        assert OmegaConf.load(job / "config.yaml").loss.name == loss
+        assert OmegaConf.load(job / "config.yaml").train.output_dir == str(job)
+    assert (out / "multirun.yaml").exists()
+
+
+def test_multirun_checks_every_job_before_the_first_runs(pair, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *overrides(pair, out), "-m", "loss.beta=0.5,2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "loss.beta=2.0 must be in [0, 1]" in err and "sweep job 1" in err
+    assert not out.exists()  # job 0 did not run
+
+
+def test_eval_out_is_checked_before_loading(pair, tmp_path, capsys):
+    existing = tmp_path / "ev.json"
+    existing.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        main(["eval", *overrides(pair, tmp_path / "run"), "--out", str(existing)])
+    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert existing.read_text() == "{}"

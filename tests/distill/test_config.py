@@ -1,5 +1,6 @@
-"""Every config composes with Hydra's compose API, every YAML documents its command and keys, and the launcher
-files are valid accelerate configs."""
+"""Every config composes with Hydra's compose API into the typed schema (distill/config.py), every YAML documents
+its command and keys, the schema rejects unknown keys, wrong types and out-of-range values, and the launcher files are
+valid accelerate configs."""
 import re
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from distill.__main__ import compose, conf_dir
-from distill.recipe import validate_config, normalize_config
+from distill.config import Config, GROUPS as SCHEMA_GROUPS, LossConfig, unknown_keys, validate, validate_config, normalize_config
 from distill.models import SetupError
 
 CONF = conf_dir()
@@ -119,3 +120,72 @@ def test_docs_list_every_group():
     doc = (Path(CONF).parent / "docs" / "distill.md").read_text()
     for group in GROUPS + ["target", "launcher", "experiment"]:
         assert f"`{group}`" in doc
+
+
+def test_schema_covers_every_group_and_the_keys_other_features_use():
+    assert set(SCHEMA_GROUPS) == set(GROUPS) | {"target"}
+    cfg = OmegaConf.structured(Config)
+    for key, default in [("train.overwrite", False), ("train.max_time_s", None), ("target.trust_remote_code", False),
+                         ("draft.trust_remote_code", False), ("data.target_logits", "online"),
+                         ("data.logit_cache", None), ("loss.gamma", 4)]:
+        assert OmegaConf.select(cfg, key) == default, key
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_is_typed_by_the_schema(name):
+    cfg = compose([f"+experiment={name}"])
+    assert OmegaConf.get_type(cfg) is Config and OmegaConf.get_type(cfg.train) is not dict
+    assert unknown_keys(cfg) == []
+
+
+def test_group_yaml_keys_are_all_declared():
+    """A YAML key the schema does not declare fails composition (struct), so a typo in a group file cannot hide."""
+    for group in SCHEMA_GROUPS:
+        for p in (CONF / group).glob("*.yaml"):
+            raw = OmegaConf.to_container(OmegaConf.load(p))
+            OmegaConf.merge(OmegaConf.structured(SCHEMA_GROUPS[group]), raw)  # raises on an unknown key or type
+
+
+def test_acceptance_loss_fits_the_loss_schema():
+    """conf/loss/acceptance.yaml (name=acceptance, gamma) merges into the loss schema; γ must be an integer >= 1."""
+    node = OmegaConf.merge(OmegaConf.structured(LossConfig), {"name": "acceptance", "gamma": 3})
+    assert node.name == "acceptance" and node.gamma == 3
+    with pytest.raises(SetupError, match=r"loss.gamma=0 must be an integer >= 1"):
+        validate(compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", "loss.gamma=0"]))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.max_steps=abc", "train.max_steps=abc: expected an integer, e.g. train.max_steps=1000"),
+    ("train.cpu=maybe", "train.cpu=maybe: expected true or false"),
+    ("eval.temperatures=0.5", "eval.temperatures=0.5: expected a list; write eval.temperatures=[0.5]"),
+    ("eval.temperatures=[a]", "eval.temperatures=[a]: every item must be a number, e.g. eval.temperatures=[0.0,1.0]"),
+    ("train.max_step=5", "unknown setting train.max_step: did you mean train.max_steps?"),
+    ("optim=sgd", "optim=sgd: no such option in conf/optim/; choose one of adamw"),
+])
+def test_compose_errors_name_the_key_and_the_fix(override, message):
+    with pytest.raises(SetupError) as e:
+        compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", override])
+    assert message in str(e.value)
+    assert "+train.max_step" not in str(e.value)  # Hydra's "use +KEY" hint would make a typo a new key
+
+
+def test_plus_typo_is_rejected_with_the_closest_key():
+    cfg = compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", "+train.max_step=5",
+                   "+eval.temperature=[0.0]"])
+    assert unknown_keys(cfg) == ["train.max_step (did you mean train.max_steps?)",
+                                 "eval.temperature (did you mean eval.temperatures?)"]
+    with pytest.raises(SetupError, match=r"unknown setting train.max_step \(did you mean train.max_steps\?\)"):
+        validate(cfg)
+
+
+def test_free_form_mapping_takes_new_keys_with_plus():
+    cfg = compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", "data=corpus",
+                   "+data.source.corpus_kwargs.max_items=3"])
+    assert cfg.data.source.corpus_kwargs.max_items == 3 and unknown_keys(cfg) == []
+
+
+def test_every_schema_default_validates():
+    """The defaults themselves are valid (only the target and a draft are required)."""
+    cfg = compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2"])
+    validate(cfg)
+    assert normalize_config(cfg).train.max_steps == 1000

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from distill import corpus
-from distill.corpus import SPLITS, load_corpus, load_prompts, mbpp_to_prompt, split_of, stdlib_files, stdlib_prompt
+from decode.prompts import mbpp_to_prompt
+from distill.corpus import SPLITS, load_corpus, load_prompts, split_of, stdlib_files, stdlib_prompt
 
 
 @pytest.fixture
@@ -103,9 +104,14 @@ def test_stdlib_prompt_ends_after_the_first_def_line():
 def test_real_prompt_sets():
     he = load_prompts("humaneval", 3)
     assert len(he) == 3 and he[0].rstrip().endswith('"""') and "def " in he[0]
-    mb = load_prompts("mbpp")
+    mb = load_prompts("mbpp_code")
     assert len(mb) == 974 and all(p.startswith(("def ", '"""')) for p in mb)
+    from decode import prompts as dprompts
+
+    # one name, one prompt set: "mbpp" is the task text here and in the benchmark alike
+    assert load_prompts("mbpp", 5) == [p.text for p in dprompts.load_prompts("mbpp", limit=5)]
+    assert mb[:5] == [p.text for p in dprompts.load_prompts("mbpp_code", limit=5)]
     st = load_prompts("stdlib", 4)
     held_out = set(load_corpus("stdlib", "test")["text"])
     assert len(st) == 4 and all(any(p in t for t in held_out) for p in st)
-    assert corpus.PROMPT_SETS == ("humaneval", "mbpp", "stdlib")
+    assert {"humaneval", "mbpp", "mbpp_code", "stdlib"} <= set(corpus.PROMPT_SETS)

@@ -1,0 +1,518 @@
+"""The recipe's typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
+
+``Config`` is the schema of ``conf/config.yaml`` (its defaults list starts with ``distill_schema``), so every group
+YAML is merged into a typed node: an unknown key (``train.max_step``) or a wrong type (``train.max_steps=abc``)
+fails while Hydra composes. :func:`validate` then checks values (ranges, allowed choices) and :func:`check_inputs`
+the files the run reads and writes; all three run before any model or data loads and raise :class:`SetupError`
+naming the key, the allowed values and the fix.
+
+A scalar where a list is expected (``eval.temperatures=0.5``) is rejected with the list form to type
+(``eval.temperatures=[0.5]``), the same as any other type error: silently wrapping would hide a typo such as
+``eval.temperatures=0.5,1.0`` (a Hydra sweep, not a list).
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from distill.models import ARCH_KEYS, SetupError, is_local_path
+
+SCHEMA_NAME = "distill_schema"
+
+
+# ------------------------------------------------------------------------------------------------ the schema
+# Field comments are the documentation; the YAMLs under conf/ repeat them next to each value.
+
+@dataclass
+class TargetConfig:
+    """``target``: the frozen target (``+target=NAME`` picks conf/target/NAME.yaml)."""
+
+    name_or_path: Optional[str] = None   # local save_pretrained folder or hub id (required)
+    tokenizer: Optional[str] = None      # tokenizer path if not stored with the target (null: name_or_path)
+    dtype: Optional[str] = None          # float32 | bf16 | fp16 | auto | null (the checkpoint's default)
+    trust_remote_code: bool = False      # let transformers run the checkpoint's own model code
+
+
+@dataclass
+class DraftConfig:
+    """``draft``: an existing checkpoint, or a model built from the target's config with these overrides."""
+
+    name_or_path: Optional[str] = None          # existing draft (hub id, local path, or a run's checkpoint)
+    num_hidden_layers: Optional[int] = None     # built draft: layers
+    hidden_size: Optional[int] = None           # built draft: width
+    intermediate_size: Optional[int] = None     # built draft: MLP width
+    num_attention_heads: Optional[int] = None   # built draft: attention heads
+    num_key_value_heads: Optional[int] = None   # built draft: KV heads (GQA)
+    init_from_target: bool = True               # built draft: copy target tensors with the same name and shape
+    dtype: Optional[str] = None                 # null: float32 master weights; auto: the checkpoint's
+    seed: int = 0                               # init seed of a built draft
+    trust_remote_code: bool = False             # let transformers run the checkpoint's own model code
+
+
+@dataclass
+class SourceConfig:
+    """``data.source`` / ``eval.prompts``: a local file or a named corpus (distill/data.py)."""
+
+    path: Optional[str] = None                  # .jsonl/.jsonl.gz/.json/.parquet/.csv/.txt
+    corpus: Optional[str] = None                # or a corpus name of distill.corpus.load_corpus
+    corpus_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of load_corpus
+    split: str = "train"                        # corpus split: train | validation | test
+    kind: str = "auto"                          # auto | prompts | text
+    prompt_field: str = "prompt"                # field holding the prompt
+    completion_field: Optional[str] = None      # field holding a fixed completion (null: none)
+    text_field: str = "text"                    # kind=text: document field
+    sample_by: str = "paragraph"                # .txt: line | paragraph | document
+    prompt_tokens: int = 32                     # kind=text: prefix length
+    completion_tokens: int = 32                 # kind=text: continuation length
+    windows_per_doc: Optional[int] = None       # kind=text: windows per document (null: all)
+    add_bos: bool = True                        # kind=text: bos before each prefix
+    limit: Optional[int] = None                 # at most this many rows (null: all)
+
+
+@dataclass
+class TargetGeneratedConfig:
+    """``data.target_generated``: the sequence-level KD cache made by ``generate-data``."""
+
+    path: Optional[str] = None      # cache folder (null: <train.output_dir>/target_data)
+    temperature: float = 0.0        # target sampling temperature (0: greedy)
+    batch_size: int = 8             # prompts per decoder call
+    shard_size: int = 64            # prompts per saved shard
+    use_draft: bool = True          # draft speculatively while generating (lossless)
+
+
+@dataclass
+class DataConfig:
+    """``data``: prompts, completions and the on-policy fraction λ."""
+
+    source: SourceConfig = field(default_factory=SourceConfig)
+    chat_template: bool = True                  # apply the tokenizer's chat template to prompts
+    append_eos: bool = True                     # end fixed completions with eos
+    max_prompt_tokens: Optional[int] = 512      # prompt length bound (null: the context only)
+    truncate_prompts: bool = False              # keep the last max_prompt_tokens instead of failing
+    max_new_tokens: int = 128                   # completion / rollout / generation length
+    shuffle: bool = True                        # shuffle each epoch
+    holdout: int = 32                           # eval prompts held out when eval.prompts is null
+    completions: str = "data"                   # data | target | both
+    target_generated: TargetGeneratedConfig = field(default_factory=TargetGeneratedConfig)
+    on_policy_fraction: float = 0.0             # λ in [0, 1]
+    rollout_temperature: float = 1.0            # draft sampling temperature of rollouts
+    target_logits: str = "online"               # online (target forward per step) | cached (data.logit_cache)
+    logit_cache: Optional[str] = None           # folder of cached target logits (data.target_logits=cached)
+
+
+@dataclass
+class LossConfig:
+    """``loss``: the divergence between target and draft (distill/losses.py)."""
+
+    name: str = "tvd"           # fkl | rkl | jsd | tvd | acceptance
+    beta: float = 0.5           # jsd: 0 = forward KL, 1 = reverse KL
+    temperature: float = 1.0    # softmax temperature of both logits
+    ce_weight: float = 0.0      # (1 - w) * divergence + w * cross-entropy
+    gamma: int = 4              # acceptance: γ, the number of drafted tokens the loss models
+
+
+@dataclass
+class OptimConfig:
+    """``optim``: AdamW with warmup + decay and gradient clipping."""
+
+    lr: float = 1.0e-4                                              # peak learning rate
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1.0e-8                                             # AdamW epsilon
+    weight_decay: float = 0.0                                       # decoupled weight decay
+    warmup_steps: int = 20                                          # linear warmup steps
+    scheduler: str = "cosine"                                       # cosine | linear | constant
+    min_lr_ratio: float = 0.1                                       # final lr / peak lr
+    max_grad_norm: Optional[float] = 1.0                            # clip threshold (null or 0: none)
+
+
+@dataclass
+class LoraConfig:
+    """``train.lora``: a peft LoRA adapter instead of a full fine-tune."""
+
+    enabled: bool = False                   # train an adapter only
+    r: int = 16                             # rank
+    alpha: float = 32                       # scale alpha / r
+    dropout: float = 0.0                    # adapter dropout
+    target_modules: Any = "all-linear"      # module names, e.g. [q_proj, v_proj], or all-linear
+
+
+@dataclass
+class TrainConfig:
+    """``train``: the loop, precision, checkpoints."""
+
+    max_steps: int = 1000                   # optimizer steps
+    stop_at: Optional[int] = None           # stop (with a checkpoint) after this step
+    batch_size: int = 8                     # sequences per micro-batch per process
+    grad_accum: int = 1                     # micro-batches per optimizer step
+    mixed_precision: str = "no"             # no | bf16 | fp16 (fp16: GPU only)
+    cpu: bool = False                       # force CPU
+    seed: int = 0                           # seeds init, data order, on-policy draws
+    output_dir: str = "checkpoints/run"     # run folder
+    overwrite: bool = False                 # allow writing into an existing non-empty run folder
+    save_every: int = 200                   # checkpoint every N steps (0: only at the end)
+    keep_last: int = 2                      # step checkpoints kept
+    resume: Union[bool, str] = False        # false | true (latest in output_dir) | PATH
+    log_every: int = 10                     # log every N steps
+    progress: str = "rich"                  # rich | tqdm | none
+    max_time_s: Optional[float] = None      # wall-clock budget in seconds (null: none)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class EvalConfig:
+    """``eval``: periodic α/τ measurement with the decoder, best-checkpoint selection."""
+
+    prompts: Optional[SourceConfig] = None          # a source like data.source; null: data.holdout examples
+    num_prompts: int = 32                           # at most this many prompts
+    every: int = 100                                # every N steps (0: only at the end)
+    at_start: bool = True                           # also measure the initial draft
+    temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])  # sampling temperatures (0: greedy)
+    num_draft_tokens: int = 4                       # γ during the measurement
+    max_new_tokens: int = 64                        # tokens per prompt
+    batch_size: int = 8                             # prompts per decoder call
+    seed: int = 0                                   # decoder generator seed
+    select_by: str = "acceptance_rate"              # acceptance_rate | predicted_speedup
+    cost_ratio: Optional[float] = None              # c; null: measured at setup
+    max_gamma: int = 8                              # largest γ for the predicted speedup
+
+
+@dataclass
+class LoggerConfig:
+    """``logger``: metrics.jsonl always; W&B with name=wandb."""
+
+    name: str = "none"                      # none | wandb
+    project: Optional[str] = "draftkit"     # W&B project
+    run_name: Optional[str] = None          # W&B run name (null: the output folder's name)
+    mode: str = "auto"                      # auto | online | offline | disabled
+    tags: List[str] = field(default_factory=list)  # W&B tags
+
+
+@dataclass
+class Config:
+    """The whole recipe config (``conf/config.yaml``)."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    quickstart: Any = None  # read by distill/quickstart.py only (conf/experiment/quickstart*.yaml)
+
+
+GROUPS = {"target": TargetConfig, "draft": DraftConfig, "data": DataConfig, "loss": LossConfig,
+          "optim": OptimConfig, "train": TrainConfig, "eval": EvalConfig, "logger": LoggerConfig}
+
+
+HELP = {  # hydra/help=distill (conf/config.yaml): what `python -m distill train --help` prints
+    "app_name": "python -m distill",
+    "header": "${hydra.help.app_name} ${hydra.job.name}: Hydra overrides select group options (group=option) and "
+              "set keys (key=value);\n-m sweeps comma-separated values, each job into its own run folder "
+              "train.output_dir/<job number>.",
+    "footer": "Examples:\n"
+              "  python -m distill ${hydra.job.name} +target=PATH_OR_CONFIG draft.name_or_path=PATH loss=jsd "
+              "loss.beta=0.5\n"
+              "  python -m distill ${hydra.job.name} ... --cfg job            (print the composed config, exit)\n"
+              "  python -m distill ${hydra.job.name} ... -m loss=fkl,tvd,jsd  (a sweep: one run folder per job)\n"
+              "launcher/ holds accelerate configs (accelerate launch --config_file conf/launcher/NAME.yaml), not a "
+              "Hydra group.\nEvery key's type and allowed values: distill/config.py and docs/distill.md.",
+    "template": "${hydra.help.header}\n\n"
+                "== Config groups (group=option; target and experiment: +target=NAME, +experiment=NAME) ==\n"
+                "$APP_CONFIG_GROUPS\n\n== Keys and their defaults (key=value) ==\n$CONFIG\n"
+                "== Flags ==\n$FLAGS_HELP\n${hydra.help.footer}\n",
+}
+
+
+def register() -> None:
+    """Store the schema as ``distill_schema`` and the help text as ``hydra/help=distill`` (idempotent);
+    conf/config.yaml lists both in its defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name=SCHEMA_NAME, node=Config)
+    cs.store(group="hydra/help", name="distill", node=HELP)
+
+
+register()
+
+
+# ------------------------------------------------------------------------------------------------ value checks
+
+CHOICES = {
+    "data.source.kind": ("auto", "prompts", "text"),
+    "data.source.sample_by": ("line", "paragraph", "document"),
+    "data.source.split": ("train", "validation", "test"),
+    "data.completions": ("data", "target", "both"),
+    "data.target_logits": ("online", "cached"),
+    "optim.scheduler": ("cosine", "linear", "constant"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.progress": ("rich", "tqdm", "none"),
+    "logger.name": ("none", "wandb"),
+    "logger.mode": ("auto", "online", "offline", "disabled"),
+}
+# Integers with a lower bound (the fix is in the message).
+AT_LEAST = {
+    "data.source.prompt_tokens": 1, "data.source.completion_tokens": 1,
+    "data.source.windows_per_doc": 1, "data.source.limit": 1, "data.max_prompt_tokens": 1, "data.max_new_tokens": 1,
+    "data.holdout": 0, "data.target_generated.batch_size": 1, "data.target_generated.shard_size": 1,
+    "loss.gamma": 1, "optim.warmup_steps": 0, "train.max_steps": 1, "train.stop_at": 1, "train.batch_size": 1,
+    "train.grad_accum": 1, "train.save_every": 0, "train.keep_last": 1, "train.log_every": 1, "train.lora.r": 1,
+    "eval.num_prompts": 1, "eval.every": 0, "eval.num_draft_tokens": 1, "eval.max_new_tokens": 1,
+    "eval.batch_size": 1, "eval.max_gamma": 1,
+}
+# Floats in [low, high] (None: unbounded on that side); all must be finite.
+IN_RANGE = {
+    "data.on_policy_fraction": (0.0, 1.0, "the probability λ that a micro-batch uses draft rollouts"),
+    "data.rollout_temperature": (0.0, None, "0 = greedy rollouts"),
+    "data.target_generated.temperature": (0.0, None, "0 = greedy"),
+    "loss.beta": (0.0, 1.0, "0 = forward KL, 1 = reverse KL"),
+    "loss.ce_weight": (0.0, 1.0, "(1 - w) * divergence + w * cross-entropy"),
+    "optim.weight_decay": (0.0, None, "decoupled weight decay"),
+    "optim.min_lr_ratio": (0.0, 1.0, "final lr / peak lr"),
+    "optim.max_grad_norm": (0.0, None, "0 or null: no clipping"),
+    "train.lora.dropout": (0.0, 1.0, "adapter dropout probability"),
+}
+POSITIVE = {"loss.temperature": "softmax temperature", "optim.lr": "peak learning rate, e.g. optim.lr=1e-4",
+            "optim.eps": "AdamW epsilon", "train.lora.alpha": "LoRA scale numerator", "eval.cost_ratio":
+            "draft forward time / target forward time, or null to measure it", "train.max_time_s":
+            "wall-clock budget in seconds, or null for none"}
+
+
+def _choose(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise SetupError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))} "
+                         f"(e.g. {key}={choices[0]})")
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Ranges and allowed values of every key (types were checked by the schema at compose time)."""
+    from decode.loading import DTYPES
+    from distill.evaluate import SELECT_KEYS
+    from distill.losses import DIVERGENCES
+
+    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
+    for key, choices in CHOICES.items():
+        if not key.startswith("data.source."):  # sources: _check_sources (data.source and eval.prompts)
+            _choose(key, get(key), choices)
+    _choose("loss.name", cfg.loss.name, tuple(DIVERGENCES))
+    _choose("eval.select_by", cfg.eval.select_by, tuple(SELECT_KEYS))
+    for key in ("target.dtype", "draft.dtype"):
+        if get(key) is not None:
+            _choose(key, get(key), tuple(DTYPES))
+    for key, low in AT_LEAST.items():
+        value = get(key)
+        if value is not None and value < low:
+            raise SetupError(f"{key}={value} must be an integer >= {low}, e.g. {key}={max(low, 1)}")
+    for key, (low, high, what) in IN_RANGE.items():
+        value = get(key)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            span = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+            raise SetupError(f"{key}={value} must be {span}, a finite number ({what})")
+    for key, what in POSITIVE.items():
+        value = get(key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise SetupError(f"{key}={value} must be a finite number > 0 ({what})")
+    for key in ARCH_KEYS:
+        value = get(f"draft.{key}")
+        if value is not None and value < 1:
+            raise SetupError(f"draft.{key}={value} must be an integer >= 1 (or null: keep the target's)")
+    if not cfg.eval.temperatures:
+        raise SetupError("eval.temperatures is empty; give at least one, e.g. eval.temperatures=[0.0]")
+    for t in cfg.eval.temperatures:
+        if not (math.isfinite(t) and t >= 0):
+            raise SetupError(f"eval.temperatures has {t!r}; every temperature must be a finite number >= 0 "
+                             "(0 = greedy), e.g. eval.temperatures=[0.0,1.0]")
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise SetupError(f"optim.betas={betas} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+    mods = cfg.train.lora.target_modules
+    if not (isinstance(mods, str) or (OmegaConf.is_list(mods) and all(isinstance(m, str) for m in mods) and mods)):
+        raise SetupError(f"train.lora.target_modules={mods!r} must be all-linear or a list of module names, "
+                         "e.g. train.lora.target_modules=[q_proj,v_proj]")
+    if not str(cfg.train.output_dir).strip():
+        raise SetupError("train.output_dir is empty; give the run folder, e.g. train.output_dir=checkpoints/run1")
+    _check_sources(cfg)
+
+
+def _check_sources(cfg: DictConfig) -> None:
+    from distill.corpus import CORPORA
+
+    sources = [("data.source", cfg.data.source)] + ([("eval.prompts", cfg.eval.prompts)] if cfg.eval.prompts else [])
+    for key, src in sources:
+        if src.path and src.corpus:
+            raise SetupError(f"{key} names both a corpus ({src.corpus!r}) and a file ({src.path!r}); keep one: "
+                             f"{key}.corpus=null to use the file (an experiment may have set the corpus), or "
+                             f"{key}.path=null to use the corpus")
+        if not src.path and not src.corpus:
+            raise SetupError(f"{key} has no data: set {key}.path=FILE (jsonl/json/parquet/csv/txt) or "
+                             f"{key}.corpus=NAME ({', '.join(CORPORA)})")
+        if src.corpus:
+            _choose(f"{key}.corpus", src.corpus, tuple(CORPORA))
+        for sub in ("kind", "sample_by", "split"):
+            _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
+
+
+def _check_models(cfg: DictConfig) -> None:
+    name = cfg.target.name_or_path
+    if not name:
+        raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
+                         "+target.name_or_path=/path/or/hub-id")
+    if is_local_path(str(name)) and not Path(str(name)).expanduser().exists():
+        raise SetupError(f"target path {name!r} does not exist; fix +target.name_or_path=/path/to/checkpoint")
+    draft = cfg.draft
+    if draft.get("name_or_path"):
+        if is_local_path(str(draft.name_or_path)) and not Path(str(draft.name_or_path)).expanduser().exists():
+            raise SetupError(f"draft path {draft.name_or_path!r} does not exist; fix draft.name_or_path=/path")
+    elif all(draft.get(k) is None for k in ARCH_KEYS):
+        raise SetupError("no draft: set draft.name_or_path=/path/or/hub-id, or build one from the target's config "
+                         "with draft.num_hidden_layers=N (or draft=small)")
+
+
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys of ``cfg`` that the schema does not declare (``+train.max_step=5`` adds one; Hydra's own hint for a
+    typo suggests exactly that): each is returned with the closest declared key, e.g. ``train.max_step (did you
+    mean train.max_steps?)``."""
+    out = []
+
+    def walk(node: Any, schema: Any, prefix: str) -> None:
+        declared = {f.name: f for f in fields(schema)}
+        for key in node.keys() if OmegaConf.is_dict(node) else []:
+            full = f"{prefix}{key}"
+            if key not in declared:
+                close = difflib.get_close_matches(str(key), list(declared), n=1)
+                hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (keys: {', '.join(declared)})"
+                out.append(full + hint)
+                continue
+            child_type = _dataclass_of(schema, key)
+            child = node._get_node(key)
+            if child_type is not None and OmegaConf.is_dict(child) and not child._is_none():
+                walk(child, child_type, full + ".")
+
+    walk(cfg, Config, "")
+    return out
+
+
+def _dataclass_of(schema: Any, key: str) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    t = hints.get(key)
+    for arg in (t, *getattr(t, "__args__", ())):
+        if is_dataclass(arg):
+            return arg
+    return None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check that needs no model, data or disk: unknown keys, ranges, allowed values, target/draft given.
+
+    Raises:
+        SetupError: the first problem, naming the key, the allowed values and the fix.
+    """
+    bad = unknown_keys(cfg)
+    if bad:
+        raise SetupError(f"unknown setting {bad[0]}; a misspelled key is never added to the config (remove the "
+                         "'+' and fix the name). `python -m distill train --help` lists every key")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise SetupError(f"{missing[0]} is required and has no value: set {missing[0]}=VALUE")
+    _check_values(cfg)
+    _check_models(cfg)
+
+
+# Kept for callers of the earlier API: normalize = validate + a plain (untyped) copy the recipe may extend.
+validate_config = validate
+
+
+def normalize_config(cfg: DictConfig) -> DictConfig:
+    """Validate ``cfg`` (see :func:`validate`) and return a resolved, untyped copy for the recipe.
+
+    Raises:
+        SetupError: a key is unknown, missing, out of range or not one of its allowed values.
+    """
+    if cfg.get("target") is None or isinstance(cfg.get("target"), str):
+        raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
+                         "+target.name_or_path=/path/or/hub-id")
+    typed = cfg
+    if not _is_typed(cfg):  # built by hand (tests, notebooks): type it now
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            raise SetupError(f"{key}: {str(e).splitlines()[0]} (the keys and types are in distill/config.py)") from e
+    validate(typed)
+    return OmegaConf.create(OmegaConf.to_container(typed, resolve=True))
+
+
+def _is_typed(cfg: DictConfig) -> bool:
+    return OmegaConf.get_type(cfg) is Config
+
+
+# ------------------------------------------------------------------------------------------------ inputs on disk
+
+def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False) -> Path:
+    """A results file the command will write at the end (``--out``): its folder must exist and be writable, and an
+    existing file is kept unless ``overwrite``. Checked at start, so a finished run never fails on its last line.
+
+    Raises:
+        SetupError: naming ``key`` and the fix.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise SetupError(f"{key} {str(path)!r} is a folder; give a file name, e.g. {key} {p / 'results.json'}")
+    if not p.parent.is_dir():
+        raise SetupError(f"{key} {str(path)!r}: folder {str(p.parent)!r} does not exist; create it or choose "
+                         "another path")
+    if not os.access(p.parent, os.W_OK):
+        raise SetupError(f"{key} {str(path)!r}: folder {str(p.parent)!r} is not writable; choose another path")
+    if p.exists() and not overwrite:
+        raise SetupError(f"{key} {str(path)!r} exists and would be overwritten; choose a new file or pass "
+                         "--overwrite")
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, key: str) -> Path:
+    """A folder the run creates or writes into: it must not be a file, and its nearest existing parent must be
+    writable. (Whether an existing non-empty folder may be reused is the run folder's own rule.)"""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise SetupError(f"{key}={str(path)!r} is a file, not a folder; choose a folder path")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise SetupError(f"{key}={str(path)!r}: {str(parent)!r} is not writable; choose another folder")
+    return p
+
+
+def check_inputs(cfg: DictConfig, *, training: bool = True) -> None:
+    """Checks against the disk and the machine, run at start before any model loads: the data files (exist, not
+    empty, every JSON line parses, the configured fields are present and not null), the output folder, and a
+    precision the device supports.
+
+    Raises:
+        SetupError: naming the setting (or the file, line and field) and the fix.
+    """
+    import torch
+
+    from distill.data import preflight_source
+
+    preflight_source(cfg.data.source, "data.source", cfg.data)
+    if cfg.get("eval") is not None and cfg.eval.get("prompts"):
+        preflight_source(OmegaConf.merge({"completion_field": None}, cfg.eval.prompts), "eval.prompts", cfg.data)
+    if training:
+        check_output_dir(cfg.train.output_dir, "train.output_dir")
+        if str(cfg.train.mixed_precision) == "fp16" and (bool(cfg.train.get("cpu")) or not torch.cuda.is_available()):
+            raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU (fp16 autocast with a gradient scaler is "
+                             "GPU-only); on CPU use train.mixed_precision=bf16 or train.mixed_precision=no")

@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
     "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
+    "convert-checkpoint": "rewrite a checkpoint of the earlier pickle layout as safetensors + JSON: "
+                          "python -m distill convert-checkpoint CHECKPOINT",
 }
 
 
@@ -132,15 +134,20 @@ def cmd_generate_data(argv: list[str]) -> None:
 def cmd_eval(argv: list[str]) -> None:
     import torch
 
+    from distill.checkpoint import check_output_file
     from distill.evaluate import acceptance_eval
     from distill.models import (SetupError, check_pair, context_length, load_draft, load_draft_tokenizer,
                                 load_target, load_tokenizer)
     from distill.recipe import load_data, normalize_config
 
     p = _overrides_parser("eval", SUBCOMMANDS["eval"])
-    p.add_argument("--out", help="write the JSON result here too")
+    p.add_argument("--out", help="write the JSON result here too (checked before the run; never replaced unless "
+                   "--overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     try:
+        if args.out:
+            check_output_file(args.out, "--out", args.overwrite)
         cfg = normalize_config(_compose_or_exit(args.overrides))
         tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
         target = load_target(cfg.target)
@@ -148,7 +155,7 @@ def cmd_eval(argv: list[str]) -> None:
         check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
         ctx = [c for c in (context_length(target), context_length(draft)) if c]
         _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
-    except SetupError as e:
+    except (SetupError, ValueError) as e:
         _fail(e)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
@@ -171,9 +178,11 @@ def cmd_export(argv: list[str]) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
     p.add_argument("out_dir", help="where to write the Hugging Face draft")
     p.add_argument("--dtype", default=None, help="save in this dtype (float32, bf16, fp16); default: as trained")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in OUT_DIR (a non-empty OUT_DIR is refused otherwise)")
     args = p.parse_args(argv)
     try:
-        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype))
+        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype), overwrite=args.overwrite)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
     ev = card.get("evaluation") or {}
@@ -189,8 +198,23 @@ def cmd_pretrain(argv: list[str]) -> None:
     pretrain_main(argv)
 
 
+def cmd_convert_checkpoint(argv: list[str]) -> None:
+    from distill.checkpoint import CheckpointError, convert_legacy
+
+    p = argparse.ArgumentParser(prog="python -m distill convert-checkpoint", description=SUBCOMMANDS[
+        "convert-checkpoint"] + ". The pickles are read with torch.load(weights_only=True): tensors and plain types "
+        "only, so a file holding anything else is refused. Convert only checkpoints you trust.")
+    p.add_argument("checkpoint", help="a step_N or best folder written by an earlier draftkit")
+    args = p.parse_args(argv)
+    try:
+        path = convert_legacy(args.checkpoint)
+    except CheckpointError as e:
+        _fail(e)
+    print(json.dumps({"converted": str(path)}))
+
+
 COMMANDS = {"train": cmd_train, "generate-data": cmd_generate_data, "eval": cmd_eval, "export": cmd_export,
-            "pretrain": cmd_pretrain}
+            "pretrain": cmd_pretrain, "convert-checkpoint": cmd_convert_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> None:

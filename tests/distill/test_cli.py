@@ -84,7 +84,7 @@ def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["steps"] == 2
-    assert (out / "step_000002" / "accelerate" / "random_states_1.pkl").exists()  # one RNG state per process
+    assert (out / "step_000002" / "rng_state_1.safetensors").exists()  # one RNG state per process
 
     single = tmp_path / "single"
     ref = train(compose(overrides(pair, single, "train.max_steps=2", "eval.temperatures=[0.0]",
@@ -93,7 +93,7 @@ def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
     losses = lambda d: [json.loads(line)["train/loss"] for line in open(d / "metrics.jsonl")  # noqa: E731
                         if "train/loss" in line]
     assert losses(out) == pytest.approx(losses(single), rel=1e-5)
-    w2, w1 = (load_file(str(d / "step_000002" / "accelerate" / "model.safetensors")) for d in (out, single))
+    w2, w1 = (load_file(str(d / "step_000002" / "model.safetensors")) for d in (out, single))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
 

@@ -103,4 +103,4 @@ def test_export_bad_checkpoint(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["export", str(tmp_path), str(tmp_path / "o")])
-    assert e.value.code == 2 and "not a distill checkpoint" in capsys.readouterr().err
+    assert e.value.code == 2 and "not a complete distill checkpoint" in capsys.readouterr().err

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from distill.models import SetupError
+
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
@@ -53,8 +55,9 @@ LEGACY_FILES = ("scheduler.pt", "accelerate/optimizer.bin", "accelerate/pytorch_
                 "accelerate/random_states_0.pkl", "accelerate/scheduler.bin", "accelerate/scaler.pt")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: incomplete, corrupt, from an unsafe layout, or not a checkpoint at all."""
+class CheckpointError(SetupError):
+    """A checkpoint or output folder that cannot be used: incomplete, corrupt, from an unsafe layout, not a checkpoint,
+    or holding work that would be overwritten. A SetupError (ValueError), so the CLIs exit 2 with the message."""
 
 
 def step_dir(output_dir: str | Path, step: int) -> Path:
@@ -281,7 +284,7 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({type(e).__name__}: {e}); the checkpoint is damaged or "
+        raise CheckpointError(f"{path} is not a valid JSON file ({type(e).__name__}: {e}); the checkpoint is damaged or "
                               "was not written by draftkit") from e
 
 
@@ -314,6 +317,26 @@ def read_state(path: str | Path) -> dict:
     return state
 
 
+def read_config(path: str | Path) -> dict | None:
+    """The checkpoint's ``config.yaml`` (YAML safe_load: plain data only), or None if it has none.
+
+    Raises CheckpointError naming the file when it is not YAML.
+    """
+    import yaml
+
+    f = Path(path) / "config.yaml"
+    if not f.is_file():
+        return None
+    try:
+        config = yaml.safe_load(f.read_text())
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{f} is not a valid YAML file ({type(e).__name__}); the checkpoint is damaged or was not "
+                              "written by draftkit") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{f} does not hold a YAML mapping (the training config)")
+    return config
+
+
 def _restore(pieces: dict, like: Any) -> Any:
     """JSON lists back to tuples where the live optimizer holds a tuple (AdamW's betas)."""
     if isinstance(like, tuple) and isinstance(pieces, list):
@@ -329,7 +352,7 @@ def load_optimizer(optimizer: Any, path: Path) -> None:
     groups = meta["param_groups"]
     if len(groups) != len(live_groups):
         raise CheckpointError(f"{path}: the optimizer has {len(live_groups)} parameter groups, the checkpoint "
-                              f"{len(groups)}; resume with the checkpoint's draft and train.lora settings")
+                              f"{len(groups)}; resume with the model and settings (draft, train.lora) the checkpoint was made with")
     groups = [{k: _restore(v, live.get(k)) for k, v in g.items()} for g, live in zip(groups, live_groups)]
     state: dict[int, dict] = {}
     for key, t in tensors.items():

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from distill.checkpoint import CheckpointError, read_state
+from distill.checkpoint import CheckpointError, read_config, read_state
 
 CARD_JSON = "draftkit_card.json"
 
@@ -136,8 +136,6 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
             :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
     """
-    import yaml
-
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
     read_state(checkpoint)
     draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype)
@@ -147,7 +145,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
     try:
-        card = _write_export(tmp, draft, tokenizer, state, checkpoint, yaml)
+        card = _write_export(tmp, draft, tokenizer, state, checkpoint)
         old = out_dir.with_name(tmp.name[:-4] + ".old")
         if out_dir.exists():
             out_dir.rename(old)
@@ -158,11 +156,10 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     return card
 
 
-def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path, yaml: Any) -> dict:
+def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path) -> dict:
     draft.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    cfg_file = checkpoint / "config.yaml"
-    config = yaml.safe_load(cfg_file.read_text()) if cfg_file.exists() else None
+    config = read_config(checkpoint)
     card = {"target": state.get("target"), "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),

@@ -446,12 +446,8 @@ class _StopFlag:
 def resolve_resume(cfg: DictConfig) -> Path | None:
     """The checkpoint to resume from (``train.resume`` true: the newest complete one in output_dir; a path: that
     one), after checking that the run folder may be written (see ``checkpoint.prepare_run_folder``)."""
-    try:
-        return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
-                                       bool(cfg.train.get("overwrite", False)),
-                                       main=int(os.environ.get("RANK", "0")) == 0)
-    except ckpt.CheckpointError as e:
-        raise SetupError(str(e)) from e
+    return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
+                                   bool(cfg.train.get("overwrite", False)), main=int(os.environ.get("RANK", "0")) == 0)
 
 
 def _data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:
@@ -471,10 +467,10 @@ def _data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:
 
 def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     """Config keys that decide the data stream and the update, whose values differ from the checkpoint's."""
-    saved_file = Path(checkpoint) / "config.yaml"
-    if not saved_file.exists():
+    saved = ckpt.read_config(checkpoint)
+    if saved is None:
         return []
-    saved = OmegaConf.load(saved_file)
+    saved = OmegaConf.create(saved)
     keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source",
             "data.on_policy_fraction", "loss", "optim", "target.name_or_path"]
     return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
@@ -503,16 +499,15 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
              "cost_ratio": run["cost_ratio"], "batch_size": int(cfg.train.batch_size),
              "num_processes": acc.num_processes, "examples_consumed": 0}
     if resume_from is not None:
-        try:
-            state.update(ckpt.load_checkpoint(acc, run["draft"], run["optimizer"], run["scheduler"], resume_from, log))
-        except ckpt.CheckpointError as e:
-            raise SetupError(str(e)) from e
+        state.update(ckpt.load_checkpoint(acc, run["draft"], run["optimizer"], run["scheduler"], resume_from, log))
         log(f"resumed from {resume_from} at step {state['step']}")
         if kept_c is not None:
             log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; "
                 "set eval.cost_ratio to use another)")
         if acc.is_main_process:
             ckpt.truncate_metrics(out, int(state["step"]))
+            if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
+                ckpt.mark_latest(out, resume_from)
         for key in _changed_keys(resume_from, cfg):
             log(f"warning: {key} differs from the checkpoint's config; the resumed run is not the same experiment")
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)

@@ -20,8 +20,12 @@ def resolve_dtype(name: str | torch.dtype) -> Any:
 
 
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype = "float32",
-                   device: str | None = None) -> Any:
+                   device: str | None = None, trust_remote_code: bool = False) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights.
+
+    ``trust_remote_code`` (default False; ``--trust-remote-code`` on the CLIs) lets a checkpoint whose config names
+    its own modeling code (``auto_map``) import and run that Python code; leave it off for checkpoints you have not
+    read.
 
     Raises:
         FileNotFoundError: ``name_or_path`` looks like a local path (contains a path separator or starts with
@@ -34,7 +38,13 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
         raise FileNotFoundError(f"{role} path {name_or_path!r} does not exist; pass a directory written by "
                                 "save_pretrained (or a hub id when online)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=resolve_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=resolve_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its config.json), which "
+                         "is not run unless you pass --trust-remote-code; read that code first") from err
     except OSError as err:
         raise FileNotFoundError(
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
@@ -46,12 +56,13 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     return model
 
 
-def load_tokenizer(name_or_path: str, role: str = "tokenizer") -> Any:
-    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing."""
+def load_tokenizer(name_or_path: str, role: str = "tokenizer", trust_remote_code: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing (``trust_remote_code``: see
+    :func:`load_causal_lm`)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
                                 "the model (tokenizer.save_pretrained) or pass --tokenizer PATH.") from err
@@ -72,9 +83,9 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def load_draft_tokenizer(draft_path: str, target_tokenizer: Any) -> Any:
+def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False) -> Any:
     """The draft's own tokenizer if its checkpoint folder has one (so the pair can be checked), else the target's."""
     if os.path.isdir(draft_path) and any(os.path.exists(os.path.join(draft_path, f))
                                          for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return load_tokenizer(draft_path, "draft tokenizer")
+        return load_tokenizer(draft_path, "draft tokenizer", trust_remote_code)
     return target_tokenizer

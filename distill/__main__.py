@@ -113,7 +113,8 @@ def cmd_generate_data(argv: list[str]) -> None:
     args = _overrides_parser("generate-data", SUBCOMMANDS["generate-data"]).parse_args(argv)
     try:
         cfg = normalize_config(_compose_or_exit(args.overrides))
-        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
+                                   trust_remote_code=bool(cfg.target.trust_remote_code))
         target = load_target(cfg.target)
         draft = None
         if cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"):
@@ -149,7 +150,8 @@ def cmd_eval(argv: list[str]) -> None:
         if args.out:
             check_output_file(args.out, "--out", args.overwrite)
         cfg = normalize_config(_compose_or_exit(args.overrides))
-        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+        tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
+                                   trust_remote_code=bool(cfg.target.trust_remote_code))
         target = load_target(cfg.target)
         draft = load_draft(cfg.draft, target).eval()
         check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
@@ -229,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2)
         return
     name, rest = argv[0], argv[1:]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model weight-loading/writing bars drown the run's own progress
     if name not in COMMANDS:
         _fail(ValueError(f"unknown subcommand {name!r}; choose one of {list(COMMANDS)} (python -m distill --help)"))
     COMMANDS[name](rest)

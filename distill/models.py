@@ -38,6 +38,10 @@ def _from_pretrained(cls: Any, name_or_path: str, what: str, key: str, **kw: Any
     try:
         return cls.from_pretrained(name_or_path, **kw)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            group = "draft" if key.startswith("draft") else "+target"
+            raise SetupError(f"the {what} {name_or_path!r} ships its own Python code (auto_map in its config), which "
+                             f"is not run unless you set {group}.trust_remote_code=true; read that code first") from e
         local = Path(name_or_path).expanduser()
         where = ("the directory exists but holds no loadable checkpoint" if local.is_dir() else
                  "not a local directory, and not a hub id in the local cache (HF_HUB_OFFLINE may be set)")
@@ -45,11 +49,15 @@ def _from_pretrained(cls: Any, name_or_path: str, what: str, key: str, **kw: Any
                          f"(a save_pretrained directory) or a cached hub id. ({type(e).__name__}: {e})") from e
 
 
-def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)") -> Any:
-    """AutoTokenizer with a pad token (eos when the tokenizer has none, as batch rollouts need padding)."""
+def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)",
+                   trust_remote_code: bool = False) -> Any:
+    """AutoTokenizer with a pad token (eos when the tokenizer has none, as batch rollouts need padding).
+
+    ``trust_remote_code`` (``target.trust_remote_code=true``) lets the tokenizer folder run its own Python code.
+    """
     from transformers import AutoTokenizer
 
-    tok = _from_pretrained(AutoTokenizer, name_or_path, "tokenizer", key)
+    tok = _from_pretrained(AutoTokenizer, name_or_path, "tokenizer", key, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         if tok.eos_token is None:
             raise SetupError(f"tokenizer {name_or_path!r} has neither a pad nor an eos token; add a pad token")
@@ -69,13 +77,15 @@ def load_draft_tokenizer(cfg: Any) -> Any:
     path = Path(cfg.name_or_path) / "draft" if (Path(cfg.name_or_path) / "trainer_state.json").exists() \
         else cfg.name_or_path
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(cfg.get("trust_remote_code", False)))
     except (OSError, ValueError, TypeError):
         return None
 
 
 def load_target(cfg: Any) -> Any:
     """The frozen target: ``eval()``, ``requires_grad_(False)``, in ``target.dtype``. ``cfg`` is the target node.
+
+    Remote code (a checkpoint's own Python modeling files) runs only with ``target.trust_remote_code=true``.
 
     Raises SetupError when ``target.name_or_path`` is missing or cannot be loaded.
     """
@@ -85,6 +95,7 @@ def load_target(cfg: Any) -> Any:
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
     kw = {"dtype": resolve_dtype(cfg.get("dtype"))} if cfg.get("dtype") else {}
+    kw["trust_remote_code"] = bool(cfg.get("trust_remote_code", False))
     target = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "target", "+target.name_or_path", **kw)
     target.eval().requires_grad_(False)
     return target
@@ -126,7 +137,7 @@ def load_draft(cfg: Any, target: Any) -> Any:
     """The trainable draft: ``draft.name_or_path`` if set (a HF checkpoint, or a distill checkpoint folder such as
     ``<run>/best``, whose LoRA is merged), else built from the target's config (see module doc).
 
-    ``draft.dtype`` null means float32: the optimizer needs float32 master weights (bf16 compute comes from
+    Remote code runs only with ``draft.trust_remote_code=true``. ``draft.dtype`` null means float32: the optimizer needs float32 master weights (bf16 compute comes from
     ``train.mixed_precision``); ``auto`` keeps a loaded checkpoint's own dtype.
     """
     from transformers import AutoModelForCausalLM
@@ -137,7 +148,8 @@ def load_draft(cfg: Any, target: Any) -> Any:
 
         draft = load_checkpoint_draft(cfg.name_or_path, None if dtype == "auto" else dtype)[0]
     elif cfg.get("name_or_path"):
-        draft = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "draft", "draft.name_or_path", dtype=dtype)
+        draft = _from_pretrained(AutoModelForCausalLM, cfg.name_or_path, "draft", "draft.name_or_path", dtype=dtype,
+                                 trust_remote_code=bool(cfg.get("trust_remote_code", False)))
     else:
         dcfg = draft_config_from_target(target.config, cfg)
         torch.manual_seed(int(cfg.get("seed", 0)))  # the init is part of the experiment: make it repeatable

@@ -41,7 +41,7 @@ from distill.rollout import rollout
 
 # Keys that may be absent from a composed config (the target group is not in the defaults list, and a
 # `+target.name_or_path=PATH` override creates only that key).
-TARGET_DEFAULTS = {"name_or_path": None, "tokenizer": None, "dtype": None}
+TARGET_DEFAULTS = {"name_or_path": None, "tokenizer": None, "dtype": None, "trust_remote_code": False}
 COMPLETION_SOURCES = ("data", "target", "both")
 
 
@@ -312,7 +312,8 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
                          "(the recipe's exact token-count division needs one micro-batch per step)")
     set_seed(int(cfg.train.seed))
     output_dir = Path(cfg.train.output_dir)
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
+                               trust_remote_code=bool(cfg.target.trust_remote_code))
     target = load_target(cfg.target)
     draft = load_draft(cfg.draft, target)
     vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))

@@ -26,7 +26,9 @@ class CustomModel(LlamaForCausalLM):
 @pytest.fixture()
 def custom(tmp_path):
     """A tiny Llama checkpoint whose config points at its own Python file, and the marker that file creates."""
-    path, marker = tmp_path / "custom", tmp_path / "marker"
+    import uuid
+
+    path, marker = tmp_path / f"custom_{uuid.uuid4().hex[:8]}", tmp_path / "marker"  # a fresh module name per test
     tok = make_tokenizer(tmp_path / "tok")
     make_llama(path, len(tok), layers=1)
     tok.save_pretrained(str(path))
@@ -36,13 +38,18 @@ def custom(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     (path / "custom_llama.py").write_text(CODE.format(marker=str(marker)))
     yield path, marker
-    shutil.rmtree(tmp_path / "hf_modules", ignore_errors=True)
+    import sys
+
+    from transformers.utils import HF_MODULES_CACHE
+
+    shutil.rmtree(f"{HF_MODULES_CACHE}/transformers_modules/{path.name}", ignore_errors=True)  # transformers' copy
+    for name in [m for m in sys.modules if path.name in m]:
+        del sys.modules[name]
 
 
-def test_decode_loader_refuses_remote_code_unless_asked(custom, monkeypatch, tmp_path):
+def test_decode_loader_refuses_remote_code_unless_asked(custom):
     from decode.loading import load_causal_lm
 
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     path, marker = custom
     with pytest.raises(ValueError, match="--trust-remote-code"):
         load_causal_lm(str(path), "target")
@@ -51,10 +58,9 @@ def test_decode_loader_refuses_remote_code_unless_asked(custom, monkeypatch, tmp
     assert type(model).__name__ == "CustomModel" and marker.exists()
 
 
-def test_decode_generate_cli_flag(custom, monkeypatch, tmp_path, capsys):
+def test_decode_generate_cli_flag(custom, capsys):
     from decode.__main__ import main
 
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     path, marker = custom
     argv = ["generate", "--target", str(path), "--prompt", "def add", "--max-new-tokens", "2", "--json",
             "--device", "cpu"]
@@ -62,10 +68,9 @@ def test_decode_generate_cli_flag(custom, monkeypatch, tmp_path, capsys):
     assert main(argv + ["--trust-remote-code"]) == 0 and marker.exists()
 
 
-def test_distill_loaders_refuse_remote_code_unless_asked(custom, monkeypatch, tmp_path):
+def test_distill_loaders_refuse_remote_code_unless_asked(custom):
     from distill.models import SetupError, load_draft, load_target
 
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     path, marker = custom
     with pytest.raises(SetupError, match=r"\+target.trust_remote_code=true"):
         load_target(OmegaConf.create({"name_or_path": str(path)}))

@@ -231,9 +231,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2)
         return
     name, rest = argv[0], argv[1:]
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # per-file/per-model bars drown the run's own
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # per-model weight-loading/writing bars drown the run's own progress
+    hf_logging.disable_progress_bar()
     if name not in COMMANDS:
         _fail(ValueError(f"unknown subcommand {name!r}; choose one of {list(COMMANDS)} (python -m distill --help)"))
     COMMANDS[name](rest)

@@ -541,6 +541,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             if path is not None and acc.is_main_process:
                 ckpt.write_eval(path, state["last_eval"], state["best"])
 
+    if resume_from is not None and state["step"] >= stop_at and (state["last_eval"] or {}).get("step") != stop_at:
+        maybe_eval_and_save(state["step"], force=True)  # killed between the final save and its evaluation
     if state["step"] == 0 and cfg.eval.get("at_start", True):
         ev = evaluate(run)
         state["initial_eval"] = ev

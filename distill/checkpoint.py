@@ -89,7 +89,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     seen, out = set(), {}
     for key, t in tensors.items():
         t = t.detach().to("cpu")
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None  # any two views of one storage: copy the later
         out[key] = t.clone().contiguous() if ptr in seen else t.contiguous()
         if ptr is not None:
             seen.add(ptr)

@@ -446,6 +446,8 @@ def load_pickle_as_data(path: str | Path) -> Any:
     Raises CheckpointError naming the file when it holds anything else (e.g. a pickle that would call a function).
     """
     try:
+        if not hasattr(torch.serialization, "safe_globals"):  # torch < 2.5: no allowlist, arrays are refused too
+            return torch.load(path, map_location="cpu", weights_only=True)
         with torch.serialization.safe_globals(_numpy_allowlist()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  (UnpicklingError, RuntimeError, EOFError...: all mean "not plain data")

@@ -35,6 +35,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow checkpoints to run their own Python modeling/tokenizer code (off by default)")
     return p
 
 
@@ -53,10 +55,11 @@ def cmd_generate(argv: list[str]) -> int:
 
     validate_sampling_args(args.temperature, args.top_k, args.top_p)
     device = check_device(args.device)
-    target = load_causal_lm(args.target, "target", args.dtype, device)
-    tok = load_tokenizer(args.tokenizer or args.target)
-    draft = load_causal_lm(args.draft, "draft", args.dtype, device) if args.draft else None
-    draft_tok = load_draft_tokenizer(args.draft, tok) if args.draft else None
+    trust = args.trust_remote_code
+    target = load_causal_lm(args.target, "target", args.dtype, device, trust)
+    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
+    draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma = args.num_draft_tokens if draft is not None else 0
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -848,16 +848,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow checkpoints to run their own Python modeling/tokenizer code (off by default)")
     p.add_argument("--out", default="checkpoints/bench", help="output folder for results.json and plots")
     return p
 
 
-def _load_tokenizer(paths: list[str]):
+def _load_tokenizer(paths: list[str], trust_remote_code: bool = False):
     from decode.loading import load_tokenizer
 
     for i, path in enumerate(paths):
         try:
-            return load_tokenizer(path)
+            return load_tokenizer(path, trust_remote_code=trust_remote_code)
         except FileNotFoundError:
             if i == len(paths) - 1:
                 raise
@@ -911,14 +913,15 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
-    tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft])
+    tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft],
+                                args.trust_remote_code)
     draft_tokenizer = None
     if not args.tokenizer and Path(args.draft).is_dir() and (Path(args.draft) / "tokenizer_config.json").exists():
-        draft_tokenizer = _load_tokenizer([args.draft])
+        draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)
     from decode.loading import load_causal_lm
 
-    target = load_causal_lm(args.target, "target", dtype, str(device))
-    draft = load_causal_lm(args.draft, "draft", dtype, str(device))
+    target = load_causal_lm(args.target, "target", dtype, str(device), args.trust_remote_code)
+    draft = load_causal_lm(args.draft, "draft", dtype, str(device), args.trust_remote_code)
     from decode.compat import check_compatibility
 
     # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.

@@ -24,17 +24,26 @@ def resolve_dtype(name: str | torch.dtype | None) -> Any:
     return DTYPES[name]
 
 
+class RemoteCodeError(ValueError):
+    """A checkpoint ships its own Python code (``auto_map``) and ``trust_remote_code`` is off."""
+
+
 def looks_local(name_or_path: str) -> bool:
     """True for a filesystem path (starts with ``.``, ``/`` or ``~``, or exists) rather than a hub id ``org/name``."""
     return str(name_or_path).startswith((".", os.sep, "~")) or os.path.exists(name_or_path)
 
 
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",
-                   device: str | None = None) -> Any:
+                   device: str | None = None, trust_remote_code: bool = False) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights (``dtype=None``: the checkpoint's
     default). The one model loader of decode and distill.
 
+    ``trust_remote_code`` (default False; ``--trust-remote-code`` on the CLIs) lets a checkpoint whose config names
+    its own modeling code (``auto_map``) import and run that Python code; leave it off for checkpoints you have not
+    read.
+
     Raises:
+        RemoteCodeError: (a ValueError) the checkpoint ships its own code and ``trust_remote_code`` is off.
         FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
             loaded (not a checkpoint folder, or a hub id that is not cached while offline), naming the role.
     """
@@ -46,8 +55,13 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
                                 "save_pretrained (or a hub id when online)")
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name_or_path), **kw)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name_or_path), **kw,
+                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
+        if isinstance(err, ValueError) and "trust_remote_code" in str(err):
+            raise RemoteCodeError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its "
+                                  "config.json), which is not run unless you pass --trust-remote-code; read that "
+                                  "code first") from err
         raise FileNotFoundError(
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
@@ -58,18 +72,25 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     return model
 
 
-def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False) -> Any:
+def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False,
+                   trust_remote_code: bool = False) -> Any:
     """``AutoTokenizer.from_pretrained`` with a clear error when it is missing. ``pad_from_eos``: a tokenizer
-    without a pad token gets eos as pad (batched generation and training pad their rows).
+    without a pad token gets eos as pad (batched generation and training pad their rows). ``trust_remote_code``:
+    see :func:`load_causal_lm`.
 
     Raises:
+        RemoteCodeError: the tokenizer ships its own code and ``trust_remote_code`` is off.
         FileNotFoundError: the tokenizer cannot be loaded, or ``pad_from_eos`` and it has neither pad nor eos.
     """
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)))
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
+        if isinstance(err, ValueError) and "trust_remote_code" in str(err):
+            raise RemoteCodeError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its "
+                                  "tokenizer_config.json), which is not run unless you pass --trust-remote-code; read "
+                                  "that code first") from err
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
                                 "the model (tokenizer.save_pretrained) or pass --tokenizer PATH.") from err
     if pad_from_eos and tok.pad_token_id is None:
@@ -95,9 +116,9 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def load_draft_tokenizer(draft_path: str, target_tokenizer: Any) -> Any:
+def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False) -> Any:
     """The draft's own tokenizer if its checkpoint folder has one (so the pair can be checked), else the target's."""
     if os.path.isdir(draft_path) and any(os.path.exists(os.path.join(draft_path, f))
                                          for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return load_tokenizer(draft_path, "draft tokenizer")
+        return load_tokenizer(draft_path, "draft tokenizer", trust_remote_code=trust_remote_code)
     return target_tokenizer

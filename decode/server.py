@@ -94,16 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow checkpoints to run their own Python modeling/tokenizer code (off by default)")
     args = p.parse_args(argv)
     import uvicorn
 
     from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
 
     device = check_device(args.device)
-    target = load_causal_lm(args.target, "target", args.dtype, device)
-    tok = load_tokenizer(args.tokenizer or args.target)
-    draft = load_causal_lm(args.draft, "draft", args.dtype, device) if args.draft else None
-    draft_tok = load_draft_tokenizer(args.draft, tok) if args.draft else None
+    trust = args.trust_remote_code
+    target = load_causal_lm(args.target, "target", args.dtype, device, trust)
+    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
+    draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma: int | str = args.num_draft_tokens if args.num_draft_tokens == "auto" else int(args.num_draft_tokens)
     dec = SpeculativeDecoder(target, draft, gamma if draft is not None else 0, tokenizer=tok, draft_tokenizer=draft_tok)
     app = create_app(dec, tok, {"target": args.target, "draft": args.draft})

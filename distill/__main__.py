@@ -6,6 +6,7 @@ Subcommands:
   eval           measure α/τ of a draft (draft.name_or_path) against the target on the eval prompts
   export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
   pretrain       pre-train a small target/draft pair on a text corpus (distill/pretrain.py)
+  convert-checkpoint  CHECKPOINT: rewrite a checkpoint of the earlier pickle layout as safetensors + JSON
 
 ``train``, ``generate-data`` and ``eval`` are Hydra apps over ``conf/`` with the typed schema of
 ``distill/config.py``. Before Hydra runs anything, every job's overrides (each job of a ``-m`` sweep) are composed
@@ -30,6 +31,8 @@ SUBCOMMANDS = {
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
     "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
+    "convert-checkpoint": "rewrite a checkpoint of the earlier pickle layout as safetensors + JSON: "
+                          "python -m distill convert-checkpoint CHECKPOINT",
 }
 # Flags Hydra itself takes (passed through); --print-config is kept as an alias of --cfg job.
 HYDRA_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name",
@@ -196,7 +199,8 @@ def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
     """(tokenizer, target, draft or None), the pair checked with the decoder's compatibility rule."""
     from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
+                               trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
     target = load_target(cfg.target)
     draft = None
     if with_draft:
@@ -376,9 +380,12 @@ def cmd_export(argv: list[str]) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
     p.add_argument("out_dir", help="where to write the Hugging Face draft")
     p.add_argument("--dtype", default=None, help="save in this dtype (float32, bf16, fp16); default: as trained")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in OUT_DIR (a non-empty OUT_DIR is refused otherwise)")
     args = p.parse_args(argv)
     try:
-        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None)
+        card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None,
+                      overwrite=args.overwrite)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
     ev = card.get("evaluation") or {}
@@ -394,7 +401,22 @@ def cmd_pretrain(argv: list[str]) -> None:
     pretrain_main(argv)
 
 
-COMMANDS = {"export": cmd_export, "pretrain": cmd_pretrain}
+def cmd_convert_checkpoint(argv: list[str]) -> None:
+    from distill.checkpoint import CheckpointError, convert_legacy
+
+    p = argparse.ArgumentParser(prog="python -m distill convert-checkpoint", description=SUBCOMMANDS[
+        "convert-checkpoint"] + ". The pickles are read with torch.load(weights_only=True): tensors and plain types "
+        "only, so a file holding anything else is refused. Convert only checkpoints you trust.")
+    p.add_argument("checkpoint", help="a step_N or best folder written by an earlier draftkit")
+    args = p.parse_args(argv)
+    try:
+        path = convert_legacy(args.checkpoint)
+    except CheckpointError as e:
+        _fail(e)
+    print(json.dumps({"converted": str(path)}))
+
+
+COMMANDS = {"export": cmd_export, "pretrain": cmd_pretrain, "convert-checkpoint": cmd_convert_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -410,6 +432,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2)
         return
     name, rest = argv[0], argv[1:]
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # per-file/per-model bars drown the run's own
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     if name in HYDRA_COMMANDS:
         run_hydra_command(name, rest)
     elif name in COMMANDS:

@@ -1,27 +1,63 @@
-"""Checkpoints of a training run: draft weights (or adapter), optimizer, scheduler, RNG states, data position, config.
+"""Checkpoints of a training run, stored as data: tensors in safetensors, everything else in JSON or YAML.
 
 Layout of ``<output_dir>/step_000100/`` (and ``best/``)::
 
-    draft/               Hugging Face save_pretrained of the draft (the LoRA adapter only, when LoRA is on) + tokenizer
-    accelerate/          accelerator.save_state: model, optimizer, RNG states of every process
-    scheduler.pt         LR scheduler state
-    trainer_state.json   step, micro-step (= data position), tokens seen, best metric, last evaluation, draft base
-    config.yaml          the resolved training config
+    draft/                        Hugging Face save_pretrained of the draft (the LoRA adapter only, when LoRA is on)
+                                  + tokenizer: what export and ``draft.name_or_path=<run>/best`` read
+    model.safetensors             the full draft state dict as the training loop holds it (shared tensors stored once)
+    optimizer.safetensors         optimizer tensors (AdamW moments and step counts), keys ``state.<param>.<name>``
+    optimizer.json                the optimizer's param groups and its non-tensor per-parameter values
+    scheduler.json                LR scheduler state_dict (plain numbers)
+    scaler.json                   the fp16 GradScaler state (only with train.mixed_precision=fp16)
+    rng_state_<rank>.safetensors  torch CPU (and CUDA) generator states of process <rank>
+    rng_state_<rank>.json         Python ``random`` and NumPy generator states of process <rank>
+    trainer_state.json            step, data position, tokens seen, best metric, last evaluation, draft base, c
+    config.yaml                   the resolved training config
+    eval.json                     (optional, written after the save) the evaluation of this step and the best so far
+    manifest.json                 written last: format version, step and the size of every file above
 
-Saves go to ``NAME.tmp`` and are renamed when complete, and ``<output_dir>/latest`` names the newest complete
-checkpoint, so a run killed mid-save resumes from the previous one and loses at most the steps since it.
+Nothing here is unpickled: loading a checkpoint reads safetensors, JSON and YAML only, so a checkpoint from
+someone else cannot run code (PyTorch's own advice since ``weights_only=True`` became the default; Hugging Face
+moved to safetensors for the same reason). A checkpoint is *complete* only when ``manifest.json`` exists and every
+file it lists has the recorded size. Saves are written to ``NAME.tmp`` with the manifest last and then renamed, so a
+run killed at any point leaves the previous checkpoints complete; resume takes the newest complete one.
+``<output_dir>/latest`` names it too, for people; resume does not depend on it.
+
+Runs under DeepSpeed or FSDP hold sharded optimizer state that only ``accelerator.save_state`` can gather; there the
+model/optimizer/RNG part goes to ``accelerate/`` through accelerate (safetensors for the model; its loader uses
+``torch.load(weights_only=True)`` for the rest, and DeepSpeed's own loader for DeepSpeed engines).
+
+Checkpoints of the earlier layout (``scheduler.pt`` and ``accelerate/*.bin``/``*.pkl`` pickles) are refused with a
+message naming :func:`convert_legacy` (``python -m distill convert-checkpoint PATH``), which reads them once with
+``torch.load(weights_only=True)`` and an allowlist of NumPy array types, and writes this layout.
 """
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from distill.models import SetupError
+
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
+MANIFEST_FILE = "manifest.json"
+EVAL_FILE = "eval.json"
+FORMAT_VERSION = 2
+FAULT_ENV = "DRAFTKIT_FAULT"  # test hook: "point:step" kills the process (SIGKILL) at that point, see fault_point
+LEGACY_FILES = ("scheduler.pt", "accelerate/optimizer.bin", "accelerate/pytorch_model.bin",
+                "accelerate/random_states_0.pkl", "accelerate/scheduler.bin", "accelerate/scaler.pt")
+
+
+class CheckpointError(SetupError):
+    """A checkpoint or output folder that cannot be used: incomplete, corrupt, from an unsafe layout, not a checkpoint,
+    or holding work that would be overwritten. A SetupError (ValueError), so the CLIs exit 2 with the message."""
 
 
 def step_dir(output_dir: str | Path, step: int) -> Path:
@@ -29,70 +65,549 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f"step_{step:06d}"
 
 
-def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, state: dict, config_yaml: str,
-                    path: str | Path) -> Path:
-    """Write a complete checkpoint at ``path`` (atomically replacing an existing one). Call on every process."""
+def fault_point(name: str, step: int) -> None:
+    """Kill this process with SIGKILL when ``$DRAFTKIT_FAULT`` is ``name:step`` (crash tests; no effect otherwise).
+
+    Points: ``step`` (mid optimizer step, after backward), ``save`` (mid save, some files written, no manifest),
+    ``pointer`` (after a complete save, before ``latest`` is updated and old checkpoints are pruned).
+    """
+    if os.environ.get(FAULT_ENV) == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON (raises TypeError for anything JSON cannot hold: state must be plain data)."""
+    path.write_text(json.dumps(obj, indent=2, allow_nan=True))
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors file of ``tensors``; tensors sharing storage (tied weights) are stored as separate copies."""
+    from safetensors.torch import save_file
+
+    seen, out = set(), {}
+    for key, t in tensors.items():
+        t = t.detach().to("cpu")
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None  # any two views of one storage: copy the later
+        out[key] = t.clone().contiguous() if ptr in seen else t.contiguous()
+        if ptr is not None:
+            seen.add(ptr)
+    save_file(out, str(path))
+
+
+def optimizer_to_data(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state_dict as (tensors ``state.<param>.<name>``, JSON part: param groups and other values)."""
+    tensors, rest = {}, {}
+    for pid, values in state_dict["state"].items():
+        for name, v in values.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = v
+            else:
+                rest.setdefault(str(pid), {})[name] = v
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": rest}
+
+
+def _rng_to_data() -> tuple[dict[str, torch.Tensor], dict]:
+    import numpy as np
+
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda.{i}"] = s
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return tensors, {"python": [version, list(internal), gauss],
+                     "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def _is_sharded(accelerator: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+
+
+def write_manifest(folder: Path, step: int) -> None:
+    """``folder/manifest.json`` listing every file's size; written last, it marks the folder complete."""
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)}
+    tmp = folder / (MANIFEST_FILE + ".tmp")
+    write_json(tmp, {"format": FORMAT_VERSION, "complete": True, "step": step, "files": files})
+    os.replace(tmp, folder / MANIFEST_FILE)
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted last, so a
+    crash at any point leaves a complete copy under ``path``, ``path.old`` or ``tmp``."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, optimizer: Any, state: dict,
+                    config_yaml: str, path: str | Path) -> Path:
+    """Write a complete checkpoint at ``path`` (atomically replacing an existing one). Call on every process.
+
+    Every process writes its RNG state; the main process writes the rest, then ``manifest.json``, then renames
+    ``path.tmp`` to ``path``. Raises whatever the file system raises (the previous checkpoints stay complete).
+    """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "accelerate"))
+    if accelerator.is_main_process:
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    rank = accelerator.process_index
+    if _is_sharded(accelerator):
+        accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+    else:
+        rng_tensors, rng_rest = _rng_to_data()
+        save_tensors(rng_tensors, tmp / f"rng_state_{rank}.safetensors")
+        write_json(tmp / f"rng_state_{rank}.json", rng_rest)
     unwrapped = accelerator.unwrap_model(draft)
     state_dict = accelerator.get_state_dict(draft)
     if accelerator.is_main_process:
+        if not _is_sharded(accelerator):
+            save_tensors(state_dict, tmp / "model.safetensors")
+            fault_point("save", int(state.get("step", -1)))
+            opt_tensors, opt_rest = optimizer_to_data(optimizer.state_dict())
+            save_tensors(opt_tensors, tmp / "optimizer.safetensors")
+            write_json(tmp / "optimizer.json", opt_rest)
+            if getattr(accelerator, "scaler", None) is not None:
+                write_json(tmp / "scaler.json", accelerator.scaler.state_dict())
         if hasattr(unwrapped, "peft_config"):  # adapter weights only; the base is named in trainer_state.json
             unwrapped.save_pretrained(str(tmp / "draft"))
         else:
             unwrapped.save_pretrained(str(tmp / "draft"), state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(str(tmp / "draft"))
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        write_json(tmp / "scheduler.json", scheduler.state_dict())
+        write_json(tmp / STATE_FILE, state)
         (tmp / "config.yaml").write_text(config_yaml)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+    accelerator.wait_for_everyone()  # every process's RNG file is written before the manifest lists them
+    if accelerator.is_main_process:
+        write_manifest(tmp, int(state.get("step", -1)))
+        replace_dir(tmp, path)
     accelerator.wait_for_everyone()
     return path
 
 
+def write_eval(path: str | Path, last_eval: dict | None, best: dict | None) -> None:
+    """Record the evaluation made after saving ``path`` (``eval.json``; :func:`read_state` merges it)."""
+    path = Path(path)
+    tmp = path / (EVAL_FILE + ".tmp")
+    write_json(tmp, {"last_eval": last_eval, "best": best})
+    os.replace(tmp, path / EVAL_FILE)
+
+
 def mark_latest(output_dir: str | Path, path: str | Path) -> None:
-    """Point ``<output_dir>/latest`` at a complete checkpoint (written last, so it never names a partial one)."""
+    """Point ``<output_dir>/latest`` at a complete checkpoint (written after it, for people and scripts)."""
     latest = Path(output_dir) / LATEST_FILE
     tmp = latest.with_name(LATEST_FILE + ".tmp")
     tmp.write_text(Path(path).name)
     tmp.replace(latest)
 
 
+# ------------------------------------------------------------------------------------------------ finding
+
+def is_complete(path: str | Path) -> bool:
+    """True when ``path/manifest.json`` says complete and every listed file exists with its recorded size."""
+    try:
+        check_complete(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def check_complete(path: str | Path) -> dict:
+    """The manifest of a complete checkpoint; raises CheckpointError saying what is missing or wrong."""
+    path = Path(path)
+    manifest_file = path / MANIFEST_FILE
+    if not manifest_file.is_file():
+        if (path / STATE_FILE).is_file() and any((path / f).exists() for f in LEGACY_FILES):
+            raise CheckpointError(
+                f"{path} was written by an earlier draftkit layout that stores state as pickles (scheduler.pt, "
+                "accelerate/*.bin, *.pkl); unpickling can run code, so it is not read. If you trust where it came "
+                f"from, convert it once: python -m distill convert-checkpoint {path} (reads the pickles with "
+                "torch.load(weights_only=True), which rebuilds only tensors and plain types, and writes safetensors "
+                "and JSON)")
+        raise CheckpointError(f"{path} is not a complete distill checkpoint (no {MANIFEST_FILE}: its save was "
+                              "interrupted, or it is not a checkpoint); give a step_N or best folder of a run")
+    manifest = read_json(manifest_file)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or not manifest.get("complete"):
+        raise CheckpointError(f"{manifest_file} is not a format-{FORMAT_VERSION} manifest of a complete checkpoint")
+    for name, size in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            raise CheckpointError(f"{path} is incomplete or damaged: {name} is missing or has the wrong size "
+                                  f"(manifest: {size} bytes); use another checkpoint of the run")
+    return manifest
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """``step_*`` folders of a run, oldest first (complete or not; ``*.tmp`` and ``*.old`` leftovers excluded)."""
+    out = [p for p in Path(output_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(out, key=lambda p: int(p.name[5:]))
+
+
 def find_latest(output_dir: str | Path) -> Path | None:
-    """The checkpoint named by ``<output_dir>/latest``, or None when the run has none yet."""
-    latest = Path(output_dir) / LATEST_FILE
-    if not latest.exists():
-        return None
-    path = Path(output_dir) / latest.read_text().strip()
-    return path if (path / STATE_FILE).exists() else None
+    """The newest complete step checkpoint of a run (by step number, whatever ``latest`` says), or None."""
+    complete = [p for p in list_checkpoints(output_dir) if is_complete(p)]
+    return complete[-1] if complete else None
 
 
-def prune(output_dir: str | Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` ``step_*`` checkpoints (``best/`` is never touched)."""
-    steps = sorted(p for p in Path(output_dir).glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for p in steps[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+def prune(output_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete complete ``step_*`` checkpoints older than the newest ``keep_last`` complete ones; returns them.
+
+    Never deletes the newest complete checkpoint (the one resume takes), an incomplete folder (not ours to judge), or
+    ``best/``. ``keep_last`` <= 0 keeps everything.
+    """
+    if keep_last <= 0:
+        return []
+    complete = [p for p in list_checkpoints(output_dir) if is_complete(p)]
+    doomed = complete[:-keep_last]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+def read_json(path: Path) -> Any:
+    """Parsed JSON; raises CheckpointError naming the file when it is not JSON (e.g. a pickle)."""
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not a valid JSON file ({type(e).__name__}: {e}); the checkpoint is damaged or "
+                              "was not written by draftkit") from e
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file as CPU tensors; raises CheckpointError naming the file when it is not safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({type(e).__name__}: {e}); the checkpoint "
+                              "is damaged or was not written by draftkit") from e
 
 
 def read_state(path: str | Path) -> dict:
-    """trainer_state.json of a checkpoint; raises FileNotFoundError naming the expected layout."""
-    f = Path(path) / STATE_FILE
-    if not f.exists():
-        raise FileNotFoundError(f"{path} is not a distill checkpoint (no {STATE_FILE}); give a step_N or best "
-                                "folder of a training run's output_dir")
-    return json.loads(f.read_text())
+    """trainer_state.json of a complete checkpoint, with its ``eval.json`` merged in.
+
+    Raises:
+        CheckpointError: not a checkpoint, incomplete (no manifest, files missing or truncated), an earlier pickle
+            layout (the message names the conversion command), or a file that is not valid JSON.
+    """
+    path = Path(path)
+    check_complete(path)
+    state = read_json(path / STATE_FILE)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / STATE_FILE} does not hold a JSON object")
+    if (path / EVAL_FILE).is_file():
+        state.update({k: v for k, v in read_json(path / EVAL_FILE).items() if v is not None})
+    return state
 
 
-def load_checkpoint(accelerator: Any, scheduler: Any, path: str | Path) -> dict:
-    """Restore model, optimizer and RNG states (accelerate) and the scheduler; return trainer_state.json."""
+def read_config(path: str | Path) -> dict | None:
+    """The checkpoint's ``config.yaml`` (YAML safe_load: plain data only), or None if it has none.
+
+    Raises CheckpointError naming the file when it is not YAML.
+    """
+    import yaml
+
+    f = Path(path) / "config.yaml"
+    if not f.is_file():
+        return None
+    try:
+        config = yaml.safe_load(f.read_text())
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{f} is not a valid YAML file ({type(e).__name__}); the checkpoint is damaged or was not "
+                              "written by draftkit") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{f} does not hold a YAML mapping (the training config)")
+    return config
+
+
+def _restore(pieces: dict, like: Any) -> Any:
+    """JSON lists back to tuples where the live optimizer holds a tuple (AdamW's betas)."""
+    if isinstance(like, tuple) and isinstance(pieces, list):
+        return tuple(pieces)
+    return pieces
+
+
+def load_optimizer(optimizer: Any, path: Path) -> None:
+    """Load ``path/optimizer.safetensors`` + ``path/optimizer.json`` (see :func:`optimizer_to_data`)."""
+    tensors = load_tensors(path / "optimizer.safetensors")
+    meta = read_json(path / "optimizer.json")
+    live_groups = optimizer.state_dict()["param_groups"]
+    groups = meta["param_groups"]
+    if len(groups) != len(live_groups):
+        raise CheckpointError(f"{path}: the optimizer has {len(live_groups)} parameter groups, the checkpoint "
+                              f"{len(groups)}; resume with the model and settings (draft, train.lora) the checkpoint was made with")
+    groups = [{k: _restore(v, live.get(k)) for k, v in g.items()} for g, live in zip(groups, live_groups)]
+    state: dict[int, dict] = {}
+    for key, t in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = t
+    for pid, values in meta.get("scalars", {}).items():
+        state.setdefault(int(pid), {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _load_rng(path: Path, rank: int) -> bool:
+    """Restore this process's generators; False when the checkpoint has no state for ``rank``."""
+    import numpy as np
+
+    if not (path / f"rng_state_{rank}.json").is_file():
+        return False
+    tensors = load_tensors(path / f"rng_state_{rank}.safetensors")
+    rest = read_json(path / f"rng_state_{rank}.json")
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[f"torch_cuda.{i}"] for i in range(len(tensors)) if f"torch_cuda.{i}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss = rest["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = rest["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    return True
+
+
+def _load_weights(model: Any, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a full state dict; a key may be missing only when its tensor is tied to a loaded one (older saves
+    dropped the duplicate of a tied pair)."""
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}/model.safetensors does not fit the draft being trained ({e}); resume with "
+                              "the checkpoint's draft and train.lora settings") from e
+    live = model.state_dict()
+    loaded = {live[k].data_ptr() for k in weights if k in live}
+    untied = [k for k in missing if live[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise CheckpointError(f"{path}/model.safetensors does not fit the draft being trained (missing {untied}, "
+                              f"unexpected {list(unexpected)}); resume with the checkpoint's draft and train.lora "
+                              "settings")
+
+
+def load_checkpoint(accelerator: Any, draft: Any, optimizer: Any, scheduler: Any, path: str | Path,
+                    log: Any = print) -> dict:
+    """Restore draft weights, optimizer, scheduler, scaler and RNG states; return trainer_state.json.
+
+    Only safetensors, JSON and YAML are read. Raises CheckpointError (see :func:`read_state`), or when the weights
+    do not fit the draft being trained.
+    """
     path = Path(path)
     state = read_state(path)
-    accelerator.load_state(str(path / "accelerate"))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    if (path / "accelerate").is_dir():
+        if not _is_sharded(accelerator):
+            raise CheckpointError(f"{path} was saved by a DeepSpeed/FSDP run (accelerate/); resume it with the same "
+                                  "accelerate launcher config")
+        accelerator.load_state(str(path / "accelerate"), load_kwargs={"weights_only": True})
+    else:
+        _load_weights(accelerator.unwrap_model(draft), load_tensors(path / "model.safetensors"), path)
+        load_optimizer(optimizer, path)
+        if (path / "scaler.json").is_file() and getattr(accelerator, "scaler", None) is not None:
+            accelerator.scaler.load_state_dict(read_json(path / "scaler.json"))
+        if not _load_rng(path, accelerator.process_index):
+            log(f"warning: {path} has no RNG state for process {accelerator.process_index} (it was saved by fewer "
+                "processes); this process keeps its seeded generators")
+    scheduler.load_state_dict(read_json(path / "scheduler.json"))
     return state
+
+
+# ------------------------------------------------------------------------------------------------ legacy layout
+
+def _numpy_allowlist() -> list:
+    """Globals NumPy arrays in accelerate's RNG pickle need; they rebuild arrays, nothing else."""
+    import codecs
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    if hasattr(np, "dtypes"):
+        allow.append(np.dtypes.UInt32DType)
+    return allow
+
+
+def load_pickle_as_data(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)`` with the NumPy array allowlist: tensors and plain types only.
+
+    Raises CheckpointError naming the file when it holds anything else (e.g. a pickle that would call a function).
+    """
+    try:
+        if not hasattr(torch.serialization, "safe_globals"):  # torch < 2.5: no allowlist, arrays are refused too
+            return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_numpy_allowlist()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (UnpicklingError, RuntimeError, EOFError...: all mean "not plain data")
+        raise CheckpointError(f"{path} holds more than tensors and plain types, or is damaged; it is not loaded "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+def convert_legacy(path: str | Path) -> Path:
+    """Rewrite a checkpoint of the earlier pickle layout in place as the data layout above.
+
+    Reads ``scheduler.pt``, ``accelerate/optimizer.bin`` and ``accelerate/random_states_0.pkl`` with
+    :func:`load_pickle_as_data` and ``accelerate/model.safetensors`` as safetensors; writes the new files and the
+    manifest, then removes the pickles. Raises CheckpointError if a file holds anything but data.
+    """
+    path = Path(path)
+    if path.is_file() and path.name == "resume.pt":
+        return _convert_pretrain_resume(path)
+    if (path / MANIFEST_FILE).is_file():
+        raise CheckpointError(f"{path} already has the data layout ({MANIFEST_FILE}); nothing to convert")
+    if not (path / STATE_FILE).is_file() or not (path / "scheduler.pt").is_file():
+        raise CheckpointError(f"{path} is not a checkpoint of the earlier layout (needs {STATE_FILE} and "
+                              "scheduler.pt)")
+    acc_dir = path / "accelerate"
+    scheduler = load_pickle_as_data(path / "scheduler.pt")
+    optimizer = load_pickle_as_data(acc_dir / "optimizer.bin")
+    rng = load_pickle_as_data(acc_dir / "random_states_0.pkl")
+    if (acc_dir / "model.safetensors").is_file():
+        weights = load_tensors(acc_dir / "model.safetensors")
+    else:
+        weights = load_pickle_as_data(acc_dir / "pytorch_model.bin")
+    state = read_json(path / STATE_FILE)
+    tmp = path / "convert.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_tensors(weights, tmp / "model.safetensors")
+    opt_tensors, opt_rest = optimizer_to_data(optimizer)
+    save_tensors(opt_tensors, tmp / "optimizer.safetensors")
+    write_json(tmp / "optimizer.json", opt_rest)
+    write_json(tmp / "scheduler.json", scheduler)
+    version, internal, gauss = rng["random_state"]
+    kind, keys, pos, has_gauss, cached = rng["numpy_random_seed"]
+    save_tensors({"torch_cpu": rng["torch_manual_seed"]}, tmp / "rng_state_0.safetensors")
+    write_json(tmp / "rng_state_0.json", {"python": [version, list(internal), gauss],
+                                           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]})
+    for f in tmp.iterdir():
+        f.rename(path / f.name)
+    tmp.rmdir()
+    shutil.rmtree(acc_dir)
+    (path / "scheduler.pt").unlink()
+    write_manifest(path, int(state.get("step", -1)))
+    return path
+
+
+def _convert_pretrain_resume(path: Path) -> Path:
+    """``<out>/resume.pt`` of ``distill pretrain`` -> ``<out>/resume/`` (see distill/pretrain.py)."""
+    snap = load_pickle_as_data(path)
+    if not isinstance(snap, dict) or not {"model", "optimizer", "generator", "state"} <= set(snap):
+        raise CheckpointError(f"{path} is not a pretrain resume snapshot (needs model, optimizer, generator, state)")
+    out = path.with_name("resume")
+    tmp = path.with_name("resume.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_tensors(snap["model"], tmp / "model.safetensors")
+    tensors, rest = optimizer_to_data(snap["optimizer"])
+    save_tensors(tensors, tmp / "optimizer.safetensors")
+    write_json(tmp / "optimizer.json", rest)
+    save_tensors({"generator": snap["generator"]}, tmp / "generator.safetensors")
+    write_json(tmp / "state.json", snap["state"])
+    write_manifest(tmp, int(snap["state"].get("step", -1)))
+    replace_dir(tmp, out)
+    path.unlink()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+
+# What a training run writes into its output_dir (train.overwrite=true removes these, and only these).
+RUN_ARTIFACTS = ("step_*", "best", "best.tmp", "best.old", LATEST_FILE, LATEST_FILE + ".tmp", "metrics.jsonl",
+                 "metrics.jsonl.tmp", "summary.json", "config.yaml", "wandb_run_id", "wandb", "draft_base")
+# Kept by a fresh run: the sequence-level KD cache that `distill generate-data` writes before `distill train`.
+REUSABLE = ("target_data",)
+
+
+def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True) -> Path | None:
+    """Check ``train.output_dir`` against ``train.resume``/``train.overwrite`` before anything loads; return the
+    checkpoint to resume from (None for a fresh run).
+
+    - a fresh run (resume false) needs a missing or empty folder (a ``target_data`` cache is fine); with
+      ``overwrite`` the earlier run's files (``RUN_ARTIFACTS``) are deleted first, other files are left alone;
+    - ``resume=true`` takes the newest complete ``step_*`` checkpoint of the folder (see :func:`find_latest`);
+    - ``resume=PATH`` needs a complete checkpoint at PATH, and an output folder that is PATH's own run or empty,
+      holding no complete checkpoint newer than PATH (resuming would overwrite it).
+
+    Only the main process (``main``) checks and clears the folder; the others only find the checkpoint.
+
+    Raises:
+        CheckpointError: the folder holds another run, or there is no complete checkpoint to resume from.
+    """
+    out = Path(output_dir)
+    resume = None if resume in (None, False, "false", "") else resume
+    if resume is None:
+        if not main:
+            return None
+        others = [p.name for p in out.iterdir() if p.name not in REUSABLE] if out.is_dir() else []
+        if others and not overwrite:
+            raise CheckpointError(
+                f"train.output_dir={out} already holds a run ({', '.join(sorted(others)[:5])}); nothing was changed. "
+                "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
+                "checkpoints and metrics), or choose another train.output_dir")
+        if others:
+            for pattern in RUN_ARTIFACTS:
+                for p in out.glob(pattern):
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return None
+    if resume is True or resume == "true":
+        path = find_latest(out)
+        if path is None:
+            found = [p.name for p in list_checkpoints(out)]
+            detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
+                      else "it has no step_N checkpoint")
+            raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: "
+                                  f"{detail}. Start a new run with train.resume=false (add train.overwrite=true to "
+                                  "replace this folder's run), or give train.resume=PATH")
+        return path
+    path = Path(str(resume))
+    check_complete(path)
+    if not main:
+        return path
+    newer = [p.name for p in list_checkpoints(out) if is_complete(p) and int(p.name[5:]) > _step_of(path)]
+    same_run = out.resolve() == path.resolve().parent
+    if newer:
+        raise CheckpointError(f"resuming from {path} into train.output_dir={out} would overwrite its newer "
+                              f"checkpoints {newer}; resume into another train.output_dir")
+    if not same_run and out.is_dir() and any(p.name not in REUSABLE for p in out.iterdir()) and not overwrite:
+        raise CheckpointError(f"train.output_dir={out} already holds another run; resume from {path} into an empty "
+                              "train.output_dir, or pass train.overwrite=true")
+    return path
+
+
+def _step_of(path: Path) -> int:
+    return int(read_json(path / STATE_FILE).get("step", 0))
+
+
+def truncate_metrics(output_dir: str | Path, step: int) -> int:
+    """Drop rows of ``metrics.jsonl`` logged after ``step`` (a resumed run logs them again); returns how many."""
+    f = Path(output_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return 0
+    lines = f.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except json.JSONDecodeError:  # a row cut by a kill mid-write
+            continue
+        if row_step <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = f.with_name(f.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, f)
+    return len(lines) - len(keep)
+

@@ -155,10 +155,10 @@ class TrainConfig:
     cpu: bool = False                       # force CPU
     seed: int = 0                           # seeds init, data order, on-policy draws
     output_dir: str = "checkpoints/run"     # run folder
-    overwrite: bool = False                 # allow writing into an existing non-empty run folder
+    overwrite: bool = False                 # a fresh run deletes the earlier run in output_dir (else: refused)
     save_every: int = 200                   # checkpoint every N steps (0: only at the end)
     keep_last: int = 2                      # step checkpoints kept
-    resume: Union[bool, str] = False        # false | true (latest in output_dir) | PATH
+    resume: Union[bool, str] = False        # false | true (newest complete checkpoint in output_dir) | PATH
     log_every: int = 10                     # log every N steps
     progress: str = "rich"                  # rich | tqdm | none
     max_time_s: Optional[float] = None      # wall-clock budget in seconds (null: none)

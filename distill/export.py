@@ -8,10 +8,13 @@ The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and works as
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from distill.checkpoint import read_state
+from distill.checkpoint import CheckpointError, read_config, read_state
 
 CARD_JSON = "draftkit_card.json"
 
@@ -35,11 +38,54 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
             raise FileNotFoundError(f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft "
                                     "checkpoint the run started from (or <output_dir>/draft_base for a built draft)")
         base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
-        draft = PeftModel.from_pretrained(base, str(draft_dir)).merge_and_unload()
+        peft_model = PeftModel.from_pretrained(base, str(draft_dir))
+        untie_adapted_weights(peft_model)
+        draft = peft_model.merge_and_unload()
     else:
         draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), **kw)
     tokenizer = AutoTokenizer.from_pretrained(str(draft_dir))
     return draft.eval(), tokenizer, state
+
+
+def untie_adapted_weights(peft_model: Any) -> bool:
+    """Give the output head its own copy of a tied embedding matrix when a LoRA adapter sits on either of them.
+
+    Merging writes ``W + BA`` into the adapted weight; tied to the other, it would move the input embeddings too
+    (so the merged model would differ from the adapter model that was trained and evaluated). After untying, the
+    merged model computes the same function as base + adapter, and its config says the weights are untied.
+    Returns True when it untied something.
+    """
+    model = peft_model.get_base_model()
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None:
+        return False
+    out_w = getattr(out, "base_layer", out).weight
+    in_w = getattr(inp, "base_layer", inp).weight
+    if out_w.data_ptr() != in_w.data_ptr():
+        return False
+    import torch
+
+    head = getattr(out, "base_layer", out)
+    head.weight = torch.nn.Parameter(out_w.detach().clone(), requires_grad=out_w.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
+
+
+def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """``out_dir`` must be missing or empty; with ``overwrite`` it may hold an earlier export (it has
+    ``draftkit_card.json``), never other files. Raises CheckpointError naming the fix."""
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"OUT_DIR {out_dir} is a file; give a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"OUT_DIR {out_dir} is not empty; nothing was written. Choose a new folder, or pass "
+                                  "--overwrite to replace an earlier export there")
+        if not (out_dir / CARD_JSON).is_file():
+            raise CheckpointError(f"OUT_DIR {out_dir} holds files that are not a draftkit export (no {CARD_JSON}); "
+                                  "--overwrite only replaces an earlier export. Choose a new folder")
+    return out_dir
 
 
 def _card_markdown(card: dict) -> str:
@@ -79,20 +125,41 @@ The full training config is in `{CARD_JSON}` (key `config`).
 """
 
 
-def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None) -> dict:
+def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overwrite: bool = False) -> dict:
     """Write the merged draft, its tokenizer and the card to ``out_dir``; returns the card dict.
 
-    Raises FileNotFoundError if ``checkpoint`` is not a checkpoint folder.
-    """
-    import yaml
+    Everything is written to a temporary folder next to ``out_dir`` and renamed into place at the end, so a failed
+    export leaves nothing half-written and an existing folder is replaced only when complete.
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    Raises:
+        CheckpointError: ``checkpoint`` is not a complete checkpoint, or ``out_dir`` is not empty (see
+            :func:`check_export_dir`), checked before anything loads.
+        FileNotFoundError: the LoRA base is missing.
+    """
+    checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
+    read_state(checkpoint)
     draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
+    try:
+        card = _write_export(tmp, draft, tokenizer, state, checkpoint)
+        old = out_dir.with_name(tmp.name[:-4] + ".old")
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return card
+
+
+def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path) -> dict:
     draft.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    cfg_file = checkpoint / "config.yaml"
-    config = yaml.safe_load(cfg_file.read_text()) if cfg_file.exists() else None
+    config = read_config(checkpoint)
     card = {"target": state.get("target"), "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),

@@ -63,9 +63,10 @@ def _reduce(per_token: torch.Tensor, mask: torch.Tensor, n_tokens: int | float |
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a‖b) per position, (B, T); 0·log 0 = 0."""
+    """KL(a‖b) per position, (B, T); 0·log 0 = 0. Exactly 0 where log_a == log_b; clamped at 0, since rounding
+    can make the sum of a near-equal pair a few ulps negative and a divergence is never negative."""
     a = log_a.exp()
-    return (a * (log_a - log_b)).sum(-1)
+    return (a * (log_a - log_b)).sum(-1).clamp(min=0.0)
 
 
 def fkl(draft_logits, target_logits, mask, n_tokens, temperature: float = 1.0) -> torch.Tensor:
@@ -94,6 +95,8 @@ def jsd(draft_logits, target_logits, mask, n_tokens, beta: float = 0.5, temperat
         per = _kl(log_q, log_p)
     else:
         log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1.0 - beta)]), dim=0)
+        # m = p exactly where p = q (log β + log(1−β) mixing rounds, which gave −6e-8 for identical inputs)
+        log_m = torch.where(log_p == log_q, log_p, log_m)
         per = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
     return _reduce(per, mask, n_tokens)
 

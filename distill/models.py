@@ -28,15 +28,22 @@ def _loaded(load: Any, what: str, key: str) -> Any:
     """Run a ``decode.loading`` loader; its FileNotFoundError becomes a SetupError naming the config key to fix."""
     try:
         return load()
+    except loading.RemoteCodeError as e:
+        group = "draft" if key.startswith("draft") else "target"  # in the schema: no "+" (that would fail)
+        raise SetupError(f"the {what} ships its own Python code (auto_map in its config), which is not run unless "
+                         f"you set {group}.trust_remote_code=true; read that code first") from e
     except FileNotFoundError as e:
         raise SetupError(f"cannot load the {what}: {e} Set {key}=/path/to/checkpoint (a save_pretrained "
                          "directory) or a cached hub id (HF_HUB_OFFLINE may be set).") from e
 
 
-def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)") -> Any:
+def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)",
+                   trust_remote_code: bool = False) -> Any:
     """The target's tokenizer through ``decode.loading.load_tokenizer``, with eos as pad when it has no pad token
-    (batched rollouts and training pad their rows). Raises SetupError naming ``key``."""
-    return _loaded(lambda: loading.load_tokenizer(str(name_or_path), "tokenizer", pad_from_eos=True),
+    (batched rollouts and training pad their rows). ``trust_remote_code`` (``target.trust_remote_code=true``) lets
+    the tokenizer folder run its own Python code. Raises SetupError naming ``key``."""
+    return _loaded(lambda: loading.load_tokenizer(str(name_or_path), "tokenizer", pad_from_eos=True,
+                                                  trust_remote_code=trust_remote_code),
                    f"tokenizer {str(name_or_path)!r}", key)
 
 
@@ -50,20 +57,24 @@ def load_draft_tokenizer(cfg: Any) -> Any:
         return None
     path = Path(cfg.name_or_path) / "draft" if (Path(cfg.name_or_path) / "trainer_state.json").exists() \
         else Path(cfg.name_or_path)
-    return _loaded(lambda: loading.load_draft_tokenizer(str(path), None), f"draft tokenizer {str(path)!r}",
+    trust = bool(cfg.get("trust_remote_code", False))
+    return _loaded(lambda: loading.load_draft_tokenizer(str(path), None, trust), f"draft tokenizer {str(path)!r}",
                    "draft.name_or_path")
 
 
 def load_target(cfg: Any) -> Any:
     """The frozen target: ``eval()``, ``requires_grad_(False)``, in ``target.dtype``. ``cfg`` is the target node.
 
+    Remote code (a checkpoint's own Python modeling files) runs only with ``target.trust_remote_code=true``.
+
     Raises SetupError when ``target.name_or_path`` is missing or cannot be loaded.
     """
     if not cfg.get("name_or_path"):
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
-    name = str(cfg.name_or_path)
-    return _loaded(lambda: loading.load_causal_lm(name, "target", cfg.get("dtype") or None),  # frozen, eval()
+    name, trust = str(cfg.name_or_path), bool(cfg.get("trust_remote_code", False))
+    return _loaded(lambda: loading.load_causal_lm(name, "target", cfg.get("dtype") or None,  # frozen, eval()
+                                                  trust_remote_code=trust),
                    f"target {name!r}", "+target.name_or_path")
 
 
@@ -103,8 +114,8 @@ def load_draft(cfg: Any, target: Any) -> Any:
     """The trainable draft: ``draft.name_or_path`` if set (a HF checkpoint, or a distill checkpoint folder such as
     ``<run>/best``, whose LoRA is merged), else built from the target's config (see module doc).
 
-    ``draft.dtype`` null means float32: the optimizer needs float32 master weights (bf16 compute comes from
-    ``train.mixed_precision``); ``auto`` keeps a loaded checkpoint's own dtype.
+    Remote code runs only with ``draft.trust_remote_code=true``. ``draft.dtype`` null means float32: the optimizer
+    needs float32 master weights (bf16 compute comes from ``train.mixed_precision``); ``auto`` keeps a loaded checkpoint's own dtype.
     """
     from transformers import AutoModelForCausalLM
 
@@ -114,8 +125,9 @@ def load_draft(cfg: Any, target: Any) -> Any:
 
         draft = load_checkpoint_draft(cfg.name_or_path, None if dtype == "auto" else dtype)[0]
     elif cfg.get("name_or_path"):
-        name = str(cfg.name_or_path)
-        draft = _loaded(lambda: loading.load_causal_lm(name, "draft", dtype), f"draft {name!r}", "draft.name_or_path")
+        name, trust = str(cfg.name_or_path), bool(cfg.get("trust_remote_code", False))
+        draft = _loaded(lambda: loading.load_causal_lm(name, "draft", dtype, trust_remote_code=trust),
+                        f"draft {name!r}", "draft.name_or_path")
     else:
         dcfg = draft_config_from_target(target.config, cfg)
         torch.manual_seed(int(cfg.get("seed", 0)))  # the init is part of the experiment: make it repeatable

@@ -14,7 +14,10 @@ tokenizer) and ``pretrain.json`` with the validation loss, parameter counts and 
 The learning rate follows the budget, not a step count: progress = elapsed / budget drives a linear warmup and a
 cosine decay (as in nanoGPT's schedule, with wall-clock time in place of iterations), so a run of any budget ends
 annealed. On CPU the forward/backward runs under bf16 autocast with fp32 master weights (measured 1.5-1.8x faster
-than fp32 on a 2-core AMD EPYC with AVX512-BF16; more on CPUs with AMX). Interrupted runs resume from ``<out>/resume.pt``; finished runs are reused.
+than fp32 on a 2-core AMD EPYC with AVX512-BF16; more on CPUs with AMX). Interrupted runs resume from ``<out>/resume/``
+(safetensors + JSON, complete only with its manifest, see distill/checkpoint.py); finished runs are reused. Token
+streams are cached as safetensors. Nothing is unpickled: a ``resume.pt`` of an earlier version is refused with the
+command that converts it, and an old ``tokens-*.pt`` cache is ignored (rebuilt).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,7 +44,8 @@ SIZES: dict[str, dict] = {
 }
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 RESULT_FILE = "pretrain.json"
-RESUME_FILE = "resume.pt"
+RESUME_DIR = "resume"          # the resume snapshot: model/optimizer/generator tensors + JSON state + manifest
+LEGACY_RESUME_FILE = "resume.pt"  # the earlier pickle snapshot (refused; distill convert-checkpoint converts it)
 
 
 @dataclass
@@ -135,19 +140,29 @@ def token_stream(tokenizer, corpus: str, split: str, cache_dir: str | os.PathLik
 
     Returns:
         (N,) int32 tensor of token ids.
+
+    Raises:
+        ValueError: the cache file is not a safetensors file with an ``ids`` tensor (it is never unpickled).
     """
+    from distill.checkpoint import CheckpointError, load_tensors, save_tensors
     from distill.corpus import load_corpus
 
-    cache = Path(cache_dir) / f"tokens-{corpus}-{split}.pt" if cache_dir is not None else None
+    cache = Path(cache_dir) / f"tokens-{corpus}-{split}.safetensors" if cache_dir is not None else None
     if cache is not None and cache.is_file():
-        return torch.load(cache)
+        try:
+            return load_tensors(cache)["ids"]
+        except (CheckpointError, KeyError) as e:
+            raise ValueError(f"token cache {cache} is not a safetensors file with an 'ids' tensor; it is not "
+                             "loaded. Delete it and it is rebuilt from the corpus") from e
     texts = list(load_corpus(corpus, split)["text"])
     ids = tokenizer(texts, add_special_tokens=True)["input_ids"]  # bos prepended by the post-processor
     eos = tokenizer.eos_token_id
     stream = torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.int32)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(stream, cache)
+        tmp = cache.with_name(cache.name + ".tmp")
+        save_tensors({"ids": stream}, tmp)
+        os.replace(tmp, cache)
     return stream
 
 
@@ -296,13 +311,14 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
     state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0}
-    resume = out / RESUME_FILE
-    if resume.is_file():
-        snap = torch.load(resume, weights_only=False)
-        model.load_state_dict(snap["model"])
-        optimizer.load_state_dict(snap["optimizer"])
-        gen.set_state(snap["generator"])
-        state = snap["state"]
+    resume = out / RESUME_DIR
+    if (out / LEGACY_RESUME_FILE).is_file():
+        raise ValueError(f"{out / LEGACY_RESUME_FILE} is a resume snapshot of an earlier version, stored as a pickle; "
+                         "unpickling can run code, so it is not read. If you trust it, convert it once with "
+                         f"python -m distill convert-checkpoint {out / LEGACY_RESUME_FILE} (tensors and plain types "
+                         "only), or delete it to start this run over")
+    if resume.is_dir():
+        state = load_resume(resume, model, optimizer, gen)
         log(f"pretrain: resuming {cfg.size} at step {state['step']} ({state['elapsed_s']:.0f}s of {cfg.budget_s:.0f}s)")
 
     sizes = count_params(model)
@@ -328,11 +344,43 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     (out / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    resume.unlink(missing_ok=True)
+    shutil.rmtree(resume, ignore_errors=True)
     log(f"pretrain: {cfg.size} done: val loss {val_loss:.3f} nats/token ({result['val_bits_per_byte']:.3f} bits/byte), "
         f"{state['tokens_seen'] / 1e6:.2f}M tokens in {state['step']} steps, {result['tokens_per_s']:.0f} tokens/s "
         f"-> {out}")
     return result
+
+
+def save_resume(path: Path, model, optimizer, gen: torch.Generator, state: dict) -> None:
+    """Write the resume snapshot folder ``path`` (via ``path.tmp``, manifest last, then renamed)."""
+    from distill.checkpoint import optimizer_to_data, replace_dir, save_tensors, write_json, write_manifest
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_tensors(model.state_dict(), tmp / "model.safetensors")
+    tensors, rest = optimizer_to_data(optimizer.state_dict())
+    save_tensors(tensors, tmp / "optimizer.safetensors")
+    write_json(tmp / "optimizer.json", rest)
+    save_tensors({"generator": gen.get_state()}, tmp / "generator.safetensors")
+    write_json(tmp / "state.json", state)
+    write_manifest(tmp, int(state["step"]))
+    replace_dir(tmp, path)
+
+
+def load_resume(path: Path, model, optimizer, gen: torch.Generator) -> dict:
+    """Restore model, optimizer and data generator from the snapshot folder ``path``; returns its state dict.
+
+    Raises:
+        ValueError (CheckpointError): incomplete snapshot or a file that is not safetensors/JSON.
+    """
+    from distill.checkpoint import check_complete, load_optimizer, load_tensors, read_json
+
+    check_complete(path)
+    model.load_state_dict(load_tensors(path / "model.safetensors"))
+    load_optimizer(optimizer, path)
+    gen.set_state(load_tensors(path / "generator.safetensors")["generator"])
+    return read_json(path / "state.json")
 
 
 def _corpus_texts(corpus: str, split: str) -> list[str]:
@@ -376,8 +424,7 @@ def _train_loop(model, optimizer, train_ids, gen, state, cfg: PretrainConfig, de
                         step=state["step"], refresh=False)
         bar.update(0)
         if time.time() - last_save > cfg.save_every_s:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "generator": gen.get_state(), "state": state}, resume)
+            save_resume(resume, model, optimizer, gen, state)
             last_save = time.time()
     bar.close()
 

@@ -127,19 +127,22 @@ def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "distill", "train", f"+experiment={experiment}",
            f"++target.name_or_path={out / qs.target.dir}", f"draft.name_or_path={out / qs.draft.dir}",
            f"train.output_dir={run_dir}"]
-    if run_dir.is_dir() and any(run_dir.glob("step_*")):
+    from distill.checkpoint import find_latest
+
+    if run_dir.is_dir() and find_latest(run_dir) is not None:
         cmd.append("train.resume=true")  # an interrupted run continues where it stopped
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        cmd.append("train.overwrite=true")  # killed before its first complete checkpoint: nothing to continue
     return cmd + list(extra)
 
 
 def _distilled_checkpoint(qs, out: Path) -> Path | None:
     """The recipe's checkpoint to export: ``best/`` (highest α on its held-out windows) else the last step."""
+    from distill.checkpoint import find_latest, is_complete
+
     run_dir = out / qs.distill.dir
     best = run_dir / "best"
-    if best.is_dir():
-        return best
-    steps = sorted(run_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]) if p.name[5:].isdigit() else -1)
-    return steps[-1] if steps else None
+    return best if is_complete(best) else find_latest(run_dir)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

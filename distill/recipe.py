@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -140,8 +141,11 @@ def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[lis
     return examples, [e["prompt_ids"] for e in eval_examples]
 
 
-def setup(cfg: DictConfig, log: Any = print) -> Run:
-    """Everything the loop needs, in order of cost: config checks, models + pair check, data, optimizer."""
+def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) -> Run:
+    """Everything the loop needs, in order of cost: config checks, models + pair check, data, optimizer.
+
+    ``cost_ratio``: c to use instead of ``eval.cost_ratio`` or a measurement (a resumed run keeps its own).
+    """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
 
@@ -161,7 +165,8 @@ def setup(cfg: DictConfig, log: Any = print) -> Run:
                          "(the recipe's exact token-count division needs one micro-batch per step)")
     set_seed(int(cfg.train.seed))
     output_dir = Path(cfg.train.output_dir)
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
+                               trust_remote_code=bool(cfg.target.trust_remote_code))
     target = load_target(cfg.target)
     draft = load_draft(cfg.draft, target)
     vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
@@ -191,7 +196,7 @@ def setup(cfg: DictConfig, log: Any = print) -> Run:
                          "data.completions=target (sequence-level KD), or data.source.completion_field=FIELD")
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
-    cost_ratio = cfg.eval.get("cost_ratio")
+    cost_ratio = cfg.eval.get("cost_ratio") if cost_ratio is None else cost_ratio
     if cost_ratio is None:
         cost_ratio = measure_cost_ratio(target, draft, eval_prompts)
         if accelerator.num_processes > 1:  # timings differ per process; one c keeps checkpoint selection in step
@@ -266,30 +271,40 @@ def evaluate(run: Run) -> dict:
 
 def save(run: Run, state: dict, path: Path) -> Path:
     """A full checkpoint at ``path`` with the current trainer state."""
-    return ckpt.save_checkpoint(run.accelerator, run.draft, run.tokenizer, run.scheduler, state,
+    return ckpt.save_checkpoint(run.accelerator, run.draft, run.tokenizer, run.scheduler, run.optimizer, state,
                                 OmegaConf.to_yaml(run.cfg), path)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def resolve_resume(cfg: DictConfig) -> Path | None:
-    """The checkpoint to resume from: ``train.resume`` true -> the latest in output_dir; a path -> that path."""
-    resume = cfg.train.get("resume")
-    if resume in (None, False, "false", ""):
-        return None
-    if resume is True or resume == "true":
-        return ckpt.find_latest(cfg.train.output_dir)
-    path = Path(str(resume))
-    ckpt.read_state(path)  # raises with the expected layout if it is not a checkpoint
-    return path
+    """The checkpoint to resume from (``train.resume`` true: the newest complete one in output_dir; a path: that
+    one), after checking that the run folder may be written (see ``checkpoint.prepare_run_folder``)."""
+    return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
+                                   bool(cfg.train.get("overwrite", False)), main=int(os.environ.get("RANK", "0")) == 0)
+
+
+def _data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:
+    """Micro-batches consumed by the checkpoint's steps; another world size continues at the same example."""
+    batch = int(cfg.train.batch_size)
+    consumed = int(state.get("examples_consumed", 0))
+    if consumed % batch:
+        raise SetupError(f"the checkpoint stopped at example {consumed}, which is not a multiple of "
+                         f"train.batch_size={batch} (it was trained with batch_size={state.get('batch_size')}); "
+                         f"resume with train.batch_size={state.get('batch_size')}")
+    saved_world = state.get("num_processes")
+    if saved_world is not None and saved_world != world:
+        log(f"resume: the checkpoint was trained by {saved_world} process(es), this run has {world}; continuing at "
+            f"example {consumed} ({world * int(cfg.train.grad_accum) * batch} examples per step from here)")
+    return consumed // batch
 
 
 def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     """Config keys that decide the data stream and the update, whose values differ from the checkpoint's."""
-    saved_file = Path(checkpoint) / "config.yaml"
-    if not saved_file.exists():
+    saved = ckpt.read_config(checkpoint)
+    if saved is None:
         return []
-    saved = OmegaConf.load(saved_file)
+    saved = OmegaConf.create(saved)
     keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source",
             "data.on_policy_fraction", "loss", "optim", "target.name_or_path"]
     return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
@@ -304,7 +319,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...
     """
     resume_from = resolve_resume(normalize_config(cfg))
-    run = setup(cfg, log=log or print)
+    saved = ckpt.read_state(resume_from) if resume_from is not None else {}
+    kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
+    run = setup(cfg, log=log or print, cost_ratio=kept_c)
     cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
     out = run.output_dir
@@ -313,20 +330,37 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
              "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path), "vocab_size": run.vocab,
-             "cost_ratio": run.cost_ratio}
+             "cost_ratio": run.cost_ratio, "batch_size": int(cfg.train.batch_size),
+             "num_processes": acc.num_processes, "examples_consumed": 0}
     if resume_from is not None:
-        state.update(ckpt.load_checkpoint(acc, run.scheduler, resume_from))
+        state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
         log(f"resumed from {resume_from} at step {state['step']}")
+        if kept_c is not None:
+            log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; "
+                "set eval.cost_ratio to use another)")
+        if acc.is_main_process:
+            ckpt.truncate_metrics(out, int(state["step"]))
+            if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
+                ckpt.mark_latest(out, resume_from)
         for key in _changed_keys(resume_from, cfg):
             log(f"warning: {key} differs from the checkpoint's config; the resumed run is not the same experiment")
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
     max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
+    micro_position = _data_position(state, cfg, world, log)
+    state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
     log(f"distill: {len(run.examples)} examples, {len(run.eval_prompts)} eval prompts, loss={cfg.loss.name}, "
         f"λ={cfg.data.on_policy_fraction}, {world} process(es), steps {state['step']}->{stop_at}/{max_steps}")
 
     def maybe_eval_and_save(step: int, force: bool) -> None:
         every, save_every = int(cfg.eval.every), int(cfg.train.save_every)
+        path = None
+        if step > 0 and (force or (save_every and step % save_every == 0)):  # saved first: an eval error loses no step
+            path = save(run, state, ckpt.step_dir(out, step))
+            ckpt.fault_point("pointer", step)
+            if acc.is_main_process:
+                ckpt.mark_latest(out, path)
+                ckpt.prune(out, int(cfg.train.keep_last))
         if force or (every and step % every == 0):
             ev = evaluate(run)
             state["last_eval"] = {"step": step, **ev}
@@ -337,12 +371,11 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             if step > 0 and (state["best"] is None or value > state["best"]["value"]):
                 state["best"] = {"metric": cfg.eval.select_by, "value": value, "step": step}
                 save(run, state, out / "best")
-        if step > 0 and (force or (save_every and step % save_every == 0)):
-            path = save(run, state, ckpt.step_dir(out, step))
-            if acc.is_main_process:
-                ckpt.mark_latest(out, path)
-                ckpt.prune(out, int(cfg.train.keep_last))
+            if path is not None and acc.is_main_process:
+                ckpt.write_eval(path, state["last_eval"], state["best"])
 
+    if resume_from is not None and state["step"] >= stop_at and (state["last_eval"] or {}).get("step") != stop_at:
+        maybe_eval_and_save(state["step"], force=True)  # killed between the final save and its evaluation
     if state["step"] == 0 and cfg.eval.get("at_start", True):
         ev = evaluate(run)
         state["initial_eval"] = ev
@@ -357,7 +390,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         while state["step"] < stop_at:
             step = state["step"]
             t0 = time.perf_counter()
-            micro_ids = [(step * accum + j) * world + acc.process_index for j in range(accum)]
+            micro_ids = [micro_position + j * world + acc.process_index for j in range(accum)]
             drawn = [micro_batch(run, m) for m in micro_ids]
             batches = [collate_sequences(b, run.tokenizer.pad_token_id) for b, _ in drawn]
             # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients).
@@ -371,6 +404,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                     loss = loss_on_batch(run, batch, n_tokens)
                     acc.backward(loss)
                 loss_sum += loss.detach()
+            ckpt.fault_point("step", step + 1)
             max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")
             grad_norm = acc.clip_grad_norm_(draft.parameters(), max_norm)
             optimizer.step()
@@ -378,7 +412,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             optimizer.zero_grad(set_to_none=True)
             state["step"] = step = step + 1
             state["tokens_seen"] += int(n_global.item())
-            state["examples_consumed"] = step * accum * world * int(cfg.train.batch_size)  # the data position
+            micro_position += accum * world
+            state["examples_consumed"] = micro_position * int(cfg.train.batch_size)  # the data position
             loss_value = float(acc.reduce(loss_sum, reduction="mean").item())
             dt = time.perf_counter() - t0
             tokens_per_s = float(n_global.item()) / max(dt, 1e-9)

@@ -84,7 +84,7 @@ def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["steps"] == 2
-    assert (out / "step_000002" / "accelerate" / "random_states_1.pkl").exists()  # one RNG state per process
+    assert (out / "step_000002" / "rng_state_1.safetensors").exists()  # one RNG state per process
 
     single = tmp_path / "single"
     ref = train(compose(overrides(pair, single, "train.max_steps=2", "eval.temperatures=[0.0]",
@@ -93,7 +93,7 @@ def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
     losses = lambda d: [json.loads(line)["train/loss"] for line in open(d / "metrics.jsonl")  # noqa: E731
                         if "train/loss" in line]
     assert losses(out) == pytest.approx(losses(single), rel=1e-5)
-    w2, w1 = (load_file(str(d / "step_000002" / "accelerate" / "model.safetensors")) for d in (out, single))
+    w2, w1 = (load_file(str(d / "step_000002" / "model.safetensors")) for d in (out, single))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
 
@@ -170,3 +170,34 @@ def test_eval_out_is_checked_before_loading(pair, tmp_path, capsys):
         main(["eval", *overrides(pair, tmp_path / "run"), "--out", str(existing)])
     assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
     assert existing.read_text() == "{}"
+
+
+def test_resume_a_one_process_run_with_two_processes_continues_at_its_example(pair, tmp_path):
+    """#10's case: 1 process x batch 2 stops at step 2 (examples 0-3); resumed by 2 processes x batch 2, steps 3-4
+    must train on examples 4-11, which is exactly what 1 process x batch 2 x accumulation 2 trains on from there
+    (the old micro-batch formula skipped to example 8). Same update up to DDP's reduction order."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from distill.recipe import train
+    from distill_helpers import compose
+
+    base = ("train.batch_size=2", "data.shuffle=false", "eval.temperatures=[0.0]", "eval.at_start=false")
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(compose(overrides(pair, one, "train.stop_at=2", *base)), log=lambda *_: None)
+    shutil.copytree(one, two)
+    cmd = [PY, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "conf/launcher/cpu_2proc.yaml"),
+           "--num_processes", "2", "-m", "distill", "train", *overrides(pair, two, "train.resume=true", *base)]
+    r = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "trained by 1 process(es), this run has 2; continuing at example 4" in r.stdout + r.stderr
+    train(compose(overrides(pair, one, "train.resume=true", "train.grad_accum=2", *base)), log=lambda *_: None)
+    for d in (one, two):
+        assert json.loads((d / "step_000004" / "trainer_state.json").read_text())["examples_consumed"] == 12
+    # the witness of which examples were trained: 6 straight steps of 1 x 2 see examples 0-11, and so many tokens
+    straight = train(compose(overrides(pair, tmp_path / "straight", "train.max_steps=6", *base)), log=lambda *_: None)
+    assert json.loads((two / "summary.json").read_text())["tokens_seen"] == straight["tokens_seen"]
+    w1, w2 = (load_file(str(d / "step_000004" / "model.safetensors")) for d in (one, two))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)

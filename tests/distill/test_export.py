@@ -1,8 +1,10 @@
 """Export round trip: LoRA merged, safetensors without adapter keys, equal logits, works as assistant_model in a
 fresh process; the card names the target and the measured α/τ."""
 import json
+import os
 import subprocess
 
+import pytest
 import torch
 
 from distill.export import export, load_checkpoint_draft
@@ -97,10 +99,63 @@ def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):
 
 
 def test_export_bad_checkpoint(tmp_path, capsys):
-    import pytest
-
     from distill.__main__ import main
 
     with pytest.raises(SystemExit) as e:
         main(["export", str(tmp_path), str(tmp_path / "o")])
-    assert e.value.code == 2 and "not a distill checkpoint" in capsys.readouterr().err
+    assert e.value.code == 2 and "not a complete distill checkpoint" in capsys.readouterr().err
+
+
+def test_lora_on_tied_embeddings_exports_the_adapter_model(pair, tmp_path):
+    """tie_word_embeddings=True with LoRA on lm_head: the merge must not move the shared embedding matrix; the
+    exported model computes what base + adapter computed (it moved embeddings by 0.08 and logits by 0.70)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from distill_helpers import make_llama
+
+    tied = tmp_path / "tied"
+    make_llama(tied, pair["vocab"], layers=1, seed=3, tie=True)
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, f"draft.name_or_path={tied}", "train.lora.enabled=true",
+                            "train.lora.target_modules=[q_proj,lm_head]", "optim.lr=5e-2", "eval.temperatures=[0.0]")),
+          log=lambda *_: None)
+    out = tmp_path / "export"
+    export(run / "step_000004", out)
+    base = AutoModelForCausalLM.from_pretrained(str(tied)).eval()
+    embeddings = base.get_input_embeddings().weight.detach().clone()
+    adapter = PeftModel.from_pretrained(base, str(run / "step_000004" / "draft")).eval()
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[1, 20, 33, 47, 60, 71], [1, 9, 100, 4, 5, 6]])
+    with torch.no_grad():
+        want, got = adapter(ids).logits, exported(ids).logits
+        assert not torch.allclose(want, AutoModelForCausalLM.from_pretrained(str(tied))(ids).logits, atol=1e-3)
+    assert torch.equal(exported.get_input_embeddings().weight, embeddings)  # the merge left embeddings alone
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)  # same function (merge rounding only)
+    assert exported.config.tie_word_embeddings is False
+
+
+def test_export_never_overwrites_a_folder_it_was_not_asked_to(pair, tmp_path, capsys):
+    from distill.__main__ import main
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2", "eval.temperatures=[0.0]")), log=lambda *_: None)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README.md").write_text("my project")
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(run / "step_000002"), str(repo)])
+    assert e.value.code == 2 and "not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --overwrite replaces only an earlier export
+        main(["export", str(run / "step_000002"), str(repo), "--overwrite"])
+    assert "not a draftkit export" in capsys.readouterr().err
+    assert (repo / "README.md").read_text() == "my project" and sorted(os.listdir(repo)) == ["README.md"]
+
+    out = tmp_path / "out"
+    main(["export", str(run / "step_000002"), str(out)])
+    first = (out / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit):
+        main(["export", str(run / "step_000002"), str(out)])
+    main(["export", str(run / "step_000002"), str(out), "--overwrite"])
+    assert (out / "model.safetensors").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp folder left

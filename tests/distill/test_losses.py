@@ -152,3 +152,42 @@ def test_bad_names_and_shapes():
         check_loss_name("kld")
     with pytest.raises(ValueError, match="same shape"):
         fkl(_logits(0), _logits(1, (2, 5, 12)), _mask(), 8)
+
+
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+
+
+def _each_position(name, d, t, beta):
+    """The divergence at every position alone (mask one position, n_tokens=1): (N,) values."""
+    n = d.shape[1]
+    out = []
+    for i in range(n):
+        m = torch.zeros(1, n)
+        m[0, i] = 1
+        out.append(distill_loss(name, d, t, m, 1, beta=beta))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_exactly_zero_for_identical_inputs(name, beta, dtype):
+    """Not approximately: 0.0 at every position for identical logits (JSD(0.5) gave -6e-8 before)."""
+    x = _logits(3, shape=(1, 48, 257), scale=4.0).to(dtype)
+    x[0, ::7, ::5] = float("-inf")  # vocabulary masks on both sides
+    per = _each_position(name, x, x.clone(), beta)
+    assert torch.all(per == 0.0), per[per != 0]
+    assert distill_loss(name, x, x.clone(), torch.ones(1, 48), 48, beta=beta).item() == 0.0
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("name", NAMES)
+def test_never_negative_for_random_and_nearly_equal_logits(name, beta):
+    """Random pairs and pairs that differ by a few ulps (where rounding used to go below 0): every value >= 0."""
+    d = _logits(4, shape=(1, 48, 257), scale=4.0).float()
+    far = _logits(5, shape=(1, 48, 257), scale=4.0).float()
+    near = d + torch.randn(d.shape, generator=torch.Generator().manual_seed(6)) * 1e-6
+    for t in (far, near):
+        per = _each_position(name, d, t, beta)
+        assert torch.all(per >= 0.0), per.min()
+    assert torch.all(_each_position(name, d, far, beta) > 0)

@@ -60,7 +60,7 @@ def test_pretrain_learns_saves_and_is_reused(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert sum(p.numel() for p in model.parameters()) == result["params"]
     assert model.config.eos_token_id == AutoTokenizer.from_pretrained(str(out)).eos_token_id
-    assert not (out / pt.RESUME_FILE).exists()
+    assert not (out / pt.RESUME_DIR).exists()
 
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     again = pt.pretrain(_cfg(tmp_path), log=logs.append)
@@ -86,7 +86,7 @@ def test_interrupted_run_resumes_exactly(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         pt.pretrain(cfg, log=lambda *_: None)
     monkeypatch.setattr(pt, "sample_batch", real_sample)
-    assert torch.load(tmp_path / "b" / "model" / pt.RESUME_FILE, weights_only=False)["state"]["step"] == 3
+    assert json.loads((tmp_path / "b" / "model" / pt.RESUME_DIR / "state.json").read_text())["step"] == 3
     resumed = pt.pretrain(cfg, log=lambda *_: None)
     assert resumed["steps"] == 6 and resumed["val_loss"] == straight["val_loss"]
 

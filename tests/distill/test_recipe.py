@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from distill.models import SetupError
 from distill.recipe import lr_lambda, train
 from distill_helpers import compose, overrides
 
@@ -21,7 +22,7 @@ def _losses(out):
 
 
 def _weights(path):
-    return load_file(str(path / "accelerate" / "model.safetensors"))
+    return load_file(str(path / "model.safetensors"))
 
 
 def test_train_logs_evaluates_and_keeps_best(pair, tmp_path):
@@ -106,7 +107,7 @@ def test_resume_from_explicit_path_and_bad_path(pair, tmp_path):
     train(compose(overrides(pair, out, "train.stop_at=2")), log=lambda *_: None)
     s = train(compose(overrides(pair, out, f"train.resume={out / 'step_000002'}")), log=lambda *_: None)
     assert s["steps"] == 4
-    with pytest.raises(FileNotFoundError, match="not a distill checkpoint"):
+    with pytest.raises(SetupError, match="not a complete distill checkpoint"):
         train(compose(overrides(pair, tmp_path / "x", f"train.resume={tmp_path}")), log=lambda *_: None)
 
 

@@ -1,0 +1,276 @@
+"""Checkpoints are data: a crafted pickle in any file a loader reads is refused with an error naming the file, and its
+payload never runs (a marker file it would create stays absent). Covers training checkpoints, the earlier pickle
+layout and its converter, the pretrain resume snapshot and the pretrain token cache."""
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from distill import checkpoint as ckpt
+from distill.models import SetupError
+from distill.recipe import train
+from distill_helpers import compose, overrides
+
+NEW_FILES = ["model.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json",
+             "rng_state_0.safetensors", "rng_state_0.json", "trainer_state.json", "eval.json", "manifest.json",
+             "config.yaml"]
+
+
+class Payload:
+    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker):
+    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
+    path.unlink(missing_ok=True)
+    torch.save({"state": Payload(marker)}, path)
+
+
+def _fix_manifest(folder):
+    """Record the tampered sizes, as a crafted checkpoint would (so the loader really parses each file)."""
+    if (folder / "manifest.json").is_file():
+        try:
+            json.loads((folder / "manifest.json").read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return
+        step = json.loads((folder / "manifest.json").read_text())["step"]
+        (folder / "manifest.json").unlink()
+        ckpt.write_manifest(folder, step)
+
+
+@pytest.fixture(scope="module")
+def run(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    train(compose(overrides(pair, out, "train.max_steps=2", "eval.every=2", "eval.temperatures=[0.0]")),
+          log=lambda *_: None)
+    assert (out / "step_000002" / "eval.json").is_file()
+    return out
+
+
+def test_the_payload_runs_when_unpickled(tmp_path):
+    """The test pickle is live: plain unpickling creates the marker (so the tests below can fail)."""
+    marker = tmp_path / "marker"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()
+    marker.unlink()
+    _plant(tmp_path / "x.pt", marker)
+    torch.load(tmp_path / "x.pt", weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("name", NEW_FILES)
+def test_resume_refuses_a_pickle_in_every_file(pair, run, tmp_path, name):
+    bad = tmp_path / "step_000002"
+    shutil.copytree(run / "step_000002", bad)
+    marker = tmp_path / "marker"
+    _plant(bad / name, marker)
+    _fix_manifest(bad)
+    with pytest.raises(SetupError) as e:
+        train(compose(overrides(pair, tmp_path / "resumed", f"train.resume={bad}", "train.max_steps=3")),
+              log=lambda *_: None)
+    assert name in str(e.value) and "is not a valid" in str(e.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["draft/model.safetensors", "draft/config.json", "draft/pytorch_model.bin"])
+def test_export_refuses_a_pickle_in_the_draft_folder(run, tmp_path, name):
+    bad = tmp_path / "step_000002"
+    shutil.copytree(run / "step_000002", bad)
+    marker = tmp_path / "marker"
+    if name.endswith(".bin"):  # a pickle checkpoint in place of the safetensors one
+        (bad / "draft" / "model.safetensors").unlink()
+    _plant(bad / name, marker)
+    _fix_manifest(bad)
+    from distill.export import export
+
+    with pytest.raises(Exception):  # noqa: B017  (transformers' own error; what matters is the payload)
+        export(bad, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_truncated_or_incomplete_checkpoints_are_named(run, tmp_path):
+    bad = tmp_path / "step_000002"
+    shutil.copytree(run / "step_000002", bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="model.safetensors is missing or has the wrong size"):
+        ckpt.read_state(bad)
+    (bad / "manifest.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="not a complete distill checkpoint"):
+        ckpt.read_state(bad)
+
+
+# ------------------------------------------------------------------------------------------------ earlier layout
+
+def _legacy(pair, run, dst):
+    """A checkpoint in the earlier layout, written by the earlier writer's calls (accelerate.save_state +
+    torch.save of the scheduler), holding the same state as ``run/step_000002``."""
+    from distill.recipe import setup
+
+    cfg = compose(overrides(pair, dst.parent / "unused", "train.max_steps=2"))
+    r = setup(cfg, log=lambda *_: None)
+    ckpt.load_checkpoint(r.accelerator, r.draft, r.optimizer, r.scheduler, run / "step_000002")
+    dst.mkdir(parents=True)
+    r.accelerator.save_state(str(dst / "accelerate"))
+    torch.save(r.scheduler.state_dict(), dst / "scheduler.pt")
+    for name in ("trainer_state.json", "config.yaml"):
+        shutil.copy(run / "step_000002" / name, dst / name)
+    shutil.copytree(run / "step_000002" / "draft", dst / "draft")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def legacy(pair, run, tmp_path_factory):
+    return _legacy(pair, run, tmp_path_factory.mktemp("legacy") / "run" / "step_000002")
+
+
+def test_earlier_layout_is_refused_with_the_convert_command(pair, legacy, tmp_path):
+    with pytest.raises(SetupError, match="python -m distill convert-checkpoint"):
+        train(compose(overrides(pair, tmp_path / "r", f"train.resume={legacy}")), log=lambda *_: None)
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "accelerate/optimizer.bin", "accelerate/random_states_0.pkl"])
+def test_convert_refuses_a_pickle_payload(legacy, tmp_path, capsys, name):
+    from distill.__main__ import main
+
+    bad = tmp_path / "step_000002"
+    shutil.copytree(legacy, bad)
+    marker = tmp_path / "marker"
+    _plant(bad / name, marker)
+    with pytest.raises(SystemExit) as e:
+        main(["convert-checkpoint", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and name.split("/")[-1] in err and "not loaded" in err
+    assert not marker.exists() and (bad / "scheduler.pt").exists()  # nothing converted half-way
+
+
+def test_converted_checkpoint_resumes_like_the_original(pair, run, legacy, tmp_path):
+    from distill.__main__ import main
+    from safetensors.torch import load_file
+
+    conv = tmp_path / "conv" / "step_000002"
+    shutil.copytree(legacy, conv)
+    main(["convert-checkpoint", str(conv)])
+    assert ckpt.is_complete(conv) and not (conv / "scheduler.pt").exists() and not (conv / "accelerate").exists()
+    a, b = tmp_path / "a", tmp_path / "b"
+    for src, out in ((run / "step_000002", a), (conv, b)):
+        train(compose(overrides(pair, out, f"train.resume={src}", "train.max_steps=4", "eval.temperatures=[0.0]")),
+              log=lambda *_: None)
+    wa, wb = load_file(str(a / "step_000004" / "model.safetensors")), load_file(str(b / "step_000004" /
+                                                                                   "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ------------------------------------------------------------------------------------------------ pretrain
+
+def _pretrain_cfg(tmp_path, **kw):
+    from distill.pretrain import PretrainConfig
+
+    base = dict(out=str(tmp_path / "model"), tokenizer=str(tmp_path / "tok"), size="smoke_draft",
+                corpus="tinyshakespeare", vocab_size=300, seq_len=32, batch_size=4, budget_s=0, max_steps=2,
+                lr=3e-3, val_tokens=256, device="cpu")
+    base.update(kw)
+    return PretrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    """A pretrain resume snapshot (and the tokenizer it needs)."""
+    import distill.pretrain as pt
+
+    root = tmp_path_factory.mktemp("pre")
+    cfg = _pretrain_cfg(root)
+    tok = pt.load_or_train_tokenizer(cfg, log=lambda *_: None)
+    model = pt.build_model(cfg.size, tok, cfg.max_position_embeddings)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2]},  # pretrain's groups
+                             {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=1e-3)
+    model(input_ids=torch.tensor([[1, 5, 6]])).logits.sum().backward()
+    opt.step()
+    pt.save_resume(root / "snap", model, opt, torch.Generator().manual_seed(0), {"step": 1, "elapsed_s": 0.5,
+                                                                                  "tokens_seen": 128})
+    return root
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "optimizer.json",
+                                  "generator.safetensors", "state.json", "manifest.json"])
+def test_pretrain_resume_snapshot_refuses_a_pickle(snapshot, tmp_path, name):
+    import distill.pretrain as pt
+
+    cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
+    shutil.copytree(snapshot / "snap", tmp_path / "model" / pt.RESUME_DIR)
+    marker = tmp_path / "marker"
+    _plant(tmp_path / "model" / pt.RESUME_DIR / name, marker)
+    _fix_manifest(tmp_path / "model" / pt.RESUME_DIR)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        pt.pretrain(cfg, log=lambda *_: None)
+    assert not marker.exists()
+
+
+def test_pretrain_resumes_from_a_clean_snapshot(snapshot, tmp_path):
+    import distill.pretrain as pt
+
+    cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
+    shutil.copytree(snapshot / "snap", tmp_path / "model" / pt.RESUME_DIR)
+    logs = []
+    result = pt.pretrain(cfg, log=logs.append)
+    assert any("resuming" in m and "step 1" in m for m in logs) and result["steps"] == 2
+
+
+def test_pretrain_earlier_resume_pickle_is_refused_and_convert_checks_it(snapshot, tmp_path, capsys):
+    import distill.pretrain as pt
+    from distill.__main__ import main
+
+    cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
+    (tmp_path / "model").mkdir()
+    marker = tmp_path / "marker"
+    _plant(tmp_path / "model" / pt.LEGACY_RESUME_FILE, marker)
+    with pytest.raises(ValueError, match="convert-checkpoint"):
+        pt.pretrain(cfg, log=lambda *_: None)
+    with pytest.raises(SystemExit) as e:
+        main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
+    assert e.value.code == 2 and "resume.pt" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_pretrain_earlier_resume_pickle_of_plain_data_converts(snapshot, tmp_path):
+    """A resume.pt written by the earlier code (torch.save of plain state) converts and then resumes."""
+    import distill.pretrain as pt
+    from distill.__main__ import main
+
+    model = pt.build_model("smoke_draft", pt.load_or_train_tokenizer(_pretrain_cfg(snapshot)), 1024)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2]},
+                             {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=1e-3)
+    (tmp_path / "model").mkdir()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "generator": torch.Generator().manual_seed(0).get_state(),
+                "state": {"step": 1, "elapsed_s": 0.1, "tokens_seen": 128}},
+               tmp_path / "model" / pt.LEGACY_RESUME_FILE)
+    main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
+    logs = []
+    pt.pretrain(_pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok")), log=logs.append)
+    assert any("resuming" in m for m in logs)
+
+
+def test_pretrain_token_cache_is_safetensors_and_a_pickle_is_never_loaded(snapshot, tmp_path):
+    import distill.pretrain as pt
+
+    tok = pt.load_or_train_tokenizer(_pretrain_cfg(snapshot))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    marker = tmp_path / "marker"
+    _plant(cache / "tokens-tinyshakespeare-validation.pt", marker)  # the earlier cache name: ignored
+    ids = pt.token_stream(tok, "tinyshakespeare", "validation", cache)
+    assert (cache / "tokens-tinyshakespeare-validation.safetensors").is_file() and not marker.exists()
+    assert torch.equal(pt.token_stream(tok, "tinyshakespeare", "validation", cache), ids)  # read back from cache
+    _plant(cache / "tokens-tinyshakespeare-validation.safetensors", marker)
+    with pytest.raises(ValueError, match="token cache .* is not a safetensors file"):
+        pt.token_stream(tok, "tinyshakespeare", "validation", cache)
+    assert not marker.exists()

@@ -1,0 +1,236 @@
+"""Nothing a user made is lost: run folders are not clobbered, resume never silently restarts, pruning keeps what
+resume needs, metrics have one row per step, a kill -9 at any point resumes to the uninterrupted weights, export
+never overwrites a folder it was not asked to, and evaluation errors come after the save."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import distill.recipe as recipe
+from distill import checkpoint as ckpt
+from distill.models import SetupError
+from distill.recipe import train
+from distill_helpers import PY, REPO, compose, overrides, subprocess_env
+
+QUIET = lambda *_: None  # noqa: E731
+FAST = ("eval.temperatures=[0.0]", "eval.at_start=false")
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def _assert_same_weights(a, b):
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def _train_steps(out):
+    """Steps of the metrics.jsonl train rows, in file order."""
+    return [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if "train/loss" in line]
+
+
+@pytest.fixture(scope="module")
+def straight(pair, tmp_path_factory):
+    """4 uninterrupted steps (1 CPU thread, as the subprocess runs), checkpoints at 2 and 4."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(compose(overrides(pair, out, *FAST)), log=QUIET)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+
+def test_rerun_without_resume_is_refused_before_loading_and_changes_nothing(pair, straight, monkeypatch):
+    before = {p: p.stat().st_mtime_ns for p in straight.rglob("*")}
+    monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SetupError, match="already holds a run.*train.resume=true.*train.overwrite=true"):
+        train(compose(overrides(pair, straight, *FAST)), log=QUIET)
+    assert {p: p.stat().st_mtime_ns for p in straight.rglob("*")} == before
+
+
+def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    (out / "target_data").mkdir()
+    (out / "notes.txt").write_text("mine")
+    train(compose(overrides(pair, out, "train.overwrite=true", "train.max_steps=2", *FAST)), log=QUIET)
+    assert _train_steps(out) == [1, 2]  # the old run's rows are gone, not mixed in
+    assert sorted(p.name for p in ckpt.list_checkpoints(out)) == ["step_000002"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / "target_data").is_dir()
+
+
+def test_a_folder_holding_only_the_target_data_cache_is_a_fresh_run(pair, tmp_path):
+    out = tmp_path / "run"
+    (out / "target_data").mkdir(parents=True)
+    s = train(compose(overrides(pair, out, "train.max_steps=1", *FAST)), log=QUIET)
+    assert s["steps"] == 1
+
+
+@pytest.mark.parametrize("damage", ["no_manifest", "no_trainer_state", "truncated_weights", "empty_latest"])
+def test_resume_takes_the_newest_complete_checkpoint(pair, straight, tmp_path, damage):
+    """The newest step_N is damaged (or the pointer is empty): resume continues from step 2, prunes nothing it
+    needs, logs one row per step, and ends with the uninterrupted weights."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    newest = out / "step_000004"
+    if damage == "no_manifest":
+        (newest / "manifest.json").unlink()
+    elif damage == "no_trainer_state":
+        (newest / "trainer_state.json").unlink()
+    elif damage == "truncated_weights":
+        (newest / "model.safetensors").write_bytes((newest / "model.safetensors").read_bytes()[:100])
+    else:
+        (out / "latest").write_text("")
+        shutil.rmtree(newest)
+    assert ckpt.find_latest(out) == out / "step_000002"
+    messages = []
+    s = train(compose(overrides(pair, out, "train.resume=true", "train.keep_last=1", *FAST)), log=messages.append)
+    assert any("resumed from" in m and "step_000002" in m for m in messages) and s["steps"] == 4
+    assert _train_steps(out) == [1, 2, 3, 4]
+    _assert_same_weights(out / "step_000004", straight / "step_000004")
+    assert (out / "latest").read_text() == "step_000004"
+
+
+def test_explicit_resume_without_a_complete_checkpoint_is_an_error(pair, straight, tmp_path):
+    with pytest.raises(SetupError, match="no complete checkpoint.*no step_N"):
+        train(compose(overrides(pair, tmp_path / "empty", "train.resume=true", *FAST)), log=QUIET)
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    for p in ckpt.list_checkpoints(out):
+        (p / "manifest.json").unlink()
+    with pytest.raises(SetupError, match=r"step folders \['step_000002', 'step_000004'\] are incomplete"):
+        train(compose(overrides(pair, out, "train.resume=true", *FAST)), log=QUIET)
+    assert sorted(p.name for p in ckpt.list_checkpoints(out)) == ["step_000002", "step_000004"]
+
+
+def test_resume_from_an_older_path_would_overwrite_newer_checkpoints(pair, straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    with pytest.raises(SetupError, match=r"would overwrite its newer checkpoints \['step_000004'\]"):
+        train(compose(overrides(pair, out, f"train.resume={out / 'step_000002'}", *FAST)), log=QUIET)
+    other = tmp_path / "other"
+    (other / "x").mkdir(parents=True)
+    with pytest.raises(SetupError, match="already holds another run"):
+        train(compose(overrides(pair, other, f"train.resume={out / 'step_000002'}", *FAST)), log=QUIET)
+
+
+def test_prune_keeps_the_checkpoint_resume_needs(tmp_path, straight):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.copytree(out / "step_000004", out / "step_000006")
+    (out / "step_000006" / "manifest.json").unlink()  # a newer but incomplete folder
+    assert ckpt.prune(out, keep_last=1) == [out / "step_000002"]
+    assert (out / "step_000004").is_dir() and (out / "step_000006").is_dir()
+    assert ckpt.find_latest(out) == out / "step_000004"
+
+
+def test_resume_keeps_the_checkpoints_cost_ratio(pair, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.stop_at=2", *FAST)), log=QUIET)
+    c = json.loads((out / "step_000002" / "trainer_state.json").read_text())["cost_ratio"]
+    monkeypatch.setattr(recipe, "measure_cost_ratio", lambda *a: pytest.fail("c was measured again"))
+    messages = []
+    s = train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.resume=true", *FAST)), log=messages.append)
+    assert any(f"keeping the checkpoint's cost ratio c={c:.3f}" in m for m in messages)
+    assert s["last_eval"]["cost_ratio"] == c
+    assert json.loads((out / "step_000004" / "trainer_state.json").read_text())["cost_ratio"] == c
+
+
+def test_resume_with_another_world_size_continues_at_the_stored_example(pair, straight, tmp_path, monkeypatch):
+    """A checkpoint of 2 processes x batch 4 at step 2 (examples 0-15) resumed by 1 process: the next micro-batch
+    starts at example 16, and the log names both sizes."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "step_000004")
+    state_file = out / "step_000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state.update(num_processes=2, examples_consumed=16)
+    state_file.write_text(json.dumps(state))
+    (out / "step_000002" / "manifest.json").unlink()
+    ckpt.write_manifest(out / "step_000002", 2)
+    seen, real = [], recipe.micro_batch
+    monkeypatch.setattr(recipe, "micro_batch", lambda run, m: (seen.append(m), real(run, m))[1])
+    messages = []
+    train(compose(overrides(pair, out, "train.resume=true", *FAST)), log=messages.append)
+    assert seen == [4, 5]  # micro-batches of 4 examples: 16-19, then 20-23
+    assert any("trained by 2 process(es), this run has 1; continuing at example 16" in m for m in messages)
+    assert json.loads((out / "step_000004" / "trainer_state.json").read_text())["examples_consumed"] == 24
+
+
+def test_resume_with_a_batch_size_that_misses_the_stored_example_is_refused(pair, straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "step_000004")
+    with pytest.raises(SetupError, match="example 8, .*train.batch_size=3 .*batch_size=4"):
+        train(compose(overrides(pair, out, "train.resume=true", "train.batch_size=3", *FAST)), log=QUIET)
+
+
+def test_an_evaluation_error_loses_no_trained_step(pair, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+
+    def broken(run):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(recipe, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(compose(overrides(pair, out, "train.save_every=0", *FAST)), log=QUIET)
+    assert ckpt.find_latest(out) == out / "step_000004"  # the final save came before the final evaluation
+
+
+def test_eval_out_is_checked_before_the_run(pair, tmp_path, capsys, monkeypatch):
+    from distill.__main__ import main
+
+    monkeypatch.setattr("distill.models.load_target", lambda *a: pytest.fail("a model was loaded"))
+    for out, why in ((tmp_path / "missing" / "x.json", "does not exist"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", *overrides(pair, tmp_path / "r"), "--out", str(out)])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    existing = tmp_path / "x.json"
+    existing.write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["eval", *overrides(pair, tmp_path / "r"), "--out", str(existing)])
+    assert "--overwrite" in capsys.readouterr().err and existing.read_text() == "{}"
+
+
+# ------------------------------------------------------------------------------------------------ kill -9
+
+@pytest.mark.parametrize("point", ["step:3", "save:4", "pointer:4"],
+                         ids=["during_a_step", "during_a_save", "after_save_before_pointer"])
+def test_kill_9_then_resume_equals_the_uninterrupted_run(pair, straight, tmp_path, point):
+    out = tmp_path / "run"
+    env = dict(subprocess_env(), **{ckpt.FAULT_ENV: point})
+    r = subprocess.run([PY, "-m", "distill", "train", *overrides(pair, out, *FAST)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]  # killed by SIGKILL at the named point
+    for noise in ("Removed shared tensor", "Loading weights", "Writing model shards", "Generating train split"):
+        assert noise not in r.stdout + r.stderr  # quiet: only the run's own lines
+    expected = {"step:3": "step_000002", "save:4": "step_000002", "pointer:4": "step_000004"}[point]
+    assert ckpt.find_latest(out) == out / expected
+    if point == "save:4":
+        assert (out / "step_000004.tmp").is_dir() and not (out / "step_000004").exists()
+    if point == "pointer:4":
+        assert (out / "latest").read_text() == "step_000002"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        s = train(compose(overrides(pair, out, "train.resume=true", *FAST)), log=QUIET)
+    finally:
+        torch.set_num_threads(threads)
+    assert s["steps"] == 4 and (out / "latest").read_text() == "step_000004"
+    assert s["last_eval"]["step"] == 4  # the final evaluation is made even when the kill came before it
+    assert sorted(_train_steps(out)) == [1, 2, 3, 4] == _train_steps(out)
+    _assert_same_weights(out / "step_000004", straight / "step_000004")
+    assert not (out / "step_000004.tmp").exists()
+    assert os.listdir(out / "step_000004")  # complete, with its manifest
+    assert ckpt.is_complete(out / "step_000004")

@@ -1,0 +1,81 @@
+"""trust_remote_code stays off unless asked: a checkpoint that ships its own modeling code (auto_map) is refused by
+the decode and distill loaders with the setting that allows it, and its code runs only when that is given."""
+import json
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from distill_helpers import make_llama, make_tokenizer
+
+CODE = '''
+import pathlib
+pathlib.Path({marker!r}).touch()  # importing this module is running the checkpoint's code
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "custom_llama"
+
+
+class CustomModel(LlamaForCausalLM):
+    config_class = CustomConfig
+'''
+
+
+@pytest.fixture()
+def custom(tmp_path):
+    """A tiny Llama checkpoint whose config points at its own Python file, and the marker that file creates."""
+    import uuid
+
+    path, marker = tmp_path / f"custom_{uuid.uuid4().hex[:8]}", tmp_path / "marker"  # a fresh module name per test
+    tok = make_tokenizer(tmp_path / "tok")
+    make_llama(path, len(tok), layers=1)
+    tok.save_pretrained(str(path))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="custom_llama", architectures=["CustomModel"],
+               auto_map={"AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomModel"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "custom_llama.py").write_text(CODE.format(marker=str(marker)))
+    yield path, marker
+    import sys
+
+    from transformers.utils import HF_MODULES_CACHE
+
+    shutil.rmtree(f"{HF_MODULES_CACHE}/transformers_modules/{path.name}", ignore_errors=True)  # transformers' copy
+    for name in [m for m in sys.modules if path.name in m]:
+        del sys.modules[name]
+
+
+def test_decode_loader_refuses_remote_code_unless_asked(custom):
+    from decode.loading import load_causal_lm
+
+    path, marker = custom
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        load_causal_lm(str(path), "target")
+    assert not marker.exists()
+    model = load_causal_lm(str(path), "target", trust_remote_code=True)
+    assert type(model).__name__ == "CustomModel" and marker.exists()
+
+
+def test_decode_generate_cli_flag(custom, capsys):
+    from decode.__main__ import main
+
+    path, marker = custom
+    argv = ["generate", "--target", str(path), "--prompt", "def add", "--max-new-tokens", "2", "--json",
+            "--device", "cpu"]
+    assert main(argv) == 2 and "--trust-remote-code" in capsys.readouterr().err and not marker.exists()
+    assert main(argv + ["--trust-remote-code"]) == 0 and marker.exists()
+
+
+def test_distill_loaders_refuse_remote_code_unless_asked(custom):
+    from distill.models import SetupError, load_draft, load_target
+
+    path, marker = custom
+    with pytest.raises(SetupError, match=r"set target.trust_remote_code=true"):  # a schema key: no "+"
+        load_target(OmegaConf.create({"name_or_path": str(path)}))
+    with pytest.raises(SetupError, match="draft.trust_remote_code=true"):
+        load_draft(OmegaConf.create({"name_or_path": str(path)}), None)
+    assert not marker.exists()
+    target = load_target(OmegaConf.create({"name_or_path": str(path), "trust_remote_code": True}))
+    assert type(target).__name__ == "CustomModel" and marker.exists()

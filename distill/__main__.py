@@ -312,11 +312,17 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
                 raise SetupError("--out with a -m sweep would write every job's result to one file; run the jobs "
                                  "one by one, or leave --out out and read each job's printed JSON")
             check_output_file(opts["out"], "--out", bool(opts.get("overwrite")))
-        for job in jobs:
+        for num, job in enumerate(jobs):
             cfg = compose(job)
             if full:
                 validate(cfg)
                 check_inputs(cfg, training=name == "train")
+                if name == "train" and not cfg.train.overwrite:  # the run folder rule, for every job of a sweep
+                    from distill.checkpoint import prepare_run_folder  # (a pure check without train.overwrite)
+
+                    out = Path(cfg.train.output_dir) / str(num) if multirun else Path(cfg.train.output_dir)
+                    prepare_run_folder(out, cfg.train.resume, overwrite=False,
+                                       main=int(os.environ.get("RANK", "0")) == 0)  # rank 0 may have made it
     except SetupError as e:
         where = f" (sweep job {jobs.index(job)}: {' '.join(job)})" if multirun and "job" in locals() else ""
         _fail(f"{e}{where}")

@@ -19,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # (what the user got wrong, arguments after `python -m distill`, text the error must contain). The arguments may
-# use {tmp}, {target}, {good}, {empty}, {malformed}, {null_completion}, {a_file} and {base} (the common overrides).
+# use {tmp}, {target}, {good}, {empty}, {malformed}, {null_completion}, {a_file}, {old_run} (an earlier run's
+# folder), {sweep} (a sweep folder whose job 1 holds a run) and {base} (the common overrides).
 CASES: list[tuple[str, str, str]] = [
     ("λ not a number", "train {base} data.on_policy_fraction=half", "data.on_policy_fraction=half: expected a number"),
     ("λ out of range", "train {base} data.on_policy_fraction=1.5", "data.on_policy_fraction=1.5 must be in [0, 1]"),
@@ -65,6 +66,9 @@ CASES: list[tuple[str, str, str]] = [
     ("null completion", "train {base} data.source.path={null_completion}", "null_completion.jsonl:2: \"completion\" is null"),
     ("missing field", "train {base} data.source.prompt_field=question", "field 'question' not found"),
     ("output folder is a file", "train {base} train.output_dir={a_file}", "train.output_dir="),
+    ("run folder holds a run", "train {base} train.output_dir={old_run}", "already holds a run"),
+    ("resume with nothing to resume", "train {base} train.resume=true", "has no complete checkpoint"),
+    ("sweep job folder holds a run", "train {base} train.output_dir={sweep} -m loss=fkl,tvd", "sweep/1 already holds a run"),
     ("free-form key without +", "train {base} data.source.corpus_kwargs.max_items=3", "add a new entry with a plus"),
     ("eval --out folder missing", "eval {base} --out {tmp}/no_such_dir/x.json", "--out"),
     ("eval --out exists", "eval {base} --out {a_file}", "exists and would be overwritten"),
@@ -90,12 +94,16 @@ def make_fixtures(tmp: Path) -> dict[str, str]:
     rows_null[1]["completion"] = None
     (tmp / "null_completion.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_null))
     (tmp / "a_file.txt").write_text("not a folder\n")
+    for folder in (tmp / "old_run", tmp / "sweep" / "1"):  # an earlier run's folder (its metrics, no checkpoint)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
     data = (f"data=jsonl data.source.path={tmp}/good.jsonl data.source.completion_field=completion "
             "data.holdout=2 eval.num_prompts=2")
     common = f"draft.num_hidden_layers=1 train.cpu=true train.output_dir={tmp}/run"
     return {"tmp": str(tmp), "target": str(tmp / "target"), "good": str(tmp / "good.jsonl"),
             "empty": str(tmp / "empty.jsonl"), "malformed": str(tmp / "malformed.jsonl"),
             "null_completion": str(tmp / "null_completion.jsonl"), "a_file": str(tmp / "a_file.txt"),
+            "old_run": str(tmp / "old_run"), "sweep": str(tmp / "sweep"),
             "base": f"+target.name_or_path={tmp}/target {common} {data}",
             "base_no_target": f"{common} {data}",
             "base_no_data": f"+target.name_or_path={tmp}/target {common}"}
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             bad += not ok
             shown = args.replace("{base} ", "").replace("{base_no_target} ", "").replace("{base_no_data} ", "")
             shown = shown.replace("{base}", "").replace("{base_no_target}", "").strip()
-            for key in ("tmp", "empty", "malformed", "null_completion", "a_file"):
+            for key in ("tmp", "empty", "malformed", "null_completion", "a_file", "old_run", "sweep"):
                 shown = shown.replace("{" + key + "}", f"<{key}>")
             rows.append(f"| {_md(what)} | `python -m distill {_md(shown)}` | {r.returncode} | "
                         f"{_md(message.replace(str(tmp), '<tmp>'))} |" + ("" if ok else " **FAILED** |"))

@@ -6,6 +6,8 @@ Subcommands:
   eval           measure α/τ of a draft (draft.name_or_path) against the target on the eval prompts
   export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
   pretrain       pre-train a small target/draft pair on a text corpus (distill/pretrain.py)
+  cache-logits   score the training data with the target once; store top-k log-probs + tail (distill/logit_cache.py)
+  bench-step     time the recipe's step against its bound (target forward + draft forward/backward/optimizer)
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ SUBCOMMANDS = {
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
     "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
+    "cache-logits": "cache the target's top-k log-probs + tail mass: python -m distill cache-logits "
+                    "data.logit_cache=DIR [data.logit_cache_k=32] [k=v ...] (then train data.target_logits=cached)",
+    "bench-step": "time the recipe's step vs the bound: python -m distill bench-step [--steps N] [--out FILE] "
+                  "[k=v ...]",
 }
 
 
@@ -189,8 +195,59 @@ def cmd_pretrain(argv: list[str]) -> None:
     pretrain_main(argv)
 
 
+def run_cache_logits(cfg) -> dict:
+    """``cache-logits`` on a composed config: build (or finish) ``data.logit_cache``; returns its summary."""
+    from distill.logit_cache import build_cache
+
+    return build_cache(cfg)
+
+
+def cmd_cache_logits(argv: list[str]) -> None:
+    from omegaconf import OmegaConf
+
+    from distill.models import SetupError
+
+    args = _overrides_parser("cache-logits", SUBCOMMANDS["cache-logits"]).parse_args(argv)
+    cfg = _compose_or_exit(args.overrides)
+    if args.print_config:
+        print(OmegaConf.to_yaml(cfg))
+        return
+    try:
+        summary = run_cache_logits(cfg)
+    except SetupError as e:
+        _fail(e)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary, indent=2))
+
+
+def run_bench_step(cfg, steps: int, warmup: int, out: str | None) -> dict:
+    """``bench-step`` on a composed config: the recipe's step against its bound (distill/bench_step.py)."""
+    from distill.bench_step import bench_step
+
+    return bench_step(cfg, steps=steps, warmup=warmup, out=out)
+
+
+def cmd_bench_step(argv: list[str]) -> None:
+    from distill.models import SetupError
+
+    p = _overrides_parser("bench-step", SUBCOMMANDS["bench-step"])
+    p.add_argument("--steps", type=int, default=10, help="timed rounds (each times every part once, interleaved)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--out", help="write the JSON result here (refuses an existing file)")
+    args = p.parse_args(argv)
+    if args.out and Path(args.out).exists():
+        _fail(FileExistsError(f"--out {args.out} exists; choose another file (results are never overwritten)"))
+    if args.steps < 1 or args.warmup < 0:
+        _fail(ValueError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0"))
+    cfg = _compose_or_exit(args.overrides)
+    try:
+        run_bench_step(cfg, args.steps, args.warmup, args.out)
+    except SetupError as e:
+        _fail(e)
+
+
 COMMANDS = {"train": cmd_train, "generate-data": cmd_generate_data, "eval": cmd_eval, "export": cmd_export,
-            "pretrain": cmd_pretrain}
+            "pretrain": cmd_pretrain, "cache-logits": cmd_cache_logits, "bench-step": cmd_bench_step}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,7 +33,8 @@ from distill import checkpoint as ckpt
 from distill.data import (as_examples, build_examples, cache_key, check_lengths, collate_sequences,
                           generate_target_data, micro_batch_indices)
 from distill.evaluate import SELECT_KEYS, acceptance_eval, measure_cost_ratio
-from distill.losses import DIVERGENCES, distill_loss
+from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
+from distill.losses import DIVERGENCES, cached_distill_loss, distill_loss
 from distill.models import (ARCH_KEYS, SetupError, attach_lora, check_pair, context_length, is_local_path,
                             load_draft, load_draft_tokenizer, load_target, load_tokenizer)
 from distill.rollout import rollout
@@ -108,6 +109,10 @@ def validate_config(cfg: DictConfig) -> None:
     rt = cfg.data.get("rollout_temperature", 1.0)
     if not (isinstance(rt, (int, float)) and math.isfinite(rt) and rt >= 0):
         raise SetupError(f"data.rollout_temperature={rt!r} must be a finite number >= 0 (0 = greedy rollouts)")
+    budget = cfg.train.get("max_time_s")
+    if budget is not None and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
+        raise SetupError(f"train.max_time_s={budget!r} must be a number of seconds >= 0 (null or 0: no budget)")
+    target_logits_mode(cfg)
     lr = cfg.optim.get("lr", 1e-4)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise SetupError(f"optim.lr={lr!r} must be a finite number > 0, e.g. optim.lr=1e-4")
@@ -209,19 +214,27 @@ class Progress:
 
 # ------------------------------------------------------------------------------------------------ setup
 
-def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``."""
+def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float, time_progress: float = 0.0) -> float:
+    """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``.
+
+    ``time_progress`` (elapsed / ``train.max_time_s``, 0 without a budget) drives the decay when it is ahead of
+    the step count, so a run cut by its wall-clock budget still ends at ``min_ratio`` (as distill/pretrain.py does).
+    """
     if step < warmup:
         return (step + 1) / warmup
     if kind == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_progress))
     decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def build_optimizer(draft: Any, cfg: DictConfig) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW (no weight decay on biases and norms) and a LambdaLR warmup + decay schedule."""
+def build_optimizer(draft: Any, cfg: DictConfig, clock: dict | None = None) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (no weight decay on biases and norms) and a LambdaLR warmup + decay schedule.
+
+    ``clock`` (``{"elapsed_s", "max_time_s"}``, updated by the loop) makes the decay follow elapsed time too.
+    """
+    clock = clock if clock is not None else {"elapsed_s": 0.0, "max_time_s": 0.0}
     params = [p for p in draft.parameters() if p.requires_grad]
     if not params:
         raise SetupError("the draft has no trainable parameters (check train.lora.target_modules)")
@@ -235,7 +248,11 @@ def build_optimizer(draft: Any, cfg: DictConfig) -> tuple[torch.optim.Optimizer,
     if kind not in ("cosine", "linear", "constant"):
         raise SetupError(f"optim.scheduler={kind!r}; choose cosine|linear|constant")
     total, warmup, min_ratio = int(cfg.train.max_steps), int(cfg.optim.warmup_steps), float(cfg.optim.min_lr_ratio)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, kind, min_ratio))
+    def time_progress() -> float:
+        return clock["elapsed_s"] / clock["max_time_s"] if clock["max_time_s"] else 0.0
+
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, warmup, total, kind, min_ratio, time_progress()))
     return opt, sched
 
 
@@ -309,11 +326,17 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
     set_seed(int(cfg.train.seed))
     output_dir = Path(cfg.train.output_dir)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
-    target = load_target(cfg.target)
+    # data.target_logits=cached: the target's distribution comes from a logit cache and the target is never loaded.
+    cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
+    target = load_target(cfg.target) if cache is None else None
     draft = load_draft(cfg.draft, target)
-    vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
-    ctx = [c for c in (context_length(target), context_length(draft)) if c]
-    examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    if cache is None:
+        vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
+        ctx = [c for c in (context_length(target), context_length(draft)) if c]
+        examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    else:
+        vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
+                                                             context_length(draft))
 
     lora = bool(cfg.train.lora.enabled)
     draft_base = None
@@ -326,10 +349,13 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
                 draft.save_pretrained(draft_base)
                 tokenizer.save_pretrained(draft_base)
         draft = attach_lora(draft, cfg.train.lora)
-    target.to(accelerator.device)
+    if target is not None:
+        target.to(accelerator.device)
     draft.to(accelerator.device)
 
-    if cfg.data.completions in ("target", "both"):
+    if cache is not None:
+        pass  # the cache holds the scored sequences (target-generated ones included)
+    elif cfg.data.completions in ("target", "both"):
         generated = prepare_target_data(cfg, target, draft, tokenizer, examples, accelerator, log)
         examples = generated if cfg.data.completions == "target" else examples + generated
     elif all(not e["completion_ids"] for e in examples) and float(cfg.data.on_policy_fraction) < 1.0:
@@ -339,18 +365,21 @@ def setup(cfg: DictConfig, log: Any = print) -> dict:
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
     cost_ratio = cfg.eval.get("cost_ratio")
-    if cost_ratio is None:
+    if cost_ratio is None and target is None:
+        cost_ratio = float("nan")  # no target to time; the recipe does not evaluate in cached mode
+    elif cost_ratio is None:
         cost_ratio = measure_cost_ratio(target, draft, eval_prompts)
         if accelerator.num_processes > 1:  # timings differ per process; one c keeps checkpoint selection in step
             from accelerate.utils import broadcast_object_list
 
             cost_ratio = broadcast_object_list([cost_ratio])[0]
-    optimizer, scheduler = build_optimizer(draft, cfg)
+    clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
+    optimizer, scheduler = build_optimizer(draft, cfg, clock)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     return {"cfg": cfg, "accelerator": accelerator, "tokenizer": tokenizer, "target": target, "draft": draft,
             "vocab": vocab, "examples": examples, "eval_prompts": eval_prompts, "optimizer": optimizer,
             "scheduler": scheduler, "cost_ratio": float(cost_ratio), "draft_base": draft_base,
-            "output_dir": output_dir}
+            "output_dir": output_dir, "logit_cache": cache, "clock": clock}
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -379,29 +408,104 @@ def _vocab_slice(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
-def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
-    """Target scores the sequences (no grad), the draft too (grad); the divergence over completion tokens."""
+def target_logits_mode(cfg: DictConfig) -> str:
+    """``data.target_logits``: ``online`` (the target scores every batch) or ``cached`` (``data.logit_cache``)."""
+    mode = str(cfg.data.get("target_logits") or "online")
+    if mode not in ("online", "cached"):
+        raise SetupError(f"data.target_logits={mode!r}; choose online or cached (with data.logit_cache=PATH)")
+    return mode
+
+
+def target_distribution(run: dict, batch: dict[str, torch.Tensor], examples: list[dict]) -> tuple[str, Any]:
+    """The target's side of the loss at the N completion positions of ``batch`` (row by row, as the loss mask).
+
+    Returns ``("logits", (N, V') logits)`` from a no-grad target forward, or ``("cached", ((N, k+1) bucket
+    log-probs, (N, k) ids))`` read from the logit cache (``data.target_logits=cached``).
+    """
+    keep = batch["loss_mask"].bool()
+    cache = run["logit_cache"]
+    if cache is not None:
+        log_p, ids = cache.buckets([e["cache_row"] for e in examples])
+        if log_p.shape[0] != int(keep.sum()):
+            raise RuntimeError(f"logit cache rows give {log_p.shape[0]} positions, the batch has {int(keep.sum())}")
+        device = run["accelerator"].device
+        return "cached", (log_p.to(device, non_blocking=True), ids.to(device, non_blocking=True))
+    with torch.no_grad(), run["accelerator"].autocast():
+        logits = run["target"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return "logits", logits[keep]
+
+
+def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
+                  examples: list[dict] | None = None) -> torch.Tensor:
+    """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens.
+
+    ``examples`` are the batch's example dicts (their ``cache_row`` locates the cached target in cached mode).
+    """
     cfg, acc = run["cfg"], run["accelerator"]
     batch = {k: v.to(acc.device) for k, v in batch.items()}
-    with torch.no_grad(), acc.autocast():
-        target_logits = run["target"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    kind, target_side = target_distribution(run, batch, examples or [])
     draft_logits = run["draft"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     # Only completion positions enter the loss: select them first, so the float32 softmax work is (1, N, V)
     # instead of (B, T, V) with the prompt and padding share wasted.
     keep = batch["loss_mask"].bool()
     n_keep = int(keep.sum())
-    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits[keep], run["vocab"]).unsqueeze(0),
-                        _vocab_slice(target_logits[keep], run["vocab"]).unsqueeze(0),
-                        torch.ones(1, n_keep, device=keep.device), n_tokens, labels=batch["labels"][keep].unsqueeze(0),
-                        beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
-                        ce_weight=float(cfg.loss.ce_weight))
-    del target_logits  # (B, T, V) is the largest activation here; free it before the draft's backward
+    kw = dict(labels=batch["labels"][keep].unsqueeze(0), beta=float(cfg.loss.beta),
+              temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight))
+    draft_kept = _vocab_slice(draft_logits[keep], run["vocab"]).unsqueeze(0)
+    ones = torch.ones(1, n_keep, device=keep.device)
+    if kind == "cached":
+        log_p, ids = target_side
+        return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
+                                   **kw)
+    loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run["vocab"]).unsqueeze(0), ones,
+                        n_tokens, **kw)
+    del target_side  # (N, V) is the largest activation here; free it before the draft's backward
     return loss
 
 
-def evaluate(run: dict) -> dict:
-    """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed)."""
+def train_step(run: dict, step: int) -> dict:
+    """One optimizer step of the recipe (``train.grad_accum`` micro-batches), with no host sync on a GPU.
+
+    Returns ``loss_sum`` (a device scalar: the step's loss on this process), ``tokens`` (completion tokens of the
+    window over all processes), ``grad_norm`` (device scalar, None under DeepSpeed) and ``on_policy_fraction``.
+    """
     cfg, acc = run["cfg"], run["accelerator"]
+    draft, optimizer, scheduler = run["draft"], run["optimizer"], run["scheduler"]
+    accum, world = int(cfg.train.grad_accum), acc.num_processes
+    micro_ids = [(step * accum + j) * world + acc.process_index for j in range(accum)]
+    drawn = [micro_batch(run, m) for m in micro_ids]
+    batches = [collate_sequences(b, run["tokenizer"].pad_token_id) for b, _ in drawn]
+    # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients). The count is
+    # known on the host; only a multi-process run needs a collective for it.
+    n_local = float(sum(int(b["loss_mask"].sum()) for b in batches))
+    n_global = n_local
+    if world > 1:
+        n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device), reduction="sum").item())
+    n_tokens = n_global / world
+    loss_sum = torch.zeros((), device=acc.device)
+    for j, batch in enumerate(batches):
+        sync = j == accum - 1
+        with acc.no_sync(draft) if not sync else contextlib.nullcontext():
+            loss = loss_on_batch(run, batch, n_tokens, drawn[j][0])
+            acc.backward(loss)
+        loss_sum += loss.detach()
+    max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")
+    grad_norm = acc.clip_grad_norm_(draft.parameters(), max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss_sum": loss_sum, "tokens": int(n_global), "grad_norm": grad_norm,
+            "on_policy_fraction": sum(p for _, p in drawn) / accum}
+
+
+def evaluate(run: dict) -> dict | None:
+    """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed).
+
+    None in cached mode (no target loaded): measure afterwards with ``python -m distill eval``.
+    """
+    cfg, acc = run["cfg"], run["accelerator"]
+    if run["target"] is None:
+        return None
     return acceptance_eval(run["target"], acc.unwrap_model(run["draft"]), run["eval_prompts"], run["tokenizer"],
                            list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
                            max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
@@ -494,8 +598,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
 
     def maybe_eval_and_save(step: int, force: bool) -> None:
         every, save_every = int(cfg.eval.every), int(cfg.train.save_every)
-        if force or (every and step % every == 0):
-            ev = evaluate(run)
+        ev = evaluate(run) if force or (every and step % every == 0) else None
+        if ev is not None:
             state["last_eval"] = {"step": step, **ev}
             logger.log_eval(ev, step)
             log(f"step {step}: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
@@ -510,62 +614,68 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                 ckpt.mark_latest(out, path)
                 ckpt.prune(out, int(cfg.train.keep_last))
 
-    if state["step"] == 0 and cfg.eval.get("at_start", True):
+    if run["target"] is None:
+        log("cached target logits: no acceptance evaluation during training (the target is not loaded); measure the "
+            "result with python -m distill eval +target.name_or_path=T draft.name_or_path=<output_dir>/step_N")
+    elif state["step"] == 0 and cfg.eval.get("at_start", True):
         ev = evaluate(run)
         state["initial_eval"] = ev
         logger.log_eval(ev, 0)
         log(f"initial draft: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
 
-    draft, optimizer, scheduler = run["draft"], run["optimizer"], run["scheduler"]
+    draft, scheduler = run["draft"], run["scheduler"]
     progress = Progress(str(cfg.train.progress), stop_at, state["step"], acc.is_main_process)
     draft.train()
     loss_value = float("nan")
+    max_time_s = float(cfg.train.get("max_time_s") or 0)
+    clock = run["clock"]
+    clock.update(elapsed_s=float(state.get("elapsed_s", 0.0)), max_time_s=max_time_s)
+    if max_time_s:
+        log(f"wall-clock budget: {max_time_s:.0f}s (the LR schedule follows elapsed time; {clock['elapsed_s']:.0f}s "
+            "spent)")
     with _StopFlag() as flag:
         while state["step"] < stop_at:
-            step = state["step"]
             t0 = time.perf_counter()
-            micro_ids = [(step * accum + j) * world + acc.process_index for j in range(accum)]
-            drawn = [micro_batch(run, m) for m in micro_ids]
-            batches = [collate_sequences(b, run["tokenizer"].pad_token_id) for b, _ in drawn]
-            # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients).
-            n_local = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=acc.device)
-            n_global = acc.reduce(n_local, reduction="sum")
-            n_tokens = n_global / world
-            loss_sum = torch.zeros((), device=acc.device)
-            for j, batch in enumerate(batches):
-                sync = j == accum - 1
-                with acc.no_sync(draft) if not sync else contextlib.nullcontext():
-                    loss = loss_on_batch(run, batch, n_tokens)
-                    acc.backward(loss)
-                loss_sum += loss.detach()
-            max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")
-            grad_norm = acc.clip_grad_norm_(draft.parameters(), max_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] = step = step + 1
-            state["tokens_seen"] += int(n_global.item())
+            out_step = train_step(run, state["step"])
+            state["step"] = step = state["step"] + 1
+            state["tokens_seen"] += out_step["tokens"]
             state["examples_consumed"] = step * accum * world * int(cfg.train.batch_size)  # the data position
-            loss_value = float(acc.reduce(loss_sum, reduction="mean").item())
+            log_now = step % int(cfg.train.log_every) == 0 or step == 1 or step == stop_at
+            if log_now or flag.stop:  # the loss is read (a host sync) only when it is shown
+                loss_value = float(acc.reduce(out_step["loss_sum"], reduction="mean").item())
             dt = time.perf_counter() - t0
-            tokens_per_s = float(n_global.item()) / max(dt, 1e-9)
+            tokens_per_s = out_step["tokens"] / max(dt, 1e-9)
             progress.update(loss_value, tokens_per_s)
-            if step % int(cfg.train.log_every) == 0 or step == 1:
+            if log_now:
+                grad_norm = out_step["grad_norm"]
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
                 logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
                             "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s,
-                            "train/tokens_seen": state["tokens_seen"],
-                            "train/on_policy_fraction_batch": sum(p for _, p in drawn) / accum}, step)
-            stop_now = flag.stop or step == stop_at
+                            "train/tokens_seen": state["tokens_seen"], "train/elapsed_s": clock["elapsed_s"],
+                            "train/on_policy_fraction_batch": out_step["on_policy_fraction"]}, step)
+            out_of_time = bool(max_time_s) and clock["elapsed_s"] + (time.perf_counter() - t0) >= max_time_s
+            if max_time_s and acc.num_processes > 1:  # every process must stop at the same step
+                flag_t = torch.tensor(float(out_of_time), device=acc.device)
+                out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
+            stop_now = flag.stop or step == stop_at or out_of_time
             maybe_eval_and_save(step, force=stop_now)
+            clock["elapsed_s"] += time.perf_counter() - t0  # eval and checkpoint time count against the budget
+            state["elapsed_s"] = clock["elapsed_s"]
             if flag.stop:
                 log(f"stopped by signal at step {step}; resume with train.resume=true")
+                break
+            if out_of_time:
+                log(f"train.max_time_s={max_time_s:.0f} reached at step {step} ({clock['elapsed_s']:.0f}s)")
                 break
     progress.close()
     logger.finish()
     summary = {"steps": state["step"], "max_steps": max_steps, "final_loss": loss_value,
                "tokens_seen": state["tokens_seen"], "best": state["best"], "last_eval": state["last_eval"],
-               "initial_eval": state.get("initial_eval"), "num_processes": world, "output_dir": str(out)}
+               "initial_eval": state.get("initial_eval"), "num_processes": world, "output_dir": str(out),
+               "elapsed_s": state.get("elapsed_s"), "target_logits": target_logits_mode(cfg),
+               "peak_memory_mb": peak_memory_mb(acc.device)}
+    log(f"peak memory {summary['peak_memory_mb']:.0f} MiB ({'CUDA allocated' if acc.device.type == 'cuda' else 'RSS'}"
+        f", target logits {summary['target_logits']})")
     if acc.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     acc.end_training()

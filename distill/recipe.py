@@ -416,23 +416,63 @@ def target_logits_mode(cfg: DictConfig) -> str:
     return mode
 
 
-def target_distribution(run: dict, batch: dict[str, torch.Tensor], examples: list[dict]) -> tuple[str, Any]:
+def kept_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Where the loss is computed, found on the host (no device sync): ``(columns, flat_index)``.
+
+    ``columns`` (C,) are the sequence positions where any row has a completion token (None when that is all L
+    of them), to pass as ``logits_to_keep`` so the lm_head runs on C positions instead of L; ``flat_index`` (N,)
+    picks the kept positions out of the (B·C) rows, row by row, in the order of ``loss_mask`` (B, L).
+    """
+    keep = loss_mask.bool()
+    cols = keep.any(0).nonzero().squeeze(1)
+    if len(cols) == keep.shape[1]:
+        return None, keep.flatten().nonzero().squeeze(1)
+    return cols, keep[:, cols].flatten().nonzero().squeeze(1)
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    """True when the (unwrapped: DDP/FSDP/DeepSpeed ``.module``, peft base) model's forward takes logits_to_keep."""
+    import inspect
+
+    for _ in range(4):
+        model = getattr(model, "module", model)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def kept_logits(run: dict, who: str, batch: dict[str, torch.Tensor], where: tuple) -> torch.Tensor:
+    """(N, V') logits of ``run[who]`` at the kept positions; the lm_head sees only the kept columns when the
+    model supports ``logits_to_keep`` (Hugging Face causal LMs do), which also shrinks the (B, L, V) logits."""
+    model, (cols, flat) = run[who], where
+    support = run.setdefault("_logits_to_keep", {})
+    if who not in support:
+        support[who] = _accepts_logits_to_keep(model)
+    kw = {"logits_to_keep": cols.to(batch["input_ids"].device)} if cols is not None and support[who] else {}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kw).logits
+    if not kw and cols is not None:
+        logits = logits[:, cols.to(logits.device)]
+    return logits.flatten(0, 1).index_select(0, flat.to(logits.device))
+
+
+def target_distribution(run: dict, batch: dict[str, torch.Tensor], examples: list[dict],
+                        where: tuple | None = None) -> tuple[str, Any]:
     """The target's side of the loss at the N completion positions of ``batch`` (row by row, as the loss mask).
 
     Returns ``("logits", (N, V') logits)`` from a no-grad target forward, or ``("cached", ((N, k+1) bucket
-    log-probs, (N, k) ids))`` read from the logit cache (``data.target_logits=cached``).
+    log-probs, (N, k) ids))`` read from the logit cache (``data.target_logits=cached``). ``where`` is
+    :func:`kept_positions` of the batch's loss mask (computed here when None).
     """
-    keep = batch["loss_mask"].bool()
+    where = where if where is not None else kept_positions(batch["loss_mask"].cpu())
     cache = run["logit_cache"]
     if cache is not None:
         log_p, ids = cache.buckets([e["cache_row"] for e in examples])
-        if log_p.shape[0] != int(keep.sum()):
-            raise RuntimeError(f"logit cache rows give {log_p.shape[0]} positions, the batch has {int(keep.sum())}")
+        if log_p.shape[0] != len(where[1]):
+            raise RuntimeError(f"logit cache rows give {log_p.shape[0]} positions, the batch has {len(where[1])}")
         device = run["accelerator"].device
         return "cached", (log_p.to(device, non_blocking=True), ids.to(device, non_blocking=True))
     with torch.no_grad(), run["accelerator"].autocast():
-        logits = run["target"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return "logits", logits[keep]
+        return "logits", kept_logits(run, "target", batch, where)
 
 
 def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
@@ -440,19 +480,19 @@ def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Ten
     """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens.
 
     ``examples`` are the batch's example dicts (their ``cache_row`` locates the cached target in cached mode).
+    Only completion positions reach the lm_heads and the loss, so the float32 softmax work is (N, V), not
+    (B, L, V) with the prompt and padding share wasted; positions are found on the host (no device sync).
     """
     cfg, acc = run["cfg"], run["accelerator"]
-    batch = {k: v.to(acc.device) for k, v in batch.items()}
-    kind, target_side = target_distribution(run, batch, examples or [])
-    draft_logits = run["draft"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    # Only completion positions enter the loss: select them first, so the float32 softmax work is (1, N, V)
-    # instead of (B, T, V) with the prompt and padding share wasted.
-    keep = batch["loss_mask"].bool()
-    n_keep = int(keep.sum())
-    kw = dict(labels=batch["labels"][keep].unsqueeze(0), beta=float(cfg.loss.beta),
+    where = kept_positions(batch["loss_mask"])
+    n_keep = len(where[1])
+    labels = batch["labels"].flatten()[batch["loss_mask"].bool().flatten()]
+    batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
+    kind, target_side = target_distribution(run, batch, examples or [], where)
+    draft_kept = _vocab_slice(kept_logits(run, "draft", batch, where), run["vocab"]).unsqueeze(0)  # (1, N, V)
+    kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
               temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight))
-    draft_kept = _vocab_slice(draft_logits[keep], run["vocab"]).unsqueeze(0)
-    ones = torch.ones(1, n_keep, device=keep.device)
+    ones = torch.ones(1, n_keep, device=acc.device)
     if kind == "cached":
         log_p, ids = target_side
         return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,

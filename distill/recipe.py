@@ -698,8 +698,11 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                 flag_t = torch.tensor(float(out_of_time), device=acc.device)
                 out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
             stop_now = flag.stop or step == stop_at or out_of_time
+            t1 = time.perf_counter()
+            clock["elapsed_s"] += t1 - t0
+            state["elapsed_s"] = clock["elapsed_s"]  # saved with the checkpoint: a resumed run keeps its schedule
             maybe_eval_and_save(step, force=stop_now)
-            clock["elapsed_s"] += time.perf_counter() - t0  # eval and checkpoint time count against the budget
+            clock["elapsed_s"] += time.perf_counter() - t1  # eval and checkpoint time count against the budget
             state["elapsed_s"] = clock["elapsed_s"]
             if flag.stop:
                 log(f"stopped by signal at step {step}; resume with train.resume=true")

@@ -114,3 +114,35 @@ def test_cache_logits_cli_under_two_processes(pair, tmp_path):
     bad = subprocess.run([PY, "-m", "distill", "cache-logits", *overrides(pair, tmp_path / "r")], cwd=REPO,
                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "data.logit_cache" in bad.stderr
+
+
+def test_max_time_s_stops_with_a_checkpoint_and_the_lr_follows_time(pair, tmp_path):
+    from distill.recipe import lr_lambda
+
+    # the decay follows elapsed time when it is ahead of the step count
+    assert lr_lambda(10, 2, 1000, "cosine", 0.1, time_progress=1.0) == pytest.approx(0.1)
+    assert lr_lambda(10, 2, 1000, "cosine", 0.1, time_progress=0.5) == pytest.approx(0.55)
+    assert lr_lambda(10, 2, 1000, "cosine", 0.1) > 0.99
+    out = tmp_path / "run"
+    summary = train(compose(overrides(pair, out, "train.max_steps=1000", "train.max_time_s=0.001",
+                                      "train.save_every=0")), log=lambda *_: None)
+    assert summary["steps"] == 1 and summary["elapsed_s"] > 0
+    assert (out / "step_000001" / "trainer_state.json").exists() and summary["last_eval"] is not None
+    with pytest.raises(SetupError, match="train.max_time_s"):
+        train(compose(overrides(pair, tmp_path / "bad", "train.max_time_s=-1")))
+
+
+def test_bench_step_cli_writes_json_and_never_overwrites(pair, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [PY, "-m", "distill", "bench-step", "--steps", "1", "--warmup", "0", "--out", str(out),
+           *overrides(pair, tmp_path / "run")]
+    r = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"recipe_step", "target_forward", "draft_forward_backward_optimizer", "collate",
+            "divergence_forward_backward", "recipe_step_full_logits"} <= set(result["median_ms"])
+    assert result["bound_ms"] == pytest.approx(result["median_ms"]["target_forward"] +
+                                               result["median_ms"]["draft_forward_backward_optimizer"])
+    assert "bound / recipe step" in r.stdout
+    again = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists" in again.stderr

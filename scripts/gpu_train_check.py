@@ -61,6 +61,8 @@ def build_inputs(root: Path) -> dict:
                           num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
                           bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
         model = LlamaForCausalLM(cfg)
+        with torch.no_grad():  # sharper than random init: losses of order 1, so bf16-vs-fp32 differences mean something
+            model.lm_head.weight.mul_(8.0)
         model.save_pretrained(str(paths[name]))
         fast.save_pretrained(str(paths[name]))
         print(f"built {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)

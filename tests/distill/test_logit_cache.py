@@ -146,3 +146,24 @@ def test_bench_step_cli_writes_json_and_never_overwrites(pair, tmp_path):
     assert "bound / recipe step" in r.stdout
     again = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_kept_positions_select_the_loss_mask_positions_with_logits_to_keep(pair):
+    from transformers import AutoModelForCausalLM
+
+    from distill.recipe import kept_logits, kept_positions
+
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0]])
+    cols, flat = kept_positions(mask)
+    assert cols.tolist() == [2, 3, 4] and len(flat) == int(mask.sum())
+    model = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        full = model(**batch).logits[mask.bool()]
+        kept = kept_logits({"target": model}, "target", batch, (cols, flat))
+        assert torch.allclose(kept, full, atol=1e-5)
+        run = {"target": model, "_logits_to_keep": {"target": False}}  # a model without logits_to_keep
+        assert torch.allclose(kept_logits(run, "target", batch, (cols, flat)), full, atol=1e-5)
+    all_cols, all_flat = kept_positions(torch.ones(2, 3, dtype=torch.long))
+    assert all_cols is None and all_flat.tolist() == list(range(6))

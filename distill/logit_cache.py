@@ -227,12 +227,16 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     base_examples, _ = load_data(cfg, tokenizer, None)
     expected = expected_manifest(cfg, tokenizer, base_examples)
     manifest_file = out / MANIFEST
+    shard_size = int(cfg.data.get("logit_cache_shard_size") or 256)
     if manifest_file.exists():
         old = json.loads(manifest_file.read_text())
         check_manifest(old, expected, out)
         if old.get("complete"):
             log(f"logit cache {out} is complete; nothing to do")
             return {**summarize(out, old), "seconds": 0.0}
+        if int(old.get("shard_size", shard_size)) != shard_size:
+            raise SetupError(f"the unfinished logit cache {out} uses data.logit_cache_shard_size="
+                             f"{old['shard_size']}; resume it with that value (shards would not line up)")
     target = load_target(cfg.target)
     target.to(acc.device)
     vocab = check_pair(target, None, tokenizer)
@@ -242,7 +246,6 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
         draft = load_draft(cfg.draft, target).eval().to(acc.device) if cfg.draft.get("name_or_path") else None
         generated = prepare_target_data(cfg, target, draft, tokenizer, examples, acc, log)
         examples = generated if cfg.data.completions == "target" else examples + generated
-    shard_size = int(cfg.data.get("logit_cache_shard_size") or 256)
     n_shards = (len(examples) + shard_size - 1) // shard_size
     manifest = {"format": FORMAT_VERSION, **expected, "vocab": int(vocab), "num_examples": len(examples),
                 "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(cfg.train.mixed_precision),

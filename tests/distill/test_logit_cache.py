@@ -51,6 +51,8 @@ def test_cache_matches_a_fresh_target_forward_and_resumes(pair, tmp_path):
     (cache_dir / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SetupError, match="incomplete"):
         LogitCache(cache_dir)
+    with pytest.raises(SetupError, match="data.logit_cache_shard_size=16"):
+        build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 8, "data.logit_cache_shard_size=8")))
     build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 8)), log=lambda *_: None)
     assert (cache_dir / "shards" / "00001" / "dataset_info.json").exists()
     assert (cache_dir / "shards" / "00000" / "dataset_info.json").stat().st_mtime_ns == kept

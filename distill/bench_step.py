@@ -80,7 +80,7 @@ def _parts(run: dict) -> dict[str, Callable[[int], Callable[[], Any]]]:
         n = int(keep.sum())
         with torch.no_grad(), acc.autocast():
             d = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[keep]
-        kind, t = target_distribution(run, batch, examples)
+        kind, t = target_distribution(run, batch, [e.get("cache_row") for e in examples])
         ones = torch.ones(1, n, device=acc.device)
         kw = dict(beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature))
 

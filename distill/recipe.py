@@ -455,18 +455,19 @@ def kept_logits(run: dict, who: str, batch: dict[str, torch.Tensor], where: tupl
     return logits.flatten(0, 1).index_select(0, flat.to(logits.device))
 
 
-def target_distribution(run: dict, batch: dict[str, torch.Tensor], examples: list[dict],
+def target_distribution(run: dict, batch: dict[str, torch.Tensor], rows: list[int] | None = None,
                         where: tuple | None = None) -> tuple[str, Any]:
     """The target's side of the loss at the N completion positions of ``batch`` (row by row, as the loss mask).
 
     Returns ``("logits", (N, V') logits)`` from a no-grad target forward, or ``("cached", ((N, k+1) bucket
     log-probs, (N, k) ids))`` read from the logit cache (``data.target_logits=cached``). ``where`` is
-    :func:`kept_positions` of the batch's loss mask (computed here when None).
+    :func:`kept_positions` of the batch's loss mask (computed here when None); ``rows`` are the cache rows of the
+    batch's examples (cached mode only).
     """
     where = where if where is not None else kept_positions(batch["loss_mask"].cpu())
     cache = run["logit_cache"]
     if cache is not None:
-        log_p, ids = cache.buckets([e["cache_row"] for e in examples])
+        log_p, ids = cache.buckets(rows)
         if log_p.shape[0] != len(where[1]):
             raise RuntimeError(f"logit cache rows give {log_p.shape[0]} positions, the batch has {len(where[1])}")
         device = run["accelerator"].device
@@ -475,11 +476,10 @@ def target_distribution(run: dict, batch: dict[str, torch.Tensor], examples: lis
         return "logits", kept_logits(run, "target", batch, where)
 
 
-def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
-                  examples: list[dict] | None = None) -> torch.Tensor:
+def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
     """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens.
 
-    ``examples`` are the batch's example dicts (their ``cache_row`` locates the cached target in cached mode).
+    In cached mode ``batch["cache_rows"]`` (B,) locates the examples' cached target distributions.
     Only completion positions reach the lm_heads and the loss, so the float32 softmax work is (N, V), not
     (B, L, V) with the prompt and padding share wasted; positions are found on the host (no device sync).
     """
@@ -487,8 +487,9 @@ def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Ten
     where = kept_positions(batch["loss_mask"])
     n_keep = len(where[1])
     labels = batch["labels"].flatten()[batch["loss_mask"].bool().flatten()]
-    batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
-    kind, target_side = target_distribution(run, batch, examples or [], where)
+    rows = batch["cache_rows"].tolist() if "cache_rows" in batch else None
+    batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items() if k != "cache_rows"}
+    kind, target_side = target_distribution(run, batch, rows, where)
     draft_kept = _vocab_slice(kept_logits(run, "draft", batch, where), run["vocab"]).unsqueeze(0)  # (1, N, V)
     kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
               temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight))
@@ -515,6 +516,9 @@ def train_step(run: dict, step: int) -> dict:
     micro_ids = [(step * accum + j) * world + acc.process_index for j in range(accum)]
     drawn = [micro_batch(run, m) for m in micro_ids]
     batches = [collate_sequences(b, run["tokenizer"].pad_token_id) for b, _ in drawn]
+    if run["logit_cache"] is not None:  # where each example's target distribution sits in the cache
+        for batch, (examples, _) in zip(batches, drawn):
+            batch["cache_rows"] = torch.tensor([e["cache_row"] for e in examples])
     # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients). The count is
     # known on the host; only a multi-process run needs a collective for it.
     n_local = float(sum(int(b["loss_mask"].sum()) for b in batches))
@@ -526,7 +530,7 @@ def train_step(run: dict, step: int) -> dict:
     for j, batch in enumerate(batches):
         sync = j == accum - 1
         with acc.no_sync(draft) if not sync else contextlib.nullcontext():
-            loss = loss_on_batch(run, batch, n_tokens, drawn[j][0])
+            loss = loss_on_batch(run, batch, n_tokens)
             acc.backward(loss)
         loss_sum += loss.detach()
     max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")

@@ -109,8 +109,8 @@ def _parts(run: dict) -> dict[str, Callable[[int], Callable[[], Any]]]:
                 run["_logits_to_keep"] = saved if saved is not None else {}
         return fn
 
-    parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits, "collate": collate, "draft_forward_backward_optimizer": draft_update,
-             "divergence_forward_backward": divergence}
+    parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits, "collate": collate,
+             "draft_forward_backward_optimizer": draft_update, "divergence_forward_backward": divergence}
     if run["target"] is not None:
         parts["target_forward"] = target_forward
     return parts

@@ -90,7 +90,11 @@ def data_fingerprint(examples: list[dict], cfg: Any) -> str:
 def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | None = None) -> dict:
     """The manifest fields a config implies (cheap: no model is loaded); ``examples`` as ``load_data`` returns
     them without a context limit; ``k`` overrides ``data.logit_cache_k`` (train reads a null k from the cache)."""
-    return {"target": str(cfg.target.name_or_path), "target_hash": target_fingerprint(str(cfg.target.name_or_path)),
+    from distill.models import is_local_path
+
+    name = str(cfg.target.name_or_path)
+    name = str(Path(name).expanduser().resolve()) if is_local_path(name) else name  # relative vs absolute: same
+    return {"target": name, "target_hash": target_fingerprint(name),
             "tokenizer_hash": tokenizer_fingerprint(tokenizer), "k": int(k or cfg.data.logit_cache_k),
             "temperature": float(cfg.loss.get("temperature", 1.0)), "data_fingerprint": data_fingerprint(examples, cfg)}
 

@@ -155,7 +155,8 @@ def main() -> int:
     reference_cached = losses(ref_c)
 
     for launcher in LAUNCHERS:
-        name, run_dir, log = f"{launcher} (1 process)" if not TINY else launcher, out / launcher, out / f"{launcher}.log"
+        name = launcher if TINY else f"{launcher} (1 process)"
+        run_dir, log = out / launcher, out / f"{launcher}.log"
         if launcher.startswith("deepspeed"):
             import importlib.util
 

@@ -240,6 +240,11 @@ def cmd_bench_step(argv: list[str]) -> None:
     if args.steps < 1 or args.warmup < 0:
         _fail(ValueError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0"))
     cfg = _compose_or_exit(args.overrides)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg))
+        return
     try:
         run_bench_step(cfg, args.steps, args.warmup, args.out)
     except SetupError as e:

@@ -7,8 +7,10 @@ Subcommands:
   export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
   pretrain       pre-train a small target/draft pair on a text corpus (distill/pretrain.py)
   convert-checkpoint  CHECKPOINT: rewrite a checkpoint of the earlier pickle layout as safetensors + JSON
+  cache-logits   score the training data with the target once; store top-k log-probs + tail (distill/logit_cache.py)
+  bench-step     time the recipe's step against its bound (target forward + draft forward/backward/optimizer)
 
-``train``, ``generate-data`` and ``eval`` are Hydra apps over ``conf/`` with the typed schema of
+``train``, ``generate-data``, ``eval``, ``cache-logits`` and ``bench-step`` are Hydra apps over ``conf/`` with the typed schema of
 ``distill/config.py``. Before Hydra runs anything, every job's overrides (each job of a ``-m`` sweep) are composed
 and checked: a bad override, an unknown key, a wrong type, an out-of-range value, a missing or malformed data file
 is reported as ``error: ...`` naming the setting and the fix, with exit code 2 and nothing loaded.
@@ -33,6 +35,10 @@ SUBCOMMANDS = {
     "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
     "convert-checkpoint": "rewrite a checkpoint of the earlier pickle layout as safetensors + JSON: "
                           "python -m distill convert-checkpoint CHECKPOINT",
+    "cache-logits": "cache the target's top-k log-probs + tail mass: python -m distill cache-logits "
+                    "data.logit_cache=DIR [data.logit_cache_k=32] [k=v ...] (then train data.target_logits=cached)",
+    "bench-step": "time the recipe's step vs the bound: python -m distill bench-step [--steps N] [--out FILE] "
+                  "[k=v ...]",
 }
 # Flags Hydra itself takes (passed through); --print-config is kept as an alias of --cfg job.
 HYDRA_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name",
@@ -264,7 +270,9 @@ def run_eval(cfg: Any, opts: dict) -> None:
 
 
 HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {
-    "train": run_train, "generate-data": run_generate_data, "eval": run_eval}
+    "train": run_train, "generate-data": run_generate_data, "eval": run_eval,
+    "cache-logits": lambda cfg, opts: run_cache_logits(cfg, opts),
+    "bench-step": lambda cfg, opts: run_bench_step(cfg, opts)}  # defined with the other commands below
 
 
 def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]:
@@ -274,7 +282,16 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
     for a in it:
         if a == "--print-config":
             flags += ["--cfg", "job"]
-        elif name == "eval" and (a in ("--out", "--overwrite") or a.startswith("--out=")):
+        elif name == "bench-step" and (a in ("--steps", "--warmup") or a.startswith(("--steps=", "--warmup="))):
+            key = a.split("=", 1)[0][2:]
+            value = a.split("=", 1)[1] if "=" in a else next(it, None)
+            try:
+                opts[key] = int(value)
+            except (TypeError, ValueError):
+                _fail(f"--{key} needs a whole number, e.g. --{key} 10 (got {value!r})")
+            if opts[key] < (1 if key == "steps" else 0):
+                _fail(f"--{key} {opts[key]} must be >= {1 if key == 'steps' else 0}")
+        elif name in ("eval", "bench-step") and (a in ("--out", "--overwrite") or a.startswith("--out=")):
             if a == "--overwrite":
                 opts["overwrite"] = True
             else:
@@ -420,6 +437,22 @@ def cmd_convert_checkpoint(argv: list[str]) -> None:
     except CheckpointError as e:
         _fail(e)
     print(json.dumps({"converted": str(path)}))
+
+
+def run_cache_logits(cfg: Any, opts: dict) -> None:
+    """``cache-logits`` on a composed config: build (or finish) ``data.logit_cache`` and print its summary."""
+    from distill.logit_cache import build_cache
+
+    summary = build_cache(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary, indent=2))
+
+
+def run_bench_step(cfg: Any, opts: dict) -> None:
+    """``bench-step`` on a composed config: the recipe's step against its bound (distill/bench_step.py)."""
+    from distill.bench_step import bench_step
+
+    bench_step(cfg, steps=int(opts.get("steps", 10)), warmup=int(opts.get("warmup", 2)), out=opts.get("out"))
 
 
 COMMANDS = {"export": cmd_export, "pretrain": cmd_pretrain, "convert-checkpoint": cmd_convert_checkpoint}

@@ -105,6 +105,8 @@ class DataConfig:
     rollout_temperature: float = 1.0            # draft sampling temperature of rollouts
     target_logits: str = "online"               # online (target forward per step) | cached (data.logit_cache)
     logit_cache: Optional[str] = None           # folder of cached target logits (data.target_logits=cached)
+    logit_cache_k: Optional[int] = 32           # ids kept per position (top-k + tail); train with null: the cache's k
+    logit_cache_shard_size: int = 256           # examples per cache shard (unit of resume and of the process split)
 
 
 @dataclass
@@ -224,7 +226,8 @@ HELP = {  # hydra/help=distill (conf/config.yaml): what `python -m distill train
               "  python -m distill ${hydra.job.name} ... --cfg job            (print the composed config, exit)\n"
               "  python -m distill ${hydra.job.name} ... -m loss=fkl,tvd,jsd  (a sweep: one run folder per job)\n"
               "launcher/ holds accelerate configs (accelerate launch --config_file conf/launcher/NAME.yaml), not a "
-              "Hydra group.\nEvery key's type and allowed values: distill/config.py and docs/distill.md.",
+              "Hydra group.\nOwn options: eval --out FILE [--overwrite]; bench-step --steps N (10) --warmup N (2) "
+              "--out FILE (never overwritten).\nEvery key's type and allowed values: distill/config.py and docs/distill.md.",
     "template": "${hydra.help.header}\n\n"
                 "== Config groups (group=option; target and experiment: +target=NAME, +experiment=NAME) ==\n"
                 "$APP_CONFIG_GROUPS\n\n== Keys and their defaults (key=value) ==\n$CONFIG\n"
@@ -262,6 +265,7 @@ AT_LEAST = {
     "data.source.prompt_tokens": 1, "data.source.completion_tokens": 1,
     "data.source.windows_per_doc": 1, "data.source.limit": 1, "data.max_prompt_tokens": 1, "data.max_new_tokens": 1,
     "data.holdout": 0, "data.target_generated.batch_size": 1, "data.target_generated.shard_size": 1,
+    "data.logit_cache_k": 1, "data.logit_cache_shard_size": 1,
     "loss.gamma": 1, "optim.warmup_steps": 0, "train.max_steps": 1, "train.stop_at": 1, "train.batch_size": 1,
     "train.grad_accum": 1, "train.save_every": 0, "train.keep_last": 1, "train.log_every": 1, "train.lora.r": 1,
     "eval.num_prompts": 1, "eval.every": 0, "eval.num_draft_tokens": 1, "eval.max_new_tokens": 1,
@@ -278,11 +282,11 @@ IN_RANGE = {
     "optim.min_lr_ratio": (0.0, 1.0, "final lr / peak lr"),
     "optim.max_grad_norm": (0.0, None, "0 or null: no clipping"),
     "train.lora.dropout": (0.0, 1.0, "adapter dropout probability"),
+    "train.max_time_s": (0.0, None, "wall-clock budget in seconds; 0 or null: none"),
 }
 POSITIVE = {"loss.temperature": "softmax temperature", "optim.lr": "peak learning rate, e.g. optim.lr=1e-4",
             "optim.eps": "AdamW epsilon", "train.lora.alpha": "LoRA scale numerator", "eval.cost_ratio":
-            "draft forward time / target forward time, or null to measure it", "train.max_time_s":
-            "wall-clock budget in seconds, or null for none"}
+            "draft forward time / target forward time, or null to measure it"}
 
 
 def _choose(key: str, value: Any, choices: tuple) -> None:

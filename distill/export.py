@@ -88,6 +88,31 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     return out_dir
 
 
+def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None) -> dict:
+    """Command lines that serve the exported draft in vLLM and SGLang, with γ from the recipe's evaluation.
+
+    γ is the ``best_gamma`` the evaluation picked at its lowest measured temperature (greedy when measured; the
+    table lists the best γ per temperature); without an evaluation it is the training config's
+    ``eval.num_draft_tokens`` and ``gamma_source`` says so. vLLM's draft-model speculation takes
+    ``--speculative-config`` with ``model``, ``num_speculative_tokens`` and ``method: draft_model`` (older vLLM
+    releases infer the method and reject the key: drop it there); SGLang's STANDALONE algorithm runs a chain of
+    ``--speculative-num-steps`` draft steps with top-k 1, verifying γ + 1 tokens per step.
+    """
+    per_t = (evaluation or {}).get("per_temperature") or {}
+    if per_t:
+        temp = min(per_t, key=lambda t: float(t))
+        gamma, source = int(per_t[temp]["best_gamma"]), f"best γ of the evaluation at temperature {temp}"
+    else:
+        gamma = int(((config or {}).get("eval") or {}).get("num_draft_tokens") or 4)
+        source = "eval.num_draft_tokens of the training config (no evaluation recorded: γ was not measured)"
+    spec = json.dumps({"model": draft_dir, "num_speculative_tokens": gamma, "method": "draft_model"})
+    vllm = f"vllm serve {target} --speculative-config '{spec}'"
+    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
+              f"--speculative-draft-model-path {draft_dir} --speculative-num-steps {gamma} "
+              f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}")
+    return {"num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang}
+
+
 def _card_markdown(card: dict) -> str:
     ev = card.get("evaluation") or {}
     rows = "\n".join(
@@ -121,6 +146,15 @@ draft = AutoModelForCausalLM.from_pretrained("PATH_TO_THIS_FOLDER")
 out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
 ```
 
+## Serve
+
+With γ = {card['serving']['num_draft_tokens']} ({card['serving']['gamma_source']}):
+
+```bash
+{card['serving']['vllm']}
+{card['serving']['sglang']}
+```
+
 The full training config is in `{CARD_JSON}` (key `config`).
 """
 
@@ -145,7 +179,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
     try:
-        card = _write_export(tmp, draft, tokenizer, state, checkpoint)
+        card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
         old = out_dir.with_name(tmp.name[:-4] + ".old")
         if out_dir.exists():
             out_dir.rename(old)
@@ -156,7 +190,9 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     return card
 
 
-def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path) -> dict:
+def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path,
+                  final_dir: Path | None = None) -> dict:
+    """Write the export into ``out_dir`` (the temporary folder); the card's serving lines name ``final_dir``."""
     draft.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     config = read_config(checkpoint)
@@ -164,6 +200,8 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config}
+    card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),
+                                       card["evaluation"], config)
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))
     (out_dir / "README.md").write_text(_card_markdown(card))
     return card

@@ -159,3 +159,151 @@ def distill_loss(name: str, draft_logits: torch.Tensor, target_logits: torch.Ten
             raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
         loss = (1.0 - ce_weight) * loss + ce_weight * cross_entropy(draft_logits, labels, mask, n_tokens)
     return loss
+
+
+# ------------------------------------------------------------------------------------------------ cached target
+# A target distribution cached as its top-k ids, their log-probabilities and the log of the remaining (tail) mass
+# (distill/logit_cache.py). The divergences below compare the draft and the target on the k+1 "buckets" (the k ids
+# plus the tail as one outcome), which is an exact divergence between two coarse-grained distributions: ≥ 0, 0 for
+# identical inputs, never larger than the full-vocabulary divergence (data-processing inequality, which holds for
+# every f-divergence: KL, JSD, TV), and equal to it when k = V.
+
+def bucket_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of the k ids and of the tail (every other id) under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: (..., V) any float dtype; computed in float32. -inf entries (vocabulary padding) have probability 0.
+        ids: (..., k) int, distinct per position, 0 <= id < V.
+        temperature: > 0.
+
+    Returns:
+        (..., k+1) float32: ``[log p(ids_0), ..., log p(ids_{k-1}), log(1 − Σ_j p(ids_j))]``, clamped at
+        ``LOG_FLOOR``. The tail is a log-sum-exp over the ids outside the k (the k are replaced by a value
+        ``LOG_FLOOR`` below the row's log-partition, whose exp is exactly 0 in float32), so a tail mass of 1e-30
+        keeps its relative precision, unlike ``log1p(−Σ p_j)``; with k = V the tail is ``LOG_FLOOR`` (mass 0) and
+        the gradient stays finite.
+    """
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (..., 1)
+    ids = ids.long()
+    top = z.gather(-1, ids) - lse  # (..., k)
+    in_top = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, ids, True)
+    rest = torch.where(in_top, lse.detach() + LOG_FLOOR, z)  # no gradient reaches the k ids through the tail
+    tail = torch.logsumexp(rest, dim=-1, keepdim=True) - lse
+    return torch.cat([top, tail], dim=-1).clamp(min=LOG_FLOOR)
+
+
+def topk_buckets(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """The cache entry of a target distribution: ``(top_log_probs (..., k) float32, ids (..., k) int64,
+    log_tail (...,) float32)`` of ``softmax(logits / temperature)``, ids ordered by decreasing probability.
+
+    Raises ValueError if k is not in [1, V].
+    """
+    vocab = logits.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"data.logit_cache_k={k} must be in [1, {vocab}] (the vocabulary size)")
+    ids = torch.topk(logits, k, dim=-1).indices
+    buckets = bucket_log_probs(logits, ids, temperature)
+    return buckets[..., :k], ids, buckets[..., k]
+
+
+def _normalize_log(x: torch.Tensor) -> torch.Tensor:
+    """x − logsumexp(x) over the last dim: a stored cache entry (fp16 rounding) becomes an exact distribution."""
+    return x - torch.logsumexp(x, dim=-1, keepdim=True)
+
+
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """log(β·p + (1−β)·q), exactly ``log_p`` where log_p == log_q (so JSD of identical inputs is exactly 0).
+
+    Written around the larger of the two: log a + log1p(w·expm1(log b − log a)) with log b ≤ log a, whose expm1
+    argument is ≤ 0, so nothing overflows and the log1p argument stays ≥ min(β, 1−β) − 1 > −1 for 0 < β < 1.
+    """
+    d = log_p - log_q
+    from_p = log_p + torch.log1p((1.0 - beta) * torch.expm1(-d.clamp(min=0)))  # p ≥ q
+    from_q = log_q + torch.log1p(beta * torch.expm1(d.clamp(max=0)))  # q > p
+    return torch.where(d >= 0, from_p, from_q)
+
+
+def bucket_divergence(name: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """Per-position divergence of ``name`` between two normalized log-distributions (..., K) -> (...,).
+
+    ``log_q`` is the draft, ``log_p`` the target; JSD(β) follows :func:`jsd` (β=0 FKL, β=1 RKL). Rounding below 0
+    (distributions equal up to float32 error) is clamped to 0, so the result is never negative.
+    """
+    if name == "fkl" or (name == "jsd" and beta == 0.0):
+        per = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif name == "rkl" or (name == "jsd" and beta == 1.0):
+        per = (log_q.exp() * (log_q - log_p)).sum(-1)
+    elif name == "jsd":
+        log_m = _log_mixture(log_p, log_q, beta)
+        per = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1.0 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
+    elif name == "tvd":
+        per = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    else:
+        check_loss_name(name)
+    return per.clamp(min=0.0)
+
+
+def cached_divergence(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
+                      mask: torch.Tensor, n_tokens: int | float | torch.Tensor, beta: float = 0.5,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Divergence ``name`` between the draft and a cached top-k + tail target, Σ over masked positions / n_tokens.
+
+    Args:
+        name: fkl | rkl | jsd | tvd.
+        draft_logits: (..., V) the draft's logits over the shared vocabulary (any float dtype; float32 inside).
+        target_log_probs: (..., k+1) the target's cached bucket log-probabilities (:func:`topk_buckets`: the k
+            top log-probs then the log tail mass; fp16 is fine: it is renormalized in float32).
+        ids: (..., k) the cached ids (any int dtype).
+        mask: (...,) 1 where the position enters the loss; elsewhere inputs may hold anything (NaN, -1 ids).
+        n_tokens: token count of the whole accumulation window (see module docstring).
+        beta: JSD β in [0, 1]; temperature: the one the cache was built at (its manifest says which).
+
+    Raises ValueError for mismatched shapes, an unknown name, β outside [0, 1] or temperature ≤ 0.
+    Follows DistillSpec's divergences (module docstring) on the coarse-grained k+1-outcome distributions.
+    """
+    check_loss_name(name)
+    k = ids.shape[-1]
+    if target_log_probs.shape[-1] != k + 1 or target_log_probs.shape[:-1] != ids.shape[:-1]:
+        raise ValueError(f"target_log_probs {tuple(target_log_probs.shape)} must be ids {tuple(ids.shape)} "
+                         "with one more column (the tail bucket)")
+    if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
+                         f"{tuple(mask.shape)} must share the leading dims")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must be in [0, 1], got {beta} (0 = forward KL, 1 = reverse KL)")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    keep = mask.bool().unsqueeze(-1)
+    # Masked positions get harmless stand-ins (zero logits, ids 0..k-1, uniform buckets) so garbage there cannot
+    # reach the value or the gradient.
+    d = torch.where(keep, draft_logits.float(), 0.0)
+    safe_ids = torch.where(keep, ids.long(), torch.arange(k, device=ids.device))
+    log_p = torch.where(keep, target_log_probs.float().clamp(min=LOG_FLOOR), 0.0)
+    log_q = _normalize_log(bucket_log_probs(d, safe_ids, temperature))
+    log_p = _normalize_log(log_p).clamp(min=LOG_FLOOR)
+    return _reduce(bucket_divergence(name, log_q, log_p, beta), mask, n_tokens)
+
+
+def cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
+                        mask: torch.Tensor, n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None,
+                        beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
+    """:func:`distill_loss` with a cached target: ``(1 − ce_weight)·cached_divergence + ce_weight·CE``.
+
+    Shapes as :func:`cached_divergence`; ``labels`` (...,) next tokens, required when ``ce_weight > 0``.
+    Raises ValueError as :func:`distill_loss` does.
+    """
+    if not 0.0 <= ce_weight <= 1.0:
+        raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
+    loss = cached_divergence(name, draft_logits, target_log_probs, ids, mask, n_tokens, beta=beta,
+                             temperature=temperature)
+    if ce_weight > 0:
+        if labels is None:
+            raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
+        if labels.shape != draft_logits.shape[:-1]:
+            raise ValueError(f"labels {tuple(labels.shape)} must match draft_logits without the vocab dim")
+        ce = cross_entropy(draft_logits.reshape(1, -1, draft_logits.shape[-1]), labels.reshape(1, -1),
+                           mask.reshape(1, -1), n_tokens)
+        loss = (1.0 - ce_weight) * loss + ce_weight * ce
+    return loss

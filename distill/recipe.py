@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ from distill.data import (as_examples, build_examples, cache_key, check_lengths,
                           generate_target_data, micro_batch_indices)
 from distill.evaluate import acceptance_eval, measure_cost_ratio
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag
-from distill.losses import distill_loss
+from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
+from distill.losses import cached_distill_loss, distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
                             load_draft_tokenizer, load_target, load_tokenizer)
 from distill.rollout import rollout
@@ -60,21 +61,32 @@ class Run:
     cost_ratio: float               # c = draft forward time / target forward time
     draft_base: str | None          # what a LoRA adapter is applied to (a path/hub id), None for a full fine-tune
     output_dir: Path                # train.output_dir
+    logit_cache: Any = None         # distill.logit_cache reader when data.target_logits=cached (then target is None)
+    clock: dict = field(default_factory=lambda: {"elapsed_s": 0.0, "max_time_s": 0.0})  # for train.max_time_s
+    logits_to_keep: dict = field(default_factory=dict)  # "target"/"draft" -> forward takes logits_to_keep
 
 
-def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``."""
+def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float, time_progress: float = 0.0) -> float:
+    """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``.
+
+    ``time_progress`` (elapsed / ``train.max_time_s``, 0 without a budget) drives the decay when it is ahead of
+    the step count, so a run cut by its wall-clock budget still ends at ``min_ratio`` (as distill/pretrain.py does).
+    """
     if step < warmup:
         return (step + 1) / warmup
     if kind == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_progress))
     decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def build_optimizer(draft: Any, cfg: DictConfig) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW (no weight decay on biases and norms) and a LambdaLR warmup + decay schedule."""
+def build_optimizer(draft: Any, cfg: DictConfig, clock: dict | None = None) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (no weight decay on biases and norms) and a LambdaLR warmup + decay schedule.
+
+    ``clock`` (``{"elapsed_s", "max_time_s"}``, updated by the loop) makes the decay follow elapsed time too.
+    """
+    clock = clock if clock is not None else {"elapsed_s": 0.0, "max_time_s": 0.0}
     params = [p for p in draft.parameters() if p.requires_grad]
     if not params:
         raise SetupError("the draft has no trainable parameters (check train.lora.target_modules)")
@@ -88,7 +100,11 @@ def build_optimizer(draft: Any, cfg: DictConfig) -> tuple[torch.optim.Optimizer,
     if kind not in ("cosine", "linear", "constant"):
         raise SetupError(f"optim.scheduler={kind!r}; choose cosine|linear|constant")
     total, warmup, min_ratio = int(cfg.train.max_steps), int(cfg.optim.warmup_steps), float(cfg.optim.min_lr_ratio)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, kind, min_ratio))
+    def time_progress() -> float:
+        return clock["elapsed_s"] / clock["max_time_s"] if clock["max_time_s"] else 0.0
+
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, warmup, total, kind, min_ratio, time_progress()))
     return opt, sched
 
 
@@ -167,11 +183,17 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
     output_dir = Path(cfg.train.output_dir)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
                                trust_remote_code=bool(cfg.target.trust_remote_code))
-    target = load_target(cfg.target)
+    # data.target_logits=cached: the target's distribution comes from a logit cache and the target is never loaded.
+    cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
+    target = load_target(cfg.target) if cache is None else None
     draft = load_draft(cfg.draft, target)
-    vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
-    ctx = [c for c in (context_length(target), context_length(draft)) if c]
-    examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    if cache is None:
+        vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
+        ctx = [c for c in (context_length(target), context_length(draft)) if c]
+        examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    else:
+        vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
+                                                             context_length(draft))
 
     lora = bool(cfg.train.lora.enabled)
     draft_base = None
@@ -184,10 +206,13 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
                 draft.save_pretrained(draft_base)
                 tokenizer.save_pretrained(draft_base)
         draft = attach_lora(draft, cfg.train.lora)
-    target.to(accelerator.device)
+    if target is not None:
+        target.to(accelerator.device)
     draft.to(accelerator.device)
 
-    if cfg.data.completions in ("target", "both"):
+    if cache is not None:
+        pass  # the cache holds the scored sequences (target-generated ones included)
+    elif cfg.data.completions in ("target", "both"):
         generated = prepare_target_data(cfg, target, draft, tokenizer, examples, accelerator, log)
         examples = generated if cfg.data.completions == "target" else examples + generated
     elif all(not e["completion_ids"] for e in examples) and float(cfg.data.on_policy_fraction) < 1.0:
@@ -197,17 +222,21 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
     cost_ratio = cfg.eval.get("cost_ratio") if cost_ratio is None else cost_ratio
-    if cost_ratio is None:
+    if cost_ratio is None and target is None:
+        cost_ratio = float("nan")  # no target to time; the recipe does not evaluate in cached mode
+    elif cost_ratio is None:
         cost_ratio = measure_cost_ratio(target, draft, eval_prompts)
         if accelerator.num_processes > 1:  # timings differ per process; one c keeps checkpoint selection in step
             from accelerate.utils import broadcast_object_list
 
             cost_ratio = broadcast_object_list([cost_ratio])[0]
-    optimizer, scheduler = build_optimizer(draft, cfg)
+    clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
+    optimizer, scheduler = build_optimizer(draft, cfg, clock)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
                examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
-               cost_ratio=float(cost_ratio), draft_base=draft_base, output_dir=output_dir)
+               cost_ratio=float(cost_ratio), draft_base=draft_base, output_dir=output_dir, logit_cache=cache,
+               clock=clock)
 
 
 # ------------------------------------------------------------------------------------------------ micro-batch
@@ -238,31 +267,155 @@ def _vocab_slice(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
+def target_logits_mode(cfg: DictConfig) -> str:
+    """``data.target_logits``: ``online`` (the target scores every batch) or ``cached`` (``data.logit_cache``)."""
+    mode = str(cfg.data.get("target_logits") or "online")
+    if mode not in ("online", "cached"):
+        raise SetupError(f"data.target_logits={mode!r}; choose online or cached (with data.logit_cache=PATH)")
+    return mode
+
+
+def kept_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Where the loss is computed, found on the host (no device sync): ``(columns, flat_index)``.
+
+    ``columns`` (C,) are the sequence positions where any row has a completion token (None when that is all L
+    of them), to pass as ``logits_to_keep`` so the lm_head runs on C positions instead of L; ``flat_index`` (N,)
+    picks the kept positions out of the (B·C) rows, row by row, in the order of ``loss_mask`` (B, L).
+    """
+    keep = loss_mask.bool()
+    cols = keep.any(0).nonzero().squeeze(1)
+    if len(cols) == keep.shape[1]:
+        return None, keep.flatten().nonzero().squeeze(1)
+    return cols, keep[:, cols].flatten().nonzero().squeeze(1)
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    """True when the (unwrapped: DDP/FSDP/DeepSpeed ``.module``, peft base) model's forward takes logits_to_keep."""
+    import inspect
+
+    for _ in range(4):
+        model = getattr(model, "module", model)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def kept_logits(run: Run, who: str, batch: dict[str, torch.Tensor], where: tuple) -> torch.Tensor:
+    """(N, V') logits of ``run.<who>`` at the kept positions; the lm_head sees only the kept columns when the
+    model supports ``logits_to_keep`` (Hugging Face causal LMs do), which also shrinks the (B, L, V) logits."""
+    model, (cols, flat) = getattr(run, who), where
+    support = run.logits_to_keep
+    if who not in support:
+        support[who] = _accepts_logits_to_keep(model)
+    kw = {"logits_to_keep": cols.to(batch["input_ids"].device)} if cols is not None and support[who] else {}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kw).logits
+    if not kw and cols is not None:
+        logits = logits[:, cols.to(logits.device)]
+    return logits.flatten(0, 1).index_select(0, flat.to(logits.device))
+
+
+def target_distribution(run: Run, batch: dict[str, torch.Tensor], rows: list[int] | None = None,
+                        where: tuple | None = None) -> tuple[str, Any]:
+    """The target's side of the loss at the N completion positions of ``batch`` (row by row, as the loss mask).
+
+    Returns ``("logits", (N, V') logits)`` from a no-grad target forward, or ``("cached", ((N, k+1) bucket
+    log-probs, (N, k) ids))`` read from the logit cache (``data.target_logits=cached``). ``where`` is
+    :func:`kept_positions` of the batch's loss mask (computed here when None); ``rows`` are the cache rows of the
+    batch's examples (cached mode only).
+    """
+    where = where if where is not None else kept_positions(batch["loss_mask"].cpu())
+    cache = run.logit_cache
+    if cache is not None:
+        log_p, ids = cache.buckets(rows)
+        if log_p.shape[0] != len(where[1]):
+            raise RuntimeError(f"logit cache rows give {log_p.shape[0]} positions, the batch has {len(where[1])}")
+        device = run.accelerator.device
+        return "cached", (log_p.to(device, non_blocking=True), ids.to(device, non_blocking=True))
+    with torch.no_grad(), run.accelerator.autocast():
+        return "logits", kept_logits(run, "target", batch, where)
+
+
 def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
-    """Target scores the sequences (no grad), the draft too (grad); the divergence over completion tokens."""
+    """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens.
+
+    In cached mode ``batch["cache_rows"]`` (B,) locates the examples' cached target distributions.
+    Only completion positions reach the lm_heads and the loss, so the float32 softmax work is (N, V), not
+    (B, L, V) with the prompt and padding share wasted; positions are found on the host (no device sync).
+    """
     cfg, acc = run.cfg, run.accelerator
-    batch = {k: v.to(acc.device) for k, v in batch.items()}
-    with torch.no_grad(), acc.autocast():
-        target_logits = run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    draft_logits = run.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    # Only completion positions enter the loss: select them first, so the float32 softmax work is (1, N, V)
-    # instead of (B, T, V) with the prompt and padding share wasted.
-    keep = batch["loss_mask"].bool()
-    n_keep = int(keep.sum())
-    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits[keep], run.vocab).unsqueeze(0),
-                        _vocab_slice(target_logits[keep], run.vocab).unsqueeze(0),
-                        torch.ones(1, n_keep, device=keep.device), n_tokens, labels=batch["labels"][keep].unsqueeze(0),
-                        beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
-                        ce_weight=float(cfg.loss.ce_weight))
-    del target_logits  # (B, T, V) is the largest activation here; free it before the draft's backward
+    where = kept_positions(batch["loss_mask"])
+    n_keep = len(where[1])
+    labels = batch["labels"].flatten()[batch["loss_mask"].bool().flatten()]
+    rows = batch["cache_rows"].tolist() if "cache_rows" in batch else None
+    batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items() if k != "cache_rows"}
+    kind, target_side = target_distribution(run, batch, rows, where)
+    draft_kept = _vocab_slice(kept_logits(run, "draft", batch, where), run.vocab).unsqueeze(0)  # (1, N, V)
+    kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
+              temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight))
+    ones = torch.ones(1, n_keep, device=acc.device)
+    if kind == "cached":
+        log_p, ids = target_side
+        return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
+                                   **kw)
+    loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0), ones,
+                        n_tokens, **kw)
+    del target_side  # (N, V) is the largest activation here; free it before the draft's backward
     return loss
+
+
+def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
+    """One optimizer step of the recipe (``train.grad_accum`` micro-batches), with no host sync on a GPU.
+
+    ``step`` is the 0-based step being made; ``micro_position`` the global micro-batches consumed before it
+    (``step · grad_accum · processes`` when None; a run resumed on another world size passes its own).
+
+    Returns ``loss_sum`` (a device scalar: the step's loss on this process), ``tokens`` (completion tokens of the
+    window over all processes), ``grad_norm`` (device scalar, None under DeepSpeed) and ``on_policy_fraction``.
+    """
+    cfg, acc = run.cfg, run.accelerator
+    draft, optimizer, scheduler = run.draft, run.optimizer, run.scheduler
+    accum, world = int(cfg.train.grad_accum), acc.num_processes
+    micro_position = step * accum * world if micro_position is None else micro_position
+    micro_ids = [micro_position + j * world + acc.process_index for j in range(accum)]
+    drawn = [micro_batch(run, m) for m in micro_ids]
+    batches = [collate_sequences(b, run.tokenizer.pad_token_id) for b, _ in drawn]
+    if run.logit_cache is not None:  # where each example's target distribution sits in the cache
+        for batch, (examples, _) in zip(batches, drawn):
+            batch["cache_rows"] = torch.tensor([e["cache_row"] for e in examples])
+    # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients). The count is
+    # known on the host; only a multi-process run needs a collective for it.
+    n_local = float(sum(int(b["loss_mask"].sum()) for b in batches))
+    n_global = n_local
+    if world > 1:
+        n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device), reduction="sum").item())
+    n_tokens = n_global / world
+    loss_sum = torch.zeros((), device=acc.device)
+    for j, batch in enumerate(batches):
+        sync = j == accum - 1
+        with acc.no_sync(draft) if not sync else contextlib.nullcontext():
+            loss = loss_on_batch(run, batch, n_tokens)
+            acc.backward(loss)
+        loss_sum += loss.detach()
+    ckpt.fault_point("step", step + 1)
+    max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")
+    grad_norm = acc.clip_grad_norm_(draft.parameters(), max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss_sum": loss_sum, "tokens": int(n_global), "grad_norm": grad_norm,
+            "on_policy_fraction": sum(p for _, p in drawn) / accum}
 
 
 # ------------------------------------------------------------------------------------------------ evaluate
 
-def evaluate(run: Run) -> dict:
-    """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed)."""
+def evaluate(run: Run) -> dict | None:
+    """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed).
+
+    None in cached mode (no target loaded): measure afterwards with ``python -m distill eval``.
+    """
     cfg, acc = run.cfg, run.accelerator
+    if run.target is None:
+        return None
     return acceptance_eval(run.target, acc.unwrap_model(run.draft), run.eval_prompts, run.tokenizer,
                            list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
                            max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
@@ -361,8 +514,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             if acc.is_main_process:
                 ckpt.mark_latest(out, path)
                 ckpt.prune(out, int(cfg.train.keep_last))
-        if force or (every and step % every == 0):
-            ev = evaluate(run)
+        ev = evaluate(run) if force or (every and step % every == 0) else None  # None in cached mode
+        if ev is not None:
             state["last_eval"] = {"step": step, **ev}
             logger.log_eval(ev, step)
             log(f"step {step}: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
@@ -376,64 +529,72 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
 
     if resume_from is not None and state["step"] >= stop_at and (state["last_eval"] or {}).get("step") != stop_at:
         maybe_eval_and_save(state["step"], force=True)  # killed between the final save and its evaluation
-    if state["step"] == 0 and cfg.eval.get("at_start", True):
+    if run.target is None:
+        log("cached target logits: no acceptance evaluation during training (the target is not loaded); measure the "
+            "result with python -m distill eval +target.name_or_path=T draft.name_or_path=<output_dir>/step_N")
+    elif state["step"] == 0 and cfg.eval.get("at_start", True):
         ev = evaluate(run)
         state["initial_eval"] = ev
         logger.log_eval(ev, 0)
         log(f"initial draft: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
 
-    draft, optimizer, scheduler = run.draft, run.optimizer, run.scheduler
+    draft, scheduler = run.draft, run.scheduler
     progress = Progress(str(cfg.train.progress), stop_at, state["step"], acc.is_main_process)
     draft.train()
     loss_value = float("nan")
+    max_time_s = float(cfg.train.get("max_time_s") or 0)
+    clock = run.clock
+    clock.update(elapsed_s=float(state.get("elapsed_s", 0.0)), max_time_s=max_time_s)
+    if max_time_s:
+        log(f"wall-clock budget: {max_time_s:.0f}s (the LR schedule follows elapsed time; {clock['elapsed_s']:.0f}s "
+            "spent)")
     with _StopFlag() as flag:
         while state["step"] < stop_at:
-            step = state["step"]
             t0 = time.perf_counter()
-            micro_ids = [micro_position + j * world + acc.process_index for j in range(accum)]
-            drawn = [micro_batch(run, m) for m in micro_ids]
-            batches = [collate_sequences(b, run.tokenizer.pad_token_id) for b, _ in drawn]
-            # Divide by the window's tokens over all processes (mean over processes: DDP averages gradients).
-            n_local = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=acc.device)
-            n_global = acc.reduce(n_local, reduction="sum")
-            n_tokens = n_global / world
-            loss_sum = torch.zeros((), device=acc.device)
-            for j, batch in enumerate(batches):
-                sync = j == accum - 1
-                with acc.no_sync(draft) if not sync else contextlib.nullcontext():
-                    loss = loss_on_batch(run, batch, n_tokens)
-                    acc.backward(loss)
-                loss_sum += loss.detach()
-            ckpt.fault_point("step", step + 1)
-            max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")
-            grad_norm = acc.clip_grad_norm_(draft.parameters(), max_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] = step = step + 1
-            state["tokens_seen"] += int(n_global.item())
+            out_step = train_step(run, state["step"], micro_position)
+            state["step"] = step = state["step"] + 1
+            state["tokens_seen"] += out_step["tokens"]
             micro_position += accum * world
             state["examples_consumed"] = micro_position * int(cfg.train.batch_size)  # the data position
-            loss_value = float(acc.reduce(loss_sum, reduction="mean").item())
+            log_now = step % int(cfg.train.log_every) == 0 or step == 1 or step == stop_at
+            if log_now or flag.stop:  # the loss is read (a host sync) only when it is shown
+                loss_value = float(acc.reduce(out_step["loss_sum"], reduction="mean").item())
             dt = time.perf_counter() - t0
-            tokens_per_s = float(n_global.item()) / max(dt, 1e-9)
+            tokens_per_s = out_step["tokens"] / max(dt, 1e-9)
             progress.update(loss_value, tokens_per_s)
-            if step % int(cfg.train.log_every) == 0 or step == 1:
+            if log_now:
+                grad_norm = out_step["grad_norm"]
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
                 logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
                             "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s,
-                            "train/tokens_seen": state["tokens_seen"],
-                            "train/on_policy_fraction_batch": sum(p for _, p in drawn) / accum}, step)
-            stop_now = flag.stop or step == stop_at
+                            "train/tokens_seen": state["tokens_seen"], "train/elapsed_s": clock["elapsed_s"],
+                            "train/on_policy_fraction_batch": out_step["on_policy_fraction"]}, step)
+            out_of_time = bool(max_time_s) and clock["elapsed_s"] + (time.perf_counter() - t0) >= max_time_s
+            if max_time_s and acc.num_processes > 1:  # every process must stop at the same step
+                flag_t = torch.tensor(float(out_of_time), device=acc.device)
+                out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
+            stop_now = flag.stop or step == stop_at or out_of_time
+            t1 = time.perf_counter()
+            clock["elapsed_s"] += t1 - t0
+            state["elapsed_s"] = clock["elapsed_s"]  # saved with the checkpoint: a resumed run keeps its schedule
             maybe_eval_and_save(step, force=stop_now)
+            clock["elapsed_s"] += time.perf_counter() - t1  # eval and checkpoint time count against the budget
+            state["elapsed_s"] = clock["elapsed_s"]
             if flag.stop:
                 log(f"stopped by signal at step {step}; resume with train.resume=true")
+                break
+            if out_of_time:
+                log(f"train.max_time_s={max_time_s:.0f} reached at step {step} ({clock['elapsed_s']:.0f}s)")
                 break
     progress.close()
     logger.finish()
     summary = {"steps": state["step"], "max_steps": max_steps, "final_loss": loss_value,
                "tokens_seen": state["tokens_seen"], "best": state["best"], "last_eval": state["last_eval"],
-               "initial_eval": state.get("initial_eval"), "num_processes": world, "output_dir": str(out)}
+               "initial_eval": state.get("initial_eval"), "num_processes": world, "output_dir": str(out),
+               "elapsed_s": state.get("elapsed_s"), "target_logits": target_logits_mode(cfg),
+               "peak_memory_mb": peak_memory_mb(acc.device)}
+    log(f"peak memory {summary['peak_memory_mb']:.0f} MiB ({'CUDA allocated' if acc.device.type == 'cuda' else 'RSS'}"
+        f", target logits {summary['target_logits']})")
     if acc.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     acc.end_training()

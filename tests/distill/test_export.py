@@ -86,6 +86,29 @@ def test_export_of_built_full_finetune_draft(pair, tmp_path):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, draft(ids).logits)
     assert again.config.num_hidden_layers == 1 and card["steps"] == 2 and state["lora"] is False
+    per_t = card["evaluation"]["per_temperature"]
+    gamma = per_t[min(per_t, key=float)]["best_gamma"]
+    assert card["serving"]["num_draft_tokens"] == gamma
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert card["serving"]["vllm"] in readme and card["serving"]["sglang"] in readme
+    assert json.loads((tmp_path / "out" / "draftkit_card.json").read_text())["serving"] == card["serving"]
+
+
+def test_serving_commands_use_the_evaluated_gamma():
+    from distill.export import serving_commands
+
+    ev = {"per_temperature": {"1.0": {"best_gamma": 3}, "0.0": {"best_gamma": 6}}}
+    cmds = serving_commands("/m/target", "/m/draft", ev, None)
+    assert cmds["num_draft_tokens"] == 6 and "0.0" in cmds["gamma_source"]
+    spec = json.loads(cmds["vllm"].split("--speculative-config ", 1)[1].strip("'"))
+    assert cmds["vllm"].startswith("vllm serve /m/target ")
+    assert spec == {"model": "/m/draft", "num_speculative_tokens": 6, "method": "draft_model"}
+    assert cmds["sglang"].split() == ["python", "-m", "sglang.launch_server", "--model-path", "/m/target",
+                                      "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                                      "/m/draft", "--speculative-num-steps", "6", "--speculative-eagle-topk", "1",
+                                      "--speculative-num-draft-tokens", "7"]
+    fallback = serving_commands("t", "d", None, {"eval": {"num_draft_tokens": 5}})
+    assert fallback["num_draft_tokens"] == 5 and "not measured" in fallback["gamma_source"]
 
 
 def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):

@@ -1,0 +1,164 @@
+"""``python -m distill bench-step``: the recipe's optimizer step against its hardware bound, on the same shapes.
+
+The bound of one online KD step is the work no implementation can skip: the frozen target's forward (no grad,
+autocast) plus the draft's forward, backward and AdamW update. The recipe's step (``distill.recipe.train_step``,
+exactly what ``train`` runs: data draw, collation, target forward, draft forward, divergence, backward, clipping,
+optimizer, scheduler) is timed against it, with the parts in between timed alone (collation; the divergence and
+its backward on precomputed logits) so that the rest can be attributed. All parts run interleaved round by round
+(one of each per round), so a busy machine slows all of them alike; medians are reported.
+
+With ``data.target_logits=cached`` the target is not loaded and the bound is the draft's forward/backward/update
+alone (the cache read is part of the recipe's step).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(prepare: Callable[[], Callable[[], Any]], device: torch.device) -> float:
+    """Seconds of the callable that ``prepare()`` returns (the preparation itself is not timed)."""
+    fn = prepare()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
+    """name -> prepare(round) -> timed callable, for every part; the bound parts use micro-batches of the same
+    shapes as the recipe's steps."""
+    from distill.data import collate_sequences
+    from distill.losses import cached_distill_loss, distill_loss
+    from distill.recipe import micro_batch, target_distribution, train_step
+
+    cfg, acc = run.cfg, run.accelerator
+    draft, optimizer = run.draft, run.optimizer
+    pad = run.tokenizer.pad_token_id
+    big = 10**6  # bound parts draw micro-batches far from the recipe's steps
+
+    def batch_of(i: int):
+        examples, _ = micro_batch(run, big + i)
+        return examples, {k: v.to(acc.device) for k, v in collate_sequences(examples, pad).items()}
+
+    def collate(i: int):
+        return lambda: collate_sequences(micro_batch(run, big + i)[0], pad)
+
+    def target_forward(i: int):
+        _, batch = batch_of(i)
+
+        def fn():
+            with torch.no_grad(), acc.autocast():
+                run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return fn
+
+    def draft_update(i: int):
+        _, batch = batch_of(i)
+
+        def fn():
+            with acc.autocast():
+                logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            acc.backward(logits.sum() * 0.0)  # every parameter gets a gradient; no loss work beyond the forward
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return fn
+
+    def divergence(i: int):  # the loss and its backward on precomputed kept logits, as the recipe computes it
+        examples, batch = batch_of(i)
+        keep = batch["loss_mask"].bool()
+        n = int(keep.sum())
+        with torch.no_grad(), acc.autocast():
+            d = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[keep]
+        kind, t = target_distribution(run, batch, [e.get("cache_row") for e in examples])
+        ones = torch.ones(1, n, device=acc.device)
+        kw = dict(beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature))
+
+        def fn():
+            x = d[..., :run.vocab].unsqueeze(0).requires_grad_(True)
+            if kind == "cached":
+                loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n, **kw)
+            else:
+                loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, **kw)
+            loss.backward()
+        return fn
+
+    def recipe_step(i: int):
+        def fn():
+            out = train_step(run, i)
+            float(out["loss_sum"])  # the recipe reads the loss at log steps; count one read per step (worst case)
+        return fn
+
+    def recipe_step_full_logits(i: int):  # the same step with the lm_heads run on every position (before the fix)
+        def fn():
+            saved = run.logits_to_keep
+            run.logits_to_keep = {"target": False, "draft": False}
+            try:
+                float(train_step(run, i)["loss_sum"])
+            finally:
+                run.logits_to_keep = saved
+        return fn
+
+    parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits, "collate": collate,
+             "draft_forward_backward_optimizer": draft_update, "divergence_forward_backward": divergence}
+    if run.target is not None:
+        parts["target_forward"] = target_forward
+    return parts
+
+
+def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = None, log: Any = print) -> dict:
+    """Time the recipe's step and its bound on the configured pair and data; print a table, return (and with
+    ``out`` write) the JSON result. ``steps`` timed rounds after ``warmup`` untimed ones.
+
+    Raises SetupError as ``train`` does for a bad config (before any model loads).
+    """
+    from distill.logit_cache import peak_memory_mb
+    from distill.recipe import setup
+
+    run = setup(cfg, log=lambda *_: None)
+    acc = run.accelerator
+    run.draft.train()
+    parts = _parts(run)
+    samples: dict[str, list[float]] = {name: [] for name in parts}
+    for r in range(warmup + steps):
+        for name, fn in parts.items():
+            dt = _timed(lambda: fn(r), acc.device)
+            if r >= warmup:
+                samples[name].append(dt)
+    med = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+    bound = med["draft_forward_backward_optimizer"] + med.get("target_forward", 0.0)
+    c = run.cfg
+    result = {"device": str(acc.device), "mixed_precision": str(c.train.mixed_precision),
+              "target_logits": str(c.data.get("target_logits") or "online"), "loss": str(c.loss.name),
+              "batch_size": int(c.train.batch_size), "grad_accum": int(c.train.grad_accum),
+              "threads": torch.get_num_threads(), "rounds": steps, "median_ms": med,
+              "bound_ms": bound, "efficiency": bound / med["recipe_step"] if med["recipe_step"] else None,
+              "peak_memory_mb": peak_memory_mb(acc.device),
+              "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()}}
+    rows = [("recipe step", med["recipe_step"]),
+            ("recipe step, lm_heads on all positions", med["recipe_step_full_logits"])]
+    if "target_forward" in med:
+        rows.append(("  target forward (no grad)", med["target_forward"]))
+    rows += [("  draft forward+backward+AdamW", med["draft_forward_backward_optimizer"]),
+             ("  = bound", bound), ("collation alone", med["collate"]),
+             ("divergence forward+backward alone", med["divergence_forward_backward"])]
+    log(f"bench-step: {result['target_logits']} target, loss={result['loss']}, batch {result['batch_size']}, "
+        f"{result['mixed_precision']}, {result['threads']} thread(s), {steps} interleaved rounds (median ms)")
+    for name, ms in rows:
+        log(f"  {name:<36} {ms:9.1f}")
+    log(f"  bound / recipe step = {result['efficiency']:.2f}    peak memory {result['peak_memory_mb']:.0f} MiB")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "x") as f:  # never overwrite a results file
+            json.dump(result, f, indent=2)
+    return result

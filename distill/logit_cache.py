@@ -1,0 +1,388 @@
+"""A compact cache of the target's next-token distribution: top-k log-probabilities, their ids and the tail mass.
+
+``python -m distill cache-logits`` (same config as ``train``) runs the frozen target once over the training data
+and stores, for every completion position, the k most probable ids (int32), their log-probabilities (fp16) and
+the log of the remaining tail mass (float32), all at ``loss.temperature``. ``train`` with
+``data.target_logits=cached data.logit_cache=PATH`` then trains the draft on these k+1 "buckets" without loading
+the target (``distill.losses.cached_divergence``: an exact divergence between the two coarse-grained
+distributions, equal to the full-vocabulary one when k = V). Size per completion token: 6k + 4 bytes (k = 32:
+196 bytes) instead of 2V for a full bf16 row (V = 128k: 256 kB).
+
+Layout of ``PATH``::
+
+    manifest.json     what the cache was made from (target path + weights hash, tokenizer hash, k, temperature,
+                      vocabulary, data fingerprint, shard count) and ``complete``; ``train`` compares it with its
+                      own config and names every field that differs
+    shards/NNNNN/     ``datasets`` Arrow shards (``save_to_disk``) of ``shard_size`` examples each, rows in example
+                      order: prompt_ids, completion_ids (the exact tokens scored), top_log_probs (n·k fp16,
+                      flattened), top_ids (n·k int32), log_tail (n float32), n = len(completion_ids)
+
+A shard is written to ``NNNNN.tmp`` and renamed when complete, so a rerun skips finished shards (resumable).
+Under ``accelerate launch`` process p builds shards p, p + P, p + 2P, ... and the main process writes the
+completed manifest after all are done. Everything is data (Arrow + JSON), nothing is unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.models import SetupError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# Manifest fields that must match between the cache and a training config, with the setting that decides each.
+CHECKED = {"target": "+target.name_or_path", "target_hash": "+target.name_or_path (its weights or config changed)",
+           "tokenizer_hash": "+target.tokenizer", "k": "data.logit_cache_k", "temperature": "loss.temperature",
+           "data_fingerprint": "data.* (source, completions, max_new_tokens, holdout, ...)"}
+
+
+# ------------------------------------------------------------------------------------------------ fingerprints
+
+def target_fingerprint(name_or_path: str, chunk: int = 1 << 20) -> str:
+    """A hash of a local checkpoint: config.json in full, and for every weight file (``*.safetensors``, ``*.bin``)
+    its name, size and first and last ``chunk`` bytes (safetensors headers hold every tensor's name, dtype, shape
+    and offsets; retrained weights change the bytes). Cheap for a 70B checkpoint. A hub id hashes its name only.
+    """
+    path = Path(str(name_or_path)).expanduser()
+    h = hashlib.sha256()
+    if not path.is_dir():
+        h.update(str(name_or_path).encode())
+        return h.hexdigest()[:16]
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).exists():
+            h.update(name.encode() + (path / name).read_bytes())
+    for f in sorted(list(path.glob("*.safetensors")) + list(path.glob("*.bin"))):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(chunk))
+            fh.seek(max(0, size - chunk))
+            h.update(fh.read(chunk))
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of the vocabulary (token -> id), the special tokens and the chat template."""
+    h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps({"special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+                         "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def data_fingerprint(examples: list[dict], cfg: Any) -> str:
+    """A hash of the training examples as ``load_data`` makes them (before target generation) and of the settings
+    that turn them into the scored sequences (``data.completions``, target-generation temperature and seed)."""
+    gen = {"completions": str(cfg.data.completions), "max_new_tokens": int(cfg.data.max_new_tokens)}
+    if cfg.data.completions != "data":
+        gen.update(temperature=float(cfg.data.target_generated.temperature), seed=int(cfg.train.seed))
+    h = hashlib.sha256(json.dumps(gen, sort_keys=True).encode())
+    for e in examples:
+        h.update(json.dumps([e["prompt_ids"], e["completion_ids"]]).encode())
+    return h.hexdigest()[:16]
+
+
+def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | None = None) -> dict:
+    """The manifest fields a config implies (cheap: no model is loaded); ``examples`` as ``load_data`` returns
+    them without a context limit; ``k`` overrides ``data.logit_cache_k`` (train reads a null k from the cache)."""
+    from distill.models import is_local_path
+
+    name = str(cfg.target.name_or_path)
+    name = str(Path(name).expanduser().resolve()) if is_local_path(name) else name  # relative vs absolute: same
+    return {"target": name, "target_hash": target_fingerprint(name),
+            "tokenizer_hash": tokenizer_fingerprint(tokenizer), "k": int(k or cfg.data.logit_cache_k),
+            "temperature": float(cfg.loss.get("temperature", 1.0)), "data_fingerprint": data_fingerprint(examples, cfg)}
+
+
+def check_manifest(manifest: dict, expected: dict, path: str | Path) -> None:
+    """Raise SetupError naming every field of ``manifest`` that differs from ``expected`` and the setting to fix."""
+    if manifest.get("format") != FORMAT_VERSION:
+        raise SetupError(f"logit cache {path} has format {manifest.get('format')!r}, this draftkit reads "
+                         f"{FORMAT_VERSION}; rebuild it with python -m distill cache-logits")
+    diffs = [f"{key} (cache {manifest.get(key)!r}, config {expected[key]!r}; set by {CHECKED[key]})"
+             for key in CHECKED if key in expected and manifest.get(key) != expected[key]]
+    if diffs:
+        raise SetupError(f"logit cache {path} was made for another setup: " + "; ".join(diffs) +
+                         ". Use the same settings as cache-logits, or build a new cache at another data.logit_cache")
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a cache folder; SetupError if there is none or the cache is incomplete."""
+    file = Path(path) / MANIFEST
+    if not file.exists():
+        raise SetupError(f"data.logit_cache={str(path)!r} has no {MANIFEST}; build it first with "
+                         "python -m distill cache-logits (same overrides as train)")
+    manifest = json.loads(file.read_text())
+    if not manifest.get("complete"):
+        raise SetupError(f"logit cache {path} is incomplete ({manifest.get('shards_done', '?')} of "
+                         f"{manifest.get('num_shards')} shards); rerun python -m distill cache-logits to finish it")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperature: float, pad_id: int,
+               batch_size: int, autocast: Any = None) -> dict[str, list]:
+    """The cache columns of ``examples``: one target forward per batch of ``batch_size`` sequences.
+
+    Returns column lists (see module doc); position j of example i is the target's distribution of the j-th
+    completion token given the prompt and the completion before it (the positions ``collate_sequences`` marks).
+    """
+    from distill.data import collate_sequences
+    from distill.losses import topk_buckets
+
+    device = next(target.parameters()).device
+    cols: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "top_log_probs": [], "top_ids": [],
+                             "log_tail": []}
+    for b in range(0, len(examples), batch_size):
+        rows = examples[b:b + batch_size]
+        batch = collate_sequences(rows, pad_id)
+        with torch.no_grad(), (autocast() if autocast is not None else torch.autocast("cpu", enabled=False)):
+            logits = target(input_ids=batch["input_ids"].to(device),
+                            attention_mask=batch["attention_mask"].to(device)).logits
+        keep = batch["loss_mask"].bool().to(device)
+        top, ids, tail = topk_buckets(logits[keep][..., :vocab], k, temperature)  # (N, k), (N, k), (N,)
+        top, ids, tail = top.half().cpu(), ids.int().cpu(), tail.float().cpu()
+        start = 0
+        for e in rows:
+            n = len(e["completion_ids"])
+            cols["prompt_ids"].append(list(e["prompt_ids"]))
+            cols["completion_ids"].append(list(e["completion_ids"]))
+            cols["top_log_probs"].append(top[start:start + n].flatten().numpy())
+            cols["top_ids"].append(ids[start:start + n].flatten().numpy())
+            cols["log_tail"].append(tail[start:start + n].numpy())
+            start += n
+    return cols
+
+
+def _features():
+    import datasets
+
+    return datasets.Features({"prompt_ids": datasets.Sequence(datasets.Value("int32")),
+                              "completion_ids": datasets.Sequence(datasets.Value("int32")),
+                              "top_log_probs": datasets.Sequence(datasets.Value("float16")),
+                              "top_ids": datasets.Sequence(datasets.Value("int32")),
+                              "log_tail": datasets.Sequence(datasets.Value("float32"))})
+
+
+def write_shards(target: Any, examples: list[dict], out_dir: str | Path, k: int, vocab: int, temperature: float,
+                 pad_id: int, shard_size: int, batch_size: int, process_index: int = 0, num_processes: int = 1,
+                 autocast: Any = None, log: Any = print) -> list[int]:
+    """Write this process's missing shards (``s % num_processes == process_index``); returns the shard ids written.
+
+    Each shard goes to ``shards/NNNNN.tmp`` and is renamed when complete (a killed run leaves no half shard).
+    """
+    import datasets
+
+    shards = Path(out_dir) / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(examples) + shard_size - 1) // shard_size
+    written = []
+    for s in range(process_index, n_shards, num_processes):
+        final = shards / f"{s:05d}"
+        if (final / "dataset_info.json").exists():
+            continue
+        cols = shard_rows(target, examples[s * shard_size:(s + 1) * shard_size], k, vocab, temperature, pad_id,
+                          batch_size, autocast)
+        tmp = shards / f"{s:05d}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        datasets.Dataset.from_dict(cols, features=_features()).save_to_disk(str(tmp))
+        tmp.rename(final)
+        written.append(s)
+        log(f"  logit cache shard {s + 1}/{n_shards} written")
+    return written
+
+
+def build_cache(cfg: Any, log: Any = print) -> dict:
+    """``python -m distill cache-logits``: score the training data with the target and cache top-k + tail.
+
+    Uses the same examples as ``train`` (``data.completions=target|both`` generates them first), writes to
+    ``data.logit_cache`` (required), resumes an interrupted build and refuses a folder made for another setup.
+    Returns a summary: rows, completion tokens, bytes, bytes per token, seconds, path.
+
+    Raises SetupError (before loading the target where possible) for a missing ``data.logit_cache``, k < 1, a
+    cache folder made for another setup, or any of ``train``'s own setup errors.
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from distill.models import check_pair, context_length, load_draft, load_target, load_tokenizer
+    from distill.config import normalize_config
+    from distill.recipe import load_data, prepare_target_data
+
+    cfg = normalize_config(cfg)
+    if not cfg.data.get("logit_cache"):
+        raise SetupError("data.logit_cache is not set: give the cache folder, e.g. data.logit_cache=checkpoints/cache")
+    if int(cfg.data.get("logit_cache_k") or 0) < 1:
+        raise SetupError(f"data.logit_cache_k={cfg.data.get('logit_cache_k')!r} must be an integer >= 1, e.g. 32")
+    out = Path(cfg.data.logit_cache)
+    t_start = time.perf_counter()
+    if not torch.distributed.is_initialized():
+        AcceleratorState._reset_state(reset_partial_state=True)
+    cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
+    acc = Accelerator(mixed_precision=str(cfg.train.mixed_precision), cpu=cpu)
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
+    # Data and fingerprints need only the tokenizer: a folder made for another setup fails before the target loads.
+    base_examples, _ = load_data(cfg, tokenizer, None)
+    expected = expected_manifest(cfg, tokenizer, base_examples)
+    manifest_file = out / MANIFEST
+    shard_size = int(cfg.data.get("logit_cache_shard_size") or 256)
+    if manifest_file.exists():
+        old = json.loads(manifest_file.read_text())
+        check_manifest(old, expected, out)
+        if old.get("complete"):
+            log(f"logit cache {out} is complete; nothing to do")
+            return {**summarize(out, old), "seconds": 0.0}
+        if int(old.get("shard_size", shard_size)) != shard_size:
+            raise SetupError(f"the unfinished logit cache {out} uses data.logit_cache_shard_size="
+                             f"{old['shard_size']}; resume it with that value (shards would not line up)")
+    target = load_target(cfg.target)
+    target.to(acc.device)
+    vocab = check_pair(target, None, tokenizer)
+    ctx = context_length(target)
+    examples, _ = load_data(cfg, tokenizer, ctx)
+    if cfg.data.completions in ("target", "both"):
+        draft = load_draft(cfg.draft, target).eval().to(acc.device) if cfg.draft.get("name_or_path") else None
+        generated = prepare_target_data(cfg, target, draft, tokenizer, examples, acc, log)
+        examples = generated if cfg.data.completions == "target" else examples + generated
+    n_shards = (len(examples) + shard_size - 1) // shard_size
+    manifest = {"format": FORMAT_VERSION, **expected, "vocab": int(vocab), "num_examples": len(examples),
+                "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(cfg.train.mixed_precision),
+                "complete": False}
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        manifest_file.write_text(json.dumps(manifest, indent=2))
+    acc.wait_for_everyone()
+    log(f"cache-logits: {len(examples)} examples, k={manifest['k']}, T={manifest['temperature']}, {n_shards} shards "
+        f"-> {out} ({acc.num_processes} process(es))")
+    write_shards(target, examples, out, manifest["k"], vocab, manifest["temperature"], tokenizer.pad_token_id,
+                 shard_size, int(cfg.train.batch_size), acc.process_index, acc.num_processes, acc.autocast, log)
+    acc.wait_for_everyone()
+    seconds = time.perf_counter() - t_start
+    if acc.is_main_process:
+        manifest.update(complete=True, build_seconds=round(seconds, 3))
+        manifest_file.write_text(json.dumps(manifest, indent=2))
+    acc.wait_for_everyone()
+    return {**summarize(out, manifest), "seconds": seconds}
+
+
+def summarize(path: str | Path, manifest: dict) -> dict:
+    """Rows, completion tokens and on-disk bytes of a cache folder (bytes per token includes Arrow overhead)."""
+    import datasets
+
+    shards = sorted(d for d in (Path(path) / "shards").iterdir() if not d.name.endswith(".tmp"))
+    tokens = sum(sum(len(r) for r in datasets.load_from_disk(str(d))["log_tail"]) for d in shards)
+    size = sum(f.stat().st_size for d in shards for f in d.rglob("*") if f.is_file())
+    return {"path": str(path), "rows": int(manifest.get("num_examples", 0)), "k": manifest.get("k"),
+            "tokens": int(tokens), "bytes": int(size), "bytes_per_token": size / max(tokens, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+class LogitCache:
+    """A built cache opened for training: the scored examples and, per batch of rows, the target buckets.
+
+    Raises SetupError when the folder has no complete manifest or a shard is missing.
+    """
+
+    def __init__(self, path: str | Path):
+        import datasets
+
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.k = int(self.manifest["k"])
+        dirs = [self.path / "shards" / f"{s:05d}" for s in range(int(self.manifest["num_shards"]))]
+        missing = [d.name for d in dirs if not (d / "dataset_info.json").exists()]
+        if missing:
+            raise SetupError(f"logit cache {self.path} lacks shards {missing[:5]}; rerun python -m distill "
+                             "cache-logits with the same overrides to finish it")
+        self.ds = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in dirs])
+        if len(self.ds) != int(self.manifest["num_examples"]):
+            raise SetupError(f"logit cache {self.path} has {len(self.ds)} rows, its manifest says "
+                             f"{self.manifest['num_examples']}; rebuild it")
+        self.arrays = self.ds.with_format("numpy", columns=["top_log_probs", "top_ids", "log_tail"])
+
+    def examples(self) -> list[dict]:
+        """The scored sequences as training examples, each with its ``cache_row``."""
+        cols = self.ds.select_columns(["prompt_ids", "completion_ids"])
+        return [{"prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"]), "cache_row": i}
+                for i, r in enumerate(cols)]
+
+    def buckets(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_probs (N, k+1) fp16-valued float32, ids (N, k) int64)`` of ``rows``' completion positions, in
+        the order ``collate_sequences``' loss mask lists them (row by row, position by position)."""
+        part = self.arrays[list(rows)]
+        top = torch.from_numpy(_cat(part["top_log_probs"])).float().view(-1, self.k)
+        ids = torch.from_numpy(_cat(part["top_ids"])).long().view(-1, self.k)
+        tail = torch.from_numpy(_cat(part["log_tail"])).float().unsqueeze(-1)
+        return torch.cat([top, tail], dim=-1), ids
+
+
+def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
+    """The cache of ``data.logit_cache``, checked against the config (before any model loads).
+
+    Also sets ``cache.eval_prompts`` (the held-out prompts of ``load_data``). Raises SetupError for on-policy
+    batches (λ > 0 needs the target's logits on fresh draft samples), a missing or incomplete cache, or a manifest
+    that differs from the config (every differing field named).
+    """
+    from distill.recipe import load_data
+
+    lam = float(cfg.data.on_policy_fraction)
+    if lam > 0:
+        raise SetupError(f"data.target_logits=cached with data.on_policy_fraction={lam}: on-policy batches are draft "
+                         "samples the target never scored, so they need the target online. Set "
+                         "data.on_policy_fraction=0, or data.target_logits=online")
+    if not cfg.data.get("logit_cache"):
+        raise SetupError("data.target_logits=cached needs data.logit_cache=PATH (a folder made by "
+                         "python -m distill cache-logits)")
+    if not cfg.draft.get("name_or_path"):
+        raise SetupError("data.target_logits=cached does not load the target, so the draft cannot be built from "
+                         "the target's config: set draft.name_or_path=/path (or data.target_logits=online)")
+    cache = LogitCache(cfg.data.logit_cache)
+    base_examples, cache.eval_prompts = load_data(cfg, tokenizer, None)
+    expected = expected_manifest(cfg, tokenizer, base_examples, k=cfg.data.get("logit_cache_k") or cache.k)
+    check_manifest(cache.manifest, expected, cache.path)
+    log(f"cached target logits: {cache.path} (k={cache.k}, {len(cache.ds)} examples); the target is not loaded")
+    return cache
+
+
+def cached_training_data(cache: LogitCache, draft: Any, tokenizer: Any, draft_tokenizer: Any,
+                         context: int | None) -> tuple[int, list[dict], list[list[int]]]:
+    """``(vocab, examples, eval_prompts)`` for training on the cache; checks the draft's tokenizer and context.
+
+    Raises SetupError naming the fix when the tokenizers differ or a cached sequence exceeds the draft's context.
+    """
+    from decode.compat import IncompatibleModelsError, check_tokenizers
+
+    try:
+        check_tokenizers(tokenizer, draft_tokenizer)
+    except IncompatibleModelsError as e:
+        raise SetupError(f"incompatible target/draft pair: {e}") from e
+    vocab = int(cache.manifest["vocab"])
+    examples = cache.examples()
+    longest = max(len(e["prompt_ids"]) + len(e["completion_ids"]) for e in examples)
+    if context is not None and longest > context:
+        raise SetupError(f"the cached sequences reach {longest} tokens, more than the draft's context of {context}; "
+                         "rebuild the cache with a lower data.max_new_tokens / data.max_prompt_tokens")
+    return vocab, examples, cache.eval_prompts
+
+
+def peak_memory_mb(device: Any) -> float:
+    """Peak memory of this process in MiB: CUDA's max allocated on a GPU, else the peak resident set size."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _cat(arrays) -> Any:
+    import numpy as np
+
+    return np.concatenate([np.asarray(a).reshape(-1) for a in arrays]) if len(arrays) else np.zeros(0)

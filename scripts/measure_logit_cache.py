@@ -1,0 +1,111 @@
+"""Measure the target-logit cache on a pair: cache size per token and build time, train step time cached vs online,
+and α at T=0 and T=1 after equal steps for several k against the full online loss (docs/distill.md).
+
+    python scripts/measure_logit_cache.py --target checkpoints/quickstart/target \
+        --draft checkpoints/quickstart/draft-baseline --steps 400 --ks 8 32 128 --out checkpoints/cache_measure
+
+Every run uses `+experiment=quickstart` (JSD β=0.5, bf16 autocast, batch 8 × (64 + 64) tokens, stdlib windows)
+with the given pair; the online run trains with the full-vocabulary loss, each cached run with the top-k + tail
+loss on a cache built by `python -m distill cache-logits`, all from the same initial draft for the same steps and
+data order. α is measured afterwards by `python -m distill eval` on the same held-out prompts for every draft (and
+the initial one). Extra Hydra overrides go after `--`. Writes <out>/results.json and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(cmd: list[str], log: Path) -> float:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"failed ({rc}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def step_stats(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    train = [r for r in rows if "train/tokens_per_s" in r]
+    seen = [r["train/tokens_seen"] for r in train]
+    per_step = [b - a for a, b in zip([0] + seen, seen)]
+    ms = [1e3 * n / r["train/tokens_per_s"] for n, r in zip(per_step, train)][1:]  # step 1 includes warm-up
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"step_ms_median": statistics.median(ms) if ms else None, "steps": summary["steps"],
+            "final_loss": summary["final_loss"], "peak_memory_mb": summary.get("peak_memory_mb")}
+
+
+def alpha(result: dict) -> dict:
+    return {t: m["acceptance_rate"] for t, m in result["per_temperature"].items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, help="the initial draft of every run")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--out", required=True, help="work folder (must not hold a results.json)")
+    p.add_argument("extra", nargs="*", help="Hydra overrides for every run, after --")
+    args = p.parse_args()
+    out = Path(args.out).resolve()
+    if (out / "results.json").exists():
+        raise SystemExit(f"{out}/results.json exists; choose another --out (results are never overwritten)")
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    base = ["+experiment=quickstart", f"++target.name_or_path={Path(args.target).resolve()}",
+            f"draft.name_or_path={Path(args.draft).resolve()}", f"train.max_steps={args.steps}", "train.log_every=1",
+            "train.save_every=0", "train.progress=none", "eval.every=0", "eval.at_start=false", *args.extra]
+    results: dict = {"steps": args.steps, "ks": args.ks, "overrides": base, "runs": {}}
+
+    def evaluate(name: str, draft: Path | str) -> dict:
+        file = out / f"eval_{name}.json"
+        sh([py, "-m", "distill", "eval", *base, f"draft.name_or_path={draft}", "--out", str(file)],
+           out / f"eval_{name}.log")
+        return alpha(json.loads(file.read_text()))
+
+    results["runs"]["initial"] = {"alpha": evaluate("initial", Path(args.draft).resolve())}
+    online = out / "online"
+    sh([py, "-m", "distill", "train", *base, f"train.output_dir={online}"], out / "online.log")
+    results["runs"]["online"] = {**step_stats(online), "alpha": evaluate("online", online / f"step_{args.steps:06d}")}
+    for k in args.ks:
+        cache = out / f"cache_k{k}"
+        ov = [f"data.logit_cache={cache}", f"data.logit_cache_k={k}"]
+        build_s = sh([py, "-m", "distill", "cache-logits", *base, *ov, f"train.output_dir={out / 'c'}"],
+                     out / f"cache_k{k}.log")
+        manifest = json.loads((cache / "manifest.json").read_text())
+        sys.path.insert(0, str(REPO))
+        from distill.logit_cache import summarize
+
+        run_dir = out / f"cached_k{k}"
+        sh([py, "-m", "distill", "train", *base, *ov, "data.target_logits=cached", f"train.output_dir={run_dir}"],
+           out / f"cached_k{k}.log")
+        results["runs"][f"cached_k{k}"] = {**step_stats(run_dir), "cache": summarize(cache, manifest),
+                                           "cache_build_s": build_s,
+                                           "alpha": evaluate(f"k{k}", run_dir / f"step_{args.steps:06d}")}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print("| run | cache bytes/token | cache build s | step ms | peak MiB | α T=0 | α T=1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in results["runs"].items():
+        c = r.get("cache") or {}
+        a = r["alpha"]
+        cells = [name, f"{c['bytes_per_token']:.0f}" if c else "", f"{r['cache_build_s']:.0f}" if c else "",
+                 f"{r['step_ms_median']:.0f}" if r.get("step_ms_median") else "",
+                 f"{r['peak_memory_mb']:.0f}" if r.get("peak_memory_mb") else "",
+                 *(f"{a.get(t, float('nan')):.3f}" for t in ("0.0", "1.0"))]
+        print("| " + " | ".join(cells) + " |")
+    print(f"\nwrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

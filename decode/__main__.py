@@ -94,6 +94,7 @@ COMMANDS = {
     "generate": ("decode.__main__", "cmd_generate", "stream a completion and print α, τ, TTFT, latency, memory"),
     "bench": ("decode.bench", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
     "serve": ("decode.server", "main", "HTTP server over the decoder"),
+    "certify": ("decode.certify", "main", "chi-square certificate that a target/draft pair samples the target"),
 }
 
 

@@ -72,7 +72,11 @@ def validate_config(cfg: DictConfig) -> None:
         raise SetupError("no draft: set draft.name_or_path=/path/or/hub-id, or build one from the target's config "
                          "with draft.num_hidden_layers=N (or draft=small)")
     if cfg.loss.name not in DIVERGENCES:
-        raise SetupError(f"unknown loss {cfg.loss.name!r}; choose loss=fkl|rkl|jsd|tvd")
+        raise SetupError(f"unknown loss {cfg.loss.name!r}; choose loss=fkl|rkl|jsd|tvd|acceptance")
+    gamma = cfg.loss.get("gamma", 4)
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise SetupError(f"loss.gamma={gamma!r} must be an integer >= 1 (the window of loss=acceptance, usually "
+                         "the γ you decode with)")
     if not 0.0 <= float(cfg.loss.get("beta", 0.5)) <= 1.0:
         raise SetupError(f"loss.beta={cfg.loss.beta} must be in [0, 1] (0 = forward KL, 1 = reverse KL)")
     if not 0.0 <= float(cfg.loss.get("ce_weight", 0.0)) <= 1.0:
@@ -390,12 +394,16 @@ def loss_on_batch(run: dict, batch: dict[str, torch.Tensor], n_tokens: torch.Ten
     # instead of (B, T, V) with the prompt and padding share wasted.
     keep = batch["loss_mask"].bool()
     n_keep = int(keep.sum())
-    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_logits[keep], run["vocab"]).unsqueeze(0),
-                        _vocab_slice(target_logits[keep], run["vocab"]).unsqueeze(0),
-                        torch.ones(1, n_keep, device=keep.device), n_tokens, labels=batch["labels"][keep].unsqueeze(0),
-                        beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
-                        ce_weight=float(cfg.loss.ce_weight))
-    del target_logits  # (B, T, V) is the largest activation here; free it before the draft's backward
+    if cfg.loss.name == "acceptance":  # its windows of γ consecutive positions need the (B, T) layout
+        draft_sel, target_sel, mask, labels = draft_logits, target_logits, batch["loss_mask"], batch["labels"]
+    else:
+        draft_sel, target_sel = draft_logits[keep].unsqueeze(0), target_logits[keep].unsqueeze(0)
+        mask, labels = torch.ones(1, n_keep, device=keep.device), batch["labels"][keep].unsqueeze(0)
+    loss = distill_loss(cfg.loss.name, _vocab_slice(draft_sel, run["vocab"]), _vocab_slice(target_sel, run["vocab"]),
+                        mask, n_tokens, labels=labels, beta=float(cfg.loss.beta),
+                        temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight),
+                        gamma=int(cfg.loss.get("gamma", 4)))
+    del target_logits, target_sel  # (B, T, V) is the largest activation here; free it before the draft's backward
     return loss
 
 

@@ -445,8 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"';'-separated sampling settings (default {DEFAULT_SETTINGS!r})")
     p.add_argument("--num-prefixes", "-M", type=int, default=4, help="M prefixes (one per prompt; default 4)")
     p.add_argument("--samples", "-K", type=int, default=1000, help="K draws of two tokens per prefix (default 1000)")
-    p.add_argument("--prefix-tokens", type=int, default=16,
-                   help="each prefix is the last this many tokens of its prompt (default 16; cost grows with it)")
+    p.add_argument("--prefix-tokens", type=int, default=8,
+                   help="each prefix is the last this many tokens of its prompt (default 8: every one of the K "
+                        "copies is prefilled, so the cost grows with it)")
     p.add_argument("--num-draft-tokens", "-g", type=int, default=2, help="γ >= 2 (default 2)")
     p.add_argument("--alpha", type=float, default=0.01, help="family-wise error rate (default 0.01)")
     p.add_argument("--max-enumerate", type=int, default=128,

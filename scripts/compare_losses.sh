@@ -67,6 +67,7 @@ from collections import defaultdict
 
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from distill.quickstart import evaluate, load_settings
@@ -85,7 +86,7 @@ for r in rows:
         m = r[name]
         for key in ("alpha_per_token", "mean_accepted_length", "speedup"):
             by_loss[loss][(r["temperature"], key)].append(m[key])
-table = Table(title=f"losses at equal steps, γ={gamma} (mean [min, max] over seeds; all prompt sets pooled)")
+table = Table(title=escape(f"losses at equal steps, γ={gamma} (mean [min, max] over seeds; all prompt sets pooled)"))
 table.add_column("loss")
 temps = sorted({r["temperature"] for r in rows})
 for t in temps:
@@ -98,7 +99,7 @@ for loss, cols in by_loss.items():
         for key in ("alpha_per_token", "mean_accepted_length", "speedup"):
             v = [x for x in cols[(t, key)] if x is not None]
             summary[loss][f"{key}@T={t:g}"] = {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "runs": v}
-            cells.append(f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]")
+            cells.append(escape(f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]"))
     table.add_row(loss, *cells)
 Console(width=200).print(table)
 json.dump({"eval": ev, "summary": summary, "drafts": drafts, "eval_seconds": time.time() - t0},

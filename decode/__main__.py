@@ -1,4 +1,4 @@
-"""``python -m decode generate|bench|serve``: the speculative decoder's command line."""
+"""``python -m decode generate|bench|serve|certify``: the speculative decoder's command line."""
 from __future__ import annotations
 
 import argparse
@@ -97,13 +97,14 @@ COMMANDS = {
     "generate": ("decode.__main__", "cmd_generate", "stream a completion and print α, τ, TTFT, latency, memory"),
     "bench": ("decode.bench", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
     "serve": ("decode.server", "main", "HTTP server over the decoder"),
+    "certify": ("decode.certify", "main", "chi-square certificate that a target/draft pair samples the target"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m decode {generate,bench,serve} [options]\n")
+        print("usage: python -m decode {generate,bench,serve,certify} [options]\n")
         for name, (_, _, help_) in COMMANDS.items():
             print(f"  {name:10s} {help_}")
         return 0 if argv else 2

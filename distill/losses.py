@@ -15,6 +15,8 @@ Divergences (DistillSpec, Zhou et al. ICLR 2024, Table 1; GKD, Agarwal et al. IC
 - ``tvd``: total variation ½Σ|p−q| = 1 − Σ min(p, q). With the same sampling on both sides this is exactly the
   expected rejection probability of speculative sampling at that position (Leviathan et al. 2023, Thm 3.5), so
   minimizing it maximizes the acceptance rate α directly.
+- ``acceptance``: expected rejected draft slots over windows of γ consecutive positions, built from 1 − TVD per
+  position (see :func:`acceptance`); it targets the accepted length τ rather than the per-token rate.
 
 Temperature divides both logits before the softmax (no T² gradient rescaling; the acceptance rule compares the
 distributions at the sampling temperature, so that is the one to match). Numerics: computed in float32 whatever
@@ -109,6 +111,53 @@ def tvd(draft_logits, target_logits, mask, n_tokens, temperature: float = 1.0) -
     return _reduce(per, mask, n_tokens)
 
 
+def acceptance(draft_logits, target_logits, mask, n_tokens, gamma: int = 4, temperature: float = 1.0) -> torch.Tensor:
+    """Expected rejected draft slots over windows of γ positions: Σ_s (L_s − E_s) / n_tokens.
+
+    Each masked position s starts one window: the next ``L_s = min(γ, masked positions left in s's run)``
+    positions (a window stops at the first unmasked position, e.g. the end of the completion). With per-position
+    acceptance α_t = Σ min(p_t, q_t) = 1 − TVD_t (Leviathan et al. 2023, Thm 3.5; DistillSpec), drafting the
+    window from s accepts ``E_s = Σ_{j<L_s} Π_{i≤j} α_{s+i}`` tokens in expectation: a draft counts only if every
+    draft before it was accepted (Leviathan et al. 2023, Eq. 1, with a different α per position). Minimizing
+    L_s − E_s maximizes the expected accepted length τ − 1 directly, so the gradient of an early position is
+    weighted by the acceptance of the positions after it (per-token objectives: LK losses, arXiv 2602.23881;
+    supervision up to the first failure: Spec-AUF, arXiv 2607.01893). It is ≥ 0, exactly 0 when q = p, and equals
+    ``tvd`` for γ = 1. The product treats acceptances along the window as independent given the sequence, the
+    standard approximation of the analyses above.
+
+    Args:
+        draft_logits, target_logits: ``(B, T, V)``; position t predicts token t + 1.
+        mask: ``(B, T)``, 1 at completion positions. Keep the sequence layout: windows must not cross sequences.
+        n_tokens: masked tokens of the accumulation window (one loss window starts at each).
+        gamma: γ, window length (the number of draft tokens per verify step); an integer >= 1.
+        temperature: applied to both logits.
+
+    Returns:
+        float32 scalar in ``[0, γ]``.
+
+    Raises:
+        ValueError: γ < 1 or not an integer, or the shape/temperature errors of the other losses.
+    """
+    if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+        raise ValueError(f"acceptance gamma must be an integer >= 1 (the draft tokens per step), got {gamma!r}")
+    log_q, log_p = _prepare(draft_logits, target_logits, mask, temperature)
+    keep = mask.bool()
+    # 1 − TVD rather than Σ min(p, q): exactly 1 when q == p, so equal inputs give exactly 0.
+    alpha = torch.where(keep, 1.0 - 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1), 0.0)  # (B, T)
+    valid = keep.float()
+
+    def shifted(x: torch.Tensor, j: int) -> torch.Tensor:  # x[:, t + j], 0 past the end
+        return F.pad(x[:, j:], (0, j))
+
+    accepted, inside = alpha, valid  # Π_{i≤j} α_{s+i} and Π_{i≤j} mask_{s+i}, for j = 0
+    per_window = inside - accepted
+    for j in range(1, min(int(gamma), alpha.shape[1])):  # slots past the sequence's end are never inside
+        accepted = accepted * shifted(alpha, j)
+        inside = inside * shifted(valid, j)
+        per_window = per_window + inside - accepted
+    return _reduce(per_window, mask, n_tokens)
+
+
 def cross_entropy(draft_logits, labels, mask, n_tokens) -> torch.Tensor:
     """Token-level CE of the draft on ``labels`` (B, T) (the next tokens), summed over masked positions / n_tokens.
 
@@ -121,7 +170,8 @@ def cross_entropy(draft_logits, labels, mask, n_tokens) -> torch.Tensor:
     return _reduce(per, mask, n_tokens)
 
 
-DIVERGENCES: dict[str, Callable[..., torch.Tensor]] = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd}
+DIVERGENCES: dict[str, Callable[..., torch.Tensor]] = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd,
+                                                     "acceptance": acceptance}
 
 
 def check_loss_name(name: str) -> None:
@@ -133,16 +183,17 @@ def check_loss_name(name: str) -> None:
 
 def distill_loss(name: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
                  n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None, beta: float = 0.5,
-                 temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
+                 temperature: float = 1.0, ce_weight: float = 0.0, gamma: int = 4) -> torch.Tensor:
     """``(1 − ce_weight)·divergence + ce_weight·CE(draft, labels)`` over masked positions / n_tokens.
 
     Args:
-        name: one of ``fkl``, ``rkl``, ``jsd``, ``tvd``.
+        name: one of ``fkl``, ``rkl``, ``jsd``, ``tvd``, ``acceptance``.
         draft_logits, target_logits: (B, T, V), sliced to the shared vocabulary.
         mask: (B, T), 1 where position t's next token is a completion token.
         n_tokens: masked tokens of the whole accumulation window (see module docstring).
         labels: (B, T) next tokens; required when ``ce_weight > 0``.
         beta: JSD β (only used by ``jsd``).
+        gamma: window length γ (only used by ``acceptance``, which needs the (B, T) sequence layout).
         temperature: softmax temperature applied to both sides (divergence only; CE uses T=1).
         ce_weight: weight of the token-level CE term in [0, 1].
 
@@ -152,7 +203,7 @@ def distill_loss(name: str, draft_logits: torch.Tensor, target_logits: torch.Ten
     check_loss_name(name)
     if not 0.0 <= ce_weight <= 1.0:
         raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
-    kw = {"beta": beta} if name == "jsd" else {}
+    kw = {"beta": beta} if name == "jsd" else {"gamma": gamma} if name == "acceptance" else {}
     loss = DIVERGENCES[name](draft_logits, target_logits, mask, n_tokens, temperature=temperature, **kw)
     if ce_weight > 0:
         if labels is None:

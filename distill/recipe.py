@@ -341,8 +341,12 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     In cached mode ``batch["cache_rows"]`` (B,) locates the examples' cached target distributions.
     Only completion positions reach the lm_heads and the loss, so the float32 softmax work is (N, V), not
     (B, L, V) with the prompt and padding share wasted; positions are found on the host (no device sync).
+    ``loss=acceptance`` keeps the sequence layout instead (its windows of γ consecutive positions must not cross
+    sequences): both lm_heads run on the contiguous column span holding every completion token, (B, C, V).
     """
     cfg, acc = run.cfg, run.accelerator
+    if cfg.loss.name == "acceptance":
+        return _acceptance_loss_on_batch(run, batch, n_tokens)
     where = kept_positions(batch["loss_mask"])
     n_keep = len(where[1])
     labels = batch["labels"].flatten()[batch["loss_mask"].bool().flatten()]
@@ -360,6 +364,33 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0), ones,
                         n_tokens, **kw)
     del target_side  # (N, V) is the largest activation here; free it before the draft's backward
+    return loss
+
+
+def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
+    """``loss=acceptance`` on (B, C, V) logits: C is the contiguous column span from the first to the last column
+    holding a completion token (all L columns when that is every one), so consecutive positions stay consecutive."""
+    cfg, acc = run.cfg, run.accelerator
+    mask = batch["loss_mask"]
+    cols = mask.bool().any(0).nonzero().squeeze(1)
+    span = None if len(cols) in (0, mask.shape[1]) else torch.arange(int(cols[0]), int(cols[-1]) + 1)
+    if span is not None and len(span) == mask.shape[1]:
+        span = None
+    width = mask.shape[1] if span is None else len(span)
+    where = (span, torch.arange(mask.shape[0] * width))  # every (row, column) of the span, row by row
+    mask_seq = mask if span is None else mask[:, span]
+    labels = batch["labels"] if span is None else batch["labels"][:, span]
+    batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items() if k != "cache_rows"}
+    kind, target_side = target_distribution(run, batch, None, where)
+    if kind != "logits":  # config validation refuses loss=acceptance with data.target_logits=cached
+        raise SetupError("loss=acceptance needs the target's full logits; use data.target_logits=online")
+    shape = (mask.shape[0], width, -1)
+    draft_seq = _vocab_slice(kept_logits(run, "draft", batch, where).view(shape), run.vocab)  # (B, C, V)
+    loss = distill_loss(cfg.loss.name, draft_seq, _vocab_slice(target_side.view(shape), run.vocab),
+                        mask_seq.to(acc.device), n_tokens, labels=labels.to(acc.device), beta=float(cfg.loss.beta),
+                        temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight),
+                        gamma=int(cfg.loss.gamma))
+    del target_side  # (B, C, V) is the largest activation here; free it before the draft's backward
     return loss
 
 

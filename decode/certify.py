@@ -1,0 +1,519 @@
+"""``python -m decode certify``: a statistical certificate that a target/draft pair decodes losslessly.
+
+At M prefixes the speculative decoder draws the next two tokens K times (K copies of the prefix in one batch, γ ≥ 2
+so the second token also passes the acceptance rule), and the draws are compared with the target's exact
+distribution after the same temperature/top-k/top-p processing (:func:`decode.sampling.logits_to_probs`):
+
+- ``token1``: the first token against the target's p(x1 | prefix).
+- ``token2``: the second token against its exact marginal sum_x p(x) p(y | prefix, x). The first token's support
+  is enumerated over S, its most likely ids up to ``max_enumerate`` (all of it under top-k/top-p); when S misses
+  part of the support, the event "x1 outside S" is one cell whose probability 1 - p(S) is still exact, so the
+  test stays exact without enumerating 8k or 150k continuations (cheaper and exact, unlike a two-sample test
+  against the target's own sampling, which would also double the sampling cost and the noise).
+- ``joint``: the pair (x1, x2) against p(x1) p(x2 | x1) on the same cells; it also catches a decoder whose
+  marginals are right but whose second token ignores the first (e.g. a cache rollback bug).
+
+Each test is Pearson's chi-square on cells of expected count >= 5 (Cochran 1954); rarer outcomes are pooled into
+one cell (merged into the smallest cell while the pool is still below 5). A sample on an outcome the target gives
+probability 0 (outside top-k/top-p, or a greedy mismatch at T=0) makes the test's p-value 0. Per setting the
+prefixes' statistics are also summed (independent draws: chi-square with the summed degrees of freedom), which
+detects a bias shared by all prefixes sqrt(M) times more finely. All p-values of the run form one family under
+Holm's step-down correction (Holm 1979); the pair passes when no hypothesis is rejected at family-wise level alpha.
+
+Upper confidence bound on the total-variation distance TV(P, p) between the decoder's distribution P and the
+target's p, per prefix and test: TV(P, p) <= TV_cells(P_hat, p) + eps + p(pooled cells), where eps =
+sqrt((k ln 2 + ln(1/delta)) / (2K)) bounds TV_cells(P_hat, P) on k cells with probability 1 - delta
+(Bretagnolle-Huber-Carol inequality, van der Vaart & Wellner 1996, Prop. A.6.6; Weissman et al. 2003), and a
+pooled cell adds at most min(P(c), p(c)) <= p(c) of TV inside it. delta = alpha / (number of bounds), so the bounds
+hold simultaneously with confidence 1 - alpha. For the token2 cells the bound is on the second-token marginal.
+
+Smallest detectable TV: Cauchy-Schwarz gives chi2-divergence >= 4 TV^2, so any P whose TV on the test's cells is
+at least d gives the statistic a noncentrality K * chi2-div >= 4 K d^2 (Cohen 1988, ch. 7: lambda = N w^2). The
+reported d is the smallest TV detected with power 0.8 at the Bonferroni level alpha / (number of tests), which
+Holm's first step uses, for every such P.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from decode.sampling import logits_to_probs, validate_sampling_args
+
+MIN_EXPECTED = 5.0  # Cochran's rule for the chi-square approximation
+POWER = 0.8  # power at which the smallest detectable TV is reported
+TESTS = ("token1", "token2", "joint")
+DEFAULT_SETTINGS = "T=1; T=0.7,top_p=0.9; T=0.7,top_k=20"
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Setting:
+    """One sampling configuration to certify."""
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [f"T={self.temperature:g}"]
+        if self.top_k is not None:
+            parts.append(f"top_k={self.top_k}")
+        if self.top_p is not None:
+            parts.append(f"top_p={self.top_p:g}")
+        return ",".join(parts)
+
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+_KEYS = {"t": "temperature", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
+
+
+def parse_settings(text: str) -> list[Setting]:
+    """Parse ``"T=1; T=0.7,top_p=0.9; T=0.7,top_k=20"``: settings separated by ``;``, each ``key=value`` pairs
+    separated by ``,`` with keys ``T`` (or ``temperature``, required), ``top_k``, ``top_p``.
+
+    Raises:
+        ValueError: naming the part (1-based) and the problem: empty part, unknown or repeated key, a value that
+            is not a number, a missing T, or a value outside its range (see ``validate_sampling_args``).
+    """
+    parts = text.split(";")
+    settings = []
+    for i, raw in enumerate(parts, 1):
+        part = raw.strip()
+        where = f"--settings part {i} ({part!r})"
+        if not part:
+            raise ValueError(f"--settings part {i} is empty; separate settings with ';' as in {DEFAULT_SETTINGS!r}")
+        values: dict[str, Any] = {}
+        for item in part.split(","):
+            key, eq, value = (s.strip() for s in item.partition("="))
+            if not eq or not key or not value:
+                raise ValueError(f"{where}: {item.strip()!r} is not key=value; use T=..., top_k=..., top_p=...")
+            name = _KEYS.get(key.lower())
+            if name is None:
+                raise ValueError(f"{where}: unknown key {key!r}; use T, top_k or top_p")
+            if name in values:
+                raise ValueError(f"{where}: {key!r} given twice")
+            try:
+                values[name] = int(value) if name == "top_k" else float(value)
+            except ValueError:
+                kind = "an integer" if name == "top_k" else "a number"
+                raise ValueError(f"{where}: {key}={value!r} is not {kind}") from None
+        if "temperature" not in values:
+            raise ValueError(f"{where}: no temperature; add T=... (T=0 is greedy)")
+        try:
+            validate_sampling_args(values["temperature"], values.get("top_k"), values.get("top_p"))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        settings.append(Setting(**values))
+    return settings
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+@dataclass
+class TestResult:
+    """One chi-square goodness-of-fit test on a partition of the outcomes into cells."""
+
+    setting: str
+    prefix: int | None  # None for the test combined over prefixes
+    test: str  # token1 | token2 | joint
+    samples: int
+    cells: int
+    df: int
+    statistic: float
+    p_value: float
+    impossible: int = 0  # samples on outcomes of target probability 0
+    tv_observed: float | None = None  # TV_cells(P_hat, p)
+    tv_upper: float | None = None  # upper confidence bound on the TV (see module docstring)
+    pooled_mass: float | None = None  # target probability of the pooled cells (unresolved by the test)
+    detectable_tv: float | None = None  # smallest TV on the cells detected with power 0.8 (None: df = 0)
+    p_holm: float | None = None
+    rejected: bool = False
+
+
+def pooled_cells(probs: np.ndarray, observed: np.ndarray, samples: int,
+                 min_expected: float = MIN_EXPECTED) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Partition outcomes into cells for a chi-square test.
+
+    Args:
+        probs: ``(n,)`` float64 exact probabilities of the enumerated outcomes; the outcomes not enumerated have
+            probability ``1 - probs.sum()`` together.
+        observed: ``(samples,)`` int64 outcome index of each draw, ``-1`` for a draw outside the enumeration.
+        samples: K, the number of draws.
+        min_expected: outcomes with expected count ``K * p`` below it are pooled.
+
+    Returns:
+        ``(cell_probs (k,), cell_counts (k,), resolved (k,) bool, impossible)``: resolved cells are single
+        outcomes, likeliest first; the last cell pools the rest when there is any; ``impossible`` counts draws on
+        outcomes of probability 0.
+    """
+    counts = np.bincount(observed[observed >= 0], minlength=len(probs)).astype(np.float64)
+    impossible = int(counts[probs <= 0].sum())
+    order = np.argsort(-probs, kind="stable")
+    heavy = order[samples * probs[order] >= min_expected - 1e-9]
+    cell_p, cell_n = list(probs[heavy]), list(counts[heavy])
+    rest_p = max(0.0, 1.0 - float(np.sum(cell_p)))  # light outcomes and the non-enumerated ones
+    rest_n = samples - float(np.sum(cell_n))
+    # float32 probabilities sum to 1 only up to ~1e-6: an empty pool that small is round-off, not a cell.
+    while cell_p and samples * rest_p < min_expected - 1e-9 and not (rest_n == 0 and rest_p < 1e-5):
+        rest_p += cell_p.pop()  # merge the pool into the smallest cell until its expected count is large enough
+        rest_n += cell_n.pop()
+    resolved = [True] * len(cell_p)
+    if rest_n > 0 or rest_p >= 1e-5 or not cell_p:
+        cell_p.append(rest_p)
+        cell_n.append(rest_n)
+        resolved.append(False)
+    return np.array(cell_p), np.array(cell_n), np.array(resolved), impossible
+
+
+def chi_square_test(cell_p: np.ndarray, cell_n: np.ndarray, impossible: int) -> tuple[float, int, float]:
+    """Pearson's statistic, degrees of freedom and p-value; p-value 0 if a draw hit a probability-0 outcome."""
+    from scipy.stats import chi2
+
+    m = cell_p > 0
+    expected = cell_p[m] * cell_n.sum()
+    stat = float(((cell_n[m] - expected) ** 2 / expected).sum())
+    df = int(m.sum()) - 1
+    if impossible > 0 or cell_n[~m].sum() > 0:
+        return stat, df, 0.0
+    return stat, df, float(chi2.sf(stat, df)) if df > 0 else 1.0
+
+
+def bhc_radius(cells: int, samples: int, delta: float) -> float:
+    """eps with P(TV(P_hat, P) >= eps) <= delta on ``cells`` cells from ``samples`` draws (Bretagnolle-Huber-Carol:
+    P(||P_hat - P||_1 >= 2 eps) <= 2^k exp(-2 K eps^2))."""
+    return math.sqrt((cells * math.log(2) + math.log(1 / delta)) / (2 * samples))
+
+
+def detectable_tv(df: int, samples: int, level: float, power: float = POWER) -> float | None:
+    """Smallest TV on the cells that a chi-square test with ``df`` degrees of freedom at ``level`` detects with
+    ``power``: sqrt(lambda* / (4 K)) where ncx2(df, lambda*) exceeds the critical value with probability ``power``
+    (Cohen 1988, ch. 7; chi2-divergence >= 4 TV^2). None when df = 0 (an exact check: only impossible draws fail)."""
+    if df < 1:
+        return None
+    from scipy.optimize import brentq
+    from scipy.stats import chi2, ncx2
+
+    crit = chi2.isf(level, df)
+    lam = brentq(lambda x: ncx2.sf(crit, df, x) - power, 1e-9, 1e7)
+    return math.sqrt(lam / (4 * samples))
+
+
+def holm(p_values: Sequence[float]) -> np.ndarray:
+    """Holm (1979) step-down adjusted p-values, in input order."""
+    p = np.asarray(p_values, dtype=np.float64)
+    n = len(p)
+    order = np.argsort(p, kind="stable")
+    adj = np.minimum(1.0, np.maximum.accumulate((n - np.arange(n)) * p[order]))
+    out = np.empty(n)
+    out[order] = adj
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+@torch.no_grad()
+def exact_distributions(target: Any, prefix: Sequence[int], setting: Setting, vocab_size: int,
+                        max_enumerate: int, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's processed first-token distribution and the next-token distributions after its likeliest ids.
+
+    Returns:
+        ``(p1 (V,), support (S,), p2 (S, V))`` float64 on CPU: ``p1`` after ``logits_to_probs``, ``support`` the ids
+        of p1's S most likely ids with p > 0 (S <= ``max_enumerate``), and ``p2[i]`` = p(. | prefix, support[i]).
+    """
+    device = next(target.parameters()).device
+    ids = torch.tensor([list(prefix)], device=device)
+    p1 = logits_to_probs(target(ids).logits[0, -1], vocab_size=vocab_size, **setting.sampling()).double().cpu()
+    nonzero = int((p1 > 0).sum())
+    support = torch.argsort(p1, descending=True, stable=True)[: min(nonzero, max_enumerate)]
+    rows = []
+    for chunk in support.split(batch_size):
+        seqs = torch.cat([ids.expand(len(chunk), -1), chunk[:, None].to(device)], dim=1)
+        logits = target(seqs, logits_to_keep=1).logits[:, -1]
+        rows.append(logits_to_probs(logits, vocab_size=vocab_size, **setting.sampling()).double().cpu())
+    return p1, support, torch.cat(rows)
+
+
+def draw_two_tokens(decoder: Any, prefix: Sequence[int], samples: int, setting: Setting, num_draft_tokens: int,
+                    generator: torch.Generator, device: Any) -> np.ndarray:
+    """K independent draws of the next two tokens through ``decoder.generate``: ``(K, 2)`` int64.
+
+    K copies of the prefix go in one batch (rows are decoded independently). ``max_new_tokens = γ + 1`` so the
+    first step drafts the full γ >= 2 tokens and the second token is a verified draft or a residual draw; no eos
+    is passed, so every row yields its tokens. Only the first two are kept.
+    """
+    ids = torch.tensor([list(prefix)] * samples, device=device)
+    out = decoder.generate(ids, max_new_tokens=num_draft_tokens + 1, generator=generator,
+                           num_draft_tokens=num_draft_tokens, **setting.sampling())
+    rows = [t[:2].tolist() for t in out.new_tokens]
+    if any(len(r) < 2 for r in rows):
+        raise RuntimeError("the decoder returned fewer than two new tokens for a row; the prefix may fill the "
+                           "target's context")
+    return np.array(rows, dtype=np.int64)
+
+
+def _tests_at_prefix(draws: np.ndarray, p1: torch.Tensor, support: torch.Tensor, p2: torch.Tensor,
+                     samples: int) -> dict[str, tuple]:
+    """Cells for token1, token2 and joint at one prefix (see the module docstring)."""
+    V = p1.shape[0]
+    p1n, sup, p2n = p1.numpy(), support.numpy(), p2.numpy()
+    x1, x2 = draws[:, 0], draws[:, 1]
+    pos = np.full(V, -1, dtype=np.int64)
+    pos[sup] = np.arange(len(sup))
+    s_idx = pos[x1]  # index of x1 in the enumerated support, -1 outside it
+    inside = s_idx >= 0
+    joint = p1n[sup][:, None] * p2n  # (S, V)
+    return {
+        "token1": pooled_cells(p1n, x1, samples),
+        "token2": pooled_cells(joint.sum(0), np.where(inside, x2, -1), samples),
+        "joint": pooled_cells(joint.reshape(-1), np.where(inside, s_idx * V + x2, -1), samples),
+    }
+
+
+def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings: Sequence[Setting], *,
+            samples: int = 1000, num_draft_tokens: int = 2, alpha: float = 0.01, seed: int = 0,
+            tokenizer: Any = None, draft_tokenizer: Any = None, max_enumerate: int = 128,
+            decoder: Any = None, log: Any = None) -> dict:
+    """Test that speculative decoding of ``target`` with ``draft`` samples the target's distribution.
+
+    Args:
+        target, draft: Hugging Face causal LMs (frozen, on one device).
+        prefixes: M token-id lists; each is continued K = ``samples`` times per setting.
+        settings: sampling configurations (see :func:`parse_settings`).
+        samples: K draws of two tokens per prefix and setting.
+        num_draft_tokens: γ >= 2.
+        alpha: family-wise error rate of the whole certificate (Holm) and 1 - confidence of the TV bounds.
+        seed: seeds the one ``torch.Generator`` of every draw.
+        tokenizer, draft_tokenizer: passed to the decoder to fix the shared vocabulary (as in generate/serve).
+        max_enumerate: at most this many first tokens are enumerated for the exact second-token distribution.
+        decoder: an object with ``generate(input_ids (K, T), max_new_tokens, temperature, top_k, top_p, generator,
+            num_draft_tokens) -> .new_tokens``; default ``SpeculativeDecoder(target, draft, γ, ...)``.
+        log: optional callable taking one progress line.
+
+    Returns:
+        the certificate as a JSON-ready dict: ``passed``, per-test results (:class:`TestResult`), per-setting
+        summaries (sample sizes, smallest adjusted p-value, largest TV bound, smallest detectable TV) and the method.
+
+    Raises:
+        ValueError: γ < 2, K < 1, alpha outside (0, 1), no prefixes or no settings.
+    """
+    from decode.compat import check_compatibility
+
+    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 2:
+        raise ValueError(f"num_draft_tokens must be an integer >= 2 so the second token passes a draft, "
+                         f"got {num_draft_tokens!r}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if not prefixes or not settings:
+        raise ValueError("certify needs at least one prefix and one setting")
+    if decoder is None:
+        from decode.engine import SpeculativeDecoder
+
+        decoder = SpeculativeDecoder(target, draft, num_draft_tokens, tokenizer=tokenizer,
+                                     draft_tokenizer=draft_tokenizer)
+    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    start = time.perf_counter()
+    per_prefix: list[tuple[TestResult, np.ndarray, np.ndarray, np.ndarray]] = []
+    for setting in settings:
+        for m, prefix in enumerate(prefixes):
+            draws = draw_two_tokens(decoder, prefix, samples, setting, num_draft_tokens, generator, device)
+            p1, support, p2 = exact_distributions(target, prefix, setting, vocab_size, max_enumerate)
+            for name, (cp, cn, resolved, impossible) in _tests_at_prefix(draws, p1, support, p2, samples).items():
+                stat, df, pv = chi_square_test(cp, cn, impossible)
+                res = TestResult(setting.label, m, name, samples, len(cp), df, stat, pv, impossible)
+                per_prefix.append((res, cp, cn, resolved))
+            if log is not None:
+                log(f"{setting.label}  prefix {m + 1}/{len(prefixes)}  ({time.perf_counter() - start:.0f} s)")
+    results = [r for r, *_ in per_prefix]
+    from scipy.stats import chi2
+
+    for setting in settings:  # one combined test per setting and kind: the sum of independent statistics
+        for name in TESTS:
+            group = [r for r in results if r.setting == setting.label and r.test == name and r.prefix is not None]
+            stat, df = sum(r.statistic for r in group), sum(r.df for r in group)
+            bad = any(r.p_value == 0.0 and r.impossible > 0 for r in group)
+            pv = 0.0 if bad else (float(chi2.sf(stat, df)) if df > 0 else 1.0)
+            results.append(TestResult(setting.label, None, name, samples * len(group), sum(r.cells for r in group),
+                                      df, stat, pv, sum(r.impossible for r in group)))
+    level = alpha / len(results)  # Bonferroni level of Holm's first step
+    delta = alpha / len(per_prefix)  # simultaneous confidence of the TV bounds
+    for res, cp, cn, resolved in per_prefix:
+        res.tv_observed = 0.5 * float(np.abs(cn / samples - cp).sum())
+        res.pooled_mass = max(0.0, 1.0 - float(cp[resolved].sum()))
+        res.tv_upper = min(1.0, res.tv_observed + bhc_radius(len(cp), samples, delta) + res.pooled_mass)
+        res.detectable_tv = detectable_tv(res.df, samples, level)
+    for res in results:
+        if res.prefix is None:
+            d = detectable_tv(res.df, res.samples, level)
+            res.detectable_tv = d  # RMS over prefixes of the per-prefix TV on the cells
+    for res, adj in zip(results, holm([r.p_value for r in results])):
+        res.p_holm = float(adj)
+        res.rejected = bool(adj <= alpha)
+    return _summarise(results, settings, prefixes, samples, num_draft_tokens, alpha, seed, max_enumerate,
+                      time.perf_counter() - start)
+
+
+def _summarise(results: list[TestResult], settings, prefixes, samples, gamma, alpha, seed, max_enumerate,
+               elapsed) -> dict:
+    summary = []
+    for s in settings:
+        mine = [r for r in results if r.setting == s.label]
+        each = [r for r in mine if r.prefix is not None]
+        row = {"setting": s.label, **s.sampling(), "prefixes": len(prefixes), "samples_per_prefix": samples,
+               "draws": samples * len(prefixes), "passed": not any(r.rejected for r in mine),
+               "min_p_holm": min(r.p_holm for r in mine)}
+        for name in TESTS:
+            part = [r for r in each if r.test == name]
+            comb = next(r for r in mine if r.prefix is None and r.test == name)
+            det = [r.detectable_tv for r in part if r.detectable_tv is not None]
+            row[name] = {"max_tv_upper": max(r.tv_upper for r in part),
+                         "max_tv_observed": max(r.tv_observed for r in part),
+                         "max_pooled_mass": max(r.pooled_mass for r in part),
+                         "median_detectable_tv": float(np.median(det)) if det else None,
+                         "combined_detectable_tv": comb.detectable_tv, "combined_p_value": comb.p_value}
+        summary.append(row)
+    return {
+        "passed": not any(r.rejected for r in results),
+        "alpha": alpha, "num_draft_tokens": gamma, "num_prefixes": len(prefixes), "samples_per_prefix": samples,
+        "num_tests": len(results), "seed": seed, "max_enumerate": max_enumerate, "elapsed_s": elapsed,
+        "prefix_lengths": [len(p) for p in prefixes],
+        "settings": summary,
+        "tests": [asdict(r) for r in results],
+        "method": {
+            "test": "Pearson chi-square per prefix (token1, token2 marginal, joint) and summed over prefixes; "
+                    f"cells with expected count >= {MIN_EXPECTED:g} (Cochran 1954), the rest pooled",
+            "correction": "Holm (1979) step-down over all tests; family-wise error rate alpha",
+            "tv_upper": "TV_cells(P_hat, p) + sqrt((k ln2 + ln(1/delta)) / 2K) + p(pooled cells), "
+                        "delta = alpha / #bounds (Bretagnolle-Huber-Carol; van der Vaart & Wellner 1996 A.6.6)",
+            "detectable_tv": f"power {POWER} at level alpha/#tests, any alternative with that TV on the cells "
+                             "(noncentral chi-square, Cohen 1988 ch. 7; chi2-divergence >= 4 TV^2)",
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def format_certificate(cert: dict) -> str:
+    """A plain-text certificate: verdict, sample sizes, per-setting smallest adjusted p-value, largest TV bound,
+    smallest detectable TV."""
+    verdict = "PASS" if cert["passed"] else "FAIL"
+    lines = [f"speculative decoding certificate: {verdict}",
+             f"  γ={cert['num_draft_tokens']}  {cert['num_prefixes']} prefixes x {cert['samples_per_prefix']} "
+             f"draws of two tokens per setting; {cert['num_tests']} chi-square tests, Holm family-wise "
+             f"alpha={cert['alpha']:g}; TV bounds hold together with confidence {1 - cert['alpha']:g}",
+             f"  {'setting':24s} {'result':6s} {'min p_holm':>10s} {'test':>7s} {'TV<= (max)':>10s} "
+             f"{'pooled':>7s} {'detect TV':>9s} {'combined':>9s}"]
+    for s in cert["settings"]:
+        for i, name in enumerate(TESTS):
+            t = s[name]
+            det = "exact" if t["median_detectable_tv"] is None else f"{t['median_detectable_tv']:.3f}"
+            comb = "exact" if t["combined_detectable_tv"] is None else f"{t['combined_detectable_tv']:.3f}"
+            head = (f"  {s['setting']:24s} {'pass' if s['passed'] else 'FAIL':6s} {s['min_p_holm']:10.2e}" if i == 0
+                    else f"  {'':24s} {'':6s} {'':10s}")
+            lines.append(f"{head} {name:>7s} {t['max_tv_upper']:10.3f} {t['max_pooled_mass']:7.3f} {det:>9s} "
+                         f"{comb:>9s}")
+    lines.append("  TV<=: largest upper bound over prefixes (pooled mass included); detect TV: median over prefixes "
+                 "of the smallest TV on the cells found with power 0.8; combined: the same for a bias shared by "
+                 "all prefixes (RMS)")
+    lines.append(f"  {cert['elapsed_s']:.0f} s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decode certify",
+                                description="Check statistically that a target/draft pair decodes losslessly.")
+    p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
+    p.add_argument("--draft", required=True, help="draft checkpoint: local path or hub id")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--prompts", default="humaneval", help="prompt set name or .jsonl path the prefixes come from")
+    p.add_argument("--prompt-field", default=None, help="text field of a local jsonl")
+    p.add_argument("--settings", default=DEFAULT_SETTINGS,
+                   help=f"';'-separated sampling settings (default {DEFAULT_SETTINGS!r})")
+    p.add_argument("--num-prefixes", "-M", type=int, default=4, help="M prefixes (one per prompt; default 4)")
+    p.add_argument("--samples", "-K", type=int, default=1000, help="K draws of two tokens per prefix (default 1000)")
+    p.add_argument("--prefix-tokens", type=int, default=8,
+                   help="each prefix is the last this many tokens of its prompt (default 8: every one of the K "
+                        "copies is prefilled, so the cost grows with it)")
+    p.add_argument("--num-draft-tokens", "-g", type=int, default=2, help="γ >= 2 (default 2)")
+    p.add_argument("--alpha", type=float, default=0.01, help="family-wise error rate (default 0.01)")
+    p.add_argument("--max-enumerate", type=int, default=128,
+                   help="first tokens enumerated for the exact second-token distribution (default 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--out", default=None, help="write the certificate as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> list[Setting]:
+    """Every check that needs no model; raises ValueError naming the option."""
+    settings = parse_settings(args.settings)
+    for name in ("num_prefixes", "samples", "prefix_tokens", "max_enumerate"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_draft_tokens < 2:
+        raise ValueError(f"--num-draft-tokens must be >= 2 so the second token goes through a draft, "
+                         f"got {args.num_draft_tokens}")
+    if not 0 < args.alpha < 1:
+        raise ValueError(f"--alpha must be in (0, 1), got {args.alpha}")
+    if args.out is not None:
+        out = Path(args.out)
+        if out.exists() and not args.overwrite:
+            raise ValueError(f"--out {out} exists; pass --overwrite to replace it or choose another file")
+        if out.exists() and out.is_dir():
+            raise ValueError(f"--out {out} is a directory; give a file name such as {out / 'certificate.json'}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m decode certify``; returns 0 on PASS, 1 on FAIL, 2 on bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = _check_args(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.prompts import encode_prompts, load_prompts
+
+    device = check_device(args.device)
+    prompts = load_prompts(args.prompts, limit=args.num_prefixes, field=args.prompt_field)
+    tok = load_tokenizer(args.tokenizer or args.target)
+    prefixes = encode_prompts(prompts, tok, chat_template=False, max_prompt_tokens=args.prefix_tokens)
+    target = load_causal_lm(args.target, "target", args.dtype, device)
+    draft = load_causal_lm(args.draft, "draft", args.dtype, device)
+    draft_tok = load_draft_tokenizer(args.draft, tok)
+    cert = certify(target, draft, prefixes, settings, samples=args.samples, num_draft_tokens=args.num_draft_tokens,
+                   alpha=args.alpha, seed=args.seed, tokenizer=tok, draft_tokenizer=draft_tok,
+                   max_enumerate=args.max_enumerate, log=lambda line: print(line, file=sys.stderr, flush=True))
+    cert.update(target=args.target, draft=args.draft, prompts=args.prompts, prompt_ids=[p.id for p in prompts])
+    print(format_certificate(cert))
+    if args.out is not None:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(cert, indent=1))
+        if out.exists() and not args.overwrite:  # appeared during the run
+            raise FileExistsError(f"{out} appeared during the run; the certificate is in {tmp}")
+        os.replace(tmp, out)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0 if cert["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

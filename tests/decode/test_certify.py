@@ -1,0 +1,253 @@
+"""``decode certify``: the statistics are right, the certificate passes the real decoder and fails a biased
+acceptance rule by a wide margin, and the command line checks its input before loading anything.
+
+The biased rule is injected by replacing the function object ``decode.verify.verify`` wherever a loaded ``decode``
+module holds it (the engine binds it at import with ``from decode.verify import verify``), so the hook does not
+depend on which engine module calls it or under which name."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import decode.engine  # noqa: F401  (loaded so its binding of verify is patched too)
+import decode.verify
+from decode import SpeculativeDecoder
+from decode.certify import (Setting, bhc_radius, certify, chi_square_test, detectable_tv, format_certificate, holm,
+                            parse_settings, pooled_cells)
+from decode.sampling import logits_to_probs
+from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
+
+V = 8
+PREFIXES = [[1, 5, 3, 6], [4, 4, 2]]
+
+
+def small_vocab_llama(seed, layers):
+    model = tiny_llama(vocab_size=V, seed=seed, layers=layers)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # keep mass on many ids, so the draft and target disagree often
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return small_vocab_llama(seed=0, layers=2), small_vocab_llama(seed=7, layers=1)
+
+
+def biased_verify(draft_probs, target_probs, draft_tokens, generator=None):
+    """The acceptance rule with a deliberate bias: accept when u < p/q + 0.1 (residual unchanged)."""
+    B, gamma, _ = draft_probs.shape
+    idx = draft_tokens.unsqueeze(-1)
+    p_x = target_probs[:, :gamma].gather(-1, idx).squeeze(-1)
+    q_x = draft_probs.gather(-1, idx).squeeze(-1)
+    u = torch.rand((B, gamma), generator=generator, device=draft_probs.device, dtype=torch.float32)
+    n_accepted = (u * q_x < p_x + 0.1 * q_x).long().cumprod(dim=-1).sum(dim=-1)
+    q_pad = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)
+    rows = torch.arange(B, device=draft_probs.device)
+    p_n = target_probs[rows, n_accepted]
+    residual = (p_n - q_pad[rows, n_accepted]).clamp_min(0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
+    return n_accepted, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+
+
+def patch_acceptance_rule(monkeypatch, fn):
+    """Replace ``decode.verify.verify`` in every loaded decode module that holds it; returns the names patched."""
+    original = decode.verify.verify
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name == "decode" or name.startswith("decode."):
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    monkeypatch.setattr(module, attr, fn)
+                    patched.append(f"{name}.{attr}")
+    return patched
+
+
+# -------------------------------------------------------------------------------- the certificate has power
+SETTINGS = [Setting(1.0), Setting(0.7, top_p=0.9)]
+
+
+def test_correct_decoder_passes(pair):
+    target, draft = pair
+    cert = certify(target, draft, PREFIXES, SETTINGS, samples=4000, num_draft_tokens=2, alpha=0.01, seed=0)
+    assert cert["passed"], format_certificate(cert)
+    assert all(t["impossible"] == 0 for t in cert["tests"])
+    assert len(cert["tests"]) == 2 * (2 * 3 + 3)  # settings x (prefixes x tests + combined)
+    for s in cert["settings"]:
+        assert s["draws"] == 8000
+        t1 = s["token1"]
+        assert 0 < t1["max_tv_observed"] < t1["max_tv_upper"] < 0.1  # the bound is informative at K = 4000
+        assert 0 < t1["combined_detectable_tv"] < t1["median_detectable_tv"] < 0.06
+    json.dumps(cert)  # JSON-ready
+
+
+def test_biased_acceptance_rule_fails_by_a_wide_margin(pair, monkeypatch):
+    target, draft = pair
+    dec = SpeculativeDecoder(target, draft, 2)
+    g = torch.Generator().manual_seed(5)
+    honest = dec.generate([PREFIXES[0]] * 2000, max_new_tokens=3, temperature=1.0, generator=g).stats.acceptance_rate
+    patched = patch_acceptance_rule(monkeypatch, biased_verify)
+    assert "decode.verify.verify" in patched and len(patched) >= 2, patched  # the engine's binding too
+    biased = dec.generate([PREFIXES[0]] * 2000, max_new_tokens=3, temperature=1.0, generator=g).stats.acceptance_rate
+    assert biased > honest + 0.03  # the hook reached the engine
+
+    cert = certify(target, draft, PREFIXES, SETTINGS, samples=4000, num_draft_tokens=2, alpha=0.01, seed=0)
+    assert not cert["passed"]
+    t1 = next(s for s in cert["settings"] if s["setting"] == "T=1")
+    # At T=1 every id is possible, so the failure comes from the chi-square tests themselves, far below alpha.
+    assert all(t["impossible"] == 0 for t in cert["tests"] if t["setting"] == "T=1")
+    assert t1["min_p_holm"] < 1e-8 and not t1["passed"]
+    assert min(t["p_value"] for t in cert["tests"] if t["setting"] == "T=1" and t["test"] == "token2") < 1e-4
+
+
+def test_rows_of_one_batch_are_independent(pair):
+    """The certificate treats the K rows of one generate call as independent draws: adjacent rows' first tokens
+    must follow p x p (and a batch whose rows are copies must fail the same check)."""
+    target, draft = pair
+    K = 8000
+    dec = SpeculativeDecoder(target, draft, 2)
+    out = dec.generate([PREFIXES[0]] * K, max_new_tokens=3, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    x1 = np.array([int(t[0]) for t in out.new_tokens])
+    with torch.no_grad():
+        p = logits_to_probs(target(torch.tensor([PREFIXES[0]])).logits[0, -1], 1.0).double().numpy()
+    pair_p = np.outer(p, p).reshape(-1)
+
+    def p_value(first, second):
+        cells = pooled_cells(pair_p, first * V + second, len(first))
+        return chi_square_test(cells[0], cells[1], cells[3])[2]
+
+    assert p_value(x1[0::2], x1[1::2]) > 1e-3
+    assert p_value(x1[0::2], x1[0::2]) < 1e-8  # perfectly dependent rows are caught
+
+
+# -------------------------------------------------------------------------------- the statistics
+def test_pooled_cells_pools_light_outcomes_and_counts_impossible_draws():
+    probs = np.array([0.5, 0.3, 0.15, 0.04, 0.01, 0.0])
+    observed = np.array([0] * 50 + [1] * 30 + [2] * 15 + [3] * 3 + [4] * 1 + [5] * 1)
+    cp, cn, resolved, impossible = pooled_cells(probs, observed, 100)
+    # Expected counts 50, 30, 15 stand alone; 4 + 1 + 0 = 5 pool into one cell.
+    np.testing.assert_allclose(cp, [0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_array_equal(cn, [50, 30, 15, 5])
+    assert resolved.tolist() == [True, True, True, False] and impossible == 1
+    assert chi_square_test(cp, cn, impossible)[2] == 0.0  # a probability-0 draw fails outright
+    # A pool below 5 is merged into the smallest cell; draws outside the enumeration (-1) land in the pool.
+    cp, cn, resolved, _ = pooled_cells(np.array([0.6, 0.37]), np.array([0] * 60 + [1] * 36 + [-1] * 4), 100)
+    np.testing.assert_allclose(cp, [0.6, 0.4])
+    np.testing.assert_array_equal(cn, [60, 40])
+    assert resolved.tolist() == [True, False]
+    # Greedy: one cell of probability 1 is an exact check (df = 0).
+    cp, cn, _, imp = pooled_cells(np.array([0.0, 1.0, 0.0]), np.ones(10, dtype=np.int64), 10)
+    assert chi_square_test(cp, cn, imp)[1:] == (0, 1.0)
+    cp, cn, _, imp = pooled_cells(np.array([0.0, 1.0, 0.0]), np.array([1] * 9 + [2]), 10)
+    assert chi_square_test(cp, cn, imp)[2] == 0.0
+
+
+def test_chi_square_p_values_are_uniform_under_the_null():
+    """Under H0 the p-value is about uniform: the share below 0.05 is near 0.05 (and pooling does not break it)."""
+    rng = np.random.default_rng(0)
+    probs = np.array([0.4, 0.2, 0.15, 0.1, 0.06, 0.04, 0.03, 0.01, 0.005, 0.005])
+    pv = []
+    for _ in range(2000):
+        obs = rng.choice(len(probs), size=300, p=probs)
+        cp, cn, _, imp = pooled_cells(probs, obs, 300)
+        pv.append(chi_square_test(cp, cn, imp)[2])
+    share = np.mean(np.array(pv) < 0.05)
+    assert 0.035 < share < 0.065, share
+
+
+def test_holm_matches_its_definition():
+    p = [0.01, 0.04, 0.03, 0.005]
+    # sorted: 0.005*4=0.02, 0.01*3=0.03, 0.03*2=0.06, 0.04*1=0.04 -> running max 0.02, 0.03, 0.06, 0.06
+    np.testing.assert_allclose(holm(p), [0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]).tolist() == [1.0, 1.0]
+
+
+def test_bhc_radius_covers_the_empirical_tv_and_is_not_vacuous():
+    rng = np.random.default_rng(1)
+    probs = np.array([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
+    K, delta = 500, 0.1
+    eps = bhc_radius(len(probs), K, delta)
+    tv = np.array([0.5 * np.abs(rng.multinomial(K, probs) / K - probs).sum() for _ in range(2000)])
+    assert np.mean(tv >= eps) <= delta
+    assert eps < 3 * tv.max()
+
+
+def test_detectable_tv_has_the_stated_power():
+    """An alternative with exactly the reported TV is detected in about 80% of runs (at least 75%)."""
+    from scipy.stats import chi2
+
+    rng = np.random.default_rng(2)
+    p = np.full(4, 0.25)
+    K, level = 2000, 1e-3
+    d = detectable_tv(3, K, level)
+    # The worst case of chi2-divergence >= 4 TV^2 is a two-valued shift: +d on half the mass, -d on the other.
+    q = p + np.array([d, d, -d, -d]) / 2
+    assert math.isclose(0.5 * np.abs(q - p).sum(), d)
+    hits = [chi2.sf((((rng.multinomial(K, q) - K * p) ** 2) / (K * p)).sum(), 3) < level for _ in range(1000)]
+    assert np.mean(hits) >= 0.75
+    assert detectable_tv(0, K, level) is None
+
+
+# -------------------------------------------------------------------------------- settings and command line
+def test_parse_settings():
+    s = parse_settings("T=1; T=0.7,top_p=0.9; temperature=0.7, top_k=20 ;T=0")
+    assert s == [Setting(1.0), Setting(0.7, top_p=0.9), Setting(0.7, top_k=20), Setting(0.0)]
+    assert [x.label for x in s] == ["T=1", "T=0.7,top_p=0.9", "T=0.7,top_k=20", "T=0"]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("T=1; T=0.7,top_q=0.9", "part 2 ('T=0.7,top_q=0.9'): unknown key 'top_q'"),
+    ("T=1;", "part 2 is empty"),
+    ("top_k=20", "part 1 ('top_k=20'): no temperature"),
+    ("T=1; T=0.7,top_k=2.5", "part 2 ('T=0.7,top_k=2.5'): top_k='2.5' is not an integer"),
+    ("T=-1", "part 1 ('T=-1'): temperature must be"),
+    ("T=1,T=2", "'T' given twice"),
+    ("T=1; T=0.7 top_p=0.9", "part 2"),
+    ("T=1; T=0.7,top_p=1.5", "part 2 ('T=0.7,top_p=1.5'): top_p must be"),
+])
+def test_parse_settings_errors_name_the_part(text, needle):
+    with pytest.raises(ValueError) as err:
+        parse_settings(text)
+    assert needle in str(err.value)
+
+
+def run_cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "decode", "certify", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_cli_writes_a_certificate_and_never_overwrites(tmp_path):
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0).float()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.1)  # the fixture's sharpening would leave one likely id per prefix
+    for name, model in (("target", target), ("draft", perturbed_copy(target, 0.5, seed=1))):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in ("w1 w2 w3 w4", "w9 w8 w7")) + "\n")
+    out = tmp_path / "cert.json"
+    common = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompts", str(prompts)]
+    r = run_cli(*common, "-M", "2", "-K", "300", "--prefix-tokens", "3", "--settings", "T=1; T=0.8,top_k=5",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "certificate: PASS" in r.stdout and "T=0.8,top_k=5" in r.stdout
+    cert = json.loads(out.read_text())
+    assert cert["passed"] and cert["num_prefixes"] == 2 and cert["samples_per_prefix"] == 300
+    assert cert["prefix_lengths"] == [3, 3]  # the last 3 tokens of each prompt
+    assert len(cert["tests"]) == 2 * (2 * 3 + 3)
+
+    # An existing --out is refused before any model loads (the target path does not even exist here).
+    before = out.read_text()
+    r = run_cli("--target", str(tmp_path / "missing"), "--draft", str(tmp_path / "draft"), "--out", str(out))
+    assert r.returncode == 2 and "--out" in r.stderr and "--overwrite" in r.stderr
+    assert out.read_text() == before
+    r = run_cli(*common, "--settings", "T=1; T=0.7,top_q=0.9")
+    assert r.returncode == 2 and "part 2" in r.stderr and "top_q" in r.stderr
+    r = run_cli(*common, "--num-draft-tokens", "1")
+    assert r.returncode == 2 and "--num-draft-tokens must be >= 2" in r.stderr

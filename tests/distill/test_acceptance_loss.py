@@ -1,0 +1,177 @@
+"""loss=acceptance: expected rejected draft slots over windows of γ positions (distill.losses.acceptance).
+Invariants (0 at equality, never negative, equals TVD for γ = 1), a brute-force reference for the windowing at masks
+and ragged ends, and that a draft closer to the target scores lower."""
+import pytest
+import torch
+
+from distill.losses import acceptance, distill_loss, tvd
+
+
+def _logits(seed, shape=(3, 7, 11), scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64) * scale
+
+
+def _ragged_mask():
+    """Prompt then completion then padding, with different completion lengths (one of 1 token, one with a gap)."""
+    m = torch.zeros(3, 7, dtype=torch.long)
+    m[0, 2:7] = 1      # completion runs to the end of the row
+    m[1, 3:4] = 1      # a single completion token
+    m[2, 1:3] = 1      # two runs: windows must stop at the gap
+    m[2, 4:6] = 1
+    return m
+
+
+def brute_force(draft_logits, target_logits, mask, n_tokens, gamma):
+    """Σ over masked s of Σ_{j < L_s} (1 − Π_{i≤j} α_{s+i}), L_s = masked run length from s capped at γ."""
+    p, q = target_logits.double().softmax(-1), draft_logits.double().softmax(-1)
+    alpha = torch.minimum(p, q).sum(-1)
+    total = 0.0
+    B, T = mask.shape
+    for b in range(B):
+        for s in range(T):
+            if not mask[b, s]:
+                continue
+            prod = 1.0
+            for j in range(gamma):
+                t = s + j
+                if t >= T or not mask[b, t]:
+                    break
+                prod *= float(alpha[b, t])
+                total += 1.0 - prod
+    return total / n_tokens
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 5, 9])
+def test_matches_brute_force_at_masks_and_ragged_ends(gamma):
+    d, t, m = _logits(0), _logits(1), _ragged_mask()
+    n = int(m.sum())
+    got = acceptance(d, t, m, n, gamma=gamma).item()
+    assert got == pytest.approx(brute_force(d, t, m, n, gamma), rel=1e-5)
+    assert distill_loss("acceptance", d, t, m, n, gamma=gamma).item() == pytest.approx(got, rel=1e-6)
+
+
+def test_window_lengths_by_hand():
+    """With α = 0 everywhere every slot of a window is rejected, so the loss counts window slots: a run of r masked
+    positions has windows of min(γ, r), min(γ, r − 1), ..., 1 slots."""
+    V = 4
+    t = torch.zeros(2, 6, V)
+    t[..., 0] = 50.0  # target certain of id 0
+    d = torch.zeros(2, 6, V)
+    d[..., 1] = 50.0  # draft certain of id 1: α = 0
+    m = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 0, 1, 0, 0]])
+    # row 0: run of 5 -> windows 3,3,3,2,1 = 12; row 1: runs of 2 and 1 -> 2,1 and 1 = 4
+    assert acceptance(d, t, m, 1, gamma=3).item() == pytest.approx(16.0, abs=1e-4)
+
+
+def test_zero_for_identical_and_never_negative():
+    x, m = _logits(0), _ragged_mask()
+    assert acceptance(x, x.clone(), m, int(m.sum()), gamma=4).item() == 0.0
+    for seed in range(5):
+        d, t = _logits(2 * seed, scale=4.0), _logits(2 * seed + 1, scale=4.0)
+        value = acceptance(d, t, m, int(m.sum()), gamma=4).item()
+        assert 0.0 < value <= 4.0
+
+
+def test_gamma_one_is_tvd_and_longer_windows_cost_more():
+    d, t, m = _logits(0), _logits(1), _ragged_mask()
+    n = int(m.sum())
+    assert acceptance(d, t, m, n, gamma=1).item() == pytest.approx(tvd(d, t, m, n).item(), rel=1e-6)
+    values = [acceptance(d, t, m, n, gamma=g).item() for g in (1, 2, 4, 8)]
+    assert values == sorted(values) and values[0] < values[-1]
+
+
+def test_closer_draft_scores_lower_and_a_gradient_step_helps():
+    t, m = _logits(1), _ragged_mask()
+    noise = _logits(5)
+    n = int(m.sum())
+    values = [acceptance(t + lam * noise, t, m, n, gamma=4).item() for lam in (0.1, 0.5, 1.0, 2.0)]
+    assert values == sorted(values) and values[0] < 0.5 * values[-1]
+
+    d = (t + noise).clone().requires_grad_(True)
+    before = acceptance(d, t, m, n, gamma=4)
+    before.backward()
+    assert d.grad[m == 0].abs().max() == 0  # masked positions get no gradient
+    with torch.no_grad():
+        stepped = d - 0.5 * d.grad
+    assert acceptance(stepped, t, m, n, gamma=4).item() < before.item()
+    assert tvd(stepped, t, m, n).item() < tvd(d.detach(), t, m, n).item()
+
+
+def test_a_position_counts_more_when_the_drafts_before_it_are_accepted():
+    """Fixing the draft at position 1 gains more when position 0 is accepted (its draft is reached more often);
+    TVD gains the same either way."""
+    V = 5
+    t = _logits(3, (1, 3, V))
+    d = _logits(4, (1, 3, V))
+    m = torch.ones(1, 3)
+    good0, bad0 = d.clone(), d.clone()
+    good0[0, 0] = t[0, 0]            # α_0 = 1
+    bad0[0, 0] = -10 * t[0, 0]       # α_0 near 0
+
+    def gain(base, loss):
+        fixed = base.clone()
+        fixed[0, 1] = t[0, 1]
+        return loss(base, t, m, 3).item() - loss(fixed, t, m, 3).item()
+
+    def acc(*a):
+        return acceptance(*a, gamma=3)
+
+    assert gain(good0, acc) > 1.5 * gain(bad0, acc) > 0
+    assert gain(good0, tvd) == pytest.approx(gain(bad0, tvd), rel=1e-5)
+
+
+def test_masked_garbage_is_ignored_and_accumulation_is_exact():
+    d, t, m = _logits(0), _logits(1), _ragged_mask()
+    d2, t2 = d.clone(), t.clone()
+    d2[m == 0] = 1e4
+    t2[m == 0] = float("nan")
+    n = int(m.sum())
+    assert acceptance(d2, t2, m, n, gamma=3).item() == pytest.approx(acceptance(d, t, m, n, gamma=3).item(), rel=1e-6)
+    # Two micro-batches with the window's token count sum to the full batch's loss.
+    parts = acceptance(d[:1], t[:1], m[:1], n, gamma=3) + acceptance(d[1:], t[1:], m[1:], n, gamma=3)
+    assert parts.item() == pytest.approx(acceptance(d, t, m, n, gamma=3).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [0, -1, 1.5, True])
+def test_bad_gamma_is_an_error(gamma):
+    d, t, m = _logits(0), _logits(1), _ragged_mask()
+    with pytest.raises(ValueError, match="gamma"):
+        acceptance(d, t, m, 1, gamma=gamma)
+
+
+# -------------------------------------------------------------------------------- wired into the recipe
+def test_recipe_trains_with_loss_acceptance_and_accumulates_exactly(pair, tmp_path):
+    """loss=acceptance runs in the recipe on the (B, T) layout; batch 4 x accum 1 == batch 2 x accum 2, and the
+    loss goes down."""
+    import json
+
+    from distill.recipe import train
+    from distill_helpers import compose, overrides
+
+    common = ("loss=acceptance", "loss.gamma=3", "train.max_steps=6", "optim.lr=1e-2", "train.save_every=0")
+    train(compose(overrides(pair, tmp_path / "a", *common, "train.batch_size=4", "train.grad_accum=1")),
+          log=lambda *_: None)
+    train(compose(overrides(pair, tmp_path / "b", *common, "train.batch_size=2", "train.grad_accum=2")),
+          log=lambda *_: None)
+
+    def losses(out):
+        return {m["step"]: m["train/loss"] for m in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in m}
+
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert la.keys() == lb.keys() and len(la) == 6
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-5)
+    assert 0 < la[6] < la[1] <= 3.0
+
+
+@pytest.mark.parametrize("gamma", ["0", "2.5"])
+def test_recipe_rejects_a_bad_gamma_before_loading(pair, tmp_path, gamma):
+    from distill.models import SetupError
+    from distill.recipe import train
+    from distill_helpers import compose, overrides
+
+    with pytest.raises(SetupError, match="loss.gamma"):
+        train(compose(overrides(pair, tmp_path / "run", "loss=acceptance", f"loss.gamma={gamma}")),
+              log=lambda *_: None)
+    assert not (tmp_path / "run").exists()

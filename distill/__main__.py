@@ -37,8 +37,8 @@ SUBCOMMANDS = {
                           "python -m distill convert-checkpoint CHECKPOINT",
     "cache-logits": "cache the target's top-k log-probs + tail mass: python -m distill cache-logits "
                     "data.logit_cache=DIR [data.logit_cache_k=32] [k=v ...] (then train data.target_logits=cached)",
-    "bench-step": "time the recipe's step vs the bound: python -m distill bench-step [--steps N] [--out FILE] "
-                  "[k=v ...]",
+    "bench-step": "time the recipe's step vs the bound: python -m distill bench-step [--steps N] [--warmup N] "
+                  "[--out FILE [--overwrite]] [k=v ...]",
 }
 # Flags Hydra itself takes (passed through); --print-config is kept as an alias of --cfg job.
 HYDRA_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name",
@@ -452,7 +452,8 @@ def run_bench_step(cfg: Any, opts: dict) -> None:
     """``bench-step`` on a composed config: the recipe's step against its bound (distill/bench_step.py)."""
     from distill.bench_step import bench_step
 
-    bench_step(cfg, steps=int(opts.get("steps", 10)), warmup=int(opts.get("warmup", 2)), out=opts.get("out"))
+    bench_step(cfg, steps=int(opts.get("steps", 10)), warmup=int(opts.get("warmup", 2)), out=opts.get("out"),
+               overwrite=bool(opts.get("overwrite")))
 
 
 COMMANDS = {"export": cmd_export, "pretrain": cmd_pretrain, "convert-checkpoint": cmd_convert_checkpoint}

@@ -116,9 +116,11 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
     return parts
 
 
-def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = None, log: Any = print) -> dict:
+def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = None, log: Any = print,
+               overwrite: bool = False) -> dict:
     """Time the recipe's step and its bound on the configured pair and data; print a table, return (and with
-    ``out`` write) the JSON result. ``steps`` timed rounds after ``warmup`` untimed ones.
+    ``out`` write) the JSON result. ``steps`` timed rounds after ``warmup`` untimed ones. An existing ``out`` is
+    replaced only with ``overwrite`` (``--overwrite``).
 
     Raises SetupError as ``train`` does for a bad config (before any model loads).
     """
@@ -159,6 +161,6 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
     log(f"  bound / recipe step = {result['efficiency']:.2f}    peak memory {result['peak_memory_mb']:.0f} MiB")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "x") as f:  # never overwrite a results file
+        with open(out, "w" if overwrite else "x") as f:  # a results file is replaced only when asked
             json.dump(result, f, indent=2)
     return result

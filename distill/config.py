@@ -227,7 +227,7 @@ HELP = {  # hydra/help=distill (conf/config.yaml): what `python -m distill train
               "  python -m distill ${hydra.job.name} ... -m loss=fkl,tvd,jsd  (a sweep: one run folder per job)\n"
               "launcher/ holds accelerate configs (accelerate launch --config_file conf/launcher/NAME.yaml), not a "
               "Hydra group.\nOwn options: eval --out FILE [--overwrite]; bench-step --steps N (10) --warmup N (2) "
-              "--out FILE (never overwritten).\nEvery key's type and allowed values: distill/config.py and docs/distill.md.",
+              "--out FILE [--overwrite].\nEvery key's type and allowed values: distill/config.py and docs/distill.md.",
     "template": "${hydra.help.header}\n\n"
                 "== Config groups (group=option; target and experiment: +target=NAME, +experiment=NAME) ==\n"
                 "$APP_CONFIG_GROUPS\n\n== Keys and their defaults (key=value) ==\n$CONFIG\n"
@@ -306,6 +306,10 @@ def _check_values(cfg: DictConfig) -> None:
         if not key.startswith("data.source."):  # sources: _check_sources (data.source and eval.prompts)
             _choose(key, get(key), choices)
     _choose("loss.name", cfg.loss.name, tuple(DIVERGENCES))
+    if cfg.loss.name == "acceptance" and get("data.target_logits") == "cached":
+        raise SetupError("loss=acceptance needs the target's full distribution at every position of a window; the "
+                         "logit cache keeps top-k + tail only: use data.target_logits=online, or another loss with "
+                         "the cache (loss=tvd is its per-token counterpart)")
     _choose("eval.select_by", cfg.eval.select_by, tuple(SELECT_KEYS))
     for key in ("target.dtype", "draft.dtype"):
         if get(key) is not None:

@@ -293,6 +293,8 @@ def bucket_divergence(name: str, log_q: torch.Tensor, log_p: torch.Tensor, beta:
         per = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
     else:
         check_loss_name(name)
+        raise ValueError(f"loss {name!r} has no cached (top-k + tail) form: the cached losses are fkl, rkl, jsd, "
+                         "tvd (acceptance needs the full distribution at every position of its windows)")
     return per.clamp(min=0.0)
 
 

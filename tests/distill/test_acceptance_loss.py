@@ -175,3 +175,60 @@ def test_recipe_rejects_a_bad_gamma_before_loading(pair, tmp_path, gamma):
         train(compose(overrides(pair, tmp_path / "run", "loss=acceptance", f"loss.gamma={gamma}")),
               log=lambda *_: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_recipe_acceptance_on_the_column_span_equals_the_full_sequence_layout(pair):
+    """The recipe runs the lm_heads of loss=acceptance only on the column span holding completion tokens; the loss
+    and its gradient equal those of distill_loss on the full (B, T) logits, gaps inside a row included."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from distill.recipe import loss_on_batch
+
+    target = AutoModelForCausalLM.from_pretrained(str(pair["target"]), torch_dtype=torch.float64).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(pair["draft"]), torch_dtype=torch.float64)
+    vocab = target.config.vocab_size
+    ids = torch.randint(3, vocab, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    mask[0, 2:4] = 1
+    mask[1, 3:4] = 1
+    mask[2, 3:4] = 1  # row 2 has a gap at columns 4-6 where no row has a completion token: keeping only columns
+    mask[2, 7:9] = 1  # with a completion token would join its columns 3 and 7 into one window
+    labels = torch.roll(ids, -1, dims=1)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask, "labels": labels}
+    cfg = SimpleNamespace(loss=SimpleNamespace(name="acceptance", gamma=3, beta=0.5, temperature=1.0, ce_weight=0.0))
+    acc = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    run = SimpleNamespace(cfg=cfg, accelerator=acc, target=target, draft=draft, vocab=vocab, logit_cache=None,
+                          logits_to_keep={})
+    n = int(mask.sum())
+    got = loss_on_batch(run, batch, n)
+    (g_got,) = torch.autograd.grad(got, draft.lm_head.weight)
+    with torch.no_grad():
+        t_full = target(input_ids=ids).logits
+    want = distill_loss("acceptance", draft(input_ids=ids).logits, t_full, mask, n, gamma=3)
+    (g_want,) = torch.autograd.grad(want, draft.lm_head.weight)
+    assert got.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12) and got.item() > 0
+    assert torch.allclose(g_got, g_want, rtol=1e-8, atol=1e-12)
+
+
+def test_acceptance_has_no_cached_form():
+    """The logit cache holds top-k + tail per position: loss=acceptance with it is refused (config and loss)."""
+    from distill.losses import cached_divergence
+
+    with pytest.raises(ValueError, match="no cached"):
+        cached_divergence("acceptance", torch.zeros(1, 2, 5), torch.full((1, 2, 3), -1.0986),
+                          torch.zeros(1, 2, 2, dtype=torch.long), torch.ones(1, 2), 2)
+
+
+def test_cached_target_logits_with_loss_acceptance_is_refused_before_loading(pair, tmp_path):
+    from distill.config import validate
+    from distill.models import SetupError
+    from distill_helpers import compose, overrides
+
+    cfg = compose(overrides(pair, tmp_path / "run", "loss=acceptance", "data.target_logits=cached",
+                            f"data.logit_cache={tmp_path / 'cache'}"))
+    with pytest.raises(SetupError, match="loss=acceptance.*data.target_logits=online"):
+        validate(cfg)
+    assert not (tmp_path / "run").exists()

@@ -280,13 +280,13 @@ def test_hf_fixed_gamma_sets_the_assistants_config_for_the_call_only():
     assert set(results["summary"][0]["hf_assisted_fixed_speedup"]) == {"3"}
     # Count target forwards of one call. 13 new tokens with all drafts accepted: γ+1 per verify step, so 4 target
     # forwards at γ=3 and 7 at γ=1 (prefill included).
-    from decode.bench import Method, _run_hf
+    from decode.bench import Method, run_hf
 
     def target_forwards(gamma):
         calls = []
         handle = target.register_forward_hook(lambda *a: calls.append(1))
         ids = torch.tensor([[1, 5, 6, 7]])
-        _run_hf(target, draft, Method("hf", "hf", gamma, assisted=True), ids, torch.ones_like(ids), 0.0, cfg, None,
+        run_hf(target, draft, Method("hf", "hf", gamma, assisted=True), ids, torch.ones_like(ids), 0.0, cfg, None,
                 0, 0, torch.device("cpu"))
         handle.remove()
         return len(calls)

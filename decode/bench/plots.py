@@ -1,5 +1,5 @@
-"""PNG plots of a benchmark results dict (``decode.bench``): speedup vs γ, predicted vs measured speedup,
-acceptance by draft position, and batch throughput.
+"""PNG plots of a benchmark results dict (``decode.bench.run_benchmark``): speedup vs γ, predicted vs measured
+speedup, acceptance by draft position, and batch throughput (``PLOTS``: name -> function(results, path)).
 
 Figures are built with ``matplotlib.figure.Figure`` and the Agg canvas, never pyplot, so no display and no global
 figure state are involved (safe in servers, tests and headless machines).
@@ -7,7 +7,6 @@ figure state are involved (safe in servers, tests and headless machines).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -162,13 +161,6 @@ PLOTS = {
     "acceptance_by_position": plot_acceptance_by_position,
     "batch_throughput": plot_batch_throughput,
 }
-
-
-def write_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
-    """Write every plot in ``PLOTS`` as ``<out_dir>/<name>.png``; return {name: path}."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return {name: fn(results, out / f"{name}.png") for name, fn in PLOTS.items()}
 
 
 def _save(fig: Figure, path: str | os.PathLike) -> str:

@@ -5,8 +5,11 @@ the target's own embeddings, final norm and (tied) output head, the same module 
 what an early exit of the target would predict. Random layers move the hidden state a lot, so a draft that
 skips most of them would rarely agree with the target; the target's later layers therefore have their residual
 output projections (``o_proj``, ``down_proj``) scaled by ``late_layer_scale``, a depth-scaled initialisation in
-the spirit of GPT-2's 1/√(2L) that lets the draft agree with the target often but not always. α is measured by the
-benchmark, never assumed.
+the spirit of GPT-2's 1/√(2L) that lets the draft agree with the target often but not always. A random model's
+next-token distribution is nearly uniform (greedy choices between near-ties); the shared final norm's gain is
+multiplied by ``logit_scale`` so both models have a peaked distribution, as trained models do. With the defaults the
+full pair's teacher-forced greedy agreement on random prompts was 0.73 and its T=1 acceptance Σmin(p, q) 0.75, with a
+target entropy of about 1 nat (one CPU measurement on 64 positions); the benchmark measures α, never assumes it.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class SyntheticPair:
     draft_parameters: int
     draft_layers: int
     late_layer_scale: float
+    logit_scale: float
 
 
 def _num_parameters(model: torch.nn.Module) -> int:
@@ -39,14 +43,15 @@ def _num_parameters(model: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def build_pair(size: str = "full", draft_layers: int = 1, late_layer_scale: float = 0.2, seed: int = 0,
-               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> SyntheticPair:
+def build_pair(size: str = "full", draft_layers: int = 1, late_layer_scale: float = 0.03, logit_scale: float = 10.0,
+               seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> SyntheticPair:
     """Build the target (``FULL`` or ``TINY`` Llama config) and its early-exit draft on ``device``.
 
     Args:
         size: "full" (≈1.03B target, ≈110M draft) or "tiny" (a few hundred thousand parameters).
         draft_layers: how many of the target's first decoder layers the draft keeps (1 <= n < target layers).
         late_layer_scale: factor on ``o_proj`` and ``down_proj`` of the target's layers after the draft's.
+        logit_scale: factor on the shared final norm's gain (logits of both models scale with it).
         seed: seeds the initialisation (the same pair on the same device type).
         device, dtype: where the weights are created (directly, no CPU copy) and their dtype.
 
@@ -73,6 +78,7 @@ def build_pair(size: str = "full", draft_layers: int = 1, late_layer_scale: floa
     for layer in target.model.layers[draft_layers:]:
         layer.self_attn.o_proj.weight.mul_(late_layer_scale)
         layer.mlp.down_proj.weight.mul_(late_layer_scale)
+    target.model.norm.weight.mul_(logit_scale)
     # The draft is the target's early exit: the same embedding, first layers, final norm and head objects.
     draft.model.embed_tokens = target.model.embed_tokens
     draft.model.layers = torch.nn.ModuleList(target.model.layers[:draft_layers])
@@ -80,7 +86,7 @@ def build_pair(size: str = "full", draft_layers: int = 1, late_layer_scale: floa
     draft.lm_head = target.lm_head
     draft.model.rotary_emb = target.model.rotary_emb
     return SyntheticPair(target, draft, _num_parameters(target), _num_parameters(draft), draft_layers,
-                         late_layer_scale)
+                         late_layer_scale, logit_scale)
 
 
 @torch.no_grad()

@@ -490,3 +490,55 @@ def test_hf_fixed_gamma_sets_the_assistants_config_for_the_call_only():
 
     assert target_forwards(3) == 4
     assert target_forwards(1) == 7
+
+
+# ------------------------------------------------------------------------------------------------ GPU benchmark
+def test_synthetic_draft_is_the_targets_early_exit():
+    from decode.bench.synthetic_pair import build_pair
+
+    pair = build_pair("tiny", draft_layers=2, dtype=torch.float64, device=TEST_DEVICE)
+    plain = build_pair("tiny", draft_layers=2, late_layer_scale=1.0, logit_scale=1.0, dtype=torch.float64,
+                       device=TEST_DEVICE)
+    t, d = pair.target.model, pair.draft.model
+    assert all(a is b for a, b in zip(d.layers, t.layers)) and len(d.layers) == 2
+    assert d.embed_tokens is t.embed_tokens and pair.draft.lm_head is pair.target.lm_head and d.norm is t.norm
+    for i, (scaled, base) in enumerate(zip(t.layers, plain.target.model.layers)):
+        factor = 1.0 if i < 2 else pair.late_layer_scale  # same seed: same weights up to the scaling
+        assert torch.equal(scaled.mlp.down_proj.weight, base.mlp.down_proj.weight * factor)
+        assert torch.equal(scaled.self_attn.o_proj.weight, base.self_attn.o_proj.weight * factor)
+    ids = torch.tensor([[1, 9, 33, 70, 4, 200]], device=TEST_DEVICE)
+    with torch.no_grad():
+        hidden = pair.target(input_ids=ids, output_hidden_states=True).hidden_states[2]  # after layer 2, pre-norm
+        early_exit = pair.target.lm_head(t.norm(hidden))
+        assert torch.allclose(pair.draft(input_ids=ids).logits, early_exit, rtol=1e-12, atol=1e-12)
+
+
+def test_full_synthetic_pair_has_the_announced_sizes():
+    from decode.bench.synthetic_pair import build_pair
+
+    pair = build_pair("full", device="meta")  # shapes only, no memory
+    assert 1.0e9 < pair.target_parameters < 1.1e9 and 100e6 < pair.draft_parameters < 120e6
+    with pytest.raises(ValueError, match="draft_layers must be in"):
+        build_pair("tiny", draft_layers=4, device="meta")
+
+
+def test_gpu_bench_script_end_to_end_on_cpu_with_tiny_sizes(tmp_path):
+    """scripts/gpu_bench.sh as shipped (its tests step skipped: this is that test run), GPU_BENCH_TINY=1."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GPU_BENCH_TINY": "1", "GPU_BENCH_SKIP_TESTS": "1", "OUT": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(root / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())
+    validate_results(results)
+    assert {r["method"] for r in results["runs"]} == {"plain", "spec_g4", "spec_auto", "hf_target", "hf_assisted",
+                                                      "hf_assisted_g4"}
+    assert {b["batch_size"] for b in results["batch"]} == {1, 16} and results["pair"]["size"] == "tiny"
+    assert all(r["overall"]["matches_plain_greedy"] == 1.0 for r in results["runs"] if r["temperature"] == 0)
+    assert "must-show (issue #8)" in done.stdout and "compiled:" in done.stdout
+    assert (tmp_path / "bench.log").read_text().count("=== gpu_bench") >= 1

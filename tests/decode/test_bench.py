@@ -361,7 +361,8 @@ def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch,
     class NoCompile(decode.SpeculativeDecoder):
         def __init__(self, target, draft=None, num_draft_tokens=4, tokenizer=None, draft_tokenizer=None,
                      max_auto_draft_tokens=8):
-            super().__init__(target, draft, num_draft_tokens, tokenizer, draft_tokenizer, max_auto_draft_tokens)
+            super().__init__(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer,
+                             draft_tokenizer=draft_tokenizer, max_auto_draft_tokens=max_auto_draft_tokens)
 
     monkeypatch.setattr(decode, "SpeculativeDecoder", NoCompile)
     assert decode_main(["bench", *_pair_args(saved_pair), "--compile", "--out", str(tmp_path / "x.json")]) == 2

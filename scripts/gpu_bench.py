@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's decode/, also when not installed
 
-from decode.bench import BenchConfig, OutputPaths, compile_supported, must_show, render_tables, run_benchmark  # noqa: E402
+from decode.bench import (BenchConfig, OutputPaths, compile_supported, must_show, render_tables,  # noqa: E402
+                          run_benchmark, write_outputs)
 from decode.bench.config import parse_gammas, parse_list  # noqa: E402
 from decode.bench.synthetic_pair import build_pair, greedy_agreement  # noqa: E402
 
@@ -68,8 +69,6 @@ def compiled_decoder_works(pair, device) -> bool:
 
 def stage(name: str, pair, prompts, cfg: BenchConfig, out: Path | None, info: dict) -> None:
     """One interleaved run: tables on stdout, ``<out>/<name>.json`` (and plots) when ``out`` is set."""
-    from decode.bench import write_outputs
-
     paths = OutputPaths.plan(out / f"{name}.json", overwrite=True) if out else None  # checked before the run
     t0 = time.perf_counter()
     results = run_benchmark(pair.target, pair.draft, prompts, [None] * len(prompts), cfg, pad_token_id=0,

@@ -11,7 +11,8 @@ One job per module (see docs/bench.md):
 - ``bare_forward``: the bare HF decode forwards, the reference for the engine's cost ratio c;
 - ``pool``: per-prompt records -> metrics (``DecodeStats``), predictions (``decode.speedup``), summary;
 - ``report``: the must-show report, the JSON schema, output paths, tables; ``plots``: PNG figures;
-- ``cli``: ``python -m decode bench``; ``gpu_pair``: a target/draft pair built from configs for ``scripts/gpu_bench.sh``.
+- ``cli``: ``python -m decode bench``; ``synthetic_pair``: a target/draft pair built from configs for
+  ``scripts/gpu_bench.sh``.
 
 α is Leviathan et al.'s per-token acceptance (``alpha``); ``acceptance_rate`` is Σaccepted/Σdrafted; c comes from
 ``decode.speedup.measure_cost_ratio``; the prediction is (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (Leviathan et al.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-# ≈1.03B target (TinyLlama-1.1B's shape with tied embeddings and 22 layers) and a ≈110M draft (embeddings + 1 layer).
+# ≈1.03B target (TinyLlama-1.1B's shape, 22 layers, tied embeddings) and a ≈110M draft (embeddings + 1 layer).
 FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
 # Seconds on a CPU: for checking the whole path end to end.

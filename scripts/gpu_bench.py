@@ -67,9 +67,8 @@ def compiled_decoder_works(pair, device) -> bool:
         return False
 
 
-def stage(name: str, pair, prompts, cfg: BenchConfig, out: Path | None, info: dict) -> None:
-    """One interleaved run: tables on stdout, ``<out>/<name>.json`` (and plots) when ``out`` is set."""
-    paths = OutputPaths.plan(out / f"{name}.json", overwrite=True) if out else None  # checked before the run
+def stage(name: str, pair, prompts, cfg: BenchConfig, paths: OutputPaths | None, info: dict) -> None:
+    """One interleaved run: tables on stdout, the JSON (and plots) at ``paths`` when given."""
     t0 = time.perf_counter()
     results = run_benchmark(pair.target, pair.draft, prompts, [None] * len(prompts), cfg, pad_token_id=0,
                             progress=False)
@@ -95,12 +94,19 @@ def main(argv=None) -> int:
         print("error: the full-size pair (≈1B target) needs a CUDA device; use --tiny (GPU_BENCH_TINY=1) to check "
               "the path on a CPU", file=sys.stderr)
         return 2
-    gammas, auto = parse_gammas(args.gammas)
-    temperatures = parse_list(args.temperatures, float, "temperature")
-    batch_sizes = parse_list(args.batch_sizes, int, "batch size")
-    out = Path(args.out) if args.out else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+    try:  # settings and output paths, before any model is built
+        gammas, auto = parse_gammas(args.gammas)
+        temperatures = parse_list(args.temperatures, float, "temperature")
+        batch_sizes = parse_list(args.batch_sizes, int, "batch size")
+        out = Path(args.out) if args.out else None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        # Both stages' files: an earlier run's results are never replaced.
+        paths = {name: OutputPaths.plan(out / f"{name}.json") if out else None
+                 for name in ("gpu_bench", "gpu_bench_compiled")}
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32  # tiny: exact checks
     t0 = time.perf_counter()
     pair = build_pair("tiny" if args.tiny else "full", device=device, dtype=dtype, seed=args.seed)
@@ -122,11 +128,11 @@ def main(argv=None) -> int:
                   target="synthetic", draft="synthetic", prompts="random", limit=args.prompts, device=str(device),
                   dtype=str(dtype).replace("torch.", ""))
     # Stage 1: ours (eager) vs HF, HF assisted at the same fixed γ as ours.
-    stage("gpu_bench", pair, prompts, BenchConfig(**common, hf=True, hf_gammas=gammas), out, info)
+    stage("gpu_bench", pair, prompts, BenchConfig(**common, hf=True, hf_gammas=gammas), paths["gpu_bench"], info)
     # Stage 2: ours eager vs compiled (no HF: its numbers are in stage 1).
     if compiled_decoder_works(pair, device):
         stage("gpu_bench_compiled", pair, prompts, BenchConfig(**{**common, "auto": False}, hf=False, compile=True),
-              out, info)
+              paths["gpu_bench_compiled"], info)
     return 0
 
 

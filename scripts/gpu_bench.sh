@@ -17,7 +17,15 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 tiny="${GPU_BENCH_TINY:-0}"
 out="${OUT:-}"
-if [ -n "$out" ]; then mkdir -p "$out" || exit 2; fi
+if [ -n "$out" ]; then
+  for f in environment.txt pytest.log bench.log gpu_bench.json gpu_bench_compiled.json; do
+    if [ -e "$out/$f" ]; then
+      echo "error: OUT=$out already holds $f from an earlier run; choose an empty folder" >&2
+      exit 2
+    fi
+  done
+  mkdir -p "$out" || exit 2
+fi
 
 # Copy stdin to stdout and, when OUT is set, to $OUT/$1.
 log() { if [ -n "$out" ]; then tee "$out/$1"; else cat; fi; }

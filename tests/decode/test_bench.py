@@ -543,3 +543,8 @@ def test_gpu_bench_script_end_to_end_on_cpu_with_tiny_sizes(tmp_path):
     assert all(r["overall"]["matches_plain_greedy"] == 1.0 for r in results["runs"] if r["temperature"] == 0)
     assert "must-show (issue #8)" in done.stdout and "compiled:" in done.stdout
     assert (tmp_path / "bench.log").read_text().count("=== gpu_bench") >= 1
+    # A second run into the same OUT refuses before doing anything: the first run's files stay.
+    again = subprocess.run(["bash", str(root / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 2 and "already holds" in again.stderr
+    assert json.loads((tmp_path / "gpu_bench.json").read_text()) == results

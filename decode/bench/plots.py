@@ -21,8 +21,9 @@ def _figure(width: float = 6.4, height: float = 4.2) -> Figure:
 
 
 def _fixed_runs(results: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
+    # Eager runs only: a compiled twin has the same acceptance and would draw a second point per γ on one line.
     runs = [r for r in results["runs"] if r["temperature"] == temperature and isinstance(r["num_draft_tokens"], int)
-            and r["num_draft_tokens"] > 0]
+            and r["num_draft_tokens"] > 0 and not r.get("compiled")]
     return sorted(runs, key=lambda r: r["num_draft_tokens"])
 
 

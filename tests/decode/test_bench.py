@@ -372,7 +372,7 @@ def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch,
                       progress=False)
 
 
-def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch):
+def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path):
     """The bench's plumbing for --compile: compiled methods (main and batch pass) go to the decoder built with
     compile=True, the others to the eager one. The engine's compilation itself is tested with the engine."""
     import decode
@@ -404,6 +404,9 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch):
     assert runs["spec_g2_compiled"]["compiled"] and runs["spec_g2_compiled"]["overall"]["matches_plain_greedy"] == 1
     assert {(b["method"], b["batch_size"]) for b in results["batch"]} == {
         (m, bs) for m in ("plain", "spec_g2", "plain_compiled", "spec_g2_compiled") for bs in (1, 2)}
+    paths = write_outputs(results, tmp_path / "compiled.json")
+    validate_results(json.loads(open(paths["results"]).read()))
+    assert all(open(paths[name], "rb").read(8) == PNG_MAGIC for name in results["plots"])
 
 
 @pytest.mark.parametrize("text, message", [

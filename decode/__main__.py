@@ -95,7 +95,7 @@ def cmd_generate(argv: list[str]) -> int:
 
 COMMANDS = {
     "generate": ("decode.__main__", "cmd_generate", "stream a completion and print α, τ, TTFT, latency, memory"),
-    "bench": ("decode.bench", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
+    "bench": ("decode.bench.cli", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
     "serve": ("decode.server", "main", "HTTP server over the decoder"),
 }
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from decode import cache as kv
-from decode.compat import check_compatibility
+from decode.compat import check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, probs_from_logits, sample
@@ -123,6 +123,8 @@ class SpeculativeDecoder:
         self.num_draft_tokens = self._check_gamma(num_draft_tokens)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
+        # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
+        self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
         self._waiting: list[Request] = []
@@ -323,7 +325,10 @@ class SpeculativeDecoder:
             caches[name] = kv.new_cache(model)
             masks[name] = pre_mask[:, :0]
             if T > 1:
-                _, masks[name] = kv.forward(model, caches[name], masks[name], pre_ids, pre_mask, logits_to_keep=1)
+                ctx = self.context_length if name == "target" else self.draft_context_length
+                inp = pre_ids if name == "target" else self._draft_ids(pre_ids)
+                _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
+                                            max_position=ctx - 1 if ctx else None)
         last = ids[:, -1]
         draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
         draft_in_mask = torch.tensor([[0, 1]], device=device).expand(B, 2).clone()
@@ -366,6 +371,13 @@ class SpeculativeDecoder:
         buf = buf.to(self.target.device, non_blocking=True)
         return buf[:, :gamma], buf[:, gamma:2 * gamma], buf[:, 2 * gamma]
 
+    def _draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids the draft cannot embed replaced by the substitute id (a no-op for a draft that reads all ids)."""
+        if self._draft_input is None:
+            return ids
+        limit, substitute = self._draft_input
+        return torch.where(ids < limit, ids, substitute)
+
     def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``."""
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
@@ -375,8 +387,9 @@ class SpeculativeDecoder:
         tokens, probs = [], []
         max_pos = self.draft_context_length - 1 if self.draft_context_length else None
         for i in range(gamma):
-            logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, inp, inp_mask,
-                                                  logits_to_keep=1, max_position=max_pos)
+            logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
+                                                  self._draft_ids(inp), inp_mask, logits_to_keep=1,
+                                                  max_position=max_pos)
             q = probs_from_logits(logits[:, -1:], self._sampling, self.vocab_size,
                                   counts[:, None] if counts is not None else None,
                                   seen[:, None] if seen is not None else None)[:, 0]

@@ -102,11 +102,16 @@ class SpeculativeDecoder:
     Args:
         target: a Hugging Face causal LM (``PreTrainedModel``), used frozen.
         draft: a causal LM sharing the target's tokenizer, or ``None`` for plain decoding only.
-        num_draft_tokens: γ, tokens drafted per verify step (0 = plain decoding; ``"auto"`` = adaptive γ
-            chosen each step by :class:`decode.speedup.AdaptiveGamma`).
+        num_draft_tokens: γ, tokens drafted per verify step (0 = plain decoding; ``"auto"`` = γ in
+            ``[0, max_auto_draft_tokens]`` chosen each step by :class:`decode.speedup.AdaptiveGamma` from the
+            acceptance so far and the cost model of the current batch size; deterministic, see ``auto_costs``).
         tokenizer, draft_tokenizer: if given, checked for compatibility and used to set the shared vocabulary
             (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output.
         max_auto_draft_tokens: upper bound on γ in ``"auto"`` mode.
+        auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
+            for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
+            entries are measured once, at first use, by timed forwards (:func:`decode.speedup.measure_cost_ratio`)
+            and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
@@ -114,7 +119,8 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str = 4, tokenizer: Any = None,
-                 draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8):
+                 draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
+                 auto_costs: dict[int, dict] | None = None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -136,6 +142,8 @@ class SpeculativeDecoder:
         self._use_draft = False
         self._adaptive: AdaptiveGamma | None = None
         self._gamma_override: int | str | None = None
+        self.auto_costs: dict[int, dict] = dict(auto_costs or {})
+        self._costs_bucket = None
         self._next_id = 0
         self._ids: set = set()  # ids of queued and active requests
 
@@ -242,8 +250,9 @@ class SpeculativeDecoder:
         if not self._rows:
             return []
         gammas = self._row_gammas()
-        n_acc, new, timings = self._speculative_step(max(gammas), gammas)
-        self._update_adaptive(gammas, n_acc, timings)
+        n_acc, new = self._speculative_step(max(gammas), gammas)
+        if self._adaptive is not None and max(gammas) > 0:
+            self._adaptive.update(sum(gammas), sum(n_acc))
         return self._commit(gammas, n_acc, new)
 
     # ------------------------------------------------------------------ admission
@@ -276,6 +285,7 @@ class SpeculativeDecoder:
         if self._state is None:
             self._use_draft = self.draft is not None and self._gamma_config() != 0
             self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
+            self._costs_bucket = None
             self._state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
         else:
             self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
@@ -348,7 +358,11 @@ class SpeculativeDecoder:
     def _row_gammas(self) -> list[int]:
         """γ_r per row: the configured γ cut so that the row cannot overshoot its budget or either context."""
         cfg = self._gamma_config()
-        gamma = (self._adaptive.gamma if cfg == "auto" else cfg) if self._use_draft else 0
+        if cfg == "auto" and self._use_draft:
+            self._set_auto_costs()
+            gamma = self._adaptive.next_gamma()
+        else:
+            gamma = cfg if self._use_draft else 0
         out = []
         for row, seq in zip(self._rows, self._state.committed):
             g = min(gamma, self._remaining(row, len(seq)) - 1)
@@ -357,6 +371,26 @@ class SpeculativeDecoder:
                     g = min(g, ctx - len(seq))
             out.append(max(g, 0))
         return out
+
+    def _set_auto_costs(self) -> None:
+        """Give the γ controller the cost model of the current batch size (measured once per power of two)."""
+        bucket = 1 << (len(self._rows) - 1).bit_length()
+        if bucket == self._costs_bucket:
+            return
+        if bucket not in self.auto_costs:
+            from decode.speedup import measure_cost_ratio
+
+            ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
+            width = max(2, min(64, ctx - self.max_auto_draft_tokens - 2))
+            seq = self._state.committed[0]
+            seq = (seq * (width // len(seq) + 1))[-width:]  # a real context of `width` tokens (timing only)
+            context = self._draft_ids(torch.tensor([seq] * bucket, device=self.target.device))
+            m = measure_cost_ratio(self.target, self.draft, context, repeats=3,
+                                   verify_gammas=range(1, self.max_auto_draft_tokens + 1))
+            self.auto_costs[bucket] = {"cost_ratio": m["cost_ratio"],
+                                       "verify": [1.0] + [v["relative_cost"] for v in m["verify"]]}
+        self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
+        self._costs_bucket = bucket
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the
@@ -411,19 +445,17 @@ class SpeculativeDecoder:
                            self._counts.new_zeros(drafts.shape[0], 1, self.vocab_size), added], dim=1)
         return self._counts[:, None] + added, self._seen[:, None] | (added > 0)
 
-    def _speculative_step(self, gamma: int, gammas: list[int]) -> tuple[list[int], list[list[int]], dict]:
+    def _speculative_step(self, gamma: int, gammas: list[int]) -> tuple[list[int], list[list[int]]]:
         """Draft -> verify -> roll back, for every active row. Returns ``(n_accepted per row, committed new tokens
-        per row before the eos/length trim, timings)``."""
+        per row before the eos/length trim)``."""
         state = self._state
         B = len(gammas)
         draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
-        t0 = time.perf_counter()
         if gamma > 0:
             drafts, q = self._draft(state, gamma, draft_u)
         else:
             drafts = state.last.new_zeros(B, 0)
             q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
-        t1 = time.perf_counter()
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
         max_pos = self.context_length - 1 if self.context_length else None
         logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
@@ -433,12 +465,11 @@ class SpeculativeDecoder:
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
         n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
         host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
-        timings = {"draft_s": t1 - t0, "target_s": time.perf_counter() - t1}
         n_list = [row[gamma] for row in host]
         self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)
         self.num_target_forwards += 1
         self.num_draft_forwards += gamma
-        return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)], timings
+        return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
 
     def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
                    nxt: torch.Tensor, n_list: list[int]) -> None:
@@ -468,15 +499,6 @@ class SpeculativeDecoder:
             state.draft_pending = [p + 1 for p in state.draft_pending]
             state.target_len = [t + 1 for t in state.target_len]
         state.last = nxt
-
-    def _update_adaptive(self, gammas: list[int], n_acc: list[int], timings: dict) -> None:
-        gamma = max(gammas)
-        if self._adaptive is None or gamma == 0:
-            return
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
-        drafted = sum(gammas)
-        self._adaptive.update(drafted, sum(n_acc), timings["draft_s"] / gamma, timings["target_s"])
 
     def _trim(self, row: Request, tokens: list[int], length: int) -> tuple[list[int], bool]:
         """Cut a step's tokens at the row's budget/context and after its first stop id; returns (kept, stopped)."""

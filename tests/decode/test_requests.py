@@ -136,3 +136,30 @@ def test_stats_count_only_kept_tokens(pair):
     assert (s.num_drafted, s.num_accepted, s.num_verify_steps, s.num_rejections) == (1, 1, 1, 0)
     assert s.mean_accepted_length == 2.0 and s.acceptance_rate == 1.0
     assert s.accepted_length_histogram == [0, 1] and s.accepted_per_position == [1]
+
+
+# ---------------------------------------------------------------- "auto" γ (#8 point 5)
+def test_auto_gamma_same_seed_same_output(pair):
+    target, draft = pair
+    prompts = prompts_of([5, 9, 3], seed=2)
+    dec = SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6)
+    run = lambda d: [t.tolist() for t in d.generate(prompts, max_new_tokens=30, temperature=1.0,  # noqa: E731
+                                                    generator=torch.Generator().manual_seed(4)).new_tokens]
+    first = run(dec)
+    assert 4 in dec.auto_costs and set(dec.auto_costs) <= {1, 2, 4}  # measured once per power-of-two batch size
+    assert run(dec) == first
+    assert run(SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6, auto_costs=dec.auto_costs)) == first
+
+
+def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):
+    target, _ = pair
+    useless = tiny_llama(seed=1, layers=1)
+    expensive = {1: {"cost_ratio": 0.9, "verify": [1.0] + [1.5] * 8}}
+    prompt = prompts_of([6], seed=4)[0]
+    out = SpeculativeDecoder(target, useless, "auto", auto_costs=expensive).generate([prompt], max_new_tokens=40)
+    assert out.new_tokens[0].tolist() == reference_greedy(target, prompt, 40)
+    s = out.stats
+    assert s.num_target_forwards >= 38 and s.num_drafted <= 4 + 40 // 8  # first step at γ=4, then probes only
+    cheap = {1: {"cost_ratio": 0.01, "verify": [1.0] * 9}}
+    out = SpeculativeDecoder(target, target, "auto", auto_costs=cheap).generate([prompt], max_new_tokens=40)
+    assert len(out.stats.accepted_per_position) == 8  # a perfect draft at no cost: γ reaches max_auto_draft_tokens

@@ -378,19 +378,38 @@ class SpeculativeDecoder:
         if bucket == self._costs_bucket:
             return
         if bucket not in self.auto_costs:
-            from decode.speedup import measure_cost_ratio
-
-            ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
-            width = max(2, min(64, ctx - self.max_auto_draft_tokens - 2))
-            seq = self._state.committed[0]
-            seq = (seq * (width // len(seq) + 1))[-width:]  # a real context of `width` tokens (timing only)
-            context = self._draft_ids(torch.tensor([seq] * bucket, device=self.target.device))
-            m = measure_cost_ratio(self.target, self.draft, context, repeats=3,
-                                   verify_gammas=range(1, self.max_auto_draft_tokens + 1))
-            self.auto_costs[bucket] = {"cost_ratio": m["cost_ratio"],
-                                       "verify": [1.0] + [v["relative_cost"] for v in m["verify"]]}
+            self.calibrate(self._state.committed[0], [bucket])
         self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
         self._costs_bucket = bucket
+
+    @torch.no_grad()
+    def calibrate(self, context_ids: Sequence[int], batch_sizes: Sequence[int] = (1, 2, 4, 8),
+                  repeats: int = 3) -> dict[int, dict]:
+        """Measure the ``"auto"`` cost model now (else it is measured at first use, inside a step).
+
+        Args:
+            context_ids: a real token sequence (repeated or cut to at most 64 tokens); only its length matters.
+            batch_sizes: batch sizes to measure; each is rounded up to a power of two.
+            repeats: timed forwards per measurement (median).
+
+        Returns:
+            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``.
+        """
+        from decode.speedup import measure_cost_ratio
+
+        if self.draft is None:
+            raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
+        seq = [int(t) for t in context_ids] or [0]
+        ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
+        width = max(2, min(64, ctx - self.max_auto_draft_tokens - 2))
+        seq = (seq * (width // len(seq) + 1))[-width:]
+        for b in sorted({1 << (int(b) - 1).bit_length() for b in batch_sizes}):
+            context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
+            m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
+                                   verify_gammas=range(1, self.max_auto_draft_tokens + 1))
+            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
+                                  "verify": [1.0] + [v["relative_cost"] for v in m["verify"]]}
+        return self.auto_costs
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the

@@ -163,3 +163,14 @@ def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):
     cheap = {1: {"cost_ratio": 0.01, "verify": [1.0] * 9}}
     out = SpeculativeDecoder(target, target, "auto", auto_costs=cheap).generate([prompt], max_new_tokens=40)
     assert len(out.stats.accepted_per_position) == 8  # a perfect draft at no cost: γ reaches max_auto_draft_tokens
+
+
+def test_calibrate_fills_the_cost_model_before_decoding(pair):
+    dec = SpeculativeDecoder(*pair, "auto", max_auto_draft_tokens=3)
+    costs = dec.calibrate([4, 5, 6], batch_sizes=[1, 3])
+    assert set(costs) == {1, 4}
+    for entry in costs.values():
+        assert entry["cost_ratio"] > 0 and len(entry["verify"]) == 4 and entry["verify"][0] == 1.0
+    before = dict(costs)
+    dec.generate([[4, 5, 6]], max_new_tokens=5)
+    assert dec.auto_costs == before  # batch 1 was measured already: nothing re-measured inside the steps

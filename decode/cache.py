@@ -57,7 +57,8 @@ def cache_width(cache: Any) -> int:
 
 
 def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor, input_mask: torch.Tensor,
-            logits_to_keep: int | None = None, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            logits_to_keep: int | None = None, max_position: int | None = None,
+            call: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``model`` on new tokens appended to ``cache``, with explicit per-row positions.
 
     Args:
@@ -68,6 +69,7 @@ def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor,
         max_position: the model's largest position id; larger positions are clamped to it. Only slots that are
             discarded anyway get there (drafts past a row's own γ in a ragged batch), and it keeps models with
             learned position tables from indexing past them.
+        call: what to run instead of ``model(...)`` with the same keyword arguments (e.g. a compiled forward).
 
     Returns:
         ``(logits (B, k or logits_to_keep, V), mask (B, W + k))``. The position of a new token is the number of
@@ -75,10 +77,10 @@ def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor,
     """
     full_mask = torch.cat([mask, input_mask], dim=-1)
     positions = (mask.sum(-1, keepdim=True) + input_mask.cumsum(-1) - 1).clamp(0, max_position)
-    kwargs = {_cache_kwarg(model): cache}
-    if logits_to_keep is not None:
-        kwargs["logits_to_keep"] = logits_to_keep
-    out = model(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True, **kwargs)
+    # Always the same keyword set (0 keeps every position), so a compiled forward sees one signature.
+    kwargs = {_cache_kwarg(model): cache, "logits_to_keep": logits_to_keep or 0}
+    out = (call or model)(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True,
+                          **kwargs)
     return out.logits, full_mask
 
 

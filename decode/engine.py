@@ -112,6 +112,9 @@ class SpeculativeDecoder:
             for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
             entries are measured once, at first use, by timed forwards (:func:`decode.speedup.measure_cost_ratio`)
             and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
+        compile: run both models' forwards through ``torch.compile(model.forward, dynamic=True)`` (applied from
+            outside, the models are not modified). The first calls compile (tens of seconds on CPU); shapes that
+            change (cache length, γ, batch size) stay dynamic instead of recompiling.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
@@ -120,7 +123,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str = 4, tokenizer: Any = None,
                  draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
-                 auto_costs: dict[int, dict] | None = None):
+                 auto_costs: dict[int, dict] | None = None, compile: bool = False):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -131,6 +134,9 @@ class SpeculativeDecoder:
         self.draft_context_length = context_length(draft) if draft is not None else None
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
+        self.compile = bool(compile)
+        self._target_call = torch.compile(target.forward, dynamic=True) if compile else None
+        self._draft_call = torch.compile(draft.forward, dynamic=True) if compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
         self._waiting: list[Request] = []
@@ -338,7 +344,8 @@ class SpeculativeDecoder:
                 ctx = self.context_length if name == "target" else self.draft_context_length
                 inp = pre_ids if name == "target" else self._draft_ids(pre_ids)
                 _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
-                                            max_position=ctx - 1 if ctx else None)
+                                            max_position=ctx - 1 if ctx else None,
+                                            call=self._target_call if name == "target" else self._draft_call)
         last = ids[:, -1]
         draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
         draft_in_mask = torch.tensor([[0, 1]], device=device).expand(B, 2).clone()
@@ -442,7 +449,7 @@ class SpeculativeDecoder:
         for i in range(gamma):
             logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
                                                   self._draft_ids(inp), inp_mask, logits_to_keep=1,
-                                                  max_position=max_pos)
+                                                  max_position=max_pos, call=self._draft_call)
             q = probs_from_logits(logits[:, -1:], self._sampling, self.vocab_size,
                                   counts[:, None] if counts is not None else None,
                                   seen[:, None] if seen is not None else None)[:, 0]
@@ -478,7 +485,8 @@ class SpeculativeDecoder:
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
         max_pos = self.context_length - 1 if self.context_length else None
         logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
-                                               torch.ones_like(target_in), max_position=max_pos)
+                                               torch.ones_like(target_in), max_position=max_pos,
+                                               call=self._target_call)
         counts, seen = self._window_counts(drafts)
         p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)

@@ -110,6 +110,9 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     context = cost_context(prompt_ids, cfg, device)
     cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
     cost["bare"] = measure_bare_forwards(target, draft, context, cfg.cost_repeats)
+    if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one)
+        for dec in decoders.values():
+            dec.calibrate(prompt_ids[0], batch_sizes=sorted({1, *cfg.batch_sizes}))
 
     def run(method, rows, temperature, seed, max_new_tokens=None):
         ids, mask = left_pad(rows, pad_token_id, device)

@@ -83,13 +83,21 @@ def _check_bind(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); pick another --port or --host")
 
 
+def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The warning printed when the server listens beyond this machine without a key (else None)."""
+    if _is_loopback(host) or api_key:
+        return None
+    return (f"warning: binding {host}:{port} without an API key: anyone who can reach this address can use the "
+            f"models. Set {API_KEY_ENV} (or --api-key) to require a key.")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check the address (before any model loads), load the pair, serve until Ctrl-C/SIGTERM."""
     args = serve_parser().parse_args(argv)
     _check_bind(args.host, args.port)
-    if not _is_loopback(args.host) and not args.api_key:
-        print(f"warning: binding {args.host}:{args.port} without an API key: anyone who can reach this address can "
-              f"use the models. Set {API_KEY_ENV} (or --api-key) to require a key.", file=sys.stderr)
+    warning = bind_warning(args.host, args.port, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     import uvicorn
 
     from decode.engine import SpeculativeDecoder

@@ -6,7 +6,8 @@ errors (by kind), p50/p99 time to first token (TTFT: request sent to first text 
 latency (ITL: per request, (last chunk - first chunk) / (completion tokens - 1), so an accepted window that
 arrives as one chunk counts as its tokens), aggregate tokens/s (Σ completion tokens / wall seconds), and the
 server's RSS before and after (``/proc/PID/status`` with ``--server-pid``, else the server's
-``process_resident_memory_bytes`` from ``/metrics``). Loopback only: it refuses any other host.
+``process_resident_memory_bytes`` from ``/metrics``), the first reading after ``--warmup-requests`` uncounted
+requests. Loopback only: it refuses any other host.
 """
 from __future__ import annotations
 
@@ -171,6 +172,8 @@ def parser() -> argparse.ArgumentParser:
                    "prompts)")
     p.add_argument("--server-pid", type=int, default=None, help="read RSS from /proc/PID (default: /metrics)")
     p.add_argument("--api-key", default=os.environ.get("DRAFTKIT_API_KEY"))
+    p.add_argument("--warmup-requests", type=int, default=None, help="requests sent (and not counted) before the "
+                   "first RSS reading, so one-time allocations do not count as growth (default: --concurrency)")
     p.add_argument("--output", default=None, help="write the summary as JSON here (never overwritten)")
     return p
 
@@ -198,11 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     except httpx.HTTPError as err:
         raise ValueError(f"no server answers at {url} ({err.__class__.__name__}); start `python -m decode serve` "
                          "first") from err
+    warmup = args.concurrency if args.warmup_requests is None else args.warmup_requests
+    if warmup > 0:
+        asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, min(args.concurrency, warmup),
+                             MAX_DURATION_S, warmup, args.max_tokens, args.temperature, args.api_key))
     rss_before = server_rss(url, args.server_pid)
     raw = asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, args.concurrency, args.duration,
                                args.max_requests, args.max_tokens, args.temperature, args.api_key))
     summary = summarize(raw, args.concurrency, rss_before, server_rss(url, args.server_pid))
-    summary.update(model=model, max_tokens=args.max_tokens, temperature=args.temperature, duration_s=args.duration)
+    summary.update(model=model, max_tokens=args.max_tokens, temperature=args.temperature, duration_s=args.duration,
+                   warmup_requests=warmup)
     print_table(summary)
     if args.output:
         with open(args.output, "x") as f:

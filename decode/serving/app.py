@@ -111,7 +111,8 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err):
-        return JSONResponse(APIError(err.status_code, str(err.detail), code="not_found").body(), err.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return JSONResponse(APIError(err.status_code, str(err.detail), code=code).body(), err.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request, err):

@@ -196,3 +196,25 @@ def test_full_queue_is_429_with_retry_after_and_shutdown_drains():
     lines = results["lines"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_failing_step_is_a_500_and_the_server_keeps_serving():
+    """Fault injection: the engine's step raises once. That batch gets a 500 in OpenAI's shape; the next works."""
+    dec, tok = tiny_pair()
+    real_step, calls = dec.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    dec.step = failing_step
+    with running_server(dec, tok) as (url, _, _):
+        body = {"model": MODEL, "prompt": "w5", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert not dec.has_unfinished()

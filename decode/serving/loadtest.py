@@ -17,7 +17,6 @@ import ipaddress
 import json
 import os
 import statistics
-import sys
 import time
 from urllib.parse import urlparse
 

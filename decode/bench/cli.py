@@ -155,9 +155,9 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    eos = target.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
+    from decode.stops import stop_token_ids
+
+    eos = stop_token_ids(tokenizer, target) or None  # the stop set of `decode generate` and the server
     results = run_benchmark(target, draft, prompt_ids, [p.category for p in prompts], cfg, pad_token_id=pad,
                             eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=sys.stderr.isatty(),
                             tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)

@@ -1,4 +1,4 @@
-"""``python -m decode generate|bench|serve|certify``: the speculative decoder's command line."""
+"""``python -m decode generate|bench|serve|loadtest|certify``: the speculative decoder's command line."""
 from __future__ import annotations
 
 import argparse
@@ -50,8 +50,9 @@ def cmd_generate(argv: list[str]) -> int:
     from transformers import TextStreamer
 
     from decode import SpeculativeDecoder
-    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import chat_prompt_ids, check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.sampling import validate_sampling_args
+    from decode.stops import stop_token_ids
 
     validate_sampling_args(args.temperature, args.top_k, args.top_p)
     device = check_device(args.device)
@@ -64,15 +65,13 @@ def cmd_generate(argv: list[str]) -> int:
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
-        if not getattr(tok, "chat_template", None):
-            raise SystemExit("error: --chat given but the tokenizer has no chat template")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
     else:
         ids = tok(prompt)["input_ids"]
     # With --json, stdout carries only the JSON document (text included), so it stays machine-readable.
     streamer = None if args.json else TextStreamer(tok, skip_prompt=False, skip_special_tokens=True)
     out = dec.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, eos_token_id=tok.eos_token_id, streamer=streamer,
+                       top_p=args.top_p, eos_token_id=stop_token_ids(tok, target), streamer=streamer,
                        generator=torch.Generator(device=device).manual_seed(args.seed))
     s = out.stats
     metrics = {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens, "acceptance_rate": s.acceptance_rate,
@@ -95,8 +94,9 @@ def cmd_generate(argv: list[str]) -> int:
 
 COMMANDS = {
     "generate": ("decode.__main__", "cmd_generate", "stream a completion and print α, τ, TTFT, latency, memory"),
-    "bench": ("decode.bench", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
-    "serve": ("decode.server", "main", "HTTP server over the decoder"),
+    "bench": ("decode.bench.cli", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
+    "serve": ("decode.serving.cli", "main", "OpenAI-compatible HTTP server (continuous batching, streaming)"),
+    "loadtest": ("decode.serving.loadtest", "main", "N concurrent streaming clients against a local server"),
     "certify": ("decode.certify", "main", "chi-square certificate that a target/draft pair samples the target"),
 }
 
@@ -104,7 +104,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m decode {generate,bench,serve,certify} [options]\n")
+        print("usage: python -m decode {generate,bench,serve,loadtest,certify} [options]\n")
         for name, (_, _, help_) in COMMANDS.items():
             print(f"  {name:10s} {help_}")
         return 0 if argv else 2
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return fn(rest) or 0
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -57,7 +57,8 @@ def cache_width(cache: Any) -> int:
 
 
 def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor, input_mask: torch.Tensor,
-            logits_to_keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            logits_to_keep: int | None = None, max_position: int | None = None,
+            call: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``model`` on new tokens appended to ``cache``, with explicit per-row positions.
 
     Args:
@@ -65,17 +66,21 @@ def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor,
         mask: ``(B, W)`` int64, 1 where the slot holds a committed token.
         input_ids: ``(B, k)`` new tokens; input_mask: ``(B, k)`` 1 for real tokens, 0 for holes.
         logits_to_keep: if given, only the last this-many positions' logits are computed.
+        max_position: the model's largest position id; larger positions are clamped to it. Only slots that are
+            discarded anyway get there (drafts past a row's own γ in a ragged batch), and it keeps models with
+            learned position tables from indexing past them.
+        call: what to run instead of ``model(...)`` with the same keyword arguments (e.g. a compiled forward).
 
     Returns:
         ``(logits (B, k or logits_to_keep, V), mask (B, W + k))``. The position of a new token is the number of
         valid slots before it, as in Hugging Face ``generate`` (``cumsum(mask) - 1``).
     """
     full_mask = torch.cat([mask, input_mask], dim=-1)
-    positions = (mask.sum(-1, keepdim=True) + input_mask.cumsum(-1) - 1).clamp_min(0)
-    kwargs = {_cache_kwarg(model): cache}
-    if logits_to_keep is not None:
-        kwargs["logits_to_keep"] = logits_to_keep
-    out = model(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True, **kwargs)
+    positions = (mask.sum(-1, keepdim=True) + input_mask.cumsum(-1) - 1).clamp(0, max_position)
+    # Always the same keyword set (0 keeps every position), so a compiled forward sees one signature.
+    kwargs = {_cache_kwarg(model): cache, "logits_to_keep": logits_to_keep or 0}
+    out = (call or model)(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True,
+                          **kwargs)
     return out.logits, full_mask
 
 
@@ -131,3 +136,38 @@ def compact(cache: Any, mask: torch.Tensor, counts: list[int], trailing_holes: i
             layer.values = _gather_slots(layer.values, order)
     counts_t = torch.tensor(counts, device=mask.device)
     return (torch.arange(width, device=mask.device) >= width - counts_t[:, None]).long()
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[-2] == width:
+        return x
+    pad = x.new_zeros(*x.shape[:-2], width - x.shape[-2], x.shape[-1])
+    return torch.cat([pad, x], dim=-2)
+
+
+def concat_rows(cache: Any, mask: torch.Tensor, other: Any, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append the rows of ``other`` (a cache of the same model) to ``cache`` in place; returns the joint mask.
+
+    Both stay right-aligned: the narrower one is left-padded with empty (masked) slots to the wider width.
+    A layer that one side never initialised (a width-0 cache) is taken as empty rows of the other's shape.
+
+    Args:
+        cache, mask: ``(B1, W1)``; other, other_mask: ``(B2, W2)``. Returns the ``(B1 + B2, max(W1, W2))`` mask.
+    """
+    width = max(mask.shape[1], other_mask.shape[1])
+    for layer, layer_o in zip(_layers(cache), _layers(other)):
+        a = layer.keys if getattr(layer, "keys", None) is not None and layer.keys.numel() else None
+        b = layer_o.keys if getattr(layer_o, "keys", None) is not None and layer_o.keys.numel() else None
+        if a is None and b is None:
+            continue
+        ref = a if a is not None else b
+        empty = lambda n: ref.new_zeros(n, ref.shape[1], 0, ref.shape[3])  # noqa: E731
+        ka, va = (layer.keys, layer.values) if a is not None else (empty(mask.shape[0]), empty(mask.shape[0]))
+        kb, vb = (layer_o.keys, layer_o.values) if b is not None else (empty(other_mask.shape[0]),) * 2
+        keys = torch.cat([_pad_left(ka, width), _pad_left(kb, width)], dim=0)
+        values = torch.cat([_pad_left(va, width), _pad_left(vb, width)], dim=0)
+        if not getattr(layer, "is_initialized", True):
+            layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    pad = lambda m: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
+    return torch.cat([pad(mask), pad(other_mask)], dim=0)

@@ -1,5 +1,12 @@
 """Vocabulary and tokenizer compatibility of a target/draft pair: one rule for the decoder and the recipe.
 
+Limits in which a draft may be smaller than its target, and what the decoder does (all lossless, all tested):
+- output: fewer lm_head rows than the shared vocabulary -> q is 0 on the missing ids (below);
+- input: fewer input-embedding rows -> ids it cannot embed are fed to it as a substitute id
+  (:func:`draft_input_substitute`), which only changes its proposals, never the output distribution;
+- positions: a shorter context -> a row that reaches it stops drafting (γ_r = 0, plain target steps).
+A *target* smaller than the shared vocabulary on either side is an error naming both sizes.
+
 The shared vocabulary is the tokenizer's (``len(tokenizer)``). lm_head rows beyond it are padding (e.g. a
 32000-token tokenizer with 32064 rows) and get probability 0 in both p and q (see
 :func:`decode.sampling.logits_to_probs`). A draft whose lm_head covers fewer ids than the shared vocabulary
@@ -23,6 +30,27 @@ def output_vocab_size(model: Any) -> int:
         return int(emb.weight.shape[0])
     return int(model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config")
                else model.config.vocab_size)
+
+
+def input_vocab_size(model: Any) -> int | None:
+    """Number of input-embedding rows (ids the model can read), or None when the model exposes none."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    return int(weight.shape[0]) if weight is not None else None
+
+
+def draft_input_substitute(draft: Any, vocab_size: int, tokenizer: Any = None) -> tuple[int, int] | None:
+    """``(limit, substitute)`` when the draft cannot embed every id of the shared vocabulary, else None.
+
+    Ids ``>= limit`` are fed to the draft as ``substitute``: the tokenizer's unk id when the draft can embed it,
+    else 0. Its q then conditions on a slightly different prefix, which lowers acceptance on such contexts but
+    keeps the output exact (the verify rule needs only that each draft token was drawn from its q).
+    """
+    limit = input_vocab_size(draft)
+    if limit is None or limit >= vocab_size:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
+    return limit, unk if isinstance(unk, int) and 0 <= unk < limit else 0
 
 
 def _special_ids(tok: Any) -> dict[str, Any]:
@@ -59,8 +87,8 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     V is ``len(target_tokenizer)`` when a tokenizer is given, else the target's lm_head size.
 
     Raises:
-        IncompatibleModelsError: tokenizers disagree (see :func:`check_tokenizers`); the target's lm_head has
-            fewer rows than the tokenizer; or, with no tokenizer given, the draft's lm_head is larger than the
+        IncompatibleModelsError: tokenizers disagree (see :func:`check_tokenizers`); the target's lm_head or input
+            embedding has fewer rows than the shared vocabulary; or, with no tokenizer given, the draft's lm_head is larger than the
             target's (the extra draft ids have no target probability, so the pair is ambiguous).
     """
     check_tokenizers(target_tokenizer, draft_tokenizer)
@@ -82,4 +110,11 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
                 f"the draft's lm_head has {output_vocab_size(draft)} rows but the target's has {v_target}; pass the "
                 "tokenizer(s) so the shared vocabulary is known, or use a draft built for this target's vocabulary."
             )
+    t_in = input_vocab_size(target)
+    if t_in is not None and t_in < vocab:
+        raise IncompatibleModelsError(
+            f"the target's input embedding has {t_in} rows but the shared vocabulary has {vocab} ids; the target "
+            "could not read ids it produces. Resize its embeddings (model.resize_token_embeddings) or use a "
+            "tokenizer of at most that size."
+        )
     return vocab

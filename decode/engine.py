@@ -1,7 +1,15 @@
-"""The speculative decoding engine: prefill -> draft γ -> verify -> commit, for batches with ragged acceptance.
+"""The speculative decoding engine: requests join a running batch, and each step is draft γ -> verify -> commit.
 
 Algorithm: Leviathan et al. (2023), Algorithm 1; Chen et al. (2023). The acceptance rule is
-:func:`decode.verify.verify`; p and q come from :func:`decode.sampling.logits_to_probs`.
+:func:`decode.verify.verify`; p and q come from one path, :func:`decode.sampling.probs_from_logits`, applied to
+the same prefix (penalty counts at window position i include the window's drafts d_1..d_{i-1}).
+
+Requests (continuous batching). :meth:`SpeculativeDecoder.add_request` queues a prompt with its own sampling
+settings and seed; :meth:`SpeculativeDecoder.step` prefills the queued requests, merges them into the running
+batch, runs one speculative step for every active row, and returns the requests that finished. Each request
+draws its uniforms from its own CPU ``torch.Generator``, and the number of draws per step depends only on its own
+γ_r (the configured γ cut to its own token budget and context), so a seeded request's output does not depend on
+the rows it shares the batch with. :meth:`SpeculativeDecoder.generate` is a loop over this API.
 
 State between steps (per model, see :mod:`decode.cache` for the layout). Every committed token except the
 last one is in both KV caches; the last committed token (``last``) is the next input of the target. The
@@ -19,14 +27,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from decode import cache as kv
-from decode.compat import check_compatibility
+from decode.compat import check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
-from decode.sampling import logits_to_probs, validate_sampling_args
+from decode.requests import Request, RequestOutput, check_eos, check_seed
+from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, probs_from_logits, sample
 from decode.speedup import AdaptiveGamma
 from decode.verify import verify
 
@@ -48,16 +57,14 @@ class GenerationOutput:
 class DecodeState:
     """Device-side decoding state of the active rows (exposed for tests and tools)."""
 
-    rows: list[int]                      # original batch index of each active row
     target_cache: Any
     target_mask: torch.Tensor            # (B, W_t) int64
-    draft_cache: Any
+    draft_cache: Any                     # None when the batch decodes without the draft
     draft_mask: torch.Tensor             # (B, W_d) int64
     last: torch.Tensor                   # (B,) last committed token, not yet in either cache
     draft_in: torch.Tensor               # (B, k) tokens to feed the draft before drafting; last column == last
     draft_in_mask: torch.Tensor          # (B, k) which of draft_in are real
     committed: list[list[int]] = field(default_factory=list)  # per active row: prompt + new tokens
-    num_new: list[int] = field(default_factory=list)
     # Host-side bookkeeping, so cache maintenance needs no device-to-host sync:
     target_len: list[int] = field(default_factory=list)     # valid target-cache slots per row
     draft_len: list[int] = field(default_factory=list)      # valid draft-cache slots per row
@@ -87,16 +94,27 @@ def context_length(model: Any) -> int | None:
 
 
 class SpeculativeDecoder:
-    """Lossless speculative decoding of ``target`` with proposals from ``draft``.
+    """Lossless speculative decoding of ``target`` with proposals from ``draft``, over requests that join and
+    leave a running batch between steps.
+
+    Not thread-safe: call every method from one thread (a server runs them on one scheduler thread).
 
     Args:
         target: a Hugging Face causal LM (``PreTrainedModel``), used frozen.
         draft: a causal LM sharing the target's tokenizer, or ``None`` for plain decoding only.
-        num_draft_tokens: γ, tokens drafted per verify step (0 = plain decoding; ``"auto"`` = adaptive γ
-            chosen each step by :class:`decode.speedup.AdaptiveGamma`).
+        num_draft_tokens: γ, tokens drafted per verify step (0 = plain decoding; ``"auto"`` = γ in
+            ``[0, max_auto_draft_tokens]`` chosen each step by :class:`decode.speedup.AdaptiveGamma` from the
+            acceptance so far and the cost model of the current batch size; deterministic, see ``auto_costs``).
         tokenizer, draft_tokenizer: if given, checked for compatibility and used to set the shared vocabulary
             (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output.
         max_auto_draft_tokens: upper bound on γ in ``"auto"`` mode.
+        auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
+            for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
+            entries are measured once, at first use, by timed forwards (:func:`decode.speedup.measure_cost_ratio`)
+            and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
+        compile: run both models' forwards through ``torch.compile(model.forward, dynamic=True)`` (applied from
+            outside, the models are not modified). The first calls compile (tens of seconds on CPU); shapes that
+            change (cache length, γ, batch size) stay dynamic instead of recompiling.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
@@ -104,7 +122,8 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str = 4, tokenizer: Any = None,
-                 draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8):
+                 draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
+                 auto_costs: dict[int, dict] | None = None, compile: bool = False):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -113,6 +132,26 @@ class SpeculativeDecoder:
         self.num_draft_tokens = self._check_gamma(num_draft_tokens)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
+        # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
+        self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
+        self.compile = bool(compile)
+        self._target_call = torch.compile(target.forward, dynamic=True) if compile else None
+        self._draft_call = torch.compile(draft.forward, dynamic=True) if compile and draft is not None else None
+        self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
+        self.num_draft_forwards = 0
+        self._waiting: list[Request] = []
+        self._rows: list[Request] = []  # active requests, in the batch's row order
+        self._state: DecodeState | None = None
+        self._sampling: BatchSampling | None = None
+        self._counts: torch.Tensor | None = None  # (B, V) generated-token counts, when a row has penalties
+        self._seen: torch.Tensor | None = None    # (B, V) ids in prompt or generated
+        self._use_draft = False
+        self._adaptive: AdaptiveGamma | None = None
+        self._gamma_override: int | str | None = None
+        self.auto_costs: dict[int, dict] = dict(auto_costs or {})
+        self._costs_bucket = None
+        self._next_id = 0
+        self._ids: set = set()  # ids of queued and active requests
 
     def _check_gamma(self, gamma: int | str) -> int | str:
         if gamma == "auto":
@@ -125,33 +164,166 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft_tokens={gamma} needs a draft model; pass draft=... or use num_draft_tokens=0")
         return gamma
 
-    # ------------------------------------------------------------------ setup
-    def _pack_prompts(self, input_ids: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
-        if isinstance(input_ids, torch.Tensor):
-            ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
-            if attention_mask is None:
-                prompts = ids.tolist()
-            else:
-                m = attention_mask if attention_mask.dim() == 2 else attention_mask.unsqueeze(0)
-                if m.shape != ids.shape:
-                    raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
-                prompts = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]
+    @property
+    def state(self) -> DecodeState | None:
+        """The running batch's device state (None when idle); rows follow the order of :attr:`active_ids`."""
+        return self._state
+
+    @property
+    def active_ids(self) -> list[Any]:
+        """Request ids of the active rows, in batch order."""
+        return [r.request_id for r in self._rows]
+
+    # ------------------------------------------------------------------ request API
+    def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+                    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                    min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    repetition_penalty: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
+                    seed: int | None = None, on_tokens: Callable[[Any, list[int]], Any] | None = None,
+                    request_id: str | int | None = None) -> str | int:
+        """Queue a request; it joins the running batch (and is prefilled) at the next :meth:`step`.
+
+        Args:
+            prompt_ids: ``(T,)`` token ids (list or 1-D tensor), 1 <= T < the target's context.
+            max_new_tokens: >= 1; the request also ends when it fills the target's context.
+            temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty: its
+                sampling settings (see :mod:`decode.sampling`; temperature 0 = greedy, penalties as vLLM).
+            eos_token_id: its stop id(s); the stop id is kept as the last new token.
+            seed: int in [0, 2**63 - 1] seeding the request's own generator; None draws one from torch's
+                global generator.
+            on_tokens: ``callable(request_id, tokens)``, called inside :meth:`step` with the tokens this request
+                committed in that step (after the stop/length trim), once the engine's state is consistent.
+            request_id: a str or int not already queued or active; by default ``"req-N"``.
+
+        Returns:
+            the request id.
+
+        Raises:
+            ValueError: naming the bad argument.
+        """
+        params = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
+                                repetition_penalty)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        prompt = self._check_prompt(prompt_ids)
+        eos = check_eos(eos_token_id)
+        seed = check_seed(seed)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be callable or None, got {on_tokens!r}")
+        taken = self._ids
+        if request_id is None:
+            while f"req-{self._next_id}" in taken:
+                self._next_id += 1
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        elif isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise ValueError(f"request_id must be a str, an int or None, got {request_id!r}")
+        elif request_id in taken:
+            raise ValueError(f"request_id {request_id!r} is already queued or active")
+        generator = torch.Generator().manual_seed(seed)
+        self._waiting.append(Request(request_id, prompt, params, max_new_tokens, eos, generator, on_tokens))
+        self._ids.add(request_id)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        """True while a request is queued or active."""
+        return bool(self._waiting or self._rows)
+
+    def num_active(self) -> int:
+        """Rows decoding in the running batch (queued requests not counted)."""
+        return len(self._rows)
+
+    def abort(self, request_id: Any) -> bool:
+        """Drop a queued or active request (its row leaves the batch now); False if it is neither."""
+        for i, r in enumerate(self._waiting):
+            if r.request_id == request_id:
+                del self._waiting[i]
+                self._ids.discard(request_id)
+                return True
+        for i, r in enumerate(self._rows):
+            if r.request_id == request_id:
+                self._drop_rows([j for j in range(len(self._rows)) if j != i])
+                self._ids.discard(request_id)
+                return True
+        return False
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Admit queued requests, run one draft -> verify -> commit step over all active rows, and return the
+        requests that finished in it (in batch order). Returns ``[]`` when there is nothing to do."""
+        if self._waiting:
+            self._admit()
+        if not self._rows:
+            return []
+        gammas = self._row_gammas()
+        n_acc, new = self._speculative_step(max(gammas), gammas)
+        if self._adaptive is not None and max(gammas) > 0:
+            self._adaptive.update(sum(gammas), sum(n_acc))
+        return self._commit(gammas, n_acc, new)
+
+    # ------------------------------------------------------------------ admission
+    def _check_prompt(self, prompt_ids: Any, name: str = "prompt_ids") -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(prompt_ids.shape)}")
+            prompt_ids = prompt_ids.tolist()
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
+        if not prompt:
+            raise ValueError(f"{name} has no tokens; give at least one (e.g. the tokenizer's bos token)")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if self.context_length is not None and len(prompt) >= self.context_length:
+            raise ValueError(
+                f"{name} has {len(prompt)} tokens but the target's context is {self.context_length}; "
+                "truncate the prompt (keep its last tokens) so at least one new token fits"
+            )
+        return prompt
+
+    def _gamma_config(self) -> int | str:
+        return self.num_draft_tokens if self._gamma_override is None else self._gamma_override
+
+    def _admit(self) -> None:
+        new, self._waiting = self._waiting, []
+        if self._state is None:
+            self._use_draft = self.draft is not None and self._gamma_config() != 0
+            self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
+            self._costs_bucket = None
+            self._state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
         else:
-            prompts = [list(map(int, p)) for p in input_ids]
-        if not prompts:
-            raise ValueError("input_ids is empty: give at least one prompt")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} has no tokens; give at least one (e.g. the tokenizer's bos token)")
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-            if self.context_length is not None and len(p) >= self.context_length:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens but the target's context is {self.context_length}; "
-                    "truncate the prompt (keep its last tokens) so at least one new token fits"
-                )
-        return prompts
+            self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
+        self._rows += new
+        self._rebatch()
+
+    def _merge(self, other: DecodeState) -> None:
+        s = self._state
+        s.target_mask = kv.concat_rows(s.target_cache, s.target_mask, other.target_cache, other.target_mask)
+        if s.draft_cache is not None:
+            s.draft_mask = kv.concat_rows(s.draft_cache, s.draft_mask, other.draft_cache, other.draft_mask)
+        s.last = torch.cat([s.last, other.last])
+        width = max(s.draft_in.shape[1], other.draft_in.shape[1])
+        pad = lambda x: torch.cat([x.new_zeros(x.shape[0], width - x.shape[1]), x], dim=1)  # noqa: E731
+        s.draft_in = torch.cat([pad(s.draft_in), pad(other.draft_in)])
+        s.draft_in_mask = torch.cat([pad(s.draft_in_mask), pad(other.draft_in_mask)])
+        for name in ("committed", "target_len", "draft_len", "draft_pending"):
+            getattr(s, name).extend(getattr(other, name))
+
+    def _rebatch(self) -> None:
+        """Per-row sampling tensors (and penalty counts) for the current rows."""
+        device = self.target.device
+        self._sampling = BatchSampling([r.params for r in self._rows], device)
+        self._counts = self._seen = None
+        if self._sampling.penalized:
+            B, V = len(self._rows), self.vocab_size
+            counts, seen = torch.zeros(B, V), torch.zeros(B, V, dtype=torch.bool)
+            for i, r in enumerate(self._rows):
+                if r.new_tokens:
+                    counts[i].index_put_((torch.tensor(r.new_tokens),), torch.ones(len(r.new_tokens)), accumulate=True)
+                seen[i, torch.tensor(r.prompt + r.new_tokens)] = True
+            self._counts, self._seen = counts.to(device), seen.to(device)
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], use_draft: bool = True) -> DecodeState:
@@ -163,71 +335,174 @@ class SpeculativeDecoder:
         T = ids.shape[1]
         # Everything but each prompt's last token (the longest prompt fills the width, so no column is all padding).
         pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
-        keep = T - 1
         models = [(self.target, "target")] + ([(self.draft, "draft")] if self.draft is not None and use_draft else [])
         caches, masks = {}, {}
         for model, name in models:
             caches[name] = kv.new_cache(model)
             masks[name] = pre_mask[:, :0]
-            if keep > 0:
-                _, masks[name] = kv.forward(model, caches[name], masks[name], pre_ids, pre_mask, logits_to_keep=1)
+            if T > 1:
+                ctx = self.context_length if name == "target" else self.draft_context_length
+                inp = pre_ids if name == "target" else self._draft_ids(pre_ids)
+                _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
+                                            max_position=ctx - 1 if ctx else None,
+                                            call=self._target_call if name == "target" else self._draft_call)
         last = ids[:, -1]
         draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
         draft_in_mask = torch.tensor([[0, 1]], device=device).expand(B, 2).clone()
         return DecodeState(
-            rows=list(range(B)), target_cache=caches["target"], target_mask=masks["target"],
-            draft_cache=caches.get("draft"), draft_mask=masks.get("draft", pre_mask[:, :0]), last=last,
-            draft_in=draft_in, draft_in_mask=draft_in_mask, committed=[list(p) for p in prompts], num_new=[0] * B,
+            target_cache=caches["target"], target_mask=masks["target"], draft_cache=caches.get("draft"),
+            draft_mask=masks.get("draft", pre_mask[:, :0]), last=last, draft_in=draft_in,
+            draft_in_mask=draft_in_mask, committed=[list(p) for p in prompts],
             target_len=[len(p) - 1 for p in prompts], draft_len=[len(p) - 1 for p in prompts], draft_pending=[1] * B,
         )
 
     # ------------------------------------------------------------------ one step
-    def _draft(self, state: DecodeState, gamma: int, sampling: dict, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _remaining(self, row: Request, length: int) -> int:
+        """Tokens the row may still commit: its budget, and the target's context."""
+        left = row.max_new_tokens - len(row.new_tokens)
+        return min(left, self.context_length - length) if self.context_length is not None else left
+
+    def _row_gammas(self) -> list[int]:
+        """γ_r per row: the configured γ cut so that the row cannot overshoot its budget or either context."""
+        cfg = self._gamma_config()
+        if cfg == "auto" and self._use_draft:
+            self._set_auto_costs()
+            gamma = self._adaptive.next_gamma()
+        else:
+            gamma = cfg if self._use_draft else 0
+        out = []
+        for row, seq in zip(self._rows, self._state.committed):
+            g = min(gamma, self._remaining(row, len(seq)) - 1)
+            for ctx in (self.context_length, self.draft_context_length):
+                if ctx is not None:  # the models see positions up to len - 1 + γ
+                    g = min(g, ctx - len(seq))
+            out.append(max(g, 0))
+        return out
+
+    def _set_auto_costs(self) -> None:
+        """Give the γ controller the cost model of the current batch size (measured once per power of two)."""
+        bucket = 1 << (len(self._rows) - 1).bit_length()
+        if bucket == self._costs_bucket:
+            return
+        if bucket not in self.auto_costs:
+            self.calibrate(self._state.committed[0], [bucket])
+        self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
+        self._costs_bucket = bucket
+
+    @torch.no_grad()
+    def calibrate(self, context_ids: Sequence[int], batch_sizes: Sequence[int] = (1, 2, 4, 8),
+                  repeats: int = 3) -> dict[int, dict]:
+        """Measure the ``"auto"`` cost model now (else it is measured at first use, inside a step).
+
+        Args:
+            context_ids: a real token sequence (repeated or cut to at most 64 tokens); only its length matters.
+            batch_sizes: batch sizes to measure; each is rounded up to a power of two.
+            repeats: timed forwards per measurement (median).
+
+        Returns:
+            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``.
+        """
+        from decode.speedup import measure_cost_ratio
+
+        if self.draft is None:
+            raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
+        seq = [int(t) for t in context_ids] or [0]
+        ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
+        width = max(2, min(64, ctx - self.max_auto_draft_tokens - 2))
+        seq = (seq * (width // len(seq) + 1))[-width:]
+        for b in sorted({1 << (int(b) - 1).bit_length() for b in batch_sizes}):
+            context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
+            m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
+                                   verify_gammas=range(1, self.max_auto_draft_tokens + 1))
+            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
+                                  "verify": [1.0] + [v["relative_cost"] for v in m["verify"]]}
+        return self.auto_costs
+
+    def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the
+        acceptance tests, one for the residual/bonus token. Greedy rows draw none (their choices are argmaxes).
+
+        Returns ``(draft_u (B, γ), accept_u (B, γ), sample_u (B,))`` on the models' device."""
+        buf = torch.zeros(len(gammas), 2 * gamma + 1)
+        for i, (row, g) in enumerate(zip(self._rows, gammas)):
+            if not row.params.greedy:
+                u = torch.rand(2 * g + 1, generator=row.generator)
+                buf[i, :g], buf[i, gamma:gamma + g], buf[i, 2 * gamma] = u[:g], u[g:2 * g], u[2 * g]
+        buf = buf.to(self.target.device, non_blocking=True)
+        return buf[:, :gamma], buf[:, gamma:2 * gamma], buf[:, 2 * gamma]
+
+    def _draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids the draft cannot embed replaced by the substitute id (a no-op for a draft that reads all ids)."""
+        if self._draft_input is None:
+            return ids
+        limit, substitute = self._draft_input
+        return torch.where(ids < limit, ids, substitute)
+
+    def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``."""
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
         width = max(state.draft_pending)
         inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
+        counts, seen = self._counts, self._seen
         tokens, probs = [], []
+        max_pos = self.draft_context_length - 1 if self.draft_context_length else None
         for i in range(gamma):
-            logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, inp, inp_mask,
-                                                  logits_to_keep=1)
-            q = logits_to_probs(logits[:, -1], vocab_size=self.vocab_size, **sampling)
-            tok = q.argmax(-1) if sampling["temperature"] == 0 else torch.multinomial(q, 1, generator=generator)[:, 0]
+            logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
+                                                  self._draft_ids(inp), inp_mask, logits_to_keep=1,
+                                                  max_position=max_pos, call=self._draft_call)
+            q = probs_from_logits(logits[:, -1:], self._sampling, self.vocab_size,
+                                  counts[:, None] if counts is not None else None,
+                                  seen[:, None] if seen is not None else None)[:, 0]
+            tok = sample(q, u=draft_u[:, i])
             tokens.append(tok)
             probs.append(q)
+            if counts is not None and i + 1 < gamma:  # the next position's prefix includes this draft
+                counts = counts.scatter_add(-1, tok[:, None], torch.ones_like(counts[:, :1]))
+                seen = seen.scatter(-1, tok[:, None], True)
             inp, inp_mask = tok[:, None], torch.ones_like(tok)[:, None]
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
-    @torch.no_grad()
-    def step(self, state: DecodeState, gamma: int, sampling: dict, generator=None,
-             timings: dict | None = None) -> tuple[list[int], list[list[int]]]:
-        """One verify step for every active row.
+    def _window_counts(self, drafts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Penalty counts of the verify window's γ+1 prefixes: ``(B, γ+1, V)``; position j includes d_1..d_j."""
+        if self._counts is None:
+            return None, None
+        added = torch.nn.functional.one_hot(drafts, self.vocab_size).float().cumsum(1)  # (B, γ, V)
+        added = torch.cat([torch.zeros_like(added[:, :1]) if added.shape[1] else
+                           self._counts.new_zeros(drafts.shape[0], 1, self.vocab_size), added], dim=1)
+        return self._counts[:, None] + added, self._seen[:, None] | (added > 0)
 
-        Returns ``(n_accepted per row, committed new tokens per row)``. After it, each cache holds exactly the
-        row's committed tokens except the new ``last``; the draft may also lack the last accepted draft.
-        """
-        B = len(state.rows)
-        device = state.last.device
-        t0 = time.perf_counter()
+    def _speculative_step(self, gamma: int, gammas: list[int]) -> tuple[list[int], list[list[int]]]:
+        """Draft -> verify -> roll back, for every active row. Returns ``(n_accepted per row, committed new tokens
+        per row before the eos/length trim)``."""
+        state = self._state
+        B = len(gammas)
+        draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
         if gamma > 0:
-            drafts, q = self._draft(state, gamma, sampling, generator)
+            drafts, q = self._draft(state, gamma, draft_u)
         else:
             drafts = state.last.new_zeros(B, 0)
-            q = torch.zeros(B, 0, self.vocab_size, device=device)
-        t1 = time.perf_counter()
+            q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
+        max_pos = self.context_length - 1 if self.context_length else None
         logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
-                                               torch.ones_like(target_in))
-        p = logits_to_probs(logits, vocab_size=self.vocab_size, **sampling)  # (B, γ+1, V)
-        n_acc, nxt = verify(q, p, drafts, generator)
+                                               torch.ones_like(target_in), max_position=max_pos,
+                                               call=self._target_call)
+        counts, seen = self._window_counts(drafts)
+        p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
+        num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
+        n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
         host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
-        if timings is not None:
-            timings["draft_s"], timings["target_s"] = t1 - t0, time.perf_counter() - t1
-
-        # Roll back: rejected slots leave the mask; both caches then drop them.
         n_list = [row[gamma] for row in host]
-        pos = torch.arange(gamma, device=device)
+        self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)
+        self.num_target_forwards += 1
+        self.num_draft_forwards += gamma
+        return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
+
+    def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
+                   nxt: torch.Tensor, n_list: list[int]) -> None:
+        """Rejected slots leave both caches; the draft's pending input becomes what it has not yet seen."""
         if gamma > 0:
+            pos = torch.arange(gamma, device=drafts.device)
             state.target_mask[:, state.target_mask.shape[1] - gamma:] = (pos < n_acc[:, None]).long()
             fed = gamma - 1  # drafts d1..d_{γ-1} went into the draft cache
             if fed > 0:
@@ -251,26 +526,87 @@ class SpeculativeDecoder:
             state.draft_pending = [p + 1 for p in state.draft_pending]
             state.target_len = [t + 1 for t in state.target_len]
         state.last = nxt
-        new = [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
-        return n_list, new
 
-    def _drop_rows(self, state: DecodeState, keep: list[int]) -> None:
+    def _trim(self, row: Request, tokens: list[int], length: int) -> tuple[list[int], bool]:
+        """Cut a step's tokens at the row's budget/context and after its first stop id; returns (kept, stopped)."""
+        tokens = tokens[: self._remaining(row, length)]
+        hit = next((j for j, t in enumerate(tokens) if t in row.eos), None)
+        return (tokens[: hit + 1], True) if hit is not None else (tokens, False)
+
+    def _commit(self, gammas: list[int], n_acc: list[int], new: list[list[int]]) -> list[RequestOutput]:
+        """Append each row's kept tokens, record its stats, retire finished rows, then call ``on_tokens``."""
+        state, now = self._state, time.perf_counter()
+        finished, keep, calls, count_rows, count_ids = [], [], [], [], []
+        for i, (row, g, n, tokens) in enumerate(zip(self._rows, gammas, n_acc, new)):
+            tokens, stopped = self._trim(row, tokens, len(state.committed[i]))
+            if g > 0:
+                row.stats.record_row_step(g, n, len(tokens))
+            row.stats.num_target_forwards += 1
+            row.stats.num_draft_forwards += g
+            if not row.new_tokens:
+                row.stats.ttft_s = now - row.added_at
+            state.committed[i].extend(tokens)
+            row.new_tokens.extend(tokens)
+            calls.append((row, tokens))
+            if stopped or self._remaining(row, len(state.committed[i])) <= 0:
+                finished.append(row.output("stop" if stopped else "length"))
+                self._ids.discard(row.request_id)
+            else:
+                keep.append(i)
+                count_rows += [len(keep) - 1] * len(tokens)
+                count_ids += tokens
+        if len(keep) < len(self._rows):
+            self._drop_rows(keep)
+        elif self._counts is not None and count_ids:
+            idx = (torch.tensor(count_rows, device=self._counts.device), torch.tensor(count_ids, device=self._counts.device))
+            self._counts.index_put_(idx, torch.ones(len(count_ids), device=self._counts.device), accumulate=True)
+            self._seen[idx] = True
+        for row, tokens in calls:
+            if row.on_tokens is not None and tokens:
+                row.on_tokens(row.request_id, list(tokens))
+        return finished
+
+    def _drop_rows(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (indices into the batch); the rest leave the caches."""
+        if not keep:
+            self._state, self._rows, self._sampling, self._counts, self._seen = None, [], None, None, None
+            return
+        state = self._state
         idx = torch.tensor(keep, device=state.last.device)
         for name in ("target_mask", "draft_mask", "last", "draft_in", "draft_in_mask"):
             setattr(state, name, getattr(state, name).index_select(0, idx))
         kv.select_rows(state.target_cache, idx)
         if state.draft_cache is not None:
             kv.select_rows(state.draft_cache, idx)
-        state.rows = [state.rows[i] for i in keep]
-        for name in ("committed", "num_new", "target_len", "draft_len", "draft_pending"):
+        self._rows = [self._rows[i] for i in keep]
+        for name in ("committed", "target_len", "draft_len", "draft_pending"):
             setattr(state, name, [getattr(state, name)[i] for i in keep])
         # Drop the leading columns that only the removed rows used.
         if max(state.target_len) < state.target_mask.shape[1]:
             state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len)
         if state.draft_cache is not None and max(state.draft_len) < state.draft_mask.shape[1]:
             state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len)
+        self._rebatch()
 
     # ------------------------------------------------------------------ generate
+    def _pack_prompts(self, input_ids: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
+            if attention_mask is None:
+                prompts = ids.tolist()
+            else:
+                m = attention_mask if attention_mask.dim() == 2 else attention_mask.unsqueeze(0)
+                if m.shape != ids.shape:
+                    raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
+                prompts = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]
+        else:
+            prompts = [list(map(int, p)) for p in input_ids]
+        if not prompts:
+            raise ValueError("input_ids is empty: give at least one prompt")
+        for i, p in enumerate(prompts):
+            self._check_prompt(p, name=f"prompt {i}")
+        return prompts
+
     @torch.no_grad()
     def generate(
         self,
@@ -284,8 +620,11 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
         num_draft_tokens: int | str | None = None,
         streamer: Any = None,
+        **sampling: Any,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` tokens per row; output follows the target's distribution exactly.
+
+        A loop over the request API: one request per row, :meth:`step` until all finish. Needs an idle decoder.
 
         Args:
             input_ids: ``(B, T)`` or ``(T,)`` int64 prompts (any padding side, given ``attention_mask``), or a list
@@ -294,10 +633,11 @@ class SpeculativeDecoder:
             temperature, top_k, top_p: sampling parameters shared by target and draft; temperature 0 is greedy
                 and gives exactly the target's plain greedy output.
             eos_token_id: id or ids that end a row (kept in the output; nothing follows it).
-            generator: the ``torch.Generator`` of every random draw (on the models' device).
+            generator: seeds the rows: row i's seed is the i-th of B draws from it (None: torch's global generator).
             num_draft_tokens: override γ for this call (0 = plain target decoding through the same engine).
             streamer: optional object with ``put(LongTensor)`` / ``end()`` (e.g. ``transformers.TextStreamer``);
                 batch size 1 only. Receives the prompt first, then each step's committed tokens.
+            **sampling: min_p, presence_penalty, frequency_penalty, repetition_penalty (see :meth:`add_request`).
 
         Returns:
             :class:`GenerationOutput` with per-row sequences and pooled :class:`DecodeStats`.
@@ -305,70 +645,48 @@ class SpeculativeDecoder:
         Raises:
             ValueError: bad sampling values, an empty prompt, ids outside the vocabulary, a prompt that does not
                 fit in the target's context, or ``max_new_tokens < 1``.
+            RuntimeError: requests are in flight (generate owns the whole batch).
         """
-        validate_sampling_args(temperature, top_k, top_p)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        SamplingParams(temperature, top_k, top_p, **sampling)  # validate before any work
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        gamma_cfg = self._check_gamma(self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-        sampling = {"temperature": float(temperature), "top_k": top_k, "top_p": top_p}
+        gamma = self._check_gamma(num_draft_tokens) if num_draft_tokens is not None else None
         prompts = self._pack_prompts(input_ids, attention_mask)
         if streamer is not None and len(prompts) != 1:
             raise ValueError("streamer needs batch size 1")
-        adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if gamma_cfg == "auto" else None
-
-        stats = DecodeStats(num_sequences=len(prompts))
-        start = time.perf_counter()
-        state = self.prefill(prompts, use_draft=gamma_cfg != 0)
-        if streamer is not None:
-            streamer.put(torch.tensor(prompts[0]))
-        outputs: dict[int, list[int]] = {}
-        timings: dict = {}
-        while state.rows:
-            lengths = [len(c) for c in state.committed]
-            # A row ends at max_new_tokens, at eos, or when it fills the target's context.
-            remaining = [min(max_new_tokens - n, (self.context_length or 1 << 62) - n_len)
-                         for n, n_len in zip(state.num_new, lengths)]
-            gamma = adaptive.gamma if adaptive is not None else gamma_cfg
-            gamma = min(gamma, max(remaining) - 1)
-            for ctx in (self.context_length, self.draft_context_length):
-                if ctx is not None:  # the models see positions up to len - 1 + γ
-                    gamma = min(gamma, ctx - max(lengths))
-            gamma = max(gamma, 0)
-            n_acc, new = self.step(state, gamma, sampling, generator, timings)
-            stats.num_target_forwards += 1
-            stats.num_draft_forwards += gamma
-            stats.record_step(gamma, n_acc)
-            if adaptive is not None and gamma > 0:
-                if state.last.device.type == "cuda":
-                    torch.cuda.synchronize()
-                adaptive.update(gamma * len(n_acc), sum(n_acc), timings["draft_s"] / gamma, timings["target_s"])
-            keep = []
-            for i, tokens in enumerate(new):
-                tokens = tokens[: remaining[i]]
-                hit = next((j for j, t in enumerate(tokens) if t in eos), None)
-                if hit is not None:
-                    tokens = tokens[: hit + 1]
-                state.committed[i].extend(tokens)
-                state.num_new[i] += len(tokens)
-                if streamer is not None:
-                    streamer.put(torch.tensor(tokens))
-                if hit is not None or len(tokens) >= remaining[i]:
-                    outputs[state.rows[i]] = state.committed[i]
-                else:
-                    keep.append(i)
-            if stats.ttft_s == 0.0:
-                stats.ttft_s = time.perf_counter() - start
-            if len(keep) < len(state.rows):
-                if keep:
-                    self._drop_rows(state, keep)
-                else:
-                    state.rows = []
-        stats.total_s = time.perf_counter() - start
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle decoder; finish or abort the queued requests first")
+        if generator is not None:
+            seeds = torch.randint(0, MAX_SEED, (len(prompts),), generator=generator, device=generator.device).tolist()
+        else:
+            seeds = [None] * len(prompts)
+        on_tokens = (lambda _rid, tokens: streamer.put(torch.tensor(tokens))) if streamer is not None else None
+        start, forwards = time.perf_counter(), (self.num_target_forwards, self.num_draft_forwards)
+        outputs: dict[int, RequestOutput] = {}
+        first = None
+        self._gamma_override = gamma
+        try:
+            for i, p in enumerate(prompts):
+                self.add_request(p, max_new_tokens, temperature, top_k, top_p, eos_token_id=eos_token_id,
+                                 seed=seeds[i], on_tokens=on_tokens, request_id=i, **sampling)
+            if streamer is not None:
+                streamer.put(torch.tensor(prompts[0]))
+            while self.has_unfinished():
+                outputs.update((o.request_id, o) for o in self.step())
+                first = first or time.perf_counter()
+        finally:
+            self._gamma_override = None
+            for rid in [r.request_id for r in self._waiting + self._rows]:
+                self.abort(rid)
         if streamer is not None:
             streamer.end()
-        sequences = [torch.tensor(outputs[b], dtype=torch.long) for b in range(len(prompts))]
-        new_tokens = [seq[len(p):] for seq, p in zip(sequences, prompts)]
-        stats.num_new_tokens = sum(len(t) for t in new_tokens)
-        stats.peak_memory_bytes = peak_memory_bytes(state.last.device)
+        ordered = [outputs[i] for i in range(len(prompts))]
+        stats = DecodeStats.merge([o.stats for o in ordered])
+        stats.num_target_forwards = self.num_target_forwards - forwards[0]
+        stats.num_draft_forwards = self.num_draft_forwards - forwards[1]
+        stats.ttft_s = first - start
+        stats.total_s = time.perf_counter() - start
+        stats.peak_memory_bytes = peak_memory_bytes(self.target.device)
+        new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in ordered]
+        sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, ordered)]
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)

@@ -122,3 +122,21 @@ def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_co
                                          for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return load_tokenizer(draft_path, "draft tokenizer", trust_remote_code=trust_remote_code)
     return target_tokenizer
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}]``) through the tokenizer's chat template, with the
+    assistant turn opened (``add_generation_prompt=True``).
+
+    transformers 5 returns a dict (``BatchEncoding``) from ``apply_chat_template``, 4.x a list of ids; both work.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
+                         "send plain text (/v1/completions, or decode generate without --chat)")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(i) for i in out]

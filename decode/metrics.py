@@ -65,6 +65,33 @@ class DecodeStats:
                 self.drafted_per_position[i] += 1
                 self.accepted_per_position[i] += int(i < n)
 
+    def record_row_step(self, num_drafted: int, num_accepted: int, num_kept: int) -> None:
+        """Add one row's verify step, counting only the tokens the row kept (after the eos/length trim).
+
+        Args:
+            num_drafted: γ_r, tokens the row drafted (>= 1).
+            num_accepted: n, drafts the target accepted.
+            num_kept: tokens committed after the trim (1 <= num_kept <= n + 1).
+
+        A step cut inside its accepted drafts (an eos among them, or the length budget) is recorded as a step
+        that drafted ``num_kept - 1`` tokens and accepted them all: drafts after the cut were never used, so they
+        are neither accepted tokens nor rejections (τ then equals the tokens committed by the step).
+        """
+        if num_kept <= num_accepted:
+            num_drafted = num_accepted = num_kept - 1
+        n = num_drafted
+        for lst, size in ((self.accepted_per_position, n), (self.drafted_per_position, n),
+                          (self.accepted_length_histogram, n + 1)):
+            lst.extend([0] * (size - len(lst)))
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_verify_steps += 1
+        self.num_rejections += int(num_accepted < num_drafted)
+        self.accepted_length_histogram[num_accepted] += 1
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
     @property
     def acceptance_rate(self) -> float:
         """α = Σaccepted / Σdrafted (0.0 when nothing was drafted)."""

@@ -1,25 +1,183 @@
-"""One logits-processing path for target and draft, and sampling through an explicit generator.
+"""One logits-processing path for target and draft, and sampling from explicit uniforms or a generator.
 
 Speculative decoding is lossless only if the draft's q and the target's p come from the same processing
-(temperature, top-k, top-p) applied to the same prefix (Leviathan et al. 2023, Sec. 3; Chen et al. 2023).
-Both models go through :func:`logits_to_probs`.
+(penalties, temperature, top-k, top-p, min-p) applied to the same prefix (Leviathan et al. 2023, Sec. 3; Chen et
+al. 2023). Both models go through :func:`probs_from_logits`; :func:`logits_to_probs` is its one-setting form.
+
+Order of processing, as vLLM's sampler: repetition penalty (Keskar et al. 2019, Hugging Face's
+``RepetitionPenaltyLogitsProcessor`` rule: positive logits divided, negative ones multiplied, over prompt and
+generated ids), frequency and presence penalties (OpenAI's rule, over generated ids), then temperature, top-k,
+top-p, and min-p (Nguyen et al. 2024: drop ids whose probability is below ``min_p`` × the largest one).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
+MAX_SEED = 2**63 - 1
 
-def validate_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``ValueError`` naming the bad value and the accepted range.
 
-    temperature finite and >= 0 (0 means greedy), top_k None or >= 1, top_p None or in (0, 1].
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def validate_sampling_args(temperature: float, top_k: int | None = None, top_p: float | None = None,
+                           min_p: float | None = None, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> None:
+    """Raise ``ValueError`` naming the bad argument and its accepted range.
+
+    temperature finite and >= 0 (0 means greedy); top_k None or an integer >= 1; top_p None or in (0, 1];
+    min_p None or in [0, 1]; presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range);
+    repetition_penalty finite and > 0 (1 = none).
     """
-    if temperature is None or not (0.0 <= float(temperature) < float("inf")):
+    if temperature is None or not _finite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (int(top_k) != top_k or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not _finite(top_k) or int(top_k) != top_k or top_k < 1):
         raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
-    if top_p is not None and not (0.0 < float(top_p) <= 1.0):
+    if top_p is not None and not (_finite(top_p) and 0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    if min_p is not None and not (_finite(min_p) and 0.0 <= float(min_p) <= 1.0):
+        raise ValueError(f"min_p must be None or in [0, 1], got {min_p!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (_finite(value) and -2.0 <= float(value) <= 2.0):
+            raise ValueError(f"{name} must be a number in [-2, 2] (0 = none), got {value!r}")
+    if not (_finite(repetition_penalty) and float(repetition_penalty) > 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = none), got {repetition_penalty!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling settings of one request (validated on construction; see :func:`validate_sampling_args`)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        validate_sampling_args(self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
+                               self.frequency_penalty, self.repetition_penalty)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """True if the request's distribution depends on token counts (any penalty set)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+class BatchSampling:
+    """Per-row sampling settings of a batch as tensors shaped ``(B, 1, 1)`` (broadcast over positions and ids).
+
+    A setting no row uses is ``None``, so its work is skipped; ``all_greedy`` lets callers take argmaxes.
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], device=None, dims: int = 3):
+        shape = (len(params),) + (1,) * (dims - 1)
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype).view(shape).to(device)
+
+        self.params = list(params)
+        self.all_greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
+        self.greedy = col([p.greedy for p in params], torch.bool) if self.any_greedy else None
+        self.temperature = col([p.temperature if not p.greedy else 1.0 for p in params])
+        ks = [p.top_k for p in params if p.top_k is not None]
+        self.top_k_max = max(ks) if ks else None
+        self.top_k = col([(p.top_k or 1) - 1 for p in params], torch.long) if ks else None  # index of the k-th
+        self.has_top_k = col([p.top_k is not None for p in params], torch.bool) if ks else None
+        use = lambda name, none: any(getattr(p, name) not in (None, none) for p in params)  # noqa: E731
+        self.top_p = col([p.top_p if p.top_p is not None else 1.0 for p in params]) if use("top_p", 1.0) else None
+        self.min_p = col([p.min_p or 0.0 for p in params]) if use("min_p", 0.0) else None
+        self.penalized = any(p.penalized for p in params)
+        if self.penalized:
+            self.presence = col([p.presence_penalty for p in params])
+            self.frequency = col([p.frequency_penalty for p in params])
+            self.repetition = col([p.repetition_penalty for p in params])
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence, frequency,
+                    repetition) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (vLLM's semantics).
+
+    Args:
+        logits: ``(..., V)`` float32.
+        counts: ``(..., V)`` how often each id was *generated* in the prefix (prompt excluded).
+        seen: ``(..., V)`` bool, the id occurs in the prompt or was generated.
+        presence, frequency, repetition: floats or tensors broadcastable to ``logits[..., :1]``.
+    """
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    return logits - frequency * counts - presence * (counts > 0).float()
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    if vocab_size is None:
+        return logits
+    v_model = logits.shape[-1]
+    if v_model > vocab_size:
+        return logits[..., :vocab_size]
+    if v_model < vocab_size:
+        pad = logits.new_full((*logits.shape[:-1], vocab_size - v_model), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size: int | None = None,
+                      counts: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampling distribution of every row and position, in float32: the engine's one path for p and q.
+
+    Args:
+        logits: ``(B, K, V_model)`` raw logits of K positions per row.
+        sampling: the rows' settings (:class:`BatchSampling` built with ``dims=3``).
+        vocab_size: the shared vocabulary size V. Columns ``>= V`` (lm_head padding rows) get probability 0; if
+            ``V > V_model`` the missing ids are appended with probability 0 (a draft that covers fewer ids).
+        counts, seen: ``(B, K, V)`` token counts of each position's prefix (see :func:`apply_penalties`); needed
+            when ``sampling.penalized``.
+
+    Returns:
+        ``(B, K, V)`` probabilities summing to 1 over the last dim; one-hot on the (penalised) argmax for
+        greedy rows.
+    """
+    logits = _fit_vocab(logits.float(), vocab_size)
+    if sampling.penalized:
+        logits = apply_penalties(logits, counts, seen, sampling.presence, sampling.frequency, sampling.repetition)
+    if sampling.all_greedy:
+        return _one_hot_argmax(logits)
+    greedy = _one_hot_argmax(logits) if sampling.any_greedy else None
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k_max < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k_max, dim=-1).values
+        kth = kth.gather(-1, sampling.top_k.expand(*logits.shape[:-1], 1))
+        logits = logits.masked_fill((logits < kth) & sampling.has_top_k, float("-inf"))
+    if sampling.top_p is not None:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop an id when the mass *before* it already reaches top_p; the top id always survives.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    if sampling.min_p is not None:
+        keep = probs >= sampling.min_p * probs.amax(-1, keepdim=True)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    if greedy is not None:
+        probs = torch.where(sampling.greedy, greedy, probs)
+    return probs
 
 
 def logits_to_probs(
@@ -28,51 +186,35 @@ def logits_to_probs(
     top_k: int | None = None,
     top_p: float | None = None,
     vocab_size: int | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
-    """Turn logits into the sampling distribution, in float32.
+    """:func:`probs_from_logits` with one setting for every row: ``(..., V_model)`` -> ``(..., V)`` float32.
+
+    temperature 0 gives a one-hot distribution on the argmax (greedy); top_k keeps the k most likely ids (ties at
+    the k-th value are kept); top_p keeps the smallest set of most likely ids whose mass reaches top_p (nucleus
+    sampling, Holtzman et al. 2020; the most likely id always stays); min_p drops ids below min_p × the largest
+    probability. Penalties need token counts, so they are only available through :func:`probs_from_logits`.
+    """
+    params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p)
+    shape = logits.shape
+    flat = logits.reshape(-1, 1, shape[-1])
+    sampling = BatchSampling([params], device=logits.device)
+    out = probs_from_logits(flat, sampling, vocab_size)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one id per row from ``probs`` ``(..., V)`` by inverting its CDF; returns ``(...)`` int64.
 
     Args:
-        logits: ``(..., V_model)`` raw logits.
-        temperature: 0 gives a one-hot distribution on the argmax (greedy); otherwise logits are divided by it.
-        top_k: keep the k most likely ids (ties at the k-th value are kept).
-        top_p: keep the smallest set of most likely ids whose mass reaches top_p (nucleus sampling,
-            Holtzman et al. 2020); the most likely id is always kept.
-        vocab_size: the shared vocabulary size V. Columns ``>= V`` (lm_head padding rows) get probability 0;
-            if ``V > V_model`` the missing ids are appended with probability 0 (a draft that covers fewer ids).
-
-    Returns:
-        ``(..., V)`` float32 probabilities summing to 1 over the last dim.
+        probs: rows with a positive sum (they need not be normalised).
+        generator: source of the uniforms when ``u`` is not given (same seed, same draws).
+        u: ``(...)`` uniforms in [0, 1) to use instead; an id with probability 0 is never returned.
     """
-    logits = logits.float()
-    if vocab_size is not None:
-        v_model = logits.shape[-1]
-        if v_model > vocab_size:
-            logits = logits[..., :vocab_size]
-        elif v_model < vocab_size:
-            pad = logits.new_full((*logits.shape[:-1], vocab_size - v_model), float("-inf"))
-            logits = torch.cat([logits, pad], dim=-1)
-    if temperature == 0:
-        probs = torch.zeros_like(logits)
-        return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop an id when the mass *before* it already reaches top_p; the top id always survives.
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one id per row from ``probs`` ``(..., V)``; returns ``(...)`` int64.
-
-    Uses ``torch.multinomial`` with the given generator, so the same seed gives the same draw.
-    Rows must sum to a positive value.
-    """
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    if u is None:
+        u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device
+                       if generator is None else generator.device).to(probs.device)
+    cdf = probs.cumsum(-1)
+    x = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # first id whose cdf exceeds x
+    return torch.where(idx >= probs.shape[-1], probs.argmax(-1), idx)

@@ -30,17 +30,20 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
     """Predicted speedup over plain target decoding, ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
 
     Args:
         alpha: acceptance rate in [0, 1].
         gamma: drafted tokens per step (γ = 0 gives 1.0: plain decoding).
         cost_ratio: c >= 0, draft forward time / target forward time on the same hardware.
+        verify_cost: v_γ, time of the target's forward over γ+1 tokens / its one-token forward (1.0 in Leviathan
+            et al.'s model; larger where the verify is compute-bound: CPU, large batches). The step then costs
+            ``γc + v_γ``.
     """
     if cost_ratio < 0 or math.isnan(cost_ratio):
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
-    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + 1.0)
+    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + (verify_cost if gamma else 1.0))
 
 
 def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: int = 0) -> int:
@@ -51,25 +54,34 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
 
 
 class AdaptiveGamma:
-    """Chooses γ each step from running estimates of α and c to maximize the predicted speedup.
+    """Chooses γ for each step from the acceptance seen so far and a fixed cost model, deterministically.
 
-    α is estimated from pooled counts with exponential forgetting (``decay`` per update) and a weak prior, so
-    it follows drift in the text; c from timed draft and target forwards the same way. γ stays in
-    ``[1, max_gamma]``: at least one token is always drafted so that α keeps being measured.
+    α is estimated from pooled counts with exponential forgetting (``decay`` per update) and a weak prior, so it
+    follows drift in the text. The costs (c and the verify costs v_γ, see :func:`predicted_speedup`) are set from
+    outside (:meth:`set_costs`, measured once per batch size by the decoder) and never from clocks during decoding:
+    the γ schedule, and so the number and use of random draws, depends only on the accepted counts, which makes a
+    seeded run repeatable. γ ranges over ``[min_gamma, max_gamma]``; when the best is 0 (plain decoding pays
+    more), one token is drafted at the first such step and every ``probe_every``-th one after, so that α keeps
+    being measured.
     """
 
     def __init__(self, max_gamma: int = 8, initial_gamma: int = 4, decay: float = 0.9,
-                 prior_alpha: float = 0.5, prior_weight: float = 4.0, initial_cost_ratio: float = 0.1):
+                 prior_alpha: float = 0.5, prior_weight: float = 4.0, initial_cost_ratio: float = 0.1,
+                 min_gamma: int = 0, probe_every: int = 8):
         if max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma
+        self.min_gamma = min_gamma
         self.gamma = max(1, min(initial_gamma, max_gamma))
         self.decay = decay
+        self.probe_every = probe_every
         self._accepted = prior_alpha * prior_weight
         self._drafted = prior_weight
         self._draft_s = initial_cost_ratio
         self._target_s = 1.0
         self._timed = False
+        self._verify: list[float] | None = None
+        self._idle = probe_every - 1  # the first step at γ = 0 probes
 
     @property
     def alpha(self) -> float:
@@ -78,12 +90,38 @@ class AdaptiveGamma:
 
     @property
     def cost_ratio(self) -> float:
-        """Current estimate of c = draft forward time / target forward time."""
+        """Current c = draft forward time / target forward time."""
         return self._draft_s / self._target_s
+
+    def set_costs(self, cost_ratio: float, verify_costs: Sequence[float] | None = None) -> None:
+        """Fix the cost model: c, and ``verify_costs[γ]`` = v_γ for γ = 0..max_gamma (None: all 1.0)."""
+        self._draft_s, self._target_s, self._timed = float(cost_ratio), 1.0, True
+        self._verify = list(verify_costs) if verify_costs is not None else None
+        self._choose()
+
+    def _choose(self) -> None:
+        a = min(max(self.alpha, 0.0), 1.0)
+        v = self._verify
+
+        def speed(g: int) -> float:
+            return predicted_speedup(a, g, self.cost_ratio, v[g] if v is not None and g < len(v) else 1.0)
+
+        self.gamma = max(range(self.min_gamma, self.max_gamma + 1), key=lambda g: (speed(g), -g))
+
+    def next_gamma(self) -> int:
+        """γ for the next step: the current choice, or a 1-token probe every ``probe_every`` steps at γ = 0."""
+        if self.gamma > 0:
+            return self.gamma
+        self._idle += 1
+        if self._idle >= self.probe_every:
+            self._idle = 0
+            return 1
+        return 0
 
     def update(self, num_drafted: int, num_accepted: int, draft_s_per_forward: float | None = None,
                target_s_per_forward: float | None = None) -> int:
-        """Fold in one verify step (pooled over rows) and return the γ to use next."""
+        """Fold in one verify step (pooled over rows) and return the γ to use next. Timings, if given, update c
+        (for callers that want a clock-driven estimate; the decoder passes none)."""
         self._accepted = self.decay * self._accepted + num_accepted
         self._drafted = self.decay * self._drafted + num_drafted
         if draft_s_per_forward is not None and target_s_per_forward is not None and target_s_per_forward > 0:
@@ -92,7 +130,7 @@ class AdaptiveGamma:
             else:
                 self._draft_s = self.decay * self._draft_s + (1 - self.decay) * draft_s_per_forward
                 self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s_per_forward
-        self.gamma = best_gamma(min(max(self.alpha, 0.0), 1.0), self.cost_ratio, self.max_gamma, min_gamma=1)
+        self._choose()
         return self.gamma
 
 
@@ -116,7 +154,8 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
 
     Args:
         target, draft: causal LMs on the same device.
-        context_ids: (1, L) LongTensor, a realistic context (real prompt tokens, repeated if needed).
+        context_ids: (B, L) LongTensor, a realistic context (real prompt tokens, repeated if needed); B rows
+            measure the costs at batch size B.
         repeats: timed forwards per measurement (after 2 untimed ones); the median is used.
         verify_gammas: γ values whose verify forward (γ+1 tokens) is timed on the target.
 
@@ -140,7 +179,7 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
     for i in range(repeats + 2):
         for label, model, name, k, keep in jobs:
             cache, mask = copy.deepcopy(base[name][0]), base[name][1]
-            ids = last.expand(1, k)
+            ids = last.expand(last.shape[0], k)
             _sync(device)
             t0 = time.perf_counter()
             kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep)

@@ -14,6 +14,25 @@ import torch
 # CI has 2 cores; more threads than cores thrash.
 torch.set_num_threads(1)
 
+
+def _test_device() -> torch.device:
+    """DRAFTKIT_TEST_DEVICE (cpu | cuda | cuda:N; default cpu): where tests that opt in (``TEST_DEVICE``) put their
+    models, so ``DRAFTKIT_TEST_DEVICE=cuda pytest tests/decode`` runs them on a GPU (scripts/gpu_bench.sh)."""
+    name = os.environ.get("DRAFTKIT_TEST_DEVICE", "cpu").strip() or "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RuntimeError(f"DRAFTKIT_TEST_DEVICE={name!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"DRAFTKIT_TEST_DEVICE={name!r} but this torch build sees no CUDA device; unset it or "
+                           "use cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"DRAFTKIT_TEST_DEVICE={name!r}: only cpu and cuda are supported")
+    return device
+
+
+TEST_DEVICE = _test_device()
+
 VOCAB = 96
 
 

@@ -1,4 +1,5 @@
-"""The benchmark: formulas it reports, the JSON schema, that every method ran, plots, CLI, and bad input.
+"""The benchmark: formulas it reports, the JSON schema, that every method ran, the must-show report, plots, CLI,
+output paths, and bad input. Models go to ``DRAFTKIT_TEST_DEVICE`` (default cpu; see tests/conftest.py).
 
 Timings are never asserted (they live in the benchmark output); only structure, counts and exact relations.
 """
@@ -10,10 +11,10 @@ import math
 import pytest
 import torch
 
-from decode.bench import (SCHEMA_VERSION, BenchConfig, alpha_from_steps, build_methods, parse_gammas, run_cli,
-                          run_benchmark, validate_results, write_outputs)
+from decode.bench import (SCHEMA_VERSION, BenchConfig, OutputPaths, alpha_from_steps, build_methods, must_show,
+                          parse_gammas, run_benchmark, run_cli, validate_results, write_outputs)
 from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
-from tests.conftest import perturbed_copy, tiny_llama
+from tests.conftest import TEST_DEVICE, perturbed_copy, tiny_llama
 from tests.decode.test_prompts import char_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -56,11 +57,12 @@ def test_alpha_estimator_recovers_alpha_on_simulated_steps():
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     torch.manual_seed(0)
-    target = tiny_llama(seed=0, layers=2)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     draft = perturbed_copy(target)
     rng = torch.Generator().manual_seed(1)
     prompts = [[1] + torch.randint(3, 96, (n,), generator=rng).tolist() for n in (5, 9, 7)]
-    cfg = BenchConfig(gammas=[1, 3], temperatures=[0.0, 1.0], batch_sizes=[1, 2], max_new_tokens=8, cost_repeats=5)
+    cfg = BenchConfig(gammas=[1, 3], hf_gammas=[3], temperatures=[0.0, 1.0], batch_sizes=[1, 2], max_new_tokens=8,
+                      cost_repeats=5)
     results = run_benchmark(target, draft, prompts, ["x", "y", "x"], cfg, pad_token_id=0, eos_token_id=None,
                             progress=False)
     out = tmp_path_factory.mktemp("bench")
@@ -86,7 +88,7 @@ def test_schema_and_json_round_trip(bench_run):
 def test_every_method_ran_on_every_prompt(bench_run):
     results, _, cfg, prompts = bench_run
     names = [m.name for m in build_methods(cfg)]
-    assert names == ["plain", "spec_g1", "spec_g3", "spec_auto", "hf_target", "hf_assisted"]
+    assert names == ["plain", "spec_g1", "spec_g3", "spec_auto", "hf_target", "hf_assisted", "hf_assisted_g3"]
     for t in cfg.temperatures:
         for name in names:
             recs = results["records"][f"{t}/{name}"]
@@ -175,6 +177,78 @@ def test_plots_are_written(bench_run):
         assert head == PNG_MAGIC, name
 
 
+def test_records_re_pool_to_the_runs_alpha(bench_run):
+    """Per-prompt records keep the DecodeStats counters; pooled, they give the run's α and acceptance rate."""
+    results, _, cfg, _ = bench_run
+    for t in cfg.temperatures:
+        for name in ("spec_g3", "spec_auto"):
+            recs = results["records"][f"{t}/{name}"]
+            total = {k: sum(r["stats"][k] for r in recs) for k in recs[0]["stats"]}
+            m = {r["method"]: r for r in results["runs"] if r["temperature"] == t}[name]["overall"]
+            assert total["num_drafted"] == m["num_drafted"] and total["num_verify_steps"] == m["num_verify_steps"]
+            assert m["alpha"] == pytest.approx(total["num_accepted"]
+                                               / (total["num_accepted"] + total["num_rejections"]))
+            assert m["acceptance_rate"] == pytest.approx(total["num_accepted"] / total["num_drafted"])
+            assert m["mean_gamma"] == pytest.approx(total["num_drafted"] / total["num_verify_steps"])
+        assert all(r["stats"] is None for r in results["records"][f"{t}/hf_assisted"])
+
+
+def test_must_show_report_relates_the_reported_numbers(bench_run):
+    results, _, cfg, _ = bench_run
+    cost = results["cost"]
+    assert cost["bare"]["cost_ratio"] == pytest.approx(cost["bare"]["draft_forward_s"]
+                                                       / cost["bare"]["target_forward_s"])
+    assert [e["temperature"] for e in results["report"]] == cfg.temperatures
+    for entry, s in zip(results["report"], results["summary"]):
+        t = entry["temperature"]
+        runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == t}
+        checks = {(c["name"], c.get("batch_size")): c for c in entry["checks"]}
+        assert set(checks) == {("cost_ratio_vs_bare", None), ("measured_vs_verify_aware", None),
+                               ("ours_vs_hf_assisted", None), ("batch_speedup", 2), ("auto_vs_best_fixed", None)}
+        for c in entry["checks"]:
+            assert c["ratio"] == pytest.approx(c["ours"] / c["reference"]), c["name"]
+        assert (checks[("cost_ratio_vs_bare", None)]["ours"], checks[("cost_ratio_vs_bare", None)]["reference"]) == (
+            cost["cost_ratio"], cost["bare"]["cost_ratio"])
+        best = checks[("measured_vs_verify_aware", None)]
+        assert best["gamma"] == s["best_gamma_measured"]
+        assert best["ours"] == runs[f"spec_g{best['gamma']}"]["speedup"]
+        assert best["reference"] == runs[f"spec_g{best['gamma']}"]["predicted_speedup_verify_aware"]
+        hf = checks[("ours_vs_hf_assisted", None)]
+        assert (hf["gamma"], hf["ours"], hf["reference"]) == (3, runs["spec_g3"]["speedup"],
+                                                              runs["hf_assisted_g3"]["speedup"])
+        batch = checks[("batch_speedup", 2)]
+        row = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] == 2
+               and b["method"] != "plain"][0]
+        assert batch["ratio"] == pytest.approx(row["speedup"]) and batch["goal"] is None and batch["met"] is None
+        assert checks[("auto_vs_best_fixed", None)]["ratio"] == s["auto_vs_best_fixed"]
+
+
+def test_must_show_goals_are_issue_8s(bench_run):
+    results = json.loads(json.dumps(bench_run[0]))
+    results["cost"]["cost_ratio"] = 0.12
+    for bare, met in ((0.1, True), (0.09, False)):  # c / bare = 1.2 meets "<= 1.25"; 1.33 does not
+        results["cost"]["bare"]["cost_ratio"] = bare
+        check = must_show(results)[0]["checks"][0]
+        assert (check["name"], check["goal"], check["met"]) == ("cost_ratio_vs_bare", "<= 1.25", met)
+    for b in results["batch"]:
+        b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
+    goals = {e["temperature"]: [c["goal"] for c in e["checks"] if c["name"] == "batch_speedup"]
+             for e in must_show(results)}
+    assert goals == {0.0: [">= 1"], 1.0: [">= 1.15"]}
+
+
+def test_bare_forwards_are_timed_on_the_same_context():
+    from decode.bench.bare_forward import measure_bare_forwards
+
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    ctx = torch.tensor([[1, 5, 6, 7, 8, 9]], device=TEST_DEVICE)
+    bare = measure_bare_forwards(target, perturbed_copy(target), ctx, repeats=3)
+    assert bare["context_tokens"] == 6 and bare["target_forward_s"] > 0 and bare["draft_forward_s"] > 0
+    assert bare["cost_ratio"] == bare["draft_forward_s"] / bare["target_forward_s"]
+    with pytest.raises(ValueError, match="L >= 2"):
+        measure_bare_forwards(target, target, ctx[:, :1])
+
+
 # ------------------------------------------------------------------------------------------------ CLI and bad input
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory):
@@ -186,26 +260,153 @@ def saved_pair(tmp_path_factory):
     return root
 
 
+def _pair_args(saved_pair) -> list[str]:
+    return ["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--device",
+            str(TEST_DEVICE), "--dtype", "float32"]
+
+
 def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     from decode.__main__ import main as decode_main
 
-    out = tmp_path / "bench"
-    status = decode_main(["bench", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
-                          "--prompts", "mt_bench", "--limit", "2", "--max-new-tokens", "4", "--gammas", "2",
-                          "--temperatures", "0", "--batch-sizes", "1,2", "--cost-repeats", "3", "--out", str(out)])
+    out = tmp_path / "bench.json"
+    status = decode_main(["bench", *_pair_args(saved_pair), "--prompts", "mt_bench", "--limit", "2",
+                          "--max-new-tokens", "4", "--gammas", "2", "--hf-gammas", "2", "--temperatures", "0",
+                          "--batch-sizes", "1,2", "--cost-repeats", "3", "--out", str(out)])
     assert status == 0
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads(out.read_text())
     validate_results(results)
-    assert (out / "speedup_vs_gamma.png").exists()
+    # --out FILE.json: the JSON is that file, the plots sit beside it.
+    assert results["plots"]["speedup_vs_gamma"] == str(tmp_path / "bench_speedup_vs_gamma.png")
+    assert all(open(p, "rb").read(8) == PNG_MAGIC for p in results["plots"].values())
     assert results["prompts"]["count"] == 2 and set(results["prompts"]["categories"]) == {"writing", "roleplay"}
-    assert {r["method"] for r in results["runs"]} == {"plain", "spec_g2", "spec_auto", "hf_target", "hf_assisted"}
+    assert {r["method"] for r in results["runs"]} == {"plain", "spec_g2", "spec_auto", "hf_target", "hf_assisted",
+                                                      "hf_assisted_g2"}
     assert results["config"]["target"] == str(saved_pair / "target")
+    assert [c["name"] for c in results["report"][0]["checks"]] == [
+        "cost_ratio_vs_bare", "measured_vs_verify_aware", "ours_vs_hf_assisted", "batch_speedup",
+        "auto_vs_best_fixed"]
     printed = capsys.readouterr().out
-    assert "cost ratio c =" in printed and "hf_assisted" in printed
+    assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
+    assert "must-show (issue #8)" in printed and "ours / HF assisted speedup, γ=2" in printed
     # Bad input through the dispatcher: exit status 2 and the message, no traceback.
-    assert decode_main(["bench", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
-                        "--prompts", "humaneva"]) == 2
+    assert decode_main(["bench", *_pair_args(saved_pair), "--prompts", "humaneva", "--out",
+                        str(tmp_path / "other.json")]) == 2
     assert "unknown prompt set 'humaneva'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if the CLI loads a model: output paths must be checked before that."""
+    import decode.loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output path was checked")
+
+    monkeypatch.setattr(decode.loading, "load_causal_lm", refuse)
+
+
+def test_out_refuses_an_existing_file_before_loading_models(saved_pair, tmp_path, capsys, no_model_loads):
+    from decode.__main__ import main as decode_main
+
+    out = tmp_path / "done.json"
+    out.write_text("a finished run\n")
+    assert decode_main(["bench", *_pair_args(saved_pair), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} already exist" in err and "--overwrite" in err
+    assert out.read_text() == "a finished run\n"
+    # A plot the run would write counts too; a folder --out refuses its results.json the same way.
+    (tmp_path / "fresh_batch_throughput.png").write_bytes(b"x")
+    assert decode_main(["bench", *_pair_args(saved_pair), "--out", str(tmp_path / "fresh.json")]) == 2
+    assert "fresh_batch_throughput.png already exist" in capsys.readouterr().err
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "results.json").write_text("{}")
+    assert decode_main(["bench", *_pair_args(saved_pair), "--out", str(tmp_path / "runs")]) == 2
+    assert "results.json already exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing/x.json", "does not exist; create it first"),
+    ("a_file/x.json", "does not exist; create it first"),
+    ("a_file", "is a file, not a folder"),
+])
+def test_out_refuses_a_path_it_cannot_write(saved_pair, tmp_path, capsys, no_model_loads, where, message):
+    from decode.__main__ import main as decode_main
+
+    (tmp_path / "a_file").write_text("")
+    assert decode_main(["bench", *_pair_args(saved_pair), "--out", str(tmp_path / where)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_overwrite_replaces_and_a_file_that_appears_mid_run_is_kept(bench_run, tmp_path):
+    results = bench_run[0]
+    taken = tmp_path / "r.json"
+    taken.write_text("old")
+    with pytest.raises(ValueError, match="already exist"):
+        OutputPaths.plan(taken)
+    paths = write_outputs(json.loads(json.dumps(results)), OutputPaths.plan(taken, overwrite=True))
+    assert paths["results"] == str(taken) and json.loads(taken.read_text())["kind"] == "draftkit.bench"
+    # Planned while free, then someone else writes there before the run ends: theirs stays, ours goes beside it.
+    late = tmp_path / "late.json"
+    plan = OutputPaths.plan(late)
+    late.write_text("theirs")
+    paths = write_outputs(json.loads(json.dumps(results)), plan)
+    assert late.read_text() == "theirs"
+    assert paths["results"] != str(late) and json.loads(open(paths["results"]).read())["kind"] == "draftkit.bench"
+
+
+def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch, capsys, tmp_path):
+    import decode
+    from decode.__main__ import main as decode_main
+
+    class NoCompile(decode.SpeculativeDecoder):
+        def __init__(self, target, draft=None, num_draft_tokens=4, tokenizer=None, draft_tokenizer=None,
+                     max_auto_draft_tokens=8):
+            super().__init__(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer,
+                             draft_tokenizer=draft_tokenizer, max_auto_draft_tokens=max_auto_draft_tokens)
+
+    monkeypatch.setattr(decode, "SpeculativeDecoder", NoCompile)
+    assert decode_main(["bench", *_pair_args(saved_pair), "--compile", "--out", str(tmp_path / "x.json")]) == 2
+    assert "no compile option; drop --compile" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no compile option"):
+        run_benchmark(tiny_llama(), tiny_llama(seed=1), [[1, 5]], [None], BenchConfig(compile=True), pad_token_id=0,
+                      progress=False)
+
+
+def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path):
+    """The bench's plumbing for --compile: compiled methods (main and batch pass) go to the decoder built with
+    compile=True, the others to the eager one. The engine's compilation itself is tested with the engine."""
+    import decode
+
+    built = []
+
+    class Recording(decode.SpeculativeDecoder):
+        def __init__(self, *args, compile=False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.compile, self.calls = compile, []
+            built.append(self)
+
+        def generate(self, *args, **kwargs):
+            self.calls.append(kwargs["num_draft_tokens"])
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[2], auto=False, compile=True, hf=False, temperatures=[0.0], batch_sizes=[1, 2],
+                      max_new_tokens=6, cost_repeats=3, warmup=False)
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0,
+                            progress=False)
+    eager, compiled = sorted(built, key=lambda d: d.compile)
+    assert compiled.compile and not eager.compile
+    # Main pass: 2 prompts x (plain, spec_g2); batch pass at size 2: one batch of (plain, spec_g2) each.
+    assert sorted(compiled.calls) == sorted(eager.calls) == [0, 0, 0, 2, 2, 2]
+    runs = {r["method"]: r for r in results["runs"]}
+    assert set(runs) == {"plain", "spec_g2", "plain_compiled", "spec_g2_compiled"}
+    assert runs["spec_g2_compiled"]["compiled"] and runs["spec_g2_compiled"]["overall"]["matches_plain_greedy"] == 1
+    assert {(b["method"], b["batch_size"]) for b in results["batch"]} == {
+        (m, bs) for m in ("plain", "spec_g2", "plain_compiled", "spec_g2_compiled") for bs in (1, 2)}
+    paths = write_outputs(results, tmp_path / "compiled.json")
+    validate_results(json.loads(open(paths["results"]).read()))
+    assert all(open(paths[name], "rb").read(8) == PNG_MAGIC for name in results["plots"])
 
 
 @pytest.mark.parametrize("text, message", [
@@ -248,7 +449,7 @@ def test_config_validation_messages():
 def test_eos_handling_is_the_same_for_every_method():
     """With an EOS every method stops where plain greedy decoding stops; with ignore_eos none stops early, even
     though the checkpoint's generation_config names that EOS (HF would otherwise fill it in)."""
-    target = tiny_llama(seed=0, layers=2)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     draft = perturbed_copy(target)
     prompt = [1, 5, 6, 7]
     cfg = BenchConfig(gammas=[2], auto=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=10,
@@ -268,7 +469,7 @@ def test_eos_handling_is_the_same_for_every_method():
 def test_hf_fixed_gamma_sets_the_assistants_config_for_the_call_only():
     """HF reads the assisted-generation settings from the draft's generation_config; the hf_assisted_g{γ} run must
     really draft γ tokens per step (counted target forwards) and leave the draft's config as it was."""
-    target = tiny_llama(seed=0, layers=2)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     draft = perturbed_copy(target, noise=0.0)  # identical: every draft is accepted, so each step drafts γ
     cfg = BenchConfig(gammas=[3], auto=False, hf_gammas=[3], temperatures=[0.0], batch_sizes=[1], max_new_tokens=13,
                       cost_repeats=3, warmup=False, ignore_eos=True)
@@ -280,16 +481,73 @@ def test_hf_fixed_gamma_sets_the_assistants_config_for_the_call_only():
     assert set(results["summary"][0]["hf_assisted_fixed_speedup"]) == {"3"}
     # Count target forwards of one call. 13 new tokens with all drafts accepted: γ+1 per verify step, so 4 target
     # forwards at γ=3 and 7 at γ=1 (prefill included).
-    from decode.bench import Method, _run_hf
+    from decode.bench import Method, run_hf
 
     def target_forwards(gamma):
         calls = []
         handle = target.register_forward_hook(lambda *a: calls.append(1))
-        ids = torch.tensor([[1, 5, 6, 7]])
-        _run_hf(target, draft, Method("hf", "hf", gamma, assisted=True), ids, torch.ones_like(ids), 0.0, cfg, None,
-                0, 0, torch.device("cpu"))
+        ids = torch.tensor([[1, 5, 6, 7]], device=TEST_DEVICE)
+        run_hf(target, draft, Method("hf", "hf", gamma, assisted=True), ids, torch.ones_like(ids), 0.0, cfg, None,
+               0, 0, TEST_DEVICE)
         handle.remove()
         return len(calls)
 
     assert target_forwards(3) == 4
     assert target_forwards(1) == 7
+
+
+# ------------------------------------------------------------------------------------------------ GPU benchmark
+def test_synthetic_draft_is_the_targets_early_exit():
+    from decode.bench.synthetic_pair import build_pair
+
+    pair = build_pair("tiny", draft_layers=2, dtype=torch.float64, device=TEST_DEVICE)
+    plain = build_pair("tiny", draft_layers=2, late_layer_scale=1.0, logit_scale=1.0, dtype=torch.float64,
+                       device=TEST_DEVICE)
+    t, d = pair.target.model, pair.draft.model
+    assert all(a is b for a, b in zip(d.layers, t.layers)) and len(d.layers) == 2
+    assert d.embed_tokens is t.embed_tokens and pair.draft.lm_head is pair.target.lm_head and d.norm is t.norm
+    for i, (scaled, base) in enumerate(zip(t.layers, plain.target.model.layers)):
+        factor = 1.0 if i < 2 else pair.late_layer_scale  # same seed: same weights up to the scaling
+        assert torch.equal(scaled.mlp.down_proj.weight, base.mlp.down_proj.weight * factor)
+        assert torch.equal(scaled.self_attn.o_proj.weight, base.self_attn.o_proj.weight * factor)
+    ids = torch.tensor([[1, 9, 33, 70, 4, 200]], device=TEST_DEVICE)
+    with torch.no_grad():
+        hidden = pair.target(input_ids=ids, output_hidden_states=True).hidden_states[2]  # after layer 2, pre-norm
+        early_exit = pair.target.lm_head(t.norm(hidden))
+        assert torch.allclose(pair.draft(input_ids=ids).logits, early_exit, rtol=1e-12, atol=1e-12)
+
+
+def test_full_synthetic_pair_has_the_announced_sizes():
+    from decode.bench.synthetic_pair import build_pair
+
+    pair = build_pair("full", device="meta")  # shapes only, no memory
+    assert 1.0e9 < pair.target_parameters < 1.1e9 and 100e6 < pair.draft_parameters < 120e6
+    with pytest.raises(ValueError, match="draft_layers must be in"):
+        build_pair("tiny", draft_layers=4, device="meta")
+
+
+def test_gpu_bench_script_end_to_end_on_cpu_with_tiny_sizes(tmp_path):
+    """scripts/gpu_bench.sh as shipped (its tests step skipped: this is that test run), GPU_BENCH_TINY=1."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GPU_BENCH_TINY": "1", "GPU_BENCH_SKIP_TESTS": "1", "OUT": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(root / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())
+    validate_results(results)
+    assert {r["method"] for r in results["runs"]} == {"plain", "spec_g4", "spec_auto", "hf_target", "hf_assisted",
+                                                      "hf_assisted_g4"}
+    assert {b["batch_size"] for b in results["batch"]} == {1, 16} and results["pair"]["size"] == "tiny"
+    assert all(r["overall"]["matches_plain_greedy"] == 1.0 for r in results["runs"] if r["temperature"] == 0)
+    assert "must-show (issue #8)" in done.stdout and "compiled:" in done.stdout
+    assert (tmp_path / "bench.log").read_text().count("=== gpu_bench") >= 1
+    # A second run into the same OUT refuses before doing anything: the first run's files stay.
+    again = subprocess.run(["bash", str(root / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 2 and "already holds" in again.stderr
+    assert json.loads((tmp_path / "gpu_bench.json").read_text()) == results

@@ -9,9 +9,6 @@ from decode import SpeculativeDecoder
 from decode import cache as kv
 from tests.conftest import perturbed_copy, tiny_gpt2, tiny_llama
 
-SAMPLING = {"temperature": 1.0, "top_k": None, "top_p": None}
-
-
 def row_slots(mask, b):
     return int(mask[b].sum())
 
@@ -36,15 +33,11 @@ def test_rollback_matches_fresh_prefill(make, gamma):
     draft = perturbed_copy(target, 0.4)
     dec = SpeculativeDecoder(target, draft, gamma)
     prompts = [[4, 8, 15], [16, 23, 42, 7, 9, 11], [5]]
-    state = dec.prefill(prompts)
-    g = torch.Generator().manual_seed(0)
-    seen_rejection = seen_all_accepted = False
+    for i, p in enumerate(prompts):
+        dec.add_request(p, max_new_tokens=200, temperature=1.0, seed=i)
     for _ in range(12):
-        n_acc, new = dec.step(state, gamma, SAMPLING, g)
-        seen_rejection |= min(n_acc) < gamma
-        seen_all_accepted |= max(n_acc) == gamma
-        for b, tokens in enumerate(new):
-            state.committed[b].extend(tokens)
+        assert dec.step() == []
+        state = dec.state
         T = state.target_mask.shape[1]
         assert kv.cache_width(state.target_cache) == T
         assert T == max(len(c) for c in state.committed) - 1  # compact: no wasted column
@@ -62,16 +55,37 @@ def test_rollback_matches_fresh_prefill(make, gamma):
             got_d = next_logits_from_cache(draft, state.draft_cache, state.draft_mask, state.draft_in,
                                            state.draft_in_mask, b)
             torch.testing.assert_close(got_d, fresh_logits(draft, seq), atol=1e-9, rtol=1e-9)
-    assert seen_rejection and seen_all_accepted
+    hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._rows))]
+    assert hist[-1] > 0 and sum(hist[:-1]) > 0  # steps with all drafts accepted and steps with a rejection
+
+
+def test_rows_joining_mid_flight_keep_caches_exact():
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.4)
+    dec = SpeculativeDecoder(target, draft, 3)
+    dec.add_request([7], max_new_tokens=100)  # a 1-token prompt: empty caches at prefill
+    for step, prompt in enumerate([[4, 8, 15, 16, 23, 42, 3, 3, 9], [5], [11, 12]]):
+        dec.step()
+        dec.add_request(prompt, max_new_tokens=100)
+        dec.step()
+        state = dec.state
+        assert len(state.committed) == step + 2
+        for b, seq in enumerate(state.committed):
+            got = next_logits_from_cache(target, state.target_cache, state.target_mask, state.last[:, None],
+                                         torch.ones_like(state.last)[:, None], b)
+            torch.testing.assert_close(got, fresh_logits(target, seq), atol=1e-9, rtol=1e-9)
+            got_d = next_logits_from_cache(draft, state.draft_cache, state.draft_mask, state.draft_in,
+                                           state.draft_in_mask, b)
+            torch.testing.assert_close(got_d, fresh_logits(draft, seq), atol=1e-9, rtol=1e-9)
 
 
 def test_batch1_cache_length_equals_committed_length():
     target = tiny_llama(seed=0)
     dec = SpeculativeDecoder(target, perturbed_copy(target, 0.8), 4)
-    state = dec.prefill([[3, 4, 5, 6]])
+    dec.add_request([3, 4, 5, 6], max_new_tokens=200, temperature=1.0, seed=1)
     for _ in range(6):
-        _, new = dec.step(state, 4, SAMPLING, torch.Generator().manual_seed(1))
-        state.committed[0].extend(new[0])
+        dec.step()
+        state = dec.state
         assert kv.cache_width(state.target_cache) == len(state.committed[0]) - 1
         pending = state.draft_in.shape[1] - int((state.draft_in_mask[0] == 0).sum())
         assert kv.cache_width(state.draft_cache) == len(state.committed[0]) - pending

@@ -77,3 +77,55 @@ def test_same_tokenizer_objects_pass():
     tok = make_tokenizer()
     target = tiny_llama()
     assert check_compatibility(target, perturbed_copy(target), tok, make_tokenizer()) == VOCAB
+
+
+# ---------------------------------------------------------------- a draft smaller than its target (#8 point 7)
+def gpt2(vocab_size, positions, seed, layers=1):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=layers, n_head=4, n_positions=positions,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = GPT2LMHeadModel(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@torch.no_grad()
+def greedy(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_with_a_smaller_input_vocabulary_runs_losslessly(temperature):
+    """Target vocab 64, draft vocab 32 (embedding and lm_head), no tokenizer: ids >= 32 reach the draft's input."""
+    target, draft = tiny_llama(vocab_size=64, seed=0), tiny_llama(vocab_size=32, seed=1, layers=1)
+    dec = SpeculativeDecoder(target, draft, 3)
+    prompts = [[1, 40, 5, 63], [7, 3]]
+    out = dec.generate(prompts, max_new_tokens=30, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    new = [t.tolist() for t in out.new_tokens]
+    assert max(max(n) for n in new) >= 32  # the target produced ids the draft cannot read, and decoding went on
+    if temperature == 0:
+        assert new == [greedy(target, p, 30) for p in prompts]
+    assert out.stats.num_drafted > 0
+
+
+@pytest.mark.parametrize("prompt_len", [5, 20])
+def test_draft_with_a_shorter_context_stops_drafting_past_it(prompt_len):
+    """GPT-2 draft with 16 learned positions, target with 256: rows past 16 tokens decode plainly, exactly."""
+    target, draft = gpt2(VOCAB, 256, seed=0, layers=2), gpt2(VOCAB, 16, seed=0, layers=1)
+    prompts = [list(range(3, 3 + prompt_len)), [4, 9]]
+    out = SpeculativeDecoder(target, draft, 4).generate(prompts, max_new_tokens=30)
+    assert [t.tolist() for t in out.new_tokens] == [greedy(target, p, 30) for p in prompts]
+    assert 0 < out.stats.num_drafted < 2 * 30
+
+
+def test_target_with_a_smaller_input_embedding_is_an_error_naming_both_sizes():
+    target = tiny_llama(vocab_size=VOCAB)
+    target.set_input_embeddings(torch.nn.Embedding(64, 32).to(torch.float64))
+    with pytest.raises(IncompatibleModelsError, match=f"64 rows.*{VOCAB} ids"):
+        SpeculativeDecoder(target, tiny_llama(seed=1), 2)

@@ -68,3 +68,46 @@ def test_unknown_command_and_bad_gamma(saved_pair):
     assert r.returncode == 2 and "num-draft-tokens" in r.stderr
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1", "--temperature", "inf")
     assert r.returncode == 2 and "finite" in r.stderr
+
+
+def test_generate_stops_at_every_eos_of_the_generation_config(saved_pair, tmp_path):
+    """The stop set is tokenizer eos ∪ generation_config eos: a second eos id X ends the output at X."""
+    from transformers import AutoModelForCausalLM
+
+    r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w5", "--max-new-tokens", "16",
+            "--json")
+    free = json.loads(r.stdout)["token_ids"]
+    k = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i] and t != 2)
+    target = AutoModelForCausalLM.from_pretrained(saved_pair / "target")
+    target.generation_config.eos_token_id = [2, free[k]]
+    target.save_pretrained(tmp_path / "target")
+    make_tokenizer().save_pretrained(tmp_path / "target")
+    r = run("generate", "--target", str(tmp_path / "target"), "--draft", str(saved_pair / "draft"), "-g", "3",
+            "--prompt", "w5", "--max-new-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == free[: k + 1]
+
+
+def test_generate_chat_uses_the_template(saved_pair, tmp_path):
+    """transformers 5's apply_chat_template returns a dict; --chat must still build the prompt from it."""
+    from decode import SpeculativeDecoder
+    from tests.decode.server_helpers import CHAT_TEMPLATE
+
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    target = tiny_llama(seed=0).float()
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    r = run("generate", "--target", str(tmp_path / "target"), "--prompt", "w4 w5", "--chat", "--max-new-tokens", "6",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    ids = tok("w4 w5 w9")["input_ids"]  # what the template renders, with the generation prompt
+    direct = SpeculativeDecoder(target, None, 0).generate([ids], max_new_tokens=6, eos_token_id=2)
+    assert json.loads(r.stdout)["token_ids"] == direct.new_tokens[0].tolist()
+    r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w4", "--chat")
+    assert r.returncode == 2 and "no chat template" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_bad_port_is_a_clear_error(saved_pair):
+    r = run("serve", "--target", str(saved_pair / "target"), "--port", "99999")
+    assert r.returncode == 2 and "--port must be in 1..65535" in r.stderr and "Traceback" not in r.stderr

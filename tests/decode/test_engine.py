@@ -230,3 +230,13 @@ def test_streamer_receives_prompt_then_tokens(pair):
     out = SpeculativeDecoder(target, drafts["perturbed"], 3).generate([prompt], max_new_tokens=12, streamer=s)
     assert s.chunks[0] == prompt and s.ended
     assert sum(s.chunks[1:], []) == out.new_tokens[0].tolist()
+
+
+def test_compiled_forwards_keep_greedy_equality(pair, references):
+    """compile=True (torch.compile of both forwards, dynamic shapes): exact greedy output, batch 1."""
+    target, drafts = pair
+    prompts, refs = references
+    dec = SpeculativeDecoder(target, drafts["perturbed"], 3, compile=True)
+    out = dec.generate([prompts[1]], max_new_tokens=MAX_NEW)
+    assert out.new_tokens[0].tolist() == refs[1]
+    assert 0 < out.stats.acceptance_rate < 1  # rejections and rollbacks happened under compilation

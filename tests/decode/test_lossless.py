@@ -1,5 +1,6 @@
 """End-to-end losslessness: the joint distribution of the first two generated tokens at a fixed prefix must be
-the target's own (after temperature/top-k/top-p), whatever the draft. Chi-square goodness of fit on 20k rows."""
+the target's own (after penalties/temperature/top-k/top-p/min-p), whatever the draft. Chi-square goodness of fit
+on 20k rows."""
 import math
 
 import pytest
@@ -78,3 +79,55 @@ def test_first_two_tokens_follow_target(models, temperature, top_k, top_p, draft
     m = expected > 0
     bad = own_counts[~m].sum() > 0 or chi_square(own_counts, expected)[0] > critical(df)
     assert bad
+
+
+@torch.no_grad()
+def reference_joint(model, temperature=1.0, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
+                    repetition_penalty=1.0):
+    """p(x1, x2 | PROMPT) of the target's own sampling with these settings, built from Hugging Face's processors
+    (repetition penalty over prompt + generated ids, min-p) and vLLM's presence/frequency rule over generated ids."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper)
+
+    def probs(seqs):
+        logits = model(seqs).logits[:, -1].float()
+        if repetition_penalty != 1.0:
+            logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seqs, logits)
+        generated = seqs[:, len(PROMPT):]
+        counts = torch.zeros(len(seqs), V).scatter_add_(1, generated, torch.ones_like(generated, dtype=torch.float))
+        logits = logits - frequency_penalty * counts - presence_penalty * (counts > 0).float()
+        logits = TemperatureLogitsWarper(temperature)(seqs, logits)
+        if min_p is not None:
+            logits = MinPLogitsWarper(min_p)(seqs, logits)
+        return logits.softmax(-1)
+
+    p1 = probs(torch.tensor([PROMPT]))[0]
+    p2 = probs(torch.tensor([PROMPT + [x] for x in range(V)]))
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("settings,gamma", [
+    (dict(min_p=0.4), 3),
+    (dict(presence_penalty=1.5), 2),
+    (dict(frequency_penalty=-1.0, temperature=0.8), 3),
+    (dict(repetition_penalty=1.8), 2),
+    (dict(repetition_penalty=0.6, presence_penalty=0.7, min_p=0.3), 4),
+])
+def test_min_p_and_penalties_follow_target(models, settings, gamma):
+    """p and q see the same counts: at window position i they include the drafts d_1..d_{i-1}."""
+    target, drafts = models
+    expected = reference_joint(target, **settings).double() * N
+    dec = SpeculativeDecoder(target, drafts["perturbed"], num_draft_tokens=gamma)
+    # 3 new tokens so that γ_r >= 2: the 2nd token is often the window's 2nd draft, whose q and p count d_1.
+    out = dec.generate([PROMPT] * N, max_new_tokens=3, generator=torch.Generator().manual_seed(99),
+                       **{"temperature": 1.0, **settings})
+    counts = joint_counts(out)
+    assert counts[expected == 0].sum() == 0, "sampled a pair the setting gives probability 0"
+    stat, df = chi_square(counts, expected)
+    assert stat < critical(df), (stat, df)
+    assert 0.0 < out.stats.acceptance_rate < 1.0 and out.stats.accepted_length_histogram[2] > 0
+
+    # Power: the target sampled without the setting fails the same test.
+    plain = reference_joint(target, temperature=settings.get("temperature", 1.0)).double() * N
+    m = expected > 0
+    assert chi_square(plain[m].round(), expected[m])[0] > critical(df) or (plain[~m] > 1).any()

@@ -63,10 +63,12 @@ def test_distillation_raises_acceptance(pair, tmp_path):
     """The point of the recipe: α of the draft goes up when it is trained on the target's distribution."""
     out = tmp_path / "run"
     summary = train(compose(overrides(pair, out, "train.max_steps=30", "optim.lr=1e-2", "optim.warmup_steps=2",
-                                      "eval.temperatures=[1.0]", "loss=fkl", "train.save_every=0")),
+                                      "eval.temperatures=[1.0]", "eval.max_new_tokens=96", "data.holdout=16",
+                                      "eval.num_prompts=16", "loss=fkl", "train.save_every=0")),
                     log=lambda *_: None)
-    # measured: 0.22 -> 0.55 on this pair (random target, so only sampled acceptance has room to move)
-    assert summary["last_eval"]["acceptance_rate"] > summary["initial_eval"]["acceptance_rate"] + 0.15
+    # Random target, so only sampled acceptance has room to move. 4 prompts x 8 tokens gave α swings of ±0.15 between
+    # random streams; 16 x 96 measured 0.24 -> 0.33 (other eval seeds: +0.06 .. +0.09).
+    assert summary["last_eval"]["acceptance_rate"] > summary["initial_eval"]["acceptance_rate"] + 0.05
     losses = _losses(out)
     assert losses[30] < losses[1]
 

@@ -1,5 +1,5 @@
-"""PNG plots of a benchmark results dict (``decode.bench``): speedup vs γ, predicted vs measured speedup,
-acceptance by draft position, and batch throughput.
+"""PNG plots of a benchmark results dict (``decode.bench.run_benchmark``): speedup vs γ, predicted vs measured
+speedup, acceptance by draft position, and batch throughput (``PLOTS``: name -> function(results, path)).
 
 Figures are built with ``matplotlib.figure.Figure`` and the Agg canvas, never pyplot, so no display and no global
 figure state are involved (safe in servers, tests and headless machines).
@@ -7,7 +7,6 @@ figure state are involved (safe in servers, tests and headless machines).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -22,8 +21,9 @@ def _figure(width: float = 6.4, height: float = 4.2) -> Figure:
 
 
 def _fixed_runs(results: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
+    # Eager runs only: a compiled twin has the same acceptance and would draw a second point per γ on one line.
     runs = [r for r in results["runs"] if r["temperature"] == temperature and isinstance(r["num_draft_tokens"], int)
-            and r["num_draft_tokens"] > 0]
+            and r["num_draft_tokens"] > 0 and not r.get("compiled")]
     return sorted(runs, key=lambda r: r["num_draft_tokens"])
 
 
@@ -162,13 +162,6 @@ PLOTS = {
     "acceptance_by_position": plot_acceptance_by_position,
     "batch_throughput": plot_batch_throughput,
 }
-
-
-def write_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
-    """Write every plot in ``PLOTS`` as ``<out_dir>/<name>.png``; return {name: path}."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return {name: fn(results, out / f"{name}.png") for name, fn in PLOTS.items()}
 
 
 def _save(fig: Figure, path: str | os.PathLike) -> str:

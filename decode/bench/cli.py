@@ -1,0 +1,187 @@
+"""``python -m decode bench``: parse and check every setting and the output path, load the pair, run, write, print.
+
+    python -m decode bench --target PATH --draft PATH --prompts humaneval --limit 8 --max-new-tokens 64 \
+        --ignore-eos --gammas 2,4,auto --hf-gammas 4 --temperatures 0,1 --batch-sizes 1,4,8 --out bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode.bench.config import BenchConfig, parse_gammas, parse_list
+from decode.bench.report import OutputPaths, render_tables, write_outputs
+from decode.bench.runs import compile_supported, run_benchmark
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``bench`` command line (see docs/bench.md for every option)."""
+    p = argparse.ArgumentParser(prog="python -m decode bench",
+                                description="Side-by-side benchmark: plain vs speculative vs HF assisted generation, "
+                                            "measured and predicted speedup.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target checkpoint: local path or HF id (loaded offline)")
+    p.add_argument("--draft", required=True, help="draft checkpoint: local path or HF id")
+    p.add_argument("--tokenizer", help="tokenizer path (default: the target's, else the draft's)")
+    p.add_argument("--prompts", default="humaneval",
+                   help="humaneval | mbpp | spec_bench | mt_bench | gsm8k | path/to/file.jsonl[.gz]")
+    p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question or turns)")
+    p.add_argument("--limit", type=int, default=20, help="number of prompts (category-balanced for Spec-Bench)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gammas", default="1,2,4,8", help="comma-separated γ list; add 'auto' or use --no-auto")
+    p.add_argument("--no-auto", action="store_true", help="skip num_draft_tokens='auto'")
+    p.add_argument("--auto-max-gamma", type=int, default=8, help="largest γ the adaptive controller may pick")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--batch-sizes", default="1,4,8")
+    p.add_argument("--batch-gamma", type=int, help="γ for the batch pass (default: best measured γ)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate (plain and assisted)")
+    p.add_argument("--hf-gammas", default="",
+                   help="extra HF assisted runs with num_assistant_tokens=γ, constant schedule, no confidence stop "
+                        "(e.g. 4); hf_assisted always runs with HF's own defaults")
+    p.add_argument("--compile", action="store_true",
+                   help="also run our decoder built with compile=True (plain_compiled, spec_g{γ}_compiled)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
+    p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="keep each prompt's last N tokens (default: what the models' positions allow); use the "
+                        "training window minus --max-new-tokens for models trained on short windows")
+    p.add_argument("--cost-context", type=int, help="context length for measuring c (default: mean prompt + N/2)")
+    p.add_argument("--cost-repeats", type=int, default=21)
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow checkpoints to run their own Python modeling/tokenizer code (off by default)")
+    p.add_argument("--out", default="checkpoints/bench",
+                   help="FILE.json (plots beside it as FILE_<plot>.png) or a folder (results.json and <plot>.png); "
+                        "checked before the run")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    return p
+
+
+def _load_tokenizer(paths: list[str], trust_remote_code: bool = False):
+    from decode.loading import load_tokenizer
+
+    for i, path in enumerate(paths):
+        try:
+            return load_tokenizer(path, trust_remote_code=trust_remote_code)
+        except FileNotFoundError:
+            if i == len(paths) - 1:
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point (``python -m decode bench ...``): 0 on success, 2 with a message on bad input."""
+    try:
+        run_cli(argv)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The validated ``BenchConfig`` of parsed arguments (no model, no file touched). Raises ValueError."""
+    gammas, auto = parse_gammas(args.gammas)
+    cfg = BenchConfig(
+        gammas=gammas, auto=auto or not args.no_auto, auto_max_gamma=args.auto_max_gamma,
+        temperatures=parse_list(args.temperatures, float, "temperature"),
+        batch_sizes=parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
+        hf=not args.no_hf, hf_gammas=parse_gammas(args.hf_gammas)[0] if args.hf_gammas.strip() else [],
+        ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
+        cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed, compile=args.compile,
+        target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
+    cfg.validate()
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+    if cfg.compile and not compile_supported():
+        raise ValueError("--compile: this version's SpeculativeDecoder has no compile option; drop --compile")
+    return cfg
+
+
+def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv``, check everything (settings, paths, output path) before loading models, run the benchmark,
+    write outputs, print tables.
+
+    Returns:
+        the results dict (also written to ``--out``).
+
+    Raises:
+        ValueError: bad γ list, temperatures, batch sizes, prompt set, output path, or a prompt budget that cannot
+            fit.
+        FileNotFoundError: missing target/draft/tokenizer/prompt file.
+        decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # HF's assisted generate warns about its own internal generation_config use
+    cfg = config_from_args(args)
+    out = OutputPaths.plan(args.out, overwrite=args.overwrite)
+    for name in ("target", "draft"):
+        path = getattr(args, name)
+        if (os.path.sep in path or path.startswith(".")) and not Path(path).exists():
+            raise FileNotFoundError(f"--{name} {path} does not exist")
+    from decode.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts, limit=args.limit, field=args.prompt_field)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
+    tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft],
+                                args.trust_remote_code)
+    draft_tokenizer = None
+    if not args.tokenizer and Path(args.draft).is_dir() and (Path(args.draft) / "tokenizer_config.json").exists():
+        draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)
+    from decode.compat import check_compatibility
+    from decode.loading import load_causal_lm
+
+    target = load_causal_lm(args.target, "target", dtype, str(device), trust_remote_code=args.trust_remote_code)
+    draft = load_causal_lm(args.draft, "draft", dtype, str(device), trust_remote_code=args.trust_remote_code)
+    # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.
+    check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    prompt_ids = _encode(prompts, tokenizer, target, draft, cfg, args)
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    from decode.stops import stop_token_ids
+
+    eos = stop_token_ids(tokenizer, target) or None  # the stop set of `decode generate` and the server
+    results = run_benchmark(target, draft, prompt_ids, [p.category for p in prompts], cfg, pad_token_id=pad,
+                            eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=sys.stderr.isatty(),
+                            tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    paths = write_outputs(results, out)
+    render_tables(results)
+    from rich.console import Console
+
+    Console().print("wrote " + ", ".join(paths.values()))
+    return results
+
+
+def _encode(prompts, tokenizer, target, draft, cfg: BenchConfig, args) -> list[list[int]]:
+    """Token ids of the prompts, each cut to its last tokens so prompt + new tokens + a verify fit both models."""
+    from decode.engine import context_length
+    from decode.prompts import encode_prompts
+
+    positions = [p for p in (context_length(target), context_length(draft)) if p]
+    max_prompt = None
+    if positions:
+        max_prompt = min(positions) - cfg.max_new_tokens - max(cfg.gammas or [1]) - 2
+        if max_prompt < 1:
+            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt within the models' "
+                             f"{min(positions)} positions; lower it")
+    if args.max_prompt_tokens is not None:
+        max_prompt = args.max_prompt_tokens if max_prompt is None else min(max_prompt, args.max_prompt_tokens)
+    cfg.max_prompt_tokens = max_prompt
+    return encode_prompts(prompts, tokenizer, chat_template=not args.no_chat_template, max_prompt_tokens=max_prompt)

@@ -1,0 +1,121 @@
+"""What a benchmark run measures: its settings (``BenchConfig``), the γ/temperature/batch lists of the command
+line, and the list of methods (plain, ours at each γ, HF assisted generation) built from them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+OURS, HF = "ours", "hf"
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run depends on; stored verbatim in ``results.json["config"]``."""
+
+    gammas: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    auto: bool = True  # also run num_draft_tokens="auto"
+    auto_max_gamma: int = 8  # upper bound of the adaptive γ controller
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    max_new_tokens: int = 64
+    hf: bool = True  # run HF generate (target alone, and with assistant_model=draft)
+    # Extra HF assisted runs at fixed γ (constant schedule, no confidence stop), next to HF's defaults.
+    hf_gammas: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # always generate max_new_tokens (comparable token counts across methods)
+    batch_gamma: int | None = None  # γ for the batch pass; None: best measured fixed γ at that temperature
+    cost_context_tokens: int | None = None  # None: mean prompt length + max_new_tokens // 2
+    cost_repeats: int = 21
+    warmup: bool = True
+    seed: int = 0
+    # Also run our decoder built with SpeculativeDecoder(..., compile=True): plain_compiled, spec_g{γ}_compiled.
+    compile: bool = False
+    # Descriptive, filled by the CLI.
+    target: str | None = None
+    draft: str | None = None
+    prompts: str | None = None
+    limit: int | None = None
+    max_prompt_tokens: int | None = None  # prompts were cut to their last this-many tokens
+    device: str | None = None
+    dtype: str | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
+        if not self.gammas and not self.auto:
+            raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")
+        if any((not isinstance(g, int)) or g < 1 for g in self.gammas):
+            raise ValueError(f"every γ must be an integer >= 1 (got {self.gammas}); γ=0 (plain decoding) always runs")
+        if any((not math.isfinite(t)) or t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"temperatures must be >= 0 and finite, at least one (got {self.temperatures})")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be >= 1 (got {self.batch_sizes})")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.cost_repeats < 3:
+            raise ValueError(f"cost_repeats must be >= 3 for a meaningful median (got {self.cost_repeats})")
+        if self.auto and self.auto_max_gamma < 1:
+            raise ValueError(f"auto_max_gamma must be >= 1 (got {self.auto_max_gamma})")
+        if any(g < 1 for g in self.hf_gammas):
+            raise ValueError(f"HF assisted γ values must be >= 1 (got {self.hf_gammas})")
+        if self.batch_gamma is not None and self.batch_gamma < 1:
+            raise ValueError(f"batch_gamma must be >= 1 (got {self.batch_gamma})")
+
+
+def parse_gammas(text: str) -> tuple[list[int], bool]:
+    """Parse ``"1,2,4,8,auto"`` -> ([1, 2, 4, 8], True). Raises ValueError naming the bad item."""
+    gammas, auto = [], False
+    for item in (s.strip() for s in str(text).split(",")):
+        if not item:
+            continue
+        if item.lower() == "auto":
+            auto = True
+            continue
+        try:
+            g = int(item)
+        except ValueError:
+            raise ValueError(f"bad γ {item!r} in {text!r}: use comma-separated integers >= 1 and/or 'auto', "
+                             "e.g. --gammas 1,2,4,8") from None
+        if g < 1:
+            raise ValueError(f"bad γ {g} in {text!r}: every γ must be >= 1 (plain decoding, γ=0, always runs)")
+        gammas.append(g)
+    if not gammas and not auto:
+        raise ValueError(f"empty γ list {text!r}: e.g. --gammas 1,2,4,8")
+    return sorted(set(gammas)), auto
+
+
+def parse_list(text: str, kind: type, what: str) -> list:
+    """Parse a comma-separated list of ``kind`` (``"0,1"`` -> [0.0, 1.0]); ValueError names ``what``."""
+    try:
+        out = [kind(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"bad {what} list {text!r}: use comma-separated numbers, e.g. 0,1") from None
+    if not out:
+        raise ValueError(f"empty {what} list {text!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to decode: ``kind`` is OURS or HF; ``gamma`` is 0 (plain), an int or "auto" for ours; for HF None
+    (its own assistant settings) or the fixed num_assistant_tokens of an assisted run. ``compiled``: ours, run by
+    the decoder built with ``compile=True``."""
+
+    name: str
+    kind: str
+    gamma: int | str | None
+    assisted: bool = False  # HF only: generate(..., assistant_model=draft)
+    compiled: bool = False
+
+
+def build_methods(cfg: BenchConfig) -> list[Method]:
+    """plain, spec_g{γ} for each γ, spec_auto, [plain_compiled, spec_g{γ}_compiled], hf_target, hf_assisted,
+    hf_assisted_g{γ} (as configured)."""
+    methods = [Method("plain", OURS, 0)] + [Method(f"spec_g{g}", OURS, g) for g in cfg.gammas]
+    if cfg.auto:
+        methods.append(Method("spec_auto", OURS, "auto"))
+    if cfg.compile:
+        methods.append(Method("plain_compiled", OURS, 0, compiled=True))
+        methods += [Method(f"spec_g{g}_compiled", OURS, g, compiled=True) for g in cfg.gammas]
+    if cfg.hf:
+        methods += [Method("hf_target", HF, None), Method("hf_assisted", HF, None, assisted=True)]
+        methods += [Method(f"hf_assisted_g{g}", HF, g, assisted=True) for g in cfg.hf_gammas]
+    return methods

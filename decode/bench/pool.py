@@ -1,0 +1,189 @@
+"""Pooling per-prompt records into the metrics of ``results.json``: throughput and speedup from wall clock,
+acceptance from ``DecodeStats`` (``decode.metrics``), predictions from ``decode.speedup``.
+
+Everything is pooled over tokens and steps (Σ over prompts), never averaged per prompt.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Sequence
+
+from decode.bench.config import HF, OURS, BenchConfig, Method
+from decode.metrics import DecodeStats
+from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
+
+
+def alpha_of(stats: DecodeStats) -> float | None:
+    """α, Leviathan et al.'s per-token acceptance (``DecodeStats.per_token_acceptance``); None with no trial."""
+    return stats.per_token_acceptance if stats.num_accepted + stats.num_rejections else None
+
+
+def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None:
+    """Estimate Leviathan et al.'s α (probability that one draft token is accepted) from verify steps.
+
+    Args:
+        steps: ``(γ_s, n_accepted per row)`` of each verify step.
+
+    Every step with γ_s > 0 is a run of Bernoulli(α) trials that stops at the first rejection or after γ_s
+    acceptances, so the maximum-likelihood estimate is accepted / (accepted + rejections), with a rejection
+    wherever n < γ_s: exactly what ``DecodeStats`` records per step, so this folds the steps into one. Exact also
+    for γ="auto" and for steps shortened at the end of the token budget. This is not ``acceptance_rate``
+    (Σaccepted / Σdrafted), which counts drafts after a rejection as failures and so falls as γ grows even when
+    α does not.
+
+    Returns None when nothing was drafted.
+    """
+    stats = DecodeStats()
+    for gamma, n_accepted in steps:
+        stats.record_step(gamma, list(n_accepted))
+    return alpha_of(stats)
+
+
+def predicted_speedup_verify_aware(alpha: float, gamma: int, cost_ratio: float, verify_cost: float) -> float:
+    """Leviathan et al.'s prediction with the measured verify cost: E[tokens per step] / (γc + v_γ), where v_γ is
+    the time of a (γ+1)-token target forward over a 1-token one (``measure_cost_ratio``); v_γ = 1 gives the
+    paper's formula. Still ignores sampling, cache bookkeeping and host syncs."""
+    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + verify_cost)
+
+
+def stats_counts(stats: DecodeStats | None) -> dict[str, int] | None:
+    """The ``DecodeStats`` counters stored per prompt in ``results.json`` (enough to re-pool α and mean γ)."""
+    if stats is None:
+        return None
+    return {k: int(getattr(stats, k)) for k in ("num_drafted", "num_accepted", "num_verify_steps", "num_rejections")}
+
+
+_EMPTY = ("decode_latency_s", "ttft_s", "peak_memory_bytes", "speedup", "alpha", "acceptance_rate",
+          "mean_accepted_length", "acceptance_by_position", "accepted_per_position", "accepted_length_histogram",
+          "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup",
+          "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
+
+
+def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma, temperature: float,
+              auto_max_gamma: int = 8, verify_cost: dict | None = None) -> dict[str, Any]:
+    """Pool per-prompt records of one method (and optionally one category) into the METRICS of the JSON schema.
+
+    Args:
+        records: per prompt {"new_tokens", "wall_s", "ttft_s", "peak_memory_bytes", "key", "stats" (DecodeStats
+            for our engine, else None)}.
+        plain_records: the plain-decoding records of the same prompts (speedup, greedy equality), or None.
+        cost_ratio: c; gamma: the method's γ (0, int, "auto" or None for HF); verify_cost: {γ: v_γ}.
+    """
+    n_tokens = sum(len(r["new_tokens"]) for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    tps = n_tokens / wall if wall > 0 else None
+    m: dict[str, Any] = {"num_prompts": len(records), "num_new_tokens": n_tokens, "total_s": wall,
+                         "tokens_per_s": tps, "per_token_latency_s": wall / n_tokens if n_tokens else None,
+                         **dict.fromkeys(_EMPTY)}
+    ttfts = [r["ttft_s"] for r in records if r.get("ttft_s") is not None]
+    m["ttft_s"] = statistics.mean(ttfts) if ttfts else None
+    peaks = [r["peak_memory_bytes"] for r in records if r.get("peak_memory_bytes")]
+    m["peak_memory_bytes"] = max(peaks) if peaks else None
+    if plain_records is not None:
+        p_tokens = sum(len(r["new_tokens"]) for r in plain_records)
+        p_wall = sum(r["wall_s"] for r in plain_records)
+        if p_wall > 0 and p_tokens and tps:
+            m["speedup"] = tps / (p_tokens / p_wall)
+        if temperature == 0:
+            by_key = {r["key"]: r["new_tokens"] for r in plain_records}
+            same = sum(by_key.get(r["key"]) == r["new_tokens"] for r in records)
+            m["num_matching_plain_greedy"], m["matches_plain_greedy"] = same, same / len(records)
+    stats = [r["stats"] for r in records if r.get("stats") is not None]
+    if stats and gamma not in (0, None):
+        m.update(_acceptance(DecodeStats.merge(stats)))
+        if m["alpha"] is not None:
+            # For "auto" the fair prediction is at the γ its controller should settle on (same bounds as it).
+            g = (best_gamma(m["alpha"], cost_ratio, max_gamma=auto_max_gamma, min_gamma=1) if gamma == "auto"
+                 else int(gamma))
+            m["predicted_gamma"] = int(g)
+            m["predicted_speedup"] = float(predicted_speedup(m["alpha"], g, cost_ratio))
+            if verify_cost and g in verify_cost:
+                m["predicted_speedup_verify_aware"] = predicted_speedup_verify_aware(m["alpha"], g, cost_ratio,
+                                                                                     verify_cost[g])
+    return m
+
+
+def _acceptance(s: DecodeStats) -> dict[str, Any]:
+    """The draft statistics of pooled ``DecodeStats``, under their one name each."""
+    steps = int(s.num_verify_steps)
+    return dict(
+        alpha=alpha_of(s), acceptance_rate=s.acceptance_rate if s.num_drafted else None,
+        mean_accepted_length=s.mean_accepted_length if steps else None,
+        accepted_per_position=[int(x) for x in s.accepted_per_position],
+        acceptance_by_position=[float(x) for x in s.acceptance_by_position],
+        accepted_length_histogram=[int(x) for x in s.accepted_length_histogram],
+        num_verify_steps=steps, num_drafted=int(s.num_drafted), num_accepted=int(s.num_accepted),
+        decode_latency_s=s.per_token_latency_s or None, mean_gamma=s.mean_num_draft_tokens if steps else None,
+    )
+
+
+def pool(records: dict[tuple[float, str], list[dict]], methods: list[Method], cfg: BenchConfig, cost: dict,
+         categories: list[str | None]) -> tuple[list[dict], list[dict]]:
+    """All records -> (``runs``: one entry per temperature and method, overall and by category; ``summary``: one
+    entry per temperature with the pooled α, the best γ by measurement and by prediction, auto and HF)."""
+    c = cost["cost_ratio"]
+    v = {e["gamma"]: e["relative_cost"] for e in cost.get("verify", [])}
+    cats = sorted({x for x in categories if x is not None})
+    runs, summary = [], []
+    for t in cfg.temperatures:
+        plain = records[(t, "plain")]
+        for m in methods:
+            rs = records[(t, m.name)]
+            run = {"temperature": t, "method": m.name, "kind": m.kind,
+                   "num_draft_tokens": None if m.kind == HF else m.gamma,
+                   "hf_num_assistant_tokens": m.gamma if m.kind == HF else None, "compiled": m.compiled,
+                   "overall": aggregate(rs, plain, c, m.gamma, t, cfg.auto_max_gamma, v), "by_category": {}}
+            for cat in cats:
+                run["by_category"][cat] = aggregate([r for r in rs if r["category"] == cat],
+                                                    [r for r in plain if r["category"] == cat], c, m.gamma, t,
+                                                    cfg.auto_max_gamma, v)
+            runs.append(run)
+        summary.append(_summarise(t, runs, records, methods, cfg, c, v))
+    return runs, summary
+
+
+def _summarise(t: float, runs: list[dict], records, methods: list[Method], cfg: BenchConfig, c: float,
+               v: dict) -> dict[str, Any]:
+    here = [r for r in runs if r["temperature"] == t]
+    fixed = [r for r in here if r["kind"] == OURS and not r["compiled"] and isinstance(r["num_draft_tokens"], int)
+             and r["num_draft_tokens"] > 0]
+    stats = [r["stats"] for m in methods if m.kind == OURS and not m.compiled and isinstance(m.gamma, int)
+             and m.gamma > 0 for r in records[(t, m.name)]]
+    alpha = alpha_of(DecodeStats.merge(stats)) if stats else None
+    entry: dict[str, Any] = {"temperature": t, "alpha": alpha, "cost_ratio": c}
+    measured = {r["num_draft_tokens"]: r["overall"]["speedup"] for r in fixed if r["overall"]["speedup"]}
+    entry["best_gamma_measured"] = max(measured, key=measured.get) if measured else None
+    entry["measured_speedup_at_best"] = measured.get(entry["best_gamma_measured"])
+    if alpha is not None:
+        top = max(16, *cfg.gammas)
+        bg = int(best_gamma(alpha, c, max_gamma=top))  # 0 means: speculation cannot pay off with this c
+        curve = {g: float(predicted_speedup(alpha, g, c)) for g in range(0, top + 1)}
+        tested = {g: curve[g] for g in cfg.gammas}
+        aware = {g: predicted_speedup_verify_aware(alpha, g, c, v[g]) for g in cfg.gammas if g in v}
+        entry.update(best_gamma_predicted=bg, predicted_speedup_at_best=curve[bg],
+                     best_gamma_predicted_tested=max(tested, key=tested.get) if tested else None,
+                     best_gamma_verify_aware_tested=max(aware, key=aware.get) if aware else None,
+                     predicted_curve=[{"gamma": g, "predicted_speedup": s} for g, s in curve.items()])
+    else:
+        entry.update(best_gamma_predicted=None, predicted_speedup_at_best=None, best_gamma_predicted_tested=None,
+                     best_gamma_verify_aware_tested=None, predicted_curve=[])
+    for name in ("spec_auto", "hf_target", "hf_assisted"):
+        hit = [r for r in here if r["method"] == name]
+        entry[f"{name}_speedup"] = hit[0]["overall"]["speedup"] if hit else None
+    entry["hf_assisted_fixed_speedup"] = {str(r["hf_num_assistant_tokens"]): r["overall"]["speedup"] for r in here
+                                          if r["kind"] == HF and r["hf_num_assistant_tokens"] is not None}
+    best = entry["measured_speedup_at_best"]
+    # Adaptive γ against the best fixed γ chosen with hindsight: > 1 means the controller beat it.
+    entry["auto_vs_best_fixed"] = entry["spec_auto_speedup"] / best if best and entry["spec_auto_speedup"] else None
+    return entry
+
+
+def batch_row(t: float, m: Method, bs: int, recs: list[dict], reused: bool) -> dict[str, Any]:
+    """One row of ``results.json["batch"]``: pooled tokens/s of one method at one batch size (speedup added later)."""
+    n = sum(len(r["new_tokens"]) for r in recs)
+    wall = sum(r["wall_s"] for r in recs)
+    peaks = [r["peak_memory_bytes"] for r in recs if r.get("peak_memory_bytes")]
+    return {"temperature": t, "method": m.name, "num_draft_tokens": m.gamma, "compiled": m.compiled,
+            "batch_size": bs, "num_batches": len(recs), "num_new_tokens": n, "total_s": wall,
+            "tokens_per_s": n / wall if wall > 0 else None, "peak_memory_bytes": max(peaks) if peaks else None,
+            "reused_main_pass": reused}

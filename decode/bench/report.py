@@ -1,0 +1,368 @@
+"""What a benchmark run reports: the must-show summary of issue #8, the ``results.json`` schema, where outputs go
+(checked before the run), and the rich tables on the terminal."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode.bench.config import OURS
+from decode.bench.runs import SCHEMA_VERSION
+
+# ----------------------------------------------------------------------------------------------- must-show report
+# Issue #8's goals for the engine on the quickstart pair: (comparison, bound). Batch goals depend on the batch size
+# and, for batch 8, on the temperature (1.0 at T=0, 1.15 at T>0); other batch sizes have none.
+GOALS = {"cost_ratio_vs_bare": ("<=", 1.25), "measured_vs_verify_aware": (">=", 0.95),
+         "ours_vs_hf_assisted": (">=", 1.3), "auto_vs_best_fixed": (">=", 0.95)}
+
+
+def _batch_goal(batch_size: int, temperature: float) -> tuple[str, float] | None:
+    if batch_size == 4:
+        return (">=", 1.3)
+    if batch_size == 8:
+        return (">=", 1.0 if temperature == 0 else 1.15)
+    return None
+
+
+def _check(name: str, value: float | None, ours: float | None, reference: float | None,
+           goal: tuple[str, float] | None, **extra) -> dict[str, Any]:
+    met = None
+    if goal is not None and value is not None:
+        met = value <= goal[1] if goal[0] == "<=" else value >= goal[1]
+    return {"name": name, "ours": ours, "reference": reference, "ratio": value,
+            "goal": None if goal is None else f"{goal[0]} {goal[1]:g}", "met": met, **extra}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The comparisons issue #8 asks for, per temperature, computed from a results dict (or loaded JSON).
+
+    Each temperature gets ``checks``: {name, ours, reference, ratio = ours / reference, goal, met (None without a
+    goal or a value)}:
+
+    - ``cost_ratio_vs_bare``: engine c (``measure_cost_ratio``) over the ratio of the bare HF decode forwards;
+    - ``measured_vs_verify_aware``: measured speedup at the best measured fixed γ over its verify-aware prediction;
+    - ``ours_vs_hf_assisted`` (one per γ run by both ``spec_g{γ}`` and ``hf_assisted_g{γ}``): our speedup over HF
+      assisted generation's at the same fixed γ;
+    - ``batch_speedup`` (one per batch size > 1): speculative over plain tokens/s, our eager engine, same batch;
+    - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
+    """
+    cost = results["cost"]
+    c, bare = cost["cost_ratio"], (cost.get("bare") or {}).get("cost_ratio")
+    out = []
+    for s in results["summary"]:
+        t = s["temperature"]
+        runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == t}
+        best = s["best_gamma_measured"]
+        checks = [_check("cost_ratio_vs_bare", _ratio(c, bare), c, bare, GOALS["cost_ratio_vs_bare"])]
+        at_best = runs.get(f"spec_g{best}", {}) if best else {}
+        checks.append(_check("measured_vs_verify_aware",
+                             _ratio(at_best.get("speedup"), at_best.get("predicted_speedup_verify_aware")),
+                             at_best.get("speedup"), at_best.get("predicted_speedup_verify_aware"),
+                             GOALS["measured_vs_verify_aware"], gamma=best))
+        for g in sorted(int(k) for k in s["hf_assisted_fixed_speedup"]):
+            if f"spec_g{g}" in runs:
+                ours, hf = runs[f"spec_g{g}"]["speedup"], s["hf_assisted_fixed_speedup"][str(g)]
+                checks.append(_check("ours_vs_hf_assisted", _ratio(ours, hf), ours, hf, GOALS["ours_vs_hf_assisted"],
+                                     gamma=g))
+        batch = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] > 1 and not b["compiled"]]
+        for b in sorted((b for b in batch if b["method"] != "plain"), key=lambda b: b["batch_size"]):
+            plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]]
+            checks.append(_check("batch_speedup", b["speedup"], b["tokens_per_s"],
+                                 plain[0]["tokens_per_s"] if plain else None, _batch_goal(b["batch_size"], t),
+                                 gamma=b["num_draft_tokens"], batch_size=b["batch_size"]))
+        checks.append(_check("auto_vs_best_fixed", s["auto_vs_best_fixed"], s["spec_auto_speedup"],
+                             s["measured_speedup_at_best"], GOALS["auto_vs_best_fixed"], gamma=best))
+        out.append({"temperature": t, "checks": checks})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- schema
+RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s", "decode_latency_s",
+               "ttft_s", "peak_memory_bytes", "speedup", "alpha", "acceptance_rate", "mean_accepted_length",
+               "acceptance_by_position", "accepted_per_position", "accepted_length_histogram", "num_verify_steps",
+               "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup", "predicted_speedup_verify_aware",
+               "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
+SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "measured_speedup_at_best",
+                "best_gamma_predicted", "predicted_speedup_at_best", "best_gamma_predicted_tested",
+                "best_gamma_verify_aware_tested", "predicted_curve", "spec_auto_speedup", "hf_target_speedup",
+                "hf_assisted_speedup", "auto_vs_best_fixed", "hf_assisted_fixed_speedup")
+BATCH_KEYS = ("temperature", "method", "num_draft_tokens", "compiled", "batch_size", "num_batches", "num_new_tokens",
+              "total_s", "tokens_per_s", "peak_memory_bytes", "reused_main_pass", "speedup")
+TOP_KEYS = ("schema_version", "kind", "created", "config", "environment", "prompts", "cost", "runs", "summary",
+            "batch", "records", "report")
+
+
+def validate_results(results: dict[str, Any]) -> None:
+    """Check a results dict (or loaded results.json) against schema version ``SCHEMA_VERSION``.
+
+    Raises:
+        ValueError: naming the first missing key, wrong version or wrong type.
+    """
+    def need(obj, keys, where):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+        missing = [k for k in keys if k not in obj]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing}")
+
+    need(results, ("schema_version",), "results")
+    if results["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"results: schema_version {results['schema_version']!r}, this code reads {SCHEMA_VERSION}")
+    need(results, TOP_KEYS, "results")
+    need(results["cost"], ("context_tokens", "target_forward_s", "draft_forward_s", "cost_ratio", "verify", "bare"),
+         "cost")
+    need(results["cost"]["bare"], ("target_forward_s", "draft_forward_s", "cost_ratio"), "cost.bare")
+    if not isinstance(results["runs"], list) or not results["runs"]:
+        raise ValueError("results.runs: expected a non-empty list")
+    for i, run in enumerate(results["runs"]):
+        need(run, ("temperature", "method", "kind", "num_draft_tokens", "hf_num_assistant_tokens", "compiled",
+                   "overall", "by_category"), f"runs[{i}]")
+        need(run["overall"], RUN_METRICS, f"runs[{i}].overall")
+        for cat, m in run["by_category"].items():
+            need(m, RUN_METRICS, f"runs[{i}].by_category[{cat}]")
+    for i, s in enumerate(results["summary"]):
+        need(s, SUMMARY_KEYS, f"summary[{i}]")
+    for i, b in enumerate(results["batch"]):
+        need(b, BATCH_KEYS, f"batch[{i}]")
+    for i, r in enumerate(results["report"]):
+        need(r, ("temperature", "checks"), f"report[{i}]")
+
+
+# ----------------------------------------------------------------------------------------------- output paths
+@dataclass(frozen=True)
+class OutputPaths:
+    """Where a run writes: ``results`` (JSON) and one PNG per plot. ``--out X.json`` names the JSON file, its plots
+    go beside it as ``X_<plot>.png``; any other ``--out DIR`` is a folder holding ``results.json`` and
+    ``<plot>.png``."""
+
+    results: Path
+    plots: dict[str, Path]
+    overwrite: bool = False
+
+    @classmethod
+    def plan(cls, out: str | os.PathLike, overwrite: bool = False) -> "OutputPaths":
+        """Resolve and check ``out`` before any work starts, so a finished run can always be written.
+
+        Raises:
+            ValueError: naming the path and the fix, when the folder it goes into is missing, not a folder or not
+                writable, or (without ``overwrite``) when a file it would write already exists.
+        """
+        from decode.bench.plots import PLOTS
+
+        out = Path(out)
+        if out.suffix.lower() == ".json":
+            folder, results = out.parent, out
+            plots = {name: folder / f"{out.stem}_{name}.png" for name in PLOTS}
+            if not folder.is_dir():
+                raise ValueError(f"--out {out}: folder {folder} does not exist; create it first or choose another path")
+        else:
+            folder, results = out, out / "results.json"
+            plots = {name: folder / f"{name}.png" for name in PLOTS}
+            if out.exists() and not out.is_dir():
+                raise ValueError(f"--out {out} is a file, not a folder; to write JSON there name it *.json")
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {out}: cannot write into {existing} (not a writable folder); choose another path")
+        taken = [str(p) for p in (results, *plots.values()) if p.exists()]
+        if taken and not overwrite:
+            raise ValueError(f"--out {out}: {', '.join(taken)} already exist(s); pass --overwrite to replace, or "
+                             "choose another path")
+        return cls(results, plots, overwrite)
+
+
+def write_outputs(results: dict[str, Any], out: str | os.PathLike | OutputPaths,
+                  overwrite: bool = False) -> dict[str, str]:
+    """Add the must-show ``report``, write the JSON first (the run's value), then the PNG plots.
+
+    Args:
+        out: an ``OutputPaths`` planned before the run, or a path planned here (see ``OutputPaths.plan``).
+
+    Returns:
+        {"results": path, plot name: path}; plot paths are also stored in ``results["plots"]``.
+
+    Raises:
+        ValueError: bad ``out`` (see ``OutputPaths.plan``) or results that fail ``validate_results``.
+    """
+    from decode.bench.plots import PLOTS
+
+    paths = out if isinstance(out, OutputPaths) else OutputPaths.plan(out, overwrite)
+    results["report"] = must_show(results)
+    results["plots"] = {name: str(p) for name, p in paths.plots.items()}
+    validate_results(results)
+    paths.results.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(results, indent=1, default=_json_default) + "\n"
+    written = _write_new(paths.results, text, paths.overwrite)
+    for name, fn in PLOTS.items():
+        fn(results, paths.plots[name])
+    return {"results": str(written), **results["plots"]}
+
+
+def _write_new(path: Path, text: str, overwrite: bool) -> Path:
+    """Write ``text`` to ``path``; if the file appeared since the run started (and ``overwrite`` is off), write
+    beside it under a timestamped name instead of replacing it or losing the run."""
+    try:
+        with open(path, "w" if overwrite else "x") as f:
+            f.write(text)
+        return path
+    except FileExistsError:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        alt = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+        alt.write_text(text)
+        print(f"warning: {path} appeared during the run; results written to {alt}", file=sys.stderr)
+        return alt
+
+
+def _json_default(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------- tables
+def _fmt(x, spec=".2f", scale=1.0, none="-"):
+    return none if x is None else format(x * scale, spec)
+
+
+def _x(v) -> str:
+    return _fmt(v) + ("x" if v is not None else "")
+
+
+def render_tables(results: dict[str, Any], console=None) -> None:
+    """Print the cost line, the per-temperature method tables, the summary, the category tables, the batch table
+    and the must-show report with rich."""
+    from rich.console import Console
+
+    # Not a terminal (logs, CI): wide enough that no column is cut.
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    c = results["cost"]
+    console.print(f"cost ratio c = {c['cost_ratio']:.3f}  (draft {c['draft_forward_s'] * 1e3:.2f} ms / target "
+                  f"{c['target_forward_s'] * 1e3:.2f} ms per decode forward at {c['context_tokens']} tokens)")
+    b = c.get("bare")
+    if b:
+        console.print(f"bare HF forwards: draft {b['draft_forward_s'] * 1e3:.2f} ms / target "
+                      f"{b['target_forward_s'] * 1e3:.2f} ms = {b['cost_ratio']:.3f}")
+    if c.get("verify"):
+        console.print("verify cost v_γ = t(γ+1 tokens) / t(1 token): "
+                      + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in c["verify"]))
+    for s in results["summary"]:
+        _render_methods(results, s, console)
+    _render_summary(results, console)
+    _render_categories(results, console)
+    _render_batch(results, console)
+    if results.get("report"):
+        _render_must_show(results, console)
+
+
+def _render_methods(results, s, console) -> None:
+    from rich.table import Table
+
+    t = s["temperature"]
+    table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  best γ: measured {s['best_gamma_measured']}, "
+                        f"predicted {s['best_gamma_predicted']} (among tested {s['best_gamma_predicted_tested']}, "
+                        f"verify-aware {s['best_gamma_verify_aware_tested']})")
+    for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "pred. v-aware",
+                "=greedy", "peak MiB"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for run in (r for r in results["runs"] if r["temperature"] == t):
+        m = run["overall"]
+        g = run["num_draft_tokens"] if run["kind"] == OURS else run["hf_num_assistant_tokens"]
+        if g == "auto" and m["mean_gamma"] is not None:
+            g = f"auto ({m['mean_gamma']:.1f})"  # the mean γ the controller actually used
+        table.add_row(run["method"], "-" if g is None else str(g), _fmt(m["alpha"], ".3f"),
+                      _fmt(m["mean_accepted_length"]), _fmt(m["ttft_s"], ".1f", 1e3),
+                      _fmt(m["per_token_latency_s"], ".2f", 1e3), _fmt(m["tokens_per_s"], ".1f"), _x(m["speedup"]),
+                      _x(m["predicted_speedup"]), _x(m["predicted_speedup_verify_aware"]),
+                      _fmt(m["matches_plain_greedy"], ".0%"), _fmt(m["peak_memory_bytes"], ".0f", 2 ** -20))
+    console.print(table)
+
+
+def _render_summary(results, console) -> None:
+    """One row per temperature: ours (best fixed γ, auto) vs HF assisted, measured vs predicted."""
+    from rich.table import Table
+
+    table = Table(title=f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f})")
+    for col in ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best",
+                "HF assisted", "HF target"):
+        table.add_column(col, justify="right")
+    for s in results["summary"]:
+        hf = _x(s["hf_assisted_speedup"]) + "".join(f", γ={g}: {_x(v)}"
+                                                    for g, v in s["hf_assisted_fixed_speedup"].items())
+        table.add_row(f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), str(s["best_gamma_measured"]),
+                      _x(s["measured_speedup_at_best"]), str(s["best_gamma_predicted"]),
+                      _x(s["predicted_speedup_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"]),
+                      hf, _x(s["hf_target_speedup"]))
+    console.print(table)
+
+
+def _render_categories(results, console) -> None:
+    from rich.table import Table
+
+    cats = sorted(results["prompts"]["categories"])
+    if not cats:
+        return
+    for s in results["summary"]:
+        t, best = s["temperature"], s["best_gamma_measured"]
+        shown = ([f"spec_g{best}"] if best else []) + ["spec_auto", "hf_assisted"]
+        runs = {r["method"]: r for r in results["runs"] if r["temperature"] == t and r["method"] in shown}
+        table = Table(title=f"T={t:g} by category: α / speedup")
+        table.add_column("category")
+        table.add_column("n", justify="right")
+        shown = [name for name in shown if name in runs]
+        for name in shown:
+            table.add_column(name, justify="right")
+        for cat in cats:
+            cells = []
+            for name in shown:
+                m = runs[name]["by_category"].get(cat, {})
+                cells.append(f"{_fmt(m.get('alpha'), '.2f')} / {_fmt(m.get('speedup'))}x")
+            table.add_row(cat, str(results["prompts"]["categories"][cat]), *cells)
+        console.print(table)
+
+
+def _render_batch(results, console) -> None:
+    from rich.table import Table
+
+    if not results["batch"]:
+        return
+    table = Table(title="batch throughput (our engine; speedup over plain at the same batch size)")
+    for col in ("T", "method", "batch", "tok/s", "speedup"):
+        table.add_column(col, justify="right")
+    for b in sorted(results["batch"], key=lambda b: (b["temperature"], b["batch_size"], b["method"] != "plain")):
+        table.add_row(f"{b['temperature']:g}", b["method"], str(b["batch_size"]), _fmt(b["tokens_per_s"], ".1f"),
+                      _fmt(b["speedup"]))
+    console.print(table)
+
+
+_LABELS = {
+    "cost_ratio_vs_bare": lambda ck: "engine c / bare HF forward ratio",
+    "measured_vs_verify_aware": lambda ck: f"speedup / verify-aware prediction, best γ={ck['gamma']}",
+    "ours_vs_hf_assisted": lambda ck: f"ours / HF assisted speedup, γ={ck['gamma']}",
+    "batch_speedup": lambda ck: f"batch {ck['batch_size']} tok/s, γ={ck['gamma']} / plain",
+    "auto_vs_best_fixed": lambda ck: f"auto γ / best fixed γ={ck['gamma']} speedup",
+}
+
+
+def _render_must_show(results, console) -> None:
+    """Issue #8's comparisons, one row each: ours, the reference, their ratio, the goal and whether it is met."""
+    from rich.table import Table
+
+    table = Table(title="must-show (issue #8): ours / reference")
+    for col in ("T", "comparison", "ours", "reference", "ratio", "goal", "met"):
+        table.add_column(col, justify="left" if col == "comparison" else "right")
+    for entry in results["report"]:
+        for ck in entry["checks"]:
+            digits = ".3f" if ck["name"] == "cost_ratio_vs_bare" else ".2f"
+            table.add_row(f"{entry['temperature']:g}", _LABELS[ck["name"]](ck), _fmt(ck["ours"], digits),
+                          _fmt(ck["reference"], digits), _fmt(ck["ratio"]), ck["goal"] or "-",
+                          {True: "yes", False: "no", None: "-"}[ck["met"]])
+    console.print(table)

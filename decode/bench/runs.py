@@ -1,0 +1,262 @@
+"""Running the benchmark: every method on every prompt, interleaved, then the batch pass; returns the results dict.
+
+- Interleaved: for each prompt, every temperature and every method runs before the next prompt (method order
+  rotated per prompt), so machine drift and thermal state hit all methods alike.
+- Throughput is wall-clock around each generate call (device synchronised), identical for our engine and for HF.
+- c is measured once by ``decode.speedup.measure_cost_ratio`` (the engine's forward path) and next to it the bare
+  HF forwards (``decode.bench.bare_forward``) on the same context.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import inspect
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from decode.bench.bare_forward import measure_bare_forwards
+from decode.bench.config import OURS, BenchConfig, Method, build_methods
+from decode.bench.hf_assisted import run_hf
+from decode.bench.pool import batch_row, pool, stats_counts
+from decode.bench.timing import peak_bytes, reset_peak, sync
+from decode.engine import left_pad
+from decode.speedup import measure_cost_ratio
+
+SCHEMA_VERSION = 2
+
+
+def compile_supported() -> bool:
+    """Whether this version's ``SpeculativeDecoder`` takes ``compile=True`` (torch.compile of its forwards)."""
+    from decode import SpeculativeDecoder
+
+    return "compile" in inspect.signature(SpeculativeDecoder.__init__).parameters
+
+
+def run_ours(decoder, method: Method, ids: torch.Tensor, mask: torch.Tensor, temperature: float, cfg: BenchConfig,
+             eos, seed: int, device: torch.device):
+    """One timed ``decoder.generate`` call at γ = ``method.gamma``.
+
+    Args:
+        ids, mask: (B, T) left-padded int64 prompt ids and attention mask on ``device``.
+        seed: seeds the call's own ``torch.Generator`` at T > 0 (same seed for every method on a prompt).
+
+    Returns:
+        (new tokens per row as lists, wall seconds, the call's ``DecodeStats``, peak memory bytes).
+    """
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = decoder.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                           eos_token_id=eos, generator=generator, num_draft_tokens=method.gamma)
+    sync(device)
+    wall = time.perf_counter() - t0
+    return [t.tolist() for t in out.new_tokens], wall, out.stats, peak_bytes(device)
+
+
+def seed_for(cfg: BenchConfig, prompt_index: int, batch: int = 0) -> int:
+    """Same seed for every method on a prompt: common random numbers make method differences less noisy."""
+    return cfg.seed * 1_000_003 + prompt_index * 101 + batch
+
+
+def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[str | None], cfg: BenchConfig,
+                  pad_token_id: int, eos_token_id=None, prompt_names: list[str] | None = None,
+                  progress: bool = True, tokenizer=None, draft_tokenizer=None) -> dict[str, Any]:
+    """Run every method on every prompt (interleaved), measure c, and pool into the results dict.
+
+    Args:
+        target, draft: causal LMs sharing a vocabulary, on one device, in eval mode.
+        prompt_ids: token ids per prompt (unpadded, already fitting the models' positions).
+        categories: one category (or None) per prompt.
+        cfg: the run's settings (validated here first).
+        pad_token_id: used to left-pad batches and given to HF generate.
+        eos_token_id: int, list of ints, or None; generation stops there unless ``cfg.ignore_eos``.
+        prompt_names: ids of the prompts, stored with the per-prompt records.
+        progress: show a rich progress bar.
+        tokenizer, draft_tokenizer: optional; passed to the decoder, which then checks them and limits sampling
+            to the tokenizer's vocabulary (lm_head padding rows never sampled).
+
+    Returns:
+        the results dict described in docs/bench.md (without ``plots`` and ``report``; ``report.write_outputs``
+        adds them).
+
+    Raises:
+        ValueError: bad config, empty prompt list, or ``cfg.compile`` with a decoder that cannot compile (before
+            any model work).
+    """
+    from decode import SpeculativeDecoder
+
+    cfg.validate()
+    if not prompt_ids:
+        raise ValueError("no prompts to benchmark")
+    if len(categories) != len(prompt_ids):
+        raise ValueError(f"{len(categories)} categories for {len(prompt_ids)} prompts")
+    if cfg.compile and not compile_supported():
+        raise ValueError("compile=True: this version's SpeculativeDecoder has no compile option; drop --compile")
+    device = next(target.parameters()).device
+    eos = None if cfg.ignore_eos else eos_token_id
+    kw = dict(num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+              max_auto_draft_tokens=cfg.auto_max_gamma)
+    decoders = {False: SpeculativeDecoder(target, draft, **kw)}
+    if cfg.compile:
+        decoders[True] = SpeculativeDecoder(target, draft, compile=True, **kw)
+    methods = build_methods(cfg)
+    context = cost_context(prompt_ids, cfg, device)
+    cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
+    cost["bare"] = measure_bare_forwards(target, draft, context, cfg.cost_repeats)
+    if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one)
+        for dec in decoders.values():
+            dec.calibrate(prompt_ids[0], batch_sizes=sorted({1, *cfg.batch_sizes}))
+
+    def run(method, rows, temperature, seed, max_new_tokens=None):
+        ids, mask = left_pad(rows, pad_token_id, device)
+        c = cfg if max_new_tokens is None else BenchConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
+        if method.kind == OURS:
+            return run_ours(decoders[method.compiled], method, ids, mask, temperature, c, eos, seed, device)
+        return run_hf(target, draft, method, ids, mask, temperature, c, eos, pad_token_id, seed, device)
+
+    if cfg.warmup:  # first calls pay for allocator growth, lazy init and compilation; keep them out of the timings
+        for method in methods:
+            for t in cfg.temperatures:
+                run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens))
+    records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress)
+    runs, summary = pool(records, methods, cfg, cost, categories)
+    batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress)
+    return {
+        "schema_version": SCHEMA_VERSION, "kind": "draftkit.bench",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": asdict(cfg), "environment": environment(device),
+        "prompts": {"source": cfg.prompts, "count": len(prompt_ids),
+                    "categories": _count(c for c in categories if c is not None),
+                    "mean_prompt_tokens": statistics.mean(len(r) for r in prompt_ids)},
+        "cost": cost, "runs": runs, "summary": summary, "batch": batch,
+        "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
+    }
+
+
+def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool):
+    """Batch-1 runs, interleaved: prompt i's runs (every temperature, every method) form one block, and the method
+    that opens the block rotates from prompt to prompt. Returns {(temperature, method name): [record per prompt]}."""
+    records: dict[tuple[float, str], list[dict]] = {(t, m.name): [] for t in cfg.temperatures for m in methods}
+    names = prompt_names or [str(i) for i in range(len(prompt_ids))]
+    with _progress(progress, len(prompt_ids) * len(cfg.temperatures) * len(methods), "decoding") as tick:
+        order = 0
+        for i, row in enumerate(prompt_ids):
+            for t in cfg.temperatures:
+                k = i % len(methods)  # rotate so no method is always first after a prompt switch
+                for method in methods[k:] + methods[:k]:
+                    new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
+                    records[(t, method.name)].append({
+                        "key": i, "order": order, "prompt": names[i], "category": categories[i],
+                        "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
+                        "stats": stats if method.kind == OURS else None, "ttft_s": getattr(stats, "ttft_s", None),
+                    })
+                    order += 1
+                    tick()
+    return records
+
+
+def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool) -> list[dict]:
+    """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch.
+
+    Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
+    so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size.
+    With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch.
+    """
+    out, jobs = [], []
+    for entry in summary:
+        t = entry["temperature"]
+        g = cfg.batch_gamma or entry["best_gamma_measured"] or (cfg.gammas[0] if cfg.gammas else None)
+        pair = [Method("plain", OURS, 0)] + ([Method(f"spec_g{g}", OURS, g)] if g else [])
+        if cfg.compile:
+            pair += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in pair]
+        for bs in cfg.batch_sizes:
+            if bs == 1:
+                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in pair
+                        if records.get((t, m.name))]
+            else:
+                jobs.append((t, pair, bs))
+    total = sum(math.ceil(len(prompt_ids) / bs) * len(pair) for _, pair, bs in jobs)
+    with _progress(progress, total, "batches") as tick:
+        for t, pair, bs in jobs:
+            n_batches = math.ceil(len(prompt_ids) / bs)
+            rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
+            if cfg.warmup:
+                for m in pair:
+                    run(m, rows[:bs], t, 0)
+            recs: dict[str, list[dict]] = {m.name: [] for m in pair}
+            for b in range(n_batches):
+                chunk = rows[b * bs:(b + 1) * bs]
+                for m in (pair if b % 2 == 0 else pair[::-1]):
+                    new, wall, _, peak = run(m, chunk, t, seed_for(cfg, b, batch=bs))
+                    recs[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
+                                         "peak_memory_bytes": peak})
+                    tick()
+            out += [batch_row(t, m, bs, recs[m.name], reused=False) for m in pair]
+    for row in out:  # over plain decoding (the eager engine) at the same temperature and batch size
+        plain = [r for r in out if r["temperature"] == row["temperature"] and r["batch_size"] == row["batch_size"]
+                 and r["method"] == "plain"]
+        row["speedup"] = (row["tokens_per_s"] / plain[0]["tokens_per_s"]
+                          if plain and plain[0]["tokens_per_s"] and row["tokens_per_s"] else None)
+    return out
+
+
+def cost_context(prompt_ids, cfg: BenchConfig, device) -> torch.Tensor:
+    """(1, n) real prompt tokens (repeated when the prompts are shorter) for measuring c; n defaults to the mean
+    prompt length + max_new_tokens // 2, a typical context in the middle of a generation."""
+    n = cfg.cost_context_tokens or int(statistics.mean(len(r) for r in prompt_ids)) + cfg.max_new_tokens // 2
+    n = max(n, 2)
+    flat = [t for r in prompt_ids for t in r]
+    ids = (flat * (n // len(flat) + 1))[:n]
+    return torch.tensor([ids], dtype=torch.long, device=device)
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _strip(records: list[dict]) -> list[dict]:
+    """Per-prompt records for the JSON: DecodeStats objects become their counters."""
+    return [{**{k: v for k, v in r.items() if k != "stats"}, "stats": stats_counts(r.get("stats"))} for r in records]
+
+
+class _progress:
+    """A rich progress bar, or nothing (tests, non-terminals)."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label = enabled and total > 0, total, label
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import Progress
+
+        self._p = Progress(transient=True)
+        self._p.start()
+        task = self._p.add_task(self.label, total=self.total)
+        return lambda: self._p.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._p.stop()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions, platform and device of the run, stored in ``results.json["environment"]``."""
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "device": str(device), "torch_threads": torch.get_num_threads(),
+           "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    return env

@@ -1,0 +1,77 @@
+"""Requests of the engine's step API: what a caller adds (:class:`Request`) and what a finished one returns
+(:class:`RequestOutput`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from decode.metrics import DecodeStats
+from decode.sampling import MAX_SEED, SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """A finished request.
+
+    ``prompt_ids`` and ``new_tokens`` are token-id lists; ``finish_reason`` is ``"stop"`` (an eos id was produced;
+    it is the last of ``new_tokens``) or ``"length"`` (``max_new_tokens`` or the target's context was reached);
+    ``stats`` are this request's alone.
+    """
+
+    request_id: Any
+    prompt_ids: list[int]
+    new_tokens: list[int]
+    finish_reason: str
+    stats: DecodeStats
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request (internal; created by ``SpeculativeDecoder.add_request``).
+
+    ``generator`` is a CPU ``torch.Generator`` seeded from ``seed``: it supplies every uniform this request uses
+    (draft draws, acceptance tests, residual draws), so its output does not depend on the other rows.
+    """
+
+    request_id: Any
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    eos: frozenset
+    generator: torch.Generator
+    on_tokens: Callable[[Any, list[int]], Any] | None = None
+    new_tokens: list[int] = field(default_factory=list)
+    stats: DecodeStats = field(default_factory=lambda: DecodeStats(num_sequences=1))
+    added_at: float = field(default_factory=time.perf_counter)
+
+    def output(self, finish_reason: str) -> RequestOutput:
+        self.stats.num_new_tokens = len(self.new_tokens)
+        self.stats.total_s = time.perf_counter() - self.added_at
+        return RequestOutput(self.request_id, list(self.prompt), list(self.new_tokens), finish_reason, self.stats)
+
+
+def check_seed(seed: Any) -> int:
+    """Validate a request seed; ``None`` draws one from torch's global generator (so ``torch.manual_seed`` fixes
+    it). Raises ``ValueError`` naming ``seed`` unless it is an int in [0, 2**63 - 1]."""
+    if seed is None:
+        return int(torch.randint(0, MAX_SEED, (1,)).item())
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be None or an integer in [0, 2**63 - 1], got {seed!r}")
+    return seed
+
+
+def check_eos(eos_token_id: Any) -> frozenset:
+    """``int | list[int] | None`` -> a set of stop ids; ``ValueError`` naming ``eos_token_id`` otherwise."""
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}") from None
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    return frozenset(ids)

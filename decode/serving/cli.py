@@ -1,0 +1,123 @@
+"""``python -m decode serve``: load the pair and run the OpenAI-compatible server with uvicorn."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+API_KEY_ENV = "DRAFTKIT_API_KEY"
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be an integer in 1..65535, got {value!r}")
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in 1..65535, got {port}")
+    return port
+
+
+def _positive(name: str, allow_zero: bool = False):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}")
+        if n < (0 if allow_zero else 1):
+            raise argparse.ArgumentTypeError(f"{name} must be >= {0 if allow_zero else 1}, got {n}")
+        return n
+    return parse
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from decode.__main__ import _gamma
+
+    p = argparse.ArgumentParser(prog="python -m decode serve",
+                                description="Serve the speculative decoder with an OpenAI-compatible HTTP API.")
+    p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
+    p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--num-draft-tokens", "-g", type=_gamma, default=4, help="γ, or 'auto' (default 4)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target "
+                   "folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; prefer the "
+                   "variable: command lines are visible to other users)")
+    p.add_argument("--max-batch-size", type=_positive("--max-batch-size"), default=16,
+                   help="requests decoded together; later ones wait (default 16)")
+    p.add_argument("--max-queue", type=_positive("--max-queue", True), default=64,
+                   help="waiting requests before answering 429 (default 64)")
+    p.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=1 << 20)
+    p.add_argument("--max-tokens-limit", type=_positive("--max-tokens-limit"), default=None,
+                   help="largest max_tokens a request may ask for (default: the target's context)")
+    p.add_argument("--max-prompt-tokens", type=_positive("--max-prompt-tokens"), default=None,
+                   help="longest prompt in tokens (default: the target's context - 1)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow checkpoints to run their own Python modeling/tokenizer code (off by default; read it first)")
+    p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM, wait this long for running requests to finish")
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_bind(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); pick another --port or --host")
+
+
+def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The warning printed when the server listens beyond this machine without a key (else None)."""
+    if _is_loopback(host) or api_key:
+        return None
+    return (f"warning: binding {host}:{port} without an API key: anyone who can reach this address can use the "
+            f"models. Set {API_KEY_ENV} (or --api-key) to require a key.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check the address (before any model loads), load the pair, serve until Ctrl-C/SIGTERM."""
+    args = serve_parser().parse_args(argv)
+    _check_bind(args.host, args.port)
+    warning = bind_warning(args.host, args.port, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    import uvicorn
+
+    from decode.engine import SpeculativeDecoder
+    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.serving.app import ServerLimits, create_app
+
+    device = check_device(args.device)
+    trust = args.trust_remote_code
+    target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
+    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
+    draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
+    gamma = args.num_draft_tokens if draft is not None else 0
+    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
+    limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens)
+    app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
+                     info={"target": args.target, "draft": args.draft})
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.graceful_shutdown_s)
+    return 0

@@ -1,0 +1,217 @@
+"""``python -m decode loadtest``: N concurrent streaming clients against a server on this machine, for T seconds.
+
+Each client sends ``POST /v1/completions`` with ``stream: true`` (usage in the last chunk) again and again until the
+duration is over or ``--max-requests`` were sent; requests still running at the deadline finish. Reported:
+errors (by kind), p50/p99 time to first token (TTFT: request sent to first text chunk), p50/p99 inter-token
+latency (ITL: per request, (last chunk - first chunk) / (completion tokens - 1), so an accepted window that
+arrives as one chunk counts as its tokens), aggregate tokens/s (Σ completion tokens / wall seconds), and the
+server's RSS before and after (``/proc/PID/status`` with ``--server-pid``, else the server's
+``process_resident_memory_bytes`` from ``/metrics``), the first reading after ``--warmup-requests`` uncounted
+requests. Loopback only: it refuses any other host.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import statistics
+import time
+from urllib.parse import urlparse
+
+MAX_CONCURRENCY, MAX_DURATION_S = 512, 3600.0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def loopback_url(url: str) -> str:
+    """``url`` without a trailing slash; raises ValueError unless its host is a loopback address."""
+    host = urlparse(url).hostname or ""
+    ok = host == "localhost"
+    if not ok:
+        try:
+            ok = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(f"--url host {host!r} is not a loopback address; the load test only targets this machine "
+                         "(http://127.0.0.1:PORT)")
+    return url.rstrip("/")
+
+
+def server_rss(url: str, pid: int | None) -> int | None:
+    """The server's resident memory in bytes, from ``/proc/PID/status`` or the server's ``/metrics``."""
+    if pid is not None:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return None
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("process_resident_memory_bytes "):
+            return int(float(line.split()[1]))
+    return None
+
+
+async def _one(client, url: str, body: dict, headers: dict) -> dict:
+    t0 = time.perf_counter()
+    t_first = t_last = None
+    tokens, error = 0, None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return {"error": f"http {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error = f"stream error: {chunk['error'].get('code')}"
+                    continue
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    t_last = time.perf_counter()
+                    t_first = t_first or t_last
+    except Exception as err:  # a failed connection is a result here, not a crash of the tool
+        return {"error": err.__class__.__name__}
+    if error:
+        return {"error": error}
+    out = {"tokens": tokens, "ttft_s": (t_first - t0) if t_first else None, "itl_s": None}
+    if t_first is not None and tokens > 1:
+        out["itl_s"] = (t_last - t_first) / (tokens - 1)
+    return out
+
+
+async def run_load(url: str, model: str, prompts: list[str], concurrency: int, duration_s: float, max_requests: int,
+                   max_tokens: int, temperature: float, api_key: str | None) -> dict:
+    """Run the clients; returns the raw per-request results and the wall time."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.perf_counter() + duration_s
+    results: list[dict] = []
+    sent = 0
+
+    async def client_loop(worker: int, client):
+        nonlocal sent
+        while time.perf_counter() < deadline and sent < max_requests:
+            body = {"model": model, "prompt": prompts[(sent + worker) % len(prompts)], "max_tokens": max_tokens,
+                    "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+            sent += 1
+            results.append(await _one(client, url, body, headers))
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        await asyncio.gather(*(client_loop(i, client) for i in range(concurrency)))
+    return {"results": results, "wall_s": time.perf_counter() - start}
+
+
+def summarize(raw: dict, concurrency: int, rss_before: int | None, rss_after: int | None) -> dict:
+    """Pooled numbers of one run (see the module docstring for the definitions)."""
+    results = raw["results"]
+    ok = [r for r in results if "error" not in r]
+    errors: dict[str, int] = {}
+    for r in results:
+        if "error" in r:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    itl = [r["itl_s"] for r in ok if r["itl_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    growth = (rss_after - rss_before) / rss_before if rss_before and rss_after else None
+    return {"concurrency": concurrency, "requests": len(results), "errors": sum(errors.values()),
+            "errors_by_kind": errors, "completion_tokens": tokens, "wall_s": raw["wall_s"],
+            "tokens_per_s": tokens / raw["wall_s"] if raw["wall_s"] > 0 else 0.0,
+            "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+            "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99),
+            "rss_before_bytes": rss_before, "rss_after_bytes": rss_after, "rss_growth": growth}
+
+
+def print_table(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"loadtest: {summary['concurrency']} concurrent streams")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if key == "errors_by_kind":
+            value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
+        elif isinstance(value, float):
+            value = f"{value:.4g}"
+        table.add_row(key, "-" if value is None else str(value))
+    Console().print(table)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decode loadtest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
+    p.add_argument("--concurrency", type=int, default=16, help=f"concurrent streams, 1..{MAX_CONCURRENCY}")
+    p.add_argument("--duration", type=float, default=30.0, help=f"seconds of sending, up to {MAX_DURATION_S:.0f}")
+    p.add_argument("--max-requests", type=int, default=100_000, help="stop sending after this many requests")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: a few code "
+                   "prompts)")
+    p.add_argument("--server-pid", type=int, default=None, help="read RSS from /proc/PID (default: /metrics)")
+    p.add_argument("--api-key", default=os.environ.get("DRAFTKIT_API_KEY"))
+    p.add_argument("--warmup-requests", type=int, default=None, help="requests sent (and not counted) before the "
+                   "first RSS reading, so one-time allocations do not count as growth (default: --concurrency)")
+    p.add_argument("--output", default=None, help="write the summary as JSON here (never overwritten)")
+    return p
+
+
+DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__",
+                   "def parse_args(argv):\n    parser = ", "for i in range(10):\n"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    url = loopback_url(args.url)
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        raise ValueError(f"--concurrency must be in 1..{MAX_CONCURRENCY}, got {args.concurrency}")
+    if not 0 < args.duration <= MAX_DURATION_S:
+        raise ValueError(f"--duration must be in (0, {MAX_DURATION_S:.0f}] seconds, got {args.duration}")
+    if args.max_requests < 1 or args.max_tokens < 1:
+        raise ValueError("--max-requests and --max-tokens must be >= 1")
+    if args.output and os.path.exists(args.output):
+        raise FileExistsError(f"--output {args.output!r} exists; pick a new path (results are never overwritten)")
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        model = args.model or httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    except httpx.HTTPError as err:
+        raise ValueError(f"no server answers at {url} ({err.__class__.__name__}); start `python -m decode serve` "
+                         "first") from err
+    warmup = args.concurrency if args.warmup_requests is None else args.warmup_requests
+    if warmup > 0:
+        asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, min(args.concurrency, warmup),
+                             MAX_DURATION_S, warmup, args.max_tokens, args.temperature, args.api_key))
+    rss_before = server_rss(url, args.server_pid)
+    raw = asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, args.concurrency, args.duration,
+                               args.max_requests, args.max_tokens, args.temperature, args.api_key))
+    summary = summarize(raw, args.concurrency, rss_before, server_rss(url, args.server_pid))
+    summary.update(model=model, max_tokens=args.max_tokens, temperature=args.temperature, duration_s=args.duration,
+                   warmup_requests=warmup)
+    print_table(summary)
+    if args.output:
+        with open(args.output, "x") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["errors"] == 0 else 1

@@ -1,0 +1,55 @@
+"""Helpers of the server tests: a real uvicorn server on a free loopback port, in a thread, over a tiny pair."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from decode import SpeculativeDecoder
+from decode.serving.app import ServerLimits, create_app
+from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
+
+MODEL = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w9{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_pair(gamma: int = 3, chat: bool = True, eos=None):
+    """(decoder, tokenizer): a 2-layer Llama target, a perturbed copy as draft, the word-level test tokenizer."""
+    target = tiny_llama(seed=0)
+    if eos is not None:
+        target.generation_config.eos_token_id = eos
+    tok = make_tokenizer()
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return SpeculativeDecoder(target, perturbed_copy(target, 0.4), gamma, tokenizer=tok), tok
+
+
+@contextlib.contextmanager
+def running_server(decoder, tokenizer, **kw):
+    """Yield ``(base_url, app)`` of a real uvicorn server on 127.0.0.1; stops it (gracefully) on exit."""
+    port = free_port()
+    kw.setdefault("limits", ServerLimits())
+    app = create_app(decoder, tokenizer, MODEL, **kw)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=30))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}", app, server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

@@ -1,0 +1,47 @@
+"""``python -m decode loadtest`` against a real server on loopback: bounded, counts errors, reports latencies,
+tokens/s and the server's RSS, writes JSON without overwriting."""
+import asyncio
+import json
+import os
+
+import pytest
+
+from decode.serving import loadtest
+from tests.decode.server_helpers import MODEL, running_server, tiny_pair
+
+
+def test_loadtest_reports_and_writes_json(tmp_path, capsys):
+    dec, tok = tiny_pair()
+    out = tmp_path / "load.json"
+    with running_server(dec, tok, max_batch_size=4) as (url, _, _):
+        rc = loadtest.main(["--url", url, "--concurrency", "4", "--duration", "1.0", "--max-tokens", "8",
+                            "--prompt", "w5", "--prompt", "w7 w8", "--server-pid", str(os.getpid()),
+                            "--output", str(out)])
+        assert rc == 0
+        with pytest.raises(FileExistsError, match="never overwritten"):
+            loadtest.main(["--url", url, "--duration", "1", "--output", str(out)])
+        capped = asyncio.run(loadtest.run_load(url, MODEL, ["w5"], 2, 30.0, 3, 4, 0.0, None))
+    summary = json.loads(out.read_text())
+    assert summary["errors"] == 0 and summary["requests"] >= 4 and summary["model"] == MODEL
+    assert summary["completion_tokens"] > 0 and summary["tokens_per_s"] > 0
+    assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"]
+    assert summary["itl_p50_s"] is not None and summary["rss_before_bytes"] > 0 and summary["rss_after_bytes"] > 0
+    assert "tokens_per_s" in capsys.readouterr().out  # the table
+    assert len(capped["results"]) == 3 and all("error" not in r for r in capped["results"])  # bounded count
+
+
+def test_loadtest_refuses_other_hosts_and_bad_bounds():
+    with pytest.raises(ValueError, match="loopback"):
+        loadtest.main(["--url", "http://example.com:8000"])
+    with pytest.raises(ValueError, match="concurrency"):
+        loadtest.main(["--url", "http://127.0.0.1:1", "--concurrency", "0"])
+    with pytest.raises(ValueError, match="no server answers"):
+        loadtest.main(["--url", "http://127.0.0.1:1", "--duration", "1"])
+
+
+def test_summary_counts_errors_by_kind():
+    raw = {"results": [{"error": "http 429"}, {"error": "http 429"}, {"tokens": 5, "ttft_s": 0.1, "itl_s": 0.01}],
+           "wall_s": 2.0}
+    s = loadtest.summarize(raw, 3, 100, 110)
+    assert s["errors"] == 2 and s["errors_by_kind"] == {"http 429": 2}
+    assert s["tokens_per_s"] == 2.5 and s["rss_growth"] == pytest.approx(0.1) and s["ttft_p50_s"] == 0.1

@@ -1,0 +1,176 @@
+"""The request API: requests join and leave a running batch, each with its own settings and seed."""
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from tests.conftest import perturbed_copy, tiny_llama
+from tests.decode.test_engine import prompts_of, reference_greedy
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, layers=2)
+    return target, perturbed_copy(target, 0.6)
+
+
+def run_all(dec):
+    """Step until idle; returns {request_id: RequestOutput}."""
+    out = {}
+    while dec.has_unfinished():
+        out.update((o.request_id, o) for o in dec.step())
+    return out
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_request_added_mid_flight_equals_alone(pair, gamma):
+    target, draft = pair
+    prompts = prompts_of([5, 2, 9, 3], seed=21)
+    refs = [reference_greedy(target, p, 20) for p in prompts]
+    dec = SpeculativeDecoder(target, draft, gamma)
+    dec.add_request(prompts[0], max_new_tokens=20, request_id="a")
+    dec.add_request(prompts[1], max_new_tokens=20, request_id="b")
+    out = {}
+    for step in range(100):
+        if step == 2:
+            dec.add_request(prompts[2], max_new_tokens=20, request_id="c")
+        if step == 3:
+            assert dec.num_active() == 3
+            dec.add_request(prompts[3], max_new_tokens=20, request_id="d")
+        out.update((o.request_id, o) for o in dec.step())
+        if not dec.has_unfinished():
+            break
+    assert [out[k].new_tokens for k in "abcd"] == refs
+    assert all(out[k].finish_reason == "length" and out[k].prompt_ids == p for k, p in zip("abcd", prompts))
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_seeded_request_alone_equals_among_seven_others(pair, gamma):
+    target, draft = pair
+    prompt = prompts_of([6], seed=3)[0]
+    settings = dict(max_new_tokens=24, temperature=1.0, top_k=30, seed=123)
+    alone = SpeculativeDecoder(target, draft, gamma)
+    alone.add_request(prompt, **settings, request_id="x")
+    ref = run_all(alone)["x"].new_tokens
+    others = prompts_of([3, 8, 1, 5, 12, 4, 7], seed=9)
+    dec = SpeculativeDecoder(target, draft, gamma)
+    for i, p in enumerate(others[:4]):  # different settings, budgets, seeds; one greedy
+        dec.add_request(p, max_new_tokens=5 + 3 * i, temperature=0.7 if i else 0.0, top_p=0.9, seed=i)
+    dec.step()
+    dec.add_request(prompt, **settings, request_id="x")
+    for i, p in enumerate(others[4:]):
+        dec.add_request(p, max_new_tokens=30, temperature=1.3, min_p=0.05, repetition_penalty=1.2, seed=50 + i)
+    assert run_all(dec)["x"].new_tokens == ref
+    other_seed = SpeculativeDecoder(target, draft, gamma)
+    other_seed.add_request(prompt, **{**settings, "seed": 124}, request_id="x")
+    assert run_all(other_seed)["x"].new_tokens != ref  # the seed matters
+
+
+def test_on_tokens_streams_exactly_the_output_and_finish_reasons(pair):
+    target, draft = pair
+    prompt = prompts_of([6], seed=11)[0]
+    ref = reference_greedy(target, prompt, 24)
+    eos = ref[5]
+    got: dict = {"s": [], "l": []}
+    dec = SpeculativeDecoder(target, draft, 3)
+    dec.add_request(prompt, max_new_tokens=24, eos_token_id=[eos, 95], request_id="s",
+                    on_tokens=lambda rid, toks: got[rid].extend(toks))
+    dec.add_request(prompt, max_new_tokens=4, request_id="l", on_tokens=lambda rid, toks: got[rid].extend(toks))
+    out = run_all(dec)
+    assert out["s"].new_tokens == ref[: ref.index(eos) + 1] == got["s"] and out["s"].finish_reason == "stop"
+    assert out["l"].new_tokens == ref[:4] == got["l"] and out["l"].finish_reason == "length"
+    assert out["l"].stats.num_new_tokens == 4 and out["l"].stats.num_sequences == 1
+
+
+def test_abort_removes_the_row_and_others_continue(pair):
+    target, draft = pair
+    prompts = prompts_of([4, 7, 2], seed=5)
+    dec = SpeculativeDecoder(target, draft, 3)
+    ids = [dec.add_request(p, max_new_tokens=16) for p in prompts]
+    assert len(set(ids)) == 3
+    waiting = dec.add_request([5, 6], max_new_tokens=16)
+    assert dec.abort(waiting) and not dec.abort(waiting)
+    dec.step()
+    assert dec.num_active() == 3
+    assert dec.abort(ids[1]) and dec.num_active() == 2 and not dec.abort("nope")
+    out = run_all(dec)
+    assert set(out) == {ids[0], ids[2]}
+    assert out[ids[2]].new_tokens == reference_greedy(target, prompts[2], 16)
+    assert dec.step() == [] and not dec.has_unfinished()
+
+
+def test_duplicate_request_id_is_rejected(pair):
+    dec = SpeculativeDecoder(*pair, 2)
+    dec.add_request([4, 5], request_id=7)
+    with pytest.raises(ValueError, match="request_id"):
+        dec.add_request([4, 5], request_id=7)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"),
+    (dict(seed=1.5), "seed"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(prompt_ids=[]), "prompt_ids"),
+    (dict(prompt_ids=[5, 500]), "prompt_ids"), (dict(prompt_ids=list(range(3, 259))), "prompt_ids"),
+    (dict(eos_token_id="x"), "eos_token_id"), (dict(request_id=1.5), "request_id"), (dict(on_tokens=3), "on_tokens"),
+])
+def test_bad_arguments_name_the_argument(pair, kwargs, match):
+    dec = SpeculativeDecoder(*pair, 2)
+    kwargs = {"prompt_ids": [4, 5], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dec.add_request(**kwargs)
+    assert not dec.has_unfinished()
+
+
+def test_stats_count_only_kept_tokens(pair):
+    """Copy draft, γ = 4, eos = the 2nd greedy token: the step keeps 2 tokens (one accepted draft + the eos)."""
+    target, _ = pair
+    prompt = prompts_of([6], seed=11)[0]
+    ref = reference_greedy(target, prompt, 8)
+    assert ref[1] not in ref[:1]
+    dec = SpeculativeDecoder(target, target, 4)
+    out = dec.generate([prompt], max_new_tokens=20, eos_token_id=ref[1])
+    s = out.stats
+    assert out.new_tokens[0].tolist() == ref[:2]
+    assert (s.num_drafted, s.num_accepted, s.num_verify_steps, s.num_rejections) == (1, 1, 1, 0)
+    assert s.mean_accepted_length == 2.0 and s.acceptance_rate == 1.0
+    assert s.accepted_length_histogram == [0, 1] and s.accepted_per_position == [1]
+
+
+# ---------------------------------------------------------------- "auto" γ (#8 point 5)
+def test_auto_gamma_same_seed_same_output(pair):
+    target, draft = pair
+    prompts = prompts_of([5, 9, 3], seed=2)
+    dec = SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6)
+    run = lambda d: [t.tolist() for t in d.generate(prompts, max_new_tokens=30, temperature=1.0,  # noqa: E731
+                                                    generator=torch.Generator().manual_seed(4)).new_tokens]
+    first = run(dec)
+    assert 4 in dec.auto_costs and set(dec.auto_costs) <= {1, 2, 4}  # measured once per power-of-two batch size
+    assert run(dec) == first
+    assert run(SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6, auto_costs=dec.auto_costs)) == first
+
+
+def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):
+    target, _ = pair
+    useless = tiny_llama(seed=1, layers=1)
+    expensive = {1: {"cost_ratio": 0.9, "verify": [1.0] + [1.5] * 8}}
+    prompt = prompts_of([6], seed=4)[0]
+    out = SpeculativeDecoder(target, useless, "auto", auto_costs=expensive).generate([prompt], max_new_tokens=40)
+    assert out.new_tokens[0].tolist() == reference_greedy(target, prompt, 40)
+    s = out.stats
+    assert s.num_target_forwards >= 38 and s.num_drafted <= 4 + 40 // 8  # first step at γ=4, then probes only
+    cheap = {1: {"cost_ratio": 0.01, "verify": [1.0] * 9}}
+    out = SpeculativeDecoder(target, target, "auto", auto_costs=cheap).generate([prompt], max_new_tokens=40)
+    assert len(out.stats.accepted_per_position) == 8  # a perfect draft at no cost: γ reaches max_auto_draft_tokens
+
+
+def test_calibrate_fills_the_cost_model_before_decoding(pair):
+    dec = SpeculativeDecoder(*pair, "auto", max_auto_draft_tokens=3)
+    costs = dec.calibrate([4, 5, 6], batch_sizes=[1, 3])
+    assert set(costs) == {1, 4}
+    for entry in costs.values():
+        assert entry["cost_ratio"] > 0 and len(entry["verify"]) == 4 and entry["verify"][0] == 1.0
+    before = dict(costs)
+    dec.generate([[4, 5, 6]], max_new_tokens=5)
+    assert dec.auto_costs == before  # batch 1 was measured already: nothing re-measured inside the steps

@@ -1,0 +1,81 @@
+"""``python -m decode serve`` command line: settings checked before any model loads, the key from the environment,
+the warning for a non-loopback bind without a key, and a real run stopped by SIGTERM."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from decode.serving.cli import bind_warning, main, serve_parser
+from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
+from tests.decode.server_helpers import free_port
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("DRAFTKIT_API_KEY", "from-env")
+    assert serve_parser().parse_args(["--target", "t"]).api_key == "from-env"
+    assert serve_parser().parse_args(["--target", "t", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("DRAFTKIT_API_KEY")
+    assert serve_parser().parse_args(["--target", "t"]).api_key is None
+
+
+def test_bind_warning_only_off_loopback_without_key():
+    assert bind_warning("127.0.0.1", 8000, None) is None
+    assert bind_warning("::1", 8000, None) is None and bind_warning("localhost", 8000, None) is None
+    assert "without an API key" in bind_warning("0.0.0.0", 8000, None)
+    assert bind_warning("0.0.0.0", 8000, "k") is None
+
+
+@pytest.mark.parametrize("args,needle", [(["--port", "99999"], "--port must be in 1..65535"),
+                                         (["--port", "http"], "--port must be an integer"),
+                                         (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+                                         (["-g", "-1"], "num-draft-tokens")])
+def test_bad_settings_exit_2_before_loading(args, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--target", "/nonexistent", *args])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ValueError, match="cannot listen on 127.0.0.1"):
+            main(["--target", "/nonexistent", "--port", str(s.getsockname()[1])])
+
+
+def test_serve_subprocess_with_key_then_sigterm(tmp_path):
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0).float()
+    for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DRAFTKIT_API_KEY="k1")
+    proc = subprocess.Popen([sys.executable, "-m", "decode", "serve", "--target", str(tmp_path / "target"),
+                             "--draft", str(tmp_path / "draft"), "-g", "3", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": "target", "prompt": "w5", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "Application shutdown complete" in err and "Traceback" not in err
+    assert "without an API key" not in err

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible server end to end: a real uvicorn on loopback, the real ``openai`` client, a tiny real
+pair. Greedy through the server equals offline greedy; a seeded request is the same alone and in a busy batch;
+stop strings never leak; a disconnect frees its row; a full queue answers 429; shutdown drains."""
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from decode import SpeculativeDecoder
+from decode.stops import stop_token_ids
+from tests.decode.server_helpers import MODEL, running_server, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def server():
+    dec, tok = tiny_pair(gamma=3)
+    with running_server(dec, tok, max_batch_size=16, max_queue=64) as (url, app, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield url, client, dec, tok
+
+
+def offline_greedy(dec, tok, ids, n):
+    """The target's own greedy continuation (plain decoding, no draft), and its text."""
+    plain = SpeculativeDecoder(dec.target, None, 0, tokenizer=tok)
+    new = plain.generate([ids], max_new_tokens=n, eos_token_id=stop_token_ids(tok, dec.target)).new_tokens[0]
+    return new.tolist()
+
+
+def metric(url, name, labels=None):
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return s.value
+    return None
+
+
+@pytest.mark.parametrize("prompt", ["w5", "w7 w8", [5, 9, 11]])
+def test_completion_greedy_equals_offline_greedy(server, prompt):
+    url, client, dec, tok = server
+    ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+    new = offline_greedy(dec, tok, ids, 14)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=14, temperature=0)
+    assert r.choices[0].text == tok.decode(new, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(new)
+    stopped = new[-1] in stop_token_ids(tok, dec.target)
+    assert r.choices[0].finish_reason == ("stop" if stopped else "length")
+
+
+def test_streaming_equals_non_streaming_with_usage_last(server):
+    url, client, dec, tok = server
+    full = client.completions.create(model=MODEL, prompt="w7 w8", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="w7 w8", max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_uses_the_template_and_streams(server):
+    url, client, dec, tok = server
+    messages = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w4 w5"}]
+    ids = tok("w3 w4 w5 w9")["input_ids"]  # the test template: contents, then the generation prompt w9
+    new = offline_greedy(dec, tok, ids, 10)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids)
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == r.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def seeded(client, **kw):
+    args = dict(model=MODEL, prompt="w5 w6", max_tokens=24, temperature=1.0, top_p=0.95, seed=1234,
+                extra_body={"min_p": 0.02, "repetition_penalty": 1.2}, presence_penalty=0.3)
+    args.update(kw)
+    return client.completions.create(**args)
+
+
+def test_seeded_sample_same_alone_and_among_eight_concurrent(server):
+    url, client, dec, tok = server
+    alone = seeded(client)
+    assert alone.usage.completion_tokens > 1
+    others = [dict(seed=s, prompt=f"w{10 + s}", max_tokens=40) for s in range(4)]
+    others += [dict(seed=None, temperature=0.7, max_tokens=30, extra_body={"top_k": 5}, frequency_penalty=0.5)] * 2
+    others += [dict(temperature=0.0, prompt="w2 w3", max_tokens=40, seed=None)] * 2
+    with cf.ThreadPoolExecutor(9) as pool:
+        busy = [pool.submit(seeded, client, **kw) for kw in others]
+        again = pool.submit(seeded, client)
+        assert again.result().choices[0].text == alone.choices[0].text
+        assert all(f.result().usage.completion_tokens >= 1 for f in busy)
+    # A different seed gives a different sample (the seed is really used).
+    assert any(seeded(client, seed=s).choices[0].text != alone.choices[0].text for s in (1, 2, 3))
+
+
+def test_stop_string_spanning_tokens_never_leaks(server):
+    url, client, dec, tok = server
+    # Each streamed chunk is one step's committed tokens; pick a step that committed >= 3 tokens (accepted drafts)
+    # and a stop string inside it that ends one token and starts the next.
+    steps = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="w5", max_tokens=24,
+                                                                  temperature=0, stream=True) if c.choices]
+    free = "".join(steps)
+    window = next(t for t in steps[1:] if len(t.split()) >= 3)
+    words = window.split()
+    stop = words[0][-1] + " " + words[1][:2]
+    cut = free[: free.find(stop)]
+    assert free.find(stop) >= free.find(window) - 1  # the first occurrence is in that window
+    r = client.completions.create(model=MODEL, prompt="w5", max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    chunks = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="w5", max_tokens=24,
+                                                                   temperature=0, stop=stop, stream=True)
+              if c.choices]
+    assert "".join(chunks) == cut
+    # A stop id from the request: the text ends before it, the reason is "stop".
+    ids = offline_greedy(dec, tok, tok("w5")["input_ids"], 16)
+    k = next(i for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    r = client.completions.create(model=MODEL, prompt="w5", max_tokens=16, temperature=0,
+                                  extra_body={"stop_token_ids": [ids[k]]})
+    assert r.choices[0].text == tok.decode(ids[:k]) and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == k + 1
+
+
+def test_generation_config_eos_list_stops_the_server():
+    dec, tok = tiny_pair()
+    ids = tok("w5")["input_ids"]
+    free = offline_greedy(dec, tok, ids, 16)
+    k = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i] and t != 2)
+    dec.target.generation_config.eos_token_id = [2, free[k]]
+    with running_server(dec, tok) as (url, _, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model=MODEL, prompt="w5", max_tokens=16, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
+    assert r.choices[0].text == tok.decode(free[:k])
+
+
+def test_disconnect_frees_its_row(server):
+    url, client, dec, tok = server
+    before = metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) or 0.0
+    # Greedy "w5" runs 240 tokens without an eos (checked offline), so only the disconnect can end it early.
+    body = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+        # leaving the block closes the connection mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline and (dec.num_active() or httpx.get(url + "/health").json()["running"]):
+        time.sleep(0.05)
+    assert dec.num_active() == 0 and not dec.has_unfinished()
+    assert httpx.get(url + "/health").json()["running"] == 0
+    assert metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) == before + 1
+
+
+def test_metrics_in_prometheus_format(server):
+    url, client, dec, tok = server
+    client.completions.create(model=MODEL, prompt="w6", max_tokens=8, temperature=0)
+    assert metric(url, "draftkit_requests_total", {"endpoint": "completions"}) >= 1
+    assert metric(url, "draftkit_generation_tokens_total") >= 8
+    assert metric(url, "draftkit_drafted_tokens_total") > 0
+    assert 0.0 <= metric(url, "draftkit_acceptance_rate") <= 1.0
+    assert metric(url, "draftkit_mean_accepted_length") >= 1.0
+    assert metric(url, "draftkit_time_to_first_token_seconds_count") >= 1
+    assert metric(url, "draftkit_inter_token_latency_seconds_count") >= 1
+    assert metric(url, "draftkit_queue_depth") == 0 and metric(url, "draftkit_running_requests") == 0
+    assert metric(url, "process_resident_memory_bytes") > 0
+
+
+def test_full_queue_is_429_with_retry_after_and_shutdown_drains():
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, max_batch_size=1, max_queue=1) as (url, app, server):
+        long = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "temperature": 0}  # no eos before 240
+        results = {}
+
+        def stream_long():
+            with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                results["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        t = threading.Thread(target=stream_long)
+        t.start()
+        deadline = time.time() + 20
+        while httpx.get(url + "/health").json()["running"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        with cf.ThreadPoolExecutor(3) as pool:
+            short = [pool.submit(httpx.post, url + "/v1/completions", json={**long, "max_tokens": 2}, timeout=60)
+                     for _ in range(3)]
+            codes = sorted(f.result().status_code for f in short)
+        rejected = [f.result() for f in short if f.result().status_code == 429]
+        assert codes == [200, 429, 429]  # one waits its turn, two find the queue full
+        assert rejected[0].headers["retry-after"] == "1" and rejected[0].json()["error"]["code"] == "queue_full"
+        server.should_exit = True  # graceful: the running stream still finishes
+        t.join(timeout=60)
+    lines = results["lines"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_failing_step_is_a_500_and_the_server_keeps_serving():
+    """Fault injection: the engine's step raises once. That batch gets a 500 in OpenAI's shape; the next works."""
+    dec, tok = tiny_pair()
+    real_step, calls = dec.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    dec.step = failing_step
+    with running_server(dec, tok) as (url, _, _):
+        body = {"model": MODEL, "prompt": "w5", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert not dec.has_unfinished()

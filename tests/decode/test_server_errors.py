@@ -1,0 +1,144 @@
+"""Every bad input gets a 4xx in OpenAI's error shape naming the problem, and the server keeps serving; API key,
+body size, max_tokens and prompt limits. Real uvicorn on loopback, real HTTP (httpx) and the real openai client."""
+import httpx
+import openai
+import pytest
+
+from decode.serving.app import ServerLimits
+from tests.decode.server_helpers import MODEL, running_server, tiny_pair
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    dec, tok = tiny_pair()
+    limits = ServerLimits(max_body_bytes=4096, max_tokens=64, max_prompt_tokens=40)
+    with running_server(dec, tok, api_key=KEY, limits=limits, max_batch_size=2, max_queue=2) as (url, app, _):
+        yield url, app
+
+
+def post(url, payload=None, content=None, key=KEY, path="/v1/completions"):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["content-type"] = "application/json"
+        return httpx.post(url + path, content=content, headers=headers, timeout=30)
+    return httpx.post(url + path, json=payload, headers=headers, timeout=30)
+
+
+def ok(**kw):
+    return {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2, **kw}
+
+
+def assert_error(r, status, needle, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+
+
+BAD = [
+    (ok(temperature=-1), "temperature"),
+    (ok(temperature="hot"), "temperature"),
+    (ok(max_tokens="4"), "max_tokens"),          # strict types: no silent "4" -> 4
+    (ok(max_tokens=True), "max_tokens"),
+    (ok(max_tokens=0), "max_tokens"),
+    (ok(top_p=3), "top_p"),
+    (ok(top_k=0), "top_k"),
+    (ok(min_p=1.5), "min_p"),
+    (ok(presence_penalty=3), "presence_penalty"),
+    (ok(frequency_penalty=-9), "frequency_penalty"),
+    (ok(repetition_penalty=0), "repetition_penalty"),
+    (ok(seed=2**64), "seed"),
+    (ok(seed=2**70), "seed"),
+    (ok(seed=-(2**63) - 1), "seed"),
+    (ok(seed=-1), "seed"),
+    (ok(seed=1.5), "seed"),
+    (ok(stop=""), "stop"),
+    (ok(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (ok(stop=[3]), "stop"),
+    (ok(n=2), "n"),
+    (ok(logprobs=2), "logprobs"),
+    (ok(echo=True), "echo"),
+    (ok(best_of=3), "best_of"),
+    (ok(logit_bias={"5": 10}), "logit_bias"),
+    (ok(temprature=0.5), "temprature"),         # a misspelled sampling field is not ignored
+    (ok(stream_options={"include_usage": True}), "stream_options"),
+    (ok(stop_token_ids=[5000]), "stop_token_ids"),
+    (ok(prompt=[5, 100000]), "outside the vocabulary"),
+    (ok(prompt=""), "no tokens"),
+    (ok(prompt=123), "prompt"),
+    ({"prompt": "w1"}, "model"),
+    ([1, 2], "JSON object"),
+    (chat(logprobs=True), "logprobs"),
+    (chat(messages=[]), "messages"),
+    (chat(messages=[{"role": "wizard", "content": "w1"}]), "messages.0.role"),
+    (chat(max_tokens=3, max_completion_tokens=3), "max_completion_tokens"),
+    (chat(tools=[{"type": "function"}]), "tools"),
+]
+
+
+@pytest.mark.parametrize("payload,needle", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_field_is_a_400_naming_it(server, payload, needle):
+    url, _ = server
+    path = "/v1/chat/completions" if isinstance(payload, dict) and "messages" in payload else "/v1/completions"
+    # A field name as the needle: the error's param names that field too.
+    assert_error(post(url, payload, path=path), 400, needle, param=needle if needle.isidentifier() else None)
+
+
+@pytest.mark.parametrize("content,needle", [(b"{not json", "not valid JSON"),
+                                            (b'{"model": "tiny", "prompt": "w1", "temperature": NaN}', "NaN"),
+                                            (b'{"model": "tiny", "prompt": "w1", "temperature": Infinity}',
+                                             "Infinity"),
+                                            (b'{"model": "tiny", "prompt": "w1", "top_p": -Infinity}', "Infinity")])
+def test_malformed_json_and_nan_are_400(server, content, needle):
+    url, _ = server
+    assert_error(post(url, content=content), 400, needle)
+
+
+def test_unknown_model_is_404_and_limits(server):
+    url, _ = server
+    assert_error(post(url, ok(model="gpt-4")), 404, "gpt-4", param="model")
+    assert_error(post(url, ok(max_tokens=65)), 400, "limit of 64", param="max_tokens")
+    long_prompt = " ".join(f"w{i % 90}" for i in range(41))
+    assert_error(post(url, ok(prompt=long_prompt)), 400, "41 tokens", param="prompt")
+    assert_error(post(url, content=b'{"model": "tiny", "prompt": "' + b"w1 " * 2000 + b'"}'), 413, "4096 bytes")
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"  # still serving
+
+
+def test_prompt_longer_than_the_context_is_400():
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, limits=ServerLimits(max_prompt_tokens=10_000)) as (url, _, _):
+        ctx = dec.context_length
+        prompt = [5] * ctx
+        assert_error(post(url, ok(prompt=prompt), key=None), 400, "context")
+        assert_error(post(url, ok(prompt=[5] * (ctx - 4), max_tokens=8), key=None), 400, "context",
+                     param="max_tokens")
+
+
+def test_api_key_required_on_v1_health_open(server):
+    url, _ = server
+    assert_error(post(url, ok(), key=None), 401, "API key")
+    assert_error(post(url, ok(), key="wrong"), 401, "API key")
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_openai_client_sees_bad_request(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.completions.create(model=MODEL, prompt="w1", max_tokens=2, seed=2**64)
+    with pytest.raises(openai.BadRequestError, match="n: only n=1"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], n=2)

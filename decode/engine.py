@@ -26,6 +26,7 @@ accepted different lengths) plus the shorter rows' padding in each forward.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -123,7 +124,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str = 4, tokenizer: Any = None,
                  draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
-                 auto_costs: dict[int, dict] | None = None, compile: bool = False):
+                 auto_costs: dict[int, dict] | None = None, compile: bool = False,
+                 static_cache: bool | None = None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -135,6 +137,17 @@ class SpeculativeDecoder:
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
         self.compile = bool(compile)
+        # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
+        self._static = {}
+        for name, model in (("target", target), ("draft", draft)):
+            if model is None or static_cache is False:
+                self._static[name] = False
+                continue
+            reason = kv.StaticKV.supported(model)
+            if reason is not None:
+                warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
+                              f"({reason}); using the DynamicCache path", stacklevel=2)
+            self._static[name] = reason is None
         self._target_call = torch.compile(target.forward, dynamic=True) if compile else None
         self._draft_call = torch.compile(draft.forward, dynamic=True) if compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
@@ -293,16 +306,39 @@ class SpeculativeDecoder:
             self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
             self._costs_bucket = None
             self._state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
+            self._to_static(self._state)
         else:
             self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
         self._rows += new
         self._rebatch()
 
+    def _room(self) -> int:
+        """Columns one step may write into a cache: γ + 1 for the target, up to 2 + γ - 1 for the draft."""
+        gamma = self.max_auto_draft_tokens if self._gamma_config() == "auto" else self._gamma_config()
+        return int(gamma) + 2
+
+    def _to_static(self, state: DecodeState) -> None:
+        """Move a fresh prefill's DynamicCaches into new static caches (for the models on the static path)."""
+        device = self.target.device
+        for name in ("target", "draft"):
+            cache = getattr(state, f"{name}_cache")
+            if cache is not None and self._static[name]:
+                skv = kv.StaticKV(self.target if name == "target" else self.draft, device)
+                skv.merge(cache, getattr(state, f"{name}_mask"), getattr(state, f"{name}_len"), self._room())
+                setattr(state, f"{name}_cache", skv)
+                setattr(state, f"{name}_mask", None)
+
     def _merge(self, other: DecodeState) -> None:
         s = self._state
-        s.target_mask = kv.concat_rows(s.target_cache, s.target_mask, other.target_cache, other.target_mask)
-        if s.draft_cache is not None:
-            s.draft_mask = kv.concat_rows(s.draft_cache, s.draft_mask, other.draft_cache, other.draft_mask)
+        for name in ("target", "draft"):
+            cache = getattr(s, f"{name}_cache")
+            if cache is None:
+                continue
+            o_cache, o_mask = getattr(other, f"{name}_cache"), getattr(other, f"{name}_mask")
+            if isinstance(cache, kv.StaticKV):
+                cache.merge(o_cache, o_mask, getattr(other, f"{name}_len"), self._room())
+            else:
+                setattr(s, f"{name}_mask", kv.concat_rows(cache, getattr(s, f"{name}_mask"), o_cache, o_mask))
         s.last = torch.cat([s.last, other.last])
         width = max(s.draft_in.shape[1], other.draft_in.shape[1])
         pad = lambda x: torch.cat([x.new_zeros(x.shape[0], width - x.shape[1]), x], dim=1)  # noqa: E731
@@ -446,10 +482,21 @@ class SpeculativeDecoder:
         counts, seen = self._counts, self._seen
         tokens, probs = [], []
         max_pos = self.draft_context_length - 1 if self.draft_context_length else None
+        static = isinstance(state.draft_cache, kv.StaticKV)
+        if static:
+            state.draft_cache.ensure_room(width + gamma)
+            self._draft_start = state.draft_cache.W
+        holes = min(state.draft_pending) < width
         for i in range(gamma):
-            logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
-                                                  self._draft_ids(inp), inp_mask, logits_to_keep=1,
-                                                  max_position=max_pos, call=self._draft_call)
+            if static:
+                logits = state.draft_cache.forward(self.draft, self._draft_ids(inp), inp_mask if holes else None,
+                                                   logits_to_keep=1, max_position=max_pos, call=self._draft_call,
+                                                   holes=holes)
+                holes = False
+            else:
+                logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
+                                                      self._draft_ids(inp), inp_mask, logits_to_keep=1,
+                                                      max_position=max_pos, call=self._draft_call)
             q = probs_from_logits(logits[:, -1:], self._sampling, self.vocab_size,
                                   counts[:, None] if counts is not None else None,
                                   seen[:, None] if seen is not None else None)[:, 0]
@@ -484,9 +531,15 @@ class SpeculativeDecoder:
             q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
         max_pos = self.context_length - 1 if self.context_length else None
-        logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
-                                               torch.ones_like(target_in), max_position=max_pos,
-                                               call=self._target_call)
+        if isinstance(state.target_cache, kv.StaticKV):
+            state.target_cache.ensure_room(gamma + 1)
+            self._target_start = state.target_cache.W
+            logits = state.target_cache.forward(self.target, target_in, None, max_position=max_pos,
+                                                call=self._target_call)
+        else:
+            logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
+                                                   torch.ones_like(target_in), max_position=max_pos,
+                                                   call=self._target_call)
         counts, seen = self._window_counts(drafts)
         p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
@@ -501,6 +554,8 @@ class SpeculativeDecoder:
     def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
                    nxt: torch.Tensor, n_list: list[int]) -> None:
         """Rejected slots leave both caches; the draft's pending input becomes what it has not yet seen."""
+        if isinstance(state.target_cache, kv.StaticKV) or isinstance(state.draft_cache, kv.StaticKV):
+            return self._roll_back_static(state, gamma, drafts, n_acc, nxt, n_list)
         if gamma > 0:
             pos = torch.arange(gamma, device=drafts.device)
             state.target_mask[:, state.target_mask.shape[1] - gamma:] = (pos < n_acc[:, None]).long()
@@ -525,6 +580,48 @@ class SpeculativeDecoder:
             state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
             state.draft_pending = [p + 1 for p in state.draft_pending]
             state.target_len = [t + 1 for t in state.target_len]
+        state.last = nxt
+
+    def _roll_back_static(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
+                          nxt: torch.Tensor, n_list: list[int]) -> None:
+        """:meth:`_roll_back` when a cache is static (the other one may be a DynamicCache): no copy, the write
+        column moves back to the end of the longest row's kept slots (see :class:`decode.cache.StaticKV`)."""
+        t_cache, d_cache = state.target_cache, state.draft_cache
+        fed = max(gamma - 1, 0)  # drafts d1..d_{γ-1} went into the draft cache
+        pos = torch.arange(gamma, device=drafts.device)
+        kept_t = pos < n_acc[:, None]  # (B, γ)
+        # target: columns [start, start + γ + 1) hold last, d1..dγ; last and the accepted drafts stay
+        new_t_len = [t + 1 + n for t, n in zip(state.target_len, n_list)]
+        if isinstance(t_cache, kv.StaticKV):
+            start = self._target_start
+            t_cache.roll_back(start + 1, kept_t, start + 1 + max(n_list), new_t_len, len(set(n_list)) > 1)
+        elif gamma > 0:
+            state.target_mask[:, state.target_mask.shape[1] - gamma:] = kept_t.long()
+            state.target_mask = kv.compact(t_cache, state.target_mask, new_t_len,
+                                           gamma - n_list[0] if len(set(n_list)) == 1 else None)
+        state.target_len = new_t_len
+        if gamma > 0:
+            width = max(state.draft_pending)
+            new_d_len = [d + p + min(n, fed) for d, p, n in zip(state.draft_len, state.draft_pending, n_list)]
+            if isinstance(d_cache, kv.StaticKV):
+                start = self._draft_start + width
+                kept = [min(n, fed) for n in n_list]
+                d_cache.roll_back(start, kept_t[:, :fed], start + max(kept), new_d_len, len(set(kept)) > 1)
+            else:
+                if fed > 0:
+                    state.draft_mask[:, state.draft_mask.shape[1] - fed:] = kept_t[:, :fed].long()
+                same = len(set(n_list)) == 1 and len(set(state.draft_pending)) == 1
+                state.draft_mask = kv.compact(d_cache, state.draft_mask, new_d_len,
+                                              fed - min(n_list[0], fed) if same else None)
+            state.draft_len = new_d_len
+            all_acc = n_acc == gamma
+            state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
+            state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
+            state.draft_pending = [2 if n == gamma else 1 for n in n_list]
+        else:
+            state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
+            state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
+            state.draft_pending = [p + 1 for p in state.draft_pending]
         state.last = nxt
 
     def _trim(self, row: Request, tokens: list[int], length: int) -> tuple[list[int], bool]:
@@ -574,17 +671,21 @@ class SpeculativeDecoder:
         state = self._state
         idx = torch.tensor(keep, device=state.last.device)
         for name in ("target_mask", "draft_mask", "last", "draft_in", "draft_in_mask"):
-            setattr(state, name, getattr(state, name).index_select(0, idx))
-        kv.select_rows(state.target_cache, idx)
-        if state.draft_cache is not None:
-            kv.select_rows(state.draft_cache, idx)
+            if getattr(state, name) is not None:
+                setattr(state, name, getattr(state, name).index_select(0, idx))
+        for cache in (state.target_cache, state.draft_cache):
+            if isinstance(cache, kv.StaticKV):
+                cache.select_rows(keep)
+            elif cache is not None:
+                kv.select_rows(cache, idx)
         self._rows = [self._rows[i] for i in keep]
         for name in ("committed", "target_len", "draft_len", "draft_pending"):
             setattr(state, name, [getattr(state, name)[i] for i in keep])
         # Drop the leading columns that only the removed rows used.
-        if max(state.target_len) < state.target_mask.shape[1]:
+        if state.target_mask is not None and max(state.target_len) < state.target_mask.shape[1]:
             state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len)
-        if state.draft_cache is not None and max(state.draft_len) < state.draft_mask.shape[1]:
+        if state.draft_mask is not None and state.draft_cache is not None and \
+                max(state.draft_len) < state.draft_mask.shape[1]:
             state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len)
         self._rebatch()
 

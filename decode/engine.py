@@ -36,9 +36,9 @@ from decode import cache as kv
 from decode.compat import check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_seed
-from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, probs_from_logits, sample
+from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
 from decode.speedup import AdaptiveGamma
-from decode.verify import verify
+from decode.verify import verify, verify_greedy
 
 
 @dataclass
@@ -475,7 +475,8 @@ class SpeculativeDecoder:
         return torch.where(ids < limit, ids, substitute)
 
     def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``."""
+        """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``
+        (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy` needs no q)."""
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
         width = max(state.draft_pending)
         inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
@@ -497,17 +498,20 @@ class SpeculativeDecoder:
                 logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
                                                       self._draft_ids(inp), inp_mask, logits_to_keep=1,
                                                       max_position=max_pos, call=self._draft_call)
-            q = probs_from_logits(logits[:, -1:], self._sampling, self.vocab_size,
-                                  counts[:, None] if counts is not None else None,
-                                  seen[:, None] if seen is not None else None)[:, 0]
-            tok = sample(q, u=draft_u[:, i])
+            args = (logits[:, -1:], self._sampling, self.vocab_size, counts[:, None] if counts is not None else None,
+                    seen[:, None] if seen is not None else None)
+            if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
+                tok = greedy_ids(*args)[:, 0]
+            else:
+                q = probs_from_logits(*args)[:, 0]
+                tok = sample(q, u=draft_u[:, i])
+                probs.append(q)
             tokens.append(tok)
-            probs.append(q)
             if counts is not None and i + 1 < gamma:  # the next position's prefix includes this draft
                 counts = counts.scatter_add(-1, tok[:, None], torch.ones_like(counts[:, :1]))
                 seen = seen.scatter(-1, tok[:, None], True)
             inp, inp_mask = tok[:, None], torch.ones_like(tok)[:, None]
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _window_counts(self, drafts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Penalty counts of the verify window's γ+1 prefixes: ``(B, γ+1, V)``; position j includes d_1..d_j."""
@@ -541,9 +545,13 @@ class SpeculativeDecoder:
                                                    torch.ones_like(target_in), max_position=max_pos,
                                                    call=self._target_call)
         counts, seen = self._window_counts(drafts)
-        p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
-        n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
+        if self._sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
+            target_ids = greedy_ids(logits, self._sampling, self.vocab_size, counts, seen)
+            n_acc, nxt = verify_greedy(target_ids, drafts, num_draft)
+        else:
+            p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
+            n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
         host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
         n_list = [row[gamma] for row in host]
         self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)

@@ -18,10 +18,10 @@ to the draft model (and after a step with γ = 0 it lacks that step's token too)
 (``draft_in``, usually 1 or 2) are fed in the first draft forward of the next step, so all-accepted steps bring
 the draft's cache up to date without an extra forward.
 
-Batching: each row accepts its own prefix. Rejected slots are masked out and then compacted away, positions
-are per row (number of committed tokens before the slot), finished rows leave the batch. So every row's output
-is what it would be decoded alone. The cost of raggedness is one cache compaction per step (a gather when rows
-accepted different lengths) plus the shorter rows' padding in each forward.
+Batching: each row accepts its own prefix; positions are per row (number of committed tokens before the slot),
+finished rows leave the batch, so every row's output is what it would be decoded alone. On the static cache path
+(:class:`decode.cache.StaticKV`, the default where the architecture allows it) rejected slots are overwritten or
+stay masked until a rare compaction; on the DynamicCache fallback they are compacted away every step.
 """
 from __future__ import annotations
 
@@ -94,6 +94,19 @@ def context_length(model: Any) -> int | None:
     return None
 
 
+def _compiled(model: Any) -> Callable:
+    """``torch.compile(model.forward, dynamic=True)``, called under a raised recompile limit: target and draft
+    share one code object (``forward`` of their class), so dynamo's per-code cache holds the entries of both
+    models and of each cache width/γ, and the default limit of 8 sent the engine back to eager."""
+    fn = torch.compile(model.forward, dynamic=True)
+
+    def call(**kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+            return fn(**kwargs)
+
+    return call
+
+
 class SpeculativeDecoder:
     """Lossless speculative decoding of ``target`` with proposals from ``draft``, over requests that join and
     leave a running batch between steps.
@@ -116,6 +129,9 @@ class SpeculativeDecoder:
         compile: run both models' forwards through ``torch.compile(model.forward, dynamic=True)`` (applied from
             outside, the models are not modified). The first calls compile (tens of seconds on CPU); shapes that
             change (cache length, γ, batch size) stay dynamic instead of recompiling.
+        static_cache: None (default): a preallocated static KV cache (:class:`decode.cache.StaticKV`) for each model
+            whose architecture allows it, the DynamicCache path with a one-line warning for the others; False:
+            the DynamicCache path for both; True: as None.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
@@ -148,8 +164,8 @@ class SpeculativeDecoder:
                 warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
                               f"({reason}); using the DynamicCache path", stacklevel=2)
             self._static[name] = reason is None
-        self._target_call = torch.compile(target.forward, dynamic=True) if compile else None
-        self._draft_call = torch.compile(draft.forward, dynamic=True) if compile and draft is not None else None
+        self._target_call = _compiled(target) if compile else None
+        self._draft_call = _compiled(draft) if compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
         self._waiting: list[Request] = []
@@ -379,9 +395,9 @@ class SpeculativeDecoder:
             if T > 1:
                 ctx = self.context_length if name == "target" else self.draft_context_length
                 inp = pre_ids if name == "target" else self._draft_ids(pre_ids)
+                # Prefill runs eager: its shapes vary with every admission (compiling it only adds recompiles).
                 _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
-                                            max_position=ctx - 1 if ctx else None,
-                                            call=self._target_call if name == "target" else self._draft_call)
+                                            max_position=ctx - 1 if ctx else None)
         last = ids[:, -1]
         draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
         draft_in_mask = torch.tensor([[0, 1]], device=device).expand(B, 2).clone()

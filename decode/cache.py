@@ -1,5 +1,8 @@
 """KV-cache handling for ragged speculative decoding: forward with explicit positions, roll back, compact.
 
+Two paths. :class:`StaticKV` (the engine's default where the architecture allows it) keeps preallocated buffers
+written by column; see its docstring. The functions below are the DynamicCache path (the fallback):
+
 Layout. Each model keeps one Hugging Face ``DynamicCache`` of physical width W for the whole batch and a
 ``(B, W)`` mask of which slots hold committed tokens. Rows are right-aligned (left padding). Keys are stored
 already rotated by their own position ids, so a slot's meaning does not depend on its physical column: slots

@@ -1,5 +1,8 @@
 """KV-cache handling for ragged speculative decoding: forward with explicit positions, roll back, compact.
 
+Two paths. :class:`StaticKV` (the engine's default where the architecture allows it) keeps preallocated buffers
+written by column; see its docstring. The functions below are the DynamicCache path (the fallback):
+
 Layout. Each model keeps one Hugging Face ``DynamicCache`` of physical width W for the whole batch and a
 ``(B, W)`` mask of which slots hold committed tokens. Rows are right-aligned (left padding). Keys are stored
 already rotated by their own position ids, so a slot's meaning does not depend on its physical column: slots
@@ -30,13 +33,18 @@ def _layers(cache: Any) -> list[Any]:
 
 
 def new_cache(model: Any) -> Any:
-    """An empty ``DynamicCache`` for ``model``."""
+    """An empty ``DynamicCache`` of full layers for ``model``: every slot is kept, also for sliding-window layers
+    (a sliding layer would drop slots by physical column, which holes and rollback make wrong); the model's own
+    mask applies its window."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     try:
-        return DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config)
     except TypeError:  # older signature
         return DynamicCache()
+    cache.layers = [layer if type(layer) is DynamicLayer else DynamicLayer() for layer in cache.layers]
+    return cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,3 +179,222 @@ def concat_rows(cache: Any, mask: torch.Tensor, other: Any, other_mask: torch.Te
         layer.keys, layer.values = keys, values
     pad = lambda m: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
     return torch.cat([pad(mask), pad(other_mask)], dim=0)
+
+
+# ---------------------------------------------------------------------------------------------- static path
+class StaticKV:
+    """A preallocated Hugging Face ``StaticCache`` of physical width L for B rows, written by column.
+
+    Layout. All rows share the write column W (``cumulative_length`` of every ``StaticLayer``); each row has its
+    own positions (number of valid slots before a token), and a ``(B, L)`` bool mask marks which columns hold
+    valid slots of that row. The causal mask HF builds compares physical columns, so columns >= W (stale) are
+    never seen. Rollback sets W back to the end of the longest accepted row: a rejection costs no copy, later
+    writes overwrite the rejected slots; a row that accepted fewer tokens than another keeps masked holes until
+    the cache is full, when one gather right-aligns every row (:meth:`ensure_room`). Rows that join are copied in
+    (a re-layout, once per admission); rows that leave are dropped by ``index_select``.
+
+    Attributes:
+        W: write column (host int); lens: valid slots per row (host list); holey: some valid region has a hole,
+        so forwards must pass the mask (else none is passed: the causal fast path).
+    """
+
+    def __init__(self, model: Any, device: Any):
+        self.model, self.device = model, device
+        self.cache = None
+        self.L = 0
+        self.W = 0
+        self.lens: list[int] = []
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.holey = False
+        self._pos = torch.zeros(0, dtype=torch.long, device=device)  # valid slots per row incl. unconfirmed writes
+
+    def _sync_pos(self) -> None:
+        self._pos = torch.tensor(self.lens, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def supported(model: Any) -> str | None:
+        """None if ``model`` can use a static cache, else the reason (one line)."""
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        cfg = base.config
+        if getattr(cfg, "is_encoder_decoder", False):
+            return "encoder-decoder model"
+        try:
+            cache = StaticCache(config=cfg, max_cache_len=8)
+        except Exception as e:  # noqa: BLE001 - any failure means: not supported
+            return f"StaticCache cannot be built ({type(e).__name__}: {e})"
+        kinds = {type(layer).__name__ for layer in cache.layers}
+        if any(type(layer) is not StaticLayer for layer in cache.layers):
+            return f"layers of kind {sorted(kinds)} (sliding-window/linear/other)"
+        if _cache_kwarg(model) != "cache" and "past_key_values" not in inspect.signature(type(base).forward).parameters:
+            return "forward takes no cache argument"
+        return None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lens)
+
+    def _set_width(self, w: int) -> None:
+        self.W = w
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(w)
+
+    def _alloc(self, B: int, L: int, like: torch.Tensor, like_v: torch.Tensor) -> tuple[list, list]:
+        from transformers import StaticCache
+
+        if self.cache is None:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            self.cache = StaticCache(config=base.config, max_cache_len=L)
+        keys, values = [], []
+        for layer in self.cache.layers:
+            k = like.new_zeros(B, like.shape[1], L, like.shape[3])
+            v = like_v.new_zeros(B, like_v.shape[1], L, like_v.shape[3])
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def _install(self, keys: list, values: list, L: int) -> None:
+        for layer, k, v in zip(self.cache.layers, keys, values):
+            if not layer.is_initialized:
+                layer.lazy_initialization(k[:, :, :1], v[:, :, :1])
+            layer.keys, layer.values, layer.max_cache_len = k, v, L
+            layer.batch_size = k.shape[0]
+        self.L = L
+
+    @staticmethod
+    def _size(need: int) -> int:
+        return max(64, 1 << (need - 1).bit_length())
+
+    def merge(self, other: Any, other_mask: torch.Tensor, other_lens: list[int], room: int) -> None:
+        """Append the rows of ``other`` (a DynamicCache of width W2, right-aligned, mask ``(B2, W2)``) as new rows,
+        right-aligned to the current write column (shifting the old rows right if W2 > W). ``room``: columns that
+        must stay free after it."""
+        B1, B2, W2 = self.batch_size, other_mask.shape[0], other_mask.shape[1]
+        olayers = [lay for lay in _layers(other)]
+        ref = next((lay for lay in olayers if getattr(lay, "keys", None) is not None and lay.keys.numel()), None)
+        if ref is None and self.cache is not None and self.cache.layers[0].is_initialized:
+            ref = self.cache.layers[0]
+        newW = max(self.W, W2)
+        if ref is None:  # nothing cached yet (1-token prompts only, so W == W2 == 0): shapes still unknown
+            self.mask = torch.zeros(B1 + B2, self.L, dtype=torch.bool, device=self.device)
+            self.lens = self.lens + list(other_lens)
+            self._sync_pos()
+            return
+        L = max(self.L, self._size(newW + room))
+        keys, values = self._alloc(B1 + B2, L, ref.keys, ref.values)
+        sh = newW - self.W
+        for i in range(len(keys)):
+            if B1 and self.cache.layers[i].is_initialized and self.W:
+                keys[i][:B1, :, sh:newW] = self.cache.layers[i].keys[:, :, : self.W]
+                values[i][:B1, :, sh:newW] = self.cache.layers[i].values[:, :, : self.W]
+            lo = olayers[i]
+            if W2 and getattr(lo, "keys", None) is not None and lo.keys.numel():
+                keys[i][B1:, :, newW - W2:newW] = lo.keys
+                values[i][B1:, :, newW - W2:newW] = lo.values
+        mask = torch.zeros(B1 + B2, L, dtype=torch.bool, device=self.device)
+        if B1 and self.W:
+            mask[:B1, sh:newW] = self.mask[:, : self.W]
+        if W2:
+            mask[B1:, newW - W2:newW] = other_mask.bool()
+        self._install(keys, values, L)
+        self.mask = mask
+        self.lens = self.lens + list(other_lens)
+        self._sync_pos()
+        self._set_width(newW)
+        self.holey = self.holey or min(self.lens) != newW or max(self.lens) != newW
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (indices) only."""
+        idx = torch.tensor(keep, device=self.device)
+        self.lens = [self.lens[i] for i in keep]
+        self._pos = self._pos.index_select(0, idx)
+        self.mask = self.mask.index_select(0, idx)
+        if self.cache is not None:
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    layer.keys = layer.keys.index_select(0, idx)
+                    layer.values = layer.values.index_select(0, idx)
+                    layer.batch_size = len(keep)
+        if all(n == self.W for n in self.lens):  # W valid slots in W columns: no hole
+            self.holey = False
+
+    def ensure_room(self, k: int) -> None:
+        """Make ``k`` free columns after W: compact (one gather right-aligning every row) and, if still short,
+        grow the buffers (a re-layout)."""
+        if self.cache is None or not self.cache.layers[0].is_initialized:
+            return
+        if self.W + k <= self.L:
+            return
+        width = max(self.lens)
+        if width < self.W:
+            order = torch.sort(self.mask[:, : self.W].long(), dim=-1, stable=True).indices[:, self.W - width:]
+            for layer in self.cache.layers:
+                layer.keys[:, :, :width] = _gather_slots(layer.keys[:, :, : self.W], order)
+                layer.values[:, :, :width] = _gather_slots(layer.values[:, :, : self.W], order)
+            lens = torch.tensor(self.lens, device=self.device)
+            self.mask.zero_()
+            self.mask[:, :width] = torch.arange(width, device=self.device) >= width - lens[:, None]
+            self._set_width(width)
+            self.holey = min(self.lens) != width
+        if self.W + k > self.L:
+            L = self._size(self.W + k + self.L)
+            first = self.cache.layers[0]
+            keys, values = self._alloc(self.batch_size, L, first.keys, first.values)
+            for i, layer in enumerate(self.cache.layers):
+                keys[i][:, :, : self.W] = layer.keys[:, :, : self.W]
+                values[i][:, :, : self.W] = layer.values[:, :, : self.W]
+            mask = torch.zeros(self.batch_size, L, dtype=torch.bool, device=self.device)
+            mask[:, : self.W] = self.mask[:, : self.W]
+            self._install(keys, values, L)
+            self.mask = mask
+
+    def forward(self, model: Any, input_ids: torch.Tensor, input_mask: torch.Tensor | None,
+                logits_to_keep: int | None = None, max_position: int | None = None, call: Any = None,
+                holes: bool = False) -> torch.Tensor:
+        """Write ``(B, k)`` new tokens at columns [W, W + k) and return their logits.
+
+        ``input_mask`` ``(B, k)``: 1 for real tokens, 0 for holes (None: all real); ``holes``: whether it has a 0
+        (known on the host). Positions are per row: ``lens + cumsum(input_mask) - 1``, clamped to
+        ``max_position``. Updates W and the mask; ``lens`` is the caller's to update (:meth:`roll_back`).
+        """
+        k = input_ids.shape[1]
+        if self.cache is None:
+            from transformers import StaticCache
+
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            L = self._size(k + 64)
+            self.cache = StaticCache(config=base.config, max_cache_len=L)
+            self.L = L
+            self.mask = torch.zeros(self.batch_size, L, dtype=torch.bool, device=self.device)
+        self.ensure_room(k)
+        W = self.W
+        base_pos = self._pos[:, None]
+        if input_mask is None:
+            positions = base_pos + torch.arange(k, device=self.device)
+            self.mask[:, W:W + k] = True
+            self._pos = self._pos + k
+        else:
+            positions = base_pos + input_mask.cumsum(-1) - 1
+            self.mask[:, W:W + k] = input_mask.bool()
+            self._pos = self._pos + input_mask.sum(-1)
+        positions = positions.clamp(0, max_position)
+        self.holey = self.holey or holes
+        attn = self.mask if self.holey else None
+        kwargs = {_cache_kwarg(model): self.cache, "logits_to_keep": logits_to_keep or 0}
+        out = (call or model)(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                              **kwargs)
+        self.W = W + k
+        return out.logits
+
+    def roll_back(self, start: int, valid: torch.Tensor, new_width: int, new_lens: list[int], holes: bool) -> None:
+        """After a step that wrote columns from ``start``: ``valid`` ``(B, n)`` are the kept bits of columns
+        [start, start + n); W moves to ``new_width`` (the end of the longest row's kept columns), so later writes
+        overwrite the rejected columns past it; ``new_lens``: valid slots per row (host); ``holes``: some row
+        kept fewer of these columns than another (its rejected ones below ``new_width`` stay masked)."""
+        self.mask[:, start:start + valid.shape[1]] = valid
+        self.lens = list(new_lens)
+        self._sync_pos()
+        self.holey = self.holey or holes
+        self._set_width(new_width)

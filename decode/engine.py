@@ -18,14 +18,15 @@ to the draft model (and after a step with γ = 0 it lacks that step's token too)
 (``draft_in``, usually 1 or 2) are fed in the first draft forward of the next step, so all-accepted steps bring
 the draft's cache up to date without an extra forward.
 
-Batching: each row accepts its own prefix. Rejected slots are masked out and then compacted away, positions
-are per row (number of committed tokens before the slot), finished rows leave the batch. So every row's output
-is what it would be decoded alone. The cost of raggedness is one cache compaction per step (a gather when rows
-accepted different lengths) plus the shorter rows' padding in each forward.
+Batching: each row accepts its own prefix; positions are per row (number of committed tokens before the slot),
+finished rows leave the batch, so every row's output is what it would be decoded alone. On the static cache path
+(:class:`decode.cache.StaticKV`, the default where the architecture allows it) rejected slots are overwritten or
+stay masked until a rare compaction; on the DynamicCache fallback they are compacted away every step.
 """
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -35,9 +36,9 @@ from decode import cache as kv
 from decode.compat import check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_seed
-from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, probs_from_logits, sample
+from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
 from decode.speedup import AdaptiveGamma
-from decode.verify import verify
+from decode.verify import verify, verify_greedy
 
 
 @dataclass
@@ -93,6 +94,19 @@ def context_length(model: Any) -> int | None:
     return None
 
 
+def _compiled(model: Any) -> Callable:
+    """``torch.compile(model.forward, dynamic=True)``, called under a raised recompile limit: target and draft
+    share one code object (``forward`` of their class), so dynamo's per-code cache holds the entries of both
+    models and of each cache width/γ, and the default limit of 8 sent the engine back to eager."""
+    fn = torch.compile(model.forward, dynamic=True)
+
+    def call(**kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+            return fn(**kwargs)
+
+    return call
+
+
 class SpeculativeDecoder:
     """Lossless speculative decoding of ``target`` with proposals from ``draft``, over requests that join and
     leave a running batch between steps.
@@ -115,6 +129,9 @@ class SpeculativeDecoder:
         compile: run both models' forwards through ``torch.compile(model.forward, dynamic=True)`` (applied from
             outside, the models are not modified). The first calls compile (tens of seconds on CPU); shapes that
             change (cache length, γ, batch size) stay dynamic instead of recompiling.
+        static_cache: None (default): a preallocated static KV cache (:class:`decode.cache.StaticKV`) for each model
+            whose architecture allows it, the DynamicCache path with a one-line warning for the others; False:
+            the DynamicCache path for both; True: as None.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
@@ -123,7 +140,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str = 4, tokenizer: Any = None,
                  draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
-                 auto_costs: dict[int, dict] | None = None, compile: bool = False):
+                 auto_costs: dict[int, dict] | None = None, compile: bool = False,
+                 static_cache: bool | None = None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -135,8 +153,19 @@ class SpeculativeDecoder:
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
         self.compile = bool(compile)
-        self._target_call = torch.compile(target.forward, dynamic=True) if compile else None
-        self._draft_call = torch.compile(draft.forward, dynamic=True) if compile and draft is not None else None
+        # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
+        self._static = {}
+        for name, model in (("target", target), ("draft", draft)):
+            if model is None or static_cache is False:
+                self._static[name] = False
+                continue
+            reason = kv.StaticKV.supported(model)
+            if reason is not None:
+                warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
+                              f"({reason}); using the DynamicCache path", stacklevel=2)
+            self._static[name] = reason is None
+        self._target_call = _compiled(target) if compile else None
+        self._draft_call = _compiled(draft) if compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
         self._waiting: list[Request] = []
@@ -293,16 +322,39 @@ class SpeculativeDecoder:
             self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
             self._costs_bucket = None
             self._state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
+            self._to_static(self._state)
         else:
             self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
         self._rows += new
         self._rebatch()
 
+    def _room(self) -> int:
+        """Columns one step may write into a cache: γ + 1 for the target, up to 2 + γ - 1 for the draft."""
+        gamma = self.max_auto_draft_tokens if self._gamma_config() == "auto" else self._gamma_config()
+        return int(gamma) + 2
+
+    def _to_static(self, state: DecodeState) -> None:
+        """Move a fresh prefill's DynamicCaches into new static caches (for the models on the static path)."""
+        device = self.target.device
+        for name in ("target", "draft"):
+            cache = getattr(state, f"{name}_cache")
+            if cache is not None and self._static[name]:
+                skv = kv.StaticKV(self.target if name == "target" else self.draft, device)
+                skv.merge(cache, getattr(state, f"{name}_mask"), getattr(state, f"{name}_len"), self._room())
+                setattr(state, f"{name}_cache", skv)
+                setattr(state, f"{name}_mask", None)
+
     def _merge(self, other: DecodeState) -> None:
         s = self._state
-        s.target_mask = kv.concat_rows(s.target_cache, s.target_mask, other.target_cache, other.target_mask)
-        if s.draft_cache is not None:
-            s.draft_mask = kv.concat_rows(s.draft_cache, s.draft_mask, other.draft_cache, other.draft_mask)
+        for name in ("target", "draft"):
+            cache = getattr(s, f"{name}_cache")
+            if cache is None:
+                continue
+            o_cache, o_mask = getattr(other, f"{name}_cache"), getattr(other, f"{name}_mask")
+            if isinstance(cache, kv.StaticKV):
+                cache.merge(o_cache, o_mask, getattr(other, f"{name}_len"), self._room())
+            else:
+                setattr(s, f"{name}_mask", kv.concat_rows(cache, getattr(s, f"{name}_mask"), o_cache, o_mask))
         s.last = torch.cat([s.last, other.last])
         width = max(s.draft_in.shape[1], other.draft_in.shape[1])
         pad = lambda x: torch.cat([x.new_zeros(x.shape[0], width - x.shape[1]), x], dim=1)  # noqa: E731
@@ -343,9 +395,9 @@ class SpeculativeDecoder:
             if T > 1:
                 ctx = self.context_length if name == "target" else self.draft_context_length
                 inp = pre_ids if name == "target" else self._draft_ids(pre_ids)
+                # Prefill runs eager: its shapes vary with every admission (compiling it only adds recompiles).
                 _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
-                                            max_position=ctx - 1 if ctx else None,
-                                            call=self._target_call if name == "target" else self._draft_call)
+                                            max_position=ctx - 1 if ctx else None)
         last = ids[:, -1]
         draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
         draft_in_mask = torch.tensor([[0, 1]], device=device).expand(B, 2).clone()
@@ -439,28 +491,43 @@ class SpeculativeDecoder:
         return torch.where(ids < limit, ids, substitute)
 
     def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``."""
+        """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``
+        (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy` needs no q)."""
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
         width = max(state.draft_pending)
         inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
         counts, seen = self._counts, self._seen
         tokens, probs = [], []
         max_pos = self.draft_context_length - 1 if self.draft_context_length else None
+        static = isinstance(state.draft_cache, kv.StaticKV)
+        if static:
+            state.draft_cache.ensure_room(width + gamma)
+            self._draft_start = state.draft_cache.W
+        holes = min(state.draft_pending) < width
         for i in range(gamma):
-            logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
-                                                  self._draft_ids(inp), inp_mask, logits_to_keep=1,
-                                                  max_position=max_pos, call=self._draft_call)
-            q = probs_from_logits(logits[:, -1:], self._sampling, self.vocab_size,
-                                  counts[:, None] if counts is not None else None,
-                                  seen[:, None] if seen is not None else None)[:, 0]
-            tok = sample(q, u=draft_u[:, i])
+            if static:
+                logits = state.draft_cache.forward(self.draft, self._draft_ids(inp), inp_mask if holes else None,
+                                                   logits_to_keep=1, max_position=max_pos, call=self._draft_call,
+                                                   holes=holes)
+                holes = False
+            else:
+                logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
+                                                      self._draft_ids(inp), inp_mask, logits_to_keep=1,
+                                                      max_position=max_pos, call=self._draft_call)
+            args = (logits[:, -1:], self._sampling, self.vocab_size, counts[:, None] if counts is not None else None,
+                    seen[:, None] if seen is not None else None)
+            if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
+                tok = greedy_ids(*args)[:, 0]
+            else:
+                q = probs_from_logits(*args)[:, 0]
+                tok = sample(q, u=draft_u[:, i])
+                probs.append(q)
             tokens.append(tok)
-            probs.append(q)
             if counts is not None and i + 1 < gamma:  # the next position's prefix includes this draft
                 counts = counts.scatter_add(-1, tok[:, None], torch.ones_like(counts[:, :1]))
                 seen = seen.scatter(-1, tok[:, None], True)
             inp, inp_mask = tok[:, None], torch.ones_like(tok)[:, None]
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _window_counts(self, drafts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Penalty counts of the verify window's γ+1 prefixes: ``(B, γ+1, V)``; position j includes d_1..d_j."""
@@ -484,13 +551,23 @@ class SpeculativeDecoder:
             q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
         max_pos = self.context_length - 1 if self.context_length else None
-        logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
-                                               torch.ones_like(target_in), max_position=max_pos,
-                                               call=self._target_call)
+        if isinstance(state.target_cache, kv.StaticKV):
+            state.target_cache.ensure_room(gamma + 1)
+            self._target_start = state.target_cache.W
+            logits = state.target_cache.forward(self.target, target_in, None, max_position=max_pos,
+                                                call=self._target_call)
+        else:
+            logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
+                                                   torch.ones_like(target_in), max_position=max_pos,
+                                                   call=self._target_call)
         counts, seen = self._window_counts(drafts)
-        p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
-        n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
+        if self._sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
+            target_ids = greedy_ids(logits, self._sampling, self.vocab_size, counts, seen)
+            n_acc, nxt = verify_greedy(target_ids, drafts, num_draft)
+        else:
+            p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
+            n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
         host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
         n_list = [row[gamma] for row in host]
         self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)
@@ -501,6 +578,8 @@ class SpeculativeDecoder:
     def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
                    nxt: torch.Tensor, n_list: list[int]) -> None:
         """Rejected slots leave both caches; the draft's pending input becomes what it has not yet seen."""
+        if isinstance(state.target_cache, kv.StaticKV) or isinstance(state.draft_cache, kv.StaticKV):
+            return self._roll_back_static(state, gamma, drafts, n_acc, nxt, n_list)
         if gamma > 0:
             pos = torch.arange(gamma, device=drafts.device)
             state.target_mask[:, state.target_mask.shape[1] - gamma:] = (pos < n_acc[:, None]).long()
@@ -525,6 +604,48 @@ class SpeculativeDecoder:
             state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
             state.draft_pending = [p + 1 for p in state.draft_pending]
             state.target_len = [t + 1 for t in state.target_len]
+        state.last = nxt
+
+    def _roll_back_static(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
+                          nxt: torch.Tensor, n_list: list[int]) -> None:
+        """:meth:`_roll_back` when a cache is static (the other one may be a DynamicCache): no copy, the write
+        column moves back to the end of the longest row's kept slots (see :class:`decode.cache.StaticKV`)."""
+        t_cache, d_cache = state.target_cache, state.draft_cache
+        fed = max(gamma - 1, 0)  # drafts d1..d_{γ-1} went into the draft cache
+        pos = torch.arange(gamma, device=drafts.device)
+        kept_t = pos < n_acc[:, None]  # (B, γ)
+        # target: columns [start, start + γ + 1) hold last, d1..dγ; last and the accepted drafts stay
+        new_t_len = [t + 1 + n for t, n in zip(state.target_len, n_list)]
+        if isinstance(t_cache, kv.StaticKV):
+            start = self._target_start
+            t_cache.roll_back(start + 1, kept_t, start + 1 + max(n_list), new_t_len, len(set(n_list)) > 1)
+        elif gamma > 0:
+            state.target_mask[:, state.target_mask.shape[1] - gamma:] = kept_t.long()
+            state.target_mask = kv.compact(t_cache, state.target_mask, new_t_len,
+                                           gamma - n_list[0] if len(set(n_list)) == 1 else None)
+        state.target_len = new_t_len
+        if gamma > 0:
+            width = max(state.draft_pending)
+            new_d_len = [d + p + min(n, fed) for d, p, n in zip(state.draft_len, state.draft_pending, n_list)]
+            if isinstance(d_cache, kv.StaticKV):
+                start = self._draft_start + width
+                kept = [min(n, fed) for n in n_list]
+                d_cache.roll_back(start, kept_t[:, :fed], start + max(kept), new_d_len, len(set(kept)) > 1)
+            else:
+                if fed > 0:
+                    state.draft_mask[:, state.draft_mask.shape[1] - fed:] = kept_t[:, :fed].long()
+                same = len(set(n_list)) == 1 and len(set(state.draft_pending)) == 1
+                state.draft_mask = kv.compact(d_cache, state.draft_mask, new_d_len,
+                                              fed - min(n_list[0], fed) if same else None)
+            state.draft_len = new_d_len
+            all_acc = n_acc == gamma
+            state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
+            state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
+            state.draft_pending = [2 if n == gamma else 1 for n in n_list]
+        else:
+            state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
+            state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
+            state.draft_pending = [p + 1 for p in state.draft_pending]
         state.last = nxt
 
     def _trim(self, row: Request, tokens: list[int], length: int) -> tuple[list[int], bool]:
@@ -574,17 +695,21 @@ class SpeculativeDecoder:
         state = self._state
         idx = torch.tensor(keep, device=state.last.device)
         for name in ("target_mask", "draft_mask", "last", "draft_in", "draft_in_mask"):
-            setattr(state, name, getattr(state, name).index_select(0, idx))
-        kv.select_rows(state.target_cache, idx)
-        if state.draft_cache is not None:
-            kv.select_rows(state.draft_cache, idx)
+            if getattr(state, name) is not None:
+                setattr(state, name, getattr(state, name).index_select(0, idx))
+        for cache in (state.target_cache, state.draft_cache):
+            if isinstance(cache, kv.StaticKV):
+                cache.select_rows(keep)
+            elif cache is not None:
+                kv.select_rows(cache, idx)
         self._rows = [self._rows[i] for i in keep]
         for name in ("committed", "target_len", "draft_len", "draft_pending"):
             setattr(state, name, [getattr(state, name)[i] for i in keep])
         # Drop the leading columns that only the removed rows used.
-        if max(state.target_len) < state.target_mask.shape[1]:
+        if state.target_mask is not None and max(state.target_len) < state.target_mask.shape[1]:
             state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len)
-        if state.draft_cache is not None and max(state.draft_len) < state.draft_mask.shape[1]:
+        if state.draft_mask is not None and state.draft_cache is not None and \
+                max(state.draft_len) < state.draft_mask.shape[1]:
             state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len)
         self._rebatch()
 

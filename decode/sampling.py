@@ -180,6 +180,16 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
     return probs
 
 
+def greedy_ids(logits: torch.Tensor, sampling: BatchSampling, vocab_size: int | None = None,
+               counts: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax of :func:`probs_from_logits`' greedy one-hot, without building it: ``(B, K, V_model)`` ->
+    ``(B, K)`` int64 (same vocabulary fit and penalties, so the same id, ties included)."""
+    logits = _fit_vocab(logits.float(), vocab_size)
+    if sampling.penalized:
+        logits = apply_penalties(logits, counts, seen, sampling.presence, sampling.frequency, sampling.repetition)
+    return logits.argmax(-1)
+
+
 def logits_to_probs(
     logits: torch.Tensor,
     temperature: float = 1.0,

@@ -70,3 +70,23 @@ def verify(
     residual = torch.where(mass > 0, residual, p_n)
     next_token = sample(residual, generator, sample_u)
     return n_accepted, next_token
+
+
+def verify_greedy(target_ids: torch.Tensor, draft_tokens: torch.Tensor,
+                  num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for greedy rows from ids alone (p and q one-hot): accept while the draft equals the target's
+    argmax, then emit the target's argmax at the first mismatch (or the bonus position).
+
+    Args:
+        target_ids: ``(B, γ + 1)`` int64, the target's (penalised) argmax at each window position.
+        draft_tokens: ``(B, γ)`` int64; num_draft: ``(B,)`` each row's own γ_r (see :func:`verify`).
+
+    Returns:
+        ``(n_accepted (B,), next_token (B,))``, equal to :func:`verify` on the one-hot distributions.
+    """
+    gamma = draft_tokens.shape[1]
+    accepted = draft_tokens == target_ids[:, :gamma]
+    if num_draft is not None:
+        accepted &= torch.arange(gamma, device=draft_tokens.device) < num_draft[:, None]
+    n_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
+    return n_accepted, target_ids.gather(1, n_accepted[:, None])[:, 0]

@@ -1,5 +1,8 @@
 """KV-cache rollback: after every step each row's cache holds exactly its committed tokens (except the pending
-last one), and continuing from it gives the same logits as a fresh prefill of the committed sequence."""
+last one), and continuing from it gives the same logits as a fresh prefill of the committed sequence.
+
+Both layouts: the DynamicCache path (``static_cache=False``, the fallback) and the static path (the default for
+models whose layers are all full-attention ``StaticLayer``)."""
 import copy
 
 import pytest
@@ -31,7 +34,7 @@ def fresh_logits(model, seq):
 def test_rollback_matches_fresh_prefill(make, gamma):
     target = make(seed=0, layers=2)
     draft = perturbed_copy(target, 0.4)
-    dec = SpeculativeDecoder(target, draft, gamma)
+    dec = SpeculativeDecoder(target, draft, gamma, static_cache=False)
     prompts = [[4, 8, 15], [16, 23, 42, 7, 9, 11], [5]]
     for i, p in enumerate(prompts):
         dec.add_request(p, max_new_tokens=200, temperature=1.0, seed=i)
@@ -62,7 +65,7 @@ def test_rollback_matches_fresh_prefill(make, gamma):
 def test_rows_joining_mid_flight_keep_caches_exact():
     target = tiny_llama(seed=0, layers=2)
     draft = perturbed_copy(target, 0.4)
-    dec = SpeculativeDecoder(target, draft, 3)
+    dec = SpeculativeDecoder(target, draft, 3, static_cache=False)
     dec.add_request([7], max_new_tokens=100)  # a 1-token prompt: empty caches at prefill
     for step, prompt in enumerate([[4, 8, 15, 16, 23, 42, 3, 3, 9], [5], [11, 12]]):
         dec.step()
@@ -81,7 +84,7 @@ def test_rows_joining_mid_flight_keep_caches_exact():
 
 def test_batch1_cache_length_equals_committed_length():
     target = tiny_llama(seed=0)
-    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.8), 4)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.8), 4, static_cache=False)
     dec.add_request([3, 4, 5, 6], max_new_tokens=200, temperature=1.0, seed=1)
     for _ in range(6):
         dec.step()
@@ -114,3 +117,115 @@ def test_compact_crop_path_for_uniform_trailing_holes():
     new_mask = kv.compact(cache, mask, counts=[3, 2], trailing_holes=2)
     assert new_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
     assert kv.cache_width(cache) == 3 and cache.layers[0].keys[1, 0, :, 0].tolist() == [5, 6, 7]
+
+
+# ------------------------------------------------------------------------------------------------ static path
+@torch.no_grad()
+def next_logits_static(model, skv, pending, pending_mask, b):
+    """Feed row b's pending tokens on a snapshot of a StaticKV; return the logits after the last one."""
+    snap = copy.copy(skv)
+    snap.cache, snap.mask, snap.lens, snap._pos = copy.deepcopy(skv.cache), skv.mask.clone(), list(skv.lens), \
+        skv._pos.clone()
+    holes = not bool(pending_mask.all())
+    return snap.forward(model, pending, pending_mask if holes else None, holes=holes)[b, -1]
+
+
+def check_static_state(dec, target, draft):
+    state = dec.state
+    t, d = state.target_cache, state.draft_cache
+    assert isinstance(t, kv.StaticKV) and isinstance(d, kv.StaticKV)
+    for b, seq in enumerate(state.committed):
+        assert t.lens[b] == len(seq) - 1 == int(t.mask[b, : t.W].sum())
+        pending = int(state.draft_in_mask[b].sum())
+        assert d.lens[b] == len(seq) - pending == int(d.mask[b, : d.W].sum())
+        got = next_logits_static(target, t, state.last[:, None], torch.ones_like(state.last)[:, None], b)
+        torch.testing.assert_close(got, fresh_logits(target, seq), atol=1e-9, rtol=1e-9)
+        got_d = next_logits_static(draft, d, state.draft_in, state.draft_in_mask, b)
+        torch.testing.assert_close(got_d, fresh_logits(draft, seq), atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_static_rollback_matches_fresh_prefill(make, gamma):
+    """Ragged sampled batch on the static cache: rejected slots are only masked (or overwritten), rows keep
+    holes until a compaction, and continuing from the cache equals a fresh prefill at every step; the buffers
+    are written in place (no per-step allocation) except when the cache is compacted or grown."""
+    target = make(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.4)
+    dec = SpeculativeDecoder(target, draft, gamma)
+    prompts = [[4, 8, 15], [16, 23, 42, 7, 9, 11], [5]]
+    for i, p in enumerate(prompts):
+        dec.add_request(p, max_new_tokens=200, temperature=1.0, seed=i)
+    in_place = relayouts = 0
+    for _ in range(24):
+        before = (dec.state.target_cache.L if dec.state else None,
+                  dec.state.target_cache.cache.layers[0].keys.data_ptr() if dec.state else None)
+        assert dec.step() == []
+        t = dec.state.target_cache
+        if before[0] == t.L and before[1] == t.cache.layers[0].keys.data_ptr():
+            in_place += 1
+        else:
+            relayouts += 1
+        check_static_state(dec, target, draft)
+    hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._rows))]
+    assert hist[-1] > 0 and sum(hist[:-1]) > 0  # steps with all drafts accepted and steps with a rejection
+    assert dec.state.target_cache.holey  # rows accepted different lengths: holes exist and are masked
+    assert in_place >= 20 and relayouts <= 4  # first step (admission) + at most a few growths
+
+
+def test_static_batch1_has_no_holes_and_passes_no_mask():
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, 0.8)
+    dec = SpeculativeDecoder(target, draft, 4)
+    dec.add_request([3, 4, 5, 6], max_new_tokens=200, temperature=1.0, seed=1)
+    for _ in range(8):
+        dec.step()
+        t, d = dec.state.target_cache, dec.state.draft_cache
+        assert not t.holey and not d.holey  # so forwards take HF's causal path without an attention mask
+        assert t.W == len(dec.state.committed[0]) - 1  # a rejection moved the write column back
+        check_static_state(dec, target, draft)
+
+
+def test_static_rows_joining_and_leaving_mid_flight_keep_caches_exact():
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.4)
+    dec = SpeculativeDecoder(target, draft, 3)
+    dec.add_request([7], max_new_tokens=100)  # a 1-token prompt: empty caches at prefill
+    long_prompt = [4, 8, 15, 16, 23, 42, 3, 3, 9] * 3  # longer than the running rows: the old rows shift right
+    for step, prompt in enumerate([long_prompt, [5], [11, 12]]):
+        dec.step()
+        dec.add_request(prompt, max_new_tokens=100)
+        dec.step()
+        assert len(dec.state.committed) == step + 2
+        check_static_state(dec, target, draft)
+    short = dec.add_request([9, 9], max_new_tokens=2)
+    finished = []
+    while not finished:
+        finished = dec.step()
+    assert [o.request_id for o in finished] == [short]  # a row leaves; the others' caches stay exact
+    assert dec.num_active() == 4
+    check_static_state(dec, target, draft)
+    assert dec.abort(dec.active_ids[0])
+    check_static_state(dec, target, draft)
+
+
+def test_unsupported_architecture_falls_back_with_a_notice():
+    """A model with sliding-window layers cannot use the static path: one warning line, then the DynamicCache
+    path, still exactly greedy past the window (the DynamicCache keeps every slot; the model's own mask applies
+    the window)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    target = Qwen2ForCausalLM(cfg).double().eval()
+    draft = perturbed_copy(target, 0.4)
+    with pytest.warns(UserWarning, match="cannot use the static KV cache") as record:
+        dec = SpeculativeDecoder(target, draft, 3)
+    assert all(len(str(w.message).splitlines()) == 1 for w in record)
+    prompt = torch.tensor([[4, 8, 15, 16, 23, 42, 3, 3, 9, 1, 2, 5]])
+    out = dec.generate(prompt, max_new_tokens=24)
+    assert dec.state is None and not dec._static["target"] and not dec._static["draft"]
+    ref = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    assert out.new_tokens[0].tolist() == ref.tolist()

@@ -91,3 +91,22 @@ def test_same_seed_same_result():
     a = verify(q.expand(50, 4, V), p.expand(50, 5, V), tokens, torch.Generator().manual_seed(9))
     b = verify(q.expand(50, 4, V), p.expand(50, 5, V), tokens, torch.Generator().manual_seed(9))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_verify_greedy_equals_verify_on_one_hots():
+    """Ids-only greedy verification gives what verify gives on the one-hot p and q, ragged γ_r included."""
+    from decode.verify import verify_greedy
+
+    g = torch.Generator().manual_seed(0)
+    B, gamma, V = 64, 4, 5  # a small V makes matches (accepted drafts) frequent
+    target_ids = torch.randint(0, V, (B, gamma + 1), generator=g)
+    drafts = torch.where(torch.rand(B, gamma, generator=g) < 0.7, target_ids[:, :gamma],
+                         torch.randint(0, V, (B, gamma), generator=g))
+    p = torch.nn.functional.one_hot(target_ids, V).float()
+    q = torch.nn.functional.one_hot(drafts, V).float()
+    for num_draft in (None, torch.randint(0, gamma + 1, (B,), generator=g)):
+        n_ref, nxt_ref = verify(q, p, drafts, accept_u=torch.rand(B, gamma, generator=g),
+                                sample_u=torch.rand(B, generator=g), num_draft=num_draft)
+        n, nxt = verify_greedy(target_ids, drafts, num_draft)
+        assert n.tolist() == n_ref.tolist() and nxt.tolist() == nxt_ref.tolist()
+        assert 0 < int((n == (num_draft if num_draft is not None else gamma)).sum()) < B  # both cases occur

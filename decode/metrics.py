@@ -52,18 +52,8 @@ class DecodeStats:
         A plain step (``num_drafted == 0``) is not a verify step and changes nothing here."""
         if num_drafted == 0:
             return
-        for lst, n in ((self.accepted_per_position, num_drafted), (self.drafted_per_position, num_drafted),
-                       (self.accepted_length_histogram, num_drafted + 1)):
-            lst.extend([0] * (n - len(lst)))
-        for n in num_accepted:
-            self.num_drafted += num_drafted
-            self.num_accepted += n
-            self.num_verify_steps += 1
-            self.num_rejections += int(n < num_drafted)
-            self.accepted_length_histogram[n] += 1
-            for i in range(num_drafted):
-                self.drafted_per_position[i] += 1
-                self.accepted_per_position[i] += int(i < n)
+        for n in num_accepted:  # every draft of an untrimmed step was used: num_kept = n + 1
+            self.record_row_step(num_drafted, n, n + 1)
 
     def record_row_step(self, num_drafted: int, num_accepted: int, num_kept: int) -> None:
         """Add one row's verify step, counting only the tokens the row kept (after the eos/length trim).

@@ -241,14 +241,13 @@ def encode_prompts(
     """
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1 (got {max_prompt_tokens})")
+    from decode.loading import chat_prompt_ids
+
     use_template = chat_template and getattr(tokenizer, "chat_template", None)
     out = []
     for p in prompts:
         if use_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
-                ids = ids["input_ids"]
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": p.text}])
         else:
             ids = tokenizer(p.text)["input_ids"]
         ids = list(ids)

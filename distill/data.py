@@ -186,11 +186,9 @@ def _field(row: dict, field: str, where: str, index: int | None = None) -> str:
 def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
     """Token ids of a prompt: the tokenizer's chat template (one user turn + generation prompt) when it has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        from decode.loading import chat_prompt_ids
+
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
     return [int(t) for t in tokenizer(text)["input_ids"]]
 
 

@@ -21,12 +21,12 @@ One job per module (see docs/bench.md):
 from decode.bench.cli import build_parser, main, run_cli
 from decode.bench.config import HF, OURS, BenchConfig, Method, build_methods, parse_gammas
 from decode.bench.hf_assisted import hf_generation_config, run_hf
-from decode.bench.pool import alpha_from_steps, predicted_speedup_verify_aware
+from decode.bench.pool import alpha_from_steps
 from decode.bench.report import OutputPaths, must_show, render_tables, validate_results, write_outputs
 from decode.bench.runs import SCHEMA_VERSION, compile_supported, run_benchmark, run_ours
 from decode.speedup import measure_cost_ratio
 
 __all__ = ["BenchConfig", "Method", "OURS", "HF", "SCHEMA_VERSION", "OutputPaths", "alpha_from_steps",
            "build_methods", "build_parser", "compile_supported", "hf_generation_config", "main", "measure_cost_ratio",
-           "must_show", "parse_gammas", "predicted_speedup_verify_aware", "render_tables", "run_benchmark", "run_cli",
+           "must_show", "parse_gammas", "render_tables", "run_benchmark", "run_cli",
            "run_hf", "run_ours", "validate_results", "write_outputs"]

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from decode.bench.config import HF, OURS, BenchConfig, Method
 from decode.metrics import DecodeStats
-from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
+from decode.speedup import best_gamma, predicted_speedup
 
 
 def alpha_of(stats: DecodeStats) -> float | None:
@@ -37,13 +37,6 @@ def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None
     for gamma, n_accepted in steps:
         stats.record_step(gamma, list(n_accepted))
     return alpha_of(stats)
-
-
-def predicted_speedup_verify_aware(alpha: float, gamma: int, cost_ratio: float, verify_cost: float) -> float:
-    """Leviathan et al.'s prediction with the measured verify cost: E[tokens per step] / (γc + v_γ), where v_γ is
-    the time of a (γ+1)-token target forward over a 1-token one (``measure_cost_ratio``); v_γ = 1 gives the
-    paper's formula. Still ignores sampling, cache bookkeeping and host syncs."""
-    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + verify_cost)
 
 
 def stats_counts(stats: DecodeStats | None) -> dict[str, int] | None:
@@ -98,8 +91,8 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
             m["predicted_gamma"] = int(g)
             m["predicted_speedup"] = float(predicted_speedup(m["alpha"], g, cost_ratio))
             if verify_cost and g in verify_cost:
-                m["predicted_speedup_verify_aware"] = predicted_speedup_verify_aware(m["alpha"], g, cost_ratio,
-                                                                                     verify_cost[g])
+                m["predicted_speedup_verify_aware"] = predicted_speedup(m["alpha"], g, cost_ratio,
+                                                                        verify_cost=verify_cost[g])
     return m
 
 
@@ -159,7 +152,7 @@ def _summarise(t: float, runs: list[dict], records, methods: list[Method], cfg: 
         bg = int(best_gamma(alpha, c, max_gamma=top))  # 0 means: speculation cannot pay off with this c
         curve = {g: float(predicted_speedup(alpha, g, c)) for g in range(0, top + 1)}
         tested = {g: curve[g] for g in cfg.gammas}
-        aware = {g: predicted_speedup_verify_aware(alpha, g, c, v[g]) for g in cfg.gammas if g in v}
+        aware = {g: predicted_speedup(alpha, g, c, verify_cost=v[g]) for g in cfg.gammas if g in v}
         entry.update(best_gamma_predicted=bg, predicted_speedup_at_best=curve[bg],
                      best_gamma_predicted_tested=max(tested, key=tested.get) if tested else None,
                      best_gamma_verify_aware_tested=max(aware, key=aware.get) if aware else None,

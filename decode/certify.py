@@ -472,11 +472,9 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
     if not 0 < args.alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {args.alpha}")
     if args.out is not None:
-        out = Path(args.out)
-        if out.exists() and not args.overwrite:
-            raise ValueError(f"--out {out} exists; pass --overwrite to replace it or choose another file")
-        if out.exists() and out.is_dir():
-            raise ValueError(f"--out {out} is a directory; give a file name such as {out / 'certificate.json'}")
+        from decode.outputs import check_output_file
+
+        check_output_file(args.out, "--out", args.overwrite)
     return settings
 
 

@@ -476,18 +476,12 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
     Raises:
         SetupError: naming ``key`` and the fix.
     """
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise SetupError(f"{key} {str(path)!r} is a folder; give a file name, e.g. {key} {p / 'results.json'}")
-    if not p.parent.is_dir():
-        raise SetupError(f"{key} {str(path)!r}: folder {str(p.parent)!r} does not exist; create it or choose "
-                         "another path")
-    if not os.access(p.parent, os.W_OK):
-        raise SetupError(f"{key} {str(path)!r}: folder {str(p.parent)!r} is not writable; choose another path")
-    if p.exists() and not overwrite:
-        raise SetupError(f"{key} {str(path)!r} exists and would be overwritten; choose a new file or pass "
-                         "--overwrite")
-    return p
+    from decode.outputs import check_output_file as check
+
+    try:
+        return check(path, key, overwrite)
+    except ValueError as err:
+        raise SetupError(str(err)) from err
 
 
 def check_output_dir(path: str | os.PathLike, key: str) -> Path:

@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--max-requests and --max-tokens must be >= 1")
     if args.output and os.path.exists(args.output):
         raise FileExistsError(f"--output {args.output!r} exists; pick a new path (results are never overwritten)")
+    if args.output:
+        from decode.outputs import check_output_file
+
+        check_output_file(args.output, "--output")  # its folder exists and is writable
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

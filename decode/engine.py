@@ -287,7 +287,8 @@ class SpeculativeDecoder:
         gammas = self._row_gammas()
         n_acc, new = self._speculative_step(max(gammas), gammas)
         if self._adaptive is not None and max(gammas) > 0:
-            self._adaptive.update(sum(gammas), sum(n_acc))
+            self._adaptive.update(sum(gammas), sum(n_acc),
+                                  num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g))
         return self._commit(gammas, n_acc, new)
 
     # ------------------------------------------------------------------ admission
@@ -443,7 +444,7 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def calibrate(self, context_ids: Sequence[int], batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                  repeats: int = 3) -> dict[int, dict]:
+                  repeats: int = 5) -> dict[int, dict]:
         """Measure the ``"auto"`` cost model now (else it is measured at first use, inside a step).
 
         Args:
@@ -452,9 +453,10 @@ class SpeculativeDecoder:
             repeats: timed forwards per measurement (median).
 
         Returns:
-            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``.
+            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``; the
+            measured v_γ are made non-decreasing in γ and >= 1 (:func:`decode.speedup.monotone_costs`).
         """
-        from decode.speedup import measure_cost_ratio
+        from decode.speedup import measure_cost_ratio, monotone_costs
 
         if self.draft is None:
             raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
@@ -466,8 +468,8 @@ class SpeculativeDecoder:
             context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
             m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
                                    verify_gammas=range(1, self.max_auto_draft_tokens + 1))
-            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
-                                  "verify": [1.0] + [v["relative_cost"] for v in m["verify"]]}
+            verify = [max(1.0, v) for v in monotone_costs([v["relative_cost"] for v in m["verify"]])]
+            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"], "verify": [1.0] + verify}
         return self.auto_costs
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -666,6 +668,7 @@ class SpeculativeDecoder:
             row.stats.num_draft_forwards += g
             if not row.new_tokens:
                 row.stats.ttft_s = now - row.added_at
+                row.stats.num_first_step_tokens = len(tokens)
             state.committed[i].extend(tokens)
             row.new_tokens.extend(tokens)
             calls.append((row, tokens))

@@ -43,6 +43,7 @@ class DecodeStats:
     num_target_forwards: int = 0
     num_draft_forwards: int = 0
     ttft_s: float = 0.0
+    num_first_step_tokens: int = 0
     total_s: float = 0.0
     peak_memory_bytes: int = 0
 
@@ -113,8 +114,12 @@ class DecodeStats:
 
     @property
     def per_token_latency_s(self) -> float:
-        """Seconds per new token after the first one (decode phase); 0.0 with fewer than two tokens per row."""
-        n = self.num_new_tokens - self.num_sequences
+        """Seconds per new token of the decode phase: the time after the first step (``total_s - ttft_s``) over
+        the tokens committed after it (``num_new_tokens - num_first_step_tokens``; the first step of a
+        speculative decoder commits up to γ+1 tokens, of plain decoding one; callers that do not record it count
+        one per sequence). 0.0 when no token came after the first step."""
+        first = self.num_first_step_tokens or self.num_sequences
+        n = self.num_new_tokens - first
         return (self.total_s - self.ttft_s) / n if n > 0 else 0.0
 
     @property
@@ -137,7 +142,7 @@ class DecodeStats:
         out = cls()
         for s in stats:
             for name in ("num_drafted", "num_accepted", "num_verify_steps", "num_rejections", "num_new_tokens", "num_sequences",
-                         "num_target_forwards", "num_draft_forwards", "ttft_s", "total_s"):
+                         "num_target_forwards", "num_draft_forwards", "ttft_s", "num_first_step_tokens", "total_s"):
                 setattr(out, name, getattr(out, name) + getattr(s, name))
             out.peak_memory_bytes = max(out.peak_memory_bytes, s.peak_memory_bytes)
             for name in ("accepted_per_position", "drafted_per_position", "accepted_length_histogram"):

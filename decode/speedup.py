@@ -63,16 +63,25 @@ class AdaptiveGamma:
     seeded run repeatable. γ ranges over ``[min_gamma, max_gamma]``; when the best is 0 (plain decoding pays
     more), one token is drafted at the first such step and every ``probe_every``-th one after, so that α keeps
     being measured.
+
+    α is Leviathan et al.'s per-token acceptance, estimated as accepted / (accepted + rejections): each row's step
+    is a run of Bernoulli(α) trials that stops at the first rejection, so the drafts after a rejection are not
+    trials (Σaccepted / Σdrafted, the acceptance rate, would underestimate α and pick too small a γ). For the first
+    ``warmup_steps`` verify steps γ stays at ``initial_gamma``: α can only be learnt by drafting, and a prior that
+    starts below the break-even α would otherwise keep γ at 0 with rare 1-token probes.
     """
 
     def __init__(self, max_gamma: int = 8, initial_gamma: int = 4, decay: float = 0.9,
                  prior_alpha: float = 0.5, prior_weight: float = 4.0, initial_cost_ratio: float = 0.1,
-                 min_gamma: int = 0, probe_every: int = 8):
+                 min_gamma: int = 0, probe_every: int = 8, warmup_steps: int = 2):
         if max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma
         self.min_gamma = min_gamma
-        self.gamma = max(1, min(initial_gamma, max_gamma))
+        self.initial_gamma = max(1, min(initial_gamma, max_gamma))
+        self.gamma = self.initial_gamma
+        self.warmup_steps = warmup_steps
+        self._steps_seen = 0
         self.decay = decay
         self.probe_every = probe_every
         self._accepted = prior_alpha * prior_weight
@@ -109,7 +118,10 @@ class AdaptiveGamma:
         self.gamma = max(range(self.min_gamma, self.max_gamma + 1), key=lambda g: (speed(g), -g))
 
     def next_gamma(self) -> int:
-        """γ for the next step: the current choice, or a 1-token probe every ``probe_every`` steps at γ = 0."""
+        """γ for the next step: ``initial_gamma`` during the warm-up, then the current choice, or a 1-token probe
+        every ``probe_every`` steps at γ = 0."""
+        if self._steps_seen < self.warmup_steps:
+            return self.initial_gamma
         if self.gamma > 0:
             return self.gamma
         self._idle += 1
@@ -119,11 +131,21 @@ class AdaptiveGamma:
         return 0
 
     def update(self, num_drafted: int, num_accepted: int, draft_s_per_forward: float | None = None,
-               target_s_per_forward: float | None = None) -> int:
-        """Fold in one verify step (pooled over rows) and return the γ to use next. Timings, if given, update c
-        (for callers that want a clock-driven estimate; the decoder passes none)."""
+               target_s_per_forward: float | None = None, num_rejected: int | None = None) -> int:
+        """Fold in one verify step (pooled over rows) and return the γ to use next.
+
+        Args:
+            num_drafted: Σγ_r; num_accepted: Σ accepted drafts.
+            num_rejected: rows whose run ended in a rejection (n_r < γ_r); with it α is estimated from
+                num_accepted + num_rejected trials (see the class docstring); None: from num_drafted (a run
+                with no information about where rejections fell).
+            draft_s_per_forward, target_s_per_forward: timings, if given, update c (for callers that want a
+                clock-driven estimate; the decoder passes none).
+        """
+        trials = num_drafted if num_rejected is None else num_accepted + num_rejected
+        self._steps_seen += 1
         self._accepted = self.decay * self._accepted + num_accepted
-        self._drafted = self.decay * self._drafted + num_drafted
+        self._drafted = self.decay * self._drafted + trials
         if draft_s_per_forward is not None and target_s_per_forward is not None and target_s_per_forward > 0:
             if not self._timed:  # replace the guess on the first measurement
                 self._draft_s, self._target_s, self._timed = draft_s_per_forward, target_s_per_forward, True
@@ -132,6 +154,26 @@ class AdaptiveGamma:
                 self._target_s = self.decay * self._target_s + (1 - self.decay) * target_s_per_forward
         self._choose()
         return self.gamma
+
+
+def monotone_costs(costs: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``costs`` in least squares (pool-adjacent-violators).
+
+    Verify costs v_γ (time of a γ+1-token forward over a 1-token one) cannot fall as γ grows; medians of a few
+    timed forwards sometimes do (noise, e.g. v_3 < v_2), and an auto-γ controller would then favour the γ that
+    happened to time fast. Returns a list of the same length; each value is the mean of its pooled block.
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for x in costs:
+        blocks.append([float(x), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    out: list[float] = []
+    for total, n in blocks:
+        out += [total / n] * int(n)
+    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -46,7 +46,7 @@ def stats_counts(stats: DecodeStats | None) -> dict[str, int] | None:
     return {k: int(getattr(stats, k)) for k in ("num_drafted", "num_accepted", "num_verify_steps", "num_rejections")}
 
 
-_EMPTY = ("decode_latency_s", "ttft_s", "peak_memory_bytes", "speedup", "alpha", "acceptance_rate",
+_EMPTY = ("decode_latency_s", "ttft_s", "peak_memory_bytes", "speedup", "decode_speedup", "alpha", "acceptance_rate",
           "mean_accepted_length", "acceptance_by_position", "accepted_per_position", "accepted_length_histogram",
           "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup",
           "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
@@ -73,6 +73,7 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
     peaks = [r["peak_memory_bytes"] for r in records if r.get("peak_memory_bytes")]
     m["peak_memory_bytes"] = max(peaks) if peaks else None
     if plain_records is not None:
+        m["decode_speedup"] = decode_speedup(records, plain_records)
         p_tokens = sum(len(r["new_tokens"]) for r in plain_records)
         p_wall = sum(r["wall_s"] for r in plain_records)
         if p_wall > 0 and p_tokens and tps:
@@ -94,6 +95,19 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
                 m["predicted_speedup_verify_aware"] = predicted_speedup(m["alpha"], g, cost_ratio,
                                                                         verify_cost=verify_cost[g])
     return m
+
+
+def decode_speedup(records: list[dict], plain_records: list[dict]) -> float | None:
+    """Speedup of the decode phase: plain decoding's seconds per token after the first step over the method's,
+    pooled (``DecodeStats.per_token_latency_s`` of the merged stats). Prefill and the first step are left out on
+    both sides: they are what Leviathan et al.'s per-step model (the predictions) leaves out. None when either
+    side has no engine stats (Hugging Face runs)."""
+    stats = [r.get("stats") for r in records]
+    plain = [r.get("stats") for r in plain_records]
+    if not stats or not plain or any(s is None for s in stats + plain):
+        return None
+    ours, ref = DecodeStats.merge(stats).per_token_latency_s, DecodeStats.merge(plain).per_token_latency_s
+    return ref / ours if ours > 0 and ref > 0 else None
 
 
 def _acceptance(s: DecodeStats) -> dict[str, Any]:

@@ -204,7 +204,8 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == t}
         checks = {(c["name"], c.get("batch_size")): c for c in entry["checks"]}
         assert set(checks) == {("cost_ratio_vs_bare", None), ("measured_vs_verify_aware", None),
-                               ("ours_vs_hf_assisted", None), ("batch_speedup", 2), ("auto_vs_best_fixed", None)}
+                               ("decode_vs_verify_aware", None), ("ours_vs_hf_assisted", None),
+                               ("batch_speedup", 2), ("auto_vs_best_fixed", None)}
         for c in entry["checks"]:
             assert c["ratio"] == pytest.approx(c["ours"] / c["reference"]), c["name"]
         assert (checks[("cost_ratio_vs_bare", None)]["ours"], checks[("cost_ratio_vs_bare", None)]["reference"]) == (
@@ -213,9 +214,14 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
         assert best["gamma"] == s["best_gamma_measured"]
         assert best["ours"] == runs[f"spec_g{best['gamma']}"]["speedup"]
         assert best["reference"] == runs[f"spec_g{best['gamma']}"]["predicted_speedup_verify_aware"]
+        decode = checks[("decode_vs_verify_aware", None)]
+        assert (decode["gamma"], decode["reference"]) == (best["gamma"], best["reference"])
+        assert decode["ours"] == runs[f"spec_g{best['gamma']}"]["decode_speedup"] is not None
         hf = checks[("ours_vs_hf_assisted", None)]
         assert (hf["gamma"], hf["ours"], hf["reference"]) == (3, runs["spec_g3"]["speedup"],
                                                               runs["hf_assisted_g3"]["speedup"])
+        assert hf["analytic_bound"] == pytest.approx(runs["spec_g3"]["predicted_speedup_verify_aware"]
+                                                     / runs["hf_assisted_g3"]["speedup"])
         batch = checks[("batch_speedup", 2)]
         row = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] == 2
                and b["method"] != "plain"][0]
@@ -283,8 +289,8 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
                                                       "hf_assisted_g2"}
     assert results["config"]["target"] == str(saved_pair / "target")
     assert [c["name"] for c in results["report"][0]["checks"]] == [
-        "cost_ratio_vs_bare", "measured_vs_verify_aware", "ours_vs_hf_assisted", "batch_speedup",
-        "auto_vs_best_fixed"]
+        "cost_ratio_vs_bare", "measured_vs_verify_aware", "decode_vs_verify_aware", "ours_vs_hf_assisted",
+        "batch_speedup", "auto_vs_best_fixed"]
     printed = capsys.readouterr().out
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
     assert "must-show (issue #8)" in printed and "ours / HF assisted speedup, γ=2" in printed

@@ -33,6 +33,11 @@ def test_pooling_is_not_mean_of_ratios():
 def test_timing_metrics():
     s = DecodeStats(num_new_tokens=21, num_sequences=1, ttft_s=0.5, total_s=2.5)
     assert s.per_token_latency_s == pytest.approx(2.0 / 20)
+    # a speculative first step that committed 5 tokens: the decode phase has the 16 after it
+    s = DecodeStats(num_new_tokens=21, num_sequences=1, ttft_s=0.5, total_s=2.5, num_first_step_tokens=5)
+    assert s.per_token_latency_s == pytest.approx(2.0 / 16)
+    merged = DecodeStats.merge([s, s])
+    assert merged.num_first_step_tokens == 10 and merged.per_token_latency_s == pytest.approx(4.0 / 32)
     assert s.tokens_per_s == pytest.approx(21 / 2.5)
     d = s.to_dict()
     assert d["tokens_per_s"] == pytest.approx(8.4) and "acceptance_by_position" in d

@@ -1,7 +1,7 @@
 """Leviathan et al. (2023) speedup formulas and the adaptive γ controller."""
 import pytest
 
-from decode.speedup import AdaptiveGamma, best_gamma, expected_tokens_per_step, predicted_speedup
+from decode.speedup import AdaptiveGamma, best_gamma, expected_tokens_per_step, monotone_costs, predicted_speedup
 
 
 def test_expected_tokens_matches_series():
@@ -43,3 +43,38 @@ def test_adaptive_gamma_follows_acceptance():
         ctl.update(num_drafted=ctl.gamma, num_accepted=0, draft_s_per_forward=0.01, target_s_per_forward=1.0)
     assert ctl.gamma == 1 and ctl.alpha < 0.05
     assert ctl.cost_ratio == pytest.approx(0.01)
+
+
+def test_adaptive_gamma_estimates_per_token_alpha_not_the_acceptance_rate():
+    # α = 0.8 as truncated-geometric runs at γ = 4: per step 4 drafted, on average 2.36 accepted and 0.59
+    # rejections. Σaccepted / Σdrafted would give 0.59; the per-token estimate must give 0.8.
+    ctl = AdaptiveGamma(max_gamma=8, decay=1.0, prior_weight=0.0)
+    for n in [4, 4, 0, 4, 1, 4, 2, 4, 3, 4] * 20:  # per 10 steps: 30 accepted, 4 rejections, 40 drafted
+        ctl.update(num_drafted=4, num_accepted=n, num_rejected=int(n < 4))
+    assert ctl.alpha == pytest.approx(30 / 34)
+    rate = AdaptiveGamma(max_gamma=8, decay=1.0, prior_weight=0.0)
+    for n in [4, 4, 0, 4, 1, 4, 2, 4, 3, 4] * 20:
+        rate.update(num_drafted=4, num_accepted=n)  # no rejection count: trials = drafted (old behaviour)
+    assert rate.alpha == pytest.approx(30 / 40)
+
+
+def test_adaptive_gamma_drafts_during_warmup_then_follows_the_cost_model():
+    ctl = AdaptiveGamma(max_gamma=8, initial_gamma=4, warmup_steps=2)
+    ctl.set_costs(0.9, [1.0] + [1.5] * 8)  # drafting never pays at these costs
+    assert ctl.gamma == 0 and ctl.next_gamma() == 4  # but α is unknown yet: draft to learn it
+    ctl.update(num_drafted=4, num_accepted=0, num_rejected=1)
+    assert ctl.next_gamma() == 4
+    ctl.update(num_drafted=4, num_accepted=0, num_rejected=1)
+    assert ctl.next_gamma() in (0, 1)  # warm-up over: plain steps with a 1-token probe every probe_every
+
+
+@pytest.mark.parametrize("costs,expected", [
+    ([1.4, 1.6, 1.4, 1.6], [1.4, 1.5, 1.5, 1.6]),
+    ([1.0, 1.1, 1.2], [1.0, 1.1, 1.2]),
+    ([2.0, 1.0, 1.0, 1.0], [1.25, 1.25, 1.25, 1.25]),
+])
+def test_monotone_costs_is_the_least_squares_non_decreasing_fit(costs, expected):
+    out = monotone_costs(costs)
+    assert out == pytest.approx(expected)
+    assert all(a <= b for a, b in zip(out, out[1:]))
+    assert sum(out) == pytest.approx(sum(costs))  # pooling keeps block means

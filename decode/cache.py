@@ -182,6 +182,45 @@ def concat_rows(cache: Any, mask: torch.Tensor, other: Any, other_mask: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- static path
+def _used_width_layer_class():
+    """A ``StaticLayer`` that attends only over the columns in use: ``update`` writes by position as its parent
+    and returns the buffers cut to ``used`` columns, and ``get_mask_sizes`` reports that width, so attention and
+    the mask cover ``W + k`` columns instead of the preallocated L (and a one-token forward with no mask takes
+    SDPA's unmasked path). The owner sets ``used`` before each forward. Not compileable in Hugging Face's sense
+    (the width changes per call); the decoder's ``compile=True`` compiles with dynamic shapes."""
+    from transformers.cache_utils import StaticLayer
+
+    class UsedWidthStaticLayer(StaticLayer):
+        is_compileable = False
+        used = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            return keys[:, :, : self.used], values[:, :, : self.used]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.used, 0
+
+    return UsedWidthStaticLayer
+
+
+_USED_WIDTH_LAYER = None
+
+
+def _static_cache(model: Any, max_cache_len: int) -> Any:
+    """A transformers ``StaticCache`` for ``model`` whose layers attend over the used columns only."""
+    global _USED_WIDTH_LAYER
+    from transformers import StaticCache
+
+    if _USED_WIDTH_LAYER is None:
+        _USED_WIDTH_LAYER = _used_width_layer_class()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
+    for layer in cache.layers:
+        layer.__class__ = _USED_WIDTH_LAYER  # same state, narrower view; see _used_width_layer_class
+    return cache
+
+
 class StaticKV:
     """A preallocated Hugging Face ``StaticCache`` of physical width L for B rows, written by column.
 
@@ -242,11 +281,8 @@ class StaticKV:
             layer.cumulative_length.fill_(w)
 
     def _alloc(self, B: int, L: int, like: torch.Tensor, like_v: torch.Tensor) -> tuple[list, list]:
-        from transformers import StaticCache
-
         if self.cache is None:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            self.cache = StaticCache(config=base.config, max_cache_len=L)
+            self.cache = _static_cache(self.model, L)
         keys, values = [], []
         for layer in self.cache.layers:
             k = like.new_zeros(B, like.shape[1], L, like.shape[3])
@@ -361,11 +397,8 @@ class StaticKV:
         """
         k = input_ids.shape[1]
         if self.cache is None:
-            from transformers import StaticCache
-
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
             L = self._size(k + 64)
-            self.cache = StaticCache(config=base.config, max_cache_len=L)
+            self.cache = _static_cache(model, L)
             self.L = L
             self.mask = torch.zeros(self.batch_size, L, dtype=torch.bool, device=self.device)
         self.ensure_room(k)
@@ -381,7 +414,9 @@ class StaticKV:
             self._pos = self._pos + input_mask.sum(-1)
         positions = positions.clamp(0, max_position)
         self.holey = self.holey or holes
-        attn = self.mask if self.holey else None
+        attn = self.mask[:, : W + k] if self.holey else None
+        for layer in self.cache.layers:
+            layer.used = W + k
         kwargs = {_cache_kwarg(model): self.cache, "logits_to_keep": logits_to_keep or 0}
         out = (call or model)(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
                               **kwargs)

@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model weight-loading bars drown the command's own progress
     try:
         fn = getattr(importlib.import_module(module), func)
     except ModuleNotFoundError as err:

@@ -43,6 +43,7 @@ def test_generate_table_and_sampling(saved_pair):
             "--prompt", "w5", "-g", "auto", "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr
     assert "acceptance_rate" in r.stderr and "mean_accepted_length" in r.stderr
+    assert "Loading weights" not in r.stderr  # no per-model weight-loading bars
 
 
 def test_missing_path_is_a_clear_error(saved_pair, tmp_path):

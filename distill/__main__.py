@@ -249,6 +249,7 @@ def run_eval(cfg: Any, opts: dict) -> None:
 
     from distill.config import normalize_config
     from distill.evaluate import acceptance_eval
+    from distill.logging import Progress
     from distill.models import context_length
     from distill.recipe import load_data
 
@@ -258,11 +259,13 @@ def run_eval(cfg: Any, opts: dict) -> None:
     _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
-    result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
-                             num_draft_tokens=int(cfg.eval.num_draft_tokens),
-                             max_new_tokens=int(cfg.eval.max_new_tokens),
-                             batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
-                             cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma))
+    with Progress(str(cfg.train.progress)).reporting() as report:
+        result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
+                                 num_draft_tokens=int(cfg.eval.num_draft_tokens),
+                                 max_new_tokens=int(cfg.eval.max_new_tokens),
+                                 batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
+                                 cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma),
+                                 progress=report)
     text = json.dumps(result, indent=2)
     if opts.get("out"):
         Path(opts["out"]).write_text(text)

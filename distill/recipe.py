@@ -71,7 +71,7 @@ def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float, t
     """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``.
 
     ``time_progress`` (elapsed / ``train.max_time_s``, 0 without a budget) drives the decay when it is ahead of
-    the step count, so a run cut by its wall-clock budget still ends at ``min_ratio`` (as distill/pretrain.py does).
+    the step count, so a run cut by its wall-clock budget still ends at ``min_ratio`` (as quickstart/pretrain.py does).
     """
     if step < warmup:
         return (step + 1) / warmup

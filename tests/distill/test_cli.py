@@ -12,7 +12,7 @@ from distill_helpers import PY, REPO, overrides, subprocess_env
 def test_help_lists_subcommands(capsys):
     main(["--help"])
     text = capsys.readouterr().out
-    for name in ("train", "export", "generate-data", "eval", "pretrain"):
+    for name in ("train", "export", "generate-data", "eval", "convert-checkpoint", "cache-logits", "bench-step"):
         assert name in text and name in SUBCOMMANDS
 
 
@@ -22,16 +22,12 @@ def test_unknown_subcommand(capsys):
     assert e.value.code == 2 and "unknown subcommand 'fly'" in capsys.readouterr().err
 
 
-def test_pretrain_dispatches_lazily(monkeypatch):
-    import sys
-    import types
-
-    seen = []
-    fake = types.ModuleType("distill.pretrain")
-    fake.main = lambda argv: seen.append(argv)
-    monkeypatch.setitem(sys.modules, "distill.pretrain", fake)
-    main(["pretrain", "--budget", "1"])
-    assert seen == [["--budget", "1"]]
+def test_pretrain_is_the_quickstart_s_command(capsys):
+    """Pretraining a pair is the quickstart program's job: the distill CLI names the command to run instead."""
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", "--size", "draft"])
+    assert e.value.code == 2
+    assert "python -m quickstart pretrain --size draft" in capsys.readouterr().err
 
 
 def test_train_setup_error_exits_2(pair, tmp_path, capsys):

@@ -108,6 +108,24 @@ def test_truncated_or_incomplete_checkpoints_are_named(run, tmp_path):
         ckpt.read_state(bad)
 
 
+@pytest.mark.parametrize("name", ["trainer_state.json", "model.safetensors", "scheduler.json", "optimizer.safetensors"])
+def test_resume_from_a_truncated_file_exits_2_naming_it(pair, run, tmp_path, capsys, monkeypatch, name):
+    """`train.resume=PATH` with a truncated file (a copy cut short, a full disk): one error naming the file, exit 2,
+    before any model loads (these gave raw JSON/safetensors/pickle decoder tracebacks)."""
+    from distill.__main__ import main
+
+    bad = tmp_path / "step_000002"
+    shutil.copytree(run / "step_000002", bad)
+    data = (bad / name).read_bytes()
+    (bad / name).write_bytes(data[: len(data) // 2])
+    monkeypatch.setattr("distill.models.load_target", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", *overrides(pair, tmp_path / "resumed", f"train.resume={bad}")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{name} is missing or has the wrong size" in err and "Traceback" not in err
+    assert not (tmp_path / "resumed").exists()
+
+
 # ------------------------------------------------------------------------------------------------ earlier layout
 
 def _legacy(pair, run, dst):

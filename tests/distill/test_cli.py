@@ -197,3 +197,22 @@ def test_resume_a_one_process_run_with_two_processes_continues_at_its_example(pa
     w1, w2 = (load_file(str(d / "step_000004" / "model.safetensors")) for d in (one, two))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_tied_draft_run_and_its_export_print_only_their_own_lines(pair, tmp_path):
+    """A draft with tied embeddings saved through accelerate's save_state printed "Removed shared tensor" at every
+    checkpoint, and every load printed weight-loading bars; the CLI prints only the run's own lines."""
+    from distill_helpers import make_llama
+
+    tied = tmp_path / "tied"
+    make_llama(tied, pair["vocab"], layers=1, seed=3, tie=True)
+    out, exported = tmp_path / "run", tmp_path / "export"
+    for argv in (["train", *overrides(pair, out, f"draft.name_or_path={tied}", "eval.temperatures=[0.0]")],
+                 ["export", str(out / "best"), str(exported)]):
+        r = subprocess.run([PY, "-m", "distill", *argv], cwd=REPO, env=subprocess_env(), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        for noise in ("Removed shared tensor", "Loading weights", "Writing model shards", "Generating train split",
+                      "Warning"):
+            assert noise not in r.stdout + r.stderr, (argv[0], noise, r.stderr[-2000:])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4 and (exported / "config.json").is_file()

@@ -11,7 +11,7 @@ import copy
 import math
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -183,7 +183,8 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21,
-                       verify_gammas: Sequence[int] = ()) -> dict[str, Any]:
+                       verify_gammas: Sequence[int] = (),
+                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Measure c = draft forward time / target forward time on this hardware, and the cost of verify forwards.
 
     Both models are prefilled with all but the last token of ``context_ids``; each timed call is then one decode
@@ -200,6 +201,8 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
             measure the costs at batch size B.
         repeats: timed forwards per measurement (after 2 untimed ones); the median is used.
         verify_gammas: γ values whose verify forward (γ+1 tokens) is timed on the target.
+        progress: called as ``progress(done, total)`` after each round of timed forwards (``total`` =
+            ``repeats`` + 2 untimed ones), e.g. to drive a progress bar.
 
     Returns:
         dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
@@ -228,6 +231,8 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
             _sync(device)
             if i >= 2:  # the first calls pay for lazy initialisation
                 samples[label].append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(i + 1, repeats + 2)
     t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
     verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(samples[f"verify{g}"]),
                "relative_cost": statistics.median(samples[f"verify{g}"]) / t} for g in sorted(set(verify_gammas))]

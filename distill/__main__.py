@@ -5,7 +5,6 @@ Subcommands:
   generate-data  make and cache target-generated completions (sequence-level KD) for the configured data
   eval           measure α/τ of a draft (draft.name_or_path) against the target on the eval prompts
   export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
-  pretrain       pre-train a small target/draft pair on a text corpus (distill/pretrain.py)
   convert-checkpoint  CHECKPOINT: rewrite a checkpoint of the earlier pickle layout as safetensors + JSON
   cache-logits   score the training data with the target once; store top-k log-probs + tail (distill/logit_cache.py)
   bench-step     time the recipe's step against its bound (target forward + draft forward/backward/optimizer)
@@ -32,7 +31,6 @@ SUBCOMMANDS = {
     "generate-data": "cache target completions (sequence-level KD): python -m distill generate-data [k=v ...]",
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
-    "pretrain": "pre-train a small target/draft pair on a corpus: python -m distill pretrain --help",
     "convert-checkpoint": "rewrite a checkpoint of the earlier pickle layout as safetensors + JSON: "
                           "python -m distill convert-checkpoint CHECKPOINT",
     "cache-logits": "cache the target's top-k log-probs + tail mass: python -m distill cache-logits "
@@ -249,6 +247,7 @@ def run_eval(cfg: Any, opts: dict) -> None:
 
     from distill.config import normalize_config
     from distill.evaluate import acceptance_eval
+    from distill.logging import Progress
     from distill.models import context_length
     from distill.recipe import load_data
 
@@ -258,11 +257,13 @@ def run_eval(cfg: Any, opts: dict) -> None:
     _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
-    result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
-                             num_draft_tokens=int(cfg.eval.num_draft_tokens),
-                             max_new_tokens=int(cfg.eval.max_new_tokens),
-                             batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
-                             cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma))
+    with Progress(str(cfg.train.progress)).reporting() as report:
+        result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
+                                 num_draft_tokens=int(cfg.eval.num_draft_tokens),
+                                 max_new_tokens=int(cfg.eval.max_new_tokens),
+                                 batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
+                                 cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma),
+                                 progress=report)
     text = json.dumps(result, indent=2)
     if opts.get("out"):
         Path(opts["out"]).write_text(text)
@@ -416,14 +417,6 @@ def cmd_export(argv: list[str]) -> None:
                       "acceptance_rate": ev.get("acceptance_rate")}, indent=2))
 
 
-def cmd_pretrain(argv: list[str]) -> None:
-    try:
-        from distill.pretrain import main as pretrain_main
-    except ImportError as e:
-        _fail(RuntimeError(f"`pretrain` needs distill/pretrain.py, which is not available here ({e})"))
-    pretrain_main(argv)
-
-
 def cmd_convert_checkpoint(argv: list[str]) -> None:
     from distill.checkpoint import CheckpointError, convert_legacy
 
@@ -456,7 +449,9 @@ def run_bench_step(cfg: Any, opts: dict) -> None:
                overwrite=bool(opts.get("overwrite")))
 
 
-COMMANDS = {"export": cmd_export, "pretrain": cmd_pretrain, "convert-checkpoint": cmd_convert_checkpoint}
+COMMANDS = {"export": cmd_export, "convert-checkpoint": cmd_convert_checkpoint}
+# Programs that use the library rather than belong to it (the quickstart package).
+ELSEWHERE = {"pretrain": "python -m quickstart pretrain", "quickstart": "python -m quickstart"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -480,6 +475,9 @@ def main(argv: list[str] | None = None) -> None:
         run_hydra_command(name, rest)
     elif name in COMMANDS:
         COMMANDS[name](rest)
+    elif name in ELSEWHERE:
+        _fail(f"`{name}` is part of the quickstart program, not of the distill library: run "
+              f"`{ELSEWHERE[name]} {' '.join(rest) or '--help'}`".rstrip())
     else:
         close = difflib.get_close_matches(name, list(SUBCOMMANDS), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""

@@ -503,7 +503,7 @@ def convert_legacy(path: str | Path) -> Path:
 
 
 def _convert_pretrain_resume(path: Path) -> Path:
-    """``<out>/resume.pt`` of ``distill pretrain`` -> ``<out>/resume/`` (see distill/pretrain.py)."""
+    """``<out>/resume.pt`` of ``python -m quickstart pretrain`` -> ``<out>/resume/`` (see quickstart/pretrain.py)."""
     snap = load_pickle_as_data(path)
     if not isinstance(snap, dict) or not {"model", "optimizer", "generator", "state"} <= set(snap):
         raise CheckpointError(f"{path} is not a pretrain resume snapshot (needs model, optimizer, generator, state)")

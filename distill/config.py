@@ -208,7 +208,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    quickstart: Any = None  # read by distill/quickstart.py only (conf/experiment/quickstart*.yaml)
+    quickstart: Any = None  # read by quickstart/run.py only (conf/experiment/quickstart*.yaml)
 
 
 GROUPS = {"target": TargetConfig, "draft": DraftConfig, "data": DataConfig, "loss": LossConfig,

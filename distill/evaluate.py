@@ -7,22 +7,25 @@ ratio c = draft / target time of a cached decode forward.
 """
 from __future__ import annotations
 
-import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from distill.data import collate_prompts
 
 SELECT_KEYS = ("acceptance_rate", "predicted_speedup")
+# progress(what, done, total, unit): e.g. ("eval α/τ T=0", 5, 16, "prompts"); distill.logging.Progress.reporting
+ProgressFn = Callable[[str, int, int, str], None]
+COST_RATIO_PROGRESS = "measuring cost ratio c"
 
 
 def measure_cost_ratio(target: Any, draft: Any, prompts: list[list[int]], context_tokens: int = 128,
-                       repeats: int = 7) -> float:
+                       repeats: int = 7, progress: ProgressFn | None = None) -> float:
     """c = draft / target time of one single-token decode forward with a KV cache, at a context built from the
     held-out prompts (:func:`decode.speedup.measure_cost_ratio`, the benchmark's measurement).
 
     Pass ``eval.cost_ratio`` in the config to fix c instead (e.g. the ratio measured on the serving hardware).
+    ``progress`` is told ``("measuring cost ratio c", done, repeats + 2, "rounds")`` after each round of forwards.
     """
     from decode.engine import context_length
     from decode.speedup import measure_cost_ratio as measure
@@ -31,13 +34,16 @@ def measure_cost_ratio(target: Any, draft: Any, prompts: list[list[int]], contex
     ids = [t for p in prompts for t in p] or [0, 0]
     limit = min(x for x in (context_length(target), context_length(draft), context_tokens) if x)
     ids = (ids * (limit // len(ids) + 1))[: max(2, limit)]
-    return float(measure(target, draft, torch.tensor([ids], device=device), repeats=repeats)["cost_ratio"])
+    report = None if progress is None else lambda done, total: progress(COST_RATIO_PROGRESS, done, total, "rounds")
+    return float(measure(target, draft, torch.tensor([ids], device=device), repeats=repeats,
+                         progress=report)["cost_ratio"])
 
 
 @torch.no_grad()
 def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer: Any, temperatures: list[float],
                     num_draft_tokens: int = 4, max_new_tokens: int = 32, batch_size: int = 8, seed: int = 0,
-                    cost_ratio: float | None = None, max_gamma: int = 8) -> dict[str, Any]:
+                    cost_ratio: float | None = None, max_gamma: int = 8,
+                    progress: ProgressFn | None = None) -> dict[str, Any]:
     """α, τ, accepted-length histogram and predicted speedup of ``draft`` for ``target``, per temperature.
 
     Args:
@@ -51,6 +57,8 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
         max_gamma: largest γ considered for the best-γ prediction. The best γ is searched in [1, max_gamma]: a
             predicted speedup below 1 then says plainly that this draft does not pay off (γ = 0 would hide it
             behind a flat 1.0). α is measured at ``num_draft_tokens`` and assumed i.i.d. across positions.
+        progress: told ``("eval α/τ T=<t>", prompts done, len(prompts), "prompts")`` after each batch, and the
+            cost-ratio measurement's rounds (:func:`measure_cost_ratio`) when c is measured.
 
     Returns:
         ``{"per_temperature": {"0.0": {acceptance_rate, mean_accepted_length, accepted_length_histogram,
@@ -68,7 +76,7 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
     draft.eval()
     try:
         if cost_ratio is None:
-            cost_ratio = measure_cost_ratio(target, draft, prompts)
+            cost_ratio = measure_cost_ratio(target, draft, prompts, progress=progress)
         dec = SpeculativeDecoder(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer)
         per_t = {}
         for temperature in temperatures:
@@ -80,6 +88,9 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
                                    temperature=float(temperature), eos_token_id=tokenizer.eos_token_id,
                                    generator=gen)
                 stats.append(out.stats)
+                if progress is not None:
+                    progress(f"eval α/τ T={float(temperature):g}", min(b + batch_size, len(prompts)), len(prompts),
+                             "prompts")
             s = DecodeStats.merge(stats)
             alpha = float(s.acceptance_rate)
             # The speedup formula's α is the per-token acceptance probability, not Σaccepted/Σdrafted.

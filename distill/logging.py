@@ -1,12 +1,15 @@
-"""What a training run reports while it runs: metrics (``metrics.jsonl``, W&B), a progress bar, and a stop flag.
+"""What a training run reports while it runs: metrics (``metrics.jsonl``, W&B), progress bars, and a stop flag.
 
 Kept apart from ``distill/recipe.py`` so the recipe reads as the recipe (setup, micro-batch, loss, evaluate, train).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import sys
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -70,38 +73,110 @@ class MetricsLogger:
             self.run.finish()
 
 
-class Progress:
-    """A rich (or tqdm) progress bar showing loss and tokens/s; ``train.progress=none`` disables it."""
+class Bar:
+    """One bar of a :class:`Progress` (a rich task or a tqdm bar; nothing when hidden)."""
 
-    def __init__(self, kind: str, total: int, start: int, enabled: bool):
+    def __init__(self, owner: "Progress", handle: Any):
+        self.owner, self.handle = owner, handle
+
+    def update(self, completed: int | None = None, advance: int = 0, info: str | None = None) -> None:
+        """Set the count to ``completed`` or move it by ``advance``; ``info`` replaces the text after the count."""
+        h = self.handle
+        if h is None:
+            return
+        if self.owner.kind == "rich":
+            fields = {} if info is None else {"info": info}
+            self.owner.rich.update(h, completed=completed, advance=advance or None, **fields)
+        else:
+            if info is not None:
+                h.set_postfix_str(info, refresh=False)
+            h.update(completed - h.n if completed is not None else advance)
+
+
+class Progress:
+    """The progress bars of a run: the training steps (loss, tokens/s), and inside a run the cost-ratio measurement
+    ("measuring cost ratio c: 3/9") and each α/τ evaluation ("eval α/τ T=0: 5/16 prompts").
+
+    ``kind`` is ``train.progress``: rich | tqdm | none. ``enabled=False`` (a process other than the main one) shows
+    nothing. Bars opened with ``transient=True`` (the measurements) vanish when done and are drawn only on a
+    terminal (``file.isatty()``), so logs and CI output stay free of them; the training bar follows ``kind`` alone.
+    With rich, every bar is a task of one live display (rich allows only one at a time).
+    """
+
+    def __init__(self, kind: str = "rich", enabled: bool = True, file: Any = None):
         self.kind = kind if enabled else "none"
-        if self.kind == "rich":
+        self.file = file if file is not None else sys.stderr
+        self.rich = None
+        self.open_bars = 0
+
+    def _is_terminal(self) -> bool:
+        isatty = getattr(self.file, "isatty", None)
+        return bool(isatty and isatty())
+
+    def _open(self, desc: str, total: int, completed: int, unit: str, transient: bool) -> Any:
+        if self.kind == "none" or (transient and not self._is_terminal()):
+            return None
+        if self.kind == "tqdm":
+            from tqdm.auto import tqdm
+
+            # A measurement has few, slow updates (a batch of prompts, a round of forwards): draw each one.
+            return tqdm(total=total, initial=completed, desc=desc, unit=unit or "it", leave=not transient,
+                        file=self.file, dynamic_ncols=True, mininterval=0 if transient else 0.1)
+        if self.rich is None:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
             from rich.progress import TimeRemainingColumn
 
-            self.bar = RichProgress(TextColumn("[bold]distill"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.bar.start()
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        elif self.kind == "tqdm":
-            from tqdm.auto import tqdm
+            self.rich = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[unit]} {task.fields[info]}"), TimeRemainingColumn(),
+                                     console=Console(file=self.file))
+            self.rich.start()
+        return self.rich.add_task(desc, total=total, completed=completed, unit=unit, info="")
 
-            self.bar = tqdm(total=total, initial=start, desc="distill")
+    def _close(self, handle: Any, transient: bool) -> None:
+        if handle is None:
+            return
+        if self.kind == "tqdm":
+            handle.close()
+            return
+        if transient:
+            self.rich.remove_task(handle)
+        self.open_bars -= 1
+        if self.open_bars == 0:
+            self.rich.stop()
+            self.rich = None
 
-    def update(self, loss: float, tokens_per_s: float) -> None:
-        info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
-        if self.kind == "rich":
-            self.bar.update(self.task, advance=1, info=info)
-        elif self.kind == "tqdm":
-            self.bar.set_postfix_str(info)
-            self.bar.update(1)
+    @contextlib.contextmanager
+    def bar(self, desc: str, total: int, completed: int = 0, unit: str = "",
+            transient: bool = False) -> Iterator[Bar]:
+        """A bar counting to ``total`` while the ``with`` block runs; closed at its end, also on an error."""
+        handle = self._open(desc, total, completed, unit, transient)
+        if handle is not None and self.kind == "rich":
+            self.open_bars += 1
+        try:
+            yield Bar(self, handle)
+        finally:
+            self._close(handle, transient)
 
-    def close(self) -> None:
-        if self.kind == "rich":
-            self.bar.stop()
-        elif self.kind == "tqdm":
-            self.bar.close()
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[Callable[[str, int, int, str], None]]:
+        """A ``progress(what, done, total, unit)`` callback for library functions (``distill.evaluate``): the first
+        call for ``what`` opens a transient bar, ``done == total`` closes it; any left open close with the block."""
+        bars: dict[str, tuple[Any, Bar]] = {}
 
+        def report(what: str, done: int, total: int, unit: str = "") -> None:
+            if what not in bars:
+                cm = self.bar(what, total, unit=unit, transient=True)
+                bars[what] = (cm, cm.__enter__())
+            bars[what][1].update(completed=done)
+            if done >= total:
+                bars.pop(what)[0].__exit__(None, None, None)
+
+        try:
+            yield report
+        finally:
+            for cm, _ in bars.values():
+                cm.__exit__(None, None, None)
 
 
 class StopFlag:

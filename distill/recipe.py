@@ -64,13 +64,14 @@ class Run:
     logit_cache: Any = None         # distill.logit_cache reader when data.target_logits=cached (then target is None)
     clock: dict = field(default_factory=lambda: {"elapsed_s": 0.0, "max_time_s": 0.0})  # for train.max_time_s
     logits_to_keep: dict = field(default_factory=dict)  # "target"/"draft" -> forward takes logits_to_keep
+    progress: Progress = field(default_factory=lambda: Progress("none"))  # bars: steps, c measurement, α/τ eval
 
 
 def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float, time_progress: float = 0.0) -> float:
     """LR multiplier: linear warmup to 1 over ``warmup`` steps, then cosine/linear decay to ``min_ratio``.
 
     ``time_progress`` (elapsed / ``train.max_time_s``, 0 without a budget) drives the decay when it is ahead of
-    the step count, so a run cut by its wall-clock budget still ends at ``min_ratio`` (as distill/pretrain.py does).
+    the step count, so a run cut by its wall-clock budget still ends at ``min_ratio`` (as quickstart/pretrain.py does).
     """
     if step < warmup:
         return (step + 1) / warmup
@@ -180,6 +181,7 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
         raise SetupError("DeepSpeed owns gradient accumulation: set train.grad_accum=1 and raise train.batch_size "
                          "(the recipe's exact token-count division needs one micro-batch per step)")
     set_seed(int(cfg.train.seed))
+    progress = Progress(str(cfg.train.progress), enabled=accelerator.is_main_process)
     output_dir = Path(cfg.train.output_dir)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
                                trust_remote_code=bool(cfg.target.trust_remote_code))
@@ -225,7 +227,8 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
     if cost_ratio is None and target is None:
         cost_ratio = float("nan")  # no target to time; the recipe does not evaluate in cached mode
     elif cost_ratio is None:
-        cost_ratio = measure_cost_ratio(target, draft, eval_prompts)
+        with progress.reporting() as report:
+            cost_ratio = measure_cost_ratio(target, draft, eval_prompts, progress=report)
         if accelerator.num_processes > 1:  # timings differ per process; one c keeps checkpoint selection in step
             from accelerate.utils import broadcast_object_list
 
@@ -236,7 +239,7 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
     return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
                examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
                cost_ratio=float(cost_ratio), draft_base=draft_base, output_dir=output_dir, logit_cache=cache,
-               clock=clock)
+               clock=clock, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------ micro-batch
@@ -447,10 +450,12 @@ def evaluate(run: Run) -> dict | None:
     cfg, acc = run.cfg, run.accelerator
     if run.target is None:
         return None
-    return acceptance_eval(run.target, acc.unwrap_model(run.draft), run.eval_prompts, run.tokenizer,
-                           list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
-                           max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
-                           seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio, max_gamma=int(cfg.eval.max_gamma))
+    with run.progress.reporting() as report:
+        return acceptance_eval(run.target, acc.unwrap_model(run.draft), run.eval_prompts, run.tokenizer,
+                               list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
+                               max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
+                               seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio, max_gamma=int(cfg.eval.max_gamma),
+                               progress=report)
 
 
 def save(run: Run, state: dict, path: Path) -> Path:
@@ -570,7 +575,6 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         log(f"initial draft: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
 
     draft, scheduler = run.draft, run.scheduler
-    progress = Progress(str(cfg.train.progress), stop_at, state["step"], acc.is_main_process)
     draft.train()
     loss_value = float("nan")
     max_time_s = float(cfg.train.get("max_time_s") or 0)
@@ -579,7 +583,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     if max_time_s:
         log(f"wall-clock budget: {max_time_s:.0f}s (the LR schedule follows elapsed time; {clock['elapsed_s']:.0f}s "
             "spent)")
-    with _StopFlag() as flag:
+    with _StopFlag() as flag, run.progress.bar("distill", stop_at, state["step"], unit="steps") as bar:
         while state["step"] < stop_at:
             t0 = time.perf_counter()
             out_step = train_step(run, state["step"], micro_position)
@@ -592,7 +596,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                 loss_value = float(acc.reduce(out_step["loss_sum"], reduction="mean").item())
             dt = time.perf_counter() - t0
             tokens_per_s = out_step["tokens"] / max(dt, 1e-9)
-            progress.update(loss_value, tokens_per_s)
+            bar.update(advance=1, info=f"loss {loss_value:.4f}  {tokens_per_s:,.0f} tok/s")
             if log_now:
                 grad_norm = out_step["grad_norm"]
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
@@ -617,7 +621,6 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             if out_of_time:
                 log(f"train.max_time_s={max_time_s:.0f} reached at step {step} ({clock['elapsed_s']:.0f}s)")
                 break
-    progress.close()
     logger.finish()
     summary = {"steps": state["step"], "max_steps": max_steps, "final_loss": loss_value,
                "tokens_seen": state["tokens_seen"], "best": state["best"], "last_eval": state["last_eval"],

@@ -1,11 +1,11 @@
-"""Run every bad input of the distill command line and print the markdown table of docs/distill.md.
+"""Run every bad input of the distill command line (and the quickstart's) and print the table of docs/distill.md.
 
     python scripts/bad_inputs.py            # prints the table; exits 1 if any case is not exit 2 or shows a traceback
     python scripts/bad_inputs.py --write    # also puts it between the bad-inputs markers of docs/distill.md
 
-Each case runs ``python -m distill ...`` in a subprocess against throw-away fixtures (an empty "target" folder, a
-few small JSONL files): every one must exit with code 2, print one ``error:`` message naming the setting, print no
-traceback, load nothing, and leave no run folder. tests/distill/test_bad_input.py runs the same cases in-process.
+Each case runs ``python -m distill ...`` (``python -m quickstart ...`` for the quickstart's) in a subprocess against
+throw-away fixtures (an empty "target" folder, a few small JSONL files): every one must exit with code 2, print one
+``error:`` message naming the setting, print no traceback, load nothing, and leave no run folder. tests/distill/test_bad_input.py runs the same cases in-process.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ CASES: list[tuple[str, str, str]] = [
     ("bench-step --steps 0", "bench-step {base} --steps 0", "--steps 0 must be >= 1"),
     ("bench-step --out exists", "bench-step {base} --out {a_file}", "exists and would be overwritten"),
     ("export missing checkpoint", "export {tmp}/no_such_ckpt {tmp}/export", "no_such_ckpt"),
-    ("negative pretrain budget", "pretrain --budget-s -5 --out {tmp}/pt --tokenizer {tmp}/tok", "--budget-s -5"),
+    ("negative pretrain budget", "quickstart pretrain --budget-s -5 --out {tmp}/pt --tokenizer {tmp}/tok", "--budget-s -5"),
     ("unknown subcommand", "trian", "unknown subcommand 'trian' (did you mean train?)"),
     ("unknown flag", "train {base} --steps 5", "unknown option '--steps'"),
 ]
@@ -116,15 +116,20 @@ def make_fixtures(tmp: Path) -> dict[str, str]:
             "base_no_data": f"+target.name_or_path={tmp}/target {common}"}
 
 
-def case_args(args: str, fields: dict[str, str]) -> list[str]:
-    """The argv of one case (after ``python -m distill``)."""
-    return args.format(**fields).split()
+# A case's arguments follow ``python -m distill``, unless they start with one of these programs (``python -m NAME``).
+PROGRAMS = ("quickstart",)
 
 
-def run_case(argv: list[str]) -> subprocess.CompletedProcess:
+def case_command(args: str, fields: dict[str, str]) -> tuple[str, list[str]]:
+    """(module, argv) of one case: ``python -m <module> <argv>``."""
+    argv = args.format(**fields).split()
+    return (argv[0], argv[1:]) if argv and argv[0] in PROGRAMS else ("distill", argv)
+
+
+def run_case(module: str, argv: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "distill", *argv], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -151,18 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         fields = make_fixtures(tmp)
         rows = []
         for what, args, expect in CASES:
-            r = run_case(case_args(args, fields))
+            module, case_argv = case_command(args, fields)
+            r = run_case(module, case_argv)
             err = r.stderr.strip().splitlines()
-            message = next((line for line in err if line.startswith(("error:", "python -m distill"))), "")
+            message = next((line for line in err if line.startswith(("error:", f"python -m {module}"))), "")
             message = " ".join(err[err.index(message):]) if message in err else " ".join(err[-2:])
             ok = (r.returncode == 2 and "Traceback" not in r.stderr and expect in r.stderr
                   and not (tmp / "run").exists())
             bad += not ok
             shown = args.replace("{base} ", "").replace("{base_no_target} ", "").replace("{base_no_data} ", "")
             shown = shown.replace("{base}", "").replace("{base_no_target}", "").strip()
+            shown = shown if module == "distill" else shown.split(" ", 1)[1]
             for key in ("tmp", "empty", "malformed", "null_completion", "a_file", "old_run", "sweep"):
                 shown = shown.replace("{" + key + "}", f"<{key}>")
-            rows.append(f"| {_md(what)} | `python -m distill {_md(shown)}` | {r.returncode} | "
+            rows.append(f"| {_md(what)} | `python -m {module} {_md(shown)}` | {r.returncode} | "
                         f"{_md(message.replace(str(tmp), '<tmp>'))} |" + ("" if ok else " **FAILED** |"))
     table = "\n".join(["| bad input | command | exit | error |", "| --- | --- | --- | --- |", *rows])
     print(table)

@@ -4,10 +4,10 @@
 #   PAIR=checkpoints/quickstart OUT=checkpoints/compare_losses STEPS=400 SEEDS="0 1" \
 #     LOSSES="acceptance tvd jsd fkl" GAMMA=4 THREADS=2 bash scripts/compare_losses.sh
 #   EVAL="eval.prompt_sets.humaneval=2 eval.max_new_tokens=8" STEPS=2 SEEDS=0 OUT=/tmp/dry bash scripts/compare_losses.sh
-#     (a dry run: EVAL holds quickstart-settings overrides for the evaluation, keys as in `python -m distill.quickstart`)
+#     (a dry run: EVAL holds quickstart-settings overrides for the evaluation, keys as in `python -m quickstart`)
 # Each run is `python -m distill train +experiment=quickstart` from the same baseline draft with only `loss=` and
 # `train.seed=` changed (loss=acceptance also gets loss.gamma=$GAMMA, the γ the evaluation decodes with), exported,
-# then all drafts are measured in one `distill.quickstart.evaluate` pass (plain target decoding interleaved with every
+# then all drafts are measured in one `quickstart.run.evaluate` pass (plain target decoding interleaved with every
 # draft per prompt, same seeds): α/token, τ and measured speedup at T=0 and T=1 on HumanEval, MBPP and held-out
 # stdlib prompts. Prints a table (mean and range over seeds) and writes $OUT/results.json.
 # Nothing is overwritten: a finished run (its export exists) is reused, an interrupted one resumes, and an existing
@@ -70,7 +70,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from distill.quickstart import evaluate, load_settings
+from quickstart.run import evaluate, load_settings
 
 pair, out, gamma, specs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 drafts = dict(spec.split("=", 1) for spec in specs)

@@ -2,7 +2,7 @@
 # The toolkit's main job end to end, offline, one command (a fresh machine needs PyPI for the install only):
 #   scripts/quickstart.sh           # <= 20 min on 2 CPU cores; tables printed, results in checkpoints/quickstart/
 #   scripts/quickstart.sh --smoke   # the same path in about a minute (tiny models), in checkpoints/quickstart_smoke/
-# Any other arguments go to `python -m distill.quickstart` (see --help). QUICKSTART_SKIP_INSTALL=1 skips the install.
+# Any other arguments go to `python -m quickstart` (see --help). QUICKSTART_SKIP_INSTALL=1 skips the install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
@@ -19,4 +19,4 @@ accelerate, peft, hydra, rich, tqdm" 2>/dev/null; then
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$PY" -m distill.quickstart "$@"
+exec "$PY" -m quickstart "$@"

@@ -11,7 +11,7 @@ from distill.__main__ import main
 from distill.models import SetupError
 from distill.recipe import train
 from distill_helpers import compose, make_tokenizer, overrides
-from scripts.bad_inputs import CASES, case_args, make_fixtures
+from scripts.bad_inputs import CASES, case_command, make_fixtures
 
 
 def _fails(pair, tmp_path, *extra, match):
@@ -140,9 +140,12 @@ def _no_loading_at_all(monkeypatch):
 def test_command_line_bad_input_exits_2_naming_the_setting(what, args, expect, fixtures, monkeypatch, capsys):
     from pathlib import Path
 
+    from quickstart.__main__ import main as quickstart_main
+
     _no_loading_at_all(monkeypatch)
+    module, argv = case_command(args, fixtures)
     with pytest.raises(SystemExit) as e:
-        main(case_args(args, fixtures))
+        {"distill": main, "quickstart": quickstart_main}[module](argv)
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert expect in err, err
@@ -180,5 +183,5 @@ def test_real_process_exits_2_without_traceback(what, fixtures):
     from scripts.bad_inputs import run_case
 
     _, args, expect = next(c for c in CASES if c[0] == what)
-    r = run_case(case_args(args, fixtures))
+    r = run_case(*case_command(args, fixtures))
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

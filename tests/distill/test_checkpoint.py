@@ -1,6 +1,6 @@
 """Checkpoints are data: a crafted pickle in any file a loader reads is refused with an error naming the file, and its
 payload never runs (a marker file it would create stays absent). Covers training checkpoints, the earlier pickle
-layout and its converter, the pretrain resume snapshot and the pretrain token cache."""
+layout and its converter (the pretrain snapshot and token cache: tests/quickstart/test_pretrain_snapshot.py)."""
 import json
 import pickle
 import shutil
@@ -108,6 +108,24 @@ def test_truncated_or_incomplete_checkpoints_are_named(run, tmp_path):
         ckpt.read_state(bad)
 
 
+@pytest.mark.parametrize("name", ["trainer_state.json", "model.safetensors", "scheduler.json", "optimizer.safetensors"])
+def test_resume_from_a_truncated_file_exits_2_naming_it(pair, run, tmp_path, capsys, monkeypatch, name):
+    """`train.resume=PATH` with a truncated file (a copy cut short, a full disk): one error naming the file, exit 2,
+    before any model loads (these gave raw JSON/safetensors/pickle decoder tracebacks)."""
+    from distill.__main__ import main
+
+    bad = tmp_path / "step_000002"
+    shutil.copytree(run / "step_000002", bad)
+    data = (bad / name).read_bytes()
+    (bad / name).write_bytes(data[: len(data) // 2])
+    monkeypatch.setattr("distill.models.load_target", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", *overrides(pair, tmp_path / "resumed", f"train.resume={bad}")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{name} is missing or has the wrong size" in err and "Traceback" not in err
+    assert not (tmp_path / "resumed").exists()
+
+
 # ------------------------------------------------------------------------------------------------ earlier layout
 
 def _legacy(pair, run, dst):
@@ -167,110 +185,3 @@ def test_converted_checkpoint_resumes_like_the_original(pair, run, legacy, tmp_p
     wa, wb = load_file(str(a / "step_000004" / "model.safetensors")), load_file(str(b / "step_000004" /
                                                                                    "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-# ------------------------------------------------------------------------------------------------ pretrain
-
-def _pretrain_cfg(tmp_path, **kw):
-    from distill.pretrain import PretrainConfig
-
-    base = dict(out=str(tmp_path / "model"), tokenizer=str(tmp_path / "tok"), size="smoke_draft",
-                corpus="tinyshakespeare", vocab_size=300, seq_len=32, batch_size=4, budget_s=0, max_steps=2,
-                lr=3e-3, val_tokens=256, device="cpu")
-    base.update(kw)
-    return PretrainConfig(**base)
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    """A pretrain resume snapshot (and the tokenizer it needs)."""
-    import distill.pretrain as pt
-
-    root = tmp_path_factory.mktemp("pre")
-    cfg = _pretrain_cfg(root)
-    tok = pt.load_or_train_tokenizer(cfg, log=lambda *_: None)
-    model = pt.build_model(cfg.size, tok, cfg.max_position_embeddings)
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2]},  # pretrain's groups
-                             {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=1e-3)
-    model(input_ids=torch.tensor([[1, 5, 6]])).logits.sum().backward()
-    opt.step()
-    pt.save_resume(root / "snap", model, opt, torch.Generator().manual_seed(0), {"step": 1, "elapsed_s": 0.5,
-                                                                                  "tokens_seen": 128})
-    return root
-
-
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "optimizer.json",
-                                  "generator.safetensors", "state.json", "manifest.json"])
-def test_pretrain_resume_snapshot_refuses_a_pickle(snapshot, tmp_path, name):
-    import distill.pretrain as pt
-
-    cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
-    shutil.copytree(snapshot / "snap", tmp_path / "model" / pt.RESUME_DIR)
-    marker = tmp_path / "marker"
-    _plant(tmp_path / "model" / pt.RESUME_DIR / name, marker)
-    _fix_manifest(tmp_path / "model" / pt.RESUME_DIR)
-    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        pt.pretrain(cfg, log=lambda *_: None)
-    assert not marker.exists()
-
-
-def test_pretrain_resumes_from_a_clean_snapshot(snapshot, tmp_path):
-    import distill.pretrain as pt
-
-    cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
-    shutil.copytree(snapshot / "snap", tmp_path / "model" / pt.RESUME_DIR)
-    logs = []
-    result = pt.pretrain(cfg, log=logs.append)
-    assert any("resuming" in m and "step 1" in m for m in logs) and result["steps"] == 2
-
-
-def test_pretrain_earlier_resume_pickle_is_refused_and_convert_checks_it(snapshot, tmp_path, capsys):
-    import distill.pretrain as pt
-    from distill.__main__ import main
-
-    cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
-    (tmp_path / "model").mkdir()
-    marker = tmp_path / "marker"
-    _plant(tmp_path / "model" / pt.LEGACY_RESUME_FILE, marker)
-    with pytest.raises(ValueError, match="convert-checkpoint"):
-        pt.pretrain(cfg, log=lambda *_: None)
-    with pytest.raises(SystemExit) as e:
-        main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
-    assert e.value.code == 2 and "resume.pt" in capsys.readouterr().err
-    assert not marker.exists()
-
-
-def test_pretrain_earlier_resume_pickle_of_plain_data_converts(snapshot, tmp_path):
-    """A resume.pt written by the earlier code (torch.save of plain state) converts and then resumes."""
-    import distill.pretrain as pt
-    from distill.__main__ import main
-
-    model = pt.build_model("smoke_draft", pt.load_or_train_tokenizer(_pretrain_cfg(snapshot)), 1024)
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2]},
-                             {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=1e-3)
-    (tmp_path / "model").mkdir()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "generator": torch.Generator().manual_seed(0).get_state(),
-                "state": {"step": 1, "elapsed_s": 0.1, "tokens_seen": 128}},
-               tmp_path / "model" / pt.LEGACY_RESUME_FILE)
-    main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
-    logs = []
-    pt.pretrain(_pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok")), log=logs.append)
-    assert any("resuming" in m for m in logs)
-
-
-def test_pretrain_token_cache_is_safetensors_and_a_pickle_is_never_loaded(snapshot, tmp_path):
-    import distill.pretrain as pt
-
-    tok = pt.load_or_train_tokenizer(_pretrain_cfg(snapshot))
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    marker = tmp_path / "marker"
-    _plant(cache / "tokens-tinyshakespeare-validation.pt", marker)  # the earlier cache name: ignored
-    ids = pt.token_stream(tok, "tinyshakespeare", "validation", cache)
-    assert (cache / "tokens-tinyshakespeare-validation.safetensors").is_file() and not marker.exists()
-    assert torch.equal(pt.token_stream(tok, "tinyshakespeare", "validation", cache), ids)  # read back from cache
-    _plant(cache / "tokens-tinyshakespeare-validation.safetensors", marker)
-    with pytest.raises(ValueError, match="token cache .* is not a safetensors file"):
-        pt.token_stream(tok, "tinyshakespeare", "validation", cache)
-    assert not marker.exists()

@@ -12,7 +12,7 @@ from distill_helpers import PY, REPO, overrides, subprocess_env
 def test_help_lists_subcommands(capsys):
     main(["--help"])
     text = capsys.readouterr().out
-    for name in ("train", "export", "generate-data", "eval", "pretrain"):
+    for name in ("train", "export", "generate-data", "eval", "convert-checkpoint", "cache-logits", "bench-step"):
         assert name in text and name in SUBCOMMANDS
 
 
@@ -22,16 +22,12 @@ def test_unknown_subcommand(capsys):
     assert e.value.code == 2 and "unknown subcommand 'fly'" in capsys.readouterr().err
 
 
-def test_pretrain_dispatches_lazily(monkeypatch):
-    import sys
-    import types
-
-    seen = []
-    fake = types.ModuleType("distill.pretrain")
-    fake.main = lambda argv: seen.append(argv)
-    monkeypatch.setitem(sys.modules, "distill.pretrain", fake)
-    main(["pretrain", "--budget", "1"])
-    assert seen == [["--budget", "1"]]
+def test_pretrain_is_the_quickstart_s_command(capsys):
+    """Pretraining a pair is the quickstart program's job: the distill CLI names the command to run instead."""
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", "--size", "draft"])
+    assert e.value.code == 2
+    assert "python -m quickstart pretrain --size draft" in capsys.readouterr().err
 
 
 def test_train_setup_error_exits_2(pair, tmp_path, capsys):
@@ -201,3 +197,22 @@ def test_resume_a_one_process_run_with_two_processes_continues_at_its_example(pa
     w1, w2 = (load_file(str(d / "step_000004" / "model.safetensors")) for d in (one, two))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_tied_draft_run_and_its_export_print_only_their_own_lines(pair, tmp_path):
+    """A draft with tied embeddings saved through accelerate's save_state printed "Removed shared tensor" at every
+    checkpoint, and every load printed weight-loading bars; the CLI prints only the run's own lines."""
+    from distill_helpers import make_llama
+
+    tied = tmp_path / "tied"
+    make_llama(tied, pair["vocab"], layers=1, seed=3, tie=True)
+    out, exported = tmp_path / "run", tmp_path / "export"
+    for argv in (["train", *overrides(pair, out, f"draft.name_or_path={tied}", "eval.temperatures=[0.0]")],
+                 ["export", str(out / "best"), str(exported)]):
+        r = subprocess.run([PY, "-m", "distill", *argv], cwd=REPO, env=subprocess_env(), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        for noise in ("Removed shared tensor", "Loading weights", "Writing model shards", "Generating train split",
+                      "Warning"):
+            assert noise not in r.stdout + r.stderr, (argv[0], noise, r.stderr[-2000:])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4 and (exported / "config.json").is_file()

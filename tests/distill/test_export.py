@@ -182,3 +182,26 @@ def test_export_never_overwrites_a_folder_it_was_not_asked_to(pair, tmp_path, ca
     main(["export", str(run / "step_000002"), str(out), "--overwrite"])
     assert (out / "model.safetensors").read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp folder left
+
+
+def test_a_failed_export_leaves_the_earlier_export_as_it_was(pair, tmp_path, monkeypatch):
+    """The export is written to a temporary folder and renamed: an error halfway (after the weights, before the
+    card) while replacing step 1's export with step 2's keeps the earlier export byte for byte and leaves no
+    temporary folder."""
+    import distill.export as export_module
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2", "train.save_every=1", "eval.temperatures=[0.0]")),
+          log=lambda *_: None)
+    out = tmp_path / "out"
+    export(run / "step_000001", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(card):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export_module, "_card_markdown", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export(run / "step_000002", out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no .out.*.tmp or .old left

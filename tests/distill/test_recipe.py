@@ -166,6 +166,12 @@ def test_wandb_offline_run_dir_has_metrics(pair, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # mode=auto must choose offline by itself
     out = tmp_path / "run"
     train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=2")), log=lambda *_: None)
+    # run.finish() only tells W&B's service process that the run is over (ServerInformFinishRequest, not awaited);
+    # the service writes and closes the run's .wandb log after that. wandb.teardown() waits for the service to exit,
+    # as the atexit hook of a `python -m distill train` process does, so the file is complete when read below.
+    import wandb
+
+    wandb.teardown()
     runs = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1
     rows = _wandb_history(runs[0])

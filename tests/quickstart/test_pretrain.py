@@ -1,4 +1,4 @@
-"""distill.pretrain: tokenizer, budgeted LR schedule, training, caching and exact resume on a tiny model."""
+"""quickstart.pretrain: tokenizer, budgeted LR schedule, training, caching and exact resume on a tiny model."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from distill import pretrain as pt
-from distill.pretrain import PretrainConfig, lr_at, train_tokenizer
+from quickstart import pretrain as pt
+from quickstart.pretrain import PretrainConfig, lr_at, train_tokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class A:\n    def m(self):\n        return self.x\n"] * 50
 
@@ -111,3 +111,14 @@ def test_cli_tokenizer_only(tmp_path, capsys):
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
     with pytest.raises(SystemExit):
         pt.main(["--tokenizer", str(tmp_path / "tok")])  # --out missing
+
+
+def test_python_m_quickstart_pretrain_dispatches(monkeypatch):
+    """``python -m quickstart pretrain ARGS`` runs quickstart.pretrain.main(ARGS); anything else is the quickstart."""
+    from quickstart.__main__ import main
+
+    seen = []
+    monkeypatch.setattr(pt, "main", lambda argv: seen.append(("pretrain", argv)))
+    monkeypatch.setattr("quickstart.run.main", lambda argv: seen.append(("run", argv)) or 0)
+    assert main(["pretrain", "--budget-s", "1"]) == 0 and main(["--smoke", "eval.seed=1"]) == 0
+    assert seen == [("pretrain", ["--budget-s", "1"]), ("run", ["--smoke", "eval.seed=1"])]

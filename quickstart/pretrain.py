@@ -1,8 +1,8 @@
 """Bootstrap a target (and a baseline draft) from scratch on a real corpus, offline, in a wall-clock budget.
 
-    python -m distill pretrain --size target --tokenizer checkpoints/quickstart/tokenizer \\
+    python -m quickstart pretrain --size target --tokenizer checkpoints/quickstart/tokenizer \\
         --out checkpoints/quickstart/target --budget-s 480
-    python -m distill pretrain --size draft --tokenizer checkpoints/quickstart/tokenizer \\
+    python -m quickstart pretrain --size draft --tokenizer checkpoints/quickstart/tokenizer \\
         --out checkpoints/quickstart/draft-baseline --budget-s 120
 
 Steps: (1) train a byte-level BPE tokenizer with the ``tokenizers`` library on the corpus's train split (once;
@@ -433,7 +433,7 @@ def _train_loop(model, optimizer, train_ids, gen, state, cfg: PretrainConfig, de
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m distill pretrain",
+        prog="python -m quickstart pretrain",
         description="Train a byte-level BPE tokenizer and a Llama model from scratch on a real corpus in a "
                     "wall-clock budget; save a Hugging Face checkpoint. Finished runs are reused, interrupted "
                     "ones resumed.")
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Entry point of ``python -m distill pretrain`` (and ``python -m distill.pretrain``)."""
+    """Entry point of ``python -m quickstart pretrain`` (and ``python -m quickstart.pretrain``)."""
     args = build_parser().parse_args(argv)
     if not args.tokenizer_only and not args.out:
         build_parser().error("--out is required (unless --tokenizer-only)")

@@ -1,14 +1,14 @@
 """The toolkit's main job end to end, offline, in one command: bootstrap a target on real code, pretrain a baseline
 draft, distill it against the target, export it, and measure both drafts on held-out real prompts.
 
-    scripts/quickstart.sh                  # installs, then: python -m distill.quickstart
-    python -m distill.quickstart --smoke   # the same path in about a minute (CI end-to-end test)
+    scripts/quickstart.sh                  # installs, then: python -m quickstart
+    python -m quickstart --smoke   # the same path in about a minute (CI end-to-end test)
 
 Phases (each reuses its artifact under ``--out`` when present; the commands are printed so each can be rerun alone):
 
-1. tokenizer  ``python -m distill pretrain --tokenizer-only``: byte-level BPE on the stdlib train split.
-2. target     ``python -m distill pretrain --size target``: Llama from scratch, wall-clock budgeted.
-3. draft      ``python -m distill pretrain --size draft``: the baseline draft, plain next-token cross-entropy.
+1. tokenizer  ``python -m quickstart pretrain --tokenizer-only``: byte-level BPE on the stdlib train split.
+2. target     ``python -m quickstart pretrain --size target``: Llama from scratch, wall-clock budgeted.
+3. draft      ``python -m quickstart pretrain --size draft``: the baseline draft, plain next-token cross-entropy.
 4. distill    ``python -m distill train +experiment=quickstart``: the recipe, starting from the baseline draft.
 5. export     ``python -m distill export``: a plain Hugging Face checkpoint of the distilled draft.
 6. eval       in this process: α, τ, tokens/s and speedup over plain target decoding for the baseline and the
@@ -88,7 +88,7 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None,
     """Run one phase's command and record command, seconds and status; True on success.
 
     ``cmd`` runs as a subprocess (output streamed), or, given ``in_process``, as ``in_process(cmd[4:])`` in this
-    process (``python -m distill pretrain`` phases: saves the seconds of importing torch and transformers again).
+    process (``python -m quickstart pretrain`` phases: saves the seconds of importing torch and transformers again).
     """
     console.rule(f"[bold]{name}")
     console.print("$ " + shlex.join(["python"] + cmd[1:]), markup=False, highlight=False)
@@ -110,7 +110,7 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None,
 
 
 def _pretrain_cmd(qs, out: Path, which: str) -> list[str]:
-    cmd = [sys.executable, "-m", "distill", "pretrain", "--tokenizer", str(out / "tokenizer"), "--corpus", qs.corpus,
+    cmd = [sys.executable, "-m", "quickstart", "pretrain", "--tokenizer", str(out / "tokenizer"), "--corpus", qs.corpus,
            "--vocab-size", str(qs.vocab_size)]
     if which == "tokenizer":
         return cmd + ["--tokenizer-only"]
@@ -325,7 +325,7 @@ def render_table(results: dict, console) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m distill.quickstart",
+        prog="python -m quickstart",
         description="Bootstrap a target on the Python stdlib, pretrain a baseline draft, distill it, export it, and "
                     "measure α, τ and speedup of both drafts on HumanEval, MBPP and held-out stdlib prompts. "
                     "Artifacts under --out are reused when present.")
@@ -380,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[dim]{name}: reusing {marker.parent}")
         return marker.is_file()
 
-    from distill.pretrain import main as pretrain_main
-
+    from quickstart.pretrain import main as pretrain_main
 
     env = _env(qs.get("threads"))
     for key, value in env.items():  # the in-process phases run offline too

@@ -1,4 +1,4 @@
-"""The quickstart end to end (``python -m distill.quickstart --smoke``): every phase runs and hands over to the next,
+"""The quickstart end to end (``python -m quickstart --smoke``): every phase runs and hands over to the next,
 the results JSON holds measured numbers for both drafts, and a second run reuses the artifacts. Not slow: CI runs it."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from distill import quickstart
+from quickstart import run as quickstart
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "distill.quickstart", "--smoke", "--out", str(out)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "quickstart", "--smoke", "--out", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -31,6 +31,7 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     assert [res["phases"][p]["status"] for p in ("tokenizer", "target", "draft", "distill", "export", "eval")] \
         == ["ok"] * 6
     assert "python -m distill train +experiment=quickstart_smoke" in res["phases"]["distill"]["command"]
+    assert res["phases"]["target"]["command"].startswith("python -m quickstart pretrain --tokenizer")
     for d in ("target", "draft-baseline", "draft-distilled"):
         assert (out / d / "model.safetensors").is_file() and (out / d / "tokenizer.json").is_file()
     target, draft = res["target"], res["baseline_draft"]

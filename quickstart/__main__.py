@@ -1,0 +1,23 @@
+"""``python -m quickstart``: the whole quickstart (quickstart/run.py), or ``python -m quickstart pretrain ...``
+to run one pretraining phase (quickstart/pretrain.py)."""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch: ``pretrain ARGS`` to :func:`quickstart.pretrain.main`, anything else to :func:`quickstart.run.main`
+    (its arguments are ``key=value`` settings and flags, never the word ``pretrain``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pretrain"]:
+        from quickstart.pretrain import main as pretrain_main
+
+        pretrain_main(argv[1:])
+        return 0
+    from quickstart.run import main as run_main
+
+    return run_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Progress reporting of a run (distill/logging.py, distill/evaluate.py): the cost-ratio measurement and each α/τ
+evaluation report their progress, bars show it on a terminal, and nothing is drawn off a terminal or with
+train.progress=none."""
+import io
+import re
+
+import pytest
+
+from distill.evaluate import COST_RATIO_PROGRESS, acceptance_eval, measure_cost_ratio
+from distill.logging import Progress
+from distill.recipe import train
+from distill_helpers import compose, overrides
+
+
+class Terminal(io.StringIO):
+    """A text stream that says it is a terminal, so bars meant for one are drawn into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _counts(text: str, what: str) -> list[tuple[int, int]]:
+    """(done, total) of every tqdm refresh of the bar called ``what``."""
+    return [(int(a), int(b)) for a, b in re.findall(re.escape(what) + r":[^\r\n]*?\| *(\d+)/(\d+)", text)]
+
+
+@pytest.fixture
+def tiny_pair(pair):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(pair["target"]), AutoModelForCausalLM.from_pretrained(pair["draft"]),
+            AutoTokenizer.from_pretrained(pair["tokenizer"]))
+
+
+def test_acceptance_eval_reports_each_temperature_and_the_cost_ratio(tiny_pair):
+    target, draft, tok = tiny_pair
+    prompts = [[1, 5 + i, 6, 7] for i in range(5)]
+    calls = []
+    ev = acceptance_eval(target, draft, prompts, tok, [0.0, 1.0], max_new_tokens=4, batch_size=2,
+                         progress=lambda *a: calls.append(a))
+    cost = [c for c in calls if c[0] == COST_RATIO_PROGRESS]
+    assert [c[1] for c in cost] == list(range(1, 10)) and {c[2:] for c in cost} == {(9, "rounds")}  # 7 + 2 rounds
+    for t in ("0", "1"):
+        mine = [c[1:] for c in calls if c[0] == f"eval α/τ T={t}"]
+        assert mine == [(2, 5, "prompts"), (4, 5, "prompts"), (5, 5, "prompts")]  # batches of 2 of 5 prompts
+    assert ev["cost_ratio"] > 0
+    calls.clear()  # a given c is not measured, so only the evaluation reports
+    acceptance_eval(target, draft, prompts, tok, [0.0], max_new_tokens=4, cost_ratio=0.5,
+                    progress=lambda *a: calls.append(a))
+    assert calls == [("eval α/τ T=0", 5, 5, "prompts")]
+
+
+def test_measure_cost_ratio_reports_rounds(tiny_pair):
+    target, draft, _ = tiny_pair
+    calls = []
+    c = measure_cost_ratio(target, draft, [[1, 2, 3]], repeats=3, progress=lambda *a: calls.append(a))
+    assert calls == [(COST_RATIO_PROGRESS, i, 5, "rounds") for i in range(1, 6)] and c > 0
+
+
+def test_tqdm_bars_on_a_terminal_and_none_elsewhere():
+    term = Terminal()
+    with Progress("tqdm", file=term).reporting() as report:
+        for i in range(1, 4):
+            report("measuring cost ratio c", i, 3, "rounds")
+        report("eval α/τ T=0", 2, 4, "prompts")  # left open: closed with the block
+    text = term.getvalue()
+    assert _counts(text, "measuring cost ratio c")[-1] == (3, 3)
+    assert (2, 4) in _counts(text, "eval α/τ T=0")
+    for kind, stream, enabled in (("tqdm", io.StringIO(), True), ("rich", io.StringIO(), True),
+                                  ("none", Terminal(), True), ("tqdm", Terminal(), False)):
+        with Progress(kind, enabled=enabled, file=stream).reporting() as report:  # not a TTY, none, not main
+            report("eval α/τ T=0", 1, 2, "prompts")
+            report("eval α/τ T=0", 2, 2, "prompts")
+        assert stream.getvalue() == "", (kind, enabled)
+
+
+def test_rich_bars_are_tasks_of_one_live_display():
+    p = Progress("rich", file=Terminal())
+    with p.bar("distill", 10, 3, unit="steps") as train_bar:
+        with p.reporting() as report:
+            report("eval α/τ T=0", 1, 4, "prompts")
+            tasks = {t.description: (t.completed, t.total, t.fields["unit"]) for t in p.rich.tasks}
+            assert tasks == {"distill": (3, 10, "steps"), "eval α/τ T=0": (1, 4, "prompts")}
+            report("eval α/τ T=0", 4, 4, "prompts")
+            assert [t.description for t in p.rich.tasks] == ["distill"]  # a finished measurement vanishes
+        train_bar.update(advance=1, info="loss 1.0")
+        assert p.rich.tasks[0].completed == 4 and p.rich.tasks[0].fields["info"] == "loss 1.0"
+        live = p.rich
+    assert p.rich is None and not live.live.is_started  # the display stops with its last bar
+
+
+def test_train_shows_cost_ratio_and_eval_progress(pair, tmp_path, monkeypatch):
+    """A run on a terminal with train.progress=tqdm draws the c measurement, each α/τ eval and the steps."""
+    term = Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    out = tmp_path / "run"
+    cfg = compose(overrides(pair, out, "train.progress=tqdm", "eval.cost_ratio=null", "eval.every=2",
+                            "eval.batch_size=2", "train.max_steps=2"))
+    train(cfg, log=lambda *_: None)
+    text = term.getvalue()
+    assert _counts(text, "measuring cost ratio c")[-1] == (9, 9)
+    for t in ("0", "1"):  # eval.temperatures=[0.0,1.0]: at start and at step 2, 4 prompts in batches of 2
+        assert _counts(text, f"eval α/τ T={t}").count((4, 4)) == 2
+        assert (2, 4) in _counts(text, f"eval α/τ T={t}")
+    assert _counts(text, "distill")[-1] == (2, 2)
+    quiet = Terminal()
+    monkeypatch.setattr("sys.stderr", quiet)
+    train(compose(overrides(pair, tmp_path / "quiet", "eval.cost_ratio=null", "eval.every=2", "train.max_steps=2")),
+          log=lambda *_: None)  # train.progress=none
+    assert "eval α/τ" not in quiet.getvalue() and COST_RATIO_PROGRESS not in quiet.getvalue()

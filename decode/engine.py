@@ -499,7 +499,7 @@ class SpeculativeDecoder:
         exactly their target probability. A full-vocabulary draft's logits pass through unchanged."""
         if self._draft_map is None:
             return logits
-        return scatter_to_vocab(logits, self._draft_map, self.vocab_size)
+        return scatter_to_vocab(logits, self._draft_map.to(logits.device), self.vocab_size)
 
     def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``
@@ -525,8 +525,8 @@ class SpeculativeDecoder:
                 logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
                                                       self._draft_ids(inp), inp_mask, logits_to_keep=1,
                                                       max_position=max_pos, call=self._draft_call)
-            args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size, counts[:, None] if counts is not None else None,
-                    seen[:, None] if seen is not None else None)
+            args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
+                    counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
             if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
                 tok = greedy_ids(*args)[:, 0]
             else:

@@ -61,11 +61,18 @@ def select_kept_ids(mass: torch.Tensor, keep: int, special_ids: Iterable[int | N
 
 
 def draft_vocab_map(model: Any) -> torch.Tensor | None:
-    """The ``(N,)`` int64 draft-to-target id map of a pruned draft (peft-wrapped too), or None for a full one."""
-    for m in (model, getattr(model, "get_base_model", lambda: None)()):
-        value = getattr(m, MAP_KEY, None) if m is not None else None
+    """The ``(N,)`` int64 draft-to-target id map of a pruned draft, or None for a full one. Looks through peft
+    (``get_base_model``) and DDP/FSDP-style wrappers (``.module``)."""
+    for _ in range(4):
+        value = getattr(model, MAP_KEY, None)
         if isinstance(value, torch.Tensor):
             return value
+        inner = getattr(model, "module", None)
+        if inner is None and hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+        if inner is None or inner is model:
+            return None
+        model = inner
     return None
 
 

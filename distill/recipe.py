@@ -361,7 +361,7 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     rows = batch["cache_rows"].tolist() if "cache_rows" in batch else None
     batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items() if k != "cache_rows"}
     kind, target_side = target_distribution(run, batch, rows, where)
-    vocab_map = draft_vocab_map(acc.unwrap_model(run.draft))  # (N,) for a pruned draft (its logits are N wide)
+    vocab_map = draft_vocab_map(run.draft)  # (N,) for a pruned draft (its logits are N wide)
     draft_kept = kept_logits(run, "draft", batch, where)
     draft_kept = (draft_kept if vocab_map is not None else _vocab_slice(draft_kept, run.vocab)).unsqueeze(0)
     kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
@@ -402,7 +402,7 @@ def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens
     if kind != "logits":  # config validation refuses loss=acceptance with data.target_logits=cached
         raise SetupError("loss=acceptance needs the target's full logits; use data.target_logits=online")
     shape = (mask.shape[0], width, -1)
-    vocab_map = draft_vocab_map(acc.unwrap_model(run.draft))
+    vocab_map = draft_vocab_map(run.draft)
     draft_seq = kept_logits(run, "draft", batch, where).view(shape)  # (B, C, V) or (B, C, N) when pruned
     kw = dict(labels=labels.to(acc.device), beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
               ce_weight=float(cfg.loss.ce_weight), gamma=int(cfg.loss.gamma))

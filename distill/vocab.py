@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from decode.compat import check_draft_vocab_map, tokenizer_fingerprint, IncompatibleModelsError
+from decode.compat import IncompatibleModelsError, check_draft_vocab_map, tokenizer_fingerprint
 from decode.vocab_map import MAP_KEY, draft_vocab_map, prune_draft_head, select_kept_ids
 from distill.models import SetupError
 

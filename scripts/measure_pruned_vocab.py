@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -180,8 +179,8 @@ def measure(args, target, drafts: list[dict], prompts: list[list[int]], tokenize
     from decode.speedup import measure_cost_ratio
 
     device = next(target.parameters()).device
-    cfg = BenchConfig(gammas=[args.gamma], auto=False, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
-                      hf=False, ignore_eos=True, cost_repeats=args.cost_repeats)
+    cfg = BenchConfig(gammas=[args.gamma], auto=False, temperatures=args.temperatures,
+                      max_new_tokens=args.max_new_tokens, hf=False, ignore_eos=True, cost_repeats=args.cost_repeats)
     context = cost_context(prompts, cfg, device)
     models = {d["name"]: load_causal_lm(d["path"], "draft", dtype="float32", device=str(device)) for d in drafts}
     for d in drafts:
@@ -248,7 +247,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pair", default=str(QUICKSTART), help="folder with target/, draft-distilled/, distill/, tokenizer/")
+    p.add_argument("--pair", default=str(QUICKSTART),
+                   help="folder with target/, draft-distilled/, distill/, tokenizer/")
     p.add_argument("--keeps", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="N values (N >= V: full)")
     p.add_argument("--steps", type=int, default=0, help="fine-tune every draft for this many recipe steps (0: none)")
     p.add_argument("--mass-examples", type=int, default=256, help="training sequences of the target mass pass")

@@ -11,7 +11,6 @@ from decode import SpeculativeDecoder
 from decode.compat import tokenizer_fingerprint
 from decode.loading import load_causal_lm, load_tokenizer
 from decode.vocab_map import HASH_FIELD, MAP_KEY, draft_vocab_map, select_kept_ids
-from distill.data import as_examples  # noqa: F401  (import check: the data module is what the pass reads)
 from distill.export import export
 from distill.logit_cache import build_cache
 from distill.models import SetupError

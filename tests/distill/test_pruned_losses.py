@@ -74,8 +74,9 @@ def test_exactly_zero_when_the_draft_is_the_target_on_its_support(name, beta):
 
 
 def test_minima_when_the_target_has_mass_off_the_map():
-    """At q = p renormalised over the map: FKL is its minimum 0 (up to float32 rounding of the renormalisation), RKL its minimum −log(1 − p_off), TVD
-    p_off (the rejection rate no pruned draft can avoid); moving q away raises FKL and RKL."""
+    """At q = p renormalised over the map: FKL is its minimum 0 (up to float32 rounding of the renormalisation),
+    RKL its minimum −log(1 − p_off), TVD p_off (the rejection rate no pruned draft can avoid); moving q away raises
+    FKL and RKL."""
     t, m = _logits(6), torch.ones(2, 6)
     p = t.softmax(-1)
     p_off = 1.0 - p[..., KEEP].sum(-1)

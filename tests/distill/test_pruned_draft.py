@@ -128,3 +128,34 @@ def test_cached_mode_chooses_from_the_cache(pair, tmp_path, monkeypatch):
 def test_bad_settings_fail_before_training(pair, tmp_path, extra, match):
     with pytest.raises(SetupError, match=match):
         train(compose(overrides(pair, tmp_path / "run", *extra)), log=_quiet)
+
+
+def test_target_id_mass_sums_the_targets_probabilities_at_completion_positions():
+    from tests.conftest import tiny_llama
+
+    target = tiny_llama(seed=0, dtype=torch.float32)
+    examples = [{"prompt_ids": [1, 5, 9], "completion_ids": [7, 3]}, {"prompt_ids": [1, 4], "completion_ids": [8]}]
+    mass = target_id_mass(target, examples, pad_id=0, vocab=96, batch_size=1)
+    want = torch.zeros(96, dtype=torch.float64)
+    for e in examples:
+        seq = torch.tensor([e["prompt_ids"] + e["completion_ids"]])
+        probs = target(seq).logits[0].softmax(-1).double()
+        for pos in range(len(e["prompt_ids"]) - 1, seq.shape[1] - 1):  # positions that predict a completion token
+            want += probs[pos].detach()
+    torch.testing.assert_close(mass, want, rtol=1e-5, atol=1e-7)
+    assert mass.sum().item() == pytest.approx(3.0, rel=1e-5)  # one unit of probability per completion token
+
+
+def test_cache_id_mass_sums_the_cached_top_k_probabilities():
+    from types import SimpleNamespace
+
+    from distill.vocab import cache_id_mass
+
+    log_p = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.6, 0.1, 0.3], [0.9, 0.05, 0.05]]))
+    ids = torch.tensor([[4, 2], [2, 7], [4, 1]])
+    # a stand-in with the LogitCache interface: one position per row, rows 0 and 1 (row 2 is not in the cache)
+    cache = SimpleNamespace(ds=[0, 1], buckets=lambda rows: (log_p[rows], ids[rows]))
+    mass = cache_id_mass(cache, 8, rows_per_read=1)
+    want = torch.zeros(8, dtype=torch.float64)
+    want[4], want[2], want[7] = 0.5, 0.2 + 0.6, 0.1
+    torch.testing.assert_close(mass, want, rtol=1e-6, atol=1e-9)

@@ -4,7 +4,9 @@ Limits in which a draft may be smaller than its target, and what the decoder doe
 - output: fewer lm_head rows than the shared vocabulary -> q is 0 on the missing ids (below);
 - input: fewer input-embedding rows -> ids it cannot embed are fed to it as a substitute id
   (:func:`draft_input_substitute`), which only changes its proposals, never the output distribution;
-- positions: a shorter context -> a row that reaches it stops drafting (γ_r = 0, plain target steps).
+- positions: a shorter context -> a row that reaches it stops drafting (γ_r = 0, plain target steps);
+- a vocabulary-pruned draft (:mod:`decode.vocab_map`): its N lm_head rows score the target ids of its map, q is 0
+  on every other id; the map is checked here against the vocabulary and the tokenizer (:func:`check_draft_vocab_map`).
 A *target* smaller than the shared vocabulary on either side is an error naming both sizes.
 
 The shared vocabulary is the tokenizer's (``len(tokenizer)``). lm_head rows beyond it are padding (e.g. a
@@ -16,6 +18,8 @@ tokenizer is an error (it could never produce them).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 
@@ -53,6 +57,48 @@ def draft_input_substitute(draft: Any, vocab_size: int, tokenizer: Any = None) -
     return limit, unk if isinstance(unk, int) and 0 <= unk < limit else 0
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A 16-hex-digit hash of the vocabulary (token -> id), the special tokens and the chat template: two
+    tokenizers with the same fingerprint turn text into the same ids (the logit cache and pruned drafts store it)."""
+    h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps({"special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+                         "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) -> None:
+    """Check a vocabulary-pruned draft's id map (:mod:`decode.vocab_map`) against the pair; a full draft passes.
+
+    The map must have one id per lm_head row, lie in the shared vocabulary ``[0, vocab_size)``, be sorted and
+    unique, and (when ``tokenizer`` is given and the draft recorded one) come from the same tokenizer.
+
+    Raises:
+        IncompatibleModelsError: naming the draft's map and the target's vocabulary or tokenizer.
+    """
+    from decode.vocab_map import HASH_FIELD, check_map, draft_vocab_map
+
+    ids = draft_vocab_map(draft)
+    if ids is None:
+        return
+    rows = output_vocab_size(draft)
+    if ids.shape != (rows,):
+        raise IncompatibleModelsError(f"the draft's vocabulary map has shape {tuple(ids.shape)} but its lm_head has "
+                                      f"{rows} rows; the pruned draft is corrupt, export it again")
+    try:
+        check_map(ids, vocab_size, f"the draft's vocabulary map ({rows} ids)")
+    except ValueError as err:
+        raise IncompatibleModelsError(f"{err}; the target's vocabulary has {vocab_size} ids. The draft was pruned "
+                                      "for another target or tokenizer: prune it again for this one") from None
+    stored = getattr(draft.config, HASH_FIELD, None)
+    if tokenizer is not None and stored:
+        current = tokenizer_fingerprint(tokenizer)
+        if current != stored:
+            raise IncompatibleModelsError(
+                f"the draft's vocabulary map was chosen with tokenizer {stored} but the target's tokenizer is "
+                f"{current}; its ids would name other tokens. Prune the draft again with this tokenizer "
+                "(draft.vocab.keep=N)")
+
+
 def _special_ids(tok: Any) -> dict[str, Any]:
     return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
 
@@ -88,8 +134,9 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
 
     Raises:
         IncompatibleModelsError: tokenizers disagree (see :func:`check_tokenizers`); the target's lm_head or input
-            embedding has fewer rows than the shared vocabulary; or, with no tokenizer given, the draft's lm_head is larger than the
-            target's (the extra draft ids have no target probability, so the pair is ambiguous).
+            embedding has fewer rows than the shared vocabulary; with no tokenizer given, the draft's lm_head is larger than the
+            target's (the extra draft ids have no target probability, so the pair is ambiguous); or a pruned
+            draft's id map does not fit (see :func:`check_draft_vocab_map`).
     """
     check_tokenizers(target_tokenizer, draft_tokenizer)
     v_target = output_vocab_size(target)
@@ -117,4 +164,6 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
             "could not read ids it produces. Resize its embeddings (model.resize_token_embeddings) or use a "
             "tokenizer of at most that size."
         )
+    if draft is not None:
+        check_draft_vocab_map(draft, vocab, target_tokenizer)
     return vocab

@@ -39,6 +39,7 @@ from decode.requests import Request, RequestOutput, check_eos, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
 from decode.speedup import AdaptiveGamma
 from decode.verify import verify, verify_greedy
+from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 
 
 @dataclass
@@ -152,6 +153,8 @@ class SpeculativeDecoder:
         self.draft_context_length = context_length(draft) if draft is not None else None
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
+        # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
+        self._draft_map = draft_vocab_map(draft) if draft is not None else None
         self.compile = bool(compile)
         # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
         self._static = {}
@@ -492,6 +495,14 @@ class SpeculativeDecoder:
         limit, substitute = self._draft_input
         return torch.where(ids < limit, ids, substitute)
 
+    def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's ``(B, 1, N)`` logits as a row over the target's ids: a pruned draft's N logits go to the ids
+        of its map and every other id gets -inf, so q = 0 there and the residual max(p − q, 0) gives those ids
+        exactly their target probability. A full-vocabulary draft's logits pass through unchanged."""
+        if self._draft_map is None:
+            return logits
+        return scatter_to_vocab(logits, self._draft_map.to(logits.device), self.vocab_size)
+
     def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``
         (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy` needs no q)."""
@@ -516,8 +527,8 @@ class SpeculativeDecoder:
                 logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
                                                       self._draft_ids(inp), inp_mask, logits_to_keep=1,
                                                       max_position=max_pos, call=self._draft_call)
-            args = (logits[:, -1:], self._sampling, self.vocab_size, counts[:, None] if counts is not None else None,
-                    seen[:, None] if seen is not None else None)
+            args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
+                    counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
             if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
                 tok = greedy_ids(*args)[:, 0]
             else:

@@ -36,7 +36,8 @@ def looks_local(name_or_path: str) -> bool:
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",
                    device: str | None = None, trust_remote_code: bool = False) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights (``dtype=None``: the checkpoint's
-    default). The one model loader of decode and distill.
+    default). The one model loader of decode and distill. A vocabulary-pruned draft comes back with its N-row head
+    and its id map (:func:`decode.vocab_map.load_pretrained`).
 
     ``trust_remote_code`` (default False; ``--trust-remote-code`` on the CLIs) lets a checkpoint whose config names
     its own modeling code (``auto_map``) import and run that Python code; leave it off for checkpoints you have not
@@ -47,7 +48,7 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
         FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
             loaded (not a checkpoint folder, or a hub id that is not cached while offline), naming the role.
     """
-    from transformers import AutoModelForCausalLM
+    from decode.vocab_map import load_pretrained
 
     name_or_path = str(name_or_path)
     if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
@@ -55,8 +56,7 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
                                 "save_pretrained (or a hub id when online)")
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(name_or_path), **kw,
-                                                     trust_remote_code=trust_remote_code)
+        model = load_pretrained(os.path.expanduser(name_or_path), **kw, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         if isinstance(err, ValueError) and "trust_remote_code" in str(err):
             raise RemoteCodeError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its "

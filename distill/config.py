@@ -41,6 +41,13 @@ class TargetConfig:
 
 
 @dataclass
+class DraftVocabConfig:
+    """``draft.vocab``: a vocabulary-pruned draft head (decode/vocab_map.py, distill/vocab.py)."""
+
+    keep: Optional[int] = None  # N target ids the draft's lm_head keeps (most target mass on the data); null: all
+
+
+@dataclass
 class DraftConfig:
     """``draft``: an existing checkpoint, or a model built from the target's config with these overrides."""
 
@@ -54,6 +61,7 @@ class DraftConfig:
     dtype: Optional[str] = None                 # null: float32 master weights; auto: the checkpoint's
     seed: int = 0                               # init seed of a built draft
     trust_remote_code: bool = False             # let transformers run the checkpoint's own model code
+    vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)  # keep: prune the lm_head to N ids
 
 
 @dataclass
@@ -266,7 +274,7 @@ AT_LEAST = {
     "data.source.windows_per_doc": 1, "data.source.limit": 1, "data.max_prompt_tokens": 1, "data.max_new_tokens": 1,
     "data.holdout": 0, "data.target_generated.batch_size": 1, "data.target_generated.shard_size": 1,
     "data.logit_cache_k": 1, "data.logit_cache_shard_size": 1,
-    "loss.gamma": 1, "optim.warmup_steps": 0, "train.max_steps": 1, "train.stop_at": 1, "train.batch_size": 1,
+    "loss.gamma": 1, "draft.vocab.keep": 1, "optim.warmup_steps": 0, "train.max_steps": 1, "train.stop_at": 1, "train.batch_size": 1,
     "train.grad_accum": 1, "train.save_every": 0, "train.keep_last": 1, "train.log_every": 1, "train.lora.r": 1,
     "eval.num_prompts": 1, "eval.every": 0, "eval.num_draft_tokens": 1, "eval.max_new_tokens": 1,
     "eval.batch_size": 1, "eval.max_gamma": 1,
@@ -310,6 +318,11 @@ def _check_values(cfg: DictConfig) -> None:
         raise SetupError("loss=acceptance needs the target's full distribution at every position of a window; the "
                          "logit cache keeps top-k + tail only: use data.target_logits=online, or another loss with "
                          "the cache (loss=tvd is its per-token counterpart)")
+    if get("draft.vocab.keep") is not None and float(get("data.on_policy_fraction")) > 0:
+        raise SetupError(f"draft.vocab.keep={get('draft.vocab.keep')} with data.on_policy_fraction="
+                         f"{get('data.on_policy_fraction')}: on-policy rollouts sample from the draft alone, which a "
+                         "pruned head cannot do over the full vocabulary yet. Set data.on_policy_fraction=0 (or "
+                         "draft.vocab.keep=null)")
     _choose("eval.select_by", cfg.eval.select_by, tuple(SELECT_KEYS))
     for key in ("target.dtype", "draft.dtype"):
         if get(key) is not None:

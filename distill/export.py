@@ -24,7 +24,9 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
 
     Raises FileNotFoundError if the folder is not a checkpoint or the LoRA base is missing.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from decode.vocab_map import load_pretrained  # from_pretrained that restores a pruned draft's head and map
 
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
@@ -37,12 +39,12 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
         if not base_path or (base_path.startswith(("/", ".")) and not Path(base_path).exists()):
             raise FileNotFoundError(f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft "
                                     "checkpoint the run started from (or <output_dir>/draft_base for a built draft)")
-        base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
+        base = load_pretrained(base_path, **kw)
         peft_model = PeftModel.from_pretrained(base, str(draft_dir))
         untie_adapted_weights(peft_model)
         draft = peft_model.merge_and_unload()
     else:
-        draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), **kw)
+        draft = load_pretrained(str(draft_dir), **kw)
     tokenizer = AutoTokenizer.from_pretrained(str(draft_dir))
     return draft.eval(), tokenizer, state
 
@@ -113,6 +115,19 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     return {"num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang}
 
 
+def _pruned_markdown(card: dict) -> str:
+    """The card's paragraph on a vocabulary-pruned head (empty for a full-vocabulary draft)."""
+    pv = card.get("draft_vocab")
+    if not pv:
+        return ""
+    return (f"\n**Vocabulary-pruned draft**: its lm_head scores {pv['kept_ids']} of the target's "
+            f"{pv['vocab_size'] or '?'} ids (the ids with the most target probability on the training data); the "
+            "draft-to-target id map is the int64 tensor `draft_vocab_map` in `model.safetensors` (`config.json`: "
+            "`draft_vocab_map_size`, `draft_vocab_tokenizer_hash`). Load it with `decode.loading.load_causal_lm` "
+            "(draftkit's decoder puts q = 0 on the other ids, so decoding stays lossless); plain `from_pretrained` "
+            "refuses the smaller head, and engines that do not read the map cannot use it.\n")
+
+
 def _card_markdown(card: dict) -> str:
     ev = card.get("evaluation") or {}
     rows = "\n".join(
@@ -129,7 +144,7 @@ tags: [speculative-decoding, draft-model, distillation, draftkit]
 A draft model for speculative decoding, distilled against the frozen target `{card['target']}` with
 draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
 LoRA merged: {card['lora_merged']}.
-
+{_pruned_markdown(card)}
 ## Measured acceptance (held-out prompts, γ = {ev.get('num_draft_tokens', '?')}, step {ev.get('step', '?')})
 
 {table}
@@ -196,10 +211,16 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
     draft.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     config = read_config(checkpoint)
+    from decode.vocab_map import draft_vocab_map
+
+    vocab_map = draft_vocab_map(draft)
+    pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": state.get("vocab_size"),
+                                              "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0])}
     card = {"target": state.get("target"), "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
-            "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config}
+            "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
+            "draft_vocab": pruned}
     card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),
                                        card["evaluation"], config)
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))

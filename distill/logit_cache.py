@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from decode.compat import tokenizer_fingerprint  # noqa: F401  (one hash for the cache and pruned drafts)
 from distill.models import SetupError
 
 FORMAT_VERSION = 1
@@ -64,14 +65,6 @@ def target_fingerprint(name_or_path: str, chunk: int = 1 << 20) -> str:
             h.update(fh.read(chunk))
             fh.seek(max(0, size - chunk))
             h.update(fh.read(chunk))
-    return h.hexdigest()[:16]
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of the vocabulary (token -> id), the special tokens and the chat template."""
-    h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps({"special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-                         "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 

@@ -360,3 +360,175 @@ def cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs:
                            mask.reshape(1, -1), n_tokens)
         loss = (1.0 - ce_weight) * loss + ce_weight * ce
     return loss
+
+
+# ------------------------------------------------------------------------------------------------ pruned drafts
+# A vocabulary-pruned draft (decode/vocab_map.py) has N logits over the target ids of its map and q = 0 on every
+# other id. Its divergence from the target is computed on N + 1 buckets: the N kept ids and one tail bucket with the
+# rest of the target's mass, where the draft's probability is exactly 0. Because q is 0 on every tail id, the
+# bucketed TVD, RKL and JSD are *exactly* the full-vocabulary divergences between p and the pruned draft's q (the
+# tail ids contribute p_tail to TVD, 0 to RKL, β·p_tail·log(1/β) to JSD, whether split or pooled). FKL would be
+# infinite (p > 0 where q = 0), so it is defined against the target renormalised over the kept ids (see
+# :func:`support_divergence`). With N = V the tail is empty and every loss equals its full-vocabulary form.
+
+def support_divergence(name: str, log_q: torch.Tensor, log_p: torch.Tensor, support: torch.Tensor,
+                       beta: float = 0.5) -> torch.Tensor:
+    """Per-position divergence ``(...,)`` between a target ``log_p`` (..., K) and a draft that puts probability only
+    on the ``support`` (..., K) bool buckets (``log_q`` there; its entries elsewhere are ignored: q = 0).
+
+    - ``tvd``: ½ Σ |p − q| with q = 0 off the support: the target's off-support mass counts in full, exactly the
+      rejection probability of speculative sampling with the pruned draft (Leviathan et al. 2023, Thm 3.5). Its
+      minimum over q is ½·(p_off + Σ_support |p − q|) ≥ p_off, reached at q ≥ p on the support (e.g. q = p
+      renormalised).
+    - ``rkl``: Σ_support q log(q/p), exact (0·log 0 = 0 off the support); its minimum −log(1 − p_off) is reached at
+      q = p renormalised over the support.
+    - ``jsd`` (0 < β < 1): exact, with m = β·p off the support.
+    - ``fkl`` (and ``jsd`` with β = 0): KL(p̃‖q) with p̃ = p renormalised over the support. The full FKL is +∞ for
+      any pruned draft (p > 0 where q = 0), so it could not rank drafts; KL(p̃‖q) is finite, 0 exactly at
+      q = p̃, and has the same minimiser as RKL and the same gradient direction as the full FKL restricted to
+      the kept ids (∇ = −(p̃ − q)). The alternative, an extra trained "other" logit, would put draft mass on a
+      bucket the decoder cannot propose, so training and decoding would disagree.
+
+    Rounding below 0 is clamped to 0. Off-support entries of ``log_q`` are replaced before any arithmetic, so no
+    0·(−∞) reaches the value or the gradient.
+    """
+    support = support.bool()
+    log_q = torch.where(support, log_q, 0.0)
+    q = torch.where(support, log_q.exp(), 0.0)
+    p = log_p.exp()
+    if name == "tvd":
+        per = 0.5 * (p - q).abs().sum(-1)
+    elif name == "fkl" or (name == "jsd" and beta == 0.0):
+        masked = torch.where(support, log_p, float("-inf"))
+        log_pt = torch.where(support, log_p - torch.logsumexp(masked, dim=-1, keepdim=True), 0.0)
+        per = torch.where(support, log_pt.exp() * (log_pt - log_q), 0.0).sum(-1)
+    elif name == "rkl" or (name == "jsd" and beta == 1.0):
+        per = torch.where(support, q * (log_q - log_p), 0.0).sum(-1)
+    elif name == "jsd":
+        log_m = torch.where(support, _log_mixture(log_p, log_q, beta), math.log(beta) + log_p)
+        per = beta * (p * (log_p - log_m)).sum(-1) + (1.0 - beta) * torch.where(support, q * (log_q - log_m),
+                                                                                  0.0).sum(-1)
+    else:
+        check_loss_name(name)
+        raise ValueError(f"loss {name!r} has no pruned-vocabulary bucket form (acceptance uses the V-wide row)")
+    return per.clamp(min=0.0)
+
+
+def pruned_divergence(name: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, vocab_map: torch.Tensor,
+                      mask: torch.Tensor, n_tokens: int | float | torch.Tensor, beta: float = 0.5,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Divergence ``name`` between a pruned draft and the target, Σ over masked positions / n_tokens.
+
+    Args:
+        name: fkl | rkl | jsd | tvd (see :func:`support_divergence` for each one's definition on the pruned support).
+        draft_logits: ``(..., N)`` the pruned draft's logits; column i scores target id ``vocab_map[i]``.
+        target_logits: ``(..., V)`` the target's logits over the shared vocabulary.
+        vocab_map: ``(N,)`` int64, sorted unique target ids.
+        mask, n_tokens: as the other losses; beta: JSD β in [0, 1]; temperature: > 0, applied to both.
+
+    Raises ValueError for mismatched shapes, β outside [0, 1] or temperature ≤ 0.
+    """
+    if draft_logits.shape[-1] != vocab_map.shape[0] or draft_logits.shape[:-1] != target_logits.shape[:-1] \
+            or mask.shape != draft_logits.shape[:-1]:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be (..., N={vocab_map.shape[0]}) with the "
+                         f"leading dims of target_logits {tuple(target_logits.shape)} and mask {tuple(mask.shape)}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must be in [0, 1], got {beta} (0 = forward KL, 1 = reverse KL)")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    from decode.vocab_map import scatter_to_vocab
+
+    keep = mask.bool().unsqueeze(-1)
+    vocab_map = vocab_map.to(target_logits.device)
+    t = torch.where(keep, target_logits.float(), 0.0)
+    # The draft goes through the same bucketing as the target (its row is -inf off the map), so a draft equal to
+    # the target on the kept ids gives bit-identical bucket log-probs.
+    d = scatter_to_vocab(torch.where(keep, draft_logits.float(), 0.0), vocab_map, t.shape[-1])
+    ids = vocab_map.expand(*t.shape[:-1], -1)
+    log_p = _normalize_log(bucket_log_probs(t, ids, temperature)).clamp(min=LOG_FLOOR)  # (..., N + 1)
+    log_q = _normalize_log(bucket_log_probs(d, ids, temperature))
+    support = torch.ones_like(log_p, dtype=torch.bool)
+    support[..., -1] = False  # the tail: q = 0
+    return _reduce(support_divergence(name, log_q, log_p, support, beta), mask, n_tokens)
+
+
+def pruned_cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor, vocab_map: torch.Tensor,
+                         mask: torch.Tensor, n_tokens: int | float | torch.Tensor) -> torch.Tensor:
+    """Token-level CE of a pruned draft on target-id ``labels`` (B, T), summed / n_tokens. A label outside the map
+    has no draft logit (its CE would be +∞) and contributes 0; ``n_tokens`` still counts it."""
+    vocab_map = vocab_map.to(labels.device)
+    pos = torch.searchsorted(vocab_map, labels).clamp(max=vocab_map.numel() - 1)
+    kept = mask.bool() & (vocab_map[pos] == labels)
+    return cross_entropy(draft_logits, pos, kept, n_tokens)
+
+
+def pruned_distill_loss(name: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, vocab_map: torch.Tensor,
+                        mask: torch.Tensor, n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None,
+                        beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0,
+                        gamma: int = 4) -> torch.Tensor:
+    """:func:`distill_loss` for a pruned draft with ``(B, T, N)`` logits over ``vocab_map`` (N,) and a ``(B, T, V)``
+    target: ``(1 − ce_weight)·divergence + ce_weight·CE``.
+
+    fkl/rkl/jsd/tvd use :func:`pruned_divergence`. ``acceptance`` places the draft's logits into a V-wide row of
+    −inf (q = 0 off the map, as the decoder does) and uses :func:`acceptance`, which is built from 1 − TVD and so
+    is exact with q = 0. CE uses :func:`pruned_cross_entropy`.
+
+    Raises ValueError as :func:`distill_loss` does.
+    """
+    from decode.vocab_map import scatter_to_vocab
+
+    check_loss_name(name)
+    if not 0.0 <= ce_weight <= 1.0:
+        raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
+    vocab_map = vocab_map.to(draft_logits.device)
+    if name == "acceptance":
+        full = scatter_to_vocab(draft_logits.float(), vocab_map, target_logits.shape[-1])
+        loss = acceptance(full, target_logits, mask, n_tokens, gamma=gamma, temperature=temperature)
+    else:
+        loss = pruned_divergence(name, draft_logits, target_logits, vocab_map, mask, n_tokens, beta, temperature)
+    if ce_weight > 0:
+        if labels is None:
+            raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
+        loss = (1.0 - ce_weight) * loss + ce_weight * pruned_cross_entropy(draft_logits, labels, vocab_map, mask,
+                                                                           n_tokens)
+    return loss
+
+
+def pruned_cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor,
+                               ids: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int, mask: torch.Tensor,
+                               n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None,
+                               beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
+    """:func:`cached_distill_loss` for a pruned draft: ``draft_logits`` (..., N) over ``vocab_map``, a cached
+    top-k + tail target ``target_log_probs`` (..., k+1) / ``ids`` (..., k) over ``vocab_size`` ids.
+
+    The buckets are the cache's: the k ids and its tail. The draft's probability is exactly 0 on cached ids outside
+    its map (those buckets are off its support, :func:`support_divergence`), and its tail bucket holds its mass on
+    kept ids outside the top-k. Raises ValueError as :func:`cached_distill_loss` does.
+    """
+    from decode.vocab_map import scatter_to_vocab
+
+    check_loss_name(name)
+    k = ids.shape[-1]
+    if target_log_probs.shape[-1] != k + 1 or target_log_probs.shape[:-1] != ids.shape[:-1] \
+            or draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
+        raise ValueError(f"target_log_probs {tuple(target_log_probs.shape)}, ids {tuple(ids.shape)}, draft_logits "
+                         f"{tuple(draft_logits.shape)} and mask {tuple(mask.shape)} must share the leading dims "
+                         "(target_log_probs with one more column than ids)")
+    if not 0.0 <= beta <= 1.0 or not temperature > 0 or not 0.0 <= ce_weight <= 1.0:
+        raise ValueError(f"need beta in [0, 1] (got {beta}), temperature > 0 (got {temperature}), ce_weight in "
+                         f"[0, 1] (got {ce_weight})")
+    vocab_map = vocab_map.to(draft_logits.device)
+    keep = mask.bool().unsqueeze(-1)
+    d = scatter_to_vocab(torch.where(keep, draft_logits.float(), 0.0), vocab_map, vocab_size)
+    safe_ids = torch.where(keep, ids.long(), torch.arange(k, device=ids.device))
+    log_p = _normalize_log(torch.where(keep, target_log_probs.float().clamp(min=LOG_FLOOR), 0.0)).clamp(min=LOG_FLOOR)
+    log_q = _normalize_log(bucket_log_probs(d, safe_ids, temperature))
+    support = torch.cat([torch.isin(safe_ids, vocab_map), torch.ones_like(safe_ids[..., :1], dtype=torch.bool)], -1)
+    loss = _reduce(support_divergence(name, log_q, log_p, support, beta), mask, n_tokens)
+    if ce_weight > 0:
+        if labels is None:
+            raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
+        ce = pruned_cross_entropy(draft_logits.reshape(1, -1, draft_logits.shape[-1]), labels.reshape(1, -1),
+                                  vocab_map, mask.reshape(1, -1), n_tokens)
+        loss = (1.0 - ce_weight) * loss + ce_weight * ce
+    return loss

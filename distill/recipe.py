@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt
 from distill.config import check_inputs, normalize_config
 from distill.data import (as_examples, build_examples, cache_key, check_lengths, collate_sequences,
@@ -37,10 +38,11 @@ from distill.data import (as_examples, build_examples, cache_key, check_lengths,
 from distill.evaluate import acceptance_eval, measure_cost_ratio
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
-from distill.losses import cached_distill_loss, distill_loss
+from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
                             load_draft_tokenizer, load_target, load_tokenizer)
 from distill.rollout import rollout
+from distill.vocab import prune_for_training
 
 # ------------------------------------------------------------------------------------------------ setup
 
@@ -158,10 +160,13 @@ def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[lis
     return examples, [e["prompt_ids"] for e in eval_examples]
 
 
-def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) -> Run:
-    """Everything the loop needs, in order of cost: config checks, models + pair check, data, optimizer.
+def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
+          resume_from: str | Path | None = None) -> Run:
+    """Everything the loop needs, in order of cost: config checks, models + pair check, data, the pruned draft
+    head (``draft.vocab.keep``), LoRA, optimizer.
 
     ``cost_ratio``: c to use instead of ``eval.cost_ratio`` or a measurement (a resumed run keeps its own).
+    ``resume_from``: the checkpoint a resumed run continues (a pruned draft takes its id map from there).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
@@ -197,17 +202,6 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
         vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
                                                              context_length(draft))
 
-    lora = bool(cfg.train.lora.enabled)
-    draft_base = None
-    if lora:
-        draft_base = str(Path(cfg.draft.name_or_path).resolve()) if cfg.draft.get("name_or_path") and \
-            is_local_path(str(cfg.draft.name_or_path)) else cfg.draft.get("name_or_path")
-        if not draft_base:  # a built draft has no checkpoint to put the adapter on: save its initial weights once
-            draft_base = str((output_dir / "draft_base").resolve())
-            if accelerator.is_main_process and not (output_dir / "draft_base" / "config.json").exists():
-                draft.save_pretrained(draft_base)
-                tokenizer.save_pretrained(draft_base)
-        draft = attach_lora(draft, cfg.train.lora)
     if target is not None:
         target.to(accelerator.device)
     draft.to(accelerator.device)
@@ -223,6 +217,20 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None) ->
                          "data.completions=target (sequence-level KD), or data.source.completion_field=FIELD")
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
+    # draft.vocab.keep: the draft's lm_head keeps the N ids with the most target mass on these examples.
+    pruned_here = prune_for_training(cfg, draft, tokenizer, vocab, target, cache, examples, resume_from, log)
+
+    lora = bool(cfg.train.lora.enabled)
+    draft_base = None
+    if lora:
+        draft_base = str(Path(cfg.draft.name_or_path).resolve()) if cfg.draft.get("name_or_path") and \
+            is_local_path(str(cfg.draft.name_or_path)) else cfg.draft.get("name_or_path")
+        if not draft_base or pruned_here:  # a built or newly pruned draft: save the adapter's base weights once
+            draft_base = str((output_dir / "draft_base").resolve())
+            if accelerator.is_main_process and not (output_dir / "draft_base" / "config.json").exists():
+                draft.save_pretrained(draft_base)
+                tokenizer.save_pretrained(draft_base)
+        draft = attach_lora(draft, cfg.train.lora)
     cost_ratio = cfg.eval.get("cost_ratio") if cost_ratio is None else cost_ratio
     if cost_ratio is None and target is None:
         cost_ratio = float("nan")  # no target to time; the recipe does not evaluate in cached mode
@@ -356,16 +364,25 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     rows = batch["cache_rows"].tolist() if "cache_rows" in batch else None
     batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items() if k != "cache_rows"}
     kind, target_side = target_distribution(run, batch, rows, where)
-    draft_kept = _vocab_slice(kept_logits(run, "draft", batch, where), run.vocab).unsqueeze(0)  # (1, N, V)
+    vocab_map = draft_vocab_map(run.draft)  # (N,) for a pruned draft (its logits are N wide)
+    draft_kept = kept_logits(run, "draft", batch, where)
+    draft_kept = (draft_kept if vocab_map is not None else _vocab_slice(draft_kept, run.vocab)).unsqueeze(0)
     kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
               temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight))
     ones = torch.ones(1, n_keep, device=acc.device)
     if kind == "cached":
         log_p, ids = target_side
+        if vocab_map is not None:
+            return pruned_cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0),
+                                              vocab_map, run.vocab, ones, n_tokens, **kw)
         return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
                                    **kw)
-    loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0), ones,
-                        n_tokens, **kw)
+    if vocab_map is not None:
+        loss = pruned_distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0),
+                                   vocab_map, ones, n_tokens, **kw)
+    else:
+        loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0), ones,
+                            n_tokens, **kw)
     del target_side  # (N, V) is the largest activation here; free it before the draft's backward
     return loss
 
@@ -388,11 +405,17 @@ def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens
     if kind != "logits":  # config validation refuses loss=acceptance with data.target_logits=cached
         raise SetupError("loss=acceptance needs the target's full logits; use data.target_logits=online")
     shape = (mask.shape[0], width, -1)
-    draft_seq = _vocab_slice(kept_logits(run, "draft", batch, where).view(shape), run.vocab)  # (B, C, V)
-    loss = distill_loss(cfg.loss.name, draft_seq, _vocab_slice(target_side.view(shape), run.vocab),
-                        mask_seq.to(acc.device), n_tokens, labels=labels.to(acc.device), beta=float(cfg.loss.beta),
-                        temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight),
-                        gamma=int(cfg.loss.gamma))
+    vocab_map = draft_vocab_map(run.draft)
+    draft_seq = kept_logits(run, "draft", batch, where).view(shape)  # (B, C, V) or (B, C, N) when pruned
+    kw = dict(labels=labels.to(acc.device), beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
+              ce_weight=float(cfg.loss.ce_weight), gamma=int(cfg.loss.gamma))
+    target_seq = _vocab_slice(target_side.view(shape), run.vocab)
+    if vocab_map is not None:
+        loss = pruned_distill_loss(cfg.loss.name, draft_seq, target_seq, vocab_map, mask_seq.to(acc.device),
+                                   n_tokens, **kw)
+    else:
+        loss = distill_loss(cfg.loss.name, _vocab_slice(draft_seq, run.vocab), target_seq, mask_seq.to(acc.device),
+                            n_tokens, **kw)
     del target_side  # (B, C, V) is the largest activation here; free it before the draft's backward
     return loss
 
@@ -510,7 +533,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     resume_from = resolve_resume(normalize_config(cfg))
     saved = ckpt.read_state(resume_from) if resume_from is not None else {}
     kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
-    run = setup(cfg, log=log or print, cost_ratio=kept_c)
+    run = setup(cfg, log=log or print, cost_ratio=kept_c, resume_from=resume_from)
     cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
     out = run.output_dir

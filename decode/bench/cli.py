@@ -130,6 +130,11 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         path = getattr(args, name)
         if (os.path.sep in path or path.startswith(".")) and not Path(path).exists():
             raise FileNotFoundError(f"--{name} {path} does not exist")
+    from decode.vocab_map import pruned_size
+
+    if cfg.hf and pruned_size(args.draft) is not None:
+        raise ValueError(f"--draft {args.draft} is vocabulary-pruned (its lm_head scores {pruned_size(args.draft)} "
+                         "mapped ids); Hugging Face assisted generation cannot read its id map: pass --no-hf")
     from decode.prompts import load_prompts
 
     prompts = load_prompts(args.prompts, limit=args.limit, field=args.prompt_field)

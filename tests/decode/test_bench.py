@@ -557,3 +557,17 @@ def test_gpu_bench_script_end_to_end_on_cpu_with_tiny_sizes(tmp_path):
                            timeout=60)
     assert again.returncode == 2 and "already holds" in again.stderr
     assert json.loads((tmp_path / "gpu_bench.json").read_text()) == results
+
+
+def test_pruned_draft_with_hf_assisted_is_refused_before_loading(saved_pair, tmp_path, capsys, no_model_loads):
+    """HF assisted generation cannot read a vocabulary-pruned draft's id map: the CLI says --no-hf up front."""
+    from decode.__main__ import main as decode_main
+    from decode.vocab_map import prune_draft_head
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(str(saved_pair / "draft"))
+    prune_draft_head(draft, torch.arange(0, draft.config.vocab_size, 2)).save_pretrained(tmp_path / "pruned")
+    args = ["--target", str(saved_pair / "target"), "--draft", str(tmp_path / "pruned"), "--dtype", "float32"]
+    assert decode_main(["bench", *args, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary-pruned" in err and "pass --no-hf" in err

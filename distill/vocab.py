@@ -1,0 +1,123 @@
+"""Choose the ids a vocabulary-pruned draft keeps (``draft.vocab.keep=N``) and prune the draft for training.
+
+The N ids are those that carry the most target probability on the training data: Σ over completion positions of
+p_target(id) (from the logit cache: Σ exp(cached log-prob) per cached id; else one no-grad target pass over the
+training sequences), plus the tokenizer's special ids so the draft can propose an end of sequence. EAGLE-3 (Li et
+al. 2025) chooses its draft vocabulary by token frequency; the target's mass is the quantity acceptance depends on
+(a kept id i lets the draft accept up to p(i) at a position). The model side is :mod:`decode.vocab_map`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode.compat import IncompatibleModelsError, check_draft_vocab_map, tokenizer_fingerprint
+from decode.vocab_map import MAP_KEY, draft_vocab_map, prune_draft_head, select_kept_ids
+from distill.models import SetupError
+
+
+def special_ids(tokenizer: Any, vocab: int) -> list[int]:
+    """bos/eos/pad/unk and every other special id of ``tokenizer`` (chat markers), those below ``vocab``."""
+    ids = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
+    ids |= set(getattr(tokenizer, "all_special_ids", []) or [])
+    return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
+
+
+def cache_id_mass(cache: Any, vocab: int, rows_per_read: int = 256) -> torch.Tensor:
+    """``(V,)`` float64: Σ over every cached position of exp(log-prob) per cached top-k id (the tail is not split).
+
+    ``cache`` is a :class:`distill.logit_cache.LogitCache`.
+    """
+    mass = torch.zeros(vocab, dtype=torch.float64)
+    n = len(cache.ds)
+    for start in range(0, n, rows_per_read):
+        log_p, ids = cache.buckets(list(range(start, min(n, start + rows_per_read))))
+        mass.index_add_(0, ids.flatten(), log_p[:, :-1].double().exp().flatten())
+    return mass
+
+
+@torch.no_grad()
+def target_id_mass(target: Any, examples: list[dict], pad_id: int, vocab: int, batch_size: int = 4,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """``(V,)`` float64: Σ over the completion positions of ``examples`` of softmax(target logits / T) per id.
+
+    One no-grad target forward per batch of ``batch_size`` sequences (prompt + completion); only the completion
+    positions (the loss mask of :func:`distill.data.collate_sequences`) count.
+    """
+    from distill.data import collate_sequences
+
+    device = next(target.parameters()).device
+    mass = torch.zeros(vocab, dtype=torch.float64, device=device)
+    for start in range(0, len(examples), batch_size):
+        batch = collate_sequences(examples[start:start + batch_size], pad_id)
+        logits = target(input_ids=batch["input_ids"].to(device),
+                        attention_mask=batch["attention_mask"].to(device)).logits
+        keep = batch["loss_mask"].bool().to(device)
+        mass += (logits[keep][:, :vocab].float() / temperature).softmax(-1).double().sum(0)
+    return mass.cpu()
+
+
+def checkpoint_vocab_map(checkpoint: str | Path) -> torch.Tensor | None:
+    """The draft's id map stored in a training checkpoint's ``model.safetensors`` (None when it has none)."""
+    from safetensors import safe_open
+
+    path = Path(checkpoint) / "model.safetensors"
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        key = next((k for k in f.keys() if k == MAP_KEY or k.endswith("." + MAP_KEY)), None)
+        return f.get_tensor(key).long() if key is not None else None
+
+
+def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target: Any = None, cache: Any = None,
+                       examples: list[dict] | None = None, resume_from: str | Path | None = None,
+                       log: Any = print) -> bool:
+    """Apply ``draft.vocab.keep`` to the draft in place; returns True when it pruned the draft here.
+
+    - a draft that is already pruned (a pruned export, a run's checkpoint) keeps its own map; ``keep`` must be null
+      or equal to its size (a map is never regenerated on a warm start);
+    - resuming a run: the map stored in the checkpoint is used (no new selection);
+    - else the N ids of :func:`decode.vocab_map.select_kept_ids` over :func:`cache_id_mass` (cached mode) or
+      :func:`target_id_mass` (one target pass over ``examples``).
+
+    Raises:
+        SetupError: ``keep`` outside [number of special ids, V], a different ``keep`` than an already-pruned draft's
+            size, or a map that does not fit the tokenizer/vocabulary.
+    """
+    keep = cfg.draft.get("vocab", {}).get("keep") if cfg.draft.get("vocab") is not None else None
+    existing = draft_vocab_map(draft)
+    if existing is not None:
+        if keep is not None and int(keep) != existing.numel():
+            raise SetupError(f"draft.vocab.keep={keep} but the draft {cfg.draft.name_or_path!r} is already pruned to "
+                             f"{existing.numel()} ids; use draft.vocab.keep=null (keep its map) or start from its "
+                             "full-vocabulary checkpoint")
+        pruned_here = False
+    elif keep is None:
+        return False
+    else:
+        ids = checkpoint_vocab_map(resume_from) if resume_from is not None else None
+        if ids is not None:
+            log(f"draft.vocab.keep={keep}: using the {ids.numel()}-id map of the checkpoint {resume_from}")
+        else:
+            if cache is not None:
+                mass, source = cache_id_mass(cache, vocab), "the logit cache"
+            else:
+                mass = target_id_mass(target, examples, tokenizer.pad_token_id, vocab,
+                                      temperature=float(cfg.loss.temperature))
+                source = f"one target pass over {len(examples)} training sequences"
+            try:
+                ids = select_kept_ids(mass, int(keep), special_ids(tokenizer, vocab))
+            except ValueError as err:
+                raise SetupError(str(err)) from None
+            covered = float(mass[ids].sum() / mass.sum().clamp(min=1e-30))
+            log(f"draft.vocab.keep={keep}: the kept ids carry {covered:.1%} of the target's probability mass on "
+                f"the training data ({source})")
+        prune_draft_head(draft, ids, tokenizer_fingerprint(tokenizer))
+        pruned_here = True
+    try:
+        check_draft_vocab_map(draft, vocab, tokenizer)
+    except IncompatibleModelsError as err:
+        raise SetupError(f"incompatible target/draft pair: {err}") from None
+    return pruned_here

@@ -1,0 +1,180 @@
+"""Vocabulary-pruned drafts: id selection, the N-row head, save/reload, the pair check, and a lossless decoder
+(exact greedy equality, chi-square against the target's distribution with a map that omits likely ids)."""
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from decode.compat import IncompatibleModelsError, check_compatibility, tokenizer_fingerprint
+from decode.loading import load_causal_lm
+from decode.vocab_map import (HASH_FIELD, MAP_KEY, SIZE_FIELD, draft_vocab_map, prune_draft_head, scatter_to_vocab,
+                              select_kept_ids)
+from tests.conftest import VOCAB, make_tokenizer, perturbed_copy, tiny_llama
+from tests.decode.test_lossless import (N, PROMPT, V, chi_square, critical, exact_joint, joint_counts,
+                                        small_vocab_llama)
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+def test_select_kept_ids_takes_the_heaviest_plus_specials_sorted():
+    mass = torch.tensor([0.0, 5.0, 1.0, 9.0, 3.0, 3.0, 0.5, 7.0])
+    assert select_kept_ids(mass, 3).tolist() == [1, 3, 7]
+    # specials first, whatever their mass; the rest by mass; ties (ids 4 and 5) go to the lower id
+    assert select_kept_ids(mass, 4, special_ids=[0, 2, None]).tolist() == [0, 2, 3, 7]
+    assert select_kept_ids(mass, 6, special_ids=[0]).tolist() == [0, 1, 3, 4, 5, 7]
+    assert select_kept_ids(mass, 5, special_ids=[0]).tolist() == [0, 1, 3, 4, 7]
+    assert select_kept_ids(mass, 8).tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("keep,specials,match", [(0, [], "keep=0"), (9, [], "keep=9"), (1, [0, 2], r"\[2, 8\]"),
+                                                 (2, [8], "special ids"), (True, [], "keep=True")])
+def test_select_kept_ids_errors(keep, specials, match):
+    with pytest.raises(ValueError, match=match):
+        select_kept_ids(torch.ones(8), keep, specials)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_pruned_head_scores_the_kept_ids_with_the_drafts_own_rows(tie):
+    draft = tiny_llama(seed=1, layers=1, tie_word_embeddings=tie)
+    ids = torch.tensor([0, 2, 5, 17, 40, 95])
+    x = torch.tensor([[1, 7, 60, 3]])
+    full = draft(x).logits
+    embed = draft.get_input_embeddings().weight.detach().clone()
+    prune_draft_head(draft, ids, tokenizer_hash="abc")
+    torch.testing.assert_close(draft(x).logits, full[..., ids], rtol=1e-12, atol=1e-12)  # matmul blocking differs
+    assert draft.lm_head.weight.shape[0] == 6 and draft.get_input_embeddings().weight.shape[0] == VOCAB
+    assert torch.equal(draft.get_input_embeddings().weight, embed)  # the input side keeps every id
+    assert draft.lm_head.weight.data_ptr() != draft.get_input_embeddings().weight.data_ptr()
+    assert not draft.config.tie_word_embeddings
+    assert getattr(draft.config, SIZE_FIELD) == 6 and getattr(draft.config, HASH_FIELD) == "abc"
+    assert torch.equal(draft_vocab_map(draft), ids)
+    with pytest.raises(ValueError, match="already vocabulary-pruned"):
+        prune_draft_head(draft, ids)
+
+
+def test_prune_refuses_unsorted_or_out_of_range_ids():
+    with pytest.raises(ValueError, match="sorted"):
+        prune_draft_head(tiny_llama(layers=1), torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="outside"):
+        prune_draft_head(tiny_llama(layers=1), torch.tensor([1, VOCAB]))
+
+
+def test_scatter_to_vocab_places_logits_at_the_map():
+    out = scatter_to_vocab(torch.tensor([[1.0, 2.0]]), torch.tensor([1, 3]), 5)
+    assert out.tolist() == [[float("-inf"), 1.0, float("-inf"), 2.0, float("-inf")]]
+
+
+def test_saved_pruned_draft_reloads_with_head_and_map(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    draft = prune_draft_head(tiny_llama(seed=2, layers=1, tie_word_embeddings=True), torch.arange(0, VOCAB, 3), "h")
+    draft.save_pretrained(tmp_path / "d")
+    back = load_causal_lm(str(tmp_path / "d"), "draft", dtype=None)
+    x = torch.tensor([[1, 4, 9, 70]])
+    assert torch.equal(back(x).logits, draft(x).logits)
+    assert torch.equal(draft_vocab_map(back), torch.arange(0, VOCAB, 3))
+    assert getattr(back.config, HASH_FIELD) == "h" and not back.config.tie_word_embeddings
+    # A second save/reload round trip keeps it (the export of an exported draft).
+    back.save_pretrained(tmp_path / "e")
+    again = load_causal_lm(str(tmp_path / "e"), "draft", dtype=None)
+    assert torch.equal(again(x).logits, draft(x).logits) and torch.equal(draft_vocab_map(again), draft_vocab_map(draft))
+    # Plain from_pretrained cannot silently give a V-row random head: the size mismatch is an error.
+    with pytest.raises(RuntimeError):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"))
+
+
+def test_reload_refuses_a_folder_without_its_map(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    draft = prune_draft_head(tiny_llama(seed=2, layers=1), torch.arange(10))
+    draft.save_pretrained(tmp_path / "d")
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    del weights[MAP_KEY]
+    save_file(weights, str(tmp_path / "d" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(FileNotFoundError, match="could not load the draft"):
+        load_causal_lm(str(tmp_path / "d"), "draft")
+
+
+# ------------------------------------------------------------------------------------------------ the pair check
+
+def test_pair_check_refuses_other_tokenizer_and_bad_maps():
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0)
+    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(tok))
+    assert check_compatibility(target, draft, tok, tok) == VOCAB
+    other = make_tokenizer([f"x{i}" for i in range(VOCAB - 4)])
+    with pytest.raises(IncompatibleModelsError, match="tokenizer .* but the target's tokenizer is"):
+        check_compatibility(target, draft, other)
+    with torch.no_grad():
+        getattr(draft, MAP_KEY)[3] = 1  # not sorted/unique any more
+    with pytest.raises(IncompatibleModelsError, match="sorted.*target's vocabulary has 96"):
+        SpeculativeDecoder(target, draft, tokenizer=tok)
+    # A map pruned for a larger vocabulary: ids beyond the target's.
+    big = prune_draft_head(tiny_llama(vocab_size=200, seed=1, layers=1), torch.tensor([1, 2, 150]))
+    with pytest.raises(IncompatibleModelsError, match=r"outside \[0, 96\).*96 ids"):
+        check_compatibility(target, big, tok)
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_equality_with_a_pruned_draft(gamma):
+    target = tiny_llama(seed=0)
+    prompts = [[1, 5, 9, 33], [1, 60, 2, 7, 8, 11], [1, 90]]
+    plain = SpeculativeDecoder(target, None, 0).generate(prompts, max_new_tokens=24)
+    # The map keeps every other id: the target's greedy choice is often outside it (rejected drafts).
+    draft = prune_draft_head(perturbed_copy(target, 0.3, seed=5), torch.arange(0, VOCAB, 2))
+    out = SpeculativeDecoder(target, draft, gamma).generate(prompts, max_new_tokens=24)
+    for a, b in zip(out.sequences, plain.sequences):
+        assert torch.equal(a, b)
+    omitted = torch.cat(plain.new_tokens) % 2 == 1
+    assert omitted.any() and (~omitted).any()  # both kinds of ids were produced
+    assert 0.0 < out.stats.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("settings,gamma", [(dict(temperature=1.0), 3), (dict(temperature=1.0), 1),
+                                            (dict(temperature=0.7, top_k=5), 2), (dict(presence_penalty=1.0), 2)])
+def test_pruned_draft_output_follows_target(settings, gamma):
+    """The map omits the target's two likeliest first tokens: those ids come only from the residual."""
+    from tests.decode.test_lossless import reference_joint
+
+    target = small_vocab_llama(seed=0, layers=2)
+    with torch.no_grad():
+        p1 = target(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)
+    omit = p1.topk(2).indices
+    keep = torch.tensor([i for i in range(V) if i not in omit.tolist()])
+    draft = prune_draft_head(perturbed_copy(target, 1.0, seed=3), keep)
+    if "presence_penalty" in settings:
+        expected = reference_joint(target, presence_penalty=settings["presence_penalty"]).double() * N
+    else:
+        expected = exact_joint(target, settings["temperature"], settings.get("top_k"), None).double() * N
+    out = SpeculativeDecoder(target, draft, gamma).generate(
+        [PROMPT] * N, max_new_tokens=3, generator=torch.Generator().manual_seed(4321),
+        **{"temperature": 1.0, **settings})
+    counts = joint_counts(out)
+    assert counts[expected == 0].sum() == 0
+    stat, df = chi_square(counts, expected)
+    assert stat < critical(df), (stat, df)
+    assert counts[omit].sum() > 0.05 * N  # the omitted ids were really produced, through the residual
+    assert 0.0 < out.stats.acceptance_rate < 1.0
+
+    # Power: the omitted ids carry over 5% of the expected pairs, so an engine that let them through only via the
+    # draft (never the residual) would fail the chi-square test above.
+    assert expected[omit].sum() > 0.05 * N
+
+
+def test_map_is_applied_a_pruned_copy_of_the_target_accepts_every_greedy_draft():
+    """Losslessness holds for any q, so it cannot show that the map is read: acceptance does. A copy of the target
+    pruned to ids that include every greedy choice agrees with it everywhere; reading the N logits as ids
+    0..N-1 (no map) would reject most drafts."""
+    target = tiny_llama(seed=0)
+    prompts = [[1, 5, 9, 33], [1, 60, 2, 7, 8, 11]]
+    plain = SpeculativeDecoder(target, None, 0).generate(prompts, max_new_tokens=20)
+    used = set(torch.cat(plain.new_tokens).tolist())
+    keep = sorted(used | set(range(VOCAB - 1, VOCAB - 1 - 30, -1)))
+    assert keep[0] > 0 or len(keep) < VOCAB  # a real subset
+    draft = prune_draft_head(perturbed_copy(target, 0.0), torch.tensor(keep))
+    out = SpeculativeDecoder(target, draft, 4).generate(prompts, max_new_tokens=20)
+    assert out.stats.acceptance_rate == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))

@@ -1,0 +1,161 @@
+"""draft.vocab.keep=N in the recipe: the kept ids come from the target's mass on the training data (online pass or
+logit cache), the pruned head and its map survive checkpoint, resume (exactly, never re-chosen), LoRA merge and
+export, the exported draft decodes losslessly, and bad settings fail before training."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from decode import SpeculativeDecoder
+from decode.compat import tokenizer_fingerprint
+from decode.loading import load_causal_lm, load_tokenizer
+from decode.vocab_map import HASH_FIELD, MAP_KEY, draft_vocab_map, select_kept_ids
+from distill.export import export
+from distill.logit_cache import build_cache
+from distill.models import SetupError
+from distill.recipe import setup, train
+from distill.vocab import special_ids, target_id_mass
+from distill_helpers import compose, overrides
+
+KEEP = 60
+
+
+def _quiet(*_):
+    pass
+
+
+def test_training_a_pruned_draft_keeps_the_heaviest_ids_and_saves_them(pair, tmp_path):
+    out = tmp_path / "run"
+    cfg = compose(overrides(pair, out, f"draft.vocab.keep={KEEP}", "loss=jsd", "loss.ce_weight=0.1"))
+    run = setup(cfg, log=_quiet)
+    tok = run.tokenizer
+    target = load_causal_lm(str(pair["target"]), "target")
+    mass = target_id_mass(target, run.examples, tok.pad_token_id, run.vocab)
+    expected = select_kept_ids(mass, KEEP, special_ids(tok, run.vocab))
+    assert torch.equal(draft_vocab_map(run.draft).cpu(), expected)
+    assert {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id} <= set(expected.tolist())
+    assert run.draft.get_output_embeddings().weight.shape[0] == KEEP
+    assert run.draft.get_input_embeddings().weight.shape[0] == run.vocab
+
+    summary = train(cfg, log=_quiet)
+    assert summary["steps"] == 4
+    losses = [json.loads(line)["train/loss"] for line in open(out / "metrics.jsonl") if "train/loss" in line]
+    assert all(0.0 < x < float("inf") for x in losses)
+    draft = load_causal_lm(str(out / "step_000004" / "draft"), "draft")
+    assert torch.equal(draft_vocab_map(draft), expected)
+    assert getattr(draft.config, HASH_FIELD) == tokenizer_fingerprint(tok)
+    assert summary["last_eval"]["per_temperature"]["1.0"]["acceptance_rate"] > 0  # α measured through the decoder
+
+
+@pytest.mark.parametrize("extra", [(), ("train.lora.enabled=true", "optim.lr=1e-2")], ids=["full", "lora"])
+def test_resume_is_exact_and_reads_the_map_from_the_checkpoint(pair, tmp_path, monkeypatch, extra):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    keep = (f"draft.vocab.keep={KEEP}",)
+    train(compose(overrides(pair, straight, *keep, *extra)), log=_quiet)
+    train(compose(overrides(pair, split, "train.stop_at=2", *keep, *extra)), log=_quiet)
+    import distill.vocab as vocab
+
+    def no_new_selection(*a, **k):
+        raise AssertionError("a resumed run chose its map again")
+
+    monkeypatch.setattr(vocab, "target_id_mass", no_new_selection)
+    second = train(compose(overrides(pair, split, "train.resume=true", *keep, *extra)), log=_quiet)
+    assert second["steps"] == 4
+    ws, wr = load_file(str(straight / "step_000004" / "model.safetensors")), \
+        load_file(str(split / "step_000004" / "model.safetensors"))
+    assert ws.keys() == wr.keys() and any(k.endswith(MAP_KEY) for k in ws)
+    for k in ws:
+        assert torch.equal(ws[k], wr[k]), k
+
+
+@pytest.mark.parametrize("extra", [(), ("train.lora.enabled=true", "optim.lr=5e-2")], ids=["full", "lora"])
+def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path, extra):
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, f"draft.vocab.keep={KEEP}", "train.max_steps=2", *extra)), log=_quiet)
+    out = tmp_path / "export"
+    card = export(run / "best", out)
+    assert card["draft_vocab"]["kept_ids"] == KEEP and card["draft_vocab"]["vocab_size"] == pair["vocab"]
+    assert f"scores {KEEP} of the target's" in (out / "README.md").read_text()
+    draft = load_causal_lm(str(out), "draft")
+    from distill.export import load_checkpoint_draft
+
+    trained = load_checkpoint_draft(run / "best")[0]  # base + adapter merged (LoRA) or the saved draft
+    ids = torch.tensor([[1, 20, 33, 47, 60, 71]])
+    torch.testing.assert_close(draft(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+    assert draft.get_output_embeddings().weight.shape[0] == KEEP
+    assert torch.equal(draft_vocab_map(draft), draft_vocab_map(trained))
+
+    target = load_causal_lm(str(pair["target"]), "target")
+    tok = load_tokenizer(str(pair["tokenizer"]))
+    prompts = [[1, 20, 33, 47], [1, 9, 100, 4, 5, 6]]
+    plain = SpeculativeDecoder(target, None, 0).generate(prompts, max_new_tokens=16)
+    spec = SpeculativeDecoder(target, draft, 3, tokenizer=tok).generate(prompts, max_new_tokens=16)
+    assert all(torch.equal(a, b) for a, b in zip(plain.sequences, spec.sequences))
+
+    # Training on from the pruned export keeps its map (keep=null or its own size), and refuses another size.
+    again = tmp_path / "again"
+    cfg = compose(overrides(pair, again, f"draft.name_or_path={out}", "train.max_steps=1"))
+    assert torch.equal(draft_vocab_map(setup(cfg, log=_quiet).draft).cpu(), draft_vocab_map(draft))
+    with pytest.raises(SetupError, match=f"already pruned to {KEEP} ids"):
+        setup(compose(overrides(pair, again, f"draft.name_or_path={out}", "draft.vocab.keep=30")), log=_quiet)
+
+
+def test_cached_mode_chooses_from_the_cache(pair, tmp_path, monkeypatch):
+    V = pair["vocab"]
+    cache_dir = tmp_path / "cache"
+    base = [f"data.logit_cache={cache_dir}", f"data.logit_cache_k={V}"]
+    build_cache(compose(overrides(pair, tmp_path / "c", *base)), log=_quiet)
+    online = setup(compose(overrides(pair, tmp_path / "o", f"draft.vocab.keep={KEEP}")), log=_quiet)
+    import distill.vocab as vocab
+
+    monkeypatch.setattr(vocab, "target_id_mass", lambda *a, **k: (_ for _ in ()).throw(AssertionError("pass")))
+    cfg = compose(overrides(pair, tmp_path / "cached", f"draft.vocab.keep={KEEP}", "data.target_logits=cached",
+                            *base))
+    cached = setup(cfg, log=_quiet)
+    # Every id cached (k = V): the same mass up to fp16 storage, so (nearly) the same ids.
+    same = set(draft_vocab_map(cached.draft).tolist()) & set(draft_vocab_map(online.draft).tolist())
+    assert len(same) >= KEEP - 3
+    summary = train(cfg, log=_quiet)
+    assert summary["steps"] == 4 and 0 < summary["final_loss"] < float("inf")
+
+
+@pytest.mark.parametrize("extra,match", [
+    ((f"draft.vocab.keep=100000",), r"draft.vocab.keep=100000 must be an integer in \[3, "),
+    (("draft.vocab.keep=0",), "draft.vocab.keep=0 must be an integer >= 1"),
+    (("draft.vocab.keep=50", "data.on_policy_fraction=0.5"), "on-policy rollouts"),
+])
+def test_bad_settings_fail_before_training(pair, tmp_path, extra, match):
+    with pytest.raises(SetupError, match=match):
+        train(compose(overrides(pair, tmp_path / "run", *extra)), log=_quiet)
+
+
+def test_target_id_mass_sums_the_targets_probabilities_at_completion_positions():
+    from tests.conftest import tiny_llama
+
+    target = tiny_llama(seed=0, dtype=torch.float32)
+    examples = [{"prompt_ids": [1, 5, 9], "completion_ids": [7, 3]}, {"prompt_ids": [1, 4], "completion_ids": [8]}]
+    mass = target_id_mass(target, examples, pad_id=0, vocab=96, batch_size=1)
+    want = torch.zeros(96, dtype=torch.float64)
+    for e in examples:
+        seq = torch.tensor([e["prompt_ids"] + e["completion_ids"]])
+        probs = target(seq).logits[0].softmax(-1).double()
+        for pos in range(len(e["prompt_ids"]) - 1, seq.shape[1] - 1):  # positions that predict a completion token
+            want += probs[pos].detach()
+    torch.testing.assert_close(mass, want, rtol=1e-5, atol=1e-7)
+    assert mass.sum().item() == pytest.approx(3.0, rel=1e-5)  # one unit of probability per completion token
+
+
+def test_cache_id_mass_sums_the_cached_top_k_probabilities():
+    from types import SimpleNamespace
+
+    from distill.vocab import cache_id_mass
+
+    log_p = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.6, 0.1, 0.3], [0.9, 0.05, 0.05]]))
+    ids = torch.tensor([[4, 2], [2, 7], [4, 1]])
+    # a stand-in with the LogitCache interface: one position per row, rows 0 and 1 (row 2 is not in the cache)
+    cache = SimpleNamespace(ds=[0, 1], buckets=lambda rows: (log_p[rows], ids[rows]))
+    mass = cache_id_mass(cache, 8, rows_per_read=1)
+    want = torch.zeros(8, dtype=torch.float64)
+    want[4], want[2], want[7] = 0.5, 0.2 + 0.6, 0.1
+    torch.testing.assert_close(mass, want, rtol=1e-6, atol=1e-9)

@@ -62,6 +62,8 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
             raise RemoteCodeError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its "
                                   "config.json), which is not run unless you pass --trust-remote-code; read that "
                                   "code first") from err
+        if os.path.isdir(os.path.expanduser(name_or_path)):  # a local folder: its own problem is the message
+            raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}") from err
         raise FileNotFoundError(
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."

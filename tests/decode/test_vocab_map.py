@@ -92,8 +92,9 @@ def test_reload_refuses_a_folder_without_its_map(tmp_path):
     weights = load_file(str(tmp_path / "d" / "model.safetensors"))
     del weights[MAP_KEY]
     save_file(weights, str(tmp_path / "d" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(FileNotFoundError, match="could not load the draft"):
+    with pytest.raises(FileNotFoundError, match="could not load the draft") as err:
         load_causal_lm(str(tmp_path / "d"), "draft")
+    assert "vocabulary-pruned draft" in str(err.value)  # the folder's own problem is in the message
 
 
 # ------------------------------------------------------------------------------------------------ the pair check

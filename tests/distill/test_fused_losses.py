@@ -1,0 +1,183 @@
+"""The fused divergences (closed-form gradient, distill.losses.FusedDivergence) against finite differences
+(float64 gradcheck), against the autograd reference losses (float32, every loss, β, temperature, masked rows), and
+against a textbook float64 oracle; the invariants (0 for identical inputs, never negative) and the recipe's step."""
+import json
+
+import pytest
+import torch
+
+from distill.losses import FusedDivergence, distill_loss, fused_divergence
+
+NAMES = ["fkl", "rkl", "jsd", "tvd"]
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+CASES = [(n, b) for n in NAMES for b in (BETAS if n == "jsd" else [0.5])]
+
+
+def _logits(seed, shape, scale=3.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _mask(rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = (torch.rand(rows, generator=g) > 0.25).long()
+    m[0] = 0  # at least one masked position
+    return m
+
+
+def _loss_and_grad(name, d, t, mask, n_tokens, beta, temperature, fused):
+    x = d.clone().requires_grad_(True)
+    loss = distill_loss(name, x, t, mask, n_tokens, beta=beta, temperature=temperature, fused=fused)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("name,beta", CASES)
+def test_gradcheck_float64(name, beta, temperature):
+    """The closed-form backward equals finite differences of the forward, masked rows included."""
+    d, t = _logits(0, (6, 7), dtype=torch.float64), _logits(1, (6, 7), dtype=torch.float64)
+    keep = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool).unsqueeze(1)
+    d.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: FusedDivergence.apply(x, t, keep, name, beta, temperature), (d,))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("name,beta", CASES)
+def test_equals_autograd_reference_float32(name, beta, temperature):
+    """(64, 512) float32: value and gradient of the fused loss = the autograd reference; masked rows hold NaN."""
+    d, t = _logits(2, (1, 64, 512)), _logits(3, (1, 64, 512))
+    mask = _mask(64).unsqueeze(0)
+    d[0, 0], t[0, 0] = float("nan"), float("-inf")  # garbage at a masked position reaches neither value nor grad
+    n_tokens = int(mask.sum()) + 7  # a larger accumulation window: the division must be the same
+    ref, ref_grad = _loss_and_grad(name, d, t, mask, n_tokens, beta, temperature, fused=False)
+    val, grad = _loss_and_grad(name, d, t, mask, n_tokens, beta, temperature, fused=True)
+    torch.testing.assert_close(val, ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-9)
+    assert torch.isfinite(grad).all() and grad[0, 0].abs().max() == 0
+    assert grad[mask == 0].abs().max() == 0
+
+
+def _oracle(name, d, t, beta, temperature):
+    """Per-position divergence from the textbook definitions, float64, no shared code with distill.losses."""
+    p, q = torch.softmax(t / temperature, -1), torch.softmax(d / temperature, -1)
+    kl = lambda a, b: (a * (a.log() - b.log())).sum(-1)  # noqa: E731
+    if name == "fkl" or (name == "jsd" and beta == 0):
+        return kl(p, q)
+    if name == "rkl" or (name == "jsd" and beta == 1):
+        return kl(q, p)
+    if name == "jsd":
+        m = beta * p + (1 - beta) * q
+        return beta * kl(p, m) + (1 - beta) * kl(q, m)
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+@pytest.mark.parametrize("name,beta", CASES)
+def test_equals_textbook_oracle(name, beta):
+    d, t = _logits(4, (16, 33), dtype=torch.float64), _logits(5, (16, 33), dtype=torch.float64)
+    x = d.clone().requires_grad_(True)
+    _oracle(name, x, t, beta, 2.0).sum().backward()
+    y = d.clone().requires_grad_(True)
+    per = FusedDivergence.apply(y, t, torch.ones(16, 1, dtype=torch.bool), name, beta, 2.0)
+    per.sum().backward()
+    torch.testing.assert_close(per, _oracle(name, d, t, beta, 2.0), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,beta", CASES)
+def test_identical_inputs_give_exactly_zero_and_no_gradient(name, beta):
+    for dtype in (torch.float32, torch.bfloat16):
+        d = _logits(6, (2, 9, 300), dtype=dtype)
+        mask = torch.ones(2, 9)
+        x = d.clone().requires_grad_(True)
+        loss = fused_divergence(name, x, d.clone(), mask, 18, beta=beta)
+        assert loss.item() == 0.0
+        loss.backward()
+        assert x.grad.float().abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("name,beta", CASES)
+def test_never_negative_and_matches_reference_on_nearly_equal_and_masked_vocab(name, beta):
+    """Nearly equal logits make some log p == log q exactly in float32: JSD's override log m = log p there must
+    not cut the reference's gradient (it did: 20% of the largest gradient off), nor the fused one's."""
+    d = _logits(7, (1, 32, 200))
+    t = d + 1e-4 * _logits(8, (1, 32, 200))
+    t[..., -5:] = float("-inf")  # the target's vocabulary mask: ids the target never emits
+    d[..., -3:] = float("-inf")  # and the draft's
+    mask = torch.ones(1, 32)
+    per = FusedDivergence.apply(d[0], t[0], torch.ones(32, 1, dtype=torch.bool), name, beta, 1.0)
+    assert (per >= 0).all() and torch.isfinite(per).all()
+    ref, ref_grad = _loss_and_grad(name, d, t, mask, 32, beta, 1.0, fused=False)
+    val, grad = _loss_and_grad(name, d, t, mask, 32, beta, 1.0, fused=True)
+    torch.testing.assert_close(val, ref, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=1e-7)
+    assert grad[..., -3:].abs().max() == 0  # no gradient into the draft's masked ids
+
+
+@pytest.mark.parametrize("name,beta", CASES)
+def test_gradient_accumulation_is_exact(name, beta):
+    """Two micro-batches with the window's token count give the gradient of the whole batch."""
+    d, t = _logits(9, (4, 10, 50)), _logits(10, (4, 10, 50))
+    mask = torch.ones(4, 10)
+    mask[0, :3] = 0
+    n = int(mask.sum())
+    _, whole = _loss_and_grad(name, d, t, mask, n, beta, 1.0, fused=True)
+    _, first = _loss_and_grad(name, d[:2], t[:2], mask[:2], n, beta, 1.0, fused=True)
+    _, second = _loss_and_grad(name, d[2:], t[2:], mask[2:], n, beta, 1.0, fused=True)
+    torch.testing.assert_close(torch.cat([first, second]), whole)
+
+
+@pytest.mark.parametrize("name,beta", [("jsd", 0.5), ("fkl", 0.5)])
+def test_bf16_logits_get_a_bf16_gradient_close_to_the_reference(name, beta):
+    d, t = _logits(11, (1, 32, 256), dtype=torch.bfloat16), _logits(12, (1, 32, 256), dtype=torch.bfloat16)
+    mask = torch.ones(1, 32)
+    ref, ref_grad = _loss_and_grad(name, d, t, mask, 32, beta, 1.0, fused=False)
+    val, grad = _loss_and_grad(name, d, t, mask, 32, beta, 1.0, fused=True)
+    assert grad.dtype == torch.bfloat16 and val.dtype == torch.float32
+    torch.testing.assert_close(val, ref)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_blocks_of_rows_give_the_same_result(monkeypatch):
+    """The forward and backward run block of rows by block of rows; one row per block changes nothing."""
+    import distill.losses as losses
+
+    d, t = _logits(13, (1, 20, 64)), _logits(14, (1, 20, 64))
+    mask = _mask(20).unsqueeze(0)
+    val, grad = _loss_and_grad("jsd", d, t, mask, 20, 0.5, 1.0, fused=True)
+    monkeypatch.setitem(losses._BLOCK_ELEMENTS, "cpu", 1)
+    val1, grad1 = _loss_and_grad("jsd", d, t, mask, 20, 0.5, 1.0, fused=True)
+    torch.testing.assert_close(val1, val)
+    torch.testing.assert_close(grad1, grad)
+
+
+def test_errors():
+    d, t, m = _logits(0, (1, 3, 5)), _logits(1, (1, 3, 5)), torch.ones(1, 3)
+    with pytest.raises(ValueError, match="no fused form"):
+        fused_divergence("acceptance", d, t, m, 3)
+    with pytest.raises(ValueError, match="requires grad"):
+        fused_divergence("jsd", d, t.requires_grad_(True), m, 3)
+    with pytest.raises(ValueError, match="beta"):
+        fused_divergence("jsd", d, t.detach(), m, 3, beta=1.5)
+    with pytest.raises(ValueError, match="same shape"):
+        fused_divergence("fkl", d, t.detach()[..., :4], m, 3)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_divergence("fkl", d, t.detach(), m, 3, temperature=0.0)
+
+
+def test_recipe_steps_are_the_same_with_either_form(pair, tmp_path):
+    """loss.fused=true and false train the same run (losses and weights after 4 steps)."""
+    from distill.recipe import train
+    from distill_helpers import compose, overrides
+    from safetensors.torch import load_file
+
+    runs = {}
+    for fused in ("true", "false"):
+        out = tmp_path / fused
+        train(compose(overrides(pair, out, "loss=jsd", "loss.temperature=2.0", f"loss.fused={fused}")),
+              log=lambda *_: None)
+        losses = [m["train/loss"] for m in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in m]
+        runs[fused] = losses, load_file(str(out / "step_000004" / "model.safetensors"))
+    assert runs["true"][0] == pytest.approx(runs["false"][0], rel=1e-5) and len(runs["true"][0]) == 4
+    for k, w in runs["true"][1].items():
+        torch.testing.assert_close(w, runs["false"][1][k], rtol=1e-4, atol=1e-6)

@@ -88,7 +88,8 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
         def fn():
             x = d[..., :run.vocab].unsqueeze(0).requires_grad_(True)
             if kind == "cached":
-                loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n, **kw)
+                loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n,
+                                           fused=fused, **kw)
             else:
                 loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, fused=fused, **kw)
             loss.backward()
@@ -123,7 +124,7 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
     parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits,
              "recipe_step_other_loss_form": recipe_step_other_loss_form, "collate": collate,
              "draft_forward_backward_optimizer": draft_update, "divergence_forward_backward": divergence}
-    if run.target is None or cfg.loss.name not in FUSED:  # loss.fused changes nothing there
+    if cfg.loss.name not in FUSED:  # loss.fused changes nothing there
         del parts["recipe_step_other_loss_form"]
     if run.target is not None:
         parts["target_forward"] = target_forward

@@ -141,7 +141,7 @@ def divergence_terms(name: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: 
         p = log_p.exp()
         d = (p * (log_p - log_q)).sum(-1)
         if grad:
-            g = torch.where(log_q > LOG_FLOOR, -p, 0.0)
+            g = p * (LOG_FLOOR - log_q).sign()  # −p, and 0 where log q sits at the floor (cheaper than a where)
     elif family == "rkl":
         h = q * (log_q - log_p)
         d = h.sum(-1)
@@ -177,6 +177,12 @@ def _block_rows(n_rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(n_rows, _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS_DEFAULT) // max(vocab, 1)))
 
 
+def _block_keep(keep: torch.Tensor) -> torch.Tensor | None:
+    """A block's row mask, or None when every row is kept and that is free to know (on a CPU: no host sync; there
+    the where it saves costs a pass)."""
+    return None if keep.device.type == "cpu" and bool(keep.all()) else keep
+
+
 class FusedDivergence(torch.autograd.Function):
     """Per-position divergence (N,) of the draft's logits against the target's, with the closed-form gradient of
     :func:`divergence_terms`: ``∂d/∂z = (g − q·Σg) / T`` (the softmax Jacobian applied to g = ∂d/∂log q).
@@ -197,9 +203,7 @@ class FusedDivergence(torch.autograd.Function):
         d = torch.empty(n, dtype=dtype, device=draft_logits.device)
         saved = []
         for lo in range(0, n, rows):
-            k = keep[lo:lo + rows]
-            if k.device.type == "cpu" and bool(k.all()):  # free to read on a CPU, and the where costs a pass there
-                k = None
+            k = _block_keep(keep[lo:lo + rows])
             log_q = _log_probs(draft_logits[lo:lo + rows], k, temperature, dtype)
             log_p = _log_probs(target_logits[lo:lo + rows], k, temperature, dtype)
             d[lo:lo + rows], q, g = divergence_terms(name, log_q, log_p, beta, grad=True)
@@ -442,9 +446,53 @@ def bucket_divergence(name: str, log_q: torch.Tensor, log_p: torch.Tensor, beta:
     return per.clamp(min=0.0)
 
 
+class FusedBucketLogProbs(torch.autograd.Function):
+    """:func:`bucket_log_probs` of the draft's logits (the same forward) with a closed-form backward.
+
+    ``forward(draft_logits (N, V), ids (N, k) int64, keep (N, 1) bool, temperature) -> (N, k+1)``: rows with
+    ``keep`` False are zeroed first (as :func:`cached_divergence` does). With log q = log_softmax(z / T), the
+    bucket log-probabilities b_j = log q_{ids_j} (j < k) and the tail b_k = log Σ_{i ∉ ids} q_i, and G = ∂L/∂b
+    (zero where b sat at LOG_FLOOR, as autograd's clamp gives), the gradient is
+
+        ∂L/∂z_i = (G_j − q_i·ΣG) / T                      for i = ids_j,
+        ∂L/∂z_i = (G_k·exp(log q_i − b_k) − q_i·ΣG) / T    for every other i (q_i / Q_tail, at most 1).
+
+    Only the logits, ids and the (N, k+1) output are kept; log q is recomputed block by block in the backward,
+    so no (N, V) buffer outlives the forward. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, draft_logits, ids, keep, temperature):
+        k = _block_keep(keep)
+        z = draft_logits.float() if k is None else torch.where(k, draft_logits.float(), 0.0)
+        b = bucket_log_probs(z, ids, temperature)
+        ctx.save_for_backward(draft_logits, ids, keep, b)
+        ctx.temperature = temperature
+        return b
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_b):
+        logits, ids, keep, b = ctx.saved_tensors
+        g = torch.where(b > LOG_FLOOR, grad_b, 0.0)
+        g_sum, g_tail, k = g.sum(-1, keepdim=True), g[:, -1:], ids.shape[-1]
+        out = torch.empty_like(logits)
+        n, vocab = logits.shape
+        rows = _block_rows(n, vocab, logits.device)
+        for lo in range(0, n, rows):
+            hi = lo + rows
+            log_q = _log_probs(logits[lo:hi], _block_keep(keep[lo:hi]), ctx.temperature)
+            q = log_q.exp()
+            grad = (log_q - b[lo:hi, -1:]).clamp_(max=0.0).exp_().mul_(g_tail[lo:hi])  # tail entries
+            grad.addcmul_(q, g_sum[lo:hi], value=-1.0)
+            top = g[lo:hi, :k] - q.gather(-1, ids[lo:hi]) * g_sum[lo:hi]
+            out[lo:hi] = grad.scatter_(-1, ids[lo:hi], top).div_(ctx.temperature)
+        return out, None, None, None
+
+
 def cached_divergence(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
                       mask: torch.Tensor, n_tokens: int | float | torch.Tensor, beta: float = 0.5,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, fused: bool = False) -> torch.Tensor:
     """Divergence ``name`` between the draft and a cached top-k + tail target, Σ over masked positions / n_tokens.
 
     Args:
@@ -456,6 +504,8 @@ def cached_divergence(name: str, draft_logits: torch.Tensor, target_log_probs: t
         mask: (...,) 1 where the position enters the loss; elsewhere inputs may hold anything (NaN, -1 ids).
         n_tokens: token count of the whole accumulation window (see module docstring).
         beta: JSD β in [0, 1]; temperature: the one the cache was built at (its manifest says which).
+        fused: differentiate the draft's bucket log-probabilities in closed form (:class:`FusedBucketLogProbs`;
+            same value and gradient) instead of by autograd.
 
     Raises ValueError for mismatched shapes, an unknown name, β outside [0, 1] or temperature ≤ 0.
     Follows DistillSpec's divergences (module docstring) on the coarse-grained k+1-outcome distributions.
@@ -475,17 +525,23 @@ def cached_divergence(name: str, draft_logits: torch.Tensor, target_log_probs: t
     keep = mask.bool().unsqueeze(-1)
     # Masked positions get harmless stand-ins (zero logits, ids 0..k-1, uniform buckets) so garbage there cannot
     # reach the value or the gradient.
-    d = torch.where(keep, draft_logits.float(), 0.0)
     safe_ids = torch.where(keep, ids.long(), torch.arange(k, device=ids.device))
     log_p = torch.where(keep, target_log_probs.float().clamp(min=LOG_FLOOR), 0.0)
-    log_q = _normalize_log(bucket_log_probs(d, safe_ids, temperature))
+    if fused:  # same forward, closed-form backward
+        vocab = draft_logits.shape[-1]
+        log_q = FusedBucketLogProbs.apply(draft_logits.reshape(-1, vocab), safe_ids.reshape(-1, k),
+                                          keep.reshape(-1, 1), float(temperature)).view(*ids.shape[:-1], k + 1)
+    else:
+        log_q = bucket_log_probs(torch.where(keep, draft_logits.float(), 0.0), safe_ids, temperature)
+    log_q = _normalize_log(log_q)
     log_p = _normalize_log(log_p).clamp(min=LOG_FLOOR)
     return _reduce(bucket_divergence(name, log_q, log_p, beta), mask, n_tokens)
 
 
 def cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
                         mask: torch.Tensor, n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None,
-                        beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
+                        beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0,
+                        fused: bool = False) -> torch.Tensor:
     """:func:`distill_loss` with a cached target: ``(1 − ce_weight)·cached_divergence + ce_weight·CE``.
 
     Shapes as :func:`cached_divergence`; ``labels`` (...,) next tokens, required when ``ce_weight > 0``.
@@ -494,7 +550,7 @@ def cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs:
     if not 0.0 <= ce_weight <= 1.0:
         raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
     loss = cached_divergence(name, draft_logits, target_log_probs, ids, mask, n_tokens, beta=beta,
-                             temperature=temperature)
+                             temperature=temperature, fused=fused)
     if ce_weight > 0:
         if labels is None:
             raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")

@@ -360,7 +360,6 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     ones = torch.ones(1, n_keep, device=acc.device)
     if kind == "cached":
         log_p, ids = target_side
-        kw.pop("fused")  # the cached losses have one form
         return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
                                    **kw)
     loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0), ones,

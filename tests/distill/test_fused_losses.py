@@ -181,3 +181,73 @@ def test_recipe_steps_are_the_same_with_either_form(pair, tmp_path):
     assert runs["true"][0] == pytest.approx(runs["false"][0], rel=1e-5) and len(runs["true"][0]) == 4
     for k, w in runs["true"][1].items():
         torch.testing.assert_close(w, runs["false"][1][k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("name,beta", CASES)
+def test_cached_fused_equals_autograd_reference(name, beta, temperature):
+    """The cached (top-k + tail) losses with the closed-form bucket gradient: value and gradient = autograd's, for
+    k < V and k = V, masked rows holding NaN, float32 and bf16 draft logits."""
+    from distill.losses import cached_distill_loss, topk_buckets
+
+    vocab = 96
+    for k in (5, vocab):
+        for dtype in (torch.float32, torch.bfloat16):
+            d, t = _logits(15, (1, 48, vocab), dtype=dtype), _logits(16, (48, vocab))
+            top, ids, tail = topk_buckets(t, k, temperature)
+            cache = torch.cat([top, tail[:, None]], -1).half().unsqueeze(0)
+            ids = ids.int().unsqueeze(0)
+            mask = _mask(48, seed=1).unsqueeze(0)
+            d[0, 0], ids[0, 0] = float("nan"), -1
+            out = {}
+            for fused in (False, True):
+                x = d.clone().requires_grad_(True)
+                loss = cached_distill_loss(name, x, cache, ids, mask, 50, beta=beta, temperature=temperature,
+                                           fused=fused)
+                loss.backward()
+                out[fused] = loss.detach(), x.grad
+            assert out[True][1].dtype == dtype and torch.isfinite(out[True][1]).all()
+            torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-7)
+            tol = dict(rtol=1e-4, atol=1e-9) if dtype == torch.float32 else {}  # bf16: one rounding of the result
+            torch.testing.assert_close(out[True][1], out[False][1], **tol)
+            assert out[True][1][mask == 0].abs().max() == 0
+
+
+def test_cached_fused_with_neg_inf_draft_logits_matches_autograd():
+    """-inf draft logits (a draft's vocabulary mask), also at cached ids: no NaN, the same gradient."""
+    from distill.losses import cached_distill_loss, topk_buckets
+
+    d, t = _logits(17, (1, 16, 40)), _logits(18, (16, 40))
+    top, ids, tail = topk_buckets(t, 6)
+    d[..., ids[0, :2]] = float("-inf")
+    d[..., -4:] = float("-inf")
+    cache, ids = torch.cat([top, tail[:, None]], -1).unsqueeze(0), ids.unsqueeze(0)
+    grads = []
+    for fused in (False, True):
+        x = d.clone().requires_grad_(True)
+        cached_distill_loss("fkl", x, cache, ids, torch.ones(1, 16), 16, fused=fused).backward()
+        grads.append(x.grad)
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-9)
+
+
+def test_cached_recipe_steps_are_the_same_with_either_form(pair, tmp_path):
+    """data.target_logits=cached trains the same run with loss.fused=true and false (k = 8 of the vocabulary)."""
+    from distill.logit_cache import build_cache
+    from distill.recipe import train
+    from distill_helpers import compose, overrides
+    from safetensors.torch import load_file
+
+    cache = tmp_path / "cache"
+    cache_ov = [f"data.logit_cache={cache}", "data.logit_cache_k=8", "loss=jsd", "loss.beta=0.9"]
+    build_cache(compose(overrides(pair, tmp_path / "c", *cache_ov)), log=lambda *_: None)
+    weights, losses = {}, {}
+    for fused in ("true", "false"):
+        out = tmp_path / fused
+        summary = train(compose(overrides(pair, out, *cache_ov, "data.target_logits=cached", "train.max_steps=3",
+                                          "train.save_every=3", f"loss.fused={fused}")), log=lambda *_: None)
+        losses[fused] = summary["final_loss"]
+        weights[fused] = load_file(str(out / "step_000003" / "model.safetensors"))
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+    for k, w in weights["true"].items():
+        torch.testing.assert_close(w, weights["false"][k], rtol=1e-4, atol=1e-6)

@@ -251,3 +251,18 @@ def test_cached_recipe_steps_are_the_same_with_either_form(pair, tmp_path):
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
     for k, w in weights["true"].items():
         torch.testing.assert_close(w, weights["false"][k], rtol=1e-4, atol=1e-6)
+
+
+def test_no_loss_positions():
+    """A micro-batch without completion tokens: 0 and a zero gradient of the right shape, online and cached."""
+    from distill.losses import cached_distill_loss
+
+    x = torch.zeros(1, 0, 12, requires_grad=True)
+    loss = distill_loss("jsd", x, torch.zeros(1, 0, 12), torch.ones(1, 0), 0, fused=True)
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == (1, 0, 12)
+    y = torch.zeros(1, 0, 12, requires_grad=True)
+    cached = cached_distill_loss("fkl", y, torch.zeros(1, 0, 4), torch.zeros(1, 0, 3, dtype=torch.long),
+                                 torch.ones(1, 0), 0, fused=True)
+    cached.backward()
+    assert cached.item() == 0.0 and y.grad.shape == (1, 0, 12)

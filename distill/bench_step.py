@@ -40,7 +40,7 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
     """name -> prepare(round) -> timed callable, for every part; the bound parts use micro-batches of the same
     shapes as the recipe's steps."""
     from distill.data import collate_sequences
-    from distill.losses import cached_distill_loss, distill_loss
+    from distill.losses import FUSED, cached_distill_loss, distill_loss
     from distill.recipe import micro_batch, target_distribution, train_step
 
     cfg, acc = run.cfg, run.accelerator
@@ -83,13 +83,15 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
         kind, t = target_distribution(run, batch, [e.get("cache_row") for e in examples])
         ones = torch.ones(1, n, device=acc.device)
         kw = dict(beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature))
+        fused = bool(cfg.loss.get("fused", True))
 
         def fn():
             x = d[..., :run.vocab].unsqueeze(0).requires_grad_(True)
             if kind == "cached":
-                loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n, **kw)
+                loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n,
+                                           fused=fused, **kw)
             else:
-                loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, **kw)
+                loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, fused=fused, **kw)
             loss.backward()
         return fn
 
@@ -109,8 +111,21 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
                 run.logits_to_keep = saved
         return fn
 
-    parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits, "collate": collate,
+    def recipe_step_other_loss_form(i: int):  # the same step with the other loss.fused (fused vs autograd)
+        def fn():
+            fused = bool(cfg.loss.get("fused", True))
+            cfg.loss.fused = not fused
+            try:
+                float(train_step(run, i)["loss_sum"])
+            finally:
+                cfg.loss.fused = fused
+        return fn
+
+    parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits,
+             "recipe_step_other_loss_form": recipe_step_other_loss_form, "collate": collate,
              "draft_forward_backward_optimizer": draft_update, "divergence_forward_backward": divergence}
+    if cfg.loss.name not in FUSED:  # loss.fused changes nothing there
+        del parts["recipe_step_other_loss_form"]
     if run.target is not None:
         parts["target_forward"] = target_forward
     return parts
@@ -145,10 +160,16 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
               "batch_size": int(c.train.batch_size), "grad_accum": int(c.train.grad_accum),
               "threads": torch.get_num_threads(), "rounds": steps, "median_ms": med,
               "bound_ms": bound, "efficiency": bound / med["recipe_step"] if med["recipe_step"] else None,
+              "loss_form": "fused" if c.loss.get("fused", True) else "autograd",
               "peak_memory_mb": peak_memory_mb(acc.device),
               "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()}}
-    rows = [("recipe step", med["recipe_step"]),
+    rows = [(f"recipe step ({result['loss_form']} loss)", med["recipe_step"]),
             ("recipe step, lm_heads on all positions", med["recipe_step_full_logits"])]
+    other = med.get("recipe_step_other_loss_form")
+    if other:  # the same step with the other loss.fused, for the bound / step of both forms from one run
+        result["other_loss_form"] = "autograd" if result["loss_form"] == "fused" else "fused"
+        result["efficiency_other_loss_form"] = bound / other
+        rows.append((f"recipe step ({result['other_loss_form']} loss)", other))
     if "target_forward" in med:
         rows.append(("  target forward (no grad)", med["target_forward"]))
     rows += [("  draft forward+backward+AdamW", med["draft_forward_backward_optimizer"]),
@@ -159,6 +180,9 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
     for name, ms in rows:
         log(f"  {name:<36} {ms:9.1f}")
     log(f"  bound / recipe step = {result['efficiency']:.2f}    peak memory {result['peak_memory_mb']:.0f} MiB")
+    if other:
+        log(f"  bound / recipe step with the {result['other_loss_form']} loss = "
+            f"{result['efficiency_other_loss_form']:.2f}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w" if overwrite else "x") as f:  # a results file is replaced only when asked

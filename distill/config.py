@@ -126,6 +126,7 @@ class LossConfig:
     temperature: float = 1.0    # softmax temperature of both logits
     ce_weight: float = 0.0      # (1 - w) * divergence + w * cross-entropy
     gamma: int = 4              # acceptance: γ, the number of drafted tokens the loss models
+    fused: bool = True          # fkl/rkl/jsd/tvd (online and cached) with the closed-form gradient; false: autograd
 
 
 @dataclass

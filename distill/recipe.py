@@ -368,7 +368,8 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     draft_kept = kept_logits(run, "draft", batch, where)
     draft_kept = (draft_kept if vocab_map is not None else _vocab_slice(draft_kept, run.vocab)).unsqueeze(0)
     kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
-              temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight))
+              temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight),
+              fused=bool(cfg.loss.get("fused", True)))
     ones = torch.ones(1, n_keep, device=acc.device)
     if kind == "cached":
         log_p, ids = target_side
@@ -518,7 +519,8 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
         return []
     saved = OmegaConf.create(saved)
     keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source",
-            "data.on_policy_fraction", "loss", "optim", "target.name_or_path"]
+            "data.on_policy_fraction", "loss.name", "loss.beta", "loss.temperature", "loss.ce_weight", "loss.gamma",
+            "optim", "target.name_or_path"]  # not loss.fused: both forms make the same update
     return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
 
 

@@ -143,7 +143,10 @@ def test_bench_step_cli_writes_json_and_never_overwrites(pair, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert {"recipe_step", "target_forward", "draft_forward_backward_optimizer", "collate",
-            "divergence_forward_backward", "recipe_step_full_logits"} <= set(result["median_ms"])
+            "divergence_forward_backward", "recipe_step_full_logits", "recipe_step_other_loss_form"} <= set(
+        result["median_ms"])
+    assert result["loss_form"] == "fused" and result["other_loss_form"] == "autograd"
+    assert result["efficiency_other_loss_form"] > 0 and "with the autograd loss" in r.stdout
     assert result["bound_ms"] == pytest.approx(result["median_ms"]["target_forward"] +
                                                result["median_ms"]["draft_forward_backward_optimizer"])
     assert "bound / recipe step" in r.stdout

@@ -239,6 +239,6 @@ def test_resume_warns_about_changed_config(pair, tmp_path):
     out, messages = tmp_path / "run", []
     train(compose(overrides(pair, out, "train.stop_at=2")), log=lambda *_: None)
     train(compose(overrides(pair, out, "train.resume=true", "loss=fkl")), log=messages.append)
-    assert any("loss differs" in m for m in messages)
+    assert any("loss.name differs" in m for m in messages)
     state = json.loads((out / "step_000004" / "trainer_state.json").read_text())
     assert state["examples_consumed"] == 4 * 4 and state["step"] == 4

@@ -32,6 +32,7 @@ cached top-k losses), the same value and gradient with much less (N, V) work.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch

@@ -371,16 +371,18 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
               temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight),
               fused=bool(cfg.loss.get("fused", True)))
     ones = torch.ones(1, n_keep, device=acc.device)
+    # The pruned-support losses run through autograd (no fused form): loss.fused does not apply to them.
+    pruned_kw = {k: v for k, v in kw.items() if k != "fused"}
     if kind == "cached":
         log_p, ids = target_side
         if vocab_map is not None:
             return pruned_cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0),
-                                              vocab_map, run.vocab, ones, n_tokens, **kw)
+                                              vocab_map, run.vocab, ones, n_tokens, **pruned_kw)
         return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
                                    **kw)
     if vocab_map is not None:
         loss = pruned_distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0),
-                                   vocab_map, ones, n_tokens, **kw)
+                                   vocab_map, ones, n_tokens, **pruned_kw)
     else:
         loss = distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0), ones,
                             n_tokens, **kw)

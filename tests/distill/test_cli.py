@@ -124,7 +124,7 @@ def test_help_lists_groups_options_and_keys(capsys):
         main(["train", "--help"])
     assert e.value.code in (0, None)
     text = capsys.readouterr().out
-    assert "loss: acceptance, fkl, jsd, rkl, tvd" in text and "target: llama-3.1-8b-instruct" in text
+    assert "loss: acceptance, fkl, greedy_fkl, jsd, rkl, tvd" in text and "target: llama-3.1-8b-instruct" in text
     assert "on_policy_fraction: 0.0" in text and "--multirun" in text and "-m loss=fkl,tvd,jsd" in text
 
 

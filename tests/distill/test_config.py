@@ -189,3 +189,21 @@ def test_every_schema_default_validates():
     cfg = compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2"])
     validate(cfg)
     assert normalize_config(cfg).train.max_steps == 1000
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_a_loss_chosen_on_the_command_line_keeps_its_own_values(name):
+    """`+experiment=X loss=Y` must give loss Y's values (conf/loss/Y.yaml): an experiment that pins a loss key
+    silently overrides the chosen group's value (conf/loss/greedy_fkl.yaml's temperature 0.5 became the
+    quickstart's 1.0, so a loss comparison trained plain FKL twice)."""
+    import yaml
+
+    for option in sorted(p.stem for p in (CONF / "loss").glob("*.yaml")):
+        args = [f"+experiment={name}", f"loss={option}"]
+        cfg = compose(args)
+        if cfg.get("target") is None:
+            cfg = compose(args + ["+target.name_or_path=some-org/some-target"])
+        own = yaml.safe_load((CONF / "loss" / f"{option}.yaml").read_text())
+        for key, value in own.items():
+            assert cfg.loss[key] == value, f"+experiment={name} loss={option}: loss.{key} is {cfg.loss[key]}, " \
+                                           f"conf/loss/{option}.yaml says {value}"

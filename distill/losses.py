@@ -114,6 +114,12 @@ def _check_beta(beta: float) -> None:
         raise ValueError(f"jsd beta must be in [0, 1], got {beta} (0 = forward KL, 1 = reverse KL)")
 
 
+def _check_beta_temperature(beta: float, temperature: float) -> None:
+    _check_beta(beta)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def divergence_terms(name: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: float = 0.5,
                      grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The math of the per-position divergences, written once: the value, and (``grad=True``) its gradient with
@@ -525,10 +531,7 @@ def cached_divergence(name: str, draft_logits: torch.Tensor, target_log_probs: t
     if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
                          f"{tuple(mask.shape)} must share the leading dims")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"jsd beta must be in [0, 1], got {beta} (0 = forward KL, 1 = reverse KL)")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_beta_temperature(beta, temperature)
     keep = mask.bool().unsqueeze(-1)
     # Masked positions get harmless stand-ins (zero logits, ids 0..k-1, uniform buckets) so garbage there cannot
     # reach the value or the gradient.
@@ -639,10 +642,7 @@ def pruned_divergence(name: str, draft_logits: torch.Tensor, target_logits: torc
             or mask.shape != draft_logits.shape[:-1]:
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be (..., N={vocab_map.shape[0]}) with the "
                          f"leading dims of target_logits {tuple(target_logits.shape)} and mask {tuple(mask.shape)}")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"jsd beta must be in [0, 1], got {beta} (0 = forward KL, 1 = reverse KL)")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_beta_temperature(beta, temperature)
     from decode.vocab_map import scatter_to_vocab
 
     keep = mask.bool().unsqueeze(-1)

@@ -1,7 +1,6 @@
 """Checkpoints are data: a crafted pickle in any file a loader reads is refused with an error naming the file, and its
 payload never runs (a marker file it would create stays absent). Covers training checkpoints, the earlier pickle
 layout and its converter (the pretrain snapshot and token cache: tests/quickstart/test_pretrain_snapshot.py)."""
-import json
 import pickle
 import shutil
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from distill import checkpoint as ckpt
+from tests.pickle_payload import Payload, fix_manifest as _fix_manifest, plant as _plant
 from distill.models import SetupError
 from distill.recipe import train
 from distill_helpers import compose, overrides
@@ -18,32 +18,6 @@ NEW_FILES = ["model.safetensors", "optimizer.safetensors", "optimizer.json", "sc
              "config.yaml"]
 
 
-class Payload:
-    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _plant(path, marker):
-    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
-    path.unlink(missing_ok=True)
-    torch.save({"state": Payload(marker)}, path)
-
-
-def _fix_manifest(folder):
-    """Record the tampered sizes, as a crafted checkpoint would (so the loader really parses each file)."""
-    if (folder / "manifest.json").is_file():
-        try:
-            json.loads((folder / "manifest.json").read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return
-        step = json.loads((folder / "manifest.json").read_text())["step"]
-        (folder / "manifest.json").unlink()
-        ckpt.write_manifest(folder, step)
 
 
 @pytest.fixture(scope="module")

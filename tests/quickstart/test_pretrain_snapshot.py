@@ -1,41 +1,15 @@
 """The pretrain resume snapshot and token cache are data: a crafted pickle in any file the loader reads is refused
 with an error naming the file, and its payload never runs (a marker file it would create stays absent); a snapshot
 of the earlier pickle layout converts with ``python -m distill convert-checkpoint`` and then resumes."""
-import json
 import shutil
 
 import pytest
 import torch
 
 from distill import checkpoint as ckpt
+from tests.pickle_payload import Payload, fix_manifest as _fix_manifest, plant as _plant
 
 
-class Payload:
-    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _plant(path, marker):
-    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
-    path.unlink(missing_ok=True)
-    torch.save({"state": Payload(marker)}, path)
-
-
-def _fix_manifest(folder):
-    """Record the tampered sizes, as a crafted snapshot would (so the loader really parses each file)."""
-    if (folder / "manifest.json").is_file():
-        try:
-            json.loads((folder / "manifest.json").read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return
-        step = json.loads((folder / "manifest.json").read_text())["step"]
-        (folder / "manifest.json").unlink()
-        ckpt.write_manifest(folder, step)
 
 
 def test_the_payload_runs_when_unpickled(tmp_path):

@@ -17,9 +17,10 @@ Phases (each reuses its artifact under ``--out`` when present; the commands are 
 Measurement (see ``evaluate``): every run goes through ``decode.SpeculativeDecoder``; plain decoding is the same
 engine with ``num_draft_tokens=0``. For each prompt, plain, baseline and distilled runs follow each other (order
 rotated per prompt) with the same generator seed, so machine drift hits all three alike. Speedup is pooled
-tokens/s of a draft over pooled tokens/s of plain decoding on the same prompts and temperature. α = Σaccepted /
-Σdrafted (``DecodeStats.acceptance_rate``), α/token = the per-token acceptance probability of Leviathan et al. (2023)
-that their speedup formula takes, τ = mean tokens committed per verify step.
+tokens/s of a draft over pooled tokens/s of plain decoding on the same prompts and temperature. acceptance rate =
+Σaccepted / Σdrafted (``DecodeStats.acceptance_rate``), α = the per-token acceptance probability of Leviathan et al.
+(2023) that their speedup formula takes (``DecodeStats.per_token_acceptance``), τ = mean tokens committed per verify
+step.
 
 Settings live in ``conf/experiment/quickstart.yaml`` (``quickstart_smoke.yaml`` for ``--smoke``), under the
 ``quickstart:`` key; the rest of that file configures ``python -m distill train``.
@@ -300,7 +301,7 @@ def render_table(results: dict, console) -> None:
     drafts = [d for d in ("baseline", "distilled") if d in ev["rows"][0]]
     table = Table(title=f"speculative decoding vs plain target decoding (γ={ev['num_draft_tokens']}, "
                         f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
-    for col in ("T", "prompts", "draft", "α", "α/token", "τ", "tokens/s", "plain tokens/s", "speedup", "predicted"):
+    for col in ("T", "prompts", "draft", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup", "predicted"):
         table.add_column(col, justify="left" if col in ("prompts", "draft") else "right")
     for r in ev["rows"]:
         n = ev["num_prompts"].get(r["set"], sum(ev["num_prompts"].values()))
@@ -315,9 +316,9 @@ def render_table(results: dict, console) -> None:
     console.print(table)
     costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
     lossless = ev["greedy_lossless"]
-    console.print(f"α = Σaccepted/Σdrafted; α/token = Leviathan et al.'s per-token acceptance probability "
-                  f"(DecodeStats.per_token_acceptance); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with α/token and the "
-                  f"measured draft/target forward cost ratio c: {costs or 'n/a'}. Greedy speculative output identical "
+    console.print(f"acc. rate = acceptance rate Σaccepted/Σdrafted; α = Leviathan et al.'s per-token acceptance "
+                  f"probability (DecodeStats.per_token_acceptance); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with "
+                  f"the measured draft/target forward cost ratio c: {costs or 'n/a'}. Greedy speculative output identical "
                   f"to plain greedy output in {lossless['equal']}/{lossless['total']} runs.")
 
 

@@ -182,6 +182,7 @@ def concat_rows(cache: Any, mask: torch.Tensor, other: Any, other_mask: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- static path
+@functools.lru_cache(maxsize=None)
 def _used_width_layer_class():
     """A ``StaticLayer`` that attends only over the columns in use: ``update`` writes by position as its parent
     and returns the buffers cut to ``used`` columns, and ``get_mask_sizes`` reports that width, so attention and
@@ -204,20 +205,14 @@ def _used_width_layer_class():
     return UsedWidthStaticLayer
 
 
-_USED_WIDTH_LAYER = None
-
-
 def _static_cache(model: Any, max_cache_len: int) -> Any:
     """A transformers ``StaticCache`` for ``model`` whose layers attend over the used columns only."""
-    global _USED_WIDTH_LAYER
     from transformers import StaticCache
 
-    if _USED_WIDTH_LAYER is None:
-        _USED_WIDTH_LAYER = _used_width_layer_class()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
     for layer in cache.layers:
-        layer.__class__ = _USED_WIDTH_LAYER  # same state, narrower view; see _used_width_layer_class
+        layer.__class__ = _used_width_layer_class()  # same state, narrower view (one class, built on first use)
     return cache
 
 

@@ -155,7 +155,7 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
     med = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
     bound = med["draft_forward_backward_optimizer"] + med.get("target_forward", 0.0)
     c = run.cfg
-    result = {"device": str(acc.device), "mixed_precision": str(c.train.mixed_precision),
+    result = {"device": str(acc.device), "mixed_precision": str(acc.mixed_precision),
               "target_logits": str(c.data.get("target_logits") or "online"), "loss": str(c.loss.name),
               "batch_size": int(c.train.batch_size), "grad_accum": int(c.train.grad_accum),
               "threads": torch.get_num_threads(), "rounds": steps, "median_ms": med,

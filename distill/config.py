@@ -162,7 +162,7 @@ class TrainConfig:
     stop_at: Optional[int] = None           # stop (with a checkpoint) after this step
     batch_size: int = 8                     # sequences per micro-batch per process
     grad_accum: int = 1                     # micro-batches per optimizer step
-    mixed_precision: str = "no"             # no | bf16 | fp16 (fp16: GPU only)
+    mixed_precision: str = "no"             # no | bf16 | fp16 (fp16: GPU only) | auto (bf16 where native, distill/precision.py)
     cpu: bool = False                       # force CPU
     seed: int = 0                           # seeds init, data order, on-policy draws
     output_dir: str = "checkpoints/run"     # run folder
@@ -264,7 +264,7 @@ CHOICES = {
     "data.completions": ("data", "target", "both"),
     "data.target_logits": ("online", "cached"),
     "optim.scheduler": ("cosine", "linear", "constant"),
-    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.mixed_precision": ("no", "bf16", "fp16", "auto"),
     "train.progress": ("rich", "tqdm", "none"),
     "logger.name": ("none", "wandb"),
     "logger.mode": ("auto", "online", "offline", "disabled"),

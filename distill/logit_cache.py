@@ -219,7 +219,10 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     if not torch.distributed.is_initialized():
         AcceleratorState._reset_state(reset_partial_state=True)
     cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
-    acc = Accelerator(mixed_precision=str(cfg.train.mixed_precision), cpu=cpu)
+    from distill.precision import resolve_mixed_precision
+
+    acc = Accelerator(mixed_precision=resolve_mixed_precision(str(cfg.train.mixed_precision), "cpu" if cpu else "cuda"),
+                      cpu=cpu)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
     # Data and fingerprints need only the tokenizer: a folder made for another setup fails before the target loads.
     base_examples, _ = load_data(cfg, tokenizer, None)
@@ -246,7 +249,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
         examples = generated if cfg.data.completions == "target" else examples + generated
     n_shards = (len(examples) + shard_size - 1) // shard_size
     manifest = {"format": FORMAT_VERSION, **expected, "vocab": int(vocab), "num_examples": len(examples),
-                "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(cfg.train.mixed_precision),
+                "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(acc.mixed_precision),
                 "complete": False}
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

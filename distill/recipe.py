@@ -41,6 +41,7 @@ from distill.logit_cache import cached_training_data, open_for_training, peak_me
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
                             load_draft_tokenizer, load_target, load_tokenizer)
+from distill.precision import resolve_mixed_precision
 from distill.rollout import rollout
 from distill.vocab import prune_for_training
 
@@ -181,7 +182,10 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-    accelerator = Accelerator(mixed_precision=str(cfg.train.mixed_precision), cpu=cpu)
+    precision = resolve_mixed_precision(str(cfg.train.mixed_precision), "cpu" if cpu else "cuda")
+    accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
+    if str(cfg.train.mixed_precision) == "auto":
+        log(f"train.mixed_precision=auto -> {precision} (distill/precision.py: bf16 only where the hardware has it)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED and int(cfg.train.grad_accum) != 1:
         raise SetupError("DeepSpeed owns gradient accumulation: set train.grad_accum=1 and raise train.batch_size "
                          "(the recipe's exact token-count division needs one micro-batch per step)")

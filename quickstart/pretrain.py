@@ -13,8 +13,9 @@ tokenizer) and ``pretrain.json`` with the validation loss, parameter counts and 
 
 The learning rate follows the budget, not a step count: progress = elapsed / budget drives a linear warmup and a
 cosine decay (as in nanoGPT's schedule, with wall-clock time in place of iterations), so a run of any budget ends
-annealed. On CPU the forward/backward runs under bf16 autocast with fp32 master weights (measured 1.5-1.8x faster
-than fp32 on a 2-core AMD EPYC with AVX512-BF16; more on CPUs with AMX). Interrupted runs resume from ``<out>/resume/``
+annealed. The forward/backward runs under bf16 autocast with fp32 master weights where the hardware computes bf16
+natively (``--bf16``/``--no-bf16`` force it; the default asks ``distill.precision``): measured 1.5-1.8x faster than
+fp32 on a 2-core AMD EPYC with AVX512-BF16, but 3.7x *slower* (285 vs 1,070 tokens/s) on a 2-core Xeon without it. Interrupted runs resume from ``<out>/resume/``
 (safetensors + JSON, complete only with its manifest, see distill/checkpoint.py); finished runs are reused. Token
 streams are cached as safetensors. Nothing is unpickled: a ``resume.pt`` of an earlier version is refused with the
 command that converts it, and an old ``tokens-*.pt`` cache is ignored (rebuilt).
@@ -28,10 +29,12 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from distill.precision import resolve_mixed_precision
 
 # Model shapes. target: ~27M parameters, enough that a verify forward costs ~10x a draft forward on CPU, small
 # enough to learn Python structure in minutes on 2 cores. draft: < 1/10 of the target (what a user would have as
@@ -68,7 +71,7 @@ class PretrainConfig:
     warmup_frac: float = 0.05                 # fraction of the budget spent warming up
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    bf16: bool = True                         # bf16 autocast for forward/backward (weights stay fp32)
+    bf16: bool | None = None                  # bf16 autocast for forward/backward (weights stay fp32); None: where native
     val_tokens: int = 32768                   # validation tokens scored at the end
     save_every_s: float = 60.0                # resume snapshot period, seconds
     seed: int = 0
@@ -295,6 +298,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         return cached
 
     device = _resolve_device(cfg.device)
+    if cfg.bf16 is None:  # bf16 autocast only where the hardware computes bf16 (distill/precision.py)
+        cfg = replace(cfg, bf16=resolve_mixed_precision("auto", device.type) == "bf16")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cfg.tokenizer) / "cache"
@@ -455,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--bf16", dest="bf16", action="store_true", default=None,
+                   help="bf16 autocast (default: only where the CPU/GPU computes bf16 natively)")
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32")
     p.add_argument("--force", action="store_true", help="retrain even if --out holds a finished run")
     p.add_argument("--tokenizer-only", action="store_true", help="only train/load the tokenizer")

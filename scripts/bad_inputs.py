@@ -46,7 +46,7 @@ CASES: list[tuple[str, str, str]] = [
     ("target path missing", "train {base_no_target} +target.name_or_path={tmp}/no_such_target", "does not exist; fix +target.name_or_path"),
     ("draft path missing", "train {base} draft.name_or_path={tmp}/no_such_draft", "does not exist; fix draft.name_or_path"),
     ("no draft at all", "train {base} draft.num_hidden_layers=null", "no draft: set draft.name_or_path"),
-    ("bad precision", "train {base} train.mixed_precision=fp8", "train.mixed_precision='fp8' is not allowed; choose one of no, bf16, fp16"),
+    ("bad precision", "train {base} train.mixed_precision=fp8", "train.mixed_precision='fp8' is not allowed; choose one of no, bf16, fp16, auto"),
     ("fp16 on CPU", "train {base} train.mixed_precision=fp16", "train.mixed_precision=fp16 needs a CUDA GPU"),
     ("bad dtype", "train {base} +target.dtype=fp8", "target.dtype='fp8' is not allowed"),
     ("bad scheduler", "train {base} optim.scheduler=step", "optim.scheduler='step' is not allowed; choose one of cosine"),

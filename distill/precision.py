@@ -1,0 +1,55 @@
+"""``mixed_precision: auto``: bf16 autocast only where the hardware computes in bf16.
+
+On a CPU, bf16 autocast pays only with native bf16 instructions (AVX512-BF16 or AMX on x86; measured 2.3-2.5x
+faster than fp32 for the quickstart's shapes on such a CPU). Without them oneDNN emulates bf16 through fp32 and
+the same training step is slower than fp32 (measured on a 2-core Xeon without ``avx512_bf16``: a 1024x512x2048
+matmul 38.9 ms in bf16 against 13.1 ms in fp32, and the quickstart target's pretraining 285 against 1,070
+tokens/s). ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` answers True on such a CPU (it checks AVX512 only),
+so the CPU's own flags decide. On CUDA, bf16 where the GPU supports it (Ampere and newer), else fp16.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+# x86 CPU flags (as /proc/cpuinfo spells them) that mean bf16 matmuls run natively.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The ``flags`` of the first CPU in ``cpuinfo`` (the text of /proc/cpuinfo; read when None, empty set where
+    there is none, e.g. on macOS). ARM's ``Features`` line is read the same way."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text(errors="replace") if path.exists() else ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return set(value.split())
+    return set()
+
+
+def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
+    """True if the CPU computes bf16 natively: x86 ``avx512_bf16``/``amx_bf16`` or ARM ``bf16`` (SVE/NEON BF16)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in NATIVE_BF16_FLAGS) or "bf16" in flags
+
+
+def resolve_mixed_precision(setting: str, device_type: str, cuda_bf16: bool | None = None,
+                            cpu_bf16: bool | None = None) -> str:
+    """The precision accelerate gets for ``train.mixed_precision=setting``: ``no``, ``bf16`` or ``fp16``.
+
+    ``auto`` becomes ``bf16`` on a CUDA device that supports it (``torch.cuda.is_bf16_supported()``; else
+    ``fp16``), and on a CPU ``bf16`` only with native bf16 (:func:`cpu_has_native_bf16`), else ``no`` (fp32).
+    Any other setting is returned unchanged. ``cuda_bf16``/``cpu_bf16`` override the hardware checks (tests).
+    """
+    if setting != "auto":
+        return setting
+    if device_type == "cuda":
+        if cuda_bf16 is None:
+            import torch
+
+            cuda_bf16 = bool(torch.cuda.is_bf16_supported())
+        return "bf16" if cuda_bf16 else "fp16"
+    if cpu_bf16 is None:
+        cpu_bf16 = cpu_has_native_bf16()
+    return "bf16" if cpu_bf16 else "no"

@@ -89,7 +89,7 @@ def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
             x = d[..., :run.vocab].unsqueeze(0).requires_grad_(True)
             if kind == "cached":
                 loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n,
-                                           fused=fused, **kw)
+                                           fused=fused, tail_ids=None if t[2] is None else t[2].unsqueeze(0), **kw)
             else:
                 loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, fused=fused, **kw)
             loss.backward()

@@ -114,6 +114,7 @@ class DataConfig:
     target_logits: str = "online"               # online (target forward per step) | cached (data.logit_cache)
     logit_cache: Optional[str] = None           # folder of cached target logits (data.target_logits=cached)
     logit_cache_k: Optional[int] = 32           # ids kept per position (top-k + tail); train with null: the cache's k
+    logit_cache_tail_samples: Optional[int] = 0  # ids sampled per position from the target's tail (loss=fkl); null: the cache's
     logit_cache_shard_size: int = 256           # examples per cache shard (unit of resume and of the process split)
 
 
@@ -274,7 +275,7 @@ AT_LEAST = {
     "data.source.prompt_tokens": 1, "data.source.completion_tokens": 1,
     "data.source.windows_per_doc": 1, "data.source.limit": 1, "data.max_prompt_tokens": 1, "data.max_new_tokens": 1,
     "data.holdout": 0, "data.target_generated.batch_size": 1, "data.target_generated.shard_size": 1,
-    "data.logit_cache_k": 1, "data.logit_cache_shard_size": 1,
+    "data.logit_cache_k": 1, "data.logit_cache_tail_samples": 0, "data.logit_cache_shard_size": 1,
     "loss.gamma": 1, "draft.vocab.keep": 1, "optim.warmup_steps": 0, "train.max_steps": 1, "train.stop_at": 1, "train.batch_size": 1,
     "train.grad_accum": 1, "train.save_every": 0, "train.keep_last": 1, "train.log_every": 1, "train.lora.r": 1,
     "eval.num_prompts": 1, "eval.every": 0, "eval.num_draft_tokens": 1, "eval.max_new_tokens": 1,

@@ -15,7 +15,11 @@ Layout of ``PATH``::
                       own config and names every field that differs
     shards/NNNNN/     ``datasets`` Arrow shards (``save_to_disk``) of ``shard_size`` examples each, rows in example
                       order: prompt_ids, completion_ids (the exact tokens scored), top_log_probs (n·k fp16,
-                      flattened), top_ids (n·k int32), log_tail (n float32), n = len(completion_ids)
+                      flattened), top_ids (n·k int32), log_tail (n float32), n = len(completion_ids); with
+                      ``data.logit_cache_tail_samples=s > 0`` also tail_ids (n·s int32): s ids per position drawn
+                      with replacement from the target's tail (its distribution outside the top k), which
+                      ``loss=fkl`` uses for an unbiased gradient over the whole vocabulary
+                      (``distill.losses.sampled_tail_fkl``)
 
 A shard is written to ``NNNNN.tmp`` and renamed when complete, so a rerun skips finished shards (resumable).
 Under ``accelerate launch`` process p builds shards p, p + P, p + 2P, ... and the main process writes the
@@ -40,7 +44,10 @@ MANIFEST = "manifest.json"
 # Manifest fields that must match between the cache and a training config, with the setting that decides each.
 CHECKED = {"target": "+target.name_or_path", "target_hash": "+target.name_or_path (its weights or config changed)",
            "tokenizer_hash": "+target.tokenizer", "k": "data.logit_cache_k", "temperature": "loss.temperature",
+           "tail_samples": "data.logit_cache_tail_samples",
            "data_fingerprint": "data.* (source, completions, max_new_tokens, holdout, ...)"}
+# Fields added after format 1 was written, with the value a cache without them has.
+DEFAULTS = {"tail_samples": 0}
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
@@ -80,16 +87,20 @@ def data_fingerprint(examples: list[dict], cfg: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | None = None) -> dict:
+def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | None = None,
+                      tail_samples: int | None = None) -> dict:
     """The manifest fields a config implies (cheap: no model is loaded); ``examples`` as ``load_data`` returns
-    them without a context limit; ``k`` overrides ``data.logit_cache_k`` (train reads a null k from the cache)."""
+    them without a context limit; ``k`` and ``tail_samples`` override ``data.logit_cache_k`` and
+    ``data.logit_cache_tail_samples`` (train reads a null value from the cache)."""
     from distill.models import is_local_path
 
     name = str(cfg.target.name_or_path)
     name = str(Path(name).expanduser().resolve()) if is_local_path(name) else name  # relative vs absolute: same
     return {"target": name, "target_hash": target_fingerprint(name),
             "tokenizer_hash": tokenizer_fingerprint(tokenizer), "k": int(k or cfg.data.logit_cache_k),
-            "temperature": float(cfg.loss.get("temperature", 1.0)), "data_fingerprint": data_fingerprint(examples, cfg)}
+            "temperature": float(cfg.loss.get("temperature", 1.0)), "data_fingerprint": data_fingerprint(examples, cfg),
+            "tail_samples": int(tail_samples if tail_samples is not None else
+                                (cfg.data.get("logit_cache_tail_samples") or 0))}
 
 
 def check_manifest(manifest: dict, expected: dict, path: str | Path) -> None:
@@ -97,8 +108,8 @@ def check_manifest(manifest: dict, expected: dict, path: str | Path) -> None:
     if manifest.get("format") != FORMAT_VERSION:
         raise SetupError(f"logit cache {path} has format {manifest.get('format')!r}, this draftkit reads "
                          f"{FORMAT_VERSION}; rebuild it with python -m distill cache-logits")
-    diffs = [f"{key} (cache {manifest.get(key)!r}, config {expected[key]!r}; set by {CHECKED[key]})"
-             for key in CHECKED if key in expected and manifest.get(key) != expected[key]]
+    diffs = [f"{key} (cache {manifest.get(key, DEFAULTS.get(key))!r}, config {expected[key]!r}; set by {CHECKED[key]})"
+             for key in CHECKED if key in expected and manifest.get(key, DEFAULTS.get(key)) != expected[key]]
     if diffs:
         raise SetupError(f"logit cache {path} was made for another setup: " + "; ".join(diffs) +
                          ". Use the same settings as cache-logits, or build a new cache at another data.logit_cache")
@@ -120,18 +131,21 @@ def read_manifest(path: str | Path) -> dict:
 # ------------------------------------------------------------------------------------------------ building
 
 def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperature: float, pad_id: int,
-               batch_size: int, autocast: Any = None) -> dict[str, list]:
+               batch_size: int, autocast: Any = None, tail_samples: int = 0,
+               generator: torch.Generator | None = None) -> dict[str, list]:
     """The cache columns of ``examples``: one target forward per batch of ``batch_size`` sequences.
 
     Returns column lists (see module doc); position j of example i is the target's distribution of the j-th
     completion token given the prompt and the completion before it (the positions ``collate_sequences`` marks).
+    ``tail_samples`` s > 0 adds ``tail_ids``: s draws per position from the target's tail (:func:`sample_tail`,
+    from ``generator``, on the CPU so the draws do not depend on the device).
     """
     from distill.data import collate_sequences
     from distill.losses import topk_buckets
 
     device = next(target.parameters()).device
     cols: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "top_log_probs": [], "top_ids": [],
-                             "log_tail": []}
+                             "log_tail": [], **({"tail_ids": []} if tail_samples else {})}
     for b in range(0, len(examples), batch_size):
         rows = examples[b:b + batch_size]
         batch = collate_sequences(rows, pad_id)
@@ -139,7 +153,10 @@ def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperatur
             logits = target(input_ids=batch["input_ids"].to(device),
                             attention_mask=batch["attention_mask"].to(device)).logits
         keep = batch["loss_mask"].bool().to(device)
-        top, ids, tail = topk_buckets(logits[keep][..., :vocab], k, temperature)  # (N, k), (N, k), (N,)
+        kept = logits[keep][..., :vocab]
+        top, ids, tail = topk_buckets(kept, k, temperature)  # (N, k), (N, k), (N,)
+        drawn = (sample_tail(kept.float().cpu(), ids.cpu(), tail_samples, temperature, generator).int()
+                 if tail_samples else None)  # (N, s)
         top, ids, tail = top.half().cpu(), ids.int().cpu(), tail.float().cpu()
         start = 0
         for e in rows:
@@ -149,26 +166,44 @@ def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperatur
             cols["top_log_probs"].append(top[start:start + n].flatten().numpy())
             cols["top_ids"].append(ids[start:start + n].flatten().numpy())
             cols["log_tail"].append(tail[start:start + n].numpy())
+            if drawn is not None:
+                cols["tail_ids"].append(drawn[start:start + n].flatten().numpy())
             start += n
     return cols
 
 
-def _features():
+def sample_tail(logits: torch.Tensor, top_ids: torch.Tensor, s: int, temperature: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """``(N, s)`` int64 ids drawn with replacement from ``softmax(logits / temperature)`` restricted to the ids
+    outside ``top_ids`` (N, k) and renormalized. A row whose tail has no mass (k = V) draws its top-1 id, whose
+    weight P_tail / s is then 0 (:func:`distill.losses.sampled_tail_target`)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1).scatter(-1, top_ids.long(), 0.0)
+    empty = probs.sum(-1, keepdim=True) <= 0
+    probs = torch.where(empty, torch.zeros_like(probs).scatter(-1, top_ids[:, :1].long(), 1.0), probs)
+    return torch.multinomial(probs, s, replacement=True, generator=generator)
+
+
+def _features(tail_samples: int = 0):
     import datasets
 
-    return datasets.Features({"prompt_ids": datasets.Sequence(datasets.Value("int32")),
-                              "completion_ids": datasets.Sequence(datasets.Value("int32")),
-                              "top_log_probs": datasets.Sequence(datasets.Value("float16")),
-                              "top_ids": datasets.Sequence(datasets.Value("int32")),
-                              "log_tail": datasets.Sequence(datasets.Value("float32"))})
+    cols = {"prompt_ids": datasets.Sequence(datasets.Value("int32")),
+            "completion_ids": datasets.Sequence(datasets.Value("int32")),
+            "top_log_probs": datasets.Sequence(datasets.Value("float16")),
+            "top_ids": datasets.Sequence(datasets.Value("int32")),
+            "log_tail": datasets.Sequence(datasets.Value("float32"))}
+    if tail_samples:
+        cols["tail_ids"] = datasets.Sequence(datasets.Value("int32"))
+    return datasets.Features(cols)
 
 
 def write_shards(target: Any, examples: list[dict], out_dir: str | Path, k: int, vocab: int, temperature: float,
                  pad_id: int, shard_size: int, batch_size: int, process_index: int = 0, num_processes: int = 1,
-                 autocast: Any = None, log: Any = print) -> list[int]:
+                 autocast: Any = None, log: Any = print, tail_samples: int = 0, seed: int = 0) -> list[int]:
     """Write this process's missing shards (``s % num_processes == process_index``); returns the shard ids written.
 
     Each shard goes to ``shards/NNNNN.tmp`` and is renamed when complete (a killed run leaves no half shard).
+    Tail samples of shard ``s`` come from a generator seeded with ``(seed, s)``: the same cache whatever the
+    number of processes or the order in which an interrupted build is resumed.
     """
     import datasets
 
@@ -180,12 +215,13 @@ def write_shards(target: Any, examples: list[dict], out_dir: str | Path, k: int,
         final = shards / f"{s:05d}"
         if (final / "dataset_info.json").exists():
             continue
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + s) if tail_samples else None
         cols = shard_rows(target, examples[s * shard_size:(s + 1) * shard_size], k, vocab, temperature, pad_id,
-                          batch_size, autocast)
+                          batch_size, autocast, tail_samples, gen)
         tmp = shards / f"{s:05d}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        datasets.Dataset.from_dict(cols, features=_features()).save_to_disk(str(tmp))
+        datasets.Dataset.from_dict(cols, features=_features(tail_samples)).save_to_disk(str(tmp))
         tmp.rename(final)
         written.append(s)
         log(f"  logit cache shard {s + 1}/{n_shards} written")
@@ -214,6 +250,10 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
         raise SetupError("data.logit_cache is not set: give the cache folder, e.g. data.logit_cache=checkpoints/cache")
     if int(cfg.data.get("logit_cache_k") or 0) < 1:
         raise SetupError(f"data.logit_cache_k={cfg.data.get('logit_cache_k')!r} must be an integer >= 1, e.g. 32")
+    tail_samples = cfg.data.get("logit_cache_tail_samples") or 0
+    if not isinstance(tail_samples, int) or tail_samples < 0:
+        raise SetupError(f"data.logit_cache_tail_samples={tail_samples!r} must be an integer >= 0 (0: top-k + tail "
+                         "bucket only), e.g. 32")
     out = Path(cfg.data.logit_cache)
     t_start = time.perf_counter()
     if not torch.distributed.is_initialized():
@@ -249,16 +289,19 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
         examples = generated if cfg.data.completions == "target" else examples + generated
     n_shards = (len(examples) + shard_size - 1) // shard_size
     manifest = {"format": FORMAT_VERSION, **expected, "vocab": int(vocab), "num_examples": len(examples),
+                "tail_seed": int(cfg.train.seed),
                 "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(acc.mixed_precision),
                 "complete": False}
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         manifest_file.write_text(json.dumps(manifest, indent=2))
     acc.wait_for_everyone()
-    log(f"cache-logits: {len(examples)} examples, k={manifest['k']}, T={manifest['temperature']}, {n_shards} shards "
+    log(f"cache-logits: {len(examples)} examples, k={manifest['k']}, tail samples={manifest['tail_samples']}, "
+        f"T={manifest['temperature']}, {n_shards} shards "
         f"-> {out} ({acc.num_processes} process(es))")
     write_shards(target, examples, out, manifest["k"], vocab, manifest["temperature"], tokenizer.pad_token_id,
-                 shard_size, int(cfg.train.batch_size), acc.process_index, acc.num_processes, acc.autocast, log)
+                 shard_size, int(cfg.train.batch_size), acc.process_index, acc.num_processes, acc.autocast, log,
+                 manifest["tail_samples"], int(cfg.train.seed))
     acc.wait_for_everyone()
     seconds = time.perf_counter() - t_start
     if acc.is_main_process:
@@ -293,6 +336,7 @@ class LogitCache:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self.k = int(self.manifest["k"])
+        self.tail_samples = int(self.manifest.get("tail_samples", DEFAULTS["tail_samples"]))
         dirs = [self.path / "shards" / f"{s:05d}" for s in range(int(self.manifest["num_shards"]))]
         missing = [d.name for d in dirs if not (d / "dataset_info.json").exists()]
         if missing:
@@ -302,7 +346,8 @@ class LogitCache:
         if len(self.ds) != int(self.manifest["num_examples"]):
             raise SetupError(f"logit cache {self.path} has {len(self.ds)} rows, its manifest says "
                              f"{self.manifest['num_examples']}; rebuild it")
-        self.arrays = self.ds.with_format("numpy", columns=["top_log_probs", "top_ids", "log_tail"])
+        self.arrays = self.ds.with_format("numpy", columns=["top_log_probs", "top_ids", "log_tail"] +
+                                          (["tail_ids"] if self.tail_samples else []))
 
     def examples(self) -> list[dict]:
         """The scored sequences as training examples, each with its ``cache_row``."""
@@ -310,14 +355,17 @@ class LogitCache:
         return [{"prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"]), "cache_row": i}
                 for i, r in enumerate(cols)]
 
-    def buckets(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log_probs (N, k+1) fp16-valued float32, ids (N, k) int64)`` of ``rows``' completion positions, in
-        the order ``collate_sequences``' loss mask lists them (row by row, position by position)."""
+    def buckets(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(log_probs (N, k+1) fp16-valued float32, ids (N, k) int64, tail_ids (N, s) int64 or None)`` of
+        ``rows``' completion positions, in the order ``collate_sequences``' loss mask lists them (row by row,
+        position by position); ``tail_ids`` only for a cache built with tail samples."""
         part = self.arrays[list(rows)]
         top = torch.from_numpy(_cat(part["top_log_probs"])).float().view(-1, self.k)
         ids = torch.from_numpy(_cat(part["top_ids"])).long().view(-1, self.k)
         tail = torch.from_numpy(_cat(part["log_tail"])).float().unsqueeze(-1)
-        return torch.cat([top, tail], dim=-1), ids
+        drawn = (torch.from_numpy(_cat(part["tail_ids"])).long().view(-1, self.tail_samples)
+                 if self.tail_samples else None)
+        return torch.cat([top, tail], dim=-1), ids, drawn
 
 
 def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
@@ -342,9 +390,19 @@ def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
                          "the target's config: set draft.name_or_path=/path (or data.target_logits=online)")
     cache = LogitCache(cfg.data.logit_cache)
     base_examples, cache.eval_prompts = load_data(cfg, tokenizer, None)
-    expected = expected_manifest(cfg, tokenizer, base_examples, k=cfg.data.get("logit_cache_k") or cache.k)
+    tail = cfg.data.get("logit_cache_tail_samples")
+    expected = expected_manifest(cfg, tokenizer, base_examples, k=cfg.data.get("logit_cache_k") or cache.k,
+                                 tail_samples=cache.tail_samples if tail is None else tail)
     check_manifest(cache.manifest, expected, cache.path)
-    log(f"cached target logits: {cache.path} (k={cache.k}, {len(cache.ds)} examples); the target is not loaded")
+    if cache.tail_samples and str(cfg.loss.name) != "fkl":
+        raise SetupError(f"logit cache {cache.path} holds {cache.tail_samples} sampled tail ids per position, which "
+                         f"give an unbiased gradient for loss=fkl only (loss={cfg.loss.name}): use loss=fkl, or a "
+                         "cache built with data.logit_cache_tail_samples=0")
+    if cache.tail_samples and cfg.draft.get("vocab", {}).get("keep"):
+        raise SetupError("a logit cache with sampled tail ids (data.logit_cache_tail_samples > 0) does not train a "
+                         "pruned draft (draft.vocab.keep): build the cache with data.logit_cache_tail_samples=0")
+    log(f"cached target logits: {cache.path} (k={cache.k}, tail samples={cache.tail_samples}, {len(cache.ds)} "
+        "examples); the target is not loaded")
     return cache
 
 

@@ -551,16 +551,23 @@ def cached_divergence(name: str, draft_logits: torch.Tensor, target_log_probs: t
 def cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
                         mask: torch.Tensor, n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None,
                         beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0,
-                        fused: bool = False) -> torch.Tensor:
+                        fused: bool = False, tail_ids: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`distill_loss` with a cached target: ``(1 − ce_weight)·cached_divergence + ce_weight·CE``.
 
     Shapes as :func:`cached_divergence`; ``labels`` (...,) next tokens, required when ``ce_weight > 0``.
-    Raises ValueError as :func:`distill_loss` does.
+    ``tail_ids`` (..., s): ids sampled from the target's tail (a cache built with
+    ``data.logit_cache_tail_samples=s``); the divergence is then :func:`sampled_tail_fkl` (``name`` must be fkl).
+    Raises ValueError as :func:`distill_loss` does, and for ``tail_ids`` with another loss than fkl.
     """
     if not 0.0 <= ce_weight <= 1.0:
         raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
-    loss = cached_divergence(name, draft_logits, target_log_probs, ids, mask, n_tokens, beta=beta,
-                             temperature=temperature, fused=fused)
+    if tail_ids is not None:
+        if name != "fkl":
+            raise ValueError(f"sampled tail ids give an unbiased gradient for loss=fkl only, not {name!r}")
+        loss = sampled_tail_fkl(draft_logits, target_log_probs, ids, tail_ids, mask, n_tokens, temperature)
+    else:
+        loss = cached_divergence(name, draft_logits, target_log_probs, ids, mask, n_tokens, beta=beta,
+                                 temperature=temperature, fused=fused)
     if ce_weight > 0:
         if labels is None:
             raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
@@ -570,6 +577,61 @@ def cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs:
                            mask.reshape(1, -1), n_tokens)
         loss = (1.0 - ce_weight) * loss + ce_weight * ce
     return loss
+
+
+def sampled_tail_target(target_log_probs: torch.Tensor, ids: torch.Tensor,
+                        tail_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse target p' from a cached top-k + tail entry and s ids sampled from the target's tail.
+
+    p' keeps the k cached probabilities exactly and splits the tail mass P_tail over the s samples (each P_tail / s;
+    an id drawn c times gets c·P_tail / s on its first occurrence and 0 on the others). p' is a distribution and
+    E[p'] = p over the draws, so the forward KL's gradient against p', (q − p')/T, is unbiased for the full
+    vocabulary's (q − p)/T: the tail's spread over ids is trained, not only its total (the k + 1 buckets constrain
+    the total alone). This is the top-k part of Anshumann et al. (2025), "Sparse Logit Sampling: Accelerating
+    Knowledge Distillation in LLMs", whose random-sampling KD samples the whole distribution the same way.
+
+    Args:
+        target_log_probs: (..., k+1) cached bucket log-probs (fp16-valued; renormalized here).
+        ids: (..., k) cached ids; tail_ids: (..., s) ids drawn with replacement from the tail (outside ``ids``).
+
+    Returns:
+        ``(log_w (..., k+s) float32, support (..., k+s) int64)``: log p' (``LOG_FLOOR`` for weight 0) and its ids.
+    """
+    k, s = ids.shape[-1], tail_ids.shape[-1]
+    if target_log_probs.shape[-1] != k + 1 or tail_ids.shape[:-1] != ids.shape[:-1] or s < 1:
+        raise ValueError(f"target_log_probs {tuple(target_log_probs.shape)}, ids {tuple(ids.shape)} and tail_ids "
+                         f"{tuple(tail_ids.shape)}: need k+1 bucket columns, k ids and s >= 1 tail ids per position")
+    log_p = _normalize_log(target_log_probs.float().clamp(min=LOG_FLOOR))
+    tail_ids = tail_ids.long()
+    same = tail_ids.unsqueeze(-1) == tail_ids.unsqueeze(-2)  # (..., s, s)
+    count = same.sum(-1).float()  # draws of each sample's id
+    repeat = same.tril(-1).any(-1)  # an earlier sample holds this id
+    log_tail = (log_p[..., k:] + torch.log(count / s)).masked_fill(repeat, LOG_FLOOR).clamp(min=LOG_FLOOR)
+    return torch.cat([log_p[..., :k], log_tail], dim=-1), torch.cat([ids.long(), tail_ids], dim=-1)
+
+
+def sampled_tail_fkl(draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
+                     tail_ids: torch.Tensor, mask: torch.Tensor, n_tokens: int | float | torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL(p'‖q) against :func:`sampled_tail_target`'s sparse p', Σ over masked positions / n_tokens.
+
+    KL(p'‖q) = Σ_j p'_j (log p'_j − log q_j) over p''s support: an exact KL between two distributions (>= 0,
+    0 when q = p'), whose gradient is unbiased for the full-vocabulary FKL's (not its value: E KL(p'‖q) adds the
+    sampling entropy of p'). Shapes: draft_logits (..., V), target_log_probs (..., k+1), ids (..., k),
+    tail_ids (..., s), mask (...,). Raises ValueError for mismatched shapes or temperature <= 0.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
+                         f"{tuple(mask.shape)} must share the leading dims")
+    keep = mask.bool().unsqueeze(-1)
+    log_w, support = sampled_tail_target(torch.where(keep, target_log_probs.float(), 0.0), ids, tail_ids)
+    n = support.shape[-1]
+    support = torch.where(keep, support, torch.arange(n, device=support.device) % draft_logits.shape[-1])
+    log_q = _log_probs(draft_logits, keep, temperature).gather(-1, support)
+    per = (log_w.exp() * (log_w - log_q)).sum(-1).clamp(min=0.0)
+    return _reduce(per, mask, n_tokens)
 
 
 # ------------------------------------------------------------------------------------------------ pruned drafts

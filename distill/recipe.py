@@ -334,18 +334,18 @@ def target_distribution(run: Run, batch: dict[str, torch.Tensor], rows: list[int
     """The target's side of the loss at the N completion positions of ``batch`` (row by row, as the loss mask).
 
     Returns ``("logits", (N, V') logits)`` from a no-grad target forward, or ``("cached", ((N, k+1) bucket
-    log-probs, (N, k) ids))`` read from the logit cache (``data.target_logits=cached``). ``where`` is
+    log-probs, (N, k) ids, (N, s) sampled tail ids or None))`` read from the logit cache (``data.target_logits=cached``). ``where`` is
     :func:`kept_positions` of the batch's loss mask (computed here when None); ``rows`` are the cache rows of the
     batch's examples (cached mode only).
     """
     where = where if where is not None else kept_positions(batch["loss_mask"].cpu())
     cache = run.logit_cache
     if cache is not None:
-        log_p, ids = cache.buckets(rows)
+        log_p, ids, tail_ids = cache.buckets(rows)
         if log_p.shape[0] != len(where[1]):
             raise RuntimeError(f"logit cache rows give {log_p.shape[0]} positions, the batch has {len(where[1])}")
         device = run.accelerator.device
-        return "cached", (log_p.to(device, non_blocking=True), ids.to(device, non_blocking=True))
+        return "cached", tuple(None if t is None else t.to(device, non_blocking=True) for t in (log_p, ids, tail_ids))
     with torch.no_grad(), run.accelerator.autocast():
         return "logits", kept_logits(run, "target", batch, where)
 
@@ -378,12 +378,12 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     # The pruned-support losses run through autograd (no fused form): loss.fused does not apply to them.
     pruned_kw = {k: v for k, v in kw.items() if k != "fused"}
     if kind == "cached":
-        log_p, ids = target_side
+        log_p, ids, tail_ids = target_side
         if vocab_map is not None:
             return pruned_cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0),
                                               vocab_map, run.vocab, ones, n_tokens, **pruned_kw)
         return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
-                                   **kw)
+                                   tail_ids=None if tail_ids is None else tail_ids.unsqueeze(0), **kw)
     if vocab_map is not None:
         loss = pruned_distill_loss(cfg.loss.name, draft_kept, _vocab_slice(target_side, run.vocab).unsqueeze(0),
                                    vocab_map, ones, n_tokens, **pruned_kw)

@@ -33,7 +33,7 @@ def cache_id_mass(cache: Any, vocab: int, rows_per_read: int = 256) -> torch.Ten
     mass = torch.zeros(vocab, dtype=torch.float64)
     n = len(cache.ds)
     for start in range(0, n, rows_per_read):
-        log_p, ids = cache.buckets(list(range(start, min(n, start + rows_per_read))))
+        log_p, ids, _ = cache.buckets(list(range(start, min(n, start + rows_per_read))))
         mass.index_add_(0, ids.flatten(), log_p[:, :-1].double().exp().flatten())
     return mass
 

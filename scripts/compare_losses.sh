@@ -3,6 +3,7 @@
 #   bash scripts/compare_losses.sh                       # acceptance, tvd, jsd, fkl x seeds 0 1, then one evaluation
 #   PAIR=checkpoints/quickstart OUT=checkpoints/compare_losses STEPS=400 SEEDS="0 1" \
 #     LOSSES="acceptance tvd jsd fkl" GAMMA=4 THREADS=2 bash scripts/compare_losses.sh
+#   LOSSES="fkl fkl:draft.vocab.keep=4096" bash scripts/compare_losses.sh   # a variant: loss[:override[:...]]
 #   EVAL="eval.prompt_sets.humaneval=2 eval.max_new_tokens=8" STEPS=2 SEEDS=0 OUT=/tmp/dry bash scripts/compare_losses.sh
 #     (a dry run: EVAL holds quickstart-settings overrides for the evaluation, keys as in `python -m quickstart`)
 # Each run is `python -m distill train +experiment=quickstart` from the same baseline draft with only `loss=` and
@@ -31,23 +32,28 @@ done
 if [ -e "$OUT/results.json" ] && [ "${OVERWRITE:-0}" != "1" ]; then
   echo "error: $OUT/results.json exists; set OUT=another/folder or OVERWRITE=1 to replace it" >&2; exit 2
 fi
-for loss in $LOSSES; do
+for item in $LOSSES; do
+  loss="${item%%:*}"
   [ -f "conf/loss/$loss.yaml" ] || { echo "error: LOSSES names '$loss' but conf/loss/$loss.yaml does not exist" >&2; exit 2; }
 done
 mkdir -p "$OUT"
 
 drafts=()
-for loss in $LOSSES; do
+for item in $LOSSES; do
+  loss="${item%%:*}"
+  variant=()  # the item's own overrides after the loss name, ':'-separated
+  if [ "$item" != "$loss" ]; then IFS=':' read -ra variant <<< "${item#*:}"; fi
+  label="$(printf '%s' "$item" | tr ':=' '_-' | tr -d '.')"
   for seed in $SEEDS; do
-    name="$loss-s$seed"
+    name="$label-s$seed"
     run="$OUT/$name"
     export_dir="$run/export"
     drafts+=("$name=$export_dir")
     if [ -f "$export_dir/config.json" ]; then echo "== $name: reusing $export_dir"; continue; fi
-    extra=()
+    extra=("${variant[@]}")
     if [ "$loss" = "acceptance" ]; then extra+=("loss.gamma=$GAMMA"); fi
     if compgen -G "$run/step_*" > /dev/null; then extra+=("train.resume=true"); fi
-    echo "== $name: python -m distill train loss=$loss train.seed=$seed train.max_steps=$STEPS ${extra[*]:-}"
+    echo "== $name: python -m distill train loss=$loss train.seed=$seed train.max_steps=$STEPS ${extra[*]}"
     "$PY" -m distill train +experiment=quickstart "++target.name_or_path=$PAIR/target" \
         "draft.name_or_path=$PAIR/draft-baseline" "train.output_dir=$run" "loss=$loss" "train.seed=$seed" \
         "train.max_steps=$STEPS" "train.save_every=$STEPS" train.progress=none "${extra[@]}"

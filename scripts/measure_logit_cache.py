@@ -3,11 +3,12 @@ and α at T=0 and T=1 after equal steps for several k against the full online lo
 
     python scripts/measure_logit_cache.py --target checkpoints/quickstart/target \
         --draft checkpoints/quickstart/draft-baseline --steps 400 --ks 8 32 128 --out checkpoints/cache_measure
+    python scripts/measure_logit_cache.py ... --ks 32 --tail-samples 0 32 --seeds 0 1 --out DIR   # sampled tail
 
-Every run uses `+experiment=quickstart` (JSD β=0.5, bf16 autocast, batch 8 × (64 + 64) tokens, stdlib windows)
-with the given pair; the online run trains with the full-vocabulary loss, each cached run with the top-k + tail
-loss on a cache built by `python -m distill cache-logits`, all from the same initial draft for the same steps and
-data order. α is measured afterwards by `python -m distill eval` on the same held-out prompts for every draft (and
+Every run uses `+experiment=quickstart` (its loss, precision, batch 8 × (64 + 64) tokens, stdlib windows) with
+the given pair; the online run trains with the full-vocabulary loss, each cached run with the top-k + tail loss
+on a cache built by `python -m distill cache-logits` (with `--tail-samples S`, S ids sampled per position from the
+target's tail, for `loss=fkl`), all from the same initial draft for the same steps and, per seed, data order. α is measured afterwards by `python -m distill eval` on the same held-out prompts for every draft (and
 the initial one). Extra Hydra overrides go after `--`. Writes <out>/results.json and prints a markdown table.
 """
 from __future__ import annotations
@@ -46,7 +47,9 @@ def step_stats(run_dir: Path) -> dict:
 
 
 def alpha(result: dict) -> dict:
-    return {t: m["acceptance_rate"] for t, m in result["per_temperature"].items()}
+    """Per temperature: the acceptance rate (Σaccepted/Σdrafted) and α (per-token acceptance)."""
+    return {t: {"acceptance_rate": m["acceptance_rate"], "alpha": m.get("alpha")}
+            for t, m in result["per_temperature"].items()}
 
 
 def main() -> None:
@@ -55,6 +58,9 @@ def main() -> None:
     p.add_argument("--draft", required=True, help="the initial draft of every run")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--tail-samples", type=int, nargs="+", default=[0],
+                   help="data.logit_cache_tail_samples values to build and train for each k (0: buckets only)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of every training run")
     p.add_argument("--out", required=True, help="work folder (must not hold a results.json)")
     p.add_argument("extra", nargs="*", help="Hydra overrides for every run, after --")
     args = p.parse_args()
@@ -66,7 +72,8 @@ def main() -> None:
     base = ["+experiment=quickstart", f"++target.name_or_path={Path(args.target).resolve()}",
             f"draft.name_or_path={Path(args.draft).resolve()}", f"train.max_steps={args.steps}", "train.log_every=1",
             "train.save_every=0", "train.progress=none", "eval.every=0", "eval.at_start=false", *args.extra]
-    results: dict = {"steps": args.steps, "ks": args.ks, "overrides": base, "runs": {}}
+    results: dict = {"steps": args.steps, "ks": args.ks, "tail_samples": args.tail_samples, "seeds": args.seeds,
+                     "overrides": base, "runs": {}}
 
     def evaluate(name: str, draft: Path | str) -> dict:
         file = out / f"eval_{name}.json"
@@ -75,34 +82,43 @@ def main() -> None:
         return alpha(json.loads(file.read_text()))
 
     results["runs"]["initial"] = {"alpha": evaluate("initial", Path(args.draft).resolve())}
-    online = out / "online"
-    sh([py, "-m", "distill", "train", *base, f"train.output_dir={online}"], out / "online.log")
-    results["runs"]["online"] = {**step_stats(online), "alpha": evaluate("online", online / f"step_{args.steps:06d}")}
-    for k in args.ks:
-        cache = out / f"cache_k{k}"
-        ov = [f"data.logit_cache={cache}", f"data.logit_cache_k={k}"]
-        build_s = sh([py, "-m", "distill", "cache-logits", *base, *ov, f"train.output_dir={out / 'c'}"],
-                     out / f"cache_k{k}.log")
-        manifest = json.loads((cache / "manifest.json").read_text())
-        sys.path.insert(0, str(REPO))
-        from distill.logit_cache import summarize
+    sys.path.insert(0, str(REPO))
+    from distill.logit_cache import summarize
 
-        run_dir = out / f"cached_k{k}"
-        sh([py, "-m", "distill", "train", *base, *ov, "data.target_logits=cached", f"train.output_dir={run_dir}"],
-           out / f"cached_k{k}.log")
-        results["runs"][f"cached_k{k}"] = {**step_stats(run_dir), "cache": summarize(cache, manifest),
-                                           "cache_build_s": build_s,
-                                           "alpha": evaluate(f"k{k}", run_dir / f"step_{args.steps:06d}")}
+    caches = {}
+    for k in args.ks:
+        for tail in args.tail_samples:
+            cache = out / f"cache_k{k}" if not tail else out / f"cache_k{k}_s{tail}"
+            ov = [f"data.logit_cache={cache}", f"data.logit_cache_k={k}", f"data.logit_cache_tail_samples={tail}"]
+            build_s = sh([py, "-m", "distill", "cache-logits", *base, *ov, f"train.output_dir={out / 'c'}"],
+                         out / f"{cache.name}.log")
+            caches[cache.name.replace("cache_", "")] = (ov, {"cache": summarize(cache, json.loads(
+                (cache / "manifest.json").read_text())), "cache_build_s": build_s})
+    for seed in args.seeds:
+        tag = f"_seed{seed}" if len(args.seeds) > 1 else ""
+        online = out / f"online{tag}"
+        sh([py, "-m", "distill", "train", *base, f"train.seed={seed}", f"train.output_dir={online}"],
+           out / f"online{tag}.log")
+        results["runs"][f"online{tag}"] = {**step_stats(online),
+                                           "alpha": evaluate(f"online{tag}", online / f"step_{args.steps:06d}")}
+        for name, (ov, info) in caches.items():
+            run_dir = out / f"cached_{name}{tag}"
+            sh([py, "-m", "distill", "train", *base, *ov, f"train.seed={seed}", "data.target_logits=cached",
+                f"train.output_dir={run_dir}"], out / f"cached_{name}{tag}.log")
+            results["runs"][f"cached_{name}{tag}"] = {**step_stats(run_dir), **info, "alpha": evaluate(
+                f"{name}{tag}", run_dir / f"step_{args.steps:06d}")}
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    print("| run | cache bytes/token | cache build s | step ms | peak MiB | α T=0 | α T=1 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | cache bytes/token | cache build s | step ms | peak MiB | acc. rate T=0 | α T=0 | acc. rate T=1 "
+          "| α T=1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results["runs"].items():
         c = r.get("cache") or {}
         a = r["alpha"]
         cells = [name, f"{c['bytes_per_token']:.0f}" if c else "", f"{r['cache_build_s']:.0f}" if c else "",
                  f"{r['step_ms_median']:.0f}" if r.get("step_ms_median") else "",
                  f"{r['peak_memory_mb']:.0f}" if r.get("peak_memory_mb") else "",
-                 *(f"{a.get(t, float('nan')):.3f}" for t in ("0.0", "1.0"))]
+                 *(f"{(a.get(t) or {}).get(key) or float('nan'):.3f}" for t in ("0.0", "1.0")
+                   for key in ("acceptance_rate", "alpha"))]
         print("| " + " | ".join(cells) + " |")
     print(f"\nwrote {out / 'results.json'}")
 

@@ -40,7 +40,8 @@ def test_cache_matches_a_fresh_target_forward_and_resumes(pair, tmp_path):
     with torch.no_grad():
         logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     top, ids, tail = topk_buckets(logits[batch["loss_mask"].bool()][..., :pair["vocab"]], 8)
-    log_p, got_ids = cache.buckets([3, 4, 5])
+    log_p, got_ids, tail_ids = cache.buckets([3, 4, 5])
+    assert tail_ids is None  # built without tail samples
     assert torch.equal(got_ids, ids)
     assert torch.allclose(log_p[:, :8], top, atol=1e-2)  # fp16 storage
     assert torch.allclose(log_p[:, 8], tail, rtol=1e-5, atol=1e-5)

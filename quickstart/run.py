@@ -9,7 +9,9 @@ Phases (each reuses its artifact under ``--out`` when present; the commands are 
 1. tokenizer  ``python -m quickstart pretrain --tokenizer-only``: byte-level BPE on the stdlib train split.
 2. target     ``python -m quickstart pretrain --size target``: Llama from scratch, wall-clock budgeted.
 3. draft      ``python -m quickstart pretrain --size draft``: the baseline draft, plain next-token cross-entropy.
-4. distill    ``python -m distill train +experiment=quickstart``: the recipe, starting from the baseline draft.
+4. distill    ``python -m distill cache-logits`` (with ``quickstart.distill.target_logits=cached``, the default: the
+              target scores the training data once, top-32 + 32 sampled tail ids per position), then
+              ``python -m distill train +experiment=quickstart``: the recipe, starting from the baseline draft.
 5. export     ``python -m distill export``: a plain Hugging Face checkpoint of the distilled draft.
 6. eval       in this process: α, τ, tokens/s and speedup over plain target decoding for the baseline and the
               exported distilled draft, at each temperature, on HumanEval, MBPP and held-out stdlib prompts.
@@ -123,11 +125,32 @@ def _pretrain_cmd(qs, out: Path, which: str) -> list[str]:
     return cmd
 
 
+def _cache_overrides(qs, out: Path) -> list[str]:
+    """The recipe overrides of ``quickstart.distill.target_logits=cached`` (none when online)."""
+    if str(qs.distill.get("target_logits", "online")) != "cached":
+        return []
+    return ["data.target_logits=cached", f"data.logit_cache={out / qs.distill.cache_dir}",
+            f"data.logit_cache_k={int(qs.distill.cache_k)}",
+            f"data.logit_cache_tail_samples={int(qs.distill.tail_samples)}"]
+
+
+def _cache_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
+    """``python -m distill cache-logits`` with the distill phase's own config (it resumes an interrupted build)."""
+    return [sys.executable, "-m", "distill", "cache-logits", f"+experiment={experiment}",
+            f"++target.name_or_path={out / qs.target.dir}", f"draft.name_or_path={out / qs.draft.dir}",
+            f"train.output_dir={out / qs.distill.dir}", *_cache_overrides(qs, out), *extra]
+
+
+def _cache_complete(qs, out: Path) -> bool:
+    manifest = out / qs.distill.cache_dir / "manifest.json"
+    return manifest.is_file() and bool(json.loads(manifest.read_text()).get("complete"))
+
+
 def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
     run_dir = out / qs.distill.dir
     cmd = [sys.executable, "-m", "distill", "train", f"+experiment={experiment}",
            f"++target.name_or_path={out / qs.target.dir}", f"draft.name_or_path={out / qs.draft.dir}",
-           f"train.output_dir={run_dir}"]
+           f"train.output_dir={run_dir}", *_cache_overrides(qs, out)]
     from distill.checkpoint import find_latest
 
     if run_dir.is_dir() and find_latest(run_dir) is not None:
@@ -398,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     distilled = cached("distill+export", export_dir / "config.json")
     if not distilled:
         extra = shlex.split(args.distill_overrides)
-        if run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console, env=env):
+        scored = True
+        if _cache_overrides(qs, out):  # quickstart.distill.target_logits=cached: score the training data once first
+            scored = (cached("cache-logits", out / qs.distill.cache_dir / "manifest.json") if _cache_complete(qs, out)
+                      else run_phase("cache-logits", _cache_cmd(qs, experiment, out, extra), phases, console, env=env))
+        if scored and run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console, env=env):
             ckpt = _distilled_checkpoint(qs, out)
             distilled = ckpt is not None and run_phase(
                 "export", [sys.executable, "-m", "distill", "export", str(ckpt), str(export_dir)], phases, console,

@@ -28,9 +28,14 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "ok"
-    assert [res["phases"][p]["status"] for p in ("tokenizer", "target", "draft", "distill", "export", "eval")] \
-        == ["ok"] * 6
+    assert [res["phases"][p]["status"] for p in ("tokenizer", "target", "draft", "cache-logits", "distill", "export",
+                                                 "eval")] == ["ok"] * 7
     assert "python -m distill train +experiment=quickstart_smoke" in res["phases"]["distill"]["command"]
+    # quickstart.distill.target_logits=cached: the target scored the data once, the recipe trained on that cache
+    assert "python -m distill cache-logits +experiment=quickstart_smoke" in res["phases"]["cache-logits"]["command"]
+    assert "data.target_logits=cached" in res["phases"]["distill"]["command"]
+    manifest = json.loads((out / "logit_cache" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["k"] == 8 and manifest["tail_samples"] == 4
     assert res["phases"]["target"]["command"].startswith("python -m quickstart pretrain --tokenizer")
     for d in ("target", "draft-baseline", "draft-distilled"):
         assert (out / d / "model.safetensors").is_file() and (out / d / "tokenizer.json").is_file()

@@ -154,7 +154,7 @@ def test_cache_id_mass_sums_the_cached_top_k_probabilities():
     log_p = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.6, 0.1, 0.3], [0.9, 0.05, 0.05]]))
     ids = torch.tensor([[4, 2], [2, 7], [4, 1]])
     # a stand-in with the LogitCache interface: one position per row, rows 0 and 1 (row 2 is not in the cache)
-    cache = SimpleNamespace(ds=[0, 1], buckets=lambda rows: (log_p[rows], ids[rows]))
+    cache = SimpleNamespace(ds=[0, 1], buckets=lambda rows: (log_p[rows], ids[rows], None))
     mass = cache_id_mass(cache, 8, rows_per_read=1)
     want = torch.zeros(8, dtype=torch.float64)
     want[4], want[2], want[7] = 0.5, 0.2 + 0.6, 0.1

@@ -398,9 +398,6 @@ def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
         raise SetupError(f"logit cache {cache.path} holds {cache.tail_samples} sampled tail ids per position, which "
                          f"give an unbiased gradient for loss=fkl only (loss={cfg.loss.name}): use loss=fkl, or a "
                          "cache built with data.logit_cache_tail_samples=0")
-    if cache.tail_samples and cfg.draft.get("vocab", {}).get("keep"):
-        raise SetupError("a logit cache with sampled tail ids (data.logit_cache_tail_samples > 0) does not train a "
-                         "pruned draft (draft.vocab.keep): build the cache with data.logit_cache_tail_samples=0")
     log(f"cached target logits: {cache.path} (k={cache.k}, tail samples={cache.tail_samples}, {len(cache.ds)} "
         "examples); the target is not loaded")
     return cache

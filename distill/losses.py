@@ -766,13 +766,15 @@ def pruned_distill_loss(name: str, draft_logits: torch.Tensor, target_logits: to
 def pruned_cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log_probs: torch.Tensor,
                                ids: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int, mask: torch.Tensor,
                                n_tokens: int | float | torch.Tensor, labels: torch.Tensor | None = None,
-                               beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0) -> torch.Tensor:
+                               beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0,
+                               tail_ids: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`cached_distill_loss` for a pruned draft: ``draft_logits`` (..., N) over ``vocab_map``, a cached
     top-k + tail target ``target_log_probs`` (..., k+1) / ``ids`` (..., k) over ``vocab_size`` ids.
 
     The buckets are the cache's: the k ids and its tail. The draft's probability is exactly 0 on cached ids outside
     its map (those buckets are off its support, :func:`support_divergence`), and its tail bucket holds its mass on
-    kept ids outside the top-k. Raises ValueError as :func:`cached_distill_loss` does.
+    kept ids outside the top-k. With ``tail_ids`` (..., s) the divergence is :func:`pruned_sampled_tail_fkl`
+    instead (``name`` must be fkl). Raises ValueError as :func:`cached_distill_loss` does.
     """
     from decode.vocab_map import scatter_to_vocab
 
@@ -789,6 +791,17 @@ def pruned_cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log
     vocab_map = vocab_map.to(draft_logits.device)
     keep = mask.bool().unsqueeze(-1)
     d = scatter_to_vocab(torch.where(keep, draft_logits.float(), 0.0), vocab_map, vocab_size)
+    if tail_ids is not None:
+        if name != "fkl":
+            raise ValueError(f"sampled tail ids give an unbiased gradient for loss=fkl only, not {name!r}")
+        loss = pruned_sampled_tail_fkl(d, target_log_probs, ids, tail_ids, vocab_map, mask, n_tokens, temperature)
+        if ce_weight > 0:
+            if labels is None:
+                raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
+            ce = pruned_cross_entropy(draft_logits.reshape(1, -1, draft_logits.shape[-1]), labels.reshape(1, -1),
+                                      vocab_map, mask.reshape(1, -1), n_tokens)
+            loss = (1.0 - ce_weight) * loss + ce_weight * ce
+        return loss
     safe_ids = torch.where(keep, ids.long(), torch.arange(k, device=ids.device))
     log_p = _normalize_log(torch.where(keep, target_log_probs.float().clamp(min=LOG_FLOOR), 0.0)).clamp(min=LOG_FLOOR)
     log_q = _normalize_log(bucket_log_probs(d, safe_ids, temperature))
@@ -801,3 +814,34 @@ def pruned_cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log
                                   vocab_map, mask.reshape(1, -1), n_tokens)
         loss = (1.0 - ce_weight) * loss + ce_weight * ce
     return loss
+
+
+def pruned_sampled_tail_fkl(draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
+                            tail_ids: torch.Tensor, vocab_map: torch.Tensor, mask: torch.Tensor,
+                            n_tokens: int | float | torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """:func:`sampled_tail_fkl` for a pruned draft, Σ over masked positions / n_tokens.
+
+    ``draft_logits`` (..., V) is the pruned draft's row over the target's ids (-inf off ``vocab_map``, as
+    :func:`decode.vocab_map.scatter_to_vocab` makes it). The sparse target p' of :func:`sampled_tail_target` is cut
+    to the kept ids, w = p'·[id ∈ map] with mass W = Σw, and the loss is W·KL(w/W ‖ q) = Σ w (log w − log q) −
+    W log W: exact (>= 0, 0 at q = w/W, 0 where the map holds none of p'), with gradient W·q − w, an unbiased
+    estimate of P_kept·q − p_kept = P_kept·∇KL(p̃‖q), the pruned FKL of :func:`support_divergence` (p̃ = p
+    renormalized over the kept ids) weighted by the mass the map keeps at that position.
+    Shapes: target_log_probs (..., k+1), ids (..., k), tail_ids (..., s), mask (...,). Raises ValueError for
+    temperature <= 0 or mismatched shapes.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
+                         f"{tuple(mask.shape)} must share the leading dims")
+    keep = mask.bool().unsqueeze(-1)
+    log_w, support = sampled_tail_target(torch.where(keep, target_log_probs.float(), 0.0), ids, tail_ids)
+    support = torch.where(keep, support, vocab_map[0].to(support.device))  # masked rows: any kept id
+    kept = torch.isin(support, vocab_map.to(support.device)) & (log_w > LOG_FLOOR)
+    w = torch.where(kept, log_w.exp(), 0.0)
+    mass = w.sum(-1)
+    log_q = _log_probs(draft_logits, keep, temperature).gather(-1, support)
+    terms = torch.where(kept, w * (log_w - log_q), 0.0).sum(-1)
+    per = (terms - torch.where(mass > 0, mass * mass.clamp(min=1e-30).log(), 0.0)).clamp(min=0.0)
+    return _reduce(per, mask, n_tokens)

@@ -381,7 +381,8 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
         log_p, ids, tail_ids = target_side
         if vocab_map is not None:
             return pruned_cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0),
-                                              vocab_map, run.vocab, ones, n_tokens, **pruned_kw)
+                                              vocab_map, run.vocab, ones, n_tokens, **pruned_kw,
+                                              tail_ids=None if tail_ids is None else tail_ids.unsqueeze(0))
         return cached_distill_loss(cfg.loss.name, draft_kept, log_p.unsqueeze(0), ids.unsqueeze(0), ones, n_tokens,
                                    tail_ids=None if tail_ids is None else tail_ids.unsqueeze(0), **kw)
     if vocab_map is not None:

@@ -2,12 +2,14 @@
 the forward KL against it is exact (>= 0, 0 at q = p', the full FKL when k = V) and its gradient is unbiased for
 the full-vocabulary FKL's, which the k + 1 buckets' gradient is not; cache-logits stores the draws reproducibly
 and train refuses them for losses they do not serve."""
+import math
+
 import pytest
 import torch
 
 from distill.logit_cache import LogitCache, build_cache, read_manifest, sample_tail
-from distill.losses import (LOG_FLOOR, cached_distill_loss, cached_divergence, fkl, sampled_tail_fkl,
-                            sampled_tail_target, topk_buckets)
+from distill.losses import (LOG_FLOOR, cached_distill_loss, cached_divergence, fkl, pruned_sampled_tail_fkl,
+                            sampled_tail_fkl, sampled_tail_target, topk_buckets)
 from distill.models import SetupError
 from distill.recipe import train
 from distill_helpers import compose, overrides
@@ -77,6 +79,42 @@ def test_sample_tail_never_draws_a_top_k_id_and_follows_p():
     assert (freq - p / p.sum()).abs().max() < 0.01
 
 
+def test_pruned_form_equals_the_full_form_with_every_id_kept_and_is_exact():
+    _, lp, ids = _entry()
+    tail_ids = torch.tensor([[9, 9, 12, 30]])
+    d, one = torch.randn(1, 40, generator=torch.Generator().manual_seed(5)), torch.ones(1)
+    every = torch.arange(40)
+    assert torch.allclose(pruned_sampled_tail_fkl(d, lp, ids, tail_ids, every, one, 1),
+                          sampled_tail_fkl(d, lp, ids, tail_ids, one, 1), atol=1e-5)
+    vmap = torch.tensor(sorted(set(range(0, 40, 2)) | {int(ids[0, 0])}))  # half the ids, the top one kept
+    log_w, support = sampled_tail_target(lp, ids, tail_ids)
+    live = (log_w > LOG_FLOOR) & torch.isin(support, vmap)
+    at_target = torch.full((1, 40), float("-inf"))
+    at_target[0, support[live]] = log_w[live]  # q = w / W on the kept ids, -inf elsewhere
+    assert float(pruned_sampled_tail_fkl(at_target, lp, ids, tail_ids, vmap, one, 1)) < 1e-5
+    off = torch.full((1, 40), float("-inf")).index_fill(-1, vmap, 0.0)
+    assert float(pruned_sampled_tail_fkl(off, lp, ids, tail_ids, vmap, one, 1)) > 0.0
+
+
+def test_pruned_gradient_is_unbiased_for_the_weighted_pruned_fkl():
+    V, k, s, R = 40, 4, 4, 20000
+    logits, lp, ids = _entry(V, k, scale=1.0)
+    vmap = torch.arange(0, V, 2)
+    off_map = torch.ones(V, dtype=torch.bool).index_fill(0, vmap, False)
+    z = torch.randn(V, generator=torch.Generator().manual_seed(3)).masked_fill(off_map, float("-inf"))
+    z.requires_grad_(True)
+    p = torch.softmax(logits, -1)
+    p_kept = p.masked_fill(off_map, 0.0)
+    q = torch.softmax(z.detach(), -1)
+    want = p_kept.sum() * q - p_kept  # ∇ of P_kept·KL(p̃‖q) with respect to the logits
+    tail_ids = sample_tail(logits.expand(R, V), ids.expand(R, k), s, generator=torch.Generator().manual_seed(4))
+    loss = pruned_sampled_tail_fkl(z.expand(R, V), lp.expand(R, k + 1), ids.expand(R, k), tail_ids, vmap,
+                                   torch.ones(R), R)
+    got = torch.autograd.grad(loss, z)[0]
+    assert (got[vmap] - want[vmap]).abs().max() < 3e-3
+    assert (got[off_map] == 0).all()
+
+
 def test_only_fkl_takes_tail_ids():
     _, lp, ids = _entry()
     with pytest.raises(ValueError, match="loss=fkl only"):
@@ -104,3 +142,7 @@ def test_cache_stores_draws_reproducibly_and_train_refuses_other_losses(pair, tm
     out = train(compose(ov(tmp_path / "ok", a, "data.target_logits=cached", "train.max_steps=2",
                            "data.logit_cache_tail_samples=null")), log=lambda *_: None)
     assert out["steps"] == 2
+    pruned = train(compose(ov(tmp_path / "pruned", a, "data.target_logits=cached", "train.max_steps=2",
+                              "data.logit_cache_tail_samples=null", f"draft.vocab.keep={pair['vocab'] // 2}")),
+                   log=lambda *_: None)
+    assert pruned["steps"] == 2 and math.isfinite(pruned["final_loss"])

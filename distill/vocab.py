@@ -25,17 +25,24 @@ def special_ids(tokenizer: Any, vocab: int) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
 
 
-def cache_id_mass(cache: Any, vocab: int, rows_per_read: int = 256) -> torch.Tensor:
-    """``(V,)`` float64: Σ over every cached position of exp(log-prob) per cached top-k id (the tail is not split).
+def cache_id_mass(cache: Any, vocab: int, rows_per_read: int = 256) -> tuple[torch.Tensor, int]:
+    """``((V,) float64 mass, positions)``: Σ over every cached position of exp(log-prob) per cached top-k id, plus,
+    for a cache with sampled tail ids, each position's tail mass split evenly over its draws (an unbiased estimate
+    of the tail ids' mass); a cache without them leaves its tail mass unassigned. ``positions`` is the number of
+    cached positions, the total probability mass (1 per position).
 
     ``cache`` is a :class:`distill.logit_cache.LogitCache`.
     """
     mass = torch.zeros(vocab, dtype=torch.float64)
-    n = len(cache.ds)
+    n, positions = len(cache.ds), 0
     for start in range(0, n, rows_per_read):
-        log_p, ids, _ = cache.buckets(list(range(start, min(n, start + rows_per_read))))
+        log_p, ids, tail_ids = cache.buckets(list(range(start, min(n, start + rows_per_read))))
         mass.index_add_(0, ids.flatten(), log_p[:, :-1].double().exp().flatten())
-    return mass
+        if tail_ids is not None:
+            share = log_p[:, -1:].double().exp() / tail_ids.shape[-1]
+            mass.index_add_(0, tail_ids.flatten(), share.expand_as(tail_ids).flatten())
+        positions += log_p.shape[0]
+    return mass, positions
 
 
 @torch.no_grad()
@@ -102,16 +109,18 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
             log(f"draft.vocab.keep={keep}: using the {ids.numel()}-id map of the checkpoint {resume_from}")
         else:
             if cache is not None:
-                mass, source = cache_id_mass(cache, vocab), "the logit cache"
+                (mass, total), source = cache_id_mass(cache, vocab), "the logit cache"
+                if not cache.tail_samples:
+                    source += "; only its top-k mass is attributed to ids"
             else:
                 mass = target_id_mass(target, examples, tokenizer.pad_token_id, vocab,
                                       temperature=float(cfg.loss.temperature))
-                source = f"one target pass over {len(examples)} training sequences"
+                total, source = float(mass.sum()), f"one target pass over {len(examples)} training sequences"
             try:
                 ids = select_kept_ids(mass, int(keep), special_ids(tokenizer, vocab))
             except ValueError as err:
                 raise SetupError(str(err)) from None
-            covered = float(mass[ids].sum() / mass.sum().clamp(min=1e-30))
+            covered = float(mass[ids].sum()) / max(float(total), 1e-30)
             log(f"draft.vocab.keep={keep}: the kept ids carry {covered:.1%} of the target's probability mass on "
                 f"the training data ({source})")
         prune_draft_head(draft, ids, tokenizer_fingerprint(tokenizer))

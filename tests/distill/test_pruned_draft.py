@@ -155,7 +155,15 @@ def test_cache_id_mass_sums_the_cached_top_k_probabilities():
     ids = torch.tensor([[4, 2], [2, 7], [4, 1]])
     # a stand-in with the LogitCache interface: one position per row, rows 0 and 1 (row 2 is not in the cache)
     cache = SimpleNamespace(ds=[0, 1], buckets=lambda rows: (log_p[rows], ids[rows], None))
-    mass = cache_id_mass(cache, 8, rows_per_read=1)
+    mass, positions = cache_id_mass(cache, 8, rows_per_read=1)
     want = torch.zeros(8, dtype=torch.float64)
     want[4], want[2], want[7] = 0.5, 0.2 + 0.6, 0.1
     torch.testing.assert_close(mass, want, rtol=1e-6, atol=1e-9)
+    assert positions == 2
+    # with sampled tail ids, each row's tail mass (0.3) is split over its draws: an estimate of the tail ids' mass
+    tails = torch.tensor([[3, 3, 5], [6, 3, 6], [0, 0, 0]])
+    cache = SimpleNamespace(ds=[0, 1], buckets=lambda rows: (log_p[rows], ids[rows], tails[rows]))
+    mass, positions = cache_id_mass(cache, 8, rows_per_read=2)
+    want[3], want[5], want[6] = 0.2 + 0.1, 0.1, 0.2
+    torch.testing.assert_close(mass, want, rtol=1e-6, atol=1e-9)
+    assert float(mass.sum()) == pytest.approx(positions)

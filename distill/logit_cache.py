@@ -115,13 +115,28 @@ def check_manifest(manifest: dict, expected: dict, path: str | Path) -> None:
                          ". Use the same settings as cache-logits, or build a new cache at another data.logit_cache")
 
 
+def _load_manifest(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SetupError(f"{file} is not valid JSON ({err}); the logit cache is damaged: delete "
+                         f"{file.parent} and rebuild it with python -m distill cache-logits") from None
+
+
+def _write_manifest(file: Path, manifest: dict) -> None:
+    """Write ``manifest.json`` atomically (a temporary file renamed over it), so a kill never leaves half a file."""
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(file)
+
+
 def read_manifest(path: str | Path) -> dict:
     """The manifest of a cache folder; SetupError if there is none or the cache is incomplete."""
     file = Path(path) / MANIFEST
     if not file.exists():
         raise SetupError(f"data.logit_cache={str(path)!r} has no {MANIFEST}; build it first with "
                          "python -m distill cache-logits (same overrides as train)")
-    manifest = json.loads(file.read_text())
+    manifest = _load_manifest(file)
     if not manifest.get("complete"):
         raise SetupError(f"logit cache {path} is incomplete ({manifest.get('shards_done', '?')} of "
                          f"{manifest.get('num_shards')} shards); rerun python -m distill cache-logits to finish it")
@@ -254,6 +269,10 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     if not isinstance(tail_samples, int) or tail_samples < 0:
         raise SetupError(f"data.logit_cache_tail_samples={tail_samples!r} must be an integer >= 0 (0: top-k + tail "
                          "bucket only), e.g. 32")
+    if tail_samples and str(cfg.loss.name) != "fkl":
+        raise SetupError(f"data.logit_cache_tail_samples={tail_samples} serves loss=fkl only (the sampled tail gives an "
+                         f"unbiased gradient for forward KL), and this config trains loss={cfg.loss.name}: use loss=fkl, "
+                         "or data.logit_cache_tail_samples=0")
     out = Path(cfg.data.logit_cache)
     t_start = time.perf_counter()
     if not torch.distributed.is_initialized():
@@ -261,8 +280,11 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
     from distill.precision import resolve_mixed_precision
 
-    acc = Accelerator(mixed_precision=resolve_mixed_precision(str(cfg.train.mixed_precision), "cpu" if cpu else "cuda"),
-                      cpu=cpu)
+    precision = resolve_mixed_precision(str(cfg.train.mixed_precision), "cpu" if cpu else "cuda")
+    if precision == "fp16" and cpu:
+        raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use train.mixed_precision=bf16, no or "
+                         "auto")
+    acc = Accelerator(mixed_precision=precision, cpu=cpu)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
     # Data and fingerprints need only the tokenizer: a folder made for another setup fails before the target loads.
     base_examples, _ = load_data(cfg, tokenizer, None)
@@ -270,7 +292,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     manifest_file = out / MANIFEST
     shard_size = int(cfg.data.get("logit_cache_shard_size") or 256)
     if manifest_file.exists():
-        old = json.loads(manifest_file.read_text())
+        old = _load_manifest(manifest_file)
         check_manifest(old, expected, out)
         if old.get("complete"):
             log(f"logit cache {out} is complete; nothing to do")
@@ -278,9 +300,19 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
         if int(old.get("shard_size", shard_size)) != shard_size:
             raise SetupError(f"the unfinished logit cache {out} uses data.logit_cache_shard_size="
                              f"{old['shard_size']}; resume it with that value (shards would not line up)")
+        # Shards already written keep their draws and precision: a resume must make the rest the same way.
+        resumed = {"tail_seed": ("train.seed", int(cfg.train.seed) if expected["tail_samples"] else None),
+                   "mixed_precision": ("train.mixed_precision", str(acc.mixed_precision))}
+        for key, (setting, value) in resumed.items():
+            if value is not None and old.get(key) is not None and old[key] != value:
+                raise SetupError(f"the unfinished logit cache {out} was started with {key}={old[key]!r} "
+                                 f"({setting}); resume it with that value, or build a new cache elsewhere")
     target = load_target(cfg.target)
     target.to(acc.device)
     vocab = check_pair(target, None, tokenizer)
+    if expected["k"] > vocab:
+        raise SetupError(f"data.logit_cache_k={expected['k']} is larger than the vocabulary ({vocab} ids); use at most "
+                         f"{vocab}, e.g. data.logit_cache_k=32")
     ctx = context_length(target)
     examples, _ = load_data(cfg, tokenizer, ctx)
     if cfg.data.completions in ("target", "both"):
@@ -294,7 +326,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
                 "complete": False}
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        manifest_file.write_text(json.dumps(manifest, indent=2))
+        _write_manifest(manifest_file, manifest)
     acc.wait_for_everyone()
     log(f"cache-logits: {len(examples)} examples, k={manifest['k']}, tail samples={manifest['tail_samples']}, "
         f"T={manifest['temperature']}, {n_shards} shards "
@@ -306,7 +338,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     seconds = time.perf_counter() - t_start
     if acc.is_main_process:
         manifest.update(complete=True, build_seconds=round(seconds, 3))
-        manifest_file.write_text(json.dumps(manifest, indent=2))
+        _write_manifest(manifest_file, manifest)
     acc.wait_for_everyone()
     return {**summarize(out, manifest), "seconds": seconds}
 
@@ -342,7 +374,11 @@ class LogitCache:
         if missing:
             raise SetupError(f"logit cache {self.path} lacks shards {missing[:5]}; rerun python -m distill "
                              "cache-logits with the same overrides to finish it")
-        self.ds = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in dirs])
+        try:
+            self.ds = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in dirs])
+        except (FileNotFoundError, OSError, ValueError) as err:
+            raise SetupError(f"logit cache {self.path} has a damaged shard ({err}); delete that shard folder and "
+                             "rerun python -m distill cache-logits with the same overrides to rebuild it") from None
         if len(self.ds) != int(self.manifest["num_examples"]):
             raise SetupError(f"logit cache {self.path} has {len(self.ds)} rows, its manifest says "
                              f"{self.manifest['num_examples']}; rebuild it")

@@ -142,8 +142,23 @@ def _cache_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
 
 
 def _cache_complete(qs, out: Path) -> bool:
+    """True if the cache folder holds a complete cache made with this run's k and tail samples.
+
+    Raises ValueError naming the folder when it holds a cache made with other settings (reusing it would fail in the
+    recipe; rebuilding would delete a user's files)."""
     manifest = out / qs.distill.cache_dir / "manifest.json"
-    return manifest.is_file() and bool(json.loads(manifest.read_text()).get("complete"))
+    if not manifest.is_file():
+        return False
+    try:
+        m = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return False  # damaged: cache-logits names it and the fix
+    want = {"k": int(qs.distill.cache_k), "tail_samples": int(qs.distill.tail_samples)}
+    have = {key: m.get(key, 0 if key == "tail_samples" else None) for key in want}
+    if have != want:
+        raise ValueError(f"{manifest.parent} holds a logit cache made with {have}, this run asks for {want}: delete "
+                         "that folder to rebuild it, or set distill.cache_k / distill.tail_samples to its values")
+    return bool(m.get("complete"))
 
 
 def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
@@ -423,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = shlex.split(args.distill_overrides)
         scored = True
         if _cache_overrides(qs, out):  # quickstart.distill.target_logits=cached: score the training data once first
-            scored = (cached("cache-logits", out / qs.distill.cache_dir / "manifest.json") if _cache_complete(qs, out)
+            try:
+                complete = _cache_complete(qs, out)
+            except ValueError as err:
+                console.print(f"[red]error: {err}")
+                return 2
+            scored = (cached("cache-logits", out / qs.distill.cache_dir / "manifest.json") if complete
                       else run_phase("cache-logits", _cache_cmd(qs, experiment, out, extra), phases, console, env=env))
         if scored and run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console, env=env):
             ckpt = _distilled_checkpoint(qs, out)

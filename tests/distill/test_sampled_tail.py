@@ -146,3 +146,29 @@ def test_cache_stores_draws_reproducibly_and_train_refuses_other_losses(pair, tm
                               "data.logit_cache_tail_samples=null", f"draft.vocab.keep={pair['vocab'] // 2}")),
                    log=lambda *_: None)
     assert pruned["steps"] == 2 and math.isfinite(pruned["final_loss"])
+
+
+def test_cache_logits_refuses_bad_builds_before_writing_and_damaged_caches_clearly(pair, tmp_path):
+    import json
+
+    ov = lambda cache, *extra: overrides(pair, tmp_path / "r", f"data.logit_cache={cache}",  # noqa: E731
+                                         "data.logit_cache_shard_size=16", "loss=fkl", *extra)
+    big = tmp_path / "big"
+    with pytest.raises(SetupError, match="larger than the vocabulary"):
+        build_cache(compose(ov(big, f"data.logit_cache_k={pair['vocab'] + 1}")), log=lambda *_: None)
+    assert not (big / "manifest.json").exists()  # nothing written: the same folder takes a valid k afterwards
+    with pytest.raises(SetupError, match="loss=fkl only"):
+        build_cache(compose(ov(big, "data.logit_cache_tail_samples=2", "loss=jsd")), log=lambda *_: None)
+    with pytest.raises(SetupError, match="fp16 needs a CUDA GPU"):
+        build_cache(compose(ov(big, "train.mixed_precision=fp16", "train.cpu=true")), log=lambda *_: None)
+    # an interrupted build resumes only with the seed its draws came from
+    c = tmp_path / "c"
+    build_cache(compose(ov(c, "data.logit_cache_k=4", "data.logit_cache_tail_samples=2")), log=lambda *_: None)
+    m = json.loads((c / "manifest.json").read_text())
+    (c / "manifest.json").write_text(json.dumps({**m, "complete": False}))
+    with pytest.raises(SetupError, match="train.seed"):
+        build_cache(compose(ov(c, "data.logit_cache_k=4", "data.logit_cache_tail_samples=2", "train.seed=5")),
+                    log=lambda *_: None)
+    (c / "manifest.json").write_text('{"format": 1, "k"')  # a damaged manifest is named, not a traceback
+    with pytest.raises(SetupError, match="not valid JSON"):
+        LogitCache(c)

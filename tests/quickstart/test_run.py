@@ -97,3 +97,19 @@ def test_misspelled_setting_is_an_error(capsys):
     assert "unknown quickstart setting" in err and "max_new_token" in err
     qs = quickstart.load_settings("quickstart_smoke", ["eval.max_new_tokens=5"])
     assert qs.eval.max_new_tokens == 5
+
+
+def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):
+    from quickstart.run import _cache_complete
+
+    qs = quickstart.load_settings("quickstart_smoke", ["distill.cache_k=4"])
+    assert _cache_complete(qs, tmp_path) is False  # none yet: the phase builds it
+    (tmp_path / "logit_cache").mkdir()
+    manifest = tmp_path / "logit_cache" / "manifest.json"
+    manifest.write_text(json.dumps({"k": 8, "tail_samples": 4, "complete": True}))
+    with pytest.raises(ValueError, match="delete that folder"):
+        _cache_complete(qs, tmp_path)
+    manifest.write_text(json.dumps({"k": 4, "tail_samples": 4, "complete": True}))
+    assert _cache_complete(qs, tmp_path) is True
+    manifest.write_text(json.dumps({"k": 4, "tail_samples": 4, "complete": False}))
+    assert _cache_complete(qs, tmp_path) is False  # unfinished: cache-logits resumes it

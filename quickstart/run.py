@@ -198,11 +198,11 @@ def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int) 
     return out
 
 
-def _load_lm(path: str | Path):
-    import torch
-    from transformers import AutoModelForCausalLM
+def _load_lm(path: str | Path, role: str = "draft"):
+    """The one loader of decode and distill (fp32, eval, frozen): a vocabulary-pruned draft keeps its id map."""
+    from decode.loading import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().requires_grad_(False)
+    return load_causal_lm(str(path), role=role, dtype="float32")
 
 
 def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, console=None) -> dict:
@@ -232,7 +232,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
 
     console = console or Console()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = _load_lm(target_dir)
+    target = _load_lm(target_dir, "target")
     models = {name: _load_lm(path) for name, path in drafts.items()}
     gamma = int(ecfg.num_draft_tokens)
     decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0)}

@@ -85,6 +85,9 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
     torch.testing.assert_close(draft(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
     assert draft.get_output_embeddings().weight.shape[0] == KEEP
     assert torch.equal(draft_vocab_map(draft), draft_vocab_map(trained))
+    from quickstart.run import _load_lm  # the quickstart's and compare_losses.sh's evaluation load it the same way
+
+    assert torch.equal(draft_vocab_map(_load_lm(out)), draft_vocab_map(draft))
 
     target = load_causal_lm(str(pair["target"]), "target")
     tok = load_tokenizer(str(pair["tokenizer"]))

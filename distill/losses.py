@@ -610,6 +610,18 @@ def sampled_tail_target(target_log_probs: torch.Tensor, ids: torch.Tensor,
     return torch.cat([log_p[..., :k], log_tail], dim=-1), torch.cat([ids.long(), tail_ids], dim=-1)
 
 
+def _sampled_tail_inputs(draft_logits, target_log_probs, ids, tail_ids, mask, temperature):
+    """Checks shared by the sampled-tail losses; ``(keep (..., 1) bool, log p' (..., k+s), support (..., k+s))``."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
+                         f"{tuple(mask.shape)} must share the leading dims")
+    keep = mask.bool().unsqueeze(-1)
+    log_w, support = sampled_tail_target(torch.where(keep, target_log_probs.float(), 0.0), ids, tail_ids)
+    return keep, log_w, support
+
+
 def sampled_tail_fkl(draft_logits: torch.Tensor, target_log_probs: torch.Tensor, ids: torch.Tensor,
                      tail_ids: torch.Tensor, mask: torch.Tensor, n_tokens: int | float | torch.Tensor,
                      temperature: float = 1.0) -> torch.Tensor:
@@ -620,13 +632,7 @@ def sampled_tail_fkl(draft_logits: torch.Tensor, target_log_probs: torch.Tensor,
     sampling entropy of p'). Shapes: draft_logits (..., V), target_log_probs (..., k+1), ids (..., k),
     tail_ids (..., s), mask (...,). Raises ValueError for mismatched shapes or temperature <= 0.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
-        raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
-                         f"{tuple(mask.shape)} must share the leading dims")
-    keep = mask.bool().unsqueeze(-1)
-    log_w, support = sampled_tail_target(torch.where(keep, target_log_probs.float(), 0.0), ids, tail_ids)
+    keep, log_w, support = _sampled_tail_inputs(draft_logits, target_log_probs, ids, tail_ids, mask, temperature)
     n = support.shape[-1]
     support = torch.where(keep, support, torch.arange(n, device=support.device) % draft_logits.shape[-1])
     log_q = _log_probs(draft_logits, keep, temperature).gather(-1, support)
@@ -795,18 +801,14 @@ def pruned_cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log
         if name != "fkl":
             raise ValueError(f"sampled tail ids give an unbiased gradient for loss=fkl only, not {name!r}")
         loss = pruned_sampled_tail_fkl(d, target_log_probs, ids, tail_ids, vocab_map, mask, n_tokens, temperature)
-        if ce_weight > 0:
-            if labels is None:
-                raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
-            ce = pruned_cross_entropy(draft_logits.reshape(1, -1, draft_logits.shape[-1]), labels.reshape(1, -1),
-                                      vocab_map, mask.reshape(1, -1), n_tokens)
-            loss = (1.0 - ce_weight) * loss + ce_weight * ce
-        return loss
-    safe_ids = torch.where(keep, ids.long(), torch.arange(k, device=ids.device))
-    log_p = _normalize_log(torch.where(keep, target_log_probs.float().clamp(min=LOG_FLOOR), 0.0)).clamp(min=LOG_FLOOR)
-    log_q = _normalize_log(bucket_log_probs(d, safe_ids, temperature))
-    support = torch.cat([torch.isin(safe_ids, vocab_map), torch.ones_like(safe_ids[..., :1], dtype=torch.bool)], -1)
-    loss = _reduce(support_divergence(name, log_q, log_p, support, beta), mask, n_tokens)
+    else:
+        safe_ids = torch.where(keep, ids.long(), torch.arange(k, device=ids.device))
+        log_p = _normalize_log(torch.where(keep, target_log_probs.float().clamp(min=LOG_FLOOR), 0.0)).clamp(
+            min=LOG_FLOOR)
+        log_q = _normalize_log(bucket_log_probs(d, safe_ids, temperature))
+        support = torch.cat([torch.isin(safe_ids, vocab_map), torch.ones_like(safe_ids[..., :1], dtype=torch.bool)],
+                            -1)
+        loss = _reduce(support_divergence(name, log_q, log_p, support, beta), mask, n_tokens)
     if ce_weight > 0:
         if labels is None:
             raise ValueError("loss.ce_weight > 0 needs labels (the next tokens)")
@@ -830,13 +832,7 @@ def pruned_sampled_tail_fkl(draft_logits: torch.Tensor, target_log_probs: torch.
     Shapes: target_log_probs (..., k+1), ids (..., k), tail_ids (..., s), mask (...,). Raises ValueError for
     temperature <= 0 or mismatched shapes.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if draft_logits.shape[:-1] != ids.shape[:-1] or mask.shape != ids.shape[:-1]:
-        raise ValueError(f"draft_logits {tuple(draft_logits.shape)}, ids {tuple(ids.shape)} and mask "
-                         f"{tuple(mask.shape)} must share the leading dims")
-    keep = mask.bool().unsqueeze(-1)
-    log_w, support = sampled_tail_target(torch.where(keep, target_log_probs.float(), 0.0), ids, tail_ids)
+    keep, log_w, support = _sampled_tail_inputs(draft_logits, target_log_probs, ids, tail_ids, mask, temperature)
     support = torch.where(keep, support, vocab_map[0].to(support.device))  # masked rows: any kept id
     kept = torch.isin(support, vocab_map.to(support.device)) & (log_w > LOG_FLOOR)
     w = torch.where(kept, log_w.exp(), 0.0)

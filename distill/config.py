@@ -521,15 +521,12 @@ def check_inputs(cfg: DictConfig, *, training: bool = True) -> None:
     Raises:
         SetupError: naming the setting (or the file, line and field) and the fix.
     """
-    import torch
-
     from distill.data import preflight_source
+    from distill.precision import accelerator_precision
 
     preflight_source(cfg.data.source, "data.source", cfg.data)
     if cfg.get("eval") is not None and cfg.eval.get("prompts"):
         preflight_source(OmegaConf.merge({"completion_field": None}, cfg.eval.prompts), "eval.prompts", cfg.data)
     if training:
         check_output_dir(cfg.train.output_dir, "train.output_dir")
-        if str(cfg.train.mixed_precision) == "fp16" and (bool(cfg.train.get("cpu")) or not torch.cuda.is_available()):
-            raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU (fp16 autocast with a gradient scaler is "
-                             "GPU-only); on CPU use train.mixed_precision=bf16 or train.mixed_precision=no")
+        accelerator_precision(cfg.train)  # fp16 on a CPU is refused here, before any model loads

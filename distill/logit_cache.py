@@ -265,10 +265,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
         raise SetupError("data.logit_cache is not set: give the cache folder, e.g. data.logit_cache=checkpoints/cache")
     if int(cfg.data.get("logit_cache_k") or 0) < 1:
         raise SetupError(f"data.logit_cache_k={cfg.data.get('logit_cache_k')!r} must be an integer >= 1, e.g. 32")
-    tail_samples = cfg.data.get("logit_cache_tail_samples") or 0
-    if not isinstance(tail_samples, int) or tail_samples < 0:
-        raise SetupError(f"data.logit_cache_tail_samples={tail_samples!r} must be an integer >= 0 (0: top-k + tail "
-                         "bucket only), e.g. 32")
+    tail_samples = cfg.data.get("logit_cache_tail_samples") or 0  # an integer >= 0: normalize_config checked it
     if tail_samples and str(cfg.loss.name) != "fkl":
         raise SetupError(f"data.logit_cache_tail_samples={tail_samples} serves loss=fkl only (the sampled tail gives an "
                          f"unbiased gradient for forward KL), and this config trains loss={cfg.loss.name}: use loss=fkl, "
@@ -277,13 +274,9 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     t_start = time.perf_counter()
     if not torch.distributed.is_initialized():
         AcceleratorState._reset_state(reset_partial_state=True)
-    cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
-    from distill.precision import resolve_mixed_precision
+    from distill.precision import accelerator_precision
 
-    precision = resolve_mixed_precision(str(cfg.train.mixed_precision), "cpu" if cpu else "cuda")
-    if precision == "fp16" and cpu:
-        raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use train.mixed_precision=bf16, no or "
-                         "auto")
+    precision, cpu = accelerator_precision(cfg.train)
     acc = Accelerator(mixed_precision=precision, cpu=cpu)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
     # Data and fingerprints need only the tokenizer: a folder made for another setup fails before the target loads.

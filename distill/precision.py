@@ -10,6 +10,7 @@ so the CPU's own flags decide. On CUDA, bf16 where the GPU supports it (Ampere a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 # x86 CPU flags (as /proc/cpuinfo spells them) that mean bf16 matmuls run natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -53,3 +54,21 @@ def resolve_mixed_precision(setting: str, device_type: str, cuda_bf16: bool | No
     if cpu_bf16 is None:
         cpu_bf16 = cpu_has_native_bf16()
     return "bf16" if cpu_bf16 else "no"
+
+
+def accelerator_precision(train: Any) -> tuple[str, bool]:
+    """``(precision, cpu)`` for ``Accelerator(mixed_precision=precision, cpu=cpu)`` from a ``train`` config section:
+    ``cpu`` when ``train.cpu`` is set or no CUDA GPU is available, ``precision`` from
+    :func:`resolve_mixed_precision`. The one place ``train``, ``cache-logits`` and the config checks decide it.
+
+    Raises SetupError for ``train.mixed_precision=fp16`` on a CPU (fp16 autocast with a gradient scaler is GPU-only).
+    """
+    import torch
+
+    from distill.models import SetupError
+
+    cpu = bool(train.get("cpu", False)) or not torch.cuda.is_available()
+    if str(train.mixed_precision) == "fp16" and cpu:
+        raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU (fp16 autocast with a gradient scaler is "
+                         "GPU-only); on CPU use train.mixed_precision=bf16 or train.mixed_precision=no")
+    return resolve_mixed_precision(str(train.mixed_precision), "cpu" if cpu else "cuda"), cpu

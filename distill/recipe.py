@@ -41,7 +41,7 @@ from distill.logit_cache import cached_training_data, open_for_training, peak_me
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
                             load_draft_tokenizer, load_target, load_tokenizer)
-from distill.precision import resolve_mixed_precision
+from distill.precision import accelerator_precision
 from distill.rollout import rollout
 from distill.vocab import prune_for_training
 
@@ -175,14 +175,13 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     cfg = normalize_config(cfg)
     check_inputs(cfg)  # data files, output folder, precision vs device: before any model loads
     # On a machine without a GPU, cpu=True is what makes accelerate use gloo across launched processes.
-    cpu = bool(cfg.train.get("cpu", False)) or not torch.cuda.is_available()
+    precision, cpu = accelerator_precision(cfg.train)
     if not torch.distributed.is_initialized():
         # accelerate keeps its state in a process-wide singleton; a second in-process run (tests, notebooks) with
         # another precision must start from a clean one.
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-    precision = resolve_mixed_precision(str(cfg.train.mixed_precision), "cpu" if cpu else "cuda")
     accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
     if str(cfg.train.mixed_precision) == "auto":
         log(f"train.mixed_precision=auto -> {precision} (distill/precision.py: bf16 only where the hardware has it)")

@@ -36,3 +36,16 @@ def test_explicit_settings_pass_through(setting):
 
 def test_this_machine_resolves_without_error():
     assert resolve_mixed_precision("auto", "cpu") in ("no", "bf16")
+
+
+def test_accelerator_precision_refuses_fp16_on_cpu_and_resolves_auto():
+    from omegaconf import OmegaConf
+
+    from distill.models import SetupError
+    from distill.precision import accelerator_precision
+
+    with pytest.raises(SetupError, match="fp16 needs a CUDA GPU"):
+        accelerator_precision(OmegaConf.create({"cpu": True, "mixed_precision": "fp16"}))
+    precision, cpu = accelerator_precision(OmegaConf.create({"cpu": True, "mixed_precision": "auto"}))
+    assert cpu and precision == resolve_mixed_precision("auto", "cpu")
+    assert accelerator_precision(OmegaConf.create({"cpu": True, "mixed_precision": "bf16"})) == ("bf16", True)

@@ -33,15 +33,20 @@ def main() -> int:
     if bad:
         p.error(f"drafts are NAME=PATH, got {bad}")
     drafts = dict(d.split("=", 1) for d in args.drafts)
-    for name, path in drafts.items():
+    for name, path in [("--pair", f"{args.pair}/target"), *drafts.items()]:
         if not (Path(path) / "config.json").is_file():
-            p.error(f"draft {name}: {path} is not a checkpoint folder (no config.json)")
+            p.error(f"{name}: {path} is not a checkpoint folder (no config.json)")
+    if not out.parent.is_dir():
+        p.error(f"--out {out}: the folder {out.parent} does not exist")
 
     from rich.console import Console
 
     from quickstart.run import evaluate, load_settings
 
-    ecfg = load_settings("quickstart", args.set).eval
+    try:
+        ecfg = load_settings("quickstart", args.set).eval
+    except KeyError as err:
+        p.error(f"--set: {err.args[0]}")
     t0 = time.time()
     ev = evaluate(f"{args.pair}/target", drafts, ecfg, Console(width=132))
     for r in ev["rows"]:

@@ -46,11 +46,27 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: 
     return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + (verify_cost if gamma else 1.0))
 
 
-def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: int = 0) -> int:
-    """The γ in ``[min_gamma, max_gamma]`` that maximizes :func:`predicted_speedup` (smallest on ties)."""
+def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: int = 0,
+               verify_costs: Sequence[float] | None = None) -> int:
+    """The γ in ``[min_gamma, max_gamma]`` that maximizes :func:`predicted_speedup` (smallest on ties).
+
+    Args:
+        alpha: per-token acceptance α in [0, 1]; cost_ratio: c >= 0.
+        max_gamma, min_gamma: the range searched (``max_gamma >= min_gamma >= 0``).
+        verify_costs: v_γ indexed by γ (``verify_costs[γ]``, e.g. from :func:`measure_cost_ratio`'s ``verify``
+            list), the verify-aware model; γ beyond its end, or None, uses Leviathan et al.'s v = 1.
+
+    Raises:
+        ValueError: ``max_gamma < min_gamma``, or α / c out of range (:func:`predicted_speedup`).
+    """
     if max_gamma < min_gamma:
         raise ValueError(f"max_gamma ({max_gamma}) must be >= min_gamma ({min_gamma})")
-    return max(range(min_gamma, max_gamma + 1), key=lambda g: (predicted_speedup(alpha, g, cost_ratio), -g))
+    v = list(verify_costs) if verify_costs is not None else []
+
+    def speed(g: int) -> float:
+        return predicted_speedup(alpha, g, cost_ratio, v[g] if g < len(v) else 1.0)
+
+    return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
 
 class AdaptiveGamma:
@@ -110,12 +126,7 @@ class AdaptiveGamma:
 
     def _choose(self) -> None:
         a = min(max(self.alpha, 0.0), 1.0)
-        v = self._verify
-
-        def speed(g: int) -> float:
-            return predicted_speedup(a, g, self.cost_ratio, v[g] if v is not None and g < len(v) else 1.0)
-
-        self.gamma = max(range(self.min_gamma, self.max_gamma + 1), key=lambda g: (speed(g), -g))
+        self.gamma = best_gamma(a, self.cost_ratio, self.max_gamma, self.min_gamma, verify_costs=self._verify)
 
     def next_gamma(self) -> int:
         """γ for the next step: ``initial_gamma`` during the warm-up, then the current choice, or a 1-token probe

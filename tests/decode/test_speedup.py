@@ -26,6 +26,21 @@ def test_best_gamma():
     assert all(predicted_speedup(0.8, g, 0.05) >= predicted_speedup(0.8, k, 0.05) for k in range(17))
 
 
+def test_best_gamma_with_verify_costs():
+    # Verify costs that grow with γ pull the choice down: with v = 1 the best γ at α = 0.9, c = 0.1 is 10;
+    # a verify that costs 1 + 0.2 γ moves it to 5.
+    v = [1.0 + 0.2 * g for g in range(17)]
+    free = best_gamma(0.9, 0.1, 16)
+    priced = best_gamma(0.9, 0.1, 16, verify_costs=v)
+    assert (free, priced) == (10, 5)
+    assert all(predicted_speedup(0.9, priced, 0.1, v[priced]) >= predicted_speedup(0.9, k, 0.1, v[k])
+               for k in range(17))
+    # γ past the end of the list falls back to v = 1 (Leviathan et al.)
+    assert best_gamma(0.9, 0.1, 16, verify_costs=[1.0]) == free
+    with pytest.raises(ValueError, match="max_gamma"):
+        best_gamma(0.9, 0.1, max_gamma=1, min_gamma=2)
+
+
 @pytest.mark.parametrize("bad", [dict(alpha=1.5, gamma=2), dict(alpha=0.5, gamma=-1)])
 def test_bad_values(bad):
     with pytest.raises(ValueError):

@@ -186,14 +186,17 @@ def _distilled_checkpoint(qs, out: Path) -> Path | None:
 
 # ------------------------------------------------------------------------------------------------ evaluation
 
-def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    """``(set_name, token_ids)`` for the first ``n`` prompts of each set, keeping each prompt's last
-    ``max_prompt_tokens`` tokens (the end is what the model continues; the target was trained on short windows)."""
+def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int,
+                       skip: dict[str, int] | None = None) -> list[tuple[str, list[int]]]:
+    """``(set_name, token_ids)`` for the first ``n`` prompts of each set (after its first ``skip[set]`` ones),
+    keeping each prompt's last ``max_prompt_tokens`` tokens (the end is what the model continues; the target was
+    trained on short windows)."""
     from distill.corpus import load_prompts
 
     out = []
     for name, n in sets.items():
-        for text in load_prompts(name, int(n)):
+        first = int((skip or {}).get(name, 0))
+        for text in load_prompts(name, first + int(n))[first:]:
             out.append((name, tokenizer(text)["input_ids"][-max_prompt_tokens:]))
     return out
 
@@ -211,17 +214,21 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     Args:
         target_dir: Hugging Face checkpoint of the target (its tokenizer is used for every model).
         drafts: name -> draft checkpoint, e.g. {"baseline": ..., "distilled": ...}.
-        ecfg: ``quickstart.eval`` settings: prompt_sets {name: n}, temperatures, num_draft_tokens (γ),
-            max_new_tokens, max_prompt_tokens, seed.
+        ecfg: ``quickstart.eval`` settings: prompt_sets {name: n}, temperatures, num_draft_tokens (γ: an int for
+            every draft and temperature, or ``best``: chosen per draft and temperature by :func:`choose_gammas`
+            on ``calibration_prompts`` further prompts of each set, up to ``max_draft_tokens``), max_new_tokens,
+            max_prompt_tokens, seed.
         console: rich console for the progress bar (None: a new one).
 
     Returns:
-        dict with ``rows`` (one per temperature x prompt set, plus "all": plain tokens/s and, per draft, α, τ,
-        tokens/s, speedup, predicted speedup), ``cost_ratio`` per draft, ``greedy_lossless`` (greedy speculative
-        outputs that equal plain greedy outputs / total) and the settings.
+        dict with ``rows`` (one per temperature x prompt set, plus "all": plain tokens/s and, per draft, γ, α, τ,
+        tokens/s, speedup, predicted speedup), ``cost_ratio`` per draft, ``gammas`` ({draft: {T: γ}}),
+        ``calibration`` (:func:`choose_gammas`' output, or None for a fixed γ), ``greedy_lossless`` (greedy
+        speculative outputs that equal plain greedy outputs / total) and the settings.
 
     Raises:
         decode.compat.IncompatibleModelsError: a draft does not share the target's vocabulary.
+        ValueError: ``num_draft_tokens`` is neither a positive int nor ``best``.
     """
     import torch
     from rich.console import Console
@@ -231,27 +238,39 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     from decode import DecodeStats, SpeculativeDecoder
 
     console = console or Console()
+    setting = _gamma_setting(ecfg.num_draft_tokens)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = _load_lm(target_dir, "target")
     models = {name: _load_lm(path) for name, path in drafts.items()}
-    gamma = int(ecfg.num_draft_tokens)
+    max_gamma = int(ecfg.get("max_draft_tokens", 8)) if setting == "best" else setting
     decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0)}
     for name, model in models.items():
-        decoders[name] = SpeculativeDecoder(target, model, num_draft_tokens=gamma, tokenizer=tokenizer,
-                                            draft_tokenizer=tokenizer)
+        decoders[name] = SpeculativeDecoder(target, model, num_draft_tokens=PROBE_GAMMA, tokenizer=tokenizer,
+                                            draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma)
     prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), int(ecfg.max_prompt_tokens))
     temps = [float(t) for t in ecfg.temperatures]
     new = int(ecfg.max_new_tokens)
     modes = list(decoders)
 
-    def generate(mode, ids, temperature, seed):
+    def generate(mode, ids, temperature, seed, gamma):
         # eos is not a stop: every run generates max_new_tokens, so tokens/s compares equal amounts of work.
         gen = torch.Generator().manual_seed(seed)
         return decoders[mode].generate(torch.tensor([ids]), max_new_tokens=new, temperature=temperature,
                                        generator=gen, num_draft_tokens=0 if mode == "plain" else gamma)
 
     for mode in modes:  # untimed: the first call of each model pays for lazy initialisation
-        generate(mode, prompts[0][1][-16:], 0.0, 0)
+        generate(mode, prompts[0][1][-16:], 0.0, 0, PROBE_GAMMA)
+    calibration = None
+    if setting == "best":
+        calib = encode_prompt_sets(tokenizer, {k: int(ecfg.get("calibration_prompts", 2)) for k in ecfg.prompt_sets},
+                                   int(ecfg.max_prompt_tokens), skip=dict(ecfg.prompt_sets))
+        console.print(f"eval: choosing γ per draft and temperature on {len(calib)} further prompts (γ = {PROBE_GAMMA}"
+                      f" runs, measured costs, γ <= {max_gamma})")
+        calibration = choose_gammas({n: decoders[n] for n in models}, [ids for _, ids in calib], temps, new,
+                                    int(ecfg.seed), max_gamma)
+        gammas = {n: {t: calibration[n]["per_temperature"][t]["num_draft_tokens"] for t in temps} for n in models}
+    else:
+        gammas = {n: {t: setting for t in temps} for n in models}
     records: list[dict] = []
     lossless = [0, 0]
     columns = (TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -263,7 +282,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
                 order = modes[i % len(modes):] + modes[: i % len(modes)]  # rotate who runs first
                 outs = {}
                 for mode in order:
-                    outs[mode] = generate(mode, ids, temperature, seed)
+                    outs[mode] = generate(mode, ids, temperature, seed, gammas.get(mode, {}).get(temperature, 0))
                     records.append({"mode": mode, "temperature": temperature, "set": set_name,
                                     "stats": outs[mode].stats})
                     bar.update(task, advance=1, description=f"T={temperature:g} {set_name}")
@@ -272,10 +291,80 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
                         lossless[0] += int(torch.equal(outs[mode].new_tokens[0], outs["plain"].new_tokens[0]))
                         lossless[1] += 1
     costs = {name: _cost_ratio(target, m, prompts[0][1]) for name, m in models.items()}
-    rows = _pool(records, temps, [p[0] for p in prompts], list(models), costs, gamma, DecodeStats)
+    rows = _pool(records, temps, [p[0] for p in prompts], list(models), costs, gammas, DecodeStats)
     return {"rows": rows, "cost_ratio": costs, "greedy_lossless": {"equal": lossless[0], "total": lossless[1]},
-            "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": gamma,
-            "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens), "temperatures": temps}
+            "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": setting,
+            "gammas": {n: {str(t): g for t, g in per.items()} for n, per in gammas.items()},
+            "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens),
+            "temperatures": temps}
+
+
+PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chosen
+
+
+def _gamma_setting(value) -> int | str:
+    """``quickstart.eval.num_draft_tokens``: a positive int, or ``"best"``. Raises ValueError naming the setting."""
+    if isinstance(value, str) and value.strip().lower() == "best":
+        return "best"
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        gamma = 0
+    if gamma < 1 or str(value).strip() != str(gamma):
+        raise ValueError(f"quickstart.eval.num_draft_tokens={value!r}: use a positive integer γ or 'best' "
+                         f"(γ chosen per draft and temperature)")
+    return gamma
+
+
+def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
+                  seed: int, max_gamma: int) -> dict:
+    """Choose γ per draft and temperature from a calibration run, before any timed run.
+
+    For each draft, the engine's own cost model is measured (``SpeculativeDecoder.calibrate`` at batch 1: c and
+    the verify costs v_γ for γ <= ``max_gamma``), each prompt is decoded at γ = ``PROBE_GAMMA`` per temperature
+    to measure Leviathan et al.'s per-token acceptance α (``DecodeStats.per_token_acceptance``, pooled), and γ is
+    the ``decode.speedup.best_gamma`` of the verify-aware prediction ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ))`` over
+    ``1..max_gamma`` (γ = 0 would be plain decoding, which the table already shows). The prompts must be disjoint
+    from the timed ones, so that the choice is not fitted to the measurement it is judged by.
+
+    Args:
+        decoders: name -> ``SpeculativeDecoder`` with a draft and ``max_auto_draft_tokens >= max_gamma``.
+        prompts: token-id lists (the calibration prompts).
+        temperatures: decoding temperatures; max_new_tokens: tokens per calibration run; seed: generator seed base.
+        max_gamma: largest γ considered (>= 1).
+
+    Returns:
+        ``{name: {"cost_ratio": c, "verify_costs": [v_0 = 1, .., v_max], "per_temperature": {T: {"alpha": α,
+        "num_draft_tokens": γ, "predicted_speedup": verify-aware prediction at γ}}}}``.
+
+    Raises:
+        ValueError: no prompts, or ``max_gamma < 1``.
+    """
+    import torch
+
+    from decode import DecodeStats
+    from decode.speedup import best_gamma, predicted_speedup
+
+    if not prompts:
+        raise ValueError("choose_gammas needs calibration prompts (quickstart.eval.calibration_prompts >= 1)")
+    if max_gamma < 1:
+        raise ValueError(f"quickstart.eval.max_draft_tokens must be >= 1, got {max_gamma}")
+    out = {}
+    for name, dec in decoders.items():
+        costs = dec.calibrate(prompts[0], batch_sizes=(1,), repeats=11)[1]
+        c, v = float(costs["cost_ratio"]), [float(x) for x in costs["verify"]]
+        per_t = {}
+        for t in temperatures:
+            runs = [dec.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=t,
+                                 generator=torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + i),
+                                 num_draft_tokens=PROBE_GAMMA).stats for i, ids in enumerate(prompts)]
+            alpha = DecodeStats.merge(runs).per_token_acceptance
+            alpha = 0.0 if alpha is None else min(max(float(alpha), 0.0), 1.0)
+            g = best_gamma(alpha, c, max_gamma=max_gamma, min_gamma=1, verify_costs=v)
+            per_t[t] = {"alpha": alpha, "num_draft_tokens": g,
+                        "predicted_speedup": predicted_speedup(alpha, g, c, v[g] if g < len(v) else 1.0)}
+        out[name] = {"cost_ratio": c, "verify_costs": v, "per_temperature": per_t}
+    return out
 
 
 def _cost_ratio(target, draft, context: list[int]) -> float | None:
@@ -287,7 +376,7 @@ def _cost_ratio(target, draft, context: list[int]) -> float | None:
     return float(measure_cost_ratio(target, draft, torch.tensor([context]))["cost_ratio"])
 
 
-def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[dict]:
+def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list[dict]:
     """One row per (temperature, prompt set) and (temperature, "all"), pooling DecodeStats over prompts."""
     from decode.speedup import predicted_speedup
 
@@ -304,7 +393,8 @@ def _pool(records, temps, set_names, drafts, costs, gamma, DecodeStats) -> list[
             for d in drafts:
                 st = pooled(d)
                 alpha_token = st.per_token_acceptance if st.num_drafted else None
-                row[d] = {"acceptance_rate": st.acceptance_rate, "alpha_per_token": alpha_token,
+                gamma = gammas[d][t]
+                row[d] = {"num_draft_tokens": gamma, "acceptance_rate": st.acceptance_rate, "alpha_per_token": alpha_token,
                           "mean_accepted_length": st.mean_accepted_length,
                           "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
                           "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d])
@@ -337,9 +427,12 @@ def render_table(results: dict, console) -> None:
     if not ev:
         return
     drafts = [d for d in ("baseline", "distilled") if d in ev["rows"][0]]
-    table = Table(title=f"speculative decoding vs plain target decoding (γ={ev['num_draft_tokens']}, "
+    chosen = ("γ chosen per draft and temperature on further prompts" if ev["num_draft_tokens"] == "best"
+              else f"γ={ev['num_draft_tokens']}")
+    table = Table(title=f"speculative decoding vs plain target decoding ({chosen}, "
                         f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
-    for col in ("T", "prompts", "draft", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup", "predicted"):
+    for col in ("T", "prompts", "draft", "γ", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup",
+                "predicted"):
         table.add_column(col, justify="left" if col in ("prompts", "draft") else "right")
     for r in ev["rows"]:
         n = ev["num_prompts"].get(r["set"], sum(ev["num_prompts"].values()))
@@ -347,7 +440,7 @@ def render_table(results: dict, console) -> None:
             m = r[d]
             pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
             table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
-                          f"{m['acceptance_rate']:.3f}", _fmt(m.get("alpha_per_token"), ".3f"),
+                          str(m.get("num_draft_tokens", ev["num_draft_tokens"])), f"{m['acceptance_rate']:.3f}", _fmt(m.get("alpha_per_token"), ".3f"),
                           f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
                           end_section=(i == len(drafts) - 1 and r["set"] == "all"))
@@ -401,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
     try:
         qs = load_settings(experiment, args.overrides)
-    except (FileNotFoundError, KeyError) as err:
+        _gamma_setting(qs.eval.num_draft_tokens)  # before hours of work, not at the evaluation
+    except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
     out = Path(args.out or qs.out_dir)

@@ -45,11 +45,24 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     ev = res["eval"]
     sets = {"humaneval", "mbpp_code", "stdlib", "all"}
     assert {(r["temperature"], r["set"]) for r in ev["rows"]} == {(t, s) for t in (0.0, 1.0) for s in sets}
-    gamma = ev["num_draft_tokens"]
+    # γ was chosen per draft and temperature (eval.num_draft_tokens=best) on prompts the timed runs do not use:
+    # the verify-aware best of the calibration's own α and measured costs, within 1..max_draft_tokens
+    from decode.speedup import best_gamma
+
+    assert ev["num_draft_tokens"] == "best"
+    for d in ("baseline", "distilled"):
+        cal = ev["calibration"][d]
+        assert cal["verify_costs"][0] == 1.0 and len(cal["verify_costs"]) == 4 + 1 and cal["cost_ratio"] > 0
+        for t in ("0.0", "1.0"):
+            g = cal["per_temperature"][t]["num_draft_tokens"]
+            assert g == ev["gammas"][d][t] == best_gamma(cal["per_temperature"][t]["alpha"], cal["cost_ratio"],
+                                                         max_gamma=4, min_gamma=1, verify_costs=cal["verify_costs"])
     for r in ev["rows"]:
         assert r["plain_tokens_per_s"] > 0
         for d in ("baseline", "distilled"):
             m = r[d]
+            gamma = m["num_draft_tokens"]
+            assert gamma == ev["gammas"][d][str(r["temperature"])]
             assert 0.0 <= m["acceptance_rate"] <= 1.0
             assert m["acceptance_rate"] <= m["alpha_per_token"] + 1e-12 <= 1.0 + 1e-12
             assert m["predicted_speedup"] > 0
@@ -82,6 +95,8 @@ def test_experiments_compose_for_the_recipe(experiment):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    import distill.config  # noqa: F401  registers distill_schema, which conf/config.yaml starts from
+
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf"), job_name="test"):
         cfg = compose(config_name="config", overrides=[f"+experiment={experiment}", "++target.name_or_path=/t"])
@@ -97,6 +112,9 @@ def test_misspelled_setting_is_an_error(capsys):
     assert "unknown quickstart setting" in err and "max_new_token" in err
     qs = quickstart.load_settings("quickstart_smoke", ["eval.max_new_tokens=5"])
     assert qs.eval.max_new_tokens == 5
+    for bad in ("0", "fast", "2.5"):  # γ: a positive int or `best`, refused before any phase runs
+        assert quickstart.main(["--smoke", f"eval.num_draft_tokens={bad}"]) == 2
+        assert "eval.num_draft_tokens" in capsys.readouterr().err
 
 
 def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):

@@ -570,10 +570,34 @@ def _export_card(export_dir: Path) -> dict | None:
     return _read_json(export_dir / CARD_JSON)
 
 
+def keep_previous_results(path: Path) -> Path | None:
+    """Before a rerun writes ``path`` (``results.json``), rename an earlier one to ``results-<its start>.json``
+    (``-2``, ``-3``, ... if that name is taken), so that no measured result is overwritten. Returns the new name of
+    the earlier file, or None if there was none."""
+    if not path.is_file():
+        return None
+    try:
+        started = str(json.loads(path.read_text()).get("started", ""))
+    except (ValueError, AttributeError):  # not JSON or not an object: keep it under its modification time
+        started = ""
+    stamp = "".join(ch for ch in started[:19] if ch.isalnum()) or time.strftime(
+        "%Y%m%dT%H%M%S", time.localtime(path.stat().st_mtime))
+    target, n = path.with_name(f"{path.stem}-{stamp}{path.suffix}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.stem}-{stamp}-{n}{path.suffix}")
+    path.rename(target)
+    return target
+
+
 def _finish(results: dict, out: Path, console, t_start: float, status: int) -> int:
     results["total_s"] = round(time.time() - t_start, 1)
     results["status"] = "ok" if status == 0 else "failed"
-    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    path = out / RESULTS_FILE
+    kept = keep_previous_results(path)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if kept is not None:
+        console.print(f"[dim]the previous {RESULTS_FILE} is kept as {kept.name}")
     console.rule("[bold]quickstart results")
     render_table(results, console)
     timing = ", ".join(f"{k} {v.get('seconds', 0):.0f}s" for k, v in results["phases"].items())

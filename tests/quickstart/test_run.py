@@ -76,6 +76,8 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     again = _run(out)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     res2 = json.loads((out / "results.json").read_text())
+    kept = list(out.glob("results-*.json"))  # the first run's results are renamed, not overwritten
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == res
     assert all(res2["phases"][p]["status"].startswith("cached") for p in ("tokenizer", "target", "draft",
                                                                             "distill+export"))
     assert res2["target"]["val_loss"] == target["val_loss"]
@@ -131,3 +133,20 @@ def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):
     assert _cache_complete(qs, tmp_path) is True
     manifest.write_text(json.dumps({"k": 4, "tail_samples": 4, "complete": False}))
     assert _cache_complete(qs, tmp_path) is False  # unfinished: cache-logits resumes it
+
+
+def test_a_rerun_keeps_earlier_results(tmp_path):
+    from quickstart.run import keep_previous_results
+
+    path = tmp_path / "results.json"
+    assert keep_previous_results(path) is None  # nothing to keep
+    path.write_text(json.dumps({"started": "2026-12-01T20:44:19+0000", "total_s": 1.0}))
+    first = keep_previous_results(path)
+    assert first.name == "results-20261201T204419.json" and not path.exists()
+    path.write_text(json.dumps({"started": "2026-12-01T20:44:19+0000", "total_s": 2.0}))
+    second = keep_previous_results(path)  # same start time: a new name, the first one untouched
+    assert second.name == "results-20261201T204419-2.json"
+    assert json.loads(first.read_text())["total_s"] == 1.0 and json.loads(second.read_text())["total_s"] == 2.0
+    path.write_text("not json")
+    third = keep_previous_results(path)
+    assert third.read_text() == "not json" and third.name.startswith("results-")

@@ -5,7 +5,8 @@ prompt, same seeds): acceptance rate, α, τ, c and measured speedup at T=0 and 
         full=checkpoints/quickstart/draft-distilled n4096=checkpoints/measure/pruned_cached/n4096_export
 
 Drafts are NAME=PATH (plain or vocabulary-pruned Hugging Face checkpoints); the pair's target is PAIR/target and the
-evaluation settings are the quickstart's (``eval.*`` overrides after ``--set``). Speedups are wall clock: run it on
+evaluation settings are the quickstart's (``eval.*`` overrides after ``--set``): γ is chosen per draft and temperature
+on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it. Speedups are wall clock: run it on
 an otherwise idle machine, twice for a spread. An existing --out is never overwritten.
 """
 from __future__ import annotations
@@ -41,11 +42,12 @@ def main() -> int:
 
     from rich.console import Console
 
-    from quickstart.run import evaluate, load_settings
+    from quickstart.run import _gamma_setting, evaluate, load_settings
 
     try:
         ecfg = load_settings("quickstart", args.set).eval
-    except KeyError as err:
+        _gamma_setting(ecfg.num_draft_tokens)
+    except (KeyError, ValueError) as err:
         p.error(f"--set: {err.args[0]}")
     t0 = time.time()
     ev = evaluate(f"{args.pair}/target", drafts, ecfg, Console(width=132))
@@ -53,7 +55,7 @@ def main() -> int:
         if r["set"] == "all":
             for n in drafts:
                 m = r[n]
-                print(f"T={r['temperature']:g} {n}: acc. rate {m['acceptance_rate']:.3f} α {m['alpha_per_token']:.3f} "
+                print(f"T={r['temperature']:g} {n}: γ {m['num_draft_tokens']} acc. rate {m['acceptance_rate']:.3f} α {m['alpha_per_token']:.3f} "
                       f"τ {m['mean_accepted_length']:.2f} speedup {m['speedup']:.2f}x")
     print("c:", {k: round(v, 3) for k, v in (ev.get("cost_ratio") or {}).items()})
     out.write_text(json.dumps({"eval": ev, "drafts": drafts, "seconds": time.time() - t0}, indent=1, default=str))

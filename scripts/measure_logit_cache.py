@@ -71,7 +71,9 @@ def main() -> None:
     py = sys.executable
     base = ["+experiment=quickstart", f"++target.name_or_path={Path(args.target).resolve()}",
             f"draft.name_or_path={Path(args.draft).resolve()}", f"train.max_steps={args.steps}", "train.log_every=1",
-            "train.save_every=0", "train.progress=none", "eval.every=0", "eval.at_start=false", *args.extra]
+            "train.save_every=0", "train.progress=none", "eval.every=0", "eval.at_start=false",
+            "train.max_time_s=null",  # equal steps: the experiment's wall-clock cap would stop slow (online) runs early
+            *args.extra]
     results: dict = {"steps": args.steps, "ks": args.ks, "tail_samples": args.tail_samples, "seeds": args.seeds,
                      "overrides": base, "runs": {}}
 

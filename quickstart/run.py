@@ -238,7 +238,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     from decode import DecodeStats, SpeculativeDecoder
 
     console = console or Console()
-    setting = _gamma_setting(ecfg.num_draft_tokens)
+    setting = gamma_setting(ecfg.num_draft_tokens)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = _load_lm(target_dir, "target")
     models = {name: _load_lm(path) for name, path in drafts.items()}
@@ -302,7 +302,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
 PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chosen
 
 
-def _gamma_setting(value) -> int | str:
+def gamma_setting(value) -> int | str:
     """``quickstart.eval.num_draft_tokens``: a positive int, or ``"best"``. Raises ValueError naming the setting."""
     if isinstance(value, str) and value.strip().lower() == "best":
         return "best"
@@ -394,7 +394,8 @@ def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list
                 st = pooled(d)
                 alpha_token = st.per_token_acceptance if st.num_drafted else None
                 gamma = gammas[d][t]
-                row[d] = {"num_draft_tokens": gamma, "acceptance_rate": st.acceptance_rate, "alpha_per_token": alpha_token,
+                row[d] = {"num_draft_tokens": gamma, "acceptance_rate": st.acceptance_rate,
+                          "alpha_per_token": alpha_token,
                           "mean_accepted_length": st.mean_accepted_length,
                           "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
                           "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d])
@@ -440,7 +441,8 @@ def render_table(results: dict, console) -> None:
             m = r[d]
             pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
             table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
-                          str(m.get("num_draft_tokens", ev["num_draft_tokens"])), f"{m['acceptance_rate']:.3f}", _fmt(m.get("alpha_per_token"), ".3f"),
+                          str(m.get("num_draft_tokens", ev["num_draft_tokens"])), f"{m['acceptance_rate']:.3f}",
+                          _fmt(m.get("alpha_per_token"), ".3f"),
                           f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
                           end_section=(i == len(drafts) - 1 and r["set"] == "all"))
@@ -494,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
     try:
         qs = load_settings(experiment, args.overrides)
-        _gamma_setting(qs.eval.num_draft_tokens)  # before hours of work, not at the evaluation
+        gamma_setting(qs.eval.num_draft_tokens)  # before hours of work, not at the evaluation
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2

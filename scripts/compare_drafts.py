@@ -6,8 +6,8 @@ prompt, same seeds): acceptance rate, α, τ, c and measured speedup at T=0 and 
 
 Drafts are NAME=PATH (plain or vocabulary-pruned Hugging Face checkpoints); the pair's target is PAIR/target and the
 evaluation settings are the quickstart's (``eval.*`` overrides after ``--set``): γ is chosen per draft and temperature
-on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it. Speedups are wall clock: run it on
-an otherwise idle machine, twice for a spread. An existing --out is never overwritten.
+on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it. Speedups are
+wall clock: run it on an otherwise idle machine, twice for a spread. An existing --out is never overwritten.
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def main() -> int:
 
     from rich.console import Console
 
-    from quickstart.run import _gamma_setting, evaluate, load_settings
+    from quickstart.run import evaluate, gamma_setting, load_settings
 
     try:
         ecfg = load_settings("quickstart", args.set).eval
-        _gamma_setting(ecfg.num_draft_tokens)
+        gamma_setting(ecfg.num_draft_tokens)
     except (KeyError, ValueError) as err:
         p.error(f"--set: {err.args[0]}")
     t0 = time.time()
@@ -55,8 +55,8 @@ def main() -> int:
         if r["set"] == "all":
             for n in drafts:
                 m = r[n]
-                print(f"T={r['temperature']:g} {n}: γ {m['num_draft_tokens']} acc. rate {m['acceptance_rate']:.3f} α {m['alpha_per_token']:.3f} "
-                      f"τ {m['mean_accepted_length']:.2f} speedup {m['speedup']:.2f}x")
+                print(f"T={r['temperature']:g} {n}: γ {m['num_draft_tokens']} acc. rate {m['acceptance_rate']:.3f} "
+                      f"α {m['alpha_per_token']:.3f} τ {m['mean_accepted_length']:.2f} speedup {m['speedup']:.2f}x")
     print("c:", {k: round(v, 3) for k, v in (ev.get("cost_ratio") or {}).items()})
     out.write_text(json.dumps({"eval": ev, "drafts": drafts, "seconds": time.time() - t0}, indent=1, default=str))
     print(f"wrote {out}")

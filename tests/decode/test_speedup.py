@@ -1,7 +1,8 @@
 """Leviathan et al. (2023) speedup formulas and the adaptive γ controller."""
 import pytest
 
-from decode.speedup import AdaptiveGamma, best_gamma, expected_tokens_per_step, monotone_costs, predicted_speedup
+from decode.speedup import (AdaptiveGamma, best_gamma, expected_tokens_per_step, monotone_costs, predicted_speedup,
+                            simulate_speedup)
 
 
 def test_expected_tokens_matches_series():
@@ -81,6 +82,41 @@ def test_adaptive_gamma_drafts_during_warmup_then_follows_the_cost_model():
     assert ctl.next_gamma() == 4
     ctl.update(num_drafted=4, num_accepted=0, num_rejected=1)
     assert ctl.next_gamma() in (0, 1)  # warm-up over: plain steps with a 1-token probe every probe_every
+
+
+def test_adaptive_gamma_warmup_follows_the_model_at_the_prior_but_drafts_at_least_one():
+    cheap = AdaptiveGamma(max_gamma=8)
+    cheap.set_costs(0.05)  # at the prior α = 0.8 a long γ pays
+    assert cheap.next_gamma() == best_gamma(0.8, 0.05, 8) > 1
+    dear = AdaptiveGamma(max_gamma=8)
+    dear.set_costs(0.9, [1.0] + [1.5] * 8)  # drafting never pays at these costs
+    assert dear.gamma == 0 and dear.next_gamma() == 1  # but α is unknown yet: draft to learn it
+
+
+# CPU costs of the quickstart pair (c, v_γ at batch 1; docs/decode.md)
+CPU_C, CPU_V = 0.18, [1.0, 1.45, 1.5, 1.55, 1.6, 1.63, 1.67, 1.7, 1.74]
+
+
+def test_simulate_speedup_agrees_with_the_closed_form_on_long_runs():
+    for alpha, gamma in [(0.8, 4), (0.6, 2), (1.0, 3)]:
+        sim = simulate_speedup(gamma, alpha, 0.1, max_new_tokens=4000, runs=4)
+        assert sim == pytest.approx(predicted_speedup(alpha, gamma, 0.1), rel=0.02)
+    assert simulate_speedup(0, 0.9, 0.1, max_new_tokens=50, runs=2) == 1.0  # plain decoding
+    with pytest.raises(ValueError, match="alpha"):
+        simulate_speedup(4, 1.5, 0.1)
+
+
+@pytest.mark.parametrize("alpha", [0.7, 0.8, 0.9, 1.0])
+def test_auto_gamma_defaults_come_near_the_best_fixed_gamma_on_short_generations(alpha):
+    # a fresh controller per 64-token request, as the decoder makes; the old defaults (prior 0.5, 2 warm-up steps
+    # at γ = 4) gave 0.916 of the best fixed γ at α = 1 here
+    def controller():
+        ctl = AdaptiveGamma(max_gamma=8)
+        ctl.set_costs(CPU_C, CPU_V)
+        return ctl
+
+    best = max(simulate_speedup(g, alpha, CPU_C, CPU_V, runs=300) for g in range(9))
+    assert simulate_speedup(controller, alpha, CPU_C, CPU_V, runs=300) >= 0.94 * best
 
 
 @pytest.mark.parametrize("costs,expected", [

@@ -1,0 +1,74 @@
+"""Judge the ``num_draft_tokens="auto"`` controller against every fixed γ, by simulation (no model, no clock).
+
+    python scripts/simulate_auto_gamma.py                              # CPU costs of the quickstart pair
+    python scripts/simulate_auto_gamma.py --cost-ratio 0.05 --verify-costs 1 --max-new-tokens 64 256 \
+        --out checkpoints/auto_gamma_sim.json
+
+For each α and generation length, runs :func:`decode.speedup.simulate_speedup` (i.i.d. acceptance, one fresh
+controller per request as the decoder makes) for γ = 0..max and for the controller with its defaults, and prints
+the controller's speedup as a fraction of the best fixed γ. Use the c and v_γ that ``SpeculativeDecoder.calibrate``
+or ``python -m decode bench`` measured on your hardware. With ``--out``, writes JSON (refuses an existing file).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode.speedup import AdaptiveGamma, simulate_speedup  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cost-ratio", type=float, default=0.18, help="c: draft forward / target forward (default 0.18)")
+    p.add_argument("--verify-costs", default="1,1.45,1.5,1.55,1.6,1.63,1.67,1.7,1.74",
+                   help="v_0..v_max, comma-separated (v_γ beyond the list: 1.0); default: the quickstart pair on CPU")
+    p.add_argument("--max-gamma", type=int, default=8)
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0])
+    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--runs", type=int, default=300)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        verify = [float(x) for x in args.verify_costs.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--verify-costs must be comma-separated numbers, got {args.verify_costs!r}")
+    if args.cost_ratio < 0 or args.max_gamma < 1 or args.runs < 1 or min(args.max_new_tokens) < 2:
+        p.error("need --cost-ratio >= 0, --max-gamma >= 1, --runs >= 1 and --max-new-tokens >= 2")
+    if any(not 0 <= a <= 1 for a in args.alphas):
+        p.error("--alphas must lie in [0, 1]")
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} exists; choose a new file (results are never overwritten)")
+
+    def controller() -> AdaptiveGamma:
+        ctl = AdaptiveGamma(args.max_gamma)
+        ctl.set_costs(args.cost_ratio, verify)
+        return ctl
+
+    rows = []
+    print(f"c = {args.cost_ratio}, v_γ = {verify}, {args.runs} runs per cell\n")
+    print("| new tokens | α | best fixed γ | its speedup | auto speedup | auto / best |")
+    print("|---|---|---|---|---|---|")
+    for n in args.max_new_tokens:
+        for alpha in args.alphas:
+            fixed = {g: simulate_speedup(g, alpha, args.cost_ratio, verify, n, args.runs)
+                     for g in range(args.max_gamma + 1)}
+            best = max(fixed, key=fixed.get)
+            auto = simulate_speedup(controller, alpha, args.cost_ratio, verify, n, args.runs)
+            rows.append({"max_new_tokens": n, "alpha": alpha, "best_gamma": best, "best_speedup": fixed[best],
+                         "auto_speedup": auto, "auto_vs_best_fixed": auto / fixed[best],
+                         "fixed_speedup": {str(g): s for g, s in fixed.items()}})
+            print(f"| {n} | {alpha:.2f} | {best} | {fixed[best]:.3f} | {auto:.3f} | {auto / fixed[best]:.3f} |")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"cost_ratio": args.cost_ratio, "verify_costs": verify,
+                                        "max_gamma": args.max_gamma, "runs": args.runs, "rows": rows}, indent=1))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

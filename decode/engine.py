@@ -124,6 +124,7 @@ class SpeculativeDecoder:
             (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output.
         max_auto_draft_tokens: upper bound on γ in ``"auto"`` mode.
         auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
+            (batch-size keys may be strings, as after a JSON round trip; a bad entry raises ValueError)
             for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
             entries are measured once, at first use, by timed forwards (:func:`decode.speedup.measure_cost_ratio`)
             and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
@@ -147,6 +148,10 @@ class SpeculativeDecoder:
         self.draft = draft
         self.tokenizer = tokenizer
         self.vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+        if isinstance(max_auto_draft_tokens, bool) or not isinstance(max_auto_draft_tokens, int) \
+                or max_auto_draft_tokens < 1:
+            raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
+                             f"'auto'), got {max_auto_draft_tokens!r}")
         self.max_auto_draft_tokens = max_auto_draft_tokens
         self.num_draft_tokens = self._check_gamma(num_draft_tokens)
         self.context_length = context_length(target)
@@ -180,7 +185,7 @@ class SpeculativeDecoder:
         self._use_draft = False
         self._adaptive: AdaptiveGamma | None = None
         self._gamma_override: int | str | None = None
-        self.auto_costs: dict[int, dict] = dict(auto_costs or {})
+        self.auto_costs: dict[int, dict] = _check_auto_costs(auto_costs)
         self._costs_bucket = None
         self._next_id = 0
         self._ids: set = set()  # ids of queued and active requests
@@ -829,3 +834,21 @@ class SpeculativeDecoder:
         new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in ordered]
         sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, ordered)]
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)
+
+
+def _check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
+    """``auto_costs`` as given (e.g. loaded from JSON, whose keys are strings) with int batch-size keys, checked:
+    every entry needs c >= 0 and a non-empty ``verify`` list of positive v_γ. Raises ValueError naming the entry."""
+    out: dict[int, dict] = {}
+    for key, entry in (auto_costs or {}).items():
+        try:
+            batch = int(key)
+            c, verify = float(entry["cost_ratio"]), [float(v) for v in entry["verify"]]
+        except (TypeError, ValueError, KeyError) as err:
+            raise ValueError(f"auto_costs[{key!r}] must be {{'cost_ratio': c, 'verify': [v_0, .., v_max]}} under a "
+                             f"batch-size key (what SpeculativeDecoder.calibrate returns): {err!r}") from None
+        if batch < 1 or not c >= 0 or not verify or not all(v > 0 for v in verify):
+            raise ValueError(f"auto_costs[{key!r}] = {entry!r}: need a batch size >= 1, cost_ratio >= 0 and a "
+                             "non-empty verify list of positive costs")
+        out[batch] = {**entry, "cost_ratio": c, "verify": verify}
+    return out

@@ -31,19 +31,33 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
 
 
 def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
-    """Predicted speedup over plain target decoding, ``(1 − α^(γ+1)) / ((1 − α)(γc + 1))``.
+    """Predicted speedup over plain target decoding, ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ))``.
 
     Args:
-        alpha: acceptance rate in [0, 1].
+        alpha: per-token acceptance α in [0, 1] (Leviathan et al.'s α, not Σaccepted / Σdrafted).
         gamma: drafted tokens per step (γ = 0 gives 1.0: plain decoding).
         cost_ratio: c >= 0, draft forward time / target forward time on the same hardware.
         verify_cost: v_γ, time of the target's forward over γ+1 tokens / its one-token forward (1.0 in Leviathan
             et al.'s model; larger where the verify is compute-bound: CPU, large batches). The step then costs
             ``γc + v_γ``.
+
+    Raises:
+        ValueError: α outside [0, 1], γ < 0, c < 0 or NaN, or v_γ <= 0 or NaN.
     """
     if cost_ratio < 0 or math.isnan(cost_ratio):
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    if not verify_cost > 0:
+        raise ValueError(f"verify_cost must be > 0, got {verify_cost}")
     return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + (verify_cost if gamma else 1.0))
+
+
+def verify_cost_at(verify_costs: Sequence[float] | None, gamma: int) -> float:
+    """v_γ from a list indexed by γ: None is Leviathan et al.'s v = 1; γ beyond the list's end takes its last
+    value (verify costs do not fall as γ grows, :func:`monotone_costs`), so a short list never makes a longer γ
+    look cheaper than the longest one measured."""
+    if gamma <= 0 or not verify_costs:
+        return 1.0
+    return float(verify_costs[min(gamma, len(verify_costs) - 1)])
 
 
 def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: int = 0,
@@ -54,17 +68,18 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
         alpha: per-token acceptance α in [0, 1]; cost_ratio: c >= 0.
         max_gamma, min_gamma: the range searched (``max_gamma >= min_gamma >= 0``).
         verify_costs: v_γ indexed by γ (``verify_costs[γ]``, e.g. from :func:`measure_cost_ratio`'s ``verify``
-            list), the verify-aware model; γ beyond its end, or None, uses Leviathan et al.'s v = 1.
+            list), the verify-aware model; γ beyond its end takes its last value, None uses Leviathan et al.'s
+            v = 1 (:func:`verify_cost_at`).
 
     Raises:
         ValueError: ``max_gamma < min_gamma``, or α / c out of range (:func:`predicted_speedup`).
     """
     if max_gamma < min_gamma:
         raise ValueError(f"max_gamma ({max_gamma}) must be >= min_gamma ({min_gamma})")
-    v = list(verify_costs) if verify_costs is not None else []
+    v = list(verify_costs) if verify_costs is not None else None
 
     def speed(g: int) -> float:
-        return predicted_speedup(alpha, g, cost_ratio, v[g] if g < len(v) else 1.0)
+        return predicted_speedup(alpha, g, cost_ratio, verify_cost_at(v, g))
 
     return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
@@ -73,12 +88,12 @@ class AdaptiveGamma:
     """Chooses γ for each step from the acceptance seen so far and a fixed cost model, deterministically.
 
     α is estimated from pooled counts with exponential forgetting (``decay`` per update) and a weak prior
-    (``prior_alpha`` = 0.8 worth ``prior_weight`` = 4 trials), so it follows drift in the text. The costs (c and the verify costs v_γ, see :func:`predicted_speedup`) are set from
-    outside (:meth:`set_costs`, measured once per batch size by the decoder) and never from clocks during decoding:
-    the γ schedule, and so the number and use of random draws, depends only on the accepted counts, which makes a
-    seeded run repeatable. γ ranges over ``[min_gamma, max_gamma]``; when the best is 0 (plain decoding pays
-    more), one token is drafted at the first such step and every ``probe_every``-th one after, so that α keeps
-    being measured.
+    (``prior_alpha`` = 0.8 worth ``prior_weight`` = 4 trials), so it follows drift in the text. The costs (c and
+    the verify costs v_γ, see :func:`predicted_speedup`) are set from outside (:meth:`set_costs`, measured once per
+    batch size by the decoder) and never from clocks during decoding: the γ schedule, and so the number and use of
+    random draws, depends only on the accepted counts, which makes a seeded run repeatable. γ ranges over
+    ``[min_gamma, max_gamma]``; when the best is 0 (plain decoding pays more), one token is drafted at the first such
+    step and every ``probe_every``-th one after, so that α keeps being measured.
 
     α is Leviathan et al.'s per-token acceptance, estimated as accepted / (accepted + rejections): each row's step
     is a run of Bernoulli(α) trials that stops at the first rejection, so the drafts after a rejection are not
@@ -87,19 +102,42 @@ class AdaptiveGamma:
     estimate): α can only be learnt by drafting, and where the prior is below the break-even α (a compute-bound
     batch) the controller would otherwise stay at γ = 0 with rare 1-token probes.
 
-    The prior matters on short generations: each request starts a fresh controller (so a seeded request's γ
-    schedule, and its output, do not depend on earlier requests), and 64 new tokens are only about 8-15 steps.
+    The prior matters on short generations: the decoder starts a fresh controller whenever it goes idle (each
+    ``generate()`` call; requests that join a running batch share its estimate), and 64 new tokens are only about
+    8-15 steps.
     The defaults were chosen by simulating i.i.d. acceptance (``scripts/simulate_auto_gamma.py``): with a prior of
     0.5 and 2 warm-up steps at γ = 4 the controller reached 0.92 (α = 1) to 0.95 (α = 0.8) of the best fixed γ on 64
-    tokens; with prior 0.8 and warm-up at the model's choice, 0.95 to 0.98 for α in 0.7..1, at the price of 0.5-1%
-    where drafting does not pay (α ≤ 0.5).
+    tokens; with prior 0.8 and warm-up at the model's choice, 0.95 to 0.98 for α in 0.7..1. Where drafting does not
+    pay, the warm-up and the probes cost: 0.90 / 0.92 / 0.955 of plain decoding at α = 0 / 0.3 / 0.5 on 64 tokens
+    (0.92 / 0.95 / 0.97 on 256), 0.5-1% below the old defaults.
+
+    Args:
+        max_gamma, min_gamma: the range γ is chosen from (``0 <= min_gamma <= max_gamma``, ``max_gamma >= 1``).
+        initial_gamma: γ of the warm-up steps (clipped to [1, max_gamma]); None: the model's choice, at least 1.
+        decay: forgetting factor per update, in (0, 1] (1: plain pooled counts).
+        prior_alpha, prior_weight: the prior α in [0, 1] and its weight in trials (>= 0).
+        initial_cost_ratio: c until :meth:`set_costs` (or timings given to :meth:`update`).
+        probe_every: at γ = 0, one token is drafted every this many steps (>= 1).
+        warmup_steps: steps that draft at least one token before the model may choose γ = 0 (>= 0).
+
+    Raises:
+        ValueError: any of the ranges above, naming the argument.
     """
 
     def __init__(self, max_gamma: int = 8, initial_gamma: int | None = None, decay: float = 0.9,
                  prior_alpha: float = 0.8, prior_weight: float = 4.0, initial_cost_ratio: float = 0.1,
                  min_gamma: int = 0, probe_every: int = 8, warmup_steps: int = 2):
-        if max_gamma < 1:
-            raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        checks = {"max_gamma": (max_gamma, max_gamma >= 1, ">= 1"),
+                  "min_gamma": (min_gamma, 0 <= min_gamma <= max_gamma, "in [0, max_gamma]"),
+                  "decay": (decay, 0 < decay <= 1, "in (0, 1]"),
+                  "prior_alpha": (prior_alpha, 0 <= prior_alpha <= 1, "in [0, 1]"),
+                  "prior_weight": (prior_weight, prior_weight >= 0, ">= 0"),
+                  "initial_cost_ratio": (initial_cost_ratio, initial_cost_ratio >= 0, ">= 0"),
+                  "probe_every": (probe_every, probe_every >= 1, ">= 1"),
+                  "warmup_steps": (warmup_steps, warmup_steps >= 0, ">= 0")}
+        for name, (value, ok, want) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {value}")
         self.max_gamma = max_gamma
         self.min_gamma = min_gamma
         self.initial_gamma = None if initial_gamma is None else max(1, min(initial_gamma, max_gamma))
@@ -128,7 +166,12 @@ class AdaptiveGamma:
         return self._draft_s / self._target_s
 
     def set_costs(self, cost_ratio: float, verify_costs: Sequence[float] | None = None) -> None:
-        """Fix the cost model: c, and ``verify_costs[γ]`` = v_γ for γ = 0..max_gamma (None: all 1.0)."""
+        """Fix the cost model: c >= 0, and ``verify_costs[γ]`` = v_γ for γ = 0..max_gamma (None: all 1.0; a shorter
+        list extends with its last value, :func:`verify_cost_at`). Raises ValueError for c < 0 or a v_γ <= 0."""
+        if not cost_ratio >= 0:
+            raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+        if verify_costs is not None and not all(v > 0 for v in verify_costs):
+            raise ValueError(f"verify_costs must all be > 0, got {list(verify_costs)}")
         self._draft_s, self._target_s, self._timed = float(cost_ratio), 1.0, True
         self._verify = list(verify_costs) if verify_costs is not None else None
         self._choose()
@@ -161,7 +204,15 @@ class AdaptiveGamma:
                 with no information about where rejections fell).
             draft_s_per_forward, target_s_per_forward: timings, if given, update c (for callers that want a
                 clock-driven estimate; the decoder passes none).
+
+        Raises:
+            ValueError: negative counts, more accepted than drafted, or more rejections than accepted could leave.
         """
+        if not 0 <= num_accepted <= num_drafted or (num_rejected is not None
+                                                    and not 0 <= num_rejected <= num_drafted - num_accepted):
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted and 0 <= num_rejected <= num_drafted - "
+                             f"num_accepted, got drafted={num_drafted}, accepted={num_accepted}, "
+                             f"rejected={num_rejected}")
         trials = num_drafted if num_rejected is None else num_accepted + num_rejected
         self._steps_seen += 1
         self._accepted = self.decay * self._accepted + num_accepted
@@ -266,36 +317,48 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
 def simulate_speedup(gamma: int | Callable[[], AdaptiveGamma], alpha: float, cost_ratio: float,
                      verify_costs: Sequence[float] | None = None, max_new_tokens: int = 64, runs: int = 200,
                      seed: int = 0) -> float:
-    """Mean speedup over plain decoding of a fixed γ or a γ controller, simulated with i.i.d. acceptance.
+    """Speedup over plain decoding of a fixed γ or a γ controller, simulated with i.i.d. acceptance.
 
     Each run generates ``max_new_tokens`` tokens as the decoder does: the prefill gives the first; each step drafts
     γ (cut so the step cannot overshoot the budget), accepts a run of Bernoulli(α) drafts that stops at the first
     rejection, commits accepted + 1 tokens and costs ``γc + v_γ`` target-forward units (1 for γ = 0). Plain decoding
     costs 1 unit per token after the first. No clock and no model is involved, so a controller's defaults can be
-    judged against the best fixed γ for given costs (``scripts/simulate_auto_gamma.py``).
+    judged against the best fixed γ for given costs (``scripts/simulate_auto_gamma.py``). As in the benchmark's
+    tokens/s, the speedup pools the runs: Σ plain cost / Σ speculative cost.
 
     Args:
-        gamma: a fixed γ >= 0, or a factory returning a fresh controller (``next_gamma()`` / ``update(...)``,
-            e.g. ``lambda: AdaptiveGamma(8)`` after ``set_costs``) per run, as the decoder makes one per request.
+        gamma: a fixed γ >= 0, or a factory returning a fresh controller (``next_gamma()`` / ``update(...)``) per
+            run, as the decoder makes one per ``generate()`` call. Give the controller the same costs, e.g.
+            ``def factory(): ctl = AdaptiveGamma(8); ctl.set_costs(c, v); return ctl`` (a bare
+            ``AdaptiveGamma(8)`` chooses with its guessed c = 0.1 and v = 1).
         alpha: per-token acceptance in [0, 1]; cost_ratio: c >= 0.
-        verify_costs: v_γ indexed by γ (None or γ beyond its end: 1.0).
+        verify_costs: v_γ indexed by γ (None: 1.0; beyond its end: its last value, :func:`verify_cost_at`).
         max_new_tokens: tokens per run (>= 2); runs: simulated runs; seed: the runs' random seed.
 
     Returns:
-        mean over runs of (plain cost / speculative cost).
+        (Σ over runs of plain cost) / (Σ of speculative cost).
 
     Raises:
-        ValueError: α outside [0, 1], ``max_new_tokens < 2`` or ``runs < 1``.
+        ValueError: γ not an integer >= 0 nor a callable, α outside [0, 1], c < 0 or NaN, a v_γ <= 0,
+            ``max_new_tokens < 2`` or ``runs < 1``, each naming the argument.
     """
     import random
 
+    if not callable(gamma) and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0):
+        raise ValueError(f"gamma must be an integer >= 0 or a controller factory, got {gamma!r}")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if max_new_tokens < 2 or runs < 1:
-        raise ValueError(f"need max_new_tokens >= 2 and runs >= 1, got {max_new_tokens} and {runs}")
-    v = list(verify_costs) if verify_costs is not None else []
+    if not cost_ratio >= 0:
+        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    if verify_costs is not None and not all(x > 0 for x in verify_costs):
+        raise ValueError(f"verify_costs must all be > 0, got {list(verify_costs)}")
+    if max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be >= 2, got {max_new_tokens}")
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    v = list(verify_costs) if verify_costs is not None else None
     rng = random.Random(seed)
-    total = 0.0
+    plain, spec = 0.0, 0.0
     for _ in range(runs):
         ctl = gamma() if callable(gamma) else None
         made, cost = 1, 0.0
@@ -305,8 +368,9 @@ def simulate_speedup(gamma: int | Callable[[], AdaptiveGamma], alpha: float, cos
             while accepted < g and rng.random() < alpha:
                 accepted += 1
             made += accepted + 1
-            cost += g * cost_ratio + ((v[g] if g < len(v) else 1.0) if g else 1.0)
+            cost += g * cost_ratio + verify_cost_at(v, g)
             if ctl is not None and g > 0:
                 ctl.update(g, accepted, num_rejected=int(accepted < g))
-        total += (made - 1) / cost
-    return total / runs
+        plain += made - 1
+        spec += cost
+    return plain / spec

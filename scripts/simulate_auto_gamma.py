@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -22,24 +23,36 @@ from decode.speedup import AdaptiveGamma, simulate_speedup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, simulate every cell, print the markdown table and write ``--out``; returns 0 (2 on bad
+    flags, through argparse)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cost-ratio", type=float, default=0.18, help="c: draft forward / target forward (default 0.18)")
+    p.add_argument("--cost-ratio", type=float, default=0.18,
+                   help="c = draft forward time / target forward time (default 0.18: quickstart pair A, 2-core "
+                        "AVX2-only EPYC, fp32)")
     p.add_argument("--verify-costs", default="1,1.45,1.5,1.55,1.6,1.63,1.67,1.7,1.74",
-                   help="v_0..v_max, comma-separated (v_γ beyond the list: 1.0); default: the quickstart pair on CPU")
-    p.add_argument("--max-gamma", type=int, default=8)
-    p.add_argument("--alphas", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0])
-    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--runs", type=int, default=300)
-    p.add_argument("--out", type=Path, default=None)
+                   help="v_0..v_max, comma-separated, v_γ = target forward over γ+1 tokens / over one (v_0 is not "
+                        "used; γ beyond the list takes its last value); default: the same pair and CPU")
+    p.add_argument("--max-gamma", type=int, default=8, help="the controller's largest γ and the fixed γ tried")
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0],
+                   help="per-token acceptance values to simulate, each in [0, 1]")
+    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256], help="generation lengths (>= 2)")
+    p.add_argument("--runs", type=int, default=300, help="simulated requests per cell (>= 1)")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (an existing file is refused)")
     args = p.parse_args(argv)
     try:
         verify = [float(x) for x in args.verify_costs.split(",") if x.strip()]
     except ValueError:
         p.error(f"--verify-costs must be comma-separated numbers, got {args.verify_costs!r}")
-    if args.cost_ratio < 0 or args.max_gamma < 1 or args.runs < 1 or min(args.max_new_tokens) < 2:
-        p.error("need --cost-ratio >= 0, --max-gamma >= 1, --runs >= 1 and --max-new-tokens >= 2")
+    if not verify or not all(math.isfinite(v) and v > 0 for v in verify):
+        p.error(f"--verify-costs must be positive numbers, got {args.verify_costs!r}")
+    if not (math.isfinite(args.cost_ratio) and args.cost_ratio >= 0):
+        p.error(f"--cost-ratio must be a number >= 0, got {args.cost_ratio}")
+    for flag, value, ok in (("--max-gamma", args.max_gamma, args.max_gamma >= 1), ("--runs", args.runs, args.runs >= 1),
+                            ("--max-new-tokens", args.max_new_tokens, min(args.max_new_tokens) >= 2)):
+        if not ok:
+            p.error(f"{flag}={value} is out of range (see --help)")
     if any(not 0 <= a <= 1 for a in args.alphas):
-        p.error("--alphas must lie in [0, 1]")
+        p.error(f"--alphas must lie in [0, 1], got {args.alphas}")
     if args.out is not None and args.out.exists():
         p.error(f"--out {args.out} exists; choose a new file (results are never overwritten)")
 

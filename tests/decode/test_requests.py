@@ -1,4 +1,6 @@
 """The request API: requests join and leave a running batch, each with its own settings and seed."""
+import json
+
 import pytest
 import torch
 
@@ -149,6 +151,18 @@ def test_auto_gamma_same_seed_same_output(pair):
     assert 4 in dec.auto_costs and set(dec.auto_costs) <= {1, 2, 4}  # measured once per power-of-two batch size
     assert run(dec) == first
     assert run(SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6, auto_costs=dec.auto_costs)) == first
+    saved = json.loads(json.dumps(dec.auto_costs))  # as kept in a file: batch sizes become string keys
+    again = SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6, auto_costs=saved)
+    assert run(again) == first and again.auto_costs == dec.auto_costs  # nothing re-measured
+
+
+def test_bad_auto_settings_are_refused_at_construction(pair):
+    with pytest.raises(ValueError, match="max_auto_draft_tokens"):
+        SpeculativeDecoder(*pair, "auto", max_auto_draft_tokens=0)
+    with pytest.raises(ValueError, match=r"auto_costs\[1\]"):
+        SpeculativeDecoder(*pair, "auto", auto_costs={1: {"cost_ratio": 0.1}})
+    with pytest.raises(ValueError, match="auto_costs"):
+        SpeculativeDecoder(*pair, "auto", auto_costs={"1": {"cost_ratio": -1.0, "verify": [1.0]}})
 
 
 def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):
@@ -159,7 +173,7 @@ def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):
     out = SpeculativeDecoder(target, useless, "auto", auto_costs=expensive).generate([prompt], max_new_tokens=40)
     assert out.new_tokens[0].tolist() == reference_greedy(target, prompt, 40)
     s = out.stats
-    assert s.num_target_forwards >= 38 and s.num_drafted <= 8 + 40 // 8  # 2 warm-up steps at γ=4, then probes only
+    assert s.num_target_forwards >= 38 and s.num_drafted <= 2 + 40 // 8  # 2 warm-up steps at γ=1, then probes only
     cheap = {1: {"cost_ratio": 0.01, "verify": [1.0] * 9}}
     out = SpeculativeDecoder(target, target, "auto", auto_costs=cheap).generate([prompt], max_new_tokens=40)
     assert len(out.stats.accepted_per_position) == 8  # a perfect draft at no cost: γ reaches max_auto_draft_tokens

@@ -2,7 +2,7 @@
 import pytest
 
 from decode.speedup import (AdaptiveGamma, best_gamma, expected_tokens_per_step, monotone_costs, predicted_speedup,
-                            simulate_speedup)
+                            simulate_speedup, verify_cost_at)
 
 
 def test_expected_tokens_matches_series():
@@ -91,6 +91,46 @@ def test_adaptive_gamma_warmup_follows_the_model_at_the_prior_but_drafts_at_leas
     dear = AdaptiveGamma(max_gamma=8)
     dear.set_costs(0.9, [1.0] + [1.5] * 8)  # drafting never pays at these costs
     assert dear.gamma == 0 and dear.next_gamma() == 1  # but α is unknown yet: draft to learn it
+
+
+def test_a_short_verify_cost_list_extends_with_its_last_value():
+    v = [1.0, 1.45, 1.5, 1.55, 1.6, 1.63, 1.67, 1.7, 1.74]
+    assert verify_cost_at(v, 12) == 1.74 and verify_cost_at(v, 0) == 1.0 and verify_cost_at(None, 5) == 1.0
+    # γ = 9 must not look cheaper than γ = 8 because the list ends at 8 (it did: v = 1 beyond the end)
+    assert best_gamma(0.8, 0.18, max_gamma=16, verify_costs=v) == best_gamma(0.8, 0.18, max_gamma=8, verify_costs=v)
+    ctl = AdaptiveGamma(max_gamma=16)
+    ctl.set_costs(0.18, v)
+    assert ctl.gamma <= 8
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"max_gamma": 0}, "max_gamma"), ({"min_gamma": -1}, "min_gamma"), ({"min_gamma": 9}, "min_gamma"),
+    ({"decay": 0.0}, "decay"), ({"decay": 1.5}, "decay"), ({"prior_alpha": 1.5}, "prior_alpha"),
+    ({"prior_weight": -4}, "prior_weight"), ({"probe_every": 0}, "probe_every"), ({"warmup_steps": -1}, "warmup_steps"),
+])
+def test_adaptive_gamma_refuses_bad_settings_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        AdaptiveGamma(**{"max_gamma": 8, **kwargs})
+
+
+def test_adaptive_gamma_refuses_impossible_counts_and_costs():
+    ctl = AdaptiveGamma(max_gamma=8)
+    with pytest.raises(ValueError, match="num_accepted"):
+        ctl.update(num_drafted=4, num_accepted=5)
+    with pytest.raises(ValueError, match="num_rejected"):
+        ctl.update(num_drafted=4, num_accepted=4, num_rejected=1)  # all accepted: no row was rejected
+    with pytest.raises(ValueError, match="verify_costs"):
+        ctl.set_costs(0.1, [1.0, 0.0])
+    with pytest.raises(ValueError, match="cost_ratio"):
+        ctl.set_costs(-0.1)
+
+
+@pytest.mark.parametrize("args,name", [((-1, 0.8, 0.1), "gamma"), ((2.5, 0.8, 0.1), "gamma"),
+                                       ((AdaptiveGamma(4), 0.8, 0.1), "gamma"), ((4, 0.8, -1.0), "cost_ratio"),
+                                       ((4, 0.8, float("nan")), "cost_ratio")])
+def test_simulate_speedup_refuses_bad_arguments_naming_them(args, name):
+    with pytest.raises(ValueError, match=name):
+        simulate_speedup(*args)
 
 
 # CPU costs of the quickstart pair (c, v_γ at batch 1; docs/decode.md)

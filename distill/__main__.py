@@ -263,7 +263,8 @@ def run_eval(cfg: Any, opts: dict) -> None:
                                  max_new_tokens=int(cfg.eval.max_new_tokens),
                                  batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
                                  cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma),
-                                 progress=report)
+                                 progress=report, verify_costs=None if cfg.eval.get("verify_costs") is None
+                                 else [float(v) for v in cfg.eval.verify_costs])
     text = json.dumps(result, indent=2)
     if opts.get("out"):
         Path(opts["out"]).write_text(text)

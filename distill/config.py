@@ -192,6 +192,7 @@ class EvalConfig:
     seed: int = 0                                   # decoder generator seed
     select_by: str = "acceptance_rate"              # acceptance_rate | predicted_speedup
     cost_ratio: Optional[float] = None              # c; null: measured at setup
+    verify_costs: Optional[List[float]] = None      # v_0 = 1, v_1, ..: null: measured with c (v = 1 when c is set)
     max_gamma: int = 8                              # largest γ for the predicted speedup
 
 
@@ -344,6 +345,12 @@ def _check_values(cfg: DictConfig) -> None:
         value = get(key)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise SetupError(f"{key}={value} must be a finite number > 0 ({what})")
+    verify = get("eval.verify_costs")
+    if verify is not None and (len(verify) == 0 or float(verify[0]) != 1.0
+                               or not all(math.isfinite(v) and v >= 1.0 for v in verify)):
+        raise SetupError(f"eval.verify_costs={list(verify)} must be [1.0, v_1, v_2, ..] with every v_γ >= 1 (a "
+                         "verify forward over γ+1 tokens / a one-token forward, indexed by γ; v_0 = 1), or null to "
+                         "measure them")
     for key in ARCH_KEYS:
         value = get(f"draft.{key}")
         if value is not None and value < 1:

@@ -115,6 +115,18 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     return {"num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang}
 
 
+def _verify_markdown(ev: dict) -> str:
+    """The card's sentence on the speedup model: verify-aware with the v_γ measured beside c, or Leviathan's."""
+    verify = ev.get("verify_costs")
+    if not verify:
+        return "The predicted speedup is Leviathan et al. (2023): (1 − α^(γ+1)) / ((1 − α)(γc + 1))."
+    shown = ", ".join(f"{v:.2f}" for v in verify[1:])
+    return ("The predicted speedup is Leviathan et al. (2023) with the verify cost measured beside c: "
+            "(1 − α^(γ+1)) / ((1 − α)(γc + v_γ)), v_γ = time of a target forward over γ+1 tokens / over one "
+            f"(v_1.. = {shown}). On a GPU at batch 1 a verify costs about one forward (v = 1): pass "
+            "`eval.cost_ratio=C` measured there to predict for it.")
+
+
 def _pruned_markdown(card: dict) -> str:
     """The card's paragraph on a vocabulary-pruned head (empty for a full-vocabulary draft)."""
     pv = card.get("draft_vocab")
@@ -150,7 +162,7 @@ LoRA merged: {card['lora_merged']}.
 {table}
 
 Cost ratio c (draft / target forward time) used for the prediction: {ev.get('cost_ratio', float('nan')):.3f}.
-The predicted speedup is Leviathan et al. (2023): (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+{_verify_markdown(ev)}
 
 ## Use
 

@@ -35,7 +35,7 @@ from distill import checkpoint as ckpt
 from distill.config import check_inputs, normalize_config
 from distill.data import (as_examples, build_examples, cache_key, check_lengths, collate_sequences,
                           generate_target_data, micro_batch_indices)
-from distill.evaluate import acceptance_eval, measure_cost_ratio
+from distill.evaluate import acceptance_eval, resolve_costs
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
@@ -62,6 +62,7 @@ class Run:
     optimizer: Any                  # AdamW, prepared
     scheduler: Any                  # LambdaLR warmup + decay
     cost_ratio: float               # c = draft forward time / target forward time
+    verify_costs: list[float] | None  # v_γ = verify forward of γ+1 tokens / one-token forward; None: v = 1
     draft_base: str | None          # what a LoRA adapter is applied to (a path/hub id), None for a full fine-tune
     output_dir: Path                # train.output_dir
     logit_cache: Any = None         # distill.logit_cache reader when data.target_logits=cached (then target is None)
@@ -162,11 +163,12 @@ def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[lis
 
 
 def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
-          resume_from: str | Path | None = None) -> Run:
+          resume_from: str | Path | None = None, verify_costs: list[float] | None = None) -> Run:
     """Everything the loop needs, in order of cost: config checks, models + pair check, data, the pruned draft
     head (``draft.vocab.keep``), LoRA, optimizer.
 
-    ``cost_ratio``: c to use instead of ``eval.cost_ratio`` or a measurement (a resumed run keeps its own).
+    ``cost_ratio``, ``verify_costs``: c and v_γ to use instead of ``eval.cost_ratio`` / ``eval.verify_costs`` or a
+    measurement (a resumed run keeps its own; :func:`distill.evaluate.resolve_costs`).
     ``resume_from``: the checkpoint a resumed run continues (a pruned draft takes its id map from there).
     """
     from accelerate import Accelerator
@@ -234,22 +236,27 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
                 draft.save_pretrained(draft_base)
                 tokenizer.save_pretrained(draft_base)
         draft = attach_lora(draft, cfg.train.lora)
-    cost_ratio = cfg.eval.get("cost_ratio") if cost_ratio is None else cost_ratio
+    if cfg.eval.get("verify_costs") is not None:  # an explicit setting wins, also over a resumed run's own
+        verify_costs = [float(v) for v in cfg.eval.verify_costs]
+    if cost_ratio is None:
+        cost_ratio = cfg.eval.get("cost_ratio")
     if cost_ratio is None and target is None:
         cost_ratio = float("nan")  # no target to time; the recipe does not evaluate in cached mode
     elif cost_ratio is None:
         with progress.reporting() as report:
-            cost_ratio = measure_cost_ratio(target, draft, eval_prompts, progress=report)
-        if accelerator.num_processes > 1:  # timings differ per process; one c keeps checkpoint selection in step
+            cost_ratio, verify_costs = resolve_costs(target, draft, eval_prompts, None, verify_costs,
+                                                     int(cfg.eval.max_gamma), report)
+        if accelerator.num_processes > 1:  # timings differ per process; one cost model keeps selection in step
             from accelerate.utils import broadcast_object_list
 
-            cost_ratio = broadcast_object_list([cost_ratio])[0]
+            cost_ratio, verify_costs = broadcast_object_list([cost_ratio, verify_costs])
     clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
     optimizer, scheduler = build_optimizer(draft, cfg, clock)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
                examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
-               cost_ratio=float(cost_ratio), draft_base=draft_base, output_dir=output_dir, logit_cache=cache,
+               cost_ratio=float(cost_ratio), verify_costs=verify_costs, draft_base=draft_base, output_dir=output_dir,
+               logit_cache=cache,
                clock=clock, progress=progress)
 
 
@@ -485,7 +492,7 @@ def evaluate(run: Run) -> dict | None:
                                list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
                                max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
                                seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio, max_gamma=int(cfg.eval.max_gamma),
-                               progress=report)
+                               progress=report, verify_costs=run.verify_costs)
 
 
 def save(run: Run, state: dict, path: Path) -> Path:
@@ -541,7 +548,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     resume_from = resolve_resume(normalize_config(cfg))
     saved = ckpt.read_state(resume_from) if resume_from is not None else {}
     kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
-    run = setup(cfg, log=log or print, cost_ratio=kept_c, resume_from=resume_from)
+    # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
+    kept_v = saved.get("verify_costs") if kept_c is not None else None
+    run = setup(cfg, log=log or print, cost_ratio=kept_c, resume_from=resume_from, verify_costs=kept_v)
     cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
     out = run.output_dir
@@ -550,14 +559,14 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
              "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path), "vocab_size": run.vocab,
-             "cost_ratio": run.cost_ratio, "batch_size": int(cfg.train.batch_size),
+             "cost_ratio": run.cost_ratio, "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
              "num_processes": acc.num_processes, "examples_consumed": 0}
     if resume_from is not None:
         state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
         log(f"resumed from {resume_from} at step {state['step']}")
         if kept_c is not None:
-            log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; "
-                "set eval.cost_ratio to use another)")
+            log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} and verify costs (measured when the run "
+                "started; set eval.cost_ratio to use another)")
         if acc.is_main_process:
             ckpt.truncate_metrics(out, int(state["step"]))
             if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update

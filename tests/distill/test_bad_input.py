@@ -93,7 +93,8 @@ def test_on_policy_fraction_out_of_range(pair, tmp_path, lam, monkeypatch):
 @pytest.mark.parametrize("override,match", [
     ("eval.temperatures=[-1]", "eval.temperatures"), ("eval.temperatures=[inf]", "eval.temperatures"),
     ("eval.num_draft_tokens=-1", "eval.num_draft_tokens"), ("data.rollout_temperature=-1", "rollout_temperature"),
-    ("optim.lr=-1", "optim.lr"),
+    ("optim.lr=-1", "optim.lr"), ("eval.verify_costs=[1.0,0.5]", "eval.verify_costs"),
+    ("eval.verify_costs=[1.2,1.5]", "eval.verify_costs"), ("eval.verify_costs=[]", "eval.verify_costs"),
 ])
 def test_eval_rollout_and_optim_values_checked_up_front(pair, tmp_path, override, match, monkeypatch):
     _no_model_loading(monkeypatch)

@@ -205,3 +205,11 @@ def test_a_failed_export_leaves_the_earlier_export_as_it_was(pair, tmp_path, mon
         export(run / "step_000002", out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no .out.*.tmp or .old left
+
+
+def test_card_states_the_speedup_model_it_predicted_with():
+    from distill.export import _verify_markdown
+
+    assert "(γc + 1)" in _verify_markdown({"cost_ratio": 0.5})  # c given: Leviathan et al.'s v = 1
+    text = _verify_markdown({"cost_ratio": 0.2, "verify_costs": [1.0, 1.5, 1.75]})
+    assert "(γc + v_γ)" in text and "1.50, 1.75" in text and "eval.cost_ratio" in text

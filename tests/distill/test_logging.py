@@ -44,10 +44,30 @@ def test_acceptance_eval_reports_each_temperature_and_the_cost_ratio(tiny_pair):
         mine = [c[1:] for c in calls if c[0] == f"eval α/τ T={t}"]
         assert mine == [(2, 5, "prompts"), (4, 5, "prompts"), (5, 5, "prompts")]  # batches of 2 of 5 prompts
     assert ev["cost_ratio"] > 0
+    v = ev["verify_costs"]  # measured with c: v_0 = 1, then non-decreasing, up to max_gamma
+    assert len(v) == 9 and v[0] == 1.0 and all(1.0 <= a <= b for a, b in zip(v, v[1:]))
     calls.clear()  # a given c is not measured, so only the evaluation reports
     acceptance_eval(target, draft, prompts, tok, [0.0], max_new_tokens=4, cost_ratio=0.5,
                     progress=lambda *a: calls.append(a))
     assert calls == [("eval α/τ T=0", 5, 5, "prompts")]
+
+
+def test_acceptance_eval_predicts_with_the_verify_costs_it_is_given(tiny_pair):
+    from decode.speedup import best_gamma, predicted_speedup
+
+    target, draft, tok = tiny_pair
+    prompts = [[1, 5 + i, 6, 7] for i in range(4)]
+    plain = acceptance_eval(target, draft, prompts, tok, [1.0], max_new_tokens=8, cost_ratio=0.05)
+    assert plain["verify_costs"] is None  # c given, no v_γ: Leviathan et al.'s v = 1
+    steep = [1.0] + [1.0 + 0.5 * g for g in range(1, 9)]
+    ev = acceptance_eval(target, draft, prompts, tok, [1.0], max_new_tokens=8, cost_ratio=0.05, verify_costs=steep)
+    row, base = ev["per_temperature"]["1.0"], plain["per_temperature"]["1.0"]
+    a = row["per_token_acceptance"]
+    assert a == base["per_token_acceptance"]  # same seed, same draws: only the prediction changed
+    assert row["best_gamma"] == best_gamma(a, 0.05, 8, 1, verify_costs=steep) <= base["best_gamma"]
+    assert row["predicted_speedup"] == pytest.approx(predicted_speedup(a, row["best_gamma"], 0.05,
+                                                                       steep[row["best_gamma"]]))
+    assert row["predicted_speedup"] < base["predicted_speedup"] and ev["verify_costs"] == steep
 
 
 def test_measure_cost_ratio_reports_rounds(tiny_pair):

@@ -138,13 +138,16 @@ def test_prune_keeps_the_checkpoint_resume_needs(tmp_path, straight):
 def test_resume_keeps_the_checkpoints_cost_ratio(pair, tmp_path, monkeypatch):
     out = tmp_path / "run"
     train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.stop_at=2", *FAST)), log=QUIET)
-    c = json.loads((out / "step_000002" / "trainer_state.json").read_text())["cost_ratio"]
-    monkeypatch.setattr(recipe, "measure_cost_ratio", lambda *a: pytest.fail("c was measured again"))
+    first = json.loads((out / "step_000002" / "trainer_state.json").read_text())
+    c, v = first["cost_ratio"], first["verify_costs"]
+    assert len(v) == 9 and v[0] == 1.0  # v_0..v_8 (eval.max_gamma=8), measured beside c
+    monkeypatch.setattr(recipe, "resolve_costs", lambda *a: pytest.fail("the costs were measured again"))
     messages = []
     s = train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.resume=true", *FAST)), log=messages.append)
     assert any(f"keeping the checkpoint's cost ratio c={c:.3f}" in m for m in messages)
-    assert s["last_eval"]["cost_ratio"] == c
-    assert json.loads((out / "step_000004" / "trainer_state.json").read_text())["cost_ratio"] == c
+    assert s["last_eval"]["cost_ratio"] == c and s["last_eval"]["verify_costs"] == v
+    last = json.loads((out / "step_000004" / "trainer_state.json").read_text())
+    assert last["cost_ratio"] == c and last["verify_costs"] == v
 
 
 def test_resume_with_another_world_size_continues_at_the_stored_example(pair, straight, tmp_path, monkeypatch):

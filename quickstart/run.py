@@ -222,7 +222,8 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
 
     Returns:
         dict with ``rows`` (one per temperature x prompt set, plus "all": plain tokens/s and, per draft, γ, α, τ,
-        tokens/s, speedup, predicted speedup), ``cost_ratio`` per draft, ``gammas`` ({draft: {T: γ}}),
+        tokens/s, speedup, verify-aware predicted speedup), ``cost_ratio`` and ``verify_costs`` per draft
+        (:func:`engine_costs`), ``gammas`` ({draft: {T: γ}}),
         ``calibration`` (:func:`choose_gammas`' output, or None for a fixed γ), ``greedy_lossless`` (greedy
         speculative outputs that equal plain greedy outputs / total) and the settings.
 
@@ -238,6 +239,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     from decode import DecodeStats, SpeculativeDecoder
 
     console = console or Console()
+    check_eval_settings(ecfg)
     setting = gamma_setting(ecfg.num_draft_tokens)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = _load_lm(target_dir, "target")
@@ -269,8 +271,10 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
         calibration = choose_gammas({n: decoders[n] for n in models}, [ids for _, ids in calib], temps, new,
                                     int(ecfg.seed), max_gamma)
         gammas = {n: {t: calibration[n]["per_temperature"][t]["num_draft_tokens"] for t in temps} for n in models}
+        costs = {n: (calibration[n]["cost_ratio"], calibration[n]["verify_costs"]) for n in models}
     else:
         gammas = {n: {t: setting for t in temps} for n in models}
+        costs = {n: engine_costs(decoders[n], prompts[0][1]) for n in models}
     records: list[dict] = []
     lossless = [0, 0]
     columns = (TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -290,9 +294,10 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
                     for mode in modes[1:]:
                         lossless[0] += int(torch.equal(outs[mode].new_tokens[0], outs["plain"].new_tokens[0]))
                         lossless[1] += 1
-    costs = {name: _cost_ratio(target, m, prompts[0][1]) for name, m in models.items()}
     rows = _pool(records, temps, [p[0] for p in prompts], list(models), costs, gammas, DecodeStats)
-    return {"rows": rows, "cost_ratio": costs, "greedy_lossless": {"equal": lossless[0], "total": lossless[1]},
+    return {"rows": rows, "cost_ratio": {n: c for n, (c, _) in costs.items()},
+            "verify_costs": {n: v for n, (_, v) in costs.items()},
+            "greedy_lossless": {"equal": lossless[0], "total": lossless[1]},
             "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": setting,
             "gammas": {n: {str(t): g for t, g in per.items()} for n, per in gammas.items()},
             "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens),
@@ -314,6 +319,38 @@ def gamma_setting(value) -> int | str:
         raise ValueError(f"quickstart.eval.num_draft_tokens={value!r}: use a positive integer γ or 'best' "
                          f"(γ chosen per draft and temperature)")
     return gamma
+
+
+def check_eval_settings(ecfg) -> None:
+    """Check every ``quickstart.eval`` setting the evaluation reads, so a bad one stops the run before any
+    training (not 25 minutes later). Raises ValueError naming the setting and what it takes."""
+    import math
+
+    setting = gamma_setting(ecfg.get("num_draft_tokens", "best"))
+
+    def count(key: str, default: int, low: int = 1) -> None:
+        value = ecfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"quickstart.eval.{key}={value!r}: use an integer >= {low}")
+
+    for key, default in (("max_new_tokens", 64), ("max_prompt_tokens", 192)):
+        count(key, default)
+    count("seed", 0, low=0)
+    if setting == "best":
+        count("max_draft_tokens", 8)
+        count("calibration_prompts", 2)
+    temps = ecfg.get("temperatures")
+    try:
+        bad = not temps or any(not (math.isfinite(float(t)) and float(t) >= 0) for t in temps)
+    except (TypeError, ValueError):
+        bad = True
+    if bad:
+        raise ValueError(f"quickstart.eval.temperatures={temps!r}: use a non-empty list of temperatures >= 0 "
+                         "(0 = greedy), e.g. [0.0,1.0]")
+    sets = ecfg.get("prompt_sets")
+    if not sets or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in dict(sets).values()):
+        raise ValueError(f"quickstart.eval.prompt_sets={sets!r}: use {{set: number of prompts >= 1}}, e.g. "
+                         "{humaneval: 10, mbpp_code: 10, stdlib: 10}")
 
 
 def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
@@ -343,7 +380,7 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
     import torch
 
     from decode import DecodeStats
-    from decode.speedup import best_gamma, predicted_speedup
+    from decode.speedup import best_gamma, predicted_speedup, verify_cost_at
 
     if not prompts:
         raise ValueError("choose_gammas needs calibration prompts (quickstart.eval.calibration_prompts >= 1)")
@@ -351,8 +388,7 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
         raise ValueError(f"quickstart.eval.max_draft_tokens must be >= 1, got {max_gamma}")
     out = {}
     for name, dec in decoders.items():
-        costs = dec.calibrate(prompts[0], batch_sizes=(1,), repeats=11)[1]
-        c, v = float(costs["cost_ratio"]), [float(x) for x in costs["verify"]]
+        c, v = engine_costs(dec, prompts[0])
         per_t = {}
         for t in temperatures:
             runs = [dec.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=t,
@@ -362,23 +398,23 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
             alpha = 0.0 if alpha is None else min(max(float(alpha), 0.0), 1.0)
             g = best_gamma(alpha, c, max_gamma=max_gamma, min_gamma=1, verify_costs=v)
             per_t[t] = {"alpha": alpha, "num_draft_tokens": g,
-                        "predicted_speedup": predicted_speedup(alpha, g, c, v[g] if g < len(v) else 1.0)}
+                        "predicted_speedup": predicted_speedup(alpha, g, c, verify_cost_at(v, g))}
         out[name] = {"cost_ratio": c, "verify_costs": v, "per_temperature": per_t}
     return out
 
 
-def _cost_ratio(target, draft, context: list[int]) -> float | None:
-    """c = draft / target time of one cached single-token decode forward (``decode.speedup.measure_cost_ratio``)."""
-    import torch
-
-    from decode.speedup import measure_cost_ratio
-
-    return float(measure_cost_ratio(target, draft, torch.tensor([context]))["cost_ratio"])
+def engine_costs(decoder, context: list[int]) -> tuple[float, list[float]]:
+    """The decoder's own cost model at batch 1 (``SpeculativeDecoder.calibrate``, context cut to 64 tokens): c =
+    draft / target time of a single-token decode forward and ``[v_0 = 1, v_1, .., v_max]``, v_γ = target forward
+    over γ + 1 tokens / over one, for γ up to the decoder's ``max_auto_draft_tokens``. One measurement per draft
+    serves both the γ choice and the table's prediction."""
+    costs = decoder.calibrate(context, batch_sizes=(1,), repeats=11)[1]
+    return float(costs["cost_ratio"]), [float(x) for x in costs["verify"]]
 
 
 def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list[dict]:
     """One row per (temperature, prompt set) and (temperature, "all"), pooling DecodeStats over prompts."""
-    from decode.speedup import predicted_speedup
+    from decode.speedup import predicted_speedup, verify_cost_at
 
     sets = list(dict.fromkeys(set_names)) + ["all"]
     rows = []
@@ -398,8 +434,9 @@ def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list
                           "alpha_per_token": alpha_token,
                           "mean_accepted_length": st.mean_accepted_length,
                           "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
-                          "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d])
-                                                if costs.get(d) is not None and alpha_token is not None else None),
+                          "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d][0],
+                                                                  verify_cost_at(costs[d][1], gamma))
+                                                if alpha_token is not None else None),
                           "num_new_tokens": st.num_new_tokens, "num_verify_steps": st.num_verify_steps,
                           "accepted_length_histogram": list(st.accepted_length_histogram)}
             rows.append(row)
@@ -450,9 +487,10 @@ def render_table(results: dict, console) -> None:
     costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
     lossless = ev["greedy_lossless"]
     console.print(f"acc. rate = acceptance rate Σaccepted/Σdrafted; α = Leviathan et al.'s per-token acceptance "
-                  f"probability (DecodeStats.per_token_acceptance); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with "
-                  f"the measured draft/target forward cost ratio c: {costs or 'n/a'}. Greedy speculative output identical "
-                  f"to plain greedy output in {lossless['equal']}/{lossless['total']} runs.")
+                  f"probability (DecodeStats.per_token_acceptance); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + v_γ)) "
+                  f"with the engine's measured draft/target forward cost ratio c ({costs or 'n/a'}) and verify cost "
+                  f"v_γ (a target forward over γ+1 tokens / over one). Greedy speculative output identical to plain "
+                  f"greedy output in {lossless['equal']}/{lossless['total']} runs.")
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -496,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
     try:
         qs = load_settings(experiment, args.overrides)
-        gamma_setting(qs.eval.num_draft_tokens)  # before hours of work, not at the evaluation
+        check_eval_settings(qs.eval)  # before hours of work, not at the evaluation
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
@@ -556,7 +594,16 @@ def main(argv: list[str] | None = None) -> int:
         drafts["distilled"] = export_dir
     console.rule("[bold]eval")
     t0 = time.time()
-    results["eval"] = evaluate(out / qs.target.dir, drafts, qs.eval, console)
+    try:
+        results["eval"] = evaluate(out / qs.target.dir, drafts, qs.eval, console)
+    except Exception as err:  # keep results.json (phase timings, the models made) whatever the evaluation hits
+        import traceback
+
+        console.print(traceback.format_exc())
+        phases["eval"] = {"seconds": round(time.time() - t0, 1), "status": f"failed: {type(err).__name__}: {err}"}
+        console.print(f"[red]eval failed: {err}. The trained models are kept under {out}; rerun the same command "
+                      "to evaluate them (finished phases are reused).")
+        return _finish(results, out, console, t_start, 1)
     phases["eval"] = {"seconds": round(time.time() - t0, 1), "status": "ok"}
     results["target"] = _read_json(out / qs.target.dir / "pretrain.json")
     results["baseline_draft"] = _read_json(out / qs.draft.dir / "pretrain.json")
@@ -579,7 +626,7 @@ def keep_previous_results(path: Path) -> Path | None:
     if not path.is_file():
         return None
     try:
-        started = str(json.loads(path.read_text()).get("started", ""))
+        started = str(json.loads(path.read_text()).get("started") or "")
     except (ValueError, AttributeError):  # not JSON or not an object: keep it under its modification time
         started = ""
     stamp = "".join(ch for ch in started[:19] if ch.isalnum()) or time.strftime(

@@ -5,9 +5,9 @@ prompt, same seeds): acceptance rate, α, τ, c and measured speedup at T=0 and 
         full=checkpoints/quickstart/draft-distilled n4096=checkpoints/measure/pruned_cached/n4096_export
 
 Drafts are NAME=PATH (plain or vocabulary-pruned Hugging Face checkpoints); the pair's target is PAIR/target and the
-evaluation settings are the quickstart's (``eval.*`` overrides after ``--set``): γ is chosen per draft and temperature
-on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it. Speedups are
-wall clock: run it on an otherwise idle machine, twice for a spread. An existing --out is never overwritten.
+evaluation settings are the quickstart's (``--set eval.KEY=VALUE``, once per setting): γ is chosen per draft and
+temperature on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it.
+Speedups are wall clock: run it on an otherwise idle machine, twice for a spread. An existing --out is never overwritten.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pair", required=True, help="a quickstart output folder (its target/ is the target)")
     p.add_argument("--out", required=True, help="results JSON (must not exist)")
-    p.add_argument("--set", nargs="*", default=[], help="quickstart settings, e.g. eval.max_new_tokens=32")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a quickstart setting, e.g. --set eval.max_new_tokens=32 (repeat for more)")
     p.add_argument("drafts", nargs="+", help="NAME=PATH")
     args = p.parse_args()
     out = Path(args.out)
@@ -34,6 +35,10 @@ def main() -> int:
     if bad:
         p.error(f"drafts are NAME=PATH, got {bad}")
     drafts = dict(d.split("=", 1) for d in args.drafts)
+    reserved = [n for n in drafts if n == "plain"]
+    if reserved or len(drafts) < len(args.drafts):
+        p.error("draft names must be unique and not 'plain' (the plain-decoding reference), got "
+                f"{[d.split('=', 1)[0] for d in args.drafts]}")
     for name, path in [("--pair", f"{args.pair}/target"), *drafts.items()]:
         if not (Path(path) / "config.json").is_file():
             p.error(f"{name}: {path} is not a checkpoint folder (no config.json)")
@@ -42,23 +47,24 @@ def main() -> int:
 
     from rich.console import Console
 
-    from quickstart.run import evaluate, gamma_setting, load_settings
+    from quickstart.run import _fmt, check_eval_settings, evaluate, load_settings
 
     try:
         ecfg = load_settings("quickstart", args.set).eval
-        gamma_setting(ecfg.num_draft_tokens)
+        check_eval_settings(ecfg)
     except (KeyError, ValueError) as err:
         p.error(f"--set: {err.args[0]}")
     t0 = time.time()
     ev = evaluate(f"{args.pair}/target", drafts, ecfg, Console(width=132))
+    out.write_text(json.dumps({"eval": ev, "drafts": drafts, "seconds": time.time() - t0}, indent=1, default=str))
     for r in ev["rows"]:
         if r["set"] == "all":
             for n in drafts:
                 m = r[n]
                 print(f"T={r['temperature']:g} {n}: γ {m['num_draft_tokens']} acc. rate {m['acceptance_rate']:.3f} "
-                      f"α {m['alpha_per_token']:.3f} τ {m['mean_accepted_length']:.2f} speedup {m['speedup']:.2f}x")
+                      f"α {_fmt(m['alpha_per_token'], '.3f')} τ {m['mean_accepted_length']:.2f} "
+                      f"speedup {m['speedup']:.2f}x")
     print("c:", {k: round(v, 3) for k, v in (ev.get("cost_ratio") or {}).items()})
-    out.write_text(json.dumps({"eval": ev, "drafts": drafts, "seconds": time.time() - t0}, indent=1, default=str))
     print(f"wrote {out}")
     return 0
 

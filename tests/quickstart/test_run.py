@@ -47,12 +47,14 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     assert {(r["temperature"], r["set"]) for r in ev["rows"]} == {(t, s) for t in (0.0, 1.0) for s in sets}
     # γ was chosen per draft and temperature (eval.num_draft_tokens=best) on prompts the timed runs do not use:
     # the verify-aware best of the calibration's own α and measured costs, within 1..max_draft_tokens
-    from decode.speedup import best_gamma
+    from decode.speedup import best_gamma, predicted_speedup, verify_cost_at
 
     assert ev["num_draft_tokens"] == "best"
     for d in ("baseline", "distilled"):
         cal = ev["calibration"][d]
         assert cal["verify_costs"][0] == 1.0 and len(cal["verify_costs"]) == 4 + 1 and cal["cost_ratio"] > 0
+        # one cost measurement per draft serves the γ choice and the table's verify-aware prediction
+        assert ev["cost_ratio"][d] == cal["cost_ratio"] and ev["verify_costs"][d] == cal["verify_costs"]
         for t in ("0.0", "1.0"):
             g = cal["per_temperature"][t]["num_draft_tokens"]
             assert g == ev["gammas"][d][t] == best_gamma(cal["per_temperature"][t]["alpha"], cal["cost_ratio"],
@@ -65,7 +67,8 @@ def test_smoke_quickstart_end_to_end(tmp_path):
             assert gamma == ev["gammas"][d][str(r["temperature"])]
             assert 0.0 <= m["acceptance_rate"] <= 1.0
             assert m["acceptance_rate"] <= m["alpha_per_token"] + 1e-12 <= 1.0 + 1e-12
-            assert m["predicted_speedup"] > 0
+            assert m["predicted_speedup"] == pytest.approx(predicted_speedup(
+                m["alpha_per_token"], gamma, ev["cost_ratio"][d], verify_cost_at(ev["verify_costs"][d], gamma)))
             assert 1.0 <= m["mean_accepted_length"] <= gamma + 1
             assert m["speedup"] == pytest.approx(m["tokens_per_s"] / r["plain_tokens_per_s"])
             assert sum(m["accepted_length_histogram"]) == m["num_verify_steps"] > 0
@@ -117,6 +120,12 @@ def test_misspelled_setting_is_an_error(capsys):
     for bad in ("0", "fast", "2.5"):  # γ: a positive int or `best`, refused before any phase runs
         assert quickstart.main(["--smoke", f"eval.num_draft_tokens={bad}"]) == 2
         assert "eval.num_draft_tokens" in capsys.readouterr().err
+    for bad, key in [("eval.max_draft_tokens=0", "eval.max_draft_tokens"),
+                     ("eval.calibration_prompts=0", "eval.calibration_prompts"),
+                     ("eval.temperatures=[-1]", "eval.temperatures"), ("eval.max_new_tokens=0", "eval.max_new_tokens"),
+                     ("eval.prompt_sets.humaneval=0", "eval.prompt_sets")]:  # every eval setting, up front
+        assert quickstart.main(["--smoke", bad]) == 2, bad
+        assert key in capsys.readouterr().err
 
 
 def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):
@@ -150,3 +159,21 @@ def test_a_rerun_keeps_earlier_results(tmp_path):
     path.write_text("not json")
     third = keep_previous_results(path)
     assert third.read_text() == "not json" and third.name.startswith("results-")
+
+
+def test_a_failed_evaluation_still_writes_results_and_keeps_the_models(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "qs"
+    for marker in ("tokenizer/tokenizer.json", "target/pretrain.json", "draft-baseline/pretrain.json",
+                   "draft-distilled/config.json"):  # every phase already done: only the evaluation runs
+        (out / marker).parent.mkdir(parents=True, exist_ok=True)
+        (out / marker).write_text("{}")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(quickstart, "evaluate", broken)
+    assert quickstart.main(["--smoke", "--out", str(out)]) == 1
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "failed" and res["phases"]["eval"]["status"] == "failed: RuntimeError: disk full"
+    assert res["phases"]["target"]["status"].startswith("cached") and (out / "target" / "pretrain.json").is_file()
+    assert "rerun the same command" in " ".join(capsys.readouterr().out.split())  # rich wraps long lines

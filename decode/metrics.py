@@ -85,14 +85,21 @@ class DecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """α = Σaccepted / Σdrafted (0.0 when nothing was drafted)."""
+        """The acceptance rate Σaccepted / Σdrafted (0.0 when nothing was drafted). Not α: drafts after a
+        rejection count as drafted but were never tried."""
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
     @property
-    def per_token_acceptance(self) -> float:
-        """α_tok = Σaccepted / (Σaccepted + rejections), the α of Leviathan et al.'s formulas (0.0 with no trials)."""
+    def alpha(self) -> float:
+        """α = Σaccepted / (Σaccepted + rejections), Leviathan et al.'s per-token acceptance, the α of their
+        speedup formulas (:mod:`decode.speedup`); 0.0 with no trials."""
         trials = self.num_accepted + self.num_rejections
         return self.num_accepted / trials if trials else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """Former name of :attr:`alpha`, kept so that earlier callers keep working."""
+        return self.alpha
 
     @property
     def mean_num_draft_tokens(self) -> float:
@@ -130,7 +137,7 @@ class DecodeStats:
     def to_dict(self) -> dict:
         """Counters plus the derived metrics, JSON-serialisable."""
         d = asdict(self)
-        for name in ("acceptance_rate", "per_token_acceptance", "mean_num_draft_tokens", "mean_accepted_length",
+        for name in ("acceptance_rate", "alpha", "mean_num_draft_tokens", "mean_accepted_length",
                      "acceptance_by_position", "per_token_latency_s", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d

@@ -132,16 +132,16 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
             s = DecodeStats.merge(stats)
             alpha = float(s.acceptance_rate)
             # The speedup formula's α is the per-token acceptance probability, not Σaccepted/Σdrafted.
-            alpha_tok = float(s.per_token_acceptance)
-            g = best_gamma(alpha_tok, cost_ratio, max_gamma=max_gamma, min_gamma=1, verify_costs=verify_costs)
+            alpha = float(s.alpha)
+            g = best_gamma(alpha, cost_ratio, max_gamma=max_gamma, min_gamma=1, verify_costs=verify_costs)
             per_t[str(float(temperature))] = {
                 "acceptance_rate": alpha,
-                "per_token_acceptance": alpha_tok,
+                "alpha": alpha,
                 "mean_accepted_length": float(s.mean_accepted_length),
                 "accepted_length_histogram": list(s.accepted_length_histogram),
                 "acceptance_by_position": list(s.acceptance_by_position),
                 "best_gamma": g,
-                "predicted_speedup": predicted_speedup(alpha_tok, g, cost_ratio, verify_cost_at(verify_costs, g)),
+                "predicted_speedup": predicted_speedup(alpha, g, cost_ratio, verify_cost_at(verify_costs, g)),
                 "num_new_tokens": int(s.num_new_tokens),
             }
     finally:

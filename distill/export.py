@@ -142,11 +142,16 @@ def _pruned_markdown(card: dict) -> str:
 
 def _card_markdown(card: dict) -> str:
     ev = card.get("evaluation") or {}
+    def alpha(m: dict) -> str:  # evaluations recorded before the one-name rule called it per_token_acceptance
+        a = m.get("alpha", m.get("per_token_acceptance"))
+        return "-" if a is None else f"{a:.3f}"
+
     rows = "\n".join(
-        f"| {t} | {m['acceptance_rate']:.3f} | {m['mean_accepted_length']:.2f} | {m['best_gamma']} | "
+        f"| {t} | {m['acceptance_rate']:.3f} | {alpha(m)} | {m['mean_accepted_length']:.2f} | {m['best_gamma']} | "
         f"{m['predicted_speedup']:.2f} |" for t, m in (ev.get("per_temperature") or {}).items())
-    table = ("| temperature | α (acceptance rate) | τ (mean accepted length) | best γ | predicted speedup |\n"
-             "| --- | --- | --- | --- | --- |\n" + rows) if rows else "No evaluation was recorded in the checkpoint."
+    table = ("| temperature | acceptance rate (Σaccepted/Σdrafted) | α (per-token acceptance) | τ (mean accepted "
+             "length) | best γ | predicted speedup |\n| --- | --- | --- | --- | --- | --- |\n" + rows) if rows else \
+        "No evaluation was recorded in the checkpoint."
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, draft-model, distillation, draftkit]

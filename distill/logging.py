@@ -52,7 +52,7 @@ class MetricsLogger:
         flat = {"eval/acceptance_rate": ev["acceptance_rate"], "eval/mean_accepted_length": ev["mean_accepted_length"],
                 "eval/predicted_speedup": ev["predicted_speedup"], "eval/cost_ratio": ev["cost_ratio"]}
         for t, m in ev["per_temperature"].items():
-            for k in ("acceptance_rate", "mean_accepted_length", "predicted_speedup", "best_gamma"):
+            for k in ("acceptance_rate", "alpha", "mean_accepted_length", "predicted_speedup", "best_gamma"):
                 flat[f"eval/T{t}/{k}"] = m[k]
         self.log({**flat, "eval": ev}, step)
         if self.enabled and self.run is not None:

@@ -21,7 +21,7 @@ engine with ``num_draft_tokens=0``. For each prompt, plain, baseline and distill
 rotated per prompt) with the same generator seed, so machine drift hits all three alike. Speedup is pooled
 tokens/s of a draft over pooled tokens/s of plain decoding on the same prompts and temperature. acceptance rate =
 Σaccepted / Σdrafted (``DecodeStats.acceptance_rate``), α = the per-token acceptance probability of Leviathan et al.
-(2023) that their speedup formula takes (``DecodeStats.per_token_acceptance``), τ = mean tokens committed per verify
+(2023) that their speedup formula takes (``DecodeStats.alpha``), τ = mean tokens committed per verify
 step.
 
 Settings live in ``conf/experiment/quickstart.yaml`` (``quickstart_smoke.yaml`` for ``--smoke``), under the
@@ -333,8 +333,8 @@ def check_eval_settings(ecfg) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"quickstart.eval.{key}={value!r}: use an integer >= {low}")
 
-    for key, default in (("max_new_tokens", 64), ("max_prompt_tokens", 192)):
-        count(key, default)
+    count("max_new_tokens", 64, low=2)  # the first token comes from the prefill: one more is the least that drafts
+    count("max_prompt_tokens", 192)
     count("seed", 0, low=0)
     if setting == "best":
         count("max_draft_tokens", 8)
@@ -359,7 +359,7 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
 
     For each draft, the engine's own cost model is measured (``SpeculativeDecoder.calibrate`` at batch 1: c and
     the verify costs v_γ for γ <= ``max_gamma``), each prompt is decoded at γ = ``PROBE_GAMMA`` per temperature
-    to measure Leviathan et al.'s per-token acceptance α (``DecodeStats.per_token_acceptance``, pooled), and γ is
+    to measure Leviathan et al.'s per-token acceptance α (``DecodeStats.alpha``, pooled), and γ is
     the ``decode.speedup.best_gamma`` of the verify-aware prediction ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ))`` over
     ``1..max_gamma`` (γ = 0 would be plain decoding, which the table already shows). The prompts must be disjoint
     from the timed ones, so that the choice is not fitted to the measurement it is judged by.
@@ -394,7 +394,7 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
             runs = [dec.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=t,
                                  generator=torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + i),
                                  num_draft_tokens=PROBE_GAMMA).stats for i, ids in enumerate(prompts)]
-            alpha = DecodeStats.merge(runs).per_token_acceptance
+            alpha = DecodeStats.merge(runs).alpha
             alpha = 0.0 if alpha is None else min(max(float(alpha), 0.0), 1.0)
             g = best_gamma(alpha, c, max_gamma=max_gamma, min_gamma=1, verify_costs=v)
             per_t[t] = {"alpha": alpha, "num_draft_tokens": g,
@@ -428,10 +428,10 @@ def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list
                    "plain_new_tokens": plain.num_new_tokens}
             for d in drafts:
                 st = pooled(d)
-                alpha_token = st.per_token_acceptance if st.num_drafted else None
+                alpha_token = st.alpha if st.num_drafted else None
                 gamma = gammas[d][t]
                 row[d] = {"num_draft_tokens": gamma, "acceptance_rate": st.acceptance_rate,
-                          "alpha_per_token": alpha_token,
+                          "alpha": alpha_token,
                           "mean_accepted_length": st.mean_accepted_length,
                           "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
                           "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d][0],
@@ -479,7 +479,7 @@ def render_table(results: dict, console) -> None:
             pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
             table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
                           str(m.get("num_draft_tokens", ev["num_draft_tokens"])), f"{m['acceptance_rate']:.3f}",
-                          _fmt(m.get("alpha_per_token"), ".3f"),
+                          _fmt(m.get("alpha"), ".3f"),
                           f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
                           end_section=(i == len(drafts) - 1 and r["set"] == "all"))
@@ -487,7 +487,7 @@ def render_table(results: dict, console) -> None:
     costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
     lossless = ev["greedy_lossless"]
     console.print(f"acc. rate = acceptance rate Σaccepted/Σdrafted; α = Leviathan et al.'s per-token acceptance "
-                  f"probability (DecodeStats.per_token_acceptance); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + v_γ)) "
+                  f"probability (DecodeStats.alpha); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + v_γ)) "
                   f"with the engine's measured draft/target forward cost ratio c ({costs or 'n/a'}) and verify cost "
                   f"v_γ (a target forward over γ+1 tokens / over one). Greedy speculative output identical to plain "
                   f"greedy output in {lossless['equal']}/{lossless['total']} runs.")

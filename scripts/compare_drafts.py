@@ -62,7 +62,7 @@ def main() -> int:
             for n in drafts:
                 m = r[n]
                 print(f"T={r['temperature']:g} {n}: γ {m['num_draft_tokens']} acc. rate {m['acceptance_rate']:.3f} "
-                      f"α {_fmt(m['alpha_per_token'], '.3f')} τ {m['mean_accepted_length']:.2f} "
+                      f"α {_fmt(m['alpha'], '.3f')} τ {m['mean_accepted_length']:.2f} "
                       f"speedup {m['speedup']:.2f}x")
     print("c:", {k: round(v, 3) for k, v in (ev.get("cost_ratio") or {}).items()})
     print(f"wrote {out}")

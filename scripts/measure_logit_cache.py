@@ -48,7 +48,7 @@ def step_stats(run_dir: Path) -> dict:
 
 def alpha(result: dict) -> dict:
     """Per temperature: the acceptance rate (Σaccepted/Σdrafted) and α (per-token acceptance)."""
-    return {t: {"acceptance_rate": m["acceptance_rate"], "alpha": m.get("per_token_acceptance")}
+    return {t: {"acceptance_rate": m["acceptance_rate"], "alpha": m.get("alpha")}
             for t, m in result["per_temperature"].items()}
 
 

@@ -218,7 +218,7 @@ def measure(args, target, drafts: list[dict], prompts: list[list[int]], tokenize
         d["per_temperature"] = {}
         for t in args.temperatures:
             s = DecodeStats.merge(stats[(t, n)])
-            row = {"alpha": s.per_token_acceptance, "acceptance_rate": s.acceptance_rate,
+            row = {"alpha": s.alpha, "acceptance_rate": s.acceptance_rate,
                    "mean_accepted_length": s.mean_accepted_length,
                    "speedup": sum(walls[(t, "plain")]) / sum(walls[(t, n)]),
                    "spec_wall_s": sum(walls[(t, n)]), "plain_wall_s": sum(walls[(t, "plain")])}

@@ -14,8 +14,8 @@ from decode.speedup import best_gamma, predicted_speedup
 
 
 def alpha_of(stats: DecodeStats) -> float | None:
-    """α, Leviathan et al.'s per-token acceptance (``DecodeStats.per_token_acceptance``); None with no trial."""
-    return stats.per_token_acceptance if stats.num_accepted + stats.num_rejections else None
+    """α, Leviathan et al.'s per-token acceptance (``DecodeStats.alpha``); None with no trial."""
+    return stats.alpha if stats.num_accepted + stats.num_rejections else None
 
 
 def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None:

@@ -17,7 +17,7 @@ def test_pooled_definitions():
     assert s.acceptance_by_position == pytest.approx([3 / 4, 2 / 4, 1 / 3, 1 / 3])
     assert s.accepted_length_histogram == [1, 1, 1, 0, 1]
     assert s.num_rejections == 3  # only the all-accepted step had no rejection
-    assert s.per_token_acceptance == pytest.approx(7 / (7 + 3))
+    assert s.alpha == pytest.approx(7 / (7 + 3)) == s.per_token_acceptance  # the former name still works
     assert s.mean_num_draft_tokens == pytest.approx(14 / 4)
 
 
@@ -47,13 +47,13 @@ def test_plain_steps_are_not_verify_steps():
     s = DecodeStats(num_target_forwards=5)
     for _ in range(5):
         s.record_step(0, [0, 0])
-    assert s.num_verify_steps == 0 and s.acceptance_rate == 0.0 and s.per_token_acceptance == 0.0
+    assert s.num_verify_steps == 0 and s.acceptance_rate == 0.0 and s.alpha == 0.0
     assert s.mean_accepted_length == 1.0  # plain decoding: one token per target forward
     s.record_step(3, [3, 1])
     assert s.num_verify_steps == 2 and s.mean_accepted_length == pytest.approx((4 + 2) / 2)
 
 
-def test_per_token_acceptance_recovers_iid_alpha():
+def test_alpha_recovers_iid_per_token_acceptance():
     """Simulated i.i.d. Bernoulli(α) acceptance: α_tok recovers α at any γ, while Σaccepted/Σdrafted falls."""
     import random
 
@@ -65,7 +65,7 @@ def test_per_token_acceptance_recovers_iid_alpha():
             while n < gamma and rng.random() < 0.7:
                 n += 1
             s.record_step(gamma, [n])
-        assert s.per_token_acceptance == pytest.approx(0.7, abs=0.01)
+        assert s.alpha == pytest.approx(0.7, abs=0.01)
         assert s.acceptance_rate < 0.7 - 0.05 * (gamma > 2)
 
 

@@ -62,8 +62,8 @@ def test_acceptance_eval_predicts_with_the_verify_costs_it_is_given(tiny_pair):
     steep = [1.0] + [1.0 + 0.5 * g for g in range(1, 9)]
     ev = acceptance_eval(target, draft, prompts, tok, [1.0], max_new_tokens=8, cost_ratio=0.05, verify_costs=steep)
     row, base = ev["per_temperature"]["1.0"], plain["per_temperature"]["1.0"]
-    a = row["per_token_acceptance"]
-    assert a == base["per_token_acceptance"]  # same seed, same draws: only the prediction changed
+    a = row["alpha"]
+    assert a == base["alpha"]  # same seed, same draws: only the prediction changed
     assert row["best_gamma"] == best_gamma(a, 0.05, 8, 1, verify_costs=steep) <= base["best_gamma"]
     assert row["predicted_speedup"] == pytest.approx(predicted_speedup(a, row["best_gamma"], 0.05,
                                                                        steep[row["best_gamma"]]))

@@ -66,9 +66,9 @@ def test_smoke_quickstart_end_to_end(tmp_path):
             gamma = m["num_draft_tokens"]
             assert gamma == ev["gammas"][d][str(r["temperature"])]
             assert 0.0 <= m["acceptance_rate"] <= 1.0
-            assert m["acceptance_rate"] <= m["alpha_per_token"] + 1e-12 <= 1.0 + 1e-12
+            assert m["acceptance_rate"] <= m["alpha"] + 1e-12 <= 1.0 + 1e-12
             assert m["predicted_speedup"] == pytest.approx(predicted_speedup(
-                m["alpha_per_token"], gamma, ev["cost_ratio"][d], verify_cost_at(ev["verify_costs"][d], gamma)))
+                m["alpha"], gamma, ev["cost_ratio"][d], verify_cost_at(ev["verify_costs"][d], gamma)))
             assert 1.0 <= m["mean_accepted_length"] <= gamma + 1
             assert m["speedup"] == pytest.approx(m["tokens_per_s"] / r["plain_tokens_per_s"])
             assert sum(m["accepted_length_histogram"]) == m["num_verify_steps"] > 0

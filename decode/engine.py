@@ -37,7 +37,7 @@ from decode.compat import check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
-from decode.speedup import AdaptiveGamma
+from decode.speedup import AdaptiveGamma, smooth_verify_costs
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 
@@ -462,9 +462,9 @@ class SpeculativeDecoder:
 
         Returns:
             :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``; the
-            measured v_γ are made non-decreasing in γ and >= 1 (:func:`decode.speedup.monotone_costs`).
+            measured v_γ are made non-decreasing in γ and >= 1 (:func:`decode.speedup.smooth_verify_costs`).
         """
-        from decode.speedup import measure_cost_ratio, monotone_costs
+        from decode.speedup import measure_cost_ratio
 
         if self.draft is None:
             raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
@@ -476,8 +476,8 @@ class SpeculativeDecoder:
             context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
             m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
                                    verify_gammas=range(1, self.max_auto_draft_tokens + 1))
-            verify = [max(1.0, v) for v in monotone_costs([v["relative_cost"] for v in m["verify"]])]
-            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"], "verify": [1.0] + verify}
+            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
+                                  "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]])}
         return self.auto_costs
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

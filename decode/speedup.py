@@ -249,6 +249,13 @@ def monotone_costs(costs: Sequence[float]) -> list[float]:
     return out
 
 
+def smooth_verify_costs(measured: Sequence[float]) -> list[float]:
+    """``[v_0 = 1, v_1, .., v_n]`` from n measured ratios v_1..v_n: made non-decreasing (:func:`monotone_costs`),
+    then each at least 1 (a verify over more tokens never costs less than one token). The one smoothing used by the
+    decoder's ``calibrate``, the recipe's evaluation and the quickstart."""
+    return [1.0] + [max(1.0, float(v)) for v in monotone_costs([float(v) for v in measured])]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,8 +1,8 @@
 """Acceptance evaluation of a draft against its target with the bundled speculative decoder.
 
-The loss only stands in for the real objective; this measures it: the acceptance rate α (Σaccepted/Σdrafted),
-the mean accepted length τ (committed tokens per verify step), the accepted-length histogram, and the speedup
-predicted by Leviathan et al. (2023) at the best γ from the per-token acceptance α_tok, a measured cost ratio
+The loss only stands in for the real objective; this measures it: the acceptance rate (Σaccepted/Σdrafted), α
+(Leviathan et al.'s per-token acceptance), the mean accepted length τ (committed tokens per verify step), the
+accepted-length histogram, and the speedup predicted by Leviathan et al. (2023) at the best γ from α, a measured cost ratio
 c = draft / target time of a cached decode forward and the measured verify costs v_γ (a verify forward of γ+1
 tokens over a one-token one).
 """
@@ -33,23 +33,22 @@ def measure_costs(target: Any, draft: Any, prompts: list[list[int]], max_gamma: 
         progress: told ``("measuring cost ratio c", done, repeats + 2, "rounds")`` after each round of forwards.
 
     Returns:
-        ``(c, [v_0 = 1, v_1, .., v_max_gamma])``; the v_γ are made non-decreasing and >= 1
-        (:func:`decode.speedup.monotone_costs`), as the decoder's own ``calibrate`` does.
+        ``(c, [v_0 = 1, v_1, .., v_max_gamma])``, smoothed as the decoder's own ``calibrate`` does
+        (:func:`decode.speedup.smooth_verify_costs`).
     """
     from decode.engine import context_length
     from decode.speedup import measure_cost_ratio as measure
-    from decode.speedup import monotone_costs
+    from decode.speedup import smooth_verify_costs
 
     device = next(target.parameters()).device
     ids = [t for p in prompts for t in p] or [0, 0]
-    limit = min(x for x in (context_length(target), context_length(draft), context_tokens) if x)
-    ids = (ids * (limit // len(ids) + 1))[: max(2, limit)]
+    # room for the longest timed verify (max_gamma + 1 tokens) inside both models' context
+    limit = min(x for x in (context_length(target), context_length(draft), context_tokens) if x) - max_gamma - 1
+    ids = (ids * (max(2, limit) // len(ids) + 1))[: max(2, limit)]
     report = None if progress is None else lambda done, total: progress(COST_RATIO_PROGRESS, done, total, "rounds")
     m = measure(target, draft, torch.tensor([ids], device=device), repeats=repeats,
                 verify_gammas=range(1, max_gamma + 1), progress=report)
-    verify = None
-    if max_gamma > 0:
-        verify = monotone_costs([1.0] + [max(1.0, float(v["relative_cost"])) for v in m["verify"]])
+    verify = smooth_verify_costs([v["relative_cost"] for v in m["verify"]]) if max_gamma > 0 else None
     return float(m["cost_ratio"]), verify
 
 
@@ -98,10 +97,10 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
             cost measurement's rounds (:func:`measure_costs`) when c is measured.
 
     Returns:
-        ``{"per_temperature": {"0.0": {acceptance_rate, mean_accepted_length, accepted_length_histogram,
+        ``{"per_temperature": {"0.0": {acceptance_rate, alpha, mean_accepted_length, accepted_length_histogram,
         acceptance_by_position, best_gamma, predicted_speedup, num_new_tokens}, ...}, "cost_ratio": c,
         "verify_costs": the v_γ used (None: v = 1),
-        "acceptance_rate": mean α over temperatures, "mean_accepted_length": mean τ,
+        "acceptance_rate": mean acceptance rate over temperatures, "mean_accepted_length": mean τ,
         "predicted_speedup": mean predicted speedup}``.
     """
     from decode import DecodeStats, SpeculativeDecoder
@@ -130,12 +129,12 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
                     progress(f"eval α/τ T={float(temperature):g}", min(b + batch_size, len(prompts)), len(prompts),
                              "prompts")
             s = DecodeStats.merge(stats)
-            alpha = float(s.acceptance_rate)
+            rate = float(s.acceptance_rate)
             # The speedup formula's α is the per-token acceptance probability, not Σaccepted/Σdrafted.
             alpha = float(s.alpha)
             g = best_gamma(alpha, cost_ratio, max_gamma=max_gamma, min_gamma=1, verify_costs=verify_costs)
             per_t[str(float(temperature))] = {
-                "acceptance_rate": alpha,
+                "acceptance_rate": rate,
                 "alpha": alpha,
                 "mean_accepted_length": float(s.mean_accepted_length),
                 "accepted_length_histogram": list(s.accepted_length_histogram),

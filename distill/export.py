@@ -118,13 +118,14 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
 def _verify_markdown(ev: dict) -> str:
     """The card's sentence on the speedup model: verify-aware with the v_γ measured beside c, or Leviathan's."""
     verify = ev.get("verify_costs")
-    if not verify:
+    if not verify or len(verify) < 2:
         return "The predicted speedup is Leviathan et al. (2023): (1 − α^(γ+1)) / ((1 − α)(γc + 1))."
     shown = ", ".join(f"{v:.2f}" for v in verify[1:])
-    return ("The predicted speedup is Leviathan et al. (2023) with the verify cost measured beside c: "
-            "(1 − α^(γ+1)) / ((1 − α)(γc + v_γ)), v_γ = time of a target forward over γ+1 tokens / over one "
-            f"(v_1.. = {shown}). On a GPU at batch 1 a verify costs about one forward (v = 1): pass "
-            "`eval.cost_ratio=C` measured there to predict for it.")
+    return ("The predicted speedup is Leviathan et al. (2023) with verify costs: (1 − α^(γ+1)) / ((1 − α)(γc + v_γ)), "
+            "v_γ = time of a target forward over γ+1 tokens / over one (v_1.. = "
+            f"{shown}; measured beside c unless the training config's eval.verify_costs set them). On a GPU at "
+            "batch 1 a verify costs about one forward (v = 1): pass `eval.cost_ratio=C` measured there to predict "
+            "for it.")
 
 
 def _pruned_markdown(card: dict) -> str:

@@ -563,10 +563,13 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
              "num_processes": acc.num_processes, "examples_consumed": 0}
     if resume_from is not None:
         state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
+        state["cost_ratio"], state["verify_costs"] = run.cost_ratio, run.verify_costs  # the ones this run uses
         log(f"resumed from {resume_from} at step {state['step']}")
         if kept_c is not None:
-            log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} and verify costs (measured when the run "
-                "started; set eval.cost_ratio to use another)")
+            verify = ("set by eval.verify_costs" if cfg.eval.get("verify_costs") is not None else
+                      "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")
+            log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; set "
+                f"eval.cost_ratio to use another); verify costs: {verify}")
         if acc.is_main_process:
             ckpt.truncate_metrics(out, int(state["step"]))
             if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
@@ -594,7 +597,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         if ev is not None:
             state["last_eval"] = {"step": step, **ev}
             logger.log_eval(ev, step)
-            log(f"step {step}: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
+            log(f"step {step}: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
                 f"speedup≈{ev['predicted_speedup']:.2f} ({cfg.eval.select_by} selects)")
             value = ev[cfg.eval.select_by]
             if step > 0 and (state["best"] is None or value > state["best"]["value"]):
@@ -612,7 +615,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         ev = evaluate(run)
         state["initial_eval"] = ev
         logger.log_eval(ev, 0)
-        log(f"initial draft: α={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
+        log(f"initial draft: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
 
     draft, scheduler = run.draft, run.scheduler
     draft.train()

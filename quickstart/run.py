@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         drafts["distilled"] = export_dir
     console.rule("[bold]eval")
     t0 = time.time()
+    results["target"] = _read_json(out / qs.target.dir / "pretrain.json")  # before the evaluation: kept if it fails
+    results["baseline_draft"] = _read_json(out / qs.draft.dir / "pretrain.json")
+    results["distilled_draft"] = _export_card(export_dir) if distilled else None
     try:
         results["eval"] = evaluate(out / qs.target.dir, drafts, qs.eval, console)
     except Exception as err:  # keep results.json (phase timings, the models made) whatever the evaluation hits
@@ -605,9 +608,6 @@ def main(argv: list[str] | None = None) -> int:
                       "to evaluate them (finished phases are reused).")
         return _finish(results, out, console, t_start, 1)
     phases["eval"] = {"seconds": round(time.time() - t0, 1), "status": "ok"}
-    results["target"] = _read_json(out / qs.target.dir / "pretrain.json")
-    results["baseline_draft"] = _read_json(out / qs.draft.dir / "pretrain.json")
-    results["distilled_draft"] = _export_card(export_dir) if distilled else None
     return _finish(results, out, console, t_start, 0 if ok else 1)
 
 

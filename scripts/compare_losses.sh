@@ -84,25 +84,27 @@ ecfg = load_settings("quickstart", os.environ["EVAL"].split()).eval
 ecfg = OmegaConf.merge(ecfg, {"num_draft_tokens": gamma})
 t0 = time.time()
 ev = evaluate(f"{pair}/target", drafts, ecfg)
+json.dump({"eval": ev, "drafts": drafts, "eval_seconds": time.time() - t0},  # saved before the table is built
+          open(f"{out}/results.json", "w"), indent=1, default=str)
 rows = [r for r in ev["rows"] if r["set"] == "all"]
 by_loss = defaultdict(lambda: defaultdict(list))
 for r in rows:
     for name in drafts:
         loss = name.rsplit("-s", 1)[0]
         m = r[name]
-        for key in ("alpha_per_token", "mean_accepted_length", "speedup"):
+        for key in ("alpha", "mean_accepted_length", "speedup"):
             by_loss[loss][(r["temperature"], key)].append(m[key])
 table = Table(title=escape(f"losses at equal steps, γ={gamma} (mean [min, max] over seeds; all prompt sets pooled)"))
 table.add_column("loss")
 temps = sorted({r["temperature"] for r in rows})
 for t in temps:
-    for label in ("α/token", "τ", "speedup"):
+    for label in ("α", "τ", "speedup"):
         table.add_column(f"{label} T={t:g}", justify="right")
 summary = {}
 for loss, cols in by_loss.items():
     cells, summary[loss] = [], {}
     for t in temps:
-        for key in ("alpha_per_token", "mean_accepted_length", "speedup"):
+        for key in ("alpha", "mean_accepted_length", "speedup"):
             v = [x for x in cols[(t, key)] if x is not None]
             summary[loss][f"{key}@T={t:g}"] = {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "runs": v}
             cells.append(escape(f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]"))

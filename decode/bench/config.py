@@ -52,7 +52,7 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if self.cost_repeats < 3:
             raise ValueError(f"cost_repeats must be >= 3 for a meaningful median (got {self.cost_repeats})")
-        if self.auto and self.auto_max_gamma < 1:
+        if self.auto_max_gamma < 1:  # the decoder refuses max_auto_draft_tokens < 1 whether or not auto runs
             raise ValueError(f"auto_max_gamma must be >= 1 (got {self.auto_max_gamma})")
         if any(g < 1 for g in self.hf_gammas):
             raise ValueError(f"HF assisted γ values must be >= 1 (got {self.hf_gammas})")

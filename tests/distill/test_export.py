@@ -213,3 +213,18 @@ def test_card_states_the_speedup_model_it_predicted_with():
     assert "(γc + 1)" in _verify_markdown({"cost_ratio": 0.5})  # c given: Leviathan et al.'s v = 1
     text = _verify_markdown({"cost_ratio": 0.2, "verify_costs": [1.0, 1.5, 1.75]})
     assert "(γc + v_γ)" in text and "1.50, 1.75" in text and "eval.cost_ratio" in text
+    assert "(γc + 1)" in _verify_markdown({"cost_ratio": 0.2, "verify_costs": [1.0]})  # no v_1: Leviathan's
+
+
+def test_card_shows_acceptance_rate_and_alpha_also_from_an_older_evaluation():
+    from distill.export import _card_markdown, serving_commands
+
+    def card(row):
+        ev = {"per_temperature": {"1.0": row}, "num_draft_tokens": 4, "step": 2, "cost_ratio": 0.2}
+        return {"target": "t", "loss": "fkl", "steps": 2, "lora_merged": False, "evaluation": ev,
+                "serving": serving_commands("t", "d", ev, None)}
+
+    row = {"acceptance_rate": 0.512, "mean_accepted_length": 2.5, "best_gamma": 4, "predicted_speedup": 1.7}
+    assert "| 1.0 | 0.512 | 0.715 | 2.50 | 4 | 1.70 |" in _card_markdown(card({**row, "alpha": 0.715}))
+    # recorded before the one-name rule: α was stored as per_token_acceptance
+    assert "| 1.0 | 0.512 | 0.715 | 2.50 | 4 | 1.70 |" in _card_markdown(card({**row, "per_token_acceptance": 0.715}))

@@ -63,6 +63,7 @@ def test_acceptance_eval_predicts_with_the_verify_costs_it_is_given(tiny_pair):
     ev = acceptance_eval(target, draft, prompts, tok, [1.0], max_new_tokens=8, cost_ratio=0.05, verify_costs=steep)
     row, base = ev["per_temperature"]["1.0"], plain["per_temperature"]["1.0"]
     a = row["alpha"]
+    assert row["acceptance_rate"] < a  # Σaccepted/Σdrafted counts the drafts after a rejection: below α
     assert a == base["alpha"]  # same seed, same draws: only the prediction changed
     assert row["best_gamma"] == best_gamma(a, 0.05, 8, 1, verify_costs=steep) <= base["best_gamma"]
     assert row["predicted_speedup"] == pytest.approx(predicted_speedup(a, row["best_gamma"], 0.05,

@@ -135,6 +135,29 @@ def test_prune_keeps_the_checkpoint_resume_needs(tmp_path, straight):
     assert ckpt.find_latest(out) == out / "step_000004"
 
 
+def test_resume_of_a_checkpoint_without_verify_costs_goes_on_with_v_1(pair, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.stop_at=2", *FAST)), log=QUIET)
+    state_file = out / "step_000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["verify_costs"]  # as written before verify costs were recorded
+    state_file.write_text(json.dumps(state))
+    manifest_file = out / "step_000002" / "manifest.json"  # keep the checkpoint complete (the manifest has sizes)
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["trainer_state.json"] = state_file.stat().st_size
+    manifest_file.write_text(json.dumps(manifest))
+    monkeypatch.setattr(recipe, "resolve_costs", lambda *a: pytest.fail("the costs were measured again"))
+    messages = []
+    s = train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.resume=true", *FAST)), log=messages.append)
+    assert s["last_eval"]["cost_ratio"] == state["cost_ratio"] and s["last_eval"]["verify_costs"] is None
+    assert any("none recorded, so v = 1" in m for m in messages)
+    from decode.speedup import predicted_speedup
+
+    for row in s["last_eval"]["per_temperature"].values():  # Leviathan's v = 1, as the run started
+        assert row["predicted_speedup"] == pytest.approx(predicted_speedup(row["alpha"], row["best_gamma"],
+                                                                           state["cost_ratio"]))
+
+
 def test_resume_keeps_the_checkpoints_cost_ratio(pair, tmp_path, monkeypatch):
     out = tmp_path / "run"
     train(compose(overrides(pair, out, "eval.cost_ratio=null", "train.stop_at=2", *FAST)), log=QUIET)

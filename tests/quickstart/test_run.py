@@ -176,4 +176,5 @@ def test_a_failed_evaluation_still_writes_results_and_keeps_the_models(tmp_path,
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "failed" and res["phases"]["eval"]["status"] == "failed: RuntimeError: disk full"
     assert res["phases"]["target"]["status"].startswith("cached") and (out / "target" / "pretrain.json").is_file()
+    assert res["target"] == {} and res["baseline_draft"] == {}  # the models' records are kept too
     assert "rerun the same command" in " ".join(capsys.readouterr().out.split())  # rich wraps long lines

@@ -239,8 +239,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     from decode import DecodeStats, SpeculativeDecoder
 
     console = console or Console()
-    check_eval_settings(ecfg)
-    setting = gamma_setting(ecfg.num_draft_tokens)
+    setting = check_eval_settings(ecfg)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = _load_lm(target_dir, "target")
     models = {name: _load_lm(path) for name, path in drafts.items()}
@@ -321,9 +320,10 @@ def gamma_setting(value) -> int | str:
     return gamma
 
 
-def check_eval_settings(ecfg) -> None:
+def check_eval_settings(ecfg) -> int | str:
     """Check every ``quickstart.eval`` setting the evaluation reads, so a bad one stops the run before any
-    training (not 25 minutes later). Raises ValueError naming the setting and what it takes."""
+    training (not 25 minutes later). Returns the γ setting (:func:`gamma_setting`). Raises ValueError naming the
+    setting and what it takes."""
     import math
 
     setting = gamma_setting(ecfg.get("num_draft_tokens", "best"))
@@ -351,6 +351,7 @@ def check_eval_settings(ecfg) -> None:
     if not sets or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in dict(sets).values()):
         raise ValueError(f"quickstart.eval.prompt_sets={sets!r}: use {{set: number of prompts >= 1}}, e.g. "
                          "{humaneval: 10, mbpp_code: 10, stdlib: 10}")
+    return setting
 
 
 def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
@@ -394,8 +395,7 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
             runs = [dec.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=t,
                                  generator=torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + i),
                                  num_draft_tokens=PROBE_GAMMA).stats for i, ids in enumerate(prompts)]
-            alpha = DecodeStats.merge(runs).alpha
-            alpha = 0.0 if alpha is None else min(max(float(alpha), 0.0), 1.0)
+            alpha = DecodeStats.merge(runs).alpha  # a float in [0, 1] (0.0 with no trial)
             g = best_gamma(alpha, c, max_gamma=max_gamma, min_gamma=1, verify_costs=v)
             per_t[t] = {"alpha": alpha, "num_draft_tokens": g,
                         "predicted_speedup": predicted_speedup(alpha, g, c, verify_cost_at(v, g))}

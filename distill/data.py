@@ -307,6 +307,52 @@ def collate_sequences(examples: list[dict], pad_id: int) -> dict[str, torch.Tens
     return {"input_ids": ids, "attention_mask": att, "labels": labels, "loss_mask": loss_mask}
 
 
+
+def kept_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Where the loss is computed, found on the host (no device sync): ``(columns, flat_index)``.
+
+    ``columns`` (C,) are the sequence positions where any row has a completion token (None when that is all L
+    of them), to pass as ``logits_to_keep`` so the lm_head runs on C positions instead of L; ``flat_index`` (N,)
+    picks the kept positions out of the (B·C) rows, row by row, in the order of ``loss_mask`` (B, L).
+    """
+    keep = loss_mask.bool()
+    cols = keep.any(0).nonzero().squeeze(1)
+    if len(cols) == keep.shape[1]:
+        return None, keep.flatten().nonzero().squeeze(1)
+    return cols, keep[:, cols].flatten().nonzero().squeeze(1)
+
+
+def accepts_logits_to_keep(model: Any) -> bool:
+    """True when the (unwrapped: DDP/FSDP/DeepSpeed ``.module``, peft base) model's forward takes logits_to_keep."""
+    import inspect
+
+    for _ in range(4):
+        model = getattr(model, "module", model)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def forward_kept_logits(model: Any, batch: dict[str, torch.Tensor], where: tuple | None = None,
+                        logits_to_keep: bool | None = None) -> torch.Tensor:
+    """``(N, V')`` logits of ``model`` at the N kept positions of ``batch`` (:func:`collate_sequences`), row by row.
+
+    ``where`` is :func:`kept_positions` of ``batch["loss_mask"]`` (computed when None). The lm_head runs on the C
+    columns holding a completion token instead of all L (``logits_to_keep``, which Hugging Face causal LMs take;
+    ``logits_to_keep=None`` checks the model's signature), which also shrinks the (B, L, V) logits: for a target
+    whose lm_head is a large share of its weights (a 150k vocabulary), that is most of a prompt position's work.
+    """
+    cols, flat = where if where is not None else kept_positions(batch["loss_mask"])
+    device = batch["input_ids"].device
+    if logits_to_keep is None:
+        logits_to_keep = accepts_logits_to_keep(model)
+    kw = {"logits_to_keep": cols.to(device)} if cols is not None and logits_to_keep else {}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kw).logits
+    if not kw and cols is not None:
+        logits = logits[:, cols.to(logits.device)]
+    return logits.flatten(0, 1).index_select(0, flat.to(logits.device))
+
+
 # ---- target-generated completions (sequence-level KD), cached with `datasets` ------------------------------------
 
 def cache_key(target_name: str, examples: list[dict], gen_cfg: dict) -> str:

@@ -33,8 +33,9 @@ from omegaconf import DictConfig, OmegaConf
 from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt
 from distill.config import check_inputs, normalize_config
-from distill.data import (as_examples, build_examples, cache_key, check_lengths, collate_sequences,
-                          generate_target_data, micro_batch_indices)
+from distill.data import (accepts_logits_to_keep, as_examples, build_examples, cache_key, check_lengths,
+                          collate_sequences, forward_kept_logits, generate_target_data, kept_positions,
+                          micro_batch_indices)
 from distill.evaluate import acceptance_eval, resolve_costs
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
@@ -296,43 +297,13 @@ def target_logits_mode(cfg: DictConfig) -> str:
     return mode
 
 
-def kept_positions(loss_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Where the loss is computed, found on the host (no device sync): ``(columns, flat_index)``.
-
-    ``columns`` (C,) are the sequence positions where any row has a completion token (None when that is all L
-    of them), to pass as ``logits_to_keep`` so the lm_head runs on C positions instead of L; ``flat_index`` (N,)
-    picks the kept positions out of the (B·C) rows, row by row, in the order of ``loss_mask`` (B, L).
-    """
-    keep = loss_mask.bool()
-    cols = keep.any(0).nonzero().squeeze(1)
-    if len(cols) == keep.shape[1]:
-        return None, keep.flatten().nonzero().squeeze(1)
-    return cols, keep[:, cols].flatten().nonzero().squeeze(1)
-
-
-def _accepts_logits_to_keep(model: Any) -> bool:
-    """True when the (unwrapped: DDP/FSDP/DeepSpeed ``.module``, peft base) model's forward takes logits_to_keep."""
-    import inspect
-
-    for _ in range(4):
-        model = getattr(model, "module", model)
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 def kept_logits(run: Run, who: str, batch: dict[str, torch.Tensor], where: tuple) -> torch.Tensor:
-    """(N, V') logits of ``run.<who>`` at the kept positions; the lm_head sees only the kept columns when the
-    model supports ``logits_to_keep`` (Hugging Face causal LMs do), which also shrinks the (B, L, V) logits."""
-    model, (cols, flat) = getattr(run, who), where
-    support = run.logits_to_keep
+    """(N, V') logits of ``run.<who>`` at the kept positions (:func:`distill.data.forward_kept_logits`); whether the
+    model takes ``logits_to_keep`` is looked up once per run."""
+    model, support = getattr(run, who), run.logits_to_keep
     if who not in support:
-        support[who] = _accepts_logits_to_keep(model)
-    kw = {"logits_to_keep": cols.to(batch["input_ids"].device)} if cols is not None and support[who] else {}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kw).logits
-    if not kw and cols is not None:
-        logits = logits[:, cols.to(logits.device)]
-    return logits.flatten(0, 1).index_select(0, flat.to(logits.device))
+        support[who] = accepts_logits_to_keep(model)
+    return forward_kept_logits(model, batch, where, support[who])
 
 
 def target_distribution(run: Run, batch: dict[str, torch.Tensor], rows: list[int] | None = None,

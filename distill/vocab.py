@@ -53,16 +53,15 @@ def target_id_mass(target: Any, examples: list[dict], pad_id: int, vocab: int, b
     One no-grad target forward per batch of ``batch_size`` sequences (prompt + completion); only the completion
     positions (the loss mask of :func:`distill.data.collate_sequences`) count.
     """
-    from distill.data import collate_sequences
+    from distill.data import accepts_logits_to_keep, collate_sequences, forward_kept_logits
 
     device = next(target.parameters()).device
+    to_keep = accepts_logits_to_keep(target)
     mass = torch.zeros(vocab, dtype=torch.float64, device=device)
     for start in range(0, len(examples), batch_size):
-        batch = collate_sequences(examples[start:start + batch_size], pad_id)
-        logits = target(input_ids=batch["input_ids"].to(device),
-                        attention_mask=batch["attention_mask"].to(device)).logits
-        keep = batch["loss_mask"].bool().to(device)
-        mass += (logits[keep][:, :vocab].float() / temperature).softmax(-1).double().sum(0)
+        batch = {k: t.to(device) for k, t in collate_sequences(examples[start:start + batch_size], pad_id).items()}
+        logits = forward_kept_logits(target, batch, logits_to_keep=to_keep)  # (N, V'), completion positions only
+        mass += (logits[:, :vocab].float() / temperature).softmax(-1).double().sum(0)
     return mass.cpu()
 
 

@@ -481,16 +481,19 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m decode certify``; returns 0 on PASS, 1 on FAIL, 2 on bad input."""
     args = build_parser().parse_args(argv)
-    try:
-        settings = _check_args(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.prompts import encode_prompts, load_prompts
+    from decode.sampling import MAX_SEED
 
-    device = check_device(args.device)
-    prompts = load_prompts(args.prompts, limit=args.num_prefixes, field=args.prompt_field)
+    try:  # every check that needs no model: bad input exits 2 before anything loads
+        settings = _check_args(args)
+        if not 0 <= args.seed <= MAX_SEED:
+            raise ValueError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+        device = check_device(args.device)
+        prompts = load_prompts(args.prompts, limit=args.num_prefixes, field=args.prompt_field)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     tok = load_tokenizer(args.tokenizer or args.target)
     prefixes = encode_prompts(prompts, tok, chat_template=False, max_prompt_tokens=args.prefix_tokens)
     target = load_causal_lm(args.target, "target", args.dtype, device)

@@ -52,7 +52,9 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
 
     name_or_path = str(name_or_path)
     if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise FileNotFoundError(f"{role} path {name_or_path!r} does not exist; pass a directory written by "
+        what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
+            "does not exist"
+        raise FileNotFoundError(f"{role} path {name_or_path!r} {what}; pass a directory written by "
                                 "save_pretrained (or a hub id when online)")
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     try:
@@ -109,10 +111,14 @@ def default_device() -> str:
 
 
 def check_device(device: str | None) -> str:
-    """The device to use (``default_device()`` when None); raises ValueError if it is a CUDA device and this torch
-    build or machine has none."""
+    """The device to use (``default_device()`` when None); raises ValueError if it is not a torch device string
+    (``cpu``, ``cuda``, ``cuda:1``, ...) or a CUDA device that this torch build or machine does not have."""
     device = device or default_device()
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N ({err})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but this torch build or machine has no CUDA device; "
                          "use --device cpu (or install a CUDA build of torch on a GPU machine)")
     return device

@@ -119,7 +119,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _text_of(row: dict[str, Any], field: str, where: str) -> str:
     if field not in row:
-        raise KeyError(f"{where}: no field {field!r}; fields present: {sorted(row)}. "
+        raise ValueError(f"{where}: no field {field!r}; fields present: {sorted(row)}. "
                        "Pass the right one as the prompt field")
     value = row[field]
     if isinstance(value, list):  # chat-style `turns`: the first user turn opens the conversation
@@ -127,7 +127,8 @@ def _text_of(row: dict[str, Any], field: str, where: str) -> str:
             raise ValueError(f"{where}: field {field!r} is an empty list")
         value = value[0]
     if not isinstance(value, str):
-        raise TypeError(f"{where}: field {field!r} holds {type(value).__name__}, expected a string or list of strings")
+        raise ValueError(f"{where}: field {field!r} holds {type(value).__name__}, expected a string or list of "
+                         "strings")
     return value
 
 
@@ -167,9 +168,9 @@ def load_prompts(
         list of ``Prompt`` in a deterministic order.
 
     Raises:
-        ValueError: unknown set name that is not a path either, non-positive limit, bad JSON, empty file.
+        ValueError: unknown set name that is not a path either, non-positive limit, bad JSON, empty file, a row
+            that is not a JSON object, or a row without the text field (the message lists the fields present).
         FileNotFoundError: a path, or the shared data folder, does not exist.
-        KeyError: the text field is missing in a row (the message lists the fields present).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"prompt limit must be >= 1 (got {limit}); omit it to use every prompt")
@@ -199,10 +200,14 @@ def load_prompts(
     rows = _read_jsonl(path)
     if not rows:
         raise ValueError(f"prompt file {path} has no rows")
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path}:{bad + 1} is a JSON {type(rows[bad]).__name__}, not an object; each line must be "
+                         'an object with the prompt field, e.g. {"prompt": "def f():"}')
     if text_field is None:
         text_field = next((f for f in DEFAULT_LOCAL_FIELDS if f in rows[0]), None)
         if text_field is None:
-            raise KeyError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
+            raise ValueError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
                            f"(fields present: {sorted(rows[0])}); pass the prompt field explicitly")
     prompts = []
     for i, row in enumerate(rows):

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 MAX_SEED = 2**63 - 1
+TINY = 1e-30  # smallest temperature / repetition penalty used as such (float32's normal range starts at 1.2e-38)
 
 
 def _finite(x) -> bool:
@@ -63,6 +64,8 @@ class SamplingParams:
     def __post_init__(self):
         validate_sampling_args(self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
                                self.frequency_penalty, self.repetition_penalty)
+        if self.top_k is not None:  # a whole-number float (2.0) is the integer it names
+            object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:
@@ -90,10 +93,13 @@ class BatchSampling:
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
         self.greedy = col([p.greedy for p in params], torch.bool) if self.any_greedy else None
-        self.temperature = col([p.temperature if not p.greedy else 1.0 for p in params])
-        ks = [p.top_k for p in params if p.top_k is not None]
+        # Extreme values saturate instead of overflowing float32 / int64: a temperature below 1e-30 acts like
+        # 1e-30 (the row's top ids only, see probs_from_logits), a repetition penalty outside [1e-30, 1e30] like
+        # its bound, and a top_k beyond 2^31 - 1 (more than any vocabulary) keeps every id, as it would.
+        self.temperature = col([max(p.temperature, TINY) if not p.greedy else 1.0 for p in params])
+        ks = [min(p.top_k, 2**31 - 1) for p in params if p.top_k is not None]
         self.top_k_max = max(ks) if ks else None
-        self.top_k = col([(p.top_k or 1) - 1 for p in params], torch.long) if ks else None  # index of the k-th
+        self.top_k = col([min(p.top_k or 1, 2**31 - 1) - 1 for p in params], torch.long) if ks else None  # k-th
         self.has_top_k = col([p.top_k is not None for p in params], torch.bool) if ks else None
         use = lambda name, none: any(getattr(p, name) not in (None, none) for p in params)  # noqa: E731
         self.top_p = col([p.top_p if p.top_p is not None else 1.0 for p in params]) if use("top_p", 1.0) else None
@@ -102,7 +108,7 @@ class BatchSampling:
         if self.penalized:
             self.presence = col([p.presence_penalty for p in params])
             self.frequency = col([p.frequency_penalty for p in params])
-            self.repetition = col([p.repetition_penalty for p in params])
+            self.repetition = col([min(max(p.repetition_penalty, TINY), 1 / TINY) for p in params])
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence, frequency,
@@ -158,7 +164,10 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
     if sampling.all_greedy:
         return _one_hot_argmax(logits)
     greedy = _one_hot_argmax(logits) if sampling.any_greedy else None
-    logits = logits / sampling.temperature
+    # Shift by the row's max before dividing: softmax is unchanged, and a tiny temperature sends every other id to
+    # -inf (probability 0) instead of overflowing to +inf (inf - inf = NaN); the top ids keep 0.
+    top = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)
+    logits = (logits - top) / sampling.temperature
     if sampling.top_k is not None and sampling.top_k_max < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k_max, dim=-1).values
         kth = kth.gather(-1, sampling.top_k.expand(*logits.shape[:-1], 1))
@@ -168,6 +177,7 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
         sorted_probs = sorted_logits.softmax(-1)
         # Drop an id when the mass *before* it already reaches top_p; the top id always survives.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        drop_sorted[..., 0] = False  # also when top_p rounds to 0 in float32 (top_p=1e-46)
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)

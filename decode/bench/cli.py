@@ -101,6 +101,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg.validate()
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1 (got {args.threads}); omit it for torch's default")
+    from decode.loading import check_device
+    from decode.sampling import MAX_SEED
+
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+    cfg.device = check_device(args.device)
     if cfg.compile and not compile_supported():
         raise ValueError("--compile: this version's SpeculativeDecoder has no compile option; drop --compile")
     return cfg
@@ -140,7 +148,7 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = load_prompts(args.prompts, limit=args.limit, field=args.prompt_field)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(cfg.device)  # checked by config_from_args
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
@@ -184,8 +192,9 @@ def _encode(prompts, tokenizer, target, draft, cfg: BenchConfig, args) -> list[l
     if positions:
         max_prompt = min(positions) - cfg.max_new_tokens - max(cfg.gammas or [1]) - 2
         if max_prompt < 1:
-            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt within the models' "
-                             f"{min(positions)} positions; lower it")
+            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} plus the largest γ {max(cfg.gammas or [1])} "
+                             f"(--gammas) leave no room for a prompt within the models' {min(positions)} positions; "
+                             "lower them")
     if args.max_prompt_tokens is not None:
         max_prompt = args.max_prompt_tokens if max_prompt is None else min(max_prompt, args.max_prompt_tokens)
     cfg.max_prompt_tokens = max_prompt

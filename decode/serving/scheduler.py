@@ -100,17 +100,20 @@ class Scheduler:
         """Queue ``req``; its events arrive on the returned ``Live.queue`` in ``loop``.
 
         Raises:
-            APIError: 503 while shutting down, 429 when ``max_queue`` requests already wait (both with
-                ``Retry-After``).
+            APIError: 503 while shutting down, 429 when ``max_queue`` requests already wait beyond the batch's
+                free rows (both with ``Retry-After``).
         """
         live = Live(req, loop, self.tokenizer)
         with self._lock:
             if not self._accepting:
                 raise APIError(503, "the server is shutting down; retry on another replica",
                                code="shutting_down", headers={"Retry-After": "5"})
-            if len(self._waiting) >= self.max_queue:
-                raise APIError(429, f"the server is busy: {self.max_batch_size} requests running and "
-                               f"{len(self._waiting)} waiting (--max-queue); retry later",
+            running = len(self._running)
+            free = max(self.max_batch_size - running, 0)  # rows the next step admits from the queue
+            if len(self._waiting) >= self.max_queue + free:
+                raise APIError(429, f"the server is busy: {running} requests running (--max-batch-size "
+                               f"{self.max_batch_size}) and {len(self._waiting)} waiting (--max-queue "
+                               f"{self.max_queue}); retry later",
                                type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             self._waiting.append(live)
             self.metrics.queue_depth.set(len(self._waiting))

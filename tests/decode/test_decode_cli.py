@@ -71,6 +71,43 @@ def test_unknown_command_and_bad_gamma(saved_pair):
     assert r.returncode == 2 and "finite" in r.stderr
 
 
+@pytest.mark.parametrize("command,args,message", [
+    ("generate", ["--device", "tpu"], "device 'tpu' is not a torch device"),
+    ("generate", ["--seed", str(10**23)], "--seed must be in"),
+    ("generate", ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ("bench", ["--device", "tpu"], "device 'tpu' is not a torch device"),
+    ("bench", ["--threads", "-1"], "--threads must be >= 1"),
+    ("bench", ["--prompt-field", "nosuch", "--limit", "1"], "no field 'nosuch'"),
+    ("certify", ["--device", "tpu"], "device 'tpu' is not a torch device"),
+    ("certify", ["--prompt-field", "nosuch"], "no field 'nosuch'"),
+])
+def test_bad_device_seed_threads_and_prompt_field_exit_2_naming_the_option(saved_pair, tmp_path, command, args,
+                                                                          message):
+    """Found by a new user: these were tracebacks (exit 1), some after both models had loaded."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    common = {"generate": ["--prompt", "w1"], "bench": ["--draft", str(saved_pair / "draft"), "--prompts",
+                                                         str(prompts), "--out", str(tmp_path / "b.json")],
+              "certify": ["--draft", str(saved_pair / "draft"), "--prompts", str(prompts)]}[command]
+    r = run(command, "--target", str(saved_pair / "target"), *common, *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_checkpoint_file_instead_of_its_folder_is_named_as_such(saved_pair):
+    r = run("generate", "--target", str(saved_pair / "target" / "config.json"), "--prompt", "w1")
+    assert r.returncode == 2 and "is a file, not a checkpoint folder" in r.stderr
+
+
+def test_prompt_file_rows_must_be_objects(tmp_path):
+    from decode.prompts import load_prompts
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="not an object"):
+        load_prompts(str(bad))
+
+
 def test_generate_stops_at_every_eos_of_the_generation_config(saved_pair, tmp_path):
     """The stop set is tokenizer eos ∪ generation_config eos: a second eos id X ends the output at X."""
     from transformers import AutoModelForCausalLM

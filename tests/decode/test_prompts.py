@@ -74,7 +74,7 @@ def test_local_jsonl_with_configurable_field(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     prompts = load_prompts(path, field="body")
     assert prompts == [Prompt("a", "hello", "x"), Prompt("b", "world", "y")]
-    with pytest.raises(KeyError, match="fields present"):
+    with pytest.raises(ValueError, match="fields present"):
         load_prompts(path)  # no default field present
     gz = tmp_path / "p.jsonl.gz"
     with gzip.open(gz, "wt") as f:

@@ -56,3 +56,31 @@ def test_sample_uses_generator():
 def test_bad_sampling_args(kw):
     with pytest.raises(ValueError, match="must be"):
         validate_sampling_args(**kw)
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-40, 1e-46, 1e-300])
+def test_tiny_temperature_keeps_the_top_ids_and_never_nan(temperature):
+    """A valid temperature too small for float32 (1e-40 is denormal, 1e-46 rounds to 0) must not overflow logits / T
+    to inf - inf = NaN (which sampled id 0, the pad token): it keeps only the ids with the largest logit."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, -5.0], [0.5, -1.0, 4.0, 0.0, 3.9]])
+    probs = logits_to_probs(logits, temperature)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, torch.tensor([[0, .5, 0, .5, 0], [0, 0, 1.0, 0, 0]]))
+
+
+def test_extreme_top_p_top_k_and_penalty_saturate():
+    from decode.sampling import BatchSampling, SamplingParams, probs_from_logits
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -5.0]])
+    # top_p rounding to 0 in float32 still keeps the most likely id
+    assert logits_to_probs(logits, 1.0, top_p=1e-46).tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0]]
+    # a top_k beyond int64 keeps every id (no overflow when the batch's settings become tensors)
+    torch.testing.assert_close(logits_to_probs(logits, 1.0, top_k=10**23), logits.softmax(-1))
+    # a whole-number float top_k is the integer it names (torch.topk needs an int)
+    assert SamplingParams(temperature=1.0, top_k=2.0).top_k == 2
+    torch.testing.assert_close(logits_to_probs(logits, 1.0, top_k=2.0), logits_to_probs(logits, 1.0, top_k=2))
+    # a repetition penalty that rounds to 0 in float32 saturates: the seen positive logit (id 1) dominates
+    sampling = BatchSampling([SamplingParams(temperature=1.0, repetition_penalty=1e-300)])
+    seen = torch.tensor([[[False, True, False, False, False]]])
+    probs = probs_from_logits(logits[None], sampling, None, torch.zeros(1, 1, 5), seen)
+    assert torch.isfinite(probs).all() and probs[0, 0].argmax() == 1

@@ -204,6 +204,18 @@ def test_full_queue_is_429_with_retry_after_and_shutdown_drains():
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
+def test_the_queue_limit_counts_only_requests_beyond_the_free_batch_rows():
+    """--max-queue 0 means no waiting, not no serving: requests that fit in the batch's free rows are admitted."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, max_batch_size=2, max_queue=0) as (url, app, server):
+        body = {"model": MODEL, "prompt": "w5", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        with cf.ThreadPoolExecutor(2) as pool:
+            codes = [f.result().status_code for f in
+                     [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60) for _ in range(2)]]
+        assert codes == [200, 200]
+
+
 def test_a_failing_step_is_a_500_and_the_server_keeps_serving():
     """Fault injection: the engine's step raises once. That batch gets a 500 in OpenAI's shape; the next works."""
     dec, tok = tiny_pair()

@@ -6,6 +6,20 @@ import os
 from pathlib import Path
 
 
+def writable(folder: str | os.PathLike) -> bool:
+    """True if a file can be created in the existing ``folder`` (tried: ``os.access`` says yes to root everywhere,
+    also on read-only mounts and in /proc)."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".draftkit-write-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False) -> Path:
     """A results file the command will write at the end: its folder must exist and be writable, and an existing
     file is kept unless ``overwrite``.
@@ -27,7 +41,7 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
     if not p.parent.is_dir():
         raise ValueError(f"{key} {str(path)!r}: folder {str(p.parent)!r} does not exist; create it or choose "
                          "another path")
-    if not os.access(p.parent, os.W_OK):
+    if not writable(p.parent):
         raise ValueError(f"{key} {str(path)!r}: folder {str(p.parent)!r} is not writable; choose another path")
     if p.exists() and not overwrite:
         raise ValueError(f"{key} {str(path)!r} exists and would be overwritten; choose a new file or pass "

@@ -532,7 +532,8 @@ RUN_ARTIFACTS = ("step_*", "best", "best.tmp", "best.old", LATEST_FILE, LATEST_F
 REUSABLE = ("target_data",)
 
 
-def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True) -> Path | None:
+def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True,
+                       inputs: dict[str, Any] | None = None) -> Path | None:
     """Check ``train.output_dir`` against ``train.resume``/``train.overwrite`` before anything loads; return the
     checkpoint to resume from (None for a fresh run).
 
@@ -543,9 +544,12 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
       holding no complete checkpoint newer than PATH (resuming would overwrite it).
 
     Only the main process (``main``) checks and clears the folder; the others only find the checkpoint.
+    ``inputs`` (setting -> path, e.g. ``{"draft.name_or_path": ...}``) are what the run will read: ``overwrite``
+    refuses to delete a folder that holds one of them (a draft started from the run's own ``best``).
 
     Raises:
-        CheckpointError: the folder holds another run, or there is no complete checkpoint to resume from.
+        CheckpointError: the folder holds another run, there is no complete checkpoint to resume from, or
+            ``overwrite`` would delete one of ``inputs``.
     """
     out = Path(output_dir)
     resume = None if resume in (None, False, "false", "") else resume
@@ -559,9 +563,18 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                 "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
                 "checkpoints and metrics), or choose another train.output_dir")
         if others:
-            for pattern in RUN_ARTIFACTS:
-                for p in out.glob(pattern):
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            doomed = [p.resolve() for pattern in RUN_ARTIFACTS for p in out.glob(pattern)]
+            for setting, value in (inputs or {}).items():
+                if value in (None, ""):
+                    continue
+                path = Path(str(value)).expanduser().resolve()
+                hit = next((d for d in doomed if path == d or d in path.parents), None)
+                if hit is not None:
+                    raise CheckpointError(
+                        f"train.overwrite=true would delete {hit}, which holds {setting}={value}; nothing was "
+                        "changed. Copy it out of train.output_dir first, or choose another train.output_dir")
+            for p in doomed:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
         return None
     if resume is True or resume == "true":
         path = find_latest(out)

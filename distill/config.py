@@ -391,17 +391,31 @@ def _check_sources(cfg: DictConfig) -> None:
             _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
 
 
+def _check_model_dir(role: str, name: str, fix: str) -> None:
+    """A local model path must be a folder holding a ``config.json`` (what ``from_pretrained`` reads), a distill
+    checkpoint (``trainer_state.json``, e.g. ``<run>/best``) or a peft adapter (``adapter_config.json``)."""
+    if not is_local_path(name):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise SetupError(f"{role} path {name!r} does not exist; fix {fix}")
+    if not path.is_dir():
+        raise SetupError(f"{role} path {name!r} is a file, not a checkpoint folder; fix {fix} (the folder "
+                         "save_pretrained wrote)")
+    if not any((path / f).is_file() for f in ("config.json", "trainer_state.json", "adapter_config.json")):
+        raise SetupError(f"{role} path {name!r} has no config.json, so it is not a checkpoint folder written by "
+                         f"save_pretrained (nor a distill checkpoint); fix {fix}")
+
+
 def _check_models(cfg: DictConfig) -> None:
     name = cfg.target.name_or_path
     if not name:
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
-    if is_local_path(str(name)) and not Path(str(name)).expanduser().exists():
-        raise SetupError(f"target path {name!r} does not exist; fix +target.name_or_path=/path/to/checkpoint")
+    _check_model_dir("target", str(name), "+target.name_or_path=/path/to/checkpoint")
     draft = cfg.draft
     if draft.get("name_or_path"):
-        if is_local_path(str(draft.name_or_path)) and not Path(str(draft.name_or_path)).expanduser().exists():
-            raise SetupError(f"draft path {draft.name_or_path!r} does not exist; fix draft.name_or_path=/path")
+        _check_model_dir("draft", str(draft.name_or_path), "draft.name_or_path=/path")
     elif all(draft.get(k) is None for k in ARCH_KEYS):
         raise SetupError("no draft: set draft.name_or_path=/path/or/hub-id, or build one from the target's config "
                          "with draft.num_hidden_layers=N (or draft=small)")
@@ -512,10 +526,14 @@ def check_output_dir(path: str | os.PathLike, key: str) -> Path:
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise SetupError(f"{key}={str(path)!r} is a file, not a folder; choose a folder path")
+    from decode.outputs import writable
+
     parent = p
-    while not parent.exists():
+    while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
-    if not os.access(parent, os.W_OK):
+    if not parent.is_dir():
+        raise SetupError(f"{key}={str(path)!r} lies under {str(parent)!r}, which is a file; choose a folder path")
+    if not writable(parent):
         raise SetupError(f"{key}={str(path)!r}: {str(parent)!r} is not writable; choose another folder")
     return p
 

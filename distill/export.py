@@ -80,6 +80,14 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"OUT_DIR {out_dir} is a file; give a folder")
+    if not out_dir.exists():
+        from distill.config import check_output_dir
+        from distill.models import SetupError
+
+        try:
+            check_output_dir(out_dir, "OUT_DIR")  # under a file, or in a folder that cannot be written
+        except SetupError as err:
+            raise CheckpointError(str(err)) from None
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not overwrite:
             raise CheckpointError(f"OUT_DIR {out_dir} is not empty; nothing was written. Choose a new folder, or pass "

@@ -270,6 +270,9 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
                          f"unbiased gradient for forward KL), and this config trains loss={cfg.loss.name}: use loss=fkl, "
                          "or data.logit_cache_tail_samples=0")
     out = Path(cfg.data.logit_cache)
+    from distill.config import check_output_dir
+
+    check_output_dir(out, "data.logit_cache")  # a file, under a file, or not writable: before the target loads
     t_start = time.perf_counter()
     if not torch.distributed.is_initialized():
         AcceleratorState._reset_state(reset_partial_state=True)

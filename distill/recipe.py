@@ -477,8 +477,12 @@ def save(run: Run, state: dict, path: Path) -> Path:
 def resolve_resume(cfg: DictConfig) -> Path | None:
     """The checkpoint to resume from (``train.resume`` true: the newest complete one in output_dir; a path: that
     one), after checking that the run folder may be written (see ``checkpoint.prepare_run_folder``)."""
+    inputs = {key: OmegaConf.select(cfg, key) for key in ("draft.name_or_path", "target.name_or_path",
+                                                          "target.tokenizer", "draft.tokenizer", "data.logit_cache",
+                                                          "data.source.path")}
     return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
-                                   bool(cfg.train.get("overwrite", False)), main=int(os.environ.get("RANK", "0")) == 0)
+                                   bool(cfg.train.get("overwrite", False)), main=int(os.environ.get("RANK", "0")) == 0,
+                                   inputs=inputs)
 
 
 def _data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:

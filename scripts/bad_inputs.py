@@ -90,7 +90,8 @@ CASES: list[tuple[str, str, str]] = [
 
 def make_fixtures(tmp: Path) -> dict[str, str]:
     """Files the cases refer to, under ``tmp``; returns the format fields of :data:`CASES`."""
-    (tmp / "target").mkdir(parents=True, exist_ok=True)  # exists, holds nothing: no case may get as far as loading
+    (tmp / "target").mkdir(parents=True, exist_ok=True)  # a config.json and no weights: no case may get as far
+    (tmp / "target" / "config.json").write_text("{}\n")  # as loading
     rows = [{"prompt": f"def f{i}(x):", "completion": f" return x + {i}"} for i in range(8)]
     (tmp / "good.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "empty.jsonl").write_text("")

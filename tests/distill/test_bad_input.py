@@ -33,6 +33,30 @@ def test_missing_draft_path(pair, tmp_path):
     _fails(pair, tmp_path, "draft.name_or_path=null", match="draft.num_hidden_layers")
 
 
+def test_a_file_or_empty_folder_given_as_a_model_is_named_before_loading(pair, tmp_path):
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    (tmp_path / "empty").mkdir()
+    _fails(pair, tmp_path, f"draft.name_or_path={afile}", match="draft path .* is a file, not a checkpoint folder")
+    _fails(pair, tmp_path, f"++target.name_or_path={afile}", match="target path .* is a file")
+    _fails(pair, tmp_path, f"draft.name_or_path={tmp_path / 'empty'}", match="has no config.json")
+
+
+def test_output_paths_under_a_file_are_refused_before_loading(pair, tmp_path):
+    from distill.export import check_export_dir
+
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    _fails(pair, tmp_path, f"train.output_dir={afile / 'run'}", match="train.output_dir.*lies under .*a file")
+    with pytest.raises(SetupError, match="OUT_DIR.*lies under"):
+        check_export_dir(afile / "exp")
+    from distill.logit_cache import build_cache
+
+    with pytest.raises(SetupError, match="data.logit_cache.*lies under"):
+        build_cache(compose(overrides(pair, tmp_path / "run", "data.target_logits=cached",
+                                      f"data.logit_cache={afile / 'cache'}")), log=lambda *_: None)
+
+
 def test_incompatible_tokenizer(pair, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -70,6 +70,19 @@ def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_pat
     assert (out / "notes.txt").read_text() == "mine" and (out / "target_data").is_dir()
 
 
+def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straight, tmp_path, monkeypatch):
+    """train.overwrite=true with draft.name_or_path=<output_dir>/best deleted that draft, then failed to load it."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    ckpt_dir = ckpt.find_latest(out)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
+    cfg = compose(overrides(pair, out, "train.overwrite=true", *FAST, f"draft.name_or_path={ckpt_dir}"))
+    with pytest.raises(SetupError, match=f"would delete .*{ckpt_dir.name}.*draft.name_or_path"):
+        train(cfg, log=QUIET)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
 def test_a_folder_holding_only_the_target_data_cache_is_a_fresh_run(pair, tmp_path):
     out = tmp_path / "run"
     (out / "target_data").mkdir(parents=True)

@@ -533,7 +533,7 @@ REUSABLE = ("target_data",)
 
 
 def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True,
-                       inputs: dict[str, Any] | None = None) -> Path | None:
+                       inputs: dict[str, Any] | None = None, log: Any = None) -> Path | None:
     """Check ``train.output_dir`` against ``train.resume``/``train.overwrite`` before anything loads; return the
     checkpoint to resume from (None for a fresh run).
 
@@ -545,7 +545,9 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
 
     Only the main process (``main``) checks and clears the folder; the others only find the checkpoint.
     ``inputs`` (setting -> path, e.g. ``{"draft.name_or_path": ...}``) are what the run will read: ``overwrite``
-    refuses to delete a folder that holds one of them (a draft started from the run's own ``best``).
+    refuses to delete a folder that holds one of them (a draft started from the run's own ``best``). With
+    ``resume=true``, newer step folders that are incomplete or damaged are named to ``log`` with the reason they
+    were skipped (the run replaces them when it reaches their step).
 
     Raises:
         CheckpointError: the folder holds another run, there is no complete checkpoint to resume from, or
@@ -578,6 +580,15 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
         return None
     if resume is True or resume == "true":
         path = find_latest(out)
+        if main and log is not None:
+            for skipped in list_checkpoints(out):
+                if path is not None and int(skipped.name[5:]) <= int(path.name[5:]):
+                    continue
+                try:
+                    check_complete(skipped)
+                except CheckpointError as err:
+                    log(f"warning: resume skips {skipped.name}: {err}. The run saves over it when it reaches that "
+                        "step; copy it elsewhere first if you need it")
         if path is None:
             found = [p.name for p in list_checkpoints(out)]
             detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found

@@ -474,7 +474,7 @@ def save(run: Run, state: dict, path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
-def resolve_resume(cfg: DictConfig) -> Path | None:
+def resolve_resume(cfg: DictConfig, log: Any = None) -> Path | None:
     """The checkpoint to resume from (``train.resume`` true: the newest complete one in output_dir; a path: that
     one), after checking that the run folder may be written (see ``checkpoint.prepare_run_folder``)."""
     inputs = {key: OmegaConf.select(cfg, key) for key in ("draft.name_or_path", "target.name_or_path",
@@ -482,7 +482,7 @@ def resolve_resume(cfg: DictConfig) -> Path | None:
                                                           "data.source.path")}
     return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
                                    bool(cfg.train.get("overwrite", False)), main=int(os.environ.get("RANK", "0")) == 0,
-                                   inputs=inputs)
+                                   inputs=inputs, log=log)
 
 
 def _data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:
@@ -520,7 +520,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     Raises SetupError (a ValueError) for bad input before any training starts: missing target, incompatible
     tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...
     """
-    resume_from = resolve_resume(normalize_config(cfg))
+    resume_from = resolve_resume(normalize_config(cfg), log=log or print)
     saved = ckpt.read_state(resume_from) if resume_from is not None else {}
     kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
     # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
@@ -529,9 +529,6 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
     out = run.output_dir
-    if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
              "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path), "vocab_size": run.vocab,
              "cost_ratio": run.cost_ratio, "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
@@ -545,6 +542,12 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                       "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")
             log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; set "
                 f"eval.cost_ratio to use another); verify costs: {verify}")
+    max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
+    micro_position = _data_position(state, cfg, world, log)  # a refused resume raises here, before any write
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if resume_from is not None:
         if acc.is_main_process:
             ckpt.truncate_metrics(out, int(state["step"]))
             if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
@@ -552,8 +555,6 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         for key in _changed_keys(resume_from, cfg):
             log(f"warning: {key} differs from the checkpoint's config; the resumed run is not the same experiment")
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
-    max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
-    micro_position = _data_position(state, cfg, world, log)
     state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
     log(f"distill: {len(run.examples)} examples, {len(run.eval_prompts)} eval prompts, loss={cfg.loss.name}, "

@@ -83,6 +83,29 @@ def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straigh
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(pair, straight, tmp_path):
+    """A resume refused for its batch size (the checkpoint's position is not a multiple of it) rewrote the run's
+    config.yaml with the refused setup and truncated its metrics before refusing."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(SetupError, match="resume with train.batch_size="):
+        train(compose(overrides(pair, out, "train.resume=true", "train.batch_size=3", *FAST)), log=QUIET)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_resume_names_a_damaged_newer_checkpoint_it_skips(pair, straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    newest = ckpt.find_latest(out)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # damaged: the manifest's size no longer matches
+    lines = []
+    path = ckpt.prepare_run_folder(out, True, False, log=lines.append)
+    assert path is not None and path != newest
+    assert len(lines) == 1 and newest.name in lines[0] and "damaged" in lines[0] and "model.safetensors" in lines[0]
+
+
 def test_a_folder_holding_only_the_target_data_cache_is_a_fresh_run(pair, tmp_path):
     out = tmp_path / "run"
     (out / "target_data").mkdir(parents=True)

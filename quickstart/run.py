@@ -320,6 +320,59 @@ def gamma_setting(value) -> int | str:
     return gamma
 
 
+def check_pretrain_settings(qs) -> None:
+    """Check the pretraining settings (``quickstart.corpus``, ``vocab_size``, ``threads``, ``target.*`` and
+    ``draft.*``) before any phase runs. Raises ValueError naming the setting and what it takes."""
+    import math
+
+    from distill.corpus import CORPORA
+    from quickstart.pretrain import SIZES
+
+    def number(key: str, value, kind=int, low=1) -> None:
+        """An integer >= low, or (kind float) a finite number > 0."""
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+              and math.isfinite(value) and (value > 0 if kind is float else value >= low))
+        if not ok:
+            raise ValueError(f"quickstart.{key}={value!r} must be " +
+                             ("a number > 0" if kind is float else f"an integer >= {low}"))
+
+    if qs.corpus not in CORPORA:
+        raise ValueError(f"quickstart.corpus={qs.corpus!r} is not a corpus; choose one of {', '.join(CORPORA)}")
+    number("vocab_size", qs.vocab_size, low=259)
+    if qs.get("threads") is not None:
+        number("threads", qs.threads)
+    for which in ("target", "draft"):
+        p = qs[which]
+        if p.size not in SIZES:
+            raise ValueError(f"quickstart.{which}.size={p.size!r} is not a size preset; choose one of "
+                             f"{', '.join(sorted(SIZES))}")
+        number(f"{which}.budget_s", p.budget_s, float)
+        number(f"{which}.batch_size", p.batch_size)
+        number(f"{which}.seq_len", p.seq_len, low=2)
+        number(f"{which}.lr", p.lr, float)
+        number(f"{which}.val_tokens", p.val_tokens)
+
+
+def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> None:
+    """Compose the distill phase's config (``+experiment=``, the cache settings, ``--distill-overrides``) and check
+    every value that needs no model, so a typo fails now and not after the pretraining phases. The target and
+    draft folders do not exist yet; their paths are checked when the phase starts.
+
+    Raises ValueError naming the setting (a ``quickstart.distill.*`` one when it feeds the recipe's key)."""
+    from distill.__main__ import compose
+    from distill.config import validate
+    from distill.models import SetupError
+
+    overrides = _distill_cmd(qs, experiment, out, extra)[4:]  # after: python -m distill train
+    try:
+        validate(compose(overrides), model_paths=False)
+    except SetupError as err:
+        fed = {"data.logit_cache_k": "quickstart.distill.cache_k",
+               "data.logit_cache_tail_samples": "quickstart.distill.tail_samples"}
+        hint = next((f" (set by {q})" for key, q in fed.items() if key in str(err)), "")
+        raise ValueError(f"the distill phase's config: {err}{hint}") from None
+
+
 def check_eval_settings(ecfg) -> int | str:
     """Check every ``quickstart.eval`` setting the evaluation reads, so a bad one stops the run before any
     training (not 25 minutes later). Returns the γ setting (:func:`gamma_setting`). Raises ValueError naming the
@@ -534,12 +587,19 @@ def main(argv: list[str] | None = None) -> int:
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
     try:
         qs = load_settings(experiment, args.overrides)
-        check_eval_settings(qs.eval)  # before hours of work, not at the evaluation
+        out = Path(args.out or qs.out_dir)
+        out = (out if out.is_absolute() else REPO / out).resolve()
+        try:
+            extra = shlex.split(args.distill_overrides)
+        except ValueError as err:
+            raise ValueError(f"--distill-overrides {args.distill_overrides!r}: {err} (quote each override as the "
+                             "shell would)") from None
+        check_pretrain_settings(qs)  # every setting before the first phase, not after 25 minutes of training
+        check_distill_settings(qs, experiment, out, extra)
+        check_eval_settings(qs.eval)
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
-    out = Path(args.out or qs.out_dir)
-    out = (out if out.is_absolute() else REPO / out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=None if sys.stdout.isatty() else 132)  # CI logs: wide enough for the tables
     phases: dict[str, dict] = {}
@@ -569,7 +629,6 @@ def main(argv: list[str] | None = None) -> int:
     export_dir = out / qs.export.dir
     distilled = cached("distill+export", export_dir / "config.json")
     if not distilled:
-        extra = shlex.split(args.distill_overrides)
         scored = True
         if _cache_overrides(qs, out):  # quickstart.distill.target_logits=cached: score the training data once first
             try:

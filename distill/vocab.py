@@ -84,13 +84,13 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
 
     - a draft that is already pruned (a pruned export, a run's checkpoint) keeps its own map; ``keep`` must be null
       or equal to its size (a map is never regenerated on a warm start);
-    - resuming a run: the map stored in the checkpoint is used (no new selection);
+    - resuming a run: the map stored in the checkpoint is used (no new selection); ``keep`` must equal its size;
     - else the N ids of :func:`decode.vocab_map.select_kept_ids` over :func:`cache_id_mass` (cached mode) or
       :func:`target_id_mass` (one target pass over ``examples``).
 
     Raises:
         SetupError: ``keep`` outside [number of special ids, V], a different ``keep`` than an already-pruned draft's
-            size, or a map that does not fit the tokenizer/vocabulary.
+            or the resumed checkpoint's map size, or a map that does not fit the tokenizer/vocabulary.
     """
     keep = cfg.draft.get("vocab", {}).get("keep") if cfg.draft.get("vocab") is not None else None
     existing = draft_vocab_map(draft)
@@ -104,6 +104,10 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
         return False
     else:
         ids = checkpoint_vocab_map(resume_from) if resume_from is not None else None
+        if ids is not None and ids.numel() != int(keep):
+            raise SetupError(f"draft.vocab.keep={keep} but the checkpoint {resume_from} was trained with a "
+                             f"{ids.numel()}-id map (a map is never regenerated on resume); resume with "
+                             f"draft.vocab.keep={ids.numel()}, or start a new run for another size")
         if ids is not None:
             log(f"draft.vocab.keep={keep}: using the {ids.numel()}-id map of the checkpoint {resume_from}")
         else:

@@ -60,6 +60,9 @@ def test_resume_is_exact_and_reads_the_map_from_the_checkpoint(pair, tmp_path, m
         raise AssertionError("a resumed run chose its map again")
 
     monkeypatch.setattr(vocab, "target_id_mass", no_new_selection)
+    with pytest.raises(SetupError, match=f"checkpoint .* was trained with a {KEEP}-id map"):  # another N: refused
+        train(compose(overrides(pair, split, "train.resume=true", f"draft.vocab.keep={KEEP + 1}", *extra)),
+              log=_quiet)
     second = train(compose(overrides(pair, split, "train.resume=true", *keep, *extra)), log=_quiet)
     assert second["steps"] == 4
     ws, wr = load_file(str(straight / "step_000004" / "model.safetensors")), \

@@ -22,7 +22,13 @@ CARD_JSON = "draftkit_card.json"
 def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[Any, Any, dict]:
     """(draft with any LoRA merged, tokenizer, trainer_state) of a checkpoint folder (``step_N`` or ``best``).
 
-    Raises FileNotFoundError if the folder is not a checkpoint or the LoRA base is missing.
+    A LoRA checkpoint's adapter is applied to its base (``draft_base``: the draft the run started from), whose
+    folder gives the architecture; the weights are then the checkpoint's own full copy (``model.safetensors``:
+    base and adapter as trained), so a base folder changed after training (re-exported over, fine-tuned in place)
+    does not change what is merged.
+
+    Raises FileNotFoundError if the folder is not a checkpoint or the LoRA base is missing; CheckpointError if the
+    checkpoint's weights do not fit the base's architecture.
     """
     from transformers import AutoTokenizer
 
@@ -41,6 +47,10 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
                                     "checkpoint the run started from (or <output_dir>/draft_base for a built draft)")
         base = load_pretrained(base_path, **kw)
         peft_model = PeftModel.from_pretrained(base, str(draft_dir))
+        if (checkpoint / "model.safetensors").is_file():  # not in a DeepSpeed/FSDP checkpoint (accelerate/)
+            from distill.checkpoint import _load_weights, load_tensors
+
+            _load_weights(peft_model, load_tensors(checkpoint / "model.safetensors"), checkpoint)
         untie_adapted_weights(peft_model)
         draft = peft_model.merge_and_unload()
     else:

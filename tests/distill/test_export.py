@@ -111,6 +111,31 @@ def test_serving_commands_use_the_evaluated_gamma():
     assert fallback["num_draft_tokens"] == 5 and "not measured" in fallback["gamma_source"]
 
 
+def test_lora_export_does_not_change_when_its_base_folder_changes_later(pair, tmp_path):
+    """Re-exporting another draft over the LoRA run's base folder silently changed that run's later exports."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(pair["draft"], base)
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, f"draft.name_or_path={base}", "train.lora.enabled=true", "optim.lr=5e-2",
+                            "train.max_steps=2")), log=lambda *_: None)
+    export(run / "step_000002", tmp_path / "e1")
+    changed = AutoModelForCausalLM.from_pretrained(str(base))
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(0.05)
+    changed.save_pretrained(str(base))  # the base folder now holds other weights
+    export(run / "step_000002", tmp_path / "e2")
+    w1, w2 = load_file(str(tmp_path / "e1" / "model.safetensors")), load_file(str(tmp_path / "e2" / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k
+
+
 def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):
     run = tmp_path / "run"
     train(compose(overrides(pair, run, "draft.name_or_path=null", "draft.num_hidden_layers=1",

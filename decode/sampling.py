@@ -93,10 +93,10 @@ class BatchSampling:
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
         self.greedy = col([p.greedy for p in params], torch.bool) if self.any_greedy else None
-        # Extreme values saturate instead of overflowing float32 / int64: a temperature below 1e-30 acts like
-        # 1e-30 (the row's top ids only, see probs_from_logits), a repetition penalty outside [1e-30, 1e30] like
-        # its bound, and a top_k beyond 2^31 - 1 (more than any vocabulary) keeps every id, as it would.
-        self.temperature = col([max(p.temperature, TINY) if not p.greedy else 1.0 for p in params])
+        # Extreme values saturate instead of overflowing float32 / int64: a temperature or repetition penalty
+        # outside [1e-30, 1e30] acts like its bound (a tiny temperature keeps the row's top ids only, see
+        # probs_from_logits), and a top_k beyond 2^31 - 1 (more than any vocabulary) keeps every id, as it would.
+        self.temperature = col([min(max(p.temperature, TINY), 1 / TINY) if not p.greedy else 1.0 for p in params])
         ks = [min(p.top_k, 2**31 - 1) for p in params if p.top_k is not None]
         self.top_k_max = max(ks) if ks else None
         self.top_k = col([min(p.top_k or 1, 2**31 - 1) - 1 for p in params], torch.long) if ks else None  # k-th

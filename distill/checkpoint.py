@@ -530,6 +530,7 @@ RUN_ARTIFACTS = ("step_*", "best", "best.tmp", "best.old", LATEST_FILE, LATEST_F
                  "metrics.jsonl.tmp", "summary.json", "config.yaml", "wandb_run_id", "wandb", "draft_base")
 # Kept by a fresh run: the sequence-level KD cache that `distill generate-data` writes before `distill train`.
 REUSABLE = ("target_data",)
+WRITE_PROBE = ".draftkit-write-probe-"  # decode.outputs.writable's short-lived file (another rank's check)
 
 
 def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True,
@@ -558,31 +559,34 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
     if resume is None:
         if not main:
             return None
-        others = [p.name for p in out.iterdir() if p.name not in REUSABLE] if out.is_dir() else []
+        others = [p.name for p in out.iterdir() if p.name not in REUSABLE and not p.name.startswith(WRITE_PROBE)] \
+            if out.is_dir() else []
         if others and not overwrite:
             raise CheckpointError(
                 f"train.output_dir={out} already holds a run ({', '.join(sorted(others)[:5])}); nothing was changed. "
                 "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
                 "checkpoints and metrics), or choose another train.output_dir")
         if others:
-            doomed = [p.resolve() for pattern in RUN_ARTIFACTS for p in out.glob(pattern)]
+            from fnmatch import fnmatch  # (Path.glob skips dangling symlinks)
+
+            doomed = [p for p in out.iterdir() if any(fnmatch(p.name, pattern) for pattern in RUN_ARTIFACTS)]
             for setting, value in (inputs or {}).items():
                 if value in (None, ""):
                     continue
                 path = Path(str(value)).expanduser().resolve()
-                hit = next((d for d in doomed if path == d or d in path.parents), None)
+                hit = next((d for d in doomed if path == d.resolve() or d.resolve() in path.parents), None)
                 if hit is not None:
                     raise CheckpointError(
                         f"train.overwrite=true would delete {hit}, which holds {setting}={value}; nothing was "
                         "changed. Copy it out of train.output_dir first, or choose another train.output_dir")
-            for p in doomed:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            for p in doomed:  # a symlink is removed, never what it points to
+                p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
         return None
     if resume is True or resume == "true":
         path = find_latest(out)
-        if main and log is not None:
+        if main and log is not None and path is not None:  # (with none complete, the error below lists them)
             for skipped in list_checkpoints(out):
-                if path is not None and int(skipped.name[5:]) <= int(path.name[5:]):
+                if int(skipped.name[5:]) <= int(path.name[5:]):
                     continue
                 try:
                     check_complete(skipped)

@@ -391,9 +391,10 @@ def _check_sources(cfg: DictConfig) -> None:
             _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
 
 
-def _check_model_dir(role: str, name: str, fix: str) -> None:
+def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = False) -> None:
     """A local model path must be a folder holding a ``config.json`` (what ``from_pretrained`` reads), a distill
-    checkpoint (``trainer_state.json``, e.g. ``<run>/best``) or a peft adapter (``adapter_config.json``)."""
+    checkpoint (``trainer_state.json``, e.g. ``<run>/best``) or a peft adapter (``adapter_config.json``); with
+    ``tokenizer_only`` (a target in cached mode, which is never loaded) a tokenizer's files are enough."""
     if not is_local_path(name):
         return
     path = Path(name).expanduser()
@@ -402,7 +403,10 @@ def _check_model_dir(role: str, name: str, fix: str) -> None:
     if not path.is_dir():
         raise SetupError(f"{role} path {name!r} is a file, not a checkpoint folder; fix {fix} (the folder "
                          "save_pretrained wrote)")
-    if not any((path / f).is_file() for f in ("config.json", "trainer_state.json", "adapter_config.json")):
+    wanted = ("config.json", "trainer_state.json", "adapter_config.json")
+    if tokenizer_only:
+        wanted += ("tokenizer_config.json", "tokenizer.json")
+    if not any((path / f).is_file() for f in wanted):
         raise SetupError(f"{role} path {name!r} has no config.json, so it is not a checkpoint folder written by "
                          f"save_pretrained (nor a distill checkpoint); fix {fix}")
 
@@ -412,7 +416,8 @@ def _check_models(cfg: DictConfig) -> None:
     if not name:
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
-    _check_model_dir("target", str(name), "+target.name_or_path=/path/to/checkpoint")
+    cached = str(cfg.data.get("target_logits") or "online") == "cached"  # the target gives its tokenizer only
+    _check_model_dir("target", str(name), "+target.name_or_path=/path/to/checkpoint", tokenizer_only=cached)
     draft = cfg.draft
     if draft.get("name_or_path"):
         _check_model_dir("draft", str(draft.name_or_path), "draft.name_or_path=/path")

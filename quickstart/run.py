@@ -340,7 +340,15 @@ def check_pretrain_settings(qs) -> None:
         raise ValueError(f"quickstart.corpus={qs.corpus!r} is not a corpus; choose one of {', '.join(CORPORA)}")
     number("vocab_size", qs.vocab_size, low=259)
     if qs.get("threads") is not None:
-        number("threads", qs.threads)
+        number("threads", qs.threads, low=0)  # 0 or null: torch's default
+    d = qs.distill
+    if str(d.get("target_logits", "online")) not in ("online", "cached"):
+        raise ValueError(f"quickstart.distill.target_logits={d.get('target_logits')!r}: choose online or cached")
+    if str(d.get("target_logits", "online")) == "cached":
+        number("distill.cache_k", d.get("cache_k"))
+        number("distill.tail_samples", d.get("tail_samples"), low=0)
+        if not d.get("cache_dir"):
+            raise ValueError("quickstart.distill.cache_dir is empty; give the cache folder's name under the output")
     for which in ("target", "draft"):
         p = qs[which]
         if p.size not in SIZES:
@@ -369,7 +377,8 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
     except SetupError as err:
         fed = {"data.logit_cache_k": "quickstart.distill.cache_k",
                "data.logit_cache_tail_samples": "quickstart.distill.tail_samples"}
-        hint = next((f" (set by {q})" for key, q in fed.items() if key in str(err)), "")
+        hint = next((f" (set by {q})" for key, q in fed.items() if key in str(err)
+                     and not any(x.lstrip("+").startswith(key + "=") for x in extra)), "")
         raise ValueError(f"the distill phase's config: {err}{hint}") from None
 
 

@@ -86,6 +86,7 @@ class Scheduler:
         self._waiting: deque[Live] = deque()
         self._aborts: list[str] = []
         self._running: dict[str, Live] = {}
+        self._admitting = 0  # taken off the queue, not yet in _running (guarded by _lock, as the queue)
         self._stop_hits: list[str] = []
         self._wake = threading.Event()
         self._accepting = True
@@ -108,7 +109,7 @@ class Scheduler:
             if not self._accepting:
                 raise APIError(503, "the server is shutting down; retry on another replica",
                                code="shutting_down", headers={"Retry-After": "5"})
-            running = len(self._running)
+            running = len(self._running) + self._admitting
             free = max(self.max_batch_size - running, 0)  # rows the next step admits from the queue
             if len(self._waiting) >= self.max_queue + free:
                 raise APIError(429, f"the server is busy: {running} requests running (--max-batch-size "
@@ -176,6 +177,7 @@ class Scheduler:
             admit = []
             while self._waiting and len(self._running) + len(admit) < self.max_batch_size:
                 admit.append(self._waiting.popleft())
+            self._admitting = len(admit)
             self.metrics.queue_depth.set(len(self._waiting))
         for rid in aborts:
             live = self._running.pop(rid, None)
@@ -193,14 +195,24 @@ class Scheduler:
             self.engine.add_request(req.prompt_ids, **req.sampling, eos_token_id=list(req.stop_ids),
                                     on_tokens=self._on_tokens, request_id=live.request_id)
         except (ValueError, TypeError) as err:  # the engine refused this request's values
+            self._admitted(None)
             self._error(live, APIError(400, str(err), code="invalid_value"))
             return
         except Exception as err:
+            self._admitted(None)
             log.exception("add_request failed")
             self._error(live, APIError(500, f"internal error while admitting the request: {err}"))
             return
-        self._running[live.request_id] = live
+        self._admitted(live)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+
+    def _admitted(self, live: Live | None) -> None:
+        """One request taken off the queue is now a running row (``live``) or refused (None): the count that
+        :meth:`submit` holds against the limits moves from ``_admitting`` to ``_running`` in one locked step."""
+        with self._lock:
+            self._admitting -= 1
+            if live is not None:
+                self._running[live.request_id] = live
 
     def _on_tokens(self, request_id: str, tokens: list[int]) -> None:
         live = self._running.get(request_id)

@@ -72,6 +72,8 @@ def test_extreme_top_p_top_k_and_penalty_saturate():
     from decode.sampling import BatchSampling, SamplingParams, probs_from_logits
 
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -5.0]])
+    # a huge temperature is uniform over the real ids, not NaN from the padded -inf columns (-inf / inf)
+    torch.testing.assert_close(logits_to_probs(logits, 1e39, vocab_size=7)[0, :5], torch.full((5,), 0.2))
     # top_p rounding to 0 in float32 still keeps the most likely id
     assert logits_to_probs(logits, 1.0, top_p=1e-46).tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0]]
     # a top_k beyond int64 keeps every id (no overflow when the batch's settings become tensors)

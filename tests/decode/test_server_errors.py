@@ -1,5 +1,7 @@
 """Every bad input gets a 4xx in OpenAI's error shape naming the problem, and the server keeps serving; API key,
 body size, max_tokens and prompt limits. Real uvicorn on loopback, real HTTP (httpx) and the real openai client."""
+import time
+
 import httpx
 import openai
 import pytest
@@ -142,3 +144,50 @@ def test_openai_client_sees_bad_request(server):
         client.completions.create(model=MODEL, prompt="w1", max_tokens=2, seed=2**64)
     with pytest.raises(openai.BadRequestError, match="n: only n=1"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], n=2)
+
+
+def test_requests_being_admitted_count_against_the_queue_limit():
+    """Rows taken off the queue but not yet in the running batch (the engine's add_request is slow: a prefill)
+    were counted as free, so a burst could exceed --max-batch-size + --max-queue."""
+    import asyncio
+    import threading
+
+    from decode.serving.metrics import ServerMetrics
+    from decode.serving.protocol import APIError
+    from decode.serving.scheduler import GenerationRequest, Scheduler
+
+    release, entered = threading.Event(), threading.Event()
+
+    class SlowEngine:  # the request API; add_request blocks like a long prefill
+        def add_request(self, *a, **k):
+            entered.set()
+            release.wait(30)
+
+        def step(self):
+            return []
+
+        def abort(self, rid):
+            pass
+
+        def has_unfinished(self):
+            return False
+
+    sched = Scheduler(SlowEngine(), None, ServerMetrics(), max_batch_size=2, max_queue=0)
+    sched.start()
+    loop = asyncio.new_event_loop()
+    req = GenerationRequest(prompt_ids=[1, 2], sampling={"max_new_tokens": 2}, stop_ids=[])
+    try:
+        sched.submit(req, loop)
+        sched.submit(req, loop)  # both fit the batch's 2 free rows
+        assert entered.wait(10)  # the scheduler took both off the queue; the first admission is in progress
+        with pytest.raises(APIError) as err:
+            sched.submit(req, loop)
+        assert err.value.status == 429
+    finally:
+        release.set()
+        deadline = time.time() + 10
+        while sched.num_running < 2 and time.time() < deadline:  # both admitted: shutdown aborts both rows (the
+            time.sleep(0.01)                                      # fake engine never finishes one by itself)
+        sched.shutdown(drain=False, timeout=10)
+        assert not sched._thread.is_alive()
+        loop.close()

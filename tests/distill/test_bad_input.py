@@ -40,6 +40,14 @@ def test_a_file_or_empty_folder_given_as_a_model_is_named_before_loading(pair, t
     _fails(pair, tmp_path, f"draft.name_or_path={afile}", match="draft path .* is a file, not a checkpoint folder")
     _fails(pair, tmp_path, f"++target.name_or_path={afile}", match="target path .* is a file")
     _fails(pair, tmp_path, f"draft.name_or_path={tmp_path / 'empty'}", match="has no config.json")
+    from distill.config import validate
+
+    tok_only = tmp_path / "tok_only"  # in cached mode the target is never loaded: its tokenizer is enough
+    make_tokenizer(tok_only)
+    validate(compose(overrides(pair, tmp_path / "run", f"++target.name_or_path={tok_only}",
+                               "data.target_logits=cached", f"data.logit_cache={tmp_path / 'cache'}")))
+    with pytest.raises(SetupError, match="has no config.json"):
+        validate(compose(overrides(pair, tmp_path / "run", f"++target.name_or_path={tok_only}")))
 
 
 def test_output_paths_under_a_file_are_refused_before_loading(pair, tmp_path):

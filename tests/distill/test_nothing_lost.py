@@ -106,6 +106,19 @@ def test_resume_names_a_damaged_newer_checkpoint_it_skips(pair, straight, tmp_pa
     assert len(lines) == 1 and newest.name in lines[0] and "damaged" in lines[0] and "model.safetensors" in lines[0]
 
 
+def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
+    out, shared = tmp_path / "run", tmp_path / "shared"
+    out.mkdir()
+    (shared / "wandb").mkdir(parents=True)
+    (shared / "metrics.jsonl").write_text("{}\n")
+    (out / "wandb").symlink_to(shared / "wandb")
+    (out / "metrics.jsonl").symlink_to(shared / "metrics.jsonl")
+    (out / "summary.json").symlink_to(tmp_path / "gone.json")  # a dangling link
+    assert ckpt.prepare_run_folder(out, False, True) is None
+    assert not list(out.iterdir())  # the links are gone ...
+    assert (shared / "wandb").is_dir() and (shared / "metrics.jsonl").read_text() == "{}\n"  # ... not their targets
+
+
 def test_a_folder_holding_only_the_target_data_cache_is_a_fresh_run(pair, tmp_path):
     out = tmp_path / "run"
     (out / "target_data").mkdir(parents=True)

@@ -131,16 +131,21 @@ def test_misspelled_setting_is_an_error(capsys):
 def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, capsys):
     """These failed only after the tokenizer/target/draft phases (about 10 minutes), some with exit 1."""
     out = tmp_path / "qs"
-    cases = [(["distill.cache_k=0"], "data.logit_cache_k=0 must be an integer >= 1"),
+    cases = [(["distill.cache_k=0"], "quickstart.distill.cache_k=0 must be an integer >= 1"),
              (["target.budget_s=-5"], "quickstart.target.budget_s=-5"), (["threads=abc"], "quickstart.threads"),
              (["target.size=huge"], "quickstart.target.size='huge'"),
              (["--distill-overrides", "loss=kld"], "loss=kld: no such option"),
              (["--distill-overrides", "train.max_step=5"], "did you mean train.max_steps"),
-             (["--distill-overrides", "loss='fkl"], "No closing quotation")]
+             (["--distill-overrides", "loss='fkl"], "No closing quotation"),
+             (["distill.cache_k=null"], "quickstart.distill.cache_k=None"),
+             (["distill.tail_samples=2.7"], "quickstart.distill.tail_samples=2.7")]
     for args, message in cases:
         assert quickstart.main(["--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args
     assert not out.exists()  # refused before the output folder was made
+    # a recipe key given in --distill-overrides is not blamed on the quickstart setting that sets it otherwise
+    assert quickstart.main(["--smoke", "--out", str(out), "--distill-overrides", "data.logit_cache_k=0"]) == 2
+    assert "set by quickstart" not in capsys.readouterr().err
 
 
 def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):

@@ -51,14 +51,14 @@ def cmd_generate(argv: list[str]) -> int:
 
     from decode import SpeculativeDecoder
     from decode.loading import chat_prompt_ids, check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
-    from decode.sampling import MAX_SEED, validate_sampling_args
+    from decode.requests import check_seed
+    from decode.sampling import validate_sampling_args
     from decode.stops import stop_token_ids
 
     validate_sampling_args(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise ValueError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+    check_seed(args.seed, "--seed", none_ok=False)
     device = check_device(args.device)
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust)

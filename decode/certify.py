@@ -483,12 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.prompts import encode_prompts, load_prompts
-    from decode.sampling import MAX_SEED
+    from decode.requests import check_seed
 
     try:  # every check that needs no model: bad input exits 2 before anything loads
         settings = _check_args(args)
-        if not 0 <= args.seed <= MAX_SEED:
-            raise ValueError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+        check_seed(args.seed, "--seed", none_ok=False)
         device = check_device(args.device)
         prompts = load_prompts(args.prompts, limit=args.num_prefixes, field=args.prompt_field)
     except (ValueError, FileNotFoundError) as err:

@@ -53,13 +53,15 @@ class Request:
         return RequestOutput(self.request_id, list(self.prompt), list(self.new_tokens), finish_reason, self.stats)
 
 
-def check_seed(seed: Any) -> int:
-    """Validate a request seed; ``None`` draws one from torch's global generator (so ``torch.manual_seed`` fixes
-    it). Raises ``ValueError`` naming ``seed`` unless it is an int in [0, 2**63 - 1]."""
-    if seed is None:
+def check_seed(seed: Any, name: str = "seed", none_ok: bool = True) -> int:
+    """Validate a seed; ``None`` (when ``none_ok``) draws one from torch's global generator (so
+    ``torch.manual_seed`` fixes it). Raises ``ValueError`` naming ``name`` (the argument, or a CLI's ``--seed``)
+    unless it is an int in [0, 2**63 - 1]."""
+    if seed is None and none_ok:
         return int(torch.randint(0, MAX_SEED, (1,)).item())
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be None or an integer in [0, 2**63 - 1], got {seed!r}")
+        raise ValueError(f"{name} must be in [0, 2**63 - 1] (an integer{' or None' if none_ok else ''}), "
+                         f"got {seed!r}")
     return seed
 
 

@@ -104,10 +104,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1 (got {args.threads}); omit it for torch's default")
     from decode.loading import check_device
-    from decode.sampling import MAX_SEED
+    from decode.requests import check_seed
 
-    if not 0 <= args.seed <= MAX_SEED:
-        raise ValueError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+    check_seed(args.seed, "--seed", none_ok=False)
     cfg.device = check_device(args.device)
     if cfg.compile and not compile_supported():
         raise ValueError("--compile: this version's SpeculativeDecoder has no compile option; drop --compile")

@@ -156,7 +156,7 @@ def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperatur
     ``tail_samples`` s > 0 adds ``tail_ids``: s draws per position from the target's tail (:func:`sample_tail`,
     from ``generator``, on the CPU so the draws do not depend on the device).
     """
-    from distill.data import accepts_logits_to_keep, collate_sequences, forward_kept_logits
+    from distill.data import accepts_logits_to_keep, collate_sequences, forward_kept_logits, kept_positions
     from distill.losses import topk_buckets
 
     device = next(target.parameters()).device
@@ -165,9 +165,11 @@ def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperatur
                              "log_tail": [], **({"tail_ids": []} if tail_samples else {})}
     for b in range(0, len(examples), batch_size):
         rows = examples[b:b + batch_size]
-        batch = {key: t.to(device) for key, t in collate_sequences(rows, pad_id).items()}
+        host = collate_sequences(rows, pad_id)
+        where = kept_positions(host["loss_mask"])  # on the host: no device sync
+        batch = {key: host[key].to(device) for key in ("input_ids", "attention_mask")}
         with torch.no_grad(), (autocast() if autocast is not None else torch.autocast("cpu", enabled=False)):
-            kept = forward_kept_logits(target, batch, logits_to_keep=to_keep)[..., :vocab]  # (N, V)
+            kept = forward_kept_logits(target, batch, where, to_keep)[..., :vocab]  # (N, V)
         top, ids, tail = topk_buckets(kept, k, temperature)  # (N, k), (N, k), (N,)
         drawn = (sample_tail(kept.float().cpu(), ids.cpu(), tail_samples, temperature, generator).int()
                  if tail_samples else None)  # (N, s)

@@ -320,33 +320,36 @@ def gamma_setting(value) -> int | str:
     return gamma
 
 
+def _check_number(key: str, value, kind=int, low: int = 1) -> None:
+    """``quickstart.<key>`` must be an integer >= ``low``, or (``kind=float``) a finite number > 0; else ValueError
+    naming the setting."""
+    import math
+
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+          and math.isfinite(value) and (value > 0 if kind is float else value >= low))
+    if not ok:
+        raise ValueError(f"quickstart.{key}={value!r} must be " +
+                         ("a number > 0" if kind is float else f"an integer >= {low}"))
+
+
 def check_pretrain_settings(qs) -> None:
     """Check the pretraining settings (``quickstart.corpus``, ``vocab_size``, ``threads``, ``target.*`` and
     ``draft.*``) before any phase runs. Raises ValueError naming the setting and what it takes."""
-    import math
-
     from distill.corpus import CORPORA
     from quickstart.pretrain import SIZES
 
-    def number(key: str, value, kind=int, low=1) -> None:
-        """An integer >= low, or (kind float) a finite number > 0."""
-        ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
-              and math.isfinite(value) and (value > 0 if kind is float else value >= low))
-        if not ok:
-            raise ValueError(f"quickstart.{key}={value!r} must be " +
-                             ("a number > 0" if kind is float else f"an integer >= {low}"))
-
     if qs.corpus not in CORPORA:
         raise ValueError(f"quickstart.corpus={qs.corpus!r} is not a corpus; choose one of {', '.join(CORPORA)}")
-    number("vocab_size", qs.vocab_size, low=259)
+    _check_number("vocab_size", qs.vocab_size, low=259)
     if qs.get("threads") is not None:
-        number("threads", qs.threads, low=0)  # 0 or null: torch's default
+        _check_number("threads", qs.threads, low=0)  # 0 or null: torch's default
     d = qs.distill
-    if str(d.get("target_logits", "online")) not in ("online", "cached"):
-        raise ValueError(f"quickstart.distill.target_logits={d.get('target_logits')!r}: choose online or cached")
-    if str(d.get("target_logits", "online")) == "cached":
-        number("distill.cache_k", d.get("cache_k"))
-        number("distill.tail_samples", d.get("tail_samples"), low=0)
+    mode = str(d.get("target_logits", "online"))
+    if mode not in ("online", "cached"):
+        raise ValueError(f"quickstart.distill.target_logits={mode!r}: choose online or cached")
+    if mode == "cached":
+        _check_number("distill.cache_k", d.get("cache_k"))
+        _check_number("distill.tail_samples", d.get("tail_samples"), low=0)
         if not d.get("cache_dir"):
             raise ValueError("quickstart.distill.cache_dir is empty; give the cache folder's name under the output")
     for which in ("target", "draft"):
@@ -354,11 +357,11 @@ def check_pretrain_settings(qs) -> None:
         if p.size not in SIZES:
             raise ValueError(f"quickstart.{which}.size={p.size!r} is not a size preset; choose one of "
                              f"{', '.join(sorted(SIZES))}")
-        number(f"{which}.budget_s", p.budget_s, float)
-        number(f"{which}.batch_size", p.batch_size)
-        number(f"{which}.seq_len", p.seq_len, low=2)
-        number(f"{which}.lr", p.lr, float)
-        number(f"{which}.val_tokens", p.val_tokens)
+        _check_number(f"{which}.budget_s", p.budget_s, float)
+        _check_number(f"{which}.batch_size", p.batch_size)
+        _check_number(f"{which}.seq_len", p.seq_len, low=2)
+        _check_number(f"{which}.lr", p.lr, float)
+        _check_number(f"{which}.val_tokens", p.val_tokens)
 
 
 def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> None:
@@ -391,9 +394,7 @@ def check_eval_settings(ecfg) -> int | str:
     setting = gamma_setting(ecfg.get("num_draft_tokens", "best"))
 
     def count(key: str, default: int, low: int = 1) -> None:
-        value = ecfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"quickstart.eval.{key}={value!r}: use an integer >= {low}")
+        _check_number(f"eval.{key}", ecfg.get(key, default), low=low)
 
     count("max_new_tokens", 64, low=2)  # the first token comes from the prefill: one more is the least that drafts
     count("max_prompt_tokens", 192)

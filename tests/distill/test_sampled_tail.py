@@ -33,6 +33,19 @@ def test_sparse_target_is_a_distribution_with_merged_duplicates():
     assert torch.equal(support[0], torch.cat([ids[0], tail_ids[0]]))
 
 
+def test_draw_counts_match_the_pairwise_definition():
+    """Counts and first occurrences by sorting equal, on random rows with many repeats, the O(s^2) definition."""
+    from distill.losses import _draw_counts
+
+    g = torch.Generator().manual_seed(0)
+    for s in (1, 4, 32, 128):
+        draws = torch.randint(0, 20, (3, 5, s), generator=g)
+        same = draws.unsqueeze(-1) == draws.unsqueeze(-2)
+        count, first = _draw_counts(draws)
+        assert torch.equal(count, same.sum(-1).float())
+        assert torch.equal(first, ~same.tril(-1).any(-1))
+
+
 def test_exact_zero_at_q_equal_p_prime_and_never_negative():
     _, lp, ids = _entry()
     tail_ids = torch.tensor([[9, 9, 12, 30]])

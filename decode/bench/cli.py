@@ -32,11 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question or turns)")
     p.add_argument("--limit", type=int, default=20, help="number of prompts (category-balanced for Spec-Bench)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gammas", default="1,2,4,8", help="comma-separated γ list; add 'auto' or use --no-auto")
+    p.add_argument("--gammas", default="1,2,4,8",
+                   help="comma-separated γ list (sorted, duplicates dropped); add 'auto' or use --no-auto")
     p.add_argument("--no-auto", action="store_true", help="skip num_draft_tokens='auto'")
     p.add_argument("--auto-max-gamma", type=int, default=8, help="largest γ the adaptive controller may pick")
-    p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--batch-sizes", default="1,4,8")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated; duplicates dropped (0 and 0.0 are one)")
+    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated; duplicates dropped")
     p.add_argument("--batch-gamma", type=int, help="γ for the batch pass (default: best measured γ)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (plain and assisted)")
     p.add_argument("--hf-gammas", default="",
@@ -49,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int,
                    help="keep each prompt's last N tokens (default: what the models' positions allow); use the "
                         "training window minus --max-new-tokens for models trained on short windows")
-    p.add_argument("--cost-context", type=int, help="context length for measuring c (default: mean prompt + N/2)")
+    p.add_argument("--cost-context", type=int,
+                   help="context length (>= 2 tokens) for measuring c; it plus the largest γ must fit the models' "
+                        "positions (default: mean prompt + N/2)")
     p.add_argument("--cost-repeats", type=int, default=21)
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -90,11 +93,19 @@ def main(argv: list[str] | None = None) -> int:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The validated ``BenchConfig`` of parsed arguments (no model, no file touched). Raises ValueError."""
     gammas, auto = parse_gammas(args.gammas)
+    if auto and args.no_auto:
+        raise ValueError(f"--gammas {args.gammas!r} lists 'auto' but --no-auto skips it; drop one of them")
+    hf_gammas, hf_auto = parse_gammas(args.hf_gammas, "--hf-gammas") if args.hf_gammas.strip() else ([], False)
+    if hf_auto:
+        raise ValueError(f"--hf-gammas {args.hf_gammas!r}: 'auto' is not an option there; hf_assisted already runs "
+                         "HF's own adaptive schedule, --hf-gammas adds fixed γ values only (e.g. --hf-gammas 4)")
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (got {args.limit}): the number of prompts to run")
     cfg = BenchConfig(
         gammas=gammas, auto=auto or not args.no_auto, auto_max_gamma=args.auto_max_gamma,
         temperatures=parse_list(args.temperatures, float, "temperature"),
         batch_sizes=parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
-        hf=not args.no_hf, hf_gammas=parse_gammas(args.hf_gammas)[0] if args.hf_gammas.strip() else [],
+        hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
         cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed, compile=args.compile,
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
@@ -121,8 +132,8 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         the results dict (also written to ``--out``).
 
     Raises:
-        ValueError: bad γ list, temperatures, batch sizes, prompt set, output path, or a prompt budget that cannot
-            fit.
+        ValueError: bad γ list, temperatures, batch sizes, prompt set, output path, contradictory options, or a
+            prompt budget or cost context that cannot fit the models' positions.
         FileNotFoundError: missing target/draft/tokenizer/prompt file.
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
     """

@@ -58,10 +58,18 @@ class BenchConfig:
             raise ValueError(f"HF assisted γ values must be >= 1 (got {self.hf_gammas})")
         if self.batch_gamma is not None and self.batch_gamma < 1:
             raise ValueError(f"batch_gamma must be >= 1 (got {self.batch_gamma})")
+        if self.cost_context_tokens is not None and self.cost_context_tokens < 2:
+            raise ValueError(f"--cost-context (cost_context_tokens) must be >= 2: one prefilled token and the one "
+                             f"timed (got {self.cost_context_tokens}); omit it for mean prompt + max_new_tokens // 2")
+        for name, values in (("gammas", self.gammas), ("temperatures", self.temperatures),
+                             ("batch_sizes", self.batch_sizes), ("hf_gammas", self.hf_gammas)):
+            if len(set(values)) != len(values):  # each would run, and be pooled, twice
+                raise ValueError(f"{name} lists a value twice ({values}); give each once")
 
 
-def parse_gammas(text: str) -> tuple[list[int], bool]:
-    """Parse ``"1,2,4,8,auto"`` -> ([1, 2, 4, 8], True). Raises ValueError naming the bad item."""
+def parse_gammas(text: str, option: str = "--gammas") -> tuple[list[int], bool]:
+    """Parse ``"1,2,4,8,auto"`` -> ([1, 2, 4, 8], True): sorted, each γ once. Raises ValueError naming ``option``
+    and the bad item."""
     gammas, auto = [], False
     for item in (s.strip() for s in str(text).split(",")):
         if not item:
@@ -72,25 +80,27 @@ def parse_gammas(text: str) -> tuple[list[int], bool]:
         try:
             g = int(item)
         except ValueError:
-            raise ValueError(f"bad γ {item!r} in {text!r}: use comma-separated integers >= 1 and/or 'auto', "
-                             "e.g. --gammas 1,2,4,8") from None
+            raise ValueError(f"bad γ {item!r} in {option} {text!r}: use comma-separated integers >= 1 and/or "
+                             f"'auto', e.g. {option} 1,2,4,8") from None
         if g < 1:
-            raise ValueError(f"bad γ {g} in {text!r}: every γ must be >= 1 (plain decoding, γ=0, always runs)")
+            raise ValueError(f"bad γ {g} in {option} {text!r}: every γ must be >= 1 (plain decoding, γ=0, always "
+                             "runs)")
         gammas.append(g)
     if not gammas and not auto:
-        raise ValueError(f"empty γ list {text!r}: e.g. --gammas 1,2,4,8")
+        raise ValueError(f"empty γ list {option} {text!r}: e.g. {option} 1,2,4,8")
     return sorted(set(gammas)), auto
 
 
 def parse_list(text: str, kind: type, what: str) -> list:
-    """Parse a comma-separated list of ``kind`` (``"0,1"`` -> [0.0, 1.0]); ValueError names ``what``."""
+    """Parse a comma-separated list of ``kind`` (``"0,1"`` -> [0.0, 1.0]) in the order given, each value once
+    (``"0,0.0,1"`` -> [0.0, 1.0]: duplicates are compared as parsed values); ValueError names ``what``."""
     try:
         out = [kind(s) for s in str(text).split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"bad {what} list {text!r}: use comma-separated numbers, e.g. 0,1") from None
     if not out:
         raise ValueError(f"empty {what} list {text!r}")
-    return out
+    return list(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,10 @@ def plot_acceptance_by_position(results: dict[str, Any], path: str | os.PathLike
         ax.set_xlabel("draft position i")
         ax.set_ylabel("fraction of verify steps accepting position i")
         ax.set_title(f"T={s['temperature']:g}")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:  # --gammas auto: no fixed-γ run has positions to show
+            ax.text(0.5, 0.5, "no fixed γ measured", ha="center", va="center", transform=ax.transAxes)
         ax.grid(alpha=0.3)
     return _save(fig, path)
 

@@ -14,6 +14,7 @@ import torch
 
 from decode.bench.config import OURS
 from decode.bench.runs import SCHEMA_VERSION
+from decode.outputs import writable
 
 # ----------------------------------------------------------------------------------------------- must-show report
 # Issue #8's goals for the engine on the quickstart pair: (comparison, bound). Batch goals depend on the batch size
@@ -173,16 +174,20 @@ class OutputPaths:
         if out.suffix.lower() == ".json":
             folder, results = out.parent, out
             plots = {name: folder / f"{out.stem}_{name}.png" for name in PLOTS}
-            if not folder.is_dir():
-                raise ValueError(f"--out {out}: folder {folder} does not exist; create it first or choose another path")
         else:
             folder, results = out, out / "results.json"
             plots = {name: folder / f"{name}.png" for name in PLOTS}
-            if out.exists() and not out.is_dir():
-                raise ValueError(f"--out {out} is a file, not a folder; to write JSON there name it *.json")
         existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"--out {out}: cannot write into {existing} (not a writable folder); choose another path")
+        if not existing.is_dir():
+            hint = "to write JSON there name it *.json" if existing == out else "choose another path"
+            raise ValueError(f"--out {out}: {existing} is a file, not a folder; {hint}")
+        if results == out and existing != folder:  # a folder --out is created at the end, X.json's must exist
+            raise ValueError(f"--out {out}: folder {folder} does not exist; create it first or choose another path")
+        if results.is_dir():
+            raise ValueError(f"--out {out}: {results} is a folder; give a new file name or a folder without .json")
+        if not writable(existing):  # a real probe file: os.access says yes to root even in /proc
+            raise ValueError(f"--out {out}: cannot write into folder {existing} (read-only or not a real folder); "
+                             "choose another path")
         taken = [str(p) for p in (results, *plots.values()) if p.exists()]
         if taken and not overwrite:
             raise ValueError(f"--out {out}: {', '.join(taken)} already exist(s); pass --overwrite to replace, or "
@@ -277,9 +282,12 @@ def _render_methods(results, s, console) -> None:
     from rich.table import Table
 
     t = s["temperature"]
-    table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  best γ: measured {s['best_gamma_measured']}, "
-                        f"predicted {s['best_gamma_predicted']} (among tested {s['best_gamma_predicted_tested']}, "
-                        f"verify-aware {s['best_gamma_verify_aware_tested']})")
+    if s["best_gamma_measured"] is None:  # --gammas auto: nothing to rank
+        best = "no fixed γ measured"
+    else:
+        best = (f"best γ: measured {s['best_gamma_measured']}, predicted {s['best_gamma_predicted']} (among tested "
+                f"{s['best_gamma_predicted_tested']}, verify-aware {s['best_gamma_verify_aware_tested']})")
+    table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  {best}")
     for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "pred. v-aware",
                 "=greedy", "peak MiB"):
         table.add_column(col, justify="left" if col == "method" else "right")
@@ -307,8 +315,8 @@ def _render_summary(results, console) -> None:
     for s in results["summary"]:
         hf = _x(s["hf_assisted_speedup"]) + "".join(f", γ={g}: {_x(v)}"
                                                     for g, v in s["hf_assisted_fixed_speedup"].items())
-        table.add_row(f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), str(s["best_gamma_measured"]),
-                      _x(s["measured_speedup_at_best"]), str(s["best_gamma_predicted"]),
+        table.add_row(f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), _fmt(s["best_gamma_measured"], "g"),
+                      _x(s["measured_speedup_at_best"]), _fmt(s["best_gamma_predicted"], "g"),
                       _x(s["predicted_speedup_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"]),
                       hf, _x(s["hf_target_speedup"]))
     console.print(table)
@@ -353,14 +361,19 @@ def _render_batch(results, console) -> None:
     console.print(table)
 
 
+def _gamma(ck, prefix: str = "") -> str:
+    return "no fixed γ measured" if ck["gamma"] is None else f"{prefix}γ={ck['gamma']}"
+
+
 _LABELS = {
     "cost_ratio_vs_bare": lambda ck: "engine c / bare HF forward ratio",
-    "measured_vs_verify_aware": lambda ck: f"speedup / verify-aware prediction, best γ={ck['gamma']}",
-    "decode_vs_verify_aware": lambda ck: f"decode-phase speedup / verify-aware prediction, γ={ck['gamma']}",
+    "measured_vs_verify_aware": lambda ck: f"speedup / verify-aware prediction, {_gamma(ck, 'best ')}",
+    "decode_vs_verify_aware": lambda ck: f"decode-phase speedup / verify-aware prediction, {_gamma(ck)}",
     "ours_vs_hf_assisted": lambda ck: (f"ours / HF assisted speedup, γ={ck['gamma']} (analytic bound "
                                        f"{_fmt(ck.get('analytic_bound'))})"),
     "batch_speedup": lambda ck: f"batch {ck['batch_size']} tok/s, γ={ck['gamma']} / plain",
-    "auto_vs_best_fixed": lambda ck: f"auto γ / best fixed γ={ck['gamma']} speedup",
+    "auto_vs_best_fixed": lambda ck: (f"auto γ / best fixed γ={ck['gamma']} speedup" if ck["gamma"] is not None
+                                      else "auto γ / best fixed γ speedup: no fixed γ measured"),
 }
 
 

@@ -87,8 +87,9 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         adds them).
 
     Raises:
-        ValueError: bad config, empty prompt list, or ``cfg.compile`` with a decoder that cannot compile (before
-            any model work).
+        ValueError: bad config, empty prompt list, ``cfg.compile`` with a decoder that cannot compile, or a cost
+            context that with the largest γ's verify forward does not fit the models' positions (before any model
+            work).
     """
     from decode import SpeculativeDecoder
 
@@ -100,6 +101,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.compile and not compile_supported():
         raise ValueError("compile=True: this version's SpeculativeDecoder has no compile option; drop --compile")
     device = next(target.parameters()).device
+    context = cost_context(prompt_ids, cfg, device)
+    _check_cost_context_fits(context.shape[1], cfg, target, draft)
     eos = None if cfg.ignore_eos else eos_token_id
     kw = dict(num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
               max_auto_draft_tokens=cfg.auto_max_gamma)
@@ -107,7 +110,6 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.compile:
         decoders[True] = SpeculativeDecoder(target, draft, compile=True, **kw)
     methods = build_methods(cfg)
-    context = cost_context(prompt_ids, cfg, device)
     cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
     cost["bare"] = measure_bare_forwards(target, draft, context, cfg.cost_repeats)
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one)
@@ -165,15 +167,17 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
 def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool) -> list[dict]:
     """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch.
 
-    Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
+    The speculative method is ``cfg.batch_gamma``, else the best measured fixed γ, else γ="auto" when no fixed γ
+    ran. Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
     so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size.
     With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch.
     """
     out, jobs = [], []
     for entry in summary:
         t = entry["temperature"]
-        g = cfg.batch_gamma or entry["best_gamma_measured"] or (cfg.gammas[0] if cfg.gammas else None)
-        pair = [Method("plain", OURS, 0)] + ([Method(f"spec_g{g}", OURS, g)] if g else [])
+        # No fixed γ run (--gammas auto): the batch pass measures γ="auto".
+        g = cfg.batch_gamma or entry["best_gamma_measured"] or (cfg.gammas[0] if cfg.gammas else "auto")
+        pair = [Method("plain", OURS, 0), Method("spec_auto" if g == "auto" else f"spec_g{g}", OURS, g)]
         if cfg.compile:
             pair += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in pair]
         for bs in cfg.batch_sizes:
@@ -215,6 +219,20 @@ def cost_context(prompt_ids, cfg: BenchConfig, device) -> torch.Tensor:
     flat = [t for r in prompt_ids for t in r]
     ids = (flat * (n // len(flat) + 1))[:n]
     return torch.tensor([ids], dtype=torch.long, device=device)
+
+
+def _check_cost_context_fits(n: int, cfg: BenchConfig, target, draft) -> None:
+    """The cost measurement prefills n - 1 tokens, then times forwards of 1 and (verify) γ+1 tokens after them:
+    n + the largest γ positions must fit both models."""
+    from decode.engine import context_length
+
+    positions = [p for p in (context_length(target), context_length(draft)) if p]
+    g = max(cfg.gammas or [0])
+    if positions and n + g > min(positions):
+        what = (f"--cost-context {n}" if cfg.cost_context_tokens is not None
+                else f"the cost context (mean prompt + max_new_tokens // 2 = {n} tokens)")
+        raise ValueError(f"{what} plus the largest γ {g} (the verify forward) needs {n + g} positions, more than the "
+                         f"models' {min(positions)}; give --cost-context <= {min(positions) - g}")
 
 
 def _count(items) -> dict[str, int]:

@@ -5,8 +5,10 @@ Timings are never asserted (they live in the benchmark output); only structure, 
 """
 from __future__ import annotations
 
+import io
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,15 +334,29 @@ def test_out_refuses_an_existing_file_before_loading_models(saved_pair, tmp_path
 
 @pytest.mark.parametrize("where, message", [
     ("missing/x.json", "does not exist; create it first"),
-    ("a_file/x.json", "does not exist; create it first"),
+    ("a_file/x.json", "a_file is a file, not a folder"),
+    ("a_file/sub/x.json", "a_file is a file, not a folder"),
+    ("a_file/sub", "a_file is a file, not a folder"),
     ("a_file", "is a file, not a folder"),
+    ("a_folder.json", "a_folder.json is a folder"),
 ])
 def test_out_refuses_a_path_it_cannot_write(saved_pair, tmp_path, capsys, no_model_loads, where, message):
     from decode.__main__ import main as decode_main
 
     (tmp_path / "a_file").write_text("")
-    assert decode_main(["bench", *_pair_args(saved_pair), "--out", str(tmp_path / where)]) == 2
+    (tmp_path / "a_folder.json").mkdir()
+    assert decode_main(["bench", *_pair_args(saved_pair), "--out", str(tmp_path / where), "--overwrite"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("out", ["/proc/x.json", "/proc/bench"])
+def test_out_refuses_a_folder_that_takes_no_files_even_for_root(saved_pair, capsys, no_model_loads, out):
+    """/proc is a folder that os.access calls writable for root; only a real probe file tells."""
+    from decode.__main__ import main as decode_main
+
+    assert decode_main(["bench", *_pair_args(saved_pair), "--out", out]) == 2
+    assert "--out" in (err := capsys.readouterr().err) and "cannot write into folder /proc" in err
 
 
 def test_overwrite_replaces_and_a_file_that_appears_mid_run_is_kept(bench_run, tmp_path):
@@ -441,6 +457,86 @@ def test_cli_bad_input_fails_before_loading_models(saved_pair, tmp_path):
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
         run_cli(pair + ["--batch-sizes", "0"])
     assert not (tmp_path / "results.json").exists()
+
+
+def _config(*argv: str) -> BenchConfig:
+    """The checked BenchConfig of a bench command line (nothing loaded, no file touched)."""
+    from decode.bench.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(["--target", "t", "--draft", "d", "--device", "cpu", *argv]))
+
+
+def test_list_options_take_each_value_once():
+    """Every list option drops repeats, compared as parsed values (0 and 0.0 are one temperature), keeping the
+    first; run twice they were pooled together and doubled the rows of the tables and the JSON."""
+    cfg = _config("--gammas", "4,2,2,4", "--hf-gammas", "2,2", "--temperatures", "0,0.0,1,1.0",
+                  "--batch-sizes", "4,1,1,4")
+    assert (cfg.gammas, cfg.hf_gammas, cfg.temperatures, cfg.batch_sizes) == ([2, 4], [2], [0.0, 1.0], [4, 1])
+    assert [m.name for m in build_methods(cfg)].count("plain") == 1
+    # A config built in Python is taken as meant: a repeated value is refused, naming the list.
+    for field, values in (("gammas", [2, 2]), ("temperatures", [0, 0.0]), ("batch_sizes", [1, 1]),
+                          ("hf_gammas", [3, 3])):
+        with pytest.raises(ValueError, match=f"{field} lists a value twice"):
+            BenchConfig(**{field: values}).validate()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gammas", "auto", "--no-auto"], "lists 'auto' but --no-auto skips it"),
+    (["--hf-gammas", "4,auto"], "--hf-gammas '4,auto': 'auto' is not an option there"),
+    (["--hf-gammas", "0"], "bad γ 0 in --hf-gammas"),
+    (["--limit", "0"], r"--limit must be >= 1 \(got 0\)"),
+    (["--cost-context", "0"], r"--cost-context \(cost_context_tokens\) must be >= 2"),
+    (["--cost-context", "-5"], r"--cost-context \(cost_context_tokens\) must be >= 2"),
+    (["--cost-context", "1"], r"--cost-context \(cost_context_tokens\) must be >= 2"),
+])
+def test_contradictory_or_out_of_range_options_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _config(*argv)
+
+
+def test_cost_context_must_fit_the_models_positions_before_any_timing(monkeypatch):
+    """The cost measurement prefills n - 1 tokens, then times a verify forward of γ+1 tokens: n + γ positions."""
+    import decode.bench.runs
+
+    seen = []
+
+    def stop(target, draft, context, *args, **kwargs):
+        seen.append(context.shape[1])
+        raise InterruptedError("the timed work starts here")
+
+    monkeypatch.setattr(decode.bench.runs, "measure_cost_ratio", stop)
+    target = tiny_llama(seed=0, layers=1)  # 256 positions
+    cfg = BenchConfig(gammas=[2], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=4,
+                      cost_repeats=3, warmup=False, cost_context_tokens=255)
+    with pytest.raises(ValueError, match=r"--cost-context 255 plus the largest γ 2 .* 257 positions, more than the "
+                                         r"models' 256; give --cost-context <= 254"):
+        run_benchmark(target, target, [[1, 5, 6]], [None], cfg, pad_token_id=0, progress=False)
+    assert not seen
+    cfg.cost_context_tokens = 254  # fits exactly, and is the context measured
+    with pytest.raises(InterruptedError):
+        run_benchmark(target, target, [[1, 5, 6]], [None], cfg, pad_token_id=0, progress=False)
+    assert seen == [254]
+
+
+def test_auto_only_runs_auto_in_the_batch_pass_and_prints_no_none(tmp_path):
+    """--gammas auto: no fixed γ to rank, so the batch pass measures γ="auto" and the tables say so."""
+    from rich.console import Console
+
+    from decode.bench import render_tables
+
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[], auto=True, hf=False, temperatures=[0.0], batch_sizes=[1, 2], max_new_tokens=4,
+                      cost_repeats=3, warmup=False)
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0,
+                            progress=False)
+    assert {(b["method"], b["batch_size"]) for b in results["batch"]} == {
+        ("plain", 1), ("spec_auto", 1), ("plain", 2), ("spec_auto", 2)}
+    write_outputs(results, tmp_path / "auto.json")
+    console = Console(file=io.StringIO(), width=200)
+    render_tables(results, console)
+    printed = console.file.getvalue()
+    assert "None" not in printed and "no fixed γ measured" in printed
+    assert "batch 2 tok/s, γ=auto / plain" in printed
 
 
 def test_config_validation_messages():

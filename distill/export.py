@@ -7,8 +7,10 @@ The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and works as
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -84,9 +86,31 @@ def untie_adapted_weights(peft_model: Any) -> bool:
     return True
 
 
+# What an export written before the card listed its files could hold: save_pretrained's config, weights (one file
+# or shards and their index) and remote-code modules, every tokenizer's files, and the card.
+EARLIER_EXPORT_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+                        "configuration_*.py", "modeling_*.py", "tokenization_*.py", "tokenizer*", "*.model",
+                        "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*",
+                        "README.md", CARD_JSON)
+
+
+def _not_export_files(out_dir: Path) -> list[str]:
+    """Names in ``out_dir`` (an earlier export) that the export did not write: its card's ``files`` list, or for a
+    card without one, the names in :data:`EARLIER_EXPORT_FILES`."""
+    try:
+        files = json.loads((out_dir / CARD_JSON).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if isinstance(files, list):
+        return sorted(p.name for p in out_dir.iterdir() if p.name not in files)
+    return sorted(p.name for p in out_dir.iterdir()
+                  if not p.is_file() or not any(fnmatch.fnmatchcase(p.name, pat) for pat in EARLIER_EXPORT_FILES))
+
+
 def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     """``out_dir`` must be missing or empty; with ``overwrite`` it may hold an earlier export (it has
-    ``draftkit_card.json``), never other files. Raises CheckpointError naming the fix."""
+    ``draftkit_card.json``) and only the files that export wrote: anything else there (a user's notes, eval results)
+    is refused, never deleted. Raises CheckpointError naming the fix."""
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"OUT_DIR {out_dir} is a file; give a folder")
@@ -105,7 +129,30 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
         if not (out_dir / CARD_JSON).is_file():
             raise CheckpointError(f"OUT_DIR {out_dir} holds files that are not a draftkit export (no {CARD_JSON}); "
                                   "--overwrite only replaces an earlier export. Choose a new folder")
+        foreign = _not_export_files(out_dir)
+        if foreign:
+            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+            raise CheckpointError(
+                f"OUT_DIR {out_dir} holds an earlier export and also what the export did not write "
+                f"({', '.join(foreign[:3])}{more}); --overwrite replaces only an earlier export's own files, so "
+                "nothing was changed. Move those out of OUT_DIR, or choose another folder")
     return out_dir
+
+
+def _check_not_a_run_folder(checkpoint: Path) -> None:
+    """A run's output folder given instead of one of its checkpoints: name the checkpoint to export."""
+    from distill.checkpoint import LATEST_FILE, MANIFEST_FILE, find_latest, list_checkpoints
+
+    is_run = (checkpoint / LATEST_FILE).is_file() or bool(list_checkpoints(checkpoint))
+    if (checkpoint / MANIFEST_FILE).exists() or not is_run:
+        return
+    newest = find_latest(checkpoint)
+    if newest is None:
+        raise CheckpointError(f"{checkpoint} is a run folder, not a checkpoint, and it has no complete step_N "
+                              "checkpoint to export; give a step_N or best folder of a run")
+    best = " (or its best/ folder)" if (checkpoint / "best").is_dir() else ""
+    raise CheckpointError(f"{checkpoint} is a run folder, not a checkpoint; export one of its checkpoints, e.g. its "
+                          f"newest: {newest}{best}")
 
 
 def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None) -> dict:
@@ -116,7 +163,8 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     ``eval.num_draft_tokens`` and ``gamma_source`` says so. vLLM's draft-model speculation takes
     ``--speculative-config`` with ``model``, ``num_speculative_tokens`` and ``method: draft_model`` (older vLLM
     releases infer the method and reject the key: drop it there); SGLang's STANDALONE algorithm runs a chain of
-    ``--speculative-num-steps`` draft steps with top-k 1, verifying γ + 1 tokens per step.
+    ``--speculative-num-steps`` draft steps with top-k 1, verifying γ + 1 tokens per step. Every argument is
+    shell-quoted (``shlex.split`` gives back the exact paths and the JSON).
     """
     per_t = (evaluation or {}).get("per_temperature") or {}
     if per_t:
@@ -126,11 +174,11 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
         gamma = int(((config or {}).get("eval") or {}).get("num_draft_tokens") or 4)
         source = "eval.num_draft_tokens of the training config (no evaluation recorded: γ was not measured)"
     spec = json.dumps({"model": draft_dir, "num_speculative_tokens": gamma, "method": "draft_model"})
-    vllm = f"vllm serve {target} --speculative-config '{spec}'"
-    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
-              f"--speculative-draft-model-path {draft_dir} --speculative-num-steps {gamma} "
-              f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}")
-    return {"num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang}
+    vllm = shlex.join(["vllm", "serve", target, "--speculative-config", spec])
+    sglang = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
+                         "STANDALONE", "--speculative-draft-model-path", draft_dir, "--speculative-num-steps",
+                         str(gamma), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(gamma + 1)])
+    return {"draft": draft_dir, "num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang}
 
 
 def _verify_markdown(ev: dict) -> str:
@@ -159,18 +207,36 @@ def _pruned_markdown(card: dict) -> str:
             "refuses the smaller head, and engines that do not read the map cannot use it.\n")
 
 
-def _card_markdown(card: dict) -> str:
-    ev = card.get("evaluation") or {}
+def _acceptance_markdown(ev: dict) -> str:
+    """The card's acceptance section: the evaluation's table, γ, step and cost model, or that none was recorded."""
+    if not ev.get("per_temperature"):
+        return ("## Measured acceptance\n\nNo evaluation was recorded in the checkpoint, so acceptance was not "
+                "measured. Measure it with `python -m distill eval +target.name_or_path=TARGET "
+                "draft.name_or_path=DRAFT` (the target and draft paths of the Use section below).\n")
+
     def alpha(m: dict) -> str:  # evaluations recorded before the one-name rule called it per_token_acceptance
         a = m.get("alpha", m.get("per_token_acceptance"))
         return "-" if a is None else f"{a:.3f}"
 
     rows = "\n".join(
         f"| {t} | {m['acceptance_rate']:.3f} | {alpha(m)} | {m['mean_accepted_length']:.2f} | {m['best_gamma']} | "
-        f"{m['predicted_speedup']:.2f} |" for t, m in (ev.get("per_temperature") or {}).items())
-    table = ("| temperature | acceptance rate (Σaccepted/Σdrafted) | α (per-token acceptance) | τ (mean accepted "
-             "length) | best γ | predicted speedup |\n| --- | --- | --- | --- | --- | --- |\n" + rows) if rows else \
-        "No evaluation was recorded in the checkpoint."
+        f"{m['predicted_speedup']:.2f} |" for t, m in ev["per_temperature"].items())
+    header = ("| temperature | acceptance rate (Σaccepted/Σdrafted) | α (per-token acceptance) | τ (mean accepted "
+              "length) | best γ | predicted speedup |\n| --- | --- | --- | --- | --- | --- |")
+    c = ev.get("cost_ratio")
+    c = "not recorded" if c is None or c != c else f"{c:.3f}"  # c != c: NaN
+    gamma, step = ev.get("num_draft_tokens", "-"), ev.get("step", "-")
+    return f"""## Measured acceptance (held-out prompts, γ = {gamma}, step {step})
+
+{header}
+{rows}
+
+Cost ratio c (draft / target forward time) used for the prediction: {c}.
+{_verify_markdown(ev)}
+"""
+
+
+def _card_markdown(card: dict) -> str:
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, draft-model, distillation, draftkit]
@@ -181,19 +247,15 @@ A draft model for speculative decoding, distilled against the frozen target `{ca
 draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
 LoRA merged: {card['lora_merged']}.
 {_pruned_markdown(card)}
-## Measured acceptance (held-out prompts, γ = {ev.get('num_draft_tokens', '?')}, step {ev.get('step', '?')})
-
-{table}
-
-Cost ratio c (draft / target forward time) used for the prediction: {ev.get('cost_ratio', float('nan')):.3f}.
-{_verify_markdown(ev)}
-
+{_acceptance_markdown(card.get('evaluation') or {})}
 ## Use
+
+The paths are the target's and the one this draft was exported to; change them if you move either folder.
 
 ```python
 from transformers import AutoModelForCausalLM
-target = AutoModelForCausalLM.from_pretrained("{card['target']}")
-draft = AutoModelForCausalLM.from_pretrained("PATH_TO_THIS_FOLDER")
+target = AutoModelForCausalLM.from_pretrained({str(card['target'])!r})
+draft = AutoModelForCausalLM.from_pretrained({card['serving']['draft']!r})
 out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
 ```
 
@@ -214,14 +276,17 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     """Write the merged draft, its tokenizer and the card to ``out_dir``; returns the card dict.
 
     Everything is written to a temporary folder next to ``out_dir`` and renamed into place at the end, so a failed
-    export leaves nothing half-written and an existing folder is replaced only when complete.
+    export leaves nothing half-written and an earlier export is replaced only when complete. The card lists the
+    files written (``files``), so a later ``overwrite`` can tell them from files added to the folder since.
 
     Raises:
-        CheckpointError: ``checkpoint`` is not a complete checkpoint, or ``out_dir`` is not empty (see
+        CheckpointError: ``checkpoint`` is not a complete checkpoint (a run folder: the message names its newest
+            checkpoint), or ``out_dir`` is not empty or holds more than an earlier export (see
             :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
     """
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
+    _check_not_a_run_folder(checkpoint)
     read_state(checkpoint)
     draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -232,6 +297,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     try:
         card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
         old = out_dir.with_name(tmp.name[:-4] + ".old")
+        check_export_dir(out_dir, overwrite)  # again: files may have been added to OUT_DIR while this ran
         if out_dir.exists():
             out_dir.rename(old)
         tmp.rename(out_dir)
@@ -246,6 +312,7 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
     """Write the export into ``out_dir`` (the temporary folder); the card's serving lines name ``final_dir``."""
     draft.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
+    files = sorted({p.name for p in out_dir.iterdir()} | {CARD_JSON, "README.md"})
     config = read_config(checkpoint)
     from decode.vocab_map import draft_vocab_map
 
@@ -256,7 +323,7 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
-            "draft_vocab": pruned}
+            "draft_vocab": pruned, "files": files}
     card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),
                                        card["evaluation"], config)
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))

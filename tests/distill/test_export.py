@@ -253,3 +253,87 @@ def test_card_shows_acceptance_rate_and_alpha_also_from_an_older_evaluation():
     assert "| 1.0 | 0.512 | 0.715 | 2.50 | 4 | 1.70 |" in _card_markdown(card({**row, "alpha": 0.715}))
     # recorded before the one-name rule: α was stored as per_token_acceptance
     assert "| 1.0 | 0.512 | 0.715 | 2.50 | 4 | 1.70 |" in _card_markdown(card({**row, "per_token_acceptance": 0.715}))
+
+
+def test_overwrite_keeps_what_a_user_added_to_an_earlier_export(pair, tmp_path, capsys):
+    """--overwrite swapped the whole folder: notes and eval results a user had put in an earlier export were deleted.
+    It now refuses (exit 2, naming them) and changes nothing; over the export's own files alone it replaces them."""
+    from distill.__main__ import main
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2", "eval.temperatures=[0.0]")), log=lambda *_: None)
+    out = tmp_path / "out"
+    main(["export", str(run / "step_000002"), str(out)])
+    exported = sorted(os.listdir(out))
+    (out / "NOTES.md").write_text("notes")
+    (out / "eval_runs").mkdir()
+    (out / "eval_runs" / "r.json").write_text("1")
+    before = sorted(os.listdir(out))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(run / "step_000002"), str(out), "--overwrite"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "NOTES.md" in err and "eval_runs" in err and "Move those" in err
+    assert sorted(os.listdir(out)) == before and (out / "eval_runs" / "r.json").read_text() == "1"
+
+    card = json.loads((out / "draftkit_card.json").read_text())
+    assert card["files"] == exported  # what a later --overwrite may replace
+
+    # an export written before the card listed its files: the files any export may write are its own, others not
+    del card["files"]
+    (out / "draftkit_card.json").write_text(json.dumps(card))
+    (out / "eval_runs" / "r.json").unlink()
+    (out / "eval_runs").rmdir()
+    (out / "special_tokens_map.json").write_text("{}")  # a tokenizer of another kind wrote it
+    (out / "model.safetensors.index.json").write_text("{}")  # a sharded draft wrote it
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(run / "step_000002"), str(out), "--overwrite"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "NOTES.md" in err and "special_tokens_map" not in err and "index" not in err
+    (out / "NOTES.md").unlink()
+    main(["export", str(run / "step_000002"), str(out), "--overwrite"])
+    assert sorted(os.listdir(out)) == exported == json.loads((out / "draftkit_card.json").read_text())["files"]
+
+
+@pytest.mark.parametrize("name", ["my export", "my export's dir"])
+def test_serving_commands_quote_paths(name, tmp_path):
+    """The card's command lines did not quote paths: an apostrophe broke shlex.split, a space split one path in two."""
+    import shlex
+
+    from distill.export import _card_markdown, serving_commands
+
+    target, draft = f"/models/{name} target", str(tmp_path / name)
+    cmds = serving_commands(target, draft, None, None)
+    vllm = shlex.split(cmds["vllm"])
+    assert vllm[:4] == ["vllm", "serve", target, "--speculative-config"] and len(vllm) == 5
+    assert json.loads(vllm[4])["model"] == draft
+    sglang = shlex.split(cmds["sglang"])
+    assert sglang[sglang.index("--model-path") + 1] == target
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == draft and len(sglang) == 15
+    card = _card_markdown({"target": target, "loss": "fkl", "steps": 2, "lora_merged": False, "evaluation": None,
+                           "serving": cmds})
+    assert f"from_pretrained({draft!r})" in card and f"from_pretrained({target!r})" in card  # Use names the paths
+    assert "PATH_TO_THIS_FOLDER" not in card
+
+
+def test_card_without_an_evaluation_says_so():
+    """It printed "γ = ?, step ?" and "Cost ratio c ...: nan"."""
+    from distill.export import _card_markdown, serving_commands
+
+    card = _card_markdown({"target": "t", "loss": "fkl", "steps": 2, "lora_merged": False, "evaluation": None,
+                           "serving": serving_commands("t", "/d", None, {"eval": {"num_draft_tokens": 4}})})
+    assert "No evaluation was recorded" in card and "?" not in card and "nan" not in card and "Cost ratio" not in card
+
+
+def test_export_of_a_run_folder_names_its_checkpoint(pair, tmp_path, capsys):
+    """A run folder was reported as "its save was interrupted, or it is not a checkpoint"."""
+    from distill.__main__ import main
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2", "eval.temperatures=[0.0]", "eval.at_start=false")),
+          log=lambda *_: None)
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(run), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is a run folder" in err and str(run / "step_000002") in err
+    assert not (tmp_path / "out").exists()

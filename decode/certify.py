@@ -1,8 +1,9 @@
 """``python -m decode certify``: a statistical certificate that a target/draft pair decodes losslessly.
 
-At M prefixes the speculative decoder draws the next two tokens K times (K copies of the prefix in one batch, γ ≥ 2
-so the second token also passes the acceptance rule), and the draws are compared with the target's exact
-distribution after the same temperature/top-k/top-p processing (:func:`decode.sampling.logits_to_probs`):
+At M prefixes the speculative decoder draws the next two tokens K times (K copies of the prefix, in batches of at
+most ``batch_size`` rows; γ ≥ 2 so the second token also passes the acceptance rule), and the draws are compared
+with the target's exact distribution after the same temperature/top-k/top-p processing
+(:func:`decode.sampling.logits_to_probs`):
 
 - ``token1``: the first token against the target's p(x1 | prefix).
 - ``token2``: the second token against its exact marginal sum_x p(x) p(y | prefix, x). The first token's support
@@ -18,7 +19,12 @@ one cell (merged into the smallest cell while the pool is still below 5). A samp
 probability 0 (outside top-k/top-p, or a greedy mismatch at T=0) makes the test's p-value 0. Per setting the
 prefixes' statistics are also summed (independent draws: chi-square with the summed degrees of freedom), which
 detects a bias shared by all prefixes sqrt(M) times more finely. All p-values of the run form one family under
-Holm's step-down correction (Holm 1979); the pair passes when no hypothesis is rejected at family-wise level alpha.
+Holm's step-down correction (Holm 1979); the pair fails when a hypothesis is rejected at family-wise level alpha.
+
+A test with a single cell (df = 0) has power only when the target gives one outcome probability 1 (T=0, or top-k/
+top-p keeping one id): it is then exact, since any other draw fails it. Otherwise its draws all fell into one pooled
+cell (every outcome's expected count K p below 5) and it can detect nothing. A setting none of whose tests has power
+is not certified: the verdict is INCONCLUSIVE (raise K), not PASS.
 
 Upper confidence bound on the total-variation distance TV(P, p) between the decoder's distribution P and the
 target's p, per prefix and test: TV(P, p) <= TV_cells(P_hat, p) + eps + p(pooled cells), where eps =
@@ -30,7 +36,8 @@ hold simultaneously with confidence 1 - alpha. For the token2 cells the bound is
 Smallest detectable TV: Cauchy-Schwarz gives chi2-divergence >= 4 TV^2, so any P whose TV on the test's cells is
 at least d gives the statistic a noncentrality K * chi2-div >= 4 K d^2 (Cohen 1988, ch. 7: lambda = N w^2). The
 reported d is the smallest TV detected with power 0.8 at the Bonferroni level alpha / (number of tests), which
-Holm's first step uses, for every such P.
+Holm's first step uses, for every such P. For an exact test it is the d with 1 - (1 - d)^K = 0.8: the chance that
+one of the K draws falls outside the target's only outcome when P puts mass d there.
 """
 from __future__ import annotations
 
@@ -53,6 +60,8 @@ MIN_EXPECTED = 5.0  # Cochran's rule for the chi-square approximation
 POWER = 0.8  # power at which the smallest detectable TV is reported
 TESTS = ("token1", "token2", "joint")
 DEFAULT_SETTINGS = "T=1; T=0.7,top_p=0.9; T=0.7,top_k=20"
+DRAW_BATCH = 1024  # most copies of a prefix per generate call: memory grows with it, the draws' distribution does not
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}  # 2: bad input; 4: --out appeared during the run
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -86,7 +95,8 @@ def parse_settings(text: str) -> list[Setting]:
 
     Raises:
         ValueError: naming the part (1-based) and the problem: empty part, unknown or repeated key, a value that
-            is not a number, a missing T, or a value outside its range (see ``validate_sampling_args``).
+            is not a number, a missing T, a value outside its range (see ``validate_sampling_args``), or a setting
+            given twice (``T=1; temperature=1.0``).
     """
     parts = text.split(";")
     settings = []
@@ -116,7 +126,12 @@ def parse_settings(text: str) -> list[Setting]:
             validate_sampling_args(values["temperature"], values.get("top_k"), values.get("top_p"))
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        settings.append(Setting(**values))
+        setting = Setting(**values)
+        for j, earlier in enumerate(settings, 1):
+            if earlier.label == setting.label:  # the results are grouped by label: the two would be mixed
+                raise ValueError(f"{where} repeats part {j} ({parts[j - 1].strip()!r}): both are {setting.label}; "
+                                 "give each setting once")
+        settings.append(setting)
     return settings
 
 
@@ -137,7 +152,8 @@ class TestResult:
     tv_observed: float | None = None  # TV_cells(P_hat, p)
     tv_upper: float | None = None  # upper confidence bound on the TV (see module docstring)
     pooled_mass: float | None = None  # target probability of the pooled cells (unresolved by the test)
-    detectable_tv: float | None = None  # smallest TV on the cells detected with power 0.8 (None: df = 0)
+    detectable_tv: float | None = None  # smallest TV on the cells detected with power 0.8 (None: no power)
+    exact: bool = False  # the target gives one outcome probability 1: any other draw fails the test
     p_holm: float | None = None
     rejected: bool = False
 
@@ -196,10 +212,14 @@ def bhc_radius(cells: int, samples: int, delta: float) -> float:
     return math.sqrt((cells * math.log(2) + math.log(1 / delta)) / (2 * samples))
 
 
-def detectable_tv(df: int, samples: int, level: float, power: float = POWER) -> float | None:
+def detectable_tv(df: int, samples: int, level: float, power: float = POWER, exact: bool = False) -> float | None:
     """Smallest TV on the cells that a chi-square test with ``df`` degrees of freedom at ``level`` detects with
     ``power``: sqrt(lambda* / (4 K)) where ncx2(df, lambda*) exceeds the critical value with probability ``power``
-    (Cohen 1988, ch. 7; chi2-divergence >= 4 TV^2). None when df = 0 (an exact check: only impossible draws fail)."""
+    (Cohen 1988, ch. 7; chi2-divergence >= 4 TV^2). ``exact`` (the target gives one outcome probability 1): the d
+    with 1 - (1 - d)^K = ``power``, the chance that a draw misses that outcome. None when df = 0 and not exact:
+    every draw fell into one pooled cell, and the test has no power."""
+    if exact:
+        return 1.0 - (1.0 - power) ** (1.0 / samples)
     if df < 1:
         return None
     from scipy.optimize import brentq
@@ -245,26 +265,35 @@ def exact_distributions(target: Any, prefix: Sequence[int], setting: Setting, vo
 
 
 def draw_two_tokens(decoder: Any, prefix: Sequence[int], samples: int, setting: Setting, num_draft_tokens: int,
-                    generator: torch.Generator, device: Any) -> np.ndarray:
+                    generator: torch.Generator, device: Any, batch_size: int = DRAW_BATCH) -> np.ndarray:
     """K independent draws of the next two tokens through ``decoder.generate``: ``(K, 2)`` int64.
 
-    K copies of the prefix go in one batch (rows are decoded independently). ``max_new_tokens = γ + 1`` so the
-    first step drafts the full γ >= 2 tokens and the second token is a verified draft or a residual draw; no eos
-    is passed, so every row yields its tokens. Only the first two are kept.
+    K copies of the prefix go in batches of at most ``batch_size`` rows (rows are decoded independently, so the
+    batching changes which draws come out, not their distribution). ``max_new_tokens = γ + 1`` so the first step
+    drafts the full γ >= 2 tokens and the second token is a verified draft or a residual draw; no eos is passed, so
+    every row yields its tokens. Only the first two are kept.
     """
-    ids = torch.tensor([list(prefix)] * samples, device=device)
-    out = decoder.generate(ids, max_new_tokens=num_draft_tokens + 1, generator=generator,
-                           num_draft_tokens=num_draft_tokens, **setting.sampling())
-    rows = [t[:2].tolist() for t in out.new_tokens]
+    rows = []
+    for start in range(0, samples, batch_size):
+        ids = torch.tensor([list(prefix)] * min(batch_size, samples - start), device=device)
+        out = decoder.generate(ids, max_new_tokens=num_draft_tokens + 1, generator=generator,
+                               num_draft_tokens=num_draft_tokens, **setting.sampling())
+        rows += [t[:2].tolist() for t in out.new_tokens]
     if any(len(r) < 2 for r in rows):
         raise RuntimeError("the decoder returned fewer than two new tokens for a row; the prefix may fill the "
                            "target's context")
     return np.array(rows, dtype=np.int64)
 
 
+def _point_mass(probs: np.ndarray) -> bool:
+    """The outcomes' probabilities put all the mass on one outcome (the rest, not enumerated, has none)."""
+    return int((probs > 0).sum()) == 1 and float(probs.sum()) >= 1 - 1e-5
+
+
 def _tests_at_prefix(draws: np.ndarray, p1: torch.Tensor, support: torch.Tensor, p2: torch.Tensor,
                      samples: int) -> dict[str, tuple]:
-    """Cells for token1, token2 and joint at one prefix (see the module docstring)."""
+    """Cells (:func:`pooled_cells`) and exactness (:func:`_point_mass`) of token1, token2 and joint at one prefix
+    (see the module docstring)."""
     V = p1.shape[0]
     p1n, sup, p2n = p1.numpy(), support.numpy(), p2.numpy()
     x1, x2 = draws[:, 0], draws[:, 1]
@@ -273,17 +302,31 @@ def _tests_at_prefix(draws: np.ndarray, p1: torch.Tensor, support: torch.Tensor,
     s_idx = pos[x1]  # index of x1 in the enumerated support, -1 outside it
     inside = s_idx >= 0
     joint = p1n[sup][:, None] * p2n  # (S, V)
-    return {
-        "token1": pooled_cells(p1n, x1, samples),
-        "token2": pooled_cells(joint.sum(0), np.where(inside, x2, -1), samples),
-        "joint": pooled_cells(joint.reshape(-1), np.where(inside, s_idx * V + x2, -1), samples),
-    }
+    outcomes = {"token1": (p1n, x1), "token2": (joint.sum(0), np.where(inside, x2, -1)),
+                "joint": (joint.reshape(-1), np.where(inside, s_idx * V + x2, -1))}
+    return {name: (pooled_cells(p, obs, samples), _point_mass(p)) for name, (p, obs) in outcomes.items()}
+
+
+def max_prefix_length(target: Any, draft: Any, num_draft_tokens: int) -> tuple[int | None, str]:
+    """The longest prefix whose first step still drafts all γ tokens, and why: the engine cuts γ so that the prefix
+    and γ + 1 new tokens fit the target's context and the prefix and γ drafted tokens the draft's.
+
+    Returns:
+        ``(limit, reason)``; ``limit`` is None when neither model states a context length.
+    """
+    from decode.engine import context_length
+
+    g, ctx_t, ctx_d = num_draft_tokens, context_length(target), context_length(draft)
+    limits = [c for c in (ctx_t - g - 1 if ctx_t else None, ctx_d - g if ctx_d else None) if c is not None]
+    reason = (f"the prefix and its γ + 1 = {g + 1} new tokens must fit the target's context ({ctx_t}) and the prefix "
+              f"and γ = {g} drafted tokens the draft's ({ctx_d})")
+    return (min(limits) if limits else None), reason
 
 
 def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings: Sequence[Setting], *,
             samples: int = 1000, num_draft_tokens: int = 2, alpha: float = 0.01, seed: int = 0,
             tokenizer: Any = None, draft_tokenizer: Any = None, max_enumerate: int = 128,
-            decoder: Any = None, log: Any = None) -> dict:
+            decoder: Any = None, log: Any = None, batch_size: int = DRAW_BATCH) -> dict:
     """Test that speculative decoding of ``target`` with ``draft`` samples the target's distribution.
 
     Args:
@@ -299,13 +342,17 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
         decoder: an object with ``generate(input_ids (K, T), max_new_tokens, temperature, top_k, top_p, generator,
             num_draft_tokens) -> .new_tokens``; default ``SpeculativeDecoder(target, draft, γ, ...)``.
         log: optional callable taking one progress line.
+        batch_size: at most this many copies of a prefix per ``generate`` call.
 
     Returns:
-        the certificate as a JSON-ready dict: ``passed``, per-test results (:class:`TestResult`), per-setting
-        summaries (sample sizes, smallest adjusted p-value, largest TV bound, smallest detectable TV) and the method.
+        the certificate as a JSON-ready dict: ``verdict`` (``PASS``; ``FAIL``: a test rejected; ``INCONCLUSIVE``: no
+        rejection, but a setting none of whose tests has power), ``passed`` (verdict is PASS), per-test results
+        (:class:`TestResult`), per-setting summaries (verdict, sample sizes, smallest adjusted p-value, largest TV
+        bound, median smallest detectable TV, prefixes whose test has no power) and the method.
 
     Raises:
-        ValueError: γ < 2, K < 1, alpha outside (0, 1), no prefixes or no settings.
+        ValueError: γ < 2, K < 1, alpha outside (0, 1), batch_size < 1, no prefixes or no settings, two settings
+            with the same label, or a prefix too long for the models' contexts (:func:`max_prefix_length`).
     """
     from decode.compat import check_compatibility
 
@@ -316,8 +363,17 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
         raise ValueError(f"samples must be >= 1, got {samples}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prefixes or not settings:
         raise ValueError("certify needs at least one prefix and one setting")
+    labels = [s.label for s in settings]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"settings repeat {next(x for x in labels if labels.count(x) > 1)}; give each setting once")
+    limit, reason = max_prefix_length(target, draft, num_draft_tokens)
+    for m, prefix in enumerate(prefixes):
+        if limit is not None and len(prefix) > limit:
+            raise ValueError(f"prefix {m} has {len(prefix)} tokens, more than {limit}: {reason}")
     if decoder is None:
         from decode.engine import SpeculativeDecoder
 
@@ -330,11 +386,13 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
     per_prefix: list[tuple[TestResult, np.ndarray, np.ndarray, np.ndarray]] = []
     for setting in settings:
         for m, prefix in enumerate(prefixes):
-            draws = draw_two_tokens(decoder, prefix, samples, setting, num_draft_tokens, generator, device)
+            draws = draw_two_tokens(decoder, prefix, samples, setting, num_draft_tokens, generator, device,
+                                    batch_size)
             p1, support, p2 = exact_distributions(target, prefix, setting, vocab_size, max_enumerate)
-            for name, (cp, cn, resolved, impossible) in _tests_at_prefix(draws, p1, support, p2, samples).items():
+            tests = _tests_at_prefix(draws, p1, support, p2, samples)
+            for name, ((cp, cn, resolved, impossible), exact) in tests.items():
                 stat, df, pv = chi_square_test(cp, cn, impossible)
-                res = TestResult(setting.label, m, name, samples, len(cp), df, stat, pv, impossible)
+                res = TestResult(setting.label, m, name, samples, len(cp), df, stat, pv, impossible, exact=exact)
                 per_prefix.append((res, cp, cn, resolved))
             if log is not None:
                 log(f"{setting.label}  prefix {m + 1}/{len(prefixes)}  ({time.perf_counter() - start:.0f} s)")
@@ -348,18 +406,23 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
             bad = any(r.p_value == 0.0 and r.impossible > 0 for r in group)
             pv = 0.0 if bad else (float(chi2.sf(stat, df)) if df > 0 else 1.0)
             results.append(TestResult(setting.label, None, name, samples * len(group), sum(r.cells for r in group),
-                                      df, stat, pv, sum(r.impossible for r in group)))
+                                      df, stat, pv, sum(r.impossible for r in group),
+                                      exact=all(r.exact for r in group)))
     level = alpha / len(results)  # Bonferroni level of Holm's first step
     delta = alpha / len(per_prefix)  # simultaneous confidence of the TV bounds
     for res, cp, cn, resolved in per_prefix:
         res.tv_observed = 0.5 * float(np.abs(cn / samples - cp).sum())
         res.pooled_mass = max(0.0, 1.0 - float(cp[resolved].sum()))
         res.tv_upper = min(1.0, res.tv_observed + bhc_radius(len(cp), samples, delta) + res.pooled_mass)
-        res.detectable_tv = detectable_tv(res.df, samples, level)
-    for res in results:
-        if res.prefix is None:
-            d = detectable_tv(res.df, res.samples, level)
-            res.detectable_tv = d  # RMS over prefixes of the per-prefix TV on the cells
+        res.detectable_tv = detectable_tv(res.df, samples, level, exact=res.exact)
+    for comb in results:
+        if comb.prefix is None:  # a bias shared by the prefixes whose tests have power (RMS of their TVs)
+            group = [r for r in results if r.prefix is not None and r.setting == comb.setting and r.test == comb.test]
+            chi2_part, exact_part = [r for r in group if r.df > 0], [r for r in group if r.exact]
+            if chi2_part:
+                comb.detectable_tv = detectable_tv(comb.df, samples * len(chi2_part), level)
+            elif exact_part:
+                comb.detectable_tv = detectable_tv(0, samples * len(exact_part), level, exact=True)
     for res, adj in zip(results, holm([r.p_value for r in results])):
         res.p_holm = float(adj)
         res.rejected = bool(adj <= alpha)
@@ -373,21 +436,28 @@ def _summarise(results: list[TestResult], settings, prefixes, samples, gamma, al
     for s in settings:
         mine = [r for r in results if r.setting == s.label]
         each = [r for r in mine if r.prefix is not None]
+        powered = any(r.detectable_tv is not None for r in mine)
+        verdict = "FAIL" if any(r.rejected for r in mine) else "pass" if powered else "no power"
         row = {"setting": s.label, **s.sampling(), "prefixes": len(prefixes), "samples_per_prefix": samples,
-               "draws": samples * len(prefixes), "passed": not any(r.rejected for r in mine),
+               "draws": samples * len(prefixes), "verdict": verdict, "passed": verdict == "pass",
                "min_p_holm": min(r.p_holm for r in mine)}
         for name in TESTS:
             part = [r for r in each if r.test == name]
             comb = next(r for r in mine if r.prefix is None and r.test == name)
-            det = [r.detectable_tv for r in part if r.detectable_tv is not None]
+            # A prefix whose test has no power counts as undetectable (inf), so the median does not overstate power.
+            median = float(np.median([math.inf if r.detectable_tv is None else r.detectable_tv for r in part]))
             row[name] = {"max_tv_upper": max(r.tv_upper for r in part),
                          "max_tv_observed": max(r.tv_observed for r in part),
                          "max_pooled_mass": max(r.pooled_mass for r in part),
-                         "median_detectable_tv": float(np.median(det)) if det else None,
+                         "median_detectable_tv": median if math.isfinite(median) else None,
+                         "no_power_prefixes": sum(r.detectable_tv is None for r in part),
+                         "exact_prefixes": sum(r.exact for r in part),
                          "combined_detectable_tv": comb.detectable_tv, "combined_p_value": comb.p_value}
         summary.append(row)
+    verdicts = {row["verdict"] for row in summary}
+    verdict = "FAIL" if "FAIL" in verdicts else "INCONCLUSIVE" if "no power" in verdicts else "PASS"
     return {
-        "passed": not any(r.rejected for r in results),
+        "verdict": verdict, "passed": verdict == "PASS",
         "alpha": alpha, "num_draft_tokens": gamma, "num_prefixes": len(prefixes), "samples_per_prefix": samples,
         "num_tests": len(results), "seed": seed, "max_enumerate": max_enumerate, "elapsed_s": elapsed,
         "prefix_lengths": [len(p) for p in prefixes],
@@ -400,7 +470,8 @@ def _summarise(results: list[TestResult], settings, prefixes, samples, gamma, al
             "tv_upper": "TV_cells(P_hat, p) + sqrt((k ln2 + ln(1/delta)) / 2K) + p(pooled cells), "
                         "delta = alpha / #bounds (Bretagnolle-Huber-Carol; van der Vaart & Wellner 1996 A.6.6)",
             "detectable_tv": f"power {POWER} at level alpha/#tests, any alternative with that TV on the cells "
-                             "(noncentral chi-square, Cohen 1988 ch. 7; chi2-divergence >= 4 TV^2)",
+                             "(noncentral chi-square, Cohen 1988 ch. 7; chi2-divergence >= 4 TV^2); exact tests "
+                             f"(target mass 1 on one outcome): 1 - (1 - d)^K = {POWER}; null: no power (df = 0)",
         },
     }
 
@@ -408,26 +479,33 @@ def _summarise(results: list[TestResult], settings, prefixes, samples, gamma, al
 # ---------------------------------------------------------------------------------------------------- report
 def format_certificate(cert: dict) -> str:
     """A plain-text certificate: verdict, sample sizes, per-setting smallest adjusted p-value, largest TV bound,
-    smallest detectable TV."""
-    verdict = "PASS" if cert["passed"] else "FAIL"
-    lines = [f"speculative decoding certificate: {verdict}",
+    smallest detectable TV, prefixes whose test has no power (and what to raise when a setting has none)."""
+    lines = [f"speculative decoding certificate: {cert['verdict']}",
              f"  γ={cert['num_draft_tokens']}  {cert['num_prefixes']} prefixes x {cert['samples_per_prefix']} "
              f"draws of two tokens per setting; {cert['num_tests']} chi-square tests, Holm family-wise "
              f"alpha={cert['alpha']:g}; TV bounds hold together with confidence {1 - cert['alpha']:g}",
-             f"  {'setting':24s} {'result':6s} {'min p_holm':>10s} {'test':>7s} {'TV<= (max)':>10s} "
-             f"{'pooled':>7s} {'detect TV':>9s} {'combined':>9s}"]
+             f"  {'setting':24s} {'result':8s} {'min p_holm':>10s} {'test':>7s} {'TV<= (max)':>10s} "
+             f"{'pooled':>7s} {'detect TV':>9s} {'combined':>9s} {'no power':>8s}"]
     for s in cert["settings"]:
         for i, name in enumerate(TESTS):
             t = s[name]
-            det = "exact" if t["median_detectable_tv"] is None else f"{t['median_detectable_tv']:.3f}"
-            comb = "exact" if t["combined_detectable_tv"] is None else f"{t['combined_detectable_tv']:.3f}"
-            head = (f"  {s['setting']:24s} {'pass' if s['passed'] else 'FAIL':6s} {s['min_p_holm']:10.2e}" if i == 0
-                    else f"  {'':24s} {'':6s} {'':10s}")
+            det, comb = ("no power" if d is None else f"{d:.3f}"
+                         for d in (t["median_detectable_tv"], t["combined_detectable_tv"]))
+            head = (f"  {s['setting']:24s} {s['verdict']:8s} {s['min_p_holm']:10.2e}" if i == 0
+                    else f"  {'':24s} {'':8s} {'':10s}")
             lines.append(f"{head} {name:>7s} {t['max_tv_upper']:10.3f} {t['max_pooled_mass']:7.3f} {det:>9s} "
-                         f"{comb:>9s}")
+                         f"{comb:>9s} {t['no_power_prefixes']:>4d}/{s['prefixes']:<3d}")
     lines.append("  TV<=: largest upper bound over prefixes (pooled mass included); detect TV: median over prefixes "
-                 "of the smallest TV on the cells found with power 0.8; combined: the same for a bias shared by "
-                 "all prefixes (RMS)")
+                 "of the smallest TV on the cells found with power 0.8 (a prefix whose test has no power counts as "
+                 "undetectable); combined: the same for a bias shared by all prefixes (RMS); no power: prefixes "
+                 "whose draws all fell into one pooled cell (every outcome's expected count K·p below "
+                 f"{MIN_EXPECTED:g}). A test where the target gives one outcome probability 1 (T=0) is exact: any "
+                 "other draw fails it")
+    weak = [s["setting"] for s in cert["settings"] if s["verdict"] == "no power"]
+    if weak and cert["verdict"] == "INCONCLUSIVE":
+        lines.append(f"  INCONCLUSIVE: no test of {'; '.join(weak)} has any power at K = {cert['samples_per_prefix']} "
+                     "draws per prefix; raise --samples/-K (a test needs two cells of expected count K·p >= "
+                     f"{MIN_EXPECTED:g}; more prefixes, -M, do not help)")
     lines.append(f"  {cert['elapsed_s']:.0f} s")
     return "\n".join(lines)
 
@@ -435,7 +513,11 @@ def format_certificate(cert: dict) -> str:
 # ---------------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode certify",
-                                description="Check statistically that a target/draft pair decodes losslessly.")
+                                description="Check statistically that a target/draft pair decodes losslessly.",
+                                epilog="exit status: 0 PASS; 1 FAIL (a test rejected); 2 bad input, checked before "
+                                       "any sampling; 3 INCONCLUSIVE (no rejection, but a setting none of whose tests "
+                                       "has power: raise -K); 4 --out appeared during the run and was kept, the "
+                                       "certificate was written next to it under a new name (printed)")
     p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
     p.add_argument("--draft", required=True, help="draft checkpoint: local path or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
@@ -475,11 +557,26 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
         from decode.outputs import check_output_file
 
         check_output_file(args.out, "--out", args.overwrite)
+    for option in ("target", "draft", "tokenizer"):
+        _check_checkpoint(getattr(args, option), f"--{option}")
     return settings
 
 
+def _check_checkpoint(value: str | None, option: str) -> None:
+    """A value that looks like a local path (:func:`decode.loading.looks_local`) must be a folder, as
+    ``load_causal_lm`` requires; a hub id (``org/name``) passes."""
+    from decode.loading import looks_local
+
+    if value is None or not looks_local(value) or os.path.isdir(os.path.expanduser(value)):
+        return
+    what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(value)) else "does not exist"
+    raise ValueError(f"{option} path {value!r} {what}; pass a directory written by save_pretrained (or a hub id "
+                     "when online)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m decode certify``; returns 0 on PASS, 1 on FAIL, 2 on bad input."""
+    """Entry point of ``python -m decode certify``; returns 0 on PASS, 1 on FAIL, 2 on bad input, 3 when
+    INCONCLUSIVE, 4 when ``--out`` appeared during the run (the certificate is then in a new file beside it)."""
     args = build_parser().parse_args(argv)
     from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.prompts import encode_prompts, load_prompts
@@ -498,21 +595,27 @@ def main(argv: list[str] | None = None) -> int:
     target = load_causal_lm(args.target, "target", args.dtype, device)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device)
     draft_tok = load_draft_tokenizer(args.draft, tok)
+    limit, reason = max_prefix_length(target, draft, args.num_draft_tokens)
+    if limit is not None and args.prefix_tokens > limit:
+        fix = f"use --prefix-tokens <= {limit}" if limit >= 1 else "lower --num-draft-tokens"
+        print(f"error: --prefix-tokens {args.prefix_tokens} is more than {limit}: {reason}; {fix}", file=sys.stderr)
+        return 2
     cert = certify(target, draft, prefixes, settings, samples=args.samples, num_draft_tokens=args.num_draft_tokens,
                    alpha=args.alpha, seed=args.seed, tokenizer=tok, draft_tokenizer=draft_tok,
                    max_enumerate=args.max_enumerate, log=lambda line: print(line, file=sys.stderr, flush=True))
     cert.update(target=args.target, draft=args.draft, prompts=args.prompts, prompt_ids=[p.id for p in prompts])
     print(format_certificate(cert))
     if args.out is not None:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(cert, indent=1))
-        if out.exists() and not args.overwrite:  # appeared during the run
-            raise FileExistsError(f"{out} appeared during the run; the certificate is in {tmp}")
-        os.replace(tmp, out)
+        from decode.outputs import write_new_file
+
+        out = Path(args.out).expanduser()
+        written = write_new_file(json.dumps(cert, indent=1), out, args.overwrite)
+        if written != out:
+            print(f"error: --out {str(out)!r} appeared during the run and was kept; the certificate "
+                  f"({cert['verdict']}) is in {str(written)!r}", file=sys.stderr)
+            return 4
         print(f"wrote {out}", file=sys.stderr)
-    return 0 if cert["passed"] else 1
+    return EXIT_CODES[cert["verdict"]]
 
 
 if __name__ == "__main__":

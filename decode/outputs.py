@@ -39,6 +39,9 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
     if p.is_dir():
         raise ValueError(f"{key} {str(path)!r} is a folder; give a file name, e.g. {key} {p / 'results.json'}")
     if not p.parent.is_dir():
+        above = next((f for f in p.parents if f.exists()), None)  # the nearest existing path above the file
+        if above is not None and not above.is_dir():
+            raise ValueError(f"{key} {str(path)!r}: {str(above)!r} is a file, not a folder; choose another path")
         raise ValueError(f"{key} {str(path)!r}: folder {str(p.parent)!r} does not exist; create it or choose "
                          "another path")
     if not writable(p.parent):
@@ -47,3 +50,40 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
         raise ValueError(f"{key} {str(path)!r} exists and would be overwritten; choose a new file or pass "
                          "--overwrite")
     return p
+
+
+def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
+    """Write ``text`` to ``out`` through a uniquely named temporary file in its folder, so ``out`` appears whole or
+    not at all and no other file is touched. Without ``overwrite`` an ``out`` that exists by then (made while the
+    command ran) is kept, and ``text`` stays in the temporary file.
+
+    Returns:
+        the path that holds ``text``: ``out``, or the temporary file when ``out`` was kept.
+    """
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f"{out.stem}-", suffix=out.suffix or ".tmp")
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it the mode a plain open() would
+        if overwrite:
+            os.replace(tmp, out)
+            return out
+        try:
+            os.link(tmp, out)  # atomic, and fails rather than replace a file made meanwhile
+        except FileExistsError:
+            return tmp
+        except OSError:  # a filesystem without hard links
+            if out.exists():
+                return tmp
+            os.replace(tmp, out)
+            return out
+        tmp.unlink()
+        return out
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+import decode.certify as certify_cli
 import decode.engine  # noqa: F401  (loaded so its binding of verify is patched too)
 import decode.verify
 from decode import SpeculativeDecoder
-from decode.certify import (Setting, bhc_radius, certify, chi_square_test, detectable_tv, format_certificate, holm,
+from decode.certify import (Setting, _check_checkpoint, _summarise, bhc_radius, certify, chi_square_test,
+                            detectable_tv, draw_two_tokens, format_certificate, holm, max_prefix_length,
                             parse_settings, pooled_cells)
 from decode.sampling import logits_to_probs
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
@@ -204,6 +206,8 @@ def test_parse_settings():
     ("T=1,T=2", "'T' given twice"),
     ("T=1; T=0.7 top_p=0.9", "part 2"),
     ("T=1; T=0.7,top_p=1.5", "part 2 ('T=0.7,top_p=1.5'): top_p must be"),
+    ("T=1; temperature=1.0", "part 2 ('temperature=1.0') repeats part 1 ('T=1'): both are T=1"),
+    ("T=0.7,top_k=20; T=1; top_k=20,T=0.70", "part 3 ('top_k=20,T=0.70') repeats part 1"),
 ])
 def test_parse_settings_errors_name_the_part(text, needle):
     with pytest.raises(ValueError) as err:
@@ -217,18 +221,30 @@ def run_cli(*args):
                           env=env, timeout=300)
 
 
-def test_cli_writes_a_certificate_and_never_overwrites(tmp_path):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A saved target/draft pair (context 256) with its tokenizer, and a prompt file of two short prompts."""
+    path = tmp_path_factory.mktemp("certify")
     tok = make_tokenizer()
     target = tiny_llama(seed=0).float()
     with torch.no_grad():
         target.lm_head.weight.mul_(0.1)  # the fixture's sharpening would leave one likely id per prefix
     for name, model in (("target", target), ("draft", perturbed_copy(target, 0.5, seed=1))):
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
-    prompts = tmp_path / "prompts.jsonl"
+        model.save_pretrained(path / name)
+        tok.save_pretrained(path / name)
+    prompts = path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in ("w1 w2 w3 w4", "w9 w8 w7")) + "\n")
+    return path
+
+
+def pair_args(saved):
+    return ["--target", str(saved / "target"), "--draft", str(saved / "draft"), "--prompts",
+            str(saved / "prompts.jsonl")]
+
+
+def test_cli_writes_a_certificate_and_never_overwrites(saved, tmp_path):
     out = tmp_path / "cert.json"
-    common = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompts", str(prompts)]
+    common = pair_args(saved)
     r = run_cli(*common, "-M", "2", "-K", "300", "--prefix-tokens", "3", "--settings", "T=1; T=0.8,top_k=5",
                 "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -240,10 +256,162 @@ def test_cli_writes_a_certificate_and_never_overwrites(tmp_path):
 
     # An existing --out is refused before any model loads (the target path does not even exist here).
     before = out.read_text()
-    r = run_cli("--target", str(tmp_path / "missing"), "--draft", str(tmp_path / "draft"), "--out", str(out))
+    r = run_cli("--target", str(tmp_path / "missing"), "--draft", str(saved / "draft"), "--out", str(out))
     assert r.returncode == 2 and "--out" in r.stderr and "--overwrite" in r.stderr
     assert out.read_text() == before
     r = run_cli(*common, "--settings", "T=1; T=0.7,top_q=0.9")
     assert r.returncode == 2 and "part 2" in r.stderr and "top_q" in r.stderr
     r = run_cli(*common, "--num-draft-tokens", "1")
     assert r.returncode == 2 and "--num-draft-tokens must be >= 2" in r.stderr
+
+
+# -------------------------------------------------------------------------------- power, exactness, verdicts
+def test_a_setting_without_power_makes_the_run_inconclusive_and_greedy_tests_are_exact(pair):
+    """Found by a new user: at K = 1 every test is one pooled cell (df = 0), yet the run said PASS and printed
+    "exact". Now T=1 has no power (INCONCLUSIVE, pointing at -K) while T=0 is exact: its only outcome has
+    probability 1, so the first draw elsewhere would fail it."""
+    target, draft = pair
+    cert = certify(target, draft, PREFIXES, [Setting(1.0), Setting(0.0)], samples=1, num_draft_tokens=2, seed=0)
+    assert cert["verdict"] == "INCONCLUSIVE" and not cert["passed"]
+    t1, t0 = cert["settings"]
+    assert t1["verdict"] == "no power" and not t1["passed"] and t0["verdict"] == "pass"
+    for name in ("token1", "token2", "joint"):
+        assert t1[name]["median_detectable_tv"] is None and t1[name]["combined_detectable_tv"] is None
+        assert t1[name]["no_power_prefixes"] == 2 and t1[name]["exact_prefixes"] == 0
+        assert t0[name]["exact_prefixes"] == 2 and t0[name]["no_power_prefixes"] == 0
+        assert math.isclose(t0[name]["median_detectable_tv"], 0.8)  # 1 - (1 - d)^1 = 0.8
+        assert math.isclose(t0[name]["combined_detectable_tv"], 1 - 0.2 ** 0.5)  # two prefixes: K = 2 draws
+    text = format_certificate(cert)
+    assert text.startswith("speculative decoding certificate: INCONCLUSIVE")
+    assert "INCONCLUSIVE: no test of T=1 has any power" in text and "raise --samples/-K" in text
+    rows = [line for line in text.splitlines() if {"token1", "token2", "joint"} & set(line.split())]
+    assert len(rows) == 6 and all("no power" in r for r in rows[:3]) and not any("no power" in r for r in rows[3:])
+
+
+def test_greedy_certificate_passes_with_exact_tests(pair):
+    target, draft = pair
+    cert = certify(target, draft, PREFIXES, [Setting(0.0)], samples=50, num_draft_tokens=2, seed=0)
+    assert cert["verdict"] == "PASS" and cert["passed"]
+    assert all(t["exact"] and t["df"] == 0 and t["impossible"] == 0 for t in cert["tests"])
+    for t in cert["tests"]:
+        K = 50 if t["prefix"] is not None else 100
+        assert math.isclose(t["detectable_tv"], 1 - 0.2 ** (1 / K))
+    assert detectable_tv(0, 50, 1e-3, exact=True) < 0.04  # 50 draws miss a mass of 0.04 with probability < 0.2
+
+
+def test_summary_median_counts_prefixes_without_power():
+    """The median detectable TV used to leave out prefixes whose test had df = 0, overstating the power."""
+    def result(prefix, test, d, df=1):
+        return certify_cli.TestResult("T=1", prefix, test, 10, 2, df, 0.0, 1.0, tv_observed=0.0, tv_upper=0.5,
+                                      pooled_mass=0.0, detectable_tv=d, p_holm=1.0)
+
+    per_test = {"token1": [0.1, None, None], "token2": [0.1, 0.2, None], "joint": [0.1, 0.1, 0.1]}
+    results = [result(m, name, d, 0 if d is None else 1) for name, ds in per_test.items() for m, d in enumerate(ds)]
+    results += [result(None, name, 0.05) for name in per_test]
+    cert = _summarise(results, [Setting(1.0)], [[1], [2], [3]], 10, 2, 0.01, 0, 128, 0.0)
+    s = cert["settings"][0]
+    assert s["token1"]["median_detectable_tv"] is None and s["token1"]["no_power_prefixes"] == 2
+    assert s["token2"]["median_detectable_tv"] == 0.2 and s["token2"]["no_power_prefixes"] == 1
+    assert s["joint"]["median_detectable_tv"] == 0.1 and s["joint"]["no_power_prefixes"] == 0
+    assert cert["verdict"] == "PASS"  # the setting has power somewhere
+    assert " 2/3" in format_certificate(cert)
+
+
+# -------------------------------------------------------------------------------- input checks
+def test_duplicate_settings_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="settings repeat T=1"):
+        certify(target, draft, PREFIXES, [Setting(1.0), Setting(temperature=1.0)], samples=10)
+
+
+def test_a_prefix_must_leave_room_for_the_draws():
+    """Found by a new user: a prefix that fills the context ran into a RuntimeError after sampling (exit 1)."""
+    target = small_vocab_llama(seed=0, layers=1)
+    target.config.max_position_embeddings = 16
+    draft = small_vocab_llama(seed=7, layers=1)
+    draft.config.max_position_embeddings = 15
+    limit, reason = max_prefix_length(target, draft, 2)
+    assert limit == 13 and "(16)" in reason and "(15)" in reason  # min(16 - 3, 15 - 2)
+    assert max_prefix_length(target, draft, 3)[0] == 12
+    cert = certify(target, draft, [[3] * 13], [Setting(1.0)], samples=20, num_draft_tokens=2)  # the longest works
+    assert cert["prefix_lengths"] == [13]
+    with pytest.raises(ValueError, match=r"prefix 0 has 14 tokens, more than 13: the prefix and its γ \+ 1 = 3"):
+        certify(target, draft, [[3] * 14], [Setting(1.0)], samples=20, num_draft_tokens=2)
+
+
+def test_cli_prefix_tokens_over_the_context_exits_2_before_sampling(saved, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(f"w{i % 90}" for i in range(300))}) + "\n")
+    monkeypatch.setattr(certify_cli, "certify", lambda *a, **k: pytest.fail("sampled"))
+    args = pair_args(saved)[:4] + ["--prompts", str(prompts), "-M", "1", "-K", "5", "--settings", "T=1"]
+    assert certify_cli.main([*args, "--prefix-tokens", "254"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefix-tokens 254 is more than 253" in err and "use --prefix-tokens <= 253" in err
+    assert certify_cli.main([*args, "--prefix-tokens", "40", "-g", "300"]) == 2
+    assert "lower --num-draft-tokens" in capsys.readouterr().err
+
+
+def test_cli_paths_are_checked_before_loading(saved, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for argv, needle in [
+        ([*pair_args(saved), "--out", str(afile / "cert.json")], f"'{afile}' is a file, not a folder"),
+        ([*pair_args(saved), "--out", str(afile / "sub" / "cert.json")], "is a file, not a folder"),
+        (["--target", str(tmp_path / "nonexistent"), "--draft", str(saved / "draft")],
+         f"--target path '{tmp_path / 'nonexistent'}' does not exist"),
+        (["--target", str(saved / "target"), "--draft", str(afile)], "--draft path"),
+        ([*pair_args(saved), "--tokenizer", "./nosuch"], "--tokenizer path './nosuch' does not exist"),
+        ([*pair_args(saved), "--settings", "T=1; temperature=1.0"], "repeats part 1"),
+    ]:
+        assert certify_cli.main(argv) == 2, argv
+        assert needle in capsys.readouterr().err, argv
+    _check_checkpoint("someorg/somemodel", "--target")  # a hub id is left to the loader
+
+
+def test_out_uses_a_unique_temporary_file_and_keeps_a_file_made_during_the_run(saved, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Found by a new user: --out wrote <out>.tmp (replacing a user's file of that name), and when <out> appeared
+    during the run the certificate was left in that .tmp."""
+    out = tmp_path / "cert.json"
+    users = tmp_path / "cert.json.tmp"
+    users.write_text("the user's own file")
+    args = [*pair_args(saved), "-M", "1", "-K", "30", "--prefix-tokens", "3", "--settings", "T=0", "--out", str(out)]
+    assert certify_cli.main(args) == 0
+    assert json.loads(out.read_text())["verdict"] == "PASS"
+    assert users.read_text() == "the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cert.json", "cert.json.tmp"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+    out.unlink()
+    real = certify_cli.certify
+
+    def someone_writes_out(*a, **k):
+        out.write_text("written meanwhile")
+        return real(*a, **k)
+
+    monkeypatch.setattr(certify_cli, "certify", someone_writes_out)
+    assert certify_cli.main(args) == 4
+    err = capsys.readouterr().err
+    assert "appeared during the run and was kept" in err
+    assert out.read_text() == "written meanwhile" and users.read_text() == "the user's own file"
+    (kept,) = [p for p in tmp_path.iterdir() if p.name not in ("cert.json", "cert.json.tmp")]
+    assert str(kept) in err and kept.suffix == ".json" and json.loads(kept.read_text())["verdict"] == "PASS"
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_draws_come_in_bounded_batches():
+    class Recorder:
+        sizes = []
+
+        def generate(self, ids, max_new_tokens, generator, num_draft_tokens, **sampling):
+            self.sizes.append(len(ids))
+            return type("Out", (), {"new_tokens": [torch.tensor([5, 6, 7])] * len(ids)})()
+
+    rec = Recorder()
+    draws = draw_two_tokens(rec, [1, 2], 7, Setting(1.0), 2, torch.Generator(), "cpu", batch_size=3)
+    assert rec.sizes == [3, 3, 1] and draws.shape == (7, 2) and (draws == [5, 6]).all()

@@ -10,7 +10,7 @@ Phases (each reuses its artifact under ``--out`` when present; the commands are 
 2. target     ``python -m quickstart pretrain --size target``: Llama from scratch, wall-clock budgeted.
 3. draft      ``python -m quickstart pretrain --size draft``: the baseline draft, plain next-token cross-entropy.
 4. distill    ``python -m distill cache-logits`` (with ``quickstart.distill.target_logits=cached``, the default: the
-              target scores the training data once, top-32 + 32 sampled tail ids per position), then
+              target scores the training data once, top-32 + 128 sampled tail ids per position), then
               ``python -m distill train +experiment=quickstart``: the recipe, starting from the baseline draft.
 5. export     ``python -m distill export``: a plain Hugging Face checkpoint of the distilled draft.
 6. eval       in this process: α, τ, tokens/s and speedup over plain target decoding for the baseline and the

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -543,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> list[Setting]:
-    """Every check that needs no model; raises ValueError naming the option."""
+    """Every check that needs no model; raises ValueError (FileNotFoundError for a model path) naming the option."""
     settings = parse_settings(args.settings)
     for name in ("num_prefixes", "samples", "prefix_tokens", "max_enumerate"):
         if getattr(args, name) < 1:
@@ -557,21 +556,12 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
         from decode.outputs import check_output_file
 
         check_output_file(args.out, "--out", args.overwrite)
+    from decode.loading import check_model_path
+
     for option in ("target", "draft", "tokenizer"):
-        _check_checkpoint(getattr(args, option), f"--{option}")
+        if getattr(args, option) is not None:
+            check_model_path(getattr(args, option), f"--{option}")
     return settings
-
-
-def _check_checkpoint(value: str | None, option: str) -> None:
-    """A value that looks like a local path (:func:`decode.loading.looks_local`) must be a folder, as
-    ``load_causal_lm`` requires; a hub id (``org/name``) passes."""
-    from decode.loading import looks_local
-
-    if value is None or not looks_local(value) or os.path.isdir(os.path.expanduser(value)):
-        return
-    what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(value)) else "does not exist"
-    raise ValueError(f"{option} path {value!r} {what}; pass a directory written by save_pretrained (or a hub id "
-                     "when online)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,17 @@ def looks_local(name_or_path: str) -> bool:
     return str(name_or_path).startswith((".", os.sep, "~")) or os.path.exists(name_or_path)
 
 
+def check_model_path(name_or_path: str, role: str) -> None:
+    """A value that looks like a local path (:func:`looks_local`) must be a folder, as ``from_pretrained`` needs; a
+    hub id (``org/name``) is left to the loader. Raises FileNotFoundError naming ``role`` (e.g. ``draft`` or a CLI's
+    ``--draft``) and whether the path is missing or a file."""
+    if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
+        what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
+            "does not exist"
+        raise FileNotFoundError(f"{role} path {name_or_path!r} {what}; pass a directory written by "
+                                "save_pretrained (or a hub id when online)")
+
+
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",
                    device: str | None = None, trust_remote_code: bool = False) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights (``dtype=None``: the checkpoint's
@@ -51,11 +62,7 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     from decode.vocab_map import load_pretrained
 
     name_or_path = str(name_or_path)
-    if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
-        what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
-            "does not exist"
-        raise FileNotFoundError(f"{role} path {name_or_path!r} {what}; pass a directory written by "
-                                "save_pretrained (or a hub id when online)")
+    check_model_path(name_or_path, role)
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     try:
         model = load_pretrained(os.path.expanduser(name_or_path), **kw, trust_remote_code=trust_remote_code)

@@ -18,9 +18,10 @@ import decode.certify as certify_cli
 import decode.engine  # noqa: F401  (loaded so its binding of verify is patched too)
 import decode.verify
 from decode import SpeculativeDecoder
-from decode.certify import (Setting, _check_checkpoint, _summarise, bhc_radius, certify, chi_square_test,
+from decode.certify import (Setting, _summarise, bhc_radius, certify, chi_square_test,
                             detectable_tv, draw_two_tokens, format_certificate, holm, max_prefix_length,
                             parse_settings, pooled_cells)
+from decode.loading import check_model_path
 from decode.sampling import logits_to_probs
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
 
@@ -365,7 +366,7 @@ def test_cli_paths_are_checked_before_loading(saved, tmp_path, capsys):
     ]:
         assert certify_cli.main(argv) == 2, argv
         assert needle in capsys.readouterr().err, argv
-    _check_checkpoint("someorg/somemodel", "--target")  # a hub id is left to the loader
+    check_model_path("someorg/somemodel", "--target")  # a hub id is left to the loader
 
 
 def test_out_uses_a_unique_temporary_file_and_keeps_a_file_made_during_the_run(saved, tmp_path, capsys,

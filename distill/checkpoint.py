@@ -237,6 +237,14 @@ def check_complete(path: str | Path) -> dict:
                 f"from, convert it once: python -m distill convert-checkpoint {path} (reads the pickles with "
                 "torch.load(weights_only=True), which rebuilds only tensors and plain types, and writes safetensors "
                 "and JSON)")
+        if (path / LATEST_FILE).is_file() or list_checkpoints(path):  # a run's folder given for its checkpoint
+            newest = find_latest(path)
+            if newest is None:
+                raise CheckpointError(f"{path} is a run folder, not a checkpoint, and it has no complete step_N "
+                                      "checkpoint; give a step_N or best folder of a run")
+            best = " (or its best/ folder)" if (path / "best").is_dir() else ""
+            raise CheckpointError(f"{path} is a run folder, not a checkpoint; give one of its checkpoints, e.g. its "
+                                  f"newest: {newest}{best}")
         raise CheckpointError(f"{path} is not a complete distill checkpoint (no {MANIFEST_FILE}: its save was "
                               "interrupted, or it is not a checkpoint); give a step_N or best folder of a run")
     manifest = read_json(manifest_file)

@@ -139,22 +139,6 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     return out_dir
 
 
-def _check_not_a_run_folder(checkpoint: Path) -> None:
-    """A run's output folder given instead of one of its checkpoints: name the checkpoint to export."""
-    from distill.checkpoint import LATEST_FILE, MANIFEST_FILE, find_latest, list_checkpoints
-
-    is_run = (checkpoint / LATEST_FILE).is_file() or bool(list_checkpoints(checkpoint))
-    if (checkpoint / MANIFEST_FILE).exists() or not is_run:
-        return
-    newest = find_latest(checkpoint)
-    if newest is None:
-        raise CheckpointError(f"{checkpoint} is a run folder, not a checkpoint, and it has no complete step_N "
-                              "checkpoint to export; give a step_N or best folder of a run")
-    best = " (or its best/ folder)" if (checkpoint / "best").is_dir() else ""
-    raise CheckpointError(f"{checkpoint} is a run folder, not a checkpoint; export one of its checkpoints, e.g. its "
-                          f"newest: {newest}{best}")
-
-
 def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None) -> dict:
     """Command lines that serve the exported draft in vLLM and SGLang, with γ from the recipe's evaluation.
 
@@ -281,12 +265,11 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
 
     Raises:
         CheckpointError: ``checkpoint`` is not a complete checkpoint (a run folder: the message names its newest
-            checkpoint), or ``out_dir`` is not empty or holds more than an earlier export (see
-            :func:`check_export_dir`), checked before anything loads.
+            checkpoint, :func:`distill.checkpoint.check_complete`), or ``out_dir`` is not empty or holds more than
+            an earlier export (see :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
     """
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
-    _check_not_a_run_folder(checkpoint)
     read_state(checkpoint)
     draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -353,6 +353,17 @@ def forward_kept_logits(model: Any, batch: dict[str, torch.Tensor], where: tuple
     return logits.flatten(0, 1).index_select(0, flat.to(logits.device))
 
 
+
+def completion_logits(model: Any, examples: list[dict], pad_id: int, logits_to_keep: bool | None = None
+                      ) -> torch.Tensor:
+    """``(N, V')`` logits of ``model`` at the N completion positions of ``examples`` (:func:`collate_sequences`),
+    row by row: the positions are found on the host (no device sync) and only ids and attention mask move to the
+    model's device; :func:`forward_kept_logits` does the rest (``logits_to_keep`` as there)."""
+    host = collate_sequences(examples, pad_id)
+    device = next(model.parameters()).device
+    batch = {key: host[key].to(device) for key in ("input_ids", "attention_mask")}
+    return forward_kept_logits(model, batch, kept_positions(host["loss_mask"]), logits_to_keep)
+
 # ---- target-generated completions (sequence-level KD), cached with `datasets` ------------------------------------
 
 def cache_key(target_name: str, examples: list[dict], gen_cfg: dict) -> str:

@@ -149,27 +149,23 @@ def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperatur
                batch_size: int, autocast: Any = None, tail_samples: int = 0,
                generator: torch.Generator | None = None) -> dict[str, list]:
     """The cache columns of ``examples``: one target forward per batch of ``batch_size`` sequences, its lm_head
-    run only on the completion positions (:func:`distill.data.forward_kept_logits`).
+    run only on the completion positions (:func:`distill.data.completion_logits`).
 
     Returns column lists (see module doc); position j of example i is the target's distribution of the j-th
     completion token given the prompt and the completion before it (the positions ``collate_sequences`` marks).
     ``tail_samples`` s > 0 adds ``tail_ids``: s draws per position from the target's tail (:func:`sample_tail`,
     from ``generator``, on the CPU so the draws do not depend on the device).
     """
-    from distill.data import accepts_logits_to_keep, collate_sequences, forward_kept_logits, kept_positions
+    from distill.data import accepts_logits_to_keep, completion_logits
     from distill.losses import topk_buckets
 
-    device = next(target.parameters()).device
     to_keep = accepts_logits_to_keep(target)
     cols: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "top_log_probs": [], "top_ids": [],
                              "log_tail": [], **({"tail_ids": []} if tail_samples else {})}
     for b in range(0, len(examples), batch_size):
         rows = examples[b:b + batch_size]
-        host = collate_sequences(rows, pad_id)
-        where = kept_positions(host["loss_mask"])  # on the host: no device sync
-        batch = {key: host[key].to(device) for key in ("input_ids", "attention_mask")}
         with torch.no_grad(), (autocast() if autocast is not None else torch.autocast("cpu", enabled=False)):
-            kept = forward_kept_logits(target, batch, where, to_keep)[..., :vocab]  # (N, V)
+            kept = completion_logits(target, rows, pad_id, to_keep)[..., :vocab]  # (N, V)
         top, ids, tail = topk_buckets(kept, k, temperature)  # (N, k), (N, k), (N,)
         drawn = (sample_tail(kept.float().cpu(), ids.cpu(), tail_samples, temperature, generator).int()
                  if tail_samples else None)  # (N, s)

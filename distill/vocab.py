@@ -53,16 +53,12 @@ def target_id_mass(target: Any, examples: list[dict], pad_id: int, vocab: int, b
     One no-grad target forward per batch of ``batch_size`` sequences (prompt + completion); only the completion
     positions (the loss mask of :func:`distill.data.collate_sequences`) count.
     """
-    from distill.data import accepts_logits_to_keep, collate_sequences, forward_kept_logits, kept_positions
+    from distill.data import accepts_logits_to_keep, completion_logits
 
-    device = next(target.parameters()).device
     to_keep = accepts_logits_to_keep(target)
-    mass = torch.zeros(vocab, dtype=torch.float64, device=device)
+    mass = torch.zeros(vocab, dtype=torch.float64, device=next(target.parameters()).device)
     for start in range(0, len(examples), batch_size):
-        host = collate_sequences(examples[start:start + batch_size], pad_id)
-        batch = {k: host[k].to(device) for k in ("input_ids", "attention_mask")}
-        # (N, V') at the completion positions only, found on the host (no device sync)
-        logits = forward_kept_logits(target, batch, kept_positions(host["loss_mask"]), to_keep)
+        logits = completion_logits(target, examples[start:start + batch_size], pad_id, to_keep)  # (N, V')
         mass += (logits[:, :vocab].float() / temperature).softmax(-1).double().sum(0)
     return mass.cpu()
 

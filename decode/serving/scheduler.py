@@ -91,6 +91,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._accepting = True
         self._stopping = False
+        self._abandon = False  # shutdown(drain=False): every request still here ends with a 503
         self._thread = threading.Thread(target=self._run, name="draftkit-scheduler", daemon=True)
 
     # ---------------------------------------------------------------- called from HTTP handlers (any thread)
@@ -128,16 +129,27 @@ class Scheduler:
         self._wake.set()
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting; finish (``drain``) or abort the running and waiting requests; stop the thread."""
+        """Stop accepting; finish (``drain``) or abort the running and waiting requests; stop the thread.
+
+        With ``drain=False`` every request not yet finished (waiting, being admitted or running) leaves the engine
+        and ends with an ``("error", APIError(503, code="shutting_down"))`` event, so no handler waits forever; a
+        drain still unfinished after ``timeout`` seconds ends the same way."""
+        dropped: list[Live] = []
         with self._lock:
             self._accepting = False
             if not drain:
-                self._aborts.extend(live.request_id for live in self._waiting)
-                self._aborts.extend(self._running)
+                self._abandon = True
+                dropped, self._waiting = list(self._waiting), deque()
+                self.metrics.queue_depth.set(0)
             self._stopping = True
+        for live in dropped:  # never admitted: the scheduler thread does not touch them any more
+            self._error(live, _shutdown_error())
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if drain and self._thread.is_alive():
+            log.warning("shutdown: requests still running after %s s; ending them with 503", timeout)
+            self.shutdown(drain=False, timeout=10.0)
 
     @property
     def num_running(self) -> int:
@@ -147,6 +159,8 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             self._apply_commands()
+            if self._abandon:  # shutdown(drain=False), also for requests admitted while it was called
+                self._abort_running(_shutdown_error())
             if not self._running:
                 with self._lock:
                     if self._stopping and not self._waiting:
@@ -269,12 +283,22 @@ class Scheduler:
         self.metrics.requests.labels(live.req.endpoint, "error").inc()
 
     def _fail_running(self, err: Exception) -> None:
+        self._abort_running(APIError(500, f"internal error while decoding: {err.__class__.__name__}: {err}"))
+
+    def _abort_running(self, err: APIError) -> None:
+        """Every running request leaves the engine; those not yet finished end with ``err``."""
         for rid, live in list(self._running.items()):
             try:
                 self.engine.abort(rid)
             except Exception:
-                log.exception("abort after a failed step")
+                log.exception("engine abort failed")
             if not live.done:
-                self._error(live, APIError(500, f"internal error while decoding: {err.__class__.__name__}: {err}"))
+                self._error(live, err)
         self._running.clear()
         self._stop_hits.clear()
+        self.metrics.running.set(0)
+
+
+def _shutdown_error() -> APIError:
+    return APIError(503, "the server shut down before this request finished; retry on another replica",
+                    code="shutting_down", headers={"Retry-After": "5"})

@@ -191,3 +191,88 @@ def test_requests_being_admitted_count_against_the_queue_limit():
         sched.shutdown(drain=False, timeout=10)
         assert not sched._thread.is_alive()
         loop.close()
+
+
+def test_shutdown_without_drain_ends_waiting_admitting_and_running_requests_with_503():
+    """shutdown(drain=False) while one request is being admitted (a slow prefill), one runs and one waits: the
+    admitted one used to join the batch after the abort list was taken and kept the thread stepping forever, and
+    the aborted ones never got an event (their handlers waited forever)."""
+    import asyncio
+    import threading
+
+    from decode.serving.metrics import ServerMetrics
+    from decode.serving.scheduler import GenerationRequest, Scheduler
+
+    release, entered = threading.Event(), threading.Event()
+    aborted, calls = [], []
+
+    class SlowEngine:  # never finishes a request by itself; the second add_request blocks like a long prefill
+        def add_request(self, *a, request_id=None, **k):
+            calls.append(request_id)
+            if len(calls) == 2:
+                entered.set()
+                release.wait(30)
+
+        def step(self):
+            time.sleep(0.001)
+            return []
+
+        def abort(self, rid):
+            aborted.append(rid)
+
+    sched = Scheduler(SlowEngine(), None, ServerMetrics(), max_batch_size=2, max_queue=1)
+    sched.start()
+    loop = asyncio.new_event_loop()
+    req = GenerationRequest(prompt_ids=[1, 2], sampling={"max_new_tokens": 2}, stop_ids=[])
+    first = sched.submit(req, loop)
+    deadline = time.time() + 10
+    while sched.num_running < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    second = sched.submit(req, loop)
+    assert entered.wait(10)  # the second is being admitted
+    third = sched.submit(req, loop)  # waits: the batch is full
+    stopper = threading.Thread(target=sched.shutdown, kwargs={"drain": False, "timeout": 10})
+    stopper.start()
+    time.sleep(0.2)
+    release.set()
+    stopper.join(15)
+    assert not sched._thread.is_alive()
+    loop.run_until_complete(asyncio.sleep(0.05))  # deliver the events sent with call_soon_threadsafe
+    for live in (first, second, third):
+        event = live.queue.get_nowait()
+        assert event[0] == "error" and event[1].status == 503 and event[1].code == "shutting_down", event
+        assert live.queue.empty()
+    assert sorted(aborted) == sorted([first.request_id, second.request_id])  # the third never reached the engine
+    loop.close()
+
+
+def test_a_drain_past_its_timeout_ends_the_running_requests_with_503():
+    import asyncio
+
+    from decode.serving.metrics import ServerMetrics
+    from decode.serving.scheduler import GenerationRequest, Scheduler
+
+    class EndlessEngine:  # a request that never finishes by itself
+        def add_request(self, *a, **k):
+            pass
+
+        def step(self):
+            time.sleep(0.001)
+            return []
+
+        def abort(self, rid):
+            pass
+
+    sched = Scheduler(EndlessEngine(), None, ServerMetrics(), max_batch_size=2, max_queue=1)
+    sched.start()
+    loop = asyncio.new_event_loop()
+    live = sched.submit(GenerationRequest(prompt_ids=[1], sampling={}, stop_ids=[]), loop)
+    deadline = time.time() + 10
+    while sched.num_running < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    sched.shutdown(drain=True, timeout=0.3)
+    assert not sched._thread.is_alive()
+    loop.run_until_complete(asyncio.sleep(0.05))
+    event = live.queue.get_nowait()
+    assert event[0] == "error" and event[1].status == 503
+    loop.close()

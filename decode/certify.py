@@ -61,6 +61,7 @@ TESTS = ("token1", "token2", "joint")
 DEFAULT_SETTINGS = "T=1; T=0.7,top_p=0.9; T=0.7,top_k=20"
 DRAW_BATCH = 1024  # most copies of a prefix per generate call: memory grows with it, the draws' distribution does not
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}  # 2: bad input; 4: --out appeared during the run
+EXIT_NO_VERDICT = 5  # the run stopped with an unexpected error before a verdict (never the FAIL code)
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -516,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="exit status: 0 PASS; 1 FAIL (a test rejected); 2 bad input, checked before "
                                        "any sampling; 3 INCONCLUSIVE (no rejection, but a setting none of whose tests "
                                        "has power: raise -K); 4 --out appeared during the run and was kept, the "
-                                       "certificate was written next to it under a new name (printed)")
+                                       "certificate was written next to it under a new name (printed); 5 the run "
+                                       "stopped with an unexpected error before a verdict")
     p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
     p.add_argument("--draft", required=True, help="draft checkpoint: local path or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
@@ -566,8 +568,26 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m decode certify``; returns 0 on PASS, 1 on FAIL, 2 on bad input, 3 when
-    INCONCLUSIVE, 4 when ``--out`` appeared during the run (the certificate is then in a new file beside it)."""
+    INCONCLUSIVE, 4 when ``--out`` appeared during the run (the certificate is then in a new file beside it), 5
+    when an unexpected error stopped the run before a verdict (with its traceback: a bug to report; an uncaught
+    exception would exit 1, the FAIL code, and a script would read it as "not lossless")."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as err:  # e.g. decode.compat.IncompatibleModelsError, a bad --dtype
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # not a verdict: keep exit 1 for FAIL only
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: certify stopped before a verdict ({type(err).__name__}: {err}); exit "
+              f"{EXIT_NO_VERDICT}, no certificate", file=sys.stderr)
+        return EXIT_NO_VERDICT
+
+
+def _run(args: argparse.Namespace) -> int:
+    """:func:`main` after argument parsing."""
     from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.prompts import encode_prompts, load_prompts
     from decode.requests import check_seed

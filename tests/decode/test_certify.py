@@ -416,3 +416,17 @@ def test_draws_come_in_bounded_batches():
     rec = Recorder()
     draws = draw_two_tokens(rec, [1, 2], 7, Setting(1.0), 2, torch.Generator(), "cpu", batch_size=3)
     assert rec.sizes == [3, 3, 1] and draws.shape == (7, 2) and (draws == [5, 6]).all()
+
+
+def test_cli_an_unexpected_error_is_not_reported_as_fail(saved, capsys, monkeypatch):
+    """An uncaught exception exits 1, the FAIL code: a script would read a crash as "not lossless"."""
+    def crash(*a, **k):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(certify_cli, "certify", crash)
+    args = pair_args(saved)[:4] + ["-M", "1", "-K", "5", "--settings", "T=1"]
+    assert certify_cli.main(args) == certify_cli.EXIT_NO_VERDICT == 5
+    err = capsys.readouterr().err
+    assert "certify stopped before a verdict (RuntimeError: out of memory)" in err and "Traceback" in err
+    monkeypatch.setattr(certify_cli, "certify", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad pair")))
+    assert certify_cli.main(args) == 2 and "error: bad pair" in capsys.readouterr().err

@@ -45,7 +45,9 @@ class BearerAuth:
     """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>`` (compared in constant time)."""
 
     def __init__(self, app: Any, api_key: str):
-        self.app, self.key = app, api_key.encode()
+        # Clients' tokens are stripped, so the key is too: a key read with its trailing newline (a secrets file, an
+        # env file) would otherwise refuse every client. (create_app refuses a key that is only whitespace.)
+        self.app, self.key = app, api_key.strip().encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
@@ -59,6 +61,31 @@ class BearerAuth:
                 await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def make_server(app: Any, host: str, port: int, graceful_shutdown_s: float = 30.0, log_level: str = "info"):
+    """A ``uvicorn.Server`` for an app of :func:`create_app` whose graceful shutdown answers every request.
+
+    On Ctrl-C/SIGTERM (or ``should_exit``) uvicorn stops accepting, waits ``graceful_shutdown_s`` for open
+    responses, then cancels them: a bare plain-text 500 with a traceback in the log, or a stream cut mid-body.
+    This server starts draining the scheduler at the same moment with a deadline a little inside uvicorn's, so a
+    request still running then ends with a 503 ``shutting_down`` in OpenAI's shape (on a stream: an error event and
+    ``data: [DONE]``) before uvicorn would cancel it.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            margin = min(1.0, graceful_shutdown_s / 2)  # time for the 503s to reach their clients
+            drain = asyncio.ensure_future(asyncio.to_thread(app.state.scheduler.shutdown, True,
+                                                            graceful_shutdown_s - margin))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drain
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=graceful_shutdown_s))
 
 
 def _sse(obj: Any) -> str:
@@ -82,6 +109,8 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
     from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    if api_key and not api_key.strip():  # stripped to b"", it would let "Authorization: Bearer " in
+        raise ValueError("the API key is only whitespace; give a key, or None to serve without one")
     limits = limits or ServerLimits()
     context = getattr(decoder, "context_length", None)
     max_prompt = limits.max_prompt_tokens or (context - 1 if context else 1 << 20)
@@ -149,10 +178,18 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
 
     def prompt_ids_of(req: Any, chat: bool) -> list[int]:
         if chat:
+            from jinja2 import TemplateError
+
             try:
-                ids = chat_prompt_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+                messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+                            for m in req.messages]  # a template that knows `name` renders it
+                ids = chat_prompt_ids(tokenizer, messages)
             except ValueError as err:
                 raise APIError(400, str(err), param="messages") from err
+            except TemplateError as err:  # the template's own raise_exception (e.g. roles must alternate)
+                raise APIError(400, f"the model's chat template refused these messages: {err}; change the roles or "
+                               "order of messages (or send plain text to /v1/completions)", param="messages",
+                               code="invalid_value") from err
         elif isinstance(req.prompt, str):
             ids = list(tokenizer(req.prompt)["input_ids"])
         else:
@@ -175,8 +212,9 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
         if req.max_tokens is None:
             return max(1, min(16 if not chat else max_tokens_limit, room))
         if req.max_tokens > max_tokens_limit:
+            why = "--max-tokens-limit" if limits.max_tokens else "the target's context"
             raise APIError(400, f"max_tokens={req.max_tokens} is above this server's limit of {max_tokens_limit} "
-                           "(--max-tokens-limit)", param="max_tokens")
+                           f"({why}); ask for at most {max_tokens_limit}", param="max_tokens")
         if req.max_tokens > room:
             raise APIError(400, f"the prompt ({n_prompt} tokens) plus max_tokens={req.max_tokens} exceeds the "
                            f"target's context of {context} tokens; ask for at most {room}", param="max_tokens",

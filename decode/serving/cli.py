@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -32,6 +33,28 @@ def _positive(name: str, allow_zero: bool = False):
     return parse
 
 
+def _seconds(name: str):
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {value!r}")
+        if not math.isfinite(x) or x < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {value!r}")
+        return x
+    return parse
+
+
+def _api_key(value: str) -> str:
+    # Also applied to the default (the environment variable). Surrounding whitespace (a key file's newline) is not
+    # part of the key; an empty key is refused rather than read as "no key".
+    key = value.strip()
+    if not key:
+        raise argparse.ArgumentTypeError(f"the API key is empty; give a key, or unset {API_KEY_ENV} and leave out "
+                                         "--api-key to serve without one")
+    return key
+
+
 def serve_parser() -> argparse.ArgumentParser:
     from decode.__main__ import _gamma
 
@@ -47,7 +70,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    "folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    p.add_argument("--api-key", type=_api_key, default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; prefer the "
                    "variable: command lines are visible to other users)")
     p.add_argument("--max-batch-size", type=_positive("--max-batch-size"), default=16,
@@ -61,7 +84,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="longest prompt in tokens (default: the target's context - 1)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoints to run their own Python modeling/tokenizer code (off by default; read it first)")
-    p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
+    p.add_argument("--graceful-shutdown-s", type=_seconds("--graceful-shutdown-s"), default=30.0,
                    help="on Ctrl-C/SIGTERM, wait this long for running requests to finish")
     return p
 
@@ -100,11 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host, args.port, args.api_key)
     if warning:
         print(warning, file=sys.stderr)
-    import uvicorn
-
     from decode.engine import SpeculativeDecoder
     from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
-    from decode.serving.app import ServerLimits, create_app
+    from decode.serving.app import ServerLimits, create_app, make_server
 
     device = check_device(args.device)
     trust = args.trust_remote_code
@@ -118,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
                      info={"target": args.target, "draft": args.draft})
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.graceful_shutdown_s)
-    return 0
+    server = make_server(app, args.host, args.port, args.graceful_shutdown_s)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C during the shutdown (uvicorn's force quit)
+        pass
+    return 0 if server.started else 1

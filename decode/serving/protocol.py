@@ -40,6 +40,38 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body, parse_constant=_reject_constant)
     except ValueError as err:  # JSONDecodeError and the NaN/Infinity rejection
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
+    except RecursionError as err:  # [[[[...]]]] deeper than the interpreter's recursion limit
+        raise APIError(400, "the request body nests arrays/objects too deeply; send the fields of the API reference",
+                       code="invalid_json") from err
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _lone_surrogate(payload: Any) -> str | None:
+    """The dotted path of a string (or key) in ``payload`` that is not valid Unicode text (a lone UTF-16 surrogate
+    escape such as ``"\\ud800"``, which JSON allows but no tokenizer can encode), else None. Iterative: a deep
+    payload cannot overflow the stack."""
+    todo: list[tuple[Any, str]] = [(payload, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path or "body"
+            continue
+        items: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # printable in the error message
+            sub = f"{path}.{name}" if path else name
+            if isinstance(key, str) and not _is_text(key):
+                return sub
+            todo.append((item, sub))
+    return None
 
 
 class _Strict(BaseModel):
@@ -144,6 +176,11 @@ def validate(model: type[BaseModel], payload: Any) -> Any:
     """``model.model_validate(payload)``; a validation error becomes a 400 naming the first bad field."""
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_request")
+    bad = _lone_surrogate(payload)
+    if bad is not None:
+        raise APIError(400, f"{bad}: contains a lone UTF-16 surrogate escape (such as \\ud800), which is not valid "
+                       "Unicode text; send well-formed UTF-8 (escape pairs only as surrogate pairs)",
+                       param=bad.split(".")[0], code="invalid_value")
     try:
         return model.model_validate(payload)
     except ValidationError as err:

@@ -6,10 +6,8 @@ import socket
 import threading
 import time
 
-import uvicorn
-
 from decode import SpeculativeDecoder
-from decode.serving.app import ServerLimits, create_app
+from decode.serving.app import ServerLimits, create_app, make_server
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
 
 MODEL = "tiny"
@@ -35,13 +33,13 @@ def tiny_pair(gamma: int = 3, chat: bool = True, eos=None):
 
 
 @contextlib.contextmanager
-def running_server(decoder, tokenizer, **kw):
-    """Yield ``(base_url, app)`` of a real uvicorn server on 127.0.0.1; stops it (gracefully) on exit."""
+def running_server(decoder, tokenizer, graceful_shutdown_s: float = 30.0, **kw):
+    """Yield ``(base_url, app, server)`` of a real uvicorn server on 127.0.0.1 (the one ``decode serve`` runs,
+    :func:`decode.serving.app.make_server`); stops it (gracefully) on exit."""
     port = free_port()
     kw.setdefault("limits", ServerLimits())
     app = create_app(decoder, tokenizer, MODEL, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=30))
+    server = make_server(app, "127.0.0.1", port, graceful_shutdown_s, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

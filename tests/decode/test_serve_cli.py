@@ -21,6 +21,17 @@ def test_api_key_from_environment(monkeypatch):
     assert serve_parser().parse_args(["--target", "t", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("DRAFTKIT_API_KEY")
     assert serve_parser().parse_args(["--target", "t"]).api_key is None
+    monkeypatch.setenv("DRAFTKIT_API_KEY", "from-file\n")  # a key file's newline is not part of the key
+    assert serve_parser().parse_args(["--target", "t"]).api_key == "from-file"
+
+
+def test_empty_api_key_in_the_environment_exits_2(monkeypatch, capsys):
+    """DRAFTKIT_API_KEY set but empty used to start a server whose key nobody could match (or, stripped, one that
+    accepted an empty bearer token); now it is a usage error before any model loads."""
+    monkeypatch.setenv("DRAFTKIT_API_KEY", "  ")
+    with pytest.raises(SystemExit) as exc:
+        main(["--target", "/nonexistent"])
+    assert exc.value.code == 2 and "API key is empty" in capsys.readouterr().err
 
 
 def test_bind_warning_only_off_loopback_without_key():
@@ -33,7 +44,11 @@ def test_bind_warning_only_off_loopback_without_key():
 @pytest.mark.parametrize("args,needle", [(["--port", "99999"], "--port must be in 1..65535"),
                                          (["--port", "http"], "--port must be an integer"),
                                          (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
-                                         (["-g", "-1"], "num-draft-tokens")])
+                                         (["-g", "-1"], "num-draft-tokens"),
+                                         (["--graceful-shutdown-s", "nan"], "--graceful-shutdown-s must be a finite"),
+                                         (["--graceful-shutdown-s", "-5"], "--graceful-shutdown-s must be a finite"),
+                                         (["--graceful-shutdown-s", "soon"], "number of seconds"),
+                                         (["--api-key", " "], "API key is empty")])
 def test_bad_settings_exit_2_before_loading(args, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--target", "/nonexistent", *args])

@@ -276,3 +276,118 @@ def test_a_drain_past_its_timeout_ends_the_running_requests_with_503():
     event = live.queue.get_nowait()
     assert event[0] == "error" and event[1].status == 503
     loop.close()
+
+
+@pytest.mark.parametrize("content,param", [
+    (b'{"model": "tiny", "prompt": "w1 \\ud800", "max_tokens": 2}', "prompt"),
+    (b'{"model": "tiny", "prompt": "w1", "stop": ["w2", "\\udc00"], "max_tokens": 2}', "stop"),
+    (b'{"model": "tiny", "prompt": "w1", "\\ud800": 1}', None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "w1\\ud800"}]}', "messages")])
+def test_lone_surrogate_escape_is_a_400_naming_the_field(server, content, param):
+    """JSON allows "\\ud800" but it is not Unicode text: the tokenizer raised a TypeError (a 500)."""
+    url, _ = server
+    path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
+    r = post(url, content=content, path=path)
+    assert_error(r, 400, "surrogate", param=param)
+    assert "\\ud800" in r.json()["error"]["message"] or param is not None
+    assert post(url, ok()).status_code == 200  # still serving
+
+
+def test_deeply_nested_json_is_a_400():
+    """json.loads raised RecursionError on [[[[...]]]] (a 500)."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):  # the default 1 MiB body limit
+        deep = 200_000
+        assert_error(post(url, content=b"[" * deep + b"]" * deep, key=None), 400, "too deeply")
+        assert_error(post(url, content=b'{"prompt": ' + b"[" * deep + b"]" * deep + b"}", key=None), 400,
+                     "too deeply")
+        assert post(url, ok(), key=None).status_code == 200
+
+
+def test_chat_template_that_refuses_the_messages_is_a_400():
+    """A template's raise_exception (many models refuse a system turn or non-alternating roles) raised jinja2's
+    TemplateError out of the handler (a 500)."""
+    dec, tok = tiny_pair()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} "
+                         "{% endfor %}{% if add_generation_prompt %}w9{% endif %}")
+    with running_server(dec, tok) as (url, _, _):
+        bad = chat(messages=[{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}])
+        assert_error(post(url, bad, key=None, path="/v1/chat/completions"), 400, "System role not supported",
+                     param="messages")
+        assert post(url, chat(), key=None, path="/v1/chat/completions").status_code == 200
+
+
+def test_max_tokens_above_the_context_default_limit_names_the_context():
+    """Without --max-tokens-limit the limit is the target's context; the message told the client about a flag."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):
+        r = post(url, ok(max_tokens=dec.context_length + 1), key=None)
+        assert_error(r, 400, f"limit of {dec.context_length} (the target's context)", param="max_tokens")
+        assert "--max-tokens-limit" not in r.json()["error"]["message"]
+
+
+def test_api_key_with_surrounding_whitespace_still_matches():
+    """A key read with its trailing newline (a secrets file) refused every client: tokens are stripped, the key
+    was not. An empty key is refused rather than letting 'Bearer ' in."""
+    from decode.serving.app import create_app
+
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, api_key=KEY + "\n") as (url, _, _):
+        assert post(url, ok()).status_code == 200
+        assert_error(post(url, ok(), key=None), 401, "API key")
+    with pytest.raises(ValueError, match="only whitespace"):
+        create_app(dec, tok, api_key="  \n")
+
+
+def test_requests_still_running_past_the_graceful_shutdown_end_with_503_not_a_bare_500():
+    """Ctrl-C with requests running longer than the graceful period: uvicorn cancelled them, so a non-streaming
+    client got a plain-text 'Internal Server Error' (and a traceback in the log) and a stream was cut without an
+    event or [DONE]. Now both end with a 503 shutting_down in OpenAI's shape before uvicorn cancels them."""
+    import json
+    import threading
+
+    dec, tok = tiny_pair()
+    real_step = dec.step
+
+    def slow_step():  # 240 tokens at γ=3 take > 3 s: longer than the 1 s grace
+        time.sleep(0.05)
+        return real_step()
+
+    dec.step = slow_step
+    long = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "temperature": 0}
+    results = {}
+    with running_server(dec, tok, graceful_shutdown_s=1.0) as (url, app, server):
+        def plain():
+            results["plain"] = httpx.post(url + "/v1/completions", json=long, timeout=60)
+
+        def streamed():
+            with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 20
+        while app.state.scheduler.num_running < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        server.should_exit = True
+        for t in threads:
+            t.join(timeout=60)
+    assert_error(results["plain"], 503, "shut down")
+    assert results["plain"].json()["error"]["code"] == "shutting_down"
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
+    assert not dec.has_unfinished()
+
+
+def test_chat_message_name_reaches_the_template():
+    """messages[].name was accepted and then dropped before the chat template (accepted and ignored)."""
+    dec, tok = tiny_pair()
+    tok.chat_template = ("{% for m in messages %}{% if m.get('name') %}{{ m['name'] }} {% endif %}{{ m['content'] }} "
+                         "{% endfor %}{% if add_generation_prompt %}w9{% endif %}")
+    with running_server(dec, tok) as (url, _, _):
+        named = post(url, chat(messages=[{"role": "user", "content": "w2", "name": "w7"}]), key=None,
+                     path="/v1/chat/completions")
+        assert named.status_code == 200 and named.json()["usage"]["prompt_tokens"] == 3  # w7 w2 w9

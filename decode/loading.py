@@ -95,6 +95,7 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
     """
     from transformers import AutoTokenizer
 
+    check_model_path(str(name_or_path), role)
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:

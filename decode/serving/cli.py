@@ -124,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(warning, file=sys.stderr)
     from decode.engine import SpeculativeDecoder
-    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import check_device, check_model_path, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.serving.app import ServerLimits, create_app, make_server
 
     device = check_device(args.device)
+    for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
+        if getattr(args, option) is not None:
+            check_model_path(getattr(args, option), f"--{option}")
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
     tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)

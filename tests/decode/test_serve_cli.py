@@ -94,3 +94,18 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path):
     assert proc.returncode in (0, -signal.SIGTERM), err
     assert "Application shutdown complete" in err and "Traceback" not in err
     assert "without an API key" not in err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_model_path_is_checked_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
+    """A missing --tokenizer used to be noticed after the target had loaded, with the hub's "Repo id must use
+    alphanumeric chars" message; now every path is named before any load."""
+    import decode.loading
+    from decode.__main__ import main as decode_main
+
+    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "target").mkdir()
+    missing = str(tmp_path / "no-tokenizer")
+    extra = ["--prompt", "x"] if command == "generate" else []
+    assert decode_main([command, "--target", str(tmp_path / "target"), "--tokenizer", missing, *extra]) == 2
+    assert f"--tokenizer path {missing!r} does not exist" in capsys.readouterr().err

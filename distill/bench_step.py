@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -139,10 +140,21 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
 
     Raises SetupError as ``train`` does for a bad config (before any model loads).
     """
-    from distill.logit_cache import peak_memory_mb
-    from distill.recipe import setup
+    from distill.config import normalize_config
+    from distill.recipe import setup, target_data_dir
 
-    run = setup(cfg, log=lambda *_: None)
+    # Nothing is written to train.output_dir (a run folder of the same overrides, or the next train's): setup's
+    # own files (a LoRA draft's draft_base) go to a scratch folder; a target_data cache is still shared with train.
+    cfg = normalize_config(cfg)
+    cfg.data.target_generated.path = str(target_data_dir(cfg))
+    with tempfile.TemporaryDirectory(prefix="draftkit-bench-step-") as scratch:
+        cfg.train.output_dir = scratch
+        return _bench(setup(cfg, log=lambda *_: None), steps, warmup, out, log, overwrite)
+
+
+def _bench(run: Any, steps: int, warmup: int, out: str | None, log: Any, overwrite: bool) -> dict:
+    from distill.logit_cache import peak_memory_mb
+
     acc = run.accelerator
     run.draft.train()
     parts = _parts(run)

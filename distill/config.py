@@ -559,6 +559,13 @@ def check_inputs(cfg: DictConfig, *, training: bool = True) -> None:
     preflight_source(cfg.data.source, "data.source", cfg.data)
     if cfg.get("eval") is not None and cfg.eval.get("prompts"):
         preflight_source(OmegaConf.merge({"completion_field": None}, cfg.eval.prompts), "eval.prompts", cfg.data)
+    if cfg.data.get("completions") in ("target", "both"):  # the sequence-level KD cache is written into this folder
+        from distill.data import check_target_data_dir
+
+        path = cfg.data.target_generated.get("path")
+        if path:
+            check_output_dir(path, "data.target_generated.path")
+        check_target_data_dir(path or Path(cfg.train.output_dir) / "target_data")
     if training:
         check_output_dir(cfg.train.output_dir, "train.output_dir")
         accelerator_precision(cfg.train)  # fp16 on a CPU is refused here, before any model loads

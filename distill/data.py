@@ -374,6 +374,27 @@ def cache_key(target_name: str, examples: list[dict], gen_cfg: dict) -> str:
     return h.hexdigest()[:16]
 
 
+def check_target_data_dir(cache_dir: str | Path) -> None:
+    """The sequence-level KD cache folder (``data.target_generated.path``): missing, empty, or a cache of its own
+    (``meta.json``). A folder holding anything else (a model, a user's ``save_to_disk`` dataset) is refused before
+    anything is written, since the cache saves ``shards/`` and ``dataset/`` into it.
+
+    Raises:
+        SetupError: naming the setting, what the folder holds and the fix.
+    """
+    from distill.checkpoint import WRITE_PROBE
+
+    cache_dir = Path(cache_dir).expanduser().resolve()  # (a/missing/.. is a, which exists)
+    if not cache_dir.is_dir() or (cache_dir / "meta.json").is_file():
+        return
+    others = sorted(p.name for p in cache_dir.iterdir() if not p.name.startswith(WRITE_PROBE))
+    if others:
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        raise SetupError(f"data.target_generated.path={str(cache_dir)!r} is a folder that holds other files "
+                         f"({', '.join(others[:5])}{more}) and no target-data cache (meta.json); nothing was written. "
+                         "Give a new or empty folder, or null (<train.output_dir>/target_data)")
+
+
 def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cache_dir: str | Path, key: str,
                          temperature: float, max_new_tokens: int, batch_size: int, shard_size: int, seed: int,
                          draft: Any = None, num_draft_tokens: int = 4, progress: Any = None) -> Any:
@@ -393,6 +414,7 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
 
     cache_dir = Path(cache_dir)
     meta_path = cache_dir / "meta.json"
+    check_target_data_dir(cache_dir)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if meta.get("key") != key:

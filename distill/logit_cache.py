@@ -115,12 +115,46 @@ def check_manifest(manifest: dict, expected: dict, path: str | Path) -> None:
                          ". Use the same settings as cache-logits, or build a new cache at another data.logit_cache")
 
 
+# Keys every manifest written by ``cache-logits`` has (complete or not); a folder whose manifest.json lacks them
+# holds something else (a distill checkpoint's manifest, another program's file) and is never read or written.
+CACHE_KEYS = ("format", "k", "num_shards", "num_examples")
+
+
 def _load_manifest(file: Path) -> dict:
     try:
-        return json.loads(file.read_text())
+        manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SetupError(f"{file} is not valid JSON ({err}); the logit cache is damaged: delete "
                          f"{file.parent} and rebuild it with python -m distill cache-logits") from None
+    if not isinstance(manifest, dict) or not all(key in manifest for key in CACHE_KEYS):
+        raise SetupError(f"data.logit_cache={str(file.parent)!r} is not a logit cache: its {MANIFEST} was not written "
+                         "by python -m distill cache-logits (a distill checkpoint's, or another program's); nothing "
+                         "was changed. Give the folder cache-logits made, or a new or empty folder to build one in")
+    return manifest
+
+
+def check_cache_dir(out: Path) -> None:
+    """``cache-logits``' output folder: missing, empty, or a logit cache (its manifest.json, complete or not).
+    A folder holding anything else (a run folder, a model, a checkpoint) is refused before anything is written.
+
+    Raises:
+        SetupError: naming ``data.logit_cache``, what the folder holds and the fix.
+    """
+    from distill.checkpoint import WRITE_PROBE
+
+    out = Path(out).expanduser().resolve()  # (a/missing/.. is a, which exists)
+    if (out / MANIFEST).is_file():
+        _load_manifest(out / MANIFEST)  # a manifest that is not a cache's is refused
+        return
+    if not out.is_dir():
+        return
+    others = sorted(p.name for p in out.iterdir()
+                    if p.name not in ("shards", MANIFEST + ".tmp") and not p.name.startswith(WRITE_PROBE))
+    if others:
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        raise SetupError(f"data.logit_cache={str(out)!r} is a folder that holds other files ({', '.join(others[:5])}"
+                         f"{more}) and no logit cache ({MANIFEST}); nothing was written. Give a new or empty folder, "
+                         "e.g. data.logit_cache=checkpoints/cache")
 
 
 def _write_manifest(file: Path, manifest: dict) -> None:
@@ -271,6 +305,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     from distill.config import check_output_dir
 
     check_output_dir(out, "data.logit_cache")  # a file, under a file, or not writable: before the target loads
+    check_cache_dir(out)  # a folder holding something else (a run, a model) is never written into
     t_start = time.perf_counter()
     if not torch.distributed.is_initialized():
         AcceleratorState._reset_state(reset_partial_state=True)

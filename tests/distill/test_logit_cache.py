@@ -174,3 +174,39 @@ def test_kept_positions_select_the_loss_mask_positions_with_logits_to_keep(pair)
         assert torch.allclose(kept_logits(run, "target", batch, (cols, flat)), full, atol=1e-5)
     all_cols, all_flat = kept_positions(torch.ones(2, 3, dtype=torch.long))
     assert all_cols is None and all_flat.tolist() == list(range(6))
+
+
+def test_cache_logits_never_writes_into_a_folder_that_is_not_a_cache(pair, tmp_path):
+    """A run folder, a model folder or a checkpoint given as data.logit_cache is refused with nothing written; a
+    checkpoint's manifest.json is named as not a cache's, by cache-logits and by train (no KeyError traceback)."""
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2")), log=lambda *_: None)
+    for folder in (run, pair["draft"]):
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(SetupError, match="holds other files"):
+            build_cache(compose(_cache_ov(pair, tmp_path / "r", folder, 4)), log=lambda *_: None)
+        assert sorted(p.name for p in folder.iterdir()) == before
+    step = run / "step_000002"
+    manifest = (step / "manifest.json").read_text()
+    with pytest.raises(SetupError, match="is not a logit cache"):
+        build_cache(compose(_cache_ov(pair, tmp_path / "r", step, 4)), log=lambda *_: None)
+    with pytest.raises(SetupError, match="is not a logit cache"):
+        train(compose(_cache_ov(pair, tmp_path / "r", step, 4, "data.target_logits=cached")), log=lambda *_: None)
+    assert (step / "manifest.json").read_text() == manifest and not (step / "shards").exists()
+    r = subprocess.run([PY, "-m", "distill", "train", *_cache_ov(pair, tmp_path / "r", step, 4,
+                                                                 "data.target_logits=cached")],
+                       cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is not a logit cache" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_step_writes_nothing_into_the_run_folder(pair, tmp_path):
+    """bench-step of a LoRA run on a built draft (whose base setup saves) leaves train.output_dir alone, so the
+    train that follows with the same overrides is not refused."""
+    from distill.bench_step import bench_step
+
+    run = tmp_path / "run"
+    ov = overrides(pair, run, "draft.name_or_path=null", "draft.num_hidden_layers=1", "train.lora.enabled=true",
+                   "train.lora.target_modules=[q_proj,v_proj]")
+    bench_step(compose(ov), steps=1, warmup=0, log=lambda *_: None)
+    assert not run.exists()
+    assert train(compose(ov), log=lambda *_: None)["steps"] == 4

@@ -309,3 +309,23 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(pair, straight, tmp_pat
     assert not (out / "step_000004.tmp").exists()
     assert os.listdir(out / "step_000004")  # complete, with its manifest
     assert ckpt.is_complete(out / "step_000004")
+
+
+def test_target_data_is_never_written_into_a_folder_that_is_not_its_cache(pair, tmp_path):
+    """data.target_generated.path naming a model folder (or a user's save_to_disk dataset) is refused before any
+    model loads (exit 2, nothing written), and by the cache writer itself when train is called in-process."""
+    folder = tmp_path / "model"
+    shutil.copytree(pair["draft"], folder)
+    (folder / "dataset").mkdir()  # a user's own dataset, which the cache would save over
+    (folder / "dataset" / "data.arrow").write_text("user data")
+    before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    ov = overrides(pair, tmp_path / "run", "data.completions=target", f"data.target_generated.path={folder}",
+                   "train.max_steps=1", *FAST)
+    for cmd in ("generate-data", "train"):
+        r = subprocess.run([PY, "-m", "distill", cmd, *ov], cwd=REPO, env=subprocess_env(), capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "data.target_generated.path" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(SetupError, match="no target-data cache"):
+        train(compose(ov), log=QUIET)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+    assert (folder / "dataset" / "data.arrow").read_text() == "user data"

@@ -537,6 +537,12 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
         state["cost_ratio"], state["verify_costs"] = run.cost_ratio, run.verify_costs  # the ones this run uses
         log(f"resumed from {resume_from} at step {state['step']}")
+        if state.get("best") and Path(resume_from).resolve().parent != out.resolve():
+            # a fork into a new run folder: its best/ would be missing though the state names one
+            old = state["best"]
+            log(f"resume into another run folder: its best checkpoint starts over (the earlier run's best, "
+                f"{old['metric']} {old['value']:.4f} at step {old['step']}, stays in {Path(resume_from).parent / 'best'})")
+            state["best"] = None
         if kept_c is not None:
             verify = ("set by eval.verify_costs" if cfg.eval.get("verify_costs") is not None else
                       "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")

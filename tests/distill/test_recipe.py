@@ -242,3 +242,19 @@ def test_resume_warns_about_changed_config(pair, tmp_path):
     assert any("loss.name differs" in m for m in messages)
     state = json.loads((out / "step_000004" / "trainer_state.json").read_text())
     assert state["examples_consumed"] == 4 * 4 and state["step"] == 4
+
+
+def test_resume_into_another_run_folder_keeps_its_own_best(pair, tmp_path):
+    """The checkpoint's best (step 2 of run A) came along into run B, so B's summary named a best whose folder was
+    in A: with lr 1e-12 (below the weights' float32 resolution) the resumed evaluation could not beat it, B/best was never written and `export B/best` failed."""
+    first, fork = tmp_path / "a", tmp_path / "b"
+    train(compose(overrides(pair, first, "eval.every=2", "train.stop_at=2")), log=lambda *_: None)
+    assert (first / "best").is_dir()
+    lines = []
+    summary = train(compose(overrides(pair, fork, "eval.every=2", "optim.lr=1e-12",
+                                      f"train.resume={first / 'step_000002'}")), log=lines.append)
+    assert summary["steps"] == 4 and summary["best"]["step"] == 4
+    state = json.loads((fork / "best" / "trainer_state.json").read_text())
+    assert state["best"] == summary["best"]
+    assert any("its best checkpoint starts over" in str(line) for line in lines)
+    assert (first / "best").is_dir()  # the earlier run's best is untouched

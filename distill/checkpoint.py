@@ -225,6 +225,20 @@ def is_complete(path: str | Path) -> bool:
         return False
 
 
+def run_folder_hint(path: str | Path) -> str | None:
+    """When ``path`` is a run folder (``train.output_dir``) given where a checkpoint is needed, the sentence that
+    says so and names its newest complete ``step_N`` (and ``best/``); None for any other folder."""
+    path = Path(path)
+    if not ((path / LATEST_FILE).is_file() or list_checkpoints(path)):
+        return None
+    newest = find_latest(path)
+    if newest is None:
+        return (f"{path} is a run folder, not a checkpoint, and it has no complete step_N checkpoint; give a step_N "
+                "or best folder of a run")
+    best = " (or its best/ folder)" if (path / "best").is_dir() else ""
+    return f"{path} is a run folder, not a checkpoint; give one of its checkpoints, e.g. its newest: {newest}{best}"
+
+
 def check_complete(path: str | Path) -> dict:
     """The manifest of a complete checkpoint; raises CheckpointError saying what is missing or wrong."""
     path = Path(path)
@@ -237,14 +251,9 @@ def check_complete(path: str | Path) -> dict:
                 f"from, convert it once: python -m distill convert-checkpoint {path} (reads the pickles with "
                 "torch.load(weights_only=True), which rebuilds only tensors and plain types, and writes safetensors "
                 "and JSON)")
-        if (path / LATEST_FILE).is_file() or list_checkpoints(path):  # a run's folder given for its checkpoint
-            newest = find_latest(path)
-            if newest is None:
-                raise CheckpointError(f"{path} is a run folder, not a checkpoint, and it has no complete step_N "
-                                      "checkpoint; give a step_N or best folder of a run")
-            best = " (or its best/ folder)" if (path / "best").is_dir() else ""
-            raise CheckpointError(f"{path} is a run folder, not a checkpoint; give one of its checkpoints, e.g. its "
-                                  f"newest: {newest}{best}")
+        hint = run_folder_hint(path)
+        if hint is not None:
+            raise CheckpointError(hint)
         raise CheckpointError(f"{path} is not a complete distill checkpoint (no {MANIFEST_FILE}: its save was "
                               "interrupted, or it is not a checkpoint); give a step_N or best folder of a run")
     manifest = read_json(manifest_file)

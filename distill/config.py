@@ -407,6 +407,11 @@ def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = Fals
     if tokenizer_only:
         wanted += ("tokenizer_config.json", "tokenizer.json")
     if not any((path / f).is_file() for f in wanted):
+        from distill.checkpoint import run_folder_hint
+
+        hint = run_folder_hint(path)
+        if hint is not None:
+            raise SetupError(f"{role} path: {hint}; fix {fix}")
         raise SetupError(f"{role} path {name!r} has no config.json, so it is not a checkpoint folder written by "
                          f"save_pretrained (nor a distill checkpoint); fix {fix}")
 

@@ -258,3 +258,16 @@ def test_resume_into_another_run_folder_keeps_its_own_best(pair, tmp_path):
     assert state["best"] == summary["best"]
     assert any("its best checkpoint starts over" in str(line) for line in lines)
     assert (first / "best").is_dir()  # the earlier run's best is untouched
+
+
+def test_a_run_folder_given_as_the_draft_names_its_newest_checkpoint(pair, tmp_path):
+    """It said only "has no config.json"; export already named the run's newest step_N."""
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.stop_at=2")), log=lambda *_: None)
+    ov = [o if not o.startswith("draft.name_or_path=") else f"draft.name_or_path={run}"
+          for o in overrides(pair, tmp_path / "next")]
+    import re
+
+    with pytest.raises(SetupError, match=rf"draft path: {re.escape(str(run))} is a run folder, not a checkpoint; .* "
+                                         rf"newest: {re.escape(str(run / 'step_000002'))}.*; fix draft.name_or_path"):
+        train(compose(ov), log=lambda *_: None)

@@ -128,6 +128,15 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt(cls, data: Any) -> Any:
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError(f"prompt: a list of {len(prompt)} prompts (a batch) is not supported; send one string "
+                             "or one list of token ids per request (requests are batched by the server)")
+        return data
+
     @model_validator(mode="after")
     def _completion_unsupported(self):
         if self.logprobs is not None:

@@ -114,6 +114,14 @@ def test_unknown_model_is_404_and_limits(server):
     assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"  # still serving
 
 
+@pytest.mark.parametrize("prompt", [["w1 w2", "w3"], [[5, 6], [7]]])
+def test_a_batch_of_prompts_is_a_400_that_says_so(server, prompt):
+    """OpenAI accepts a list of prompts; here it was refused as 'prompt.str: ...; prompt.list[int].0: ...'."""
+    url, _ = server
+    assert_error(post(url, ok(prompt=prompt)), 400, f"a list of {len(prompt)} prompts (a batch) is not supported",
+                 param="prompt")
+
+
 def test_prompt_longer_than_the_context_is_400():
     dec, tok = tiny_pair()
     with running_server(dec, tok, limits=ServerLimits(max_prompt_tokens=10_000)) as (url, _, _):

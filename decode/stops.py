@@ -38,7 +38,8 @@ def stop_token_ids(tokenizer: Any, target: Any = None, extra: Iterable[int] | No
 class StopStringFilter:
     """Turns a growing list of generated ids into text deltas that never pass a stop string.
 
-    Each :meth:`push` decodes all text ids so far (``skip_special_tokens=True``), looks for the earliest stop
+    Each :meth:`push` decodes all text ids so far (``skip_special_tokens=True``, ``clean_up_tokenization_spaces=
+    False`` so that text only grows), looks for the earliest stop
     string, and returns only text that is safe to show: a suffix that could still grow into a stop string, or
     an incomplete UTF-8 character (decoded as U+FFFD by byte-level tokenizers), is held back until the next
     push or :meth:`flush`. So a stop string that spans tokens, or falls inside one step's accepted draft window,
@@ -66,7 +67,9 @@ class StopStringFilter:
         if self.stopped:
             return ""
         self.ids.extend(int(i) for i in ids if int(i) not in self.stop_ids)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        # Without the tokenizer's space cleanup (" 's" -> "'s", " ," -> ","): with it, more ids can rewrite text
+        # already shown ("it '" + "s" -> "it's"), and a stream cannot take back what it sent.
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         if self.stop_strings:
             start = max(0, self.emitted - self._longest)
             hits = [h for h in (self.text.find(s, start) for s in self.stop_strings) if h >= 0]

@@ -65,3 +65,17 @@ def test_incomplete_utf8_is_held_back(tmp_path):
 def test_empty_stop_string_refused():
     with pytest.raises(ValueError, match="non-empty"):
         StopStringFilter(make_tokenizer(), [""])
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_streamed_text_is_the_decode_even_with_tokenization_space_cleanup(step):
+    """With clean_up_tokenization_spaces (true in many saved tokenizers, e.g. GPT-2's), decoding more ids can
+    change text already shown: "it '" becomes "it's" once "s" arrives, and the stream lost the "s". The filter
+    decodes without the cleanup, so every push only appends."""
+    tok = make_tokenizer(["it", "'", "s", "fine", ".", "w5"], clean_up_tokenization_spaces=True)
+    ids = tok("it ' s fine . w5 ' s")["input_ids"]
+    assert tok.decode(ids) != tok.decode(ids, clean_up_tokenization_spaces=False)  # the cleanup is active
+    deltas = stream(StopStringFilter(tok), ids, step)
+    assert "".join(deltas) == tok.decode(ids, clean_up_tokenization_spaces=False) == "it ' s fine . w5 ' s"
+    deltas = stream(StopStringFilter(tok, ["fine ."]), ids, step)  # stop strings are found in the same text
+    assert "".join(deltas) == "it ' s "

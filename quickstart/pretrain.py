@@ -252,8 +252,22 @@ def _check_config(cfg: PretrainConfig) -> None:
         raise ValueError(f"unknown size {cfg.size!r}: use one of {', '.join(SIZES)}")
     if cfg.corpus not in CORPORA:
         raise ValueError(f"unknown corpus {cfg.corpus!r}: use one of {', '.join(CORPORA)}")
-    if cfg.budget_s <= 0 and not cfg.max_steps:
+    if not math.isfinite(cfg.budget_s) or (cfg.budget_s <= 0 and not cfg.max_steps):
         raise ValueError(f"budget_s={cfg.budget_s}: give a positive time budget (--budget-s) or --max-steps")
+    for name, value, low in (("vocab_size", cfg.vocab_size, 256 + len(SPECIAL_TOKENS)), ("seq_len", cfg.seq_len, 1),
+                             ("batch_size", cfg.batch_size, 1), ("val_tokens", cfg.val_tokens, 1),
+                             ("max_steps", 1 if cfg.max_steps is None else cfg.max_steps, 1)):
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ValueError(f"--lr {cfg.lr}: the peak learning rate must be a number > 0, e.g. --lr 2e-3")
+    if not cfg.save_every_s >= 0:
+        raise ValueError(f"--save-every-s {cfg.save_every_s}: must be >= 0 seconds (0: a snapshot every step)")
+    if not 0 <= cfg.warmup_frac < 1:
+        raise ValueError(f"--warmup-frac {cfg.warmup_frac}: must be >= 0 and < 1 (a fraction of the budget)")
+    for name, path in (("--tokenizer", cfg.tokenizer), ("--out", cfg.out)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"{name} {path} is a file, not a folder: give a folder")
     if cfg.seq_len > cfg.max_position_embeddings:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds max_position_embeddings={cfg.max_position_embeddings}; "
                          "raise --max-position-embeddings or lower --seq-len")
@@ -315,7 +329,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
-    state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0}
+    identity = {**{k: getattr(cfg, k) for k in PretrainConfig.IDENTITY}, "vocab": len(tokenizer)}
+    state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "identity": identity}
     resume = out / RESUME_DIR
     if (out / LEGACY_RESUME_FILE).is_file():
         raise ValueError(f"{out / LEGACY_RESUME_FILE} is a resume snapshot of an earlier version, stored as a pickle; "
@@ -323,7 +338,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
                          f"python -m distill convert-checkpoint {out / LEGACY_RESUME_FILE} (tensors and plain types "
                          "only), or delete it to start this run over")
     if resume.is_dir():
-        state = load_resume(resume, model, optimizer, gen)
+        state = {**load_resume(resume, model, optimizer, gen, identity), "identity": identity}
         log(f"pretrain: resuming {cfg.size} at step {state['step']} ({state['elapsed_s']:.0f}s of {cfg.budget_s:.0f}s)")
 
     sizes = count_params(model)
@@ -373,19 +388,35 @@ def save_resume(path: Path, model, optimizer, gen: torch.Generator, state: dict)
     replace_dir(tmp, path)
 
 
-def load_resume(path: Path, model, optimizer, gen: torch.Generator) -> dict:
+def load_resume(path: Path, model, optimizer, gen: torch.Generator, identity: dict | None = None) -> dict:
     """Restore model, optimizer and data generator from the snapshot folder ``path``; returns its state dict.
 
+    ``identity`` (this run's ``PretrainConfig.IDENTITY`` fields and tokenizer size) must match the snapshot's:
+    continuing another run's snapshot would silently train a different model.
+
     Raises:
-        ValueError (CheckpointError): incomplete snapshot or a file that is not safetensors/JSON.
+        ValueError (CheckpointError): incomplete snapshot, a file that is not safetensors/JSON, or a snapshot of a
+            run with other settings (another size, window, corpus or tokenizer).
     """
     from distill.checkpoint import check_complete, load_optimizer, load_tensors, read_json
 
     check_complete(path)
-    model.load_state_dict(load_tensors(path / "model.safetensors"))
+    state = read_json(path / "state.json")
+    fix = (f"rerun with that run's settings to continue it, or delete {path} (or choose another --out) to start "
+           "this run over")
+    old = state.get("identity") or {}
+    diff = {k: (old[k], v) for k, v in (identity or {}).items() if k in old and old[k] != v}
+    if diff:
+        raise ValueError(f"{path} is the resume snapshot of a run with other settings {diff} (snapshot, this run): "
+                         + fix)
+    try:
+        model.load_state_dict(load_tensors(path / "model.safetensors"))
+    except RuntimeError as err:  # a snapshot without its settings (earlier version) of another model shape
+        raise ValueError(f"{path} is the resume snapshot of a model of another shape or tokenizer "
+                         f"({str(err).splitlines()[-1].strip()}): {fix}") from None
     load_optimizer(optimizer, path)
     gen.set_state(load_tensors(path / "generator.safetensors")["generator"])
-    return read_json(path / "state.json")
+    return state
 
 
 def _corpus_texts(corpus: str, split: str) -> list[str]:
@@ -473,6 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if not args.tokenizer_only and not args.out:
         build_parser().error("--out is required (unless --tokenizer-only)")
+    if args.threads is not None and args.threads < 0:
+        build_parser().error(f"--threads {args.threads}: give a number of threads >= 1 (0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -486,7 +519,13 @@ def main(argv: list[str] | None = None) -> dict:
         _check_config(cfg)  # before the tokenizer or any model is made
     except ValueError as e:
         build_parser().error(str(e))
-    return pretrain(cfg)
+    from distill.checkpoint import CheckpointError
+
+    try:
+        return pretrain(cfg)
+    except (ValueError, CheckpointError) as e:  # what is in --out / --tokenizer: refused before any training
+        print(f"python -m quickstart pretrain: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

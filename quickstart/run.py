@@ -125,11 +125,23 @@ def _pretrain_cmd(qs, out: Path, which: str) -> list[str]:
     return cmd
 
 
+def _hydra_path(path: str | Path) -> str:
+    """``path`` as the value of a Hydra override: quoted (quotes and a trailing backslash escaped) unless it holds
+    only characters Hydra reads literally, so an --out with a quote, comma, ``=`` or bracket reaches the recipe
+    as written."""
+    import re
+
+    text = str(path)
+    if re.fullmatch(r"[A-Za-z0-9_/.\-+@% ]*", text):
+        return text
+    return "'" + re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text).replace("'", "\\'") + "'"
+
+
 def _cache_overrides(qs, out: Path) -> list[str]:
     """The recipe overrides of ``quickstart.distill.target_logits=cached`` (none when online)."""
     if str(qs.distill.get("target_logits", "online")) != "cached":
         return []
-    return ["data.target_logits=cached", f"data.logit_cache={out / qs.distill.cache_dir}",
+    return ["data.target_logits=cached", f"data.logit_cache={_hydra_path(out / qs.distill.cache_dir)}",
             f"data.logit_cache_k={int(qs.distill.cache_k)}",
             f"data.logit_cache_tail_samples={int(qs.distill.tail_samples)}"]
 
@@ -137,8 +149,9 @@ def _cache_overrides(qs, out: Path) -> list[str]:
 def _cache_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
     """``python -m distill cache-logits`` with the distill phase's own config (it resumes an interrupted build)."""
     return [sys.executable, "-m", "distill", "cache-logits", f"+experiment={experiment}",
-            f"++target.name_or_path={out / qs.target.dir}", f"draft.name_or_path={out / qs.draft.dir}",
-            f"train.output_dir={out / qs.distill.dir}", *_cache_overrides(qs, out), *extra]
+            f"++target.name_or_path={_hydra_path(out / qs.target.dir)}",
+            f"draft.name_or_path={_hydra_path(out / qs.draft.dir)}",
+            f"train.output_dir={_hydra_path(out / qs.distill.dir)}", *_cache_overrides(qs, out), *extra]
 
 
 def _cache_complete(qs, out: Path) -> bool:
@@ -164,8 +177,9 @@ def _cache_complete(qs, out: Path) -> bool:
 def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
     run_dir = out / qs.distill.dir
     cmd = [sys.executable, "-m", "distill", "train", f"+experiment={experiment}",
-           f"++target.name_or_path={out / qs.target.dir}", f"draft.name_or_path={out / qs.draft.dir}",
-           f"train.output_dir={run_dir}", *_cache_overrides(qs, out)]
+           f"++target.name_or_path={_hydra_path(out / qs.target.dir)}",
+           f"draft.name_or_path={_hydra_path(out / qs.draft.dir)}", f"train.output_dir={_hydra_path(run_dir)}",
+           *_cache_overrides(qs, out)]
     from distill.checkpoint import find_latest
 
     if run_dir.is_dir() and find_latest(run_dir) is not None:
@@ -417,6 +431,92 @@ def check_eval_settings(ecfg) -> int | str:
     return setting
 
 
+def check_prompt_sets(ecfg) -> None:
+    """Every set of ``quickstart.eval.prompt_sets`` exists and holds its number of timed prompts plus the
+    ``calibration_prompts`` after them (γ = best), so the table never labels fewer prompts than it measured.
+    Raises ValueError naming the setting."""
+    from distill.corpus import load_prompts
+
+    calibration = int(ecfg.get("calibration_prompts", 2)) if gamma_setting(
+        ecfg.get("num_draft_tokens", "best")) == "best" else 0
+    for name, n in dict(ecfg.prompt_sets).items():
+        try:
+            have = len(load_prompts(name))
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"quickstart.eval.prompt_sets.{name}: {err}") from None
+        if n + calibration > have:
+            why = f" + {calibration} after them for the γ choice (eval.calibration_prompts)" if calibration else ""
+            raise ValueError(f"quickstart.eval.prompt_sets.{name}={n}: the set has {have} prompts and the run needs "
+                             f"{n}{why}; use at most {have - calibration}")
+
+
+def _pretrain_record(folder: Path) -> dict | None:
+    """``folder/pretrain.json`` (a finished pretraining phase), or None. Raises ValueError if it is not JSON."""
+    from quickstart.pretrain import RESULT_FILE
+
+    try:
+        return _read_json(folder / RESULT_FILE)
+    except ValueError:
+        raise ValueError(f"{folder / RESULT_FILE} is damaged (not JSON): delete {folder} to retrain it") from None
+
+
+def check_artifacts(qs, out: Path) -> None:
+    """Before any phase: the artifacts already under ``out`` may be reused by this run.
+
+    A finished target or baseline draft made with another size, corpus, window or vocabulary (a ``--smoke`` folder
+    given to a full run, or the reverse) is refused, not reused as if this run had made it; so is a logit cache made
+    with other ``cache_k`` / ``tail_samples``. An artifact made from an earlier phase that is missing now (its folder
+    deleted to redo it) is refused too: the phases after it must be redone, so their folders must go as well. Nothing
+    is deleted here. Raises ValueError naming the folder and the fix."""
+    from distill.checkpoint import find_latest
+
+    for which in ("target", "draft"):
+        folder = out / qs[which].dir
+        old = (_pretrain_record(folder) or {}).get("config") or {}
+        want = {f"{which}.size": ("size", qs[which].size), "corpus": ("corpus", qs.corpus),
+                f"{which}.seq_len": ("seq_len", int(qs[which].seq_len)),
+                "vocab_size": ("vocab_size", int(qs.vocab_size))}
+        diff = {key: (old[field], value) for key, (field, value) in want.items()
+                if field in old and old[field] != value}
+        if diff:
+            made = ", ".join(f"{k}={o!r}" for k, (o, _) in diff.items())
+            asked = ", ".join(f"{k}={v!r}" for k, (_, v) in diff.items())
+            raise ValueError(f"{folder} holds a {which} made with {made}, and this run asks for {asked}: choose "
+                             "another --out, or set those settings to its values to reuse it (a --smoke run and a "
+                             "full one need separate folders)")
+    _cache_complete(qs, out)  # a cache made with other settings: named now, not after the pretraining phases
+    done = {"tokenizer/": (out / "tokenizer" / "tokenizer.json").is_file()}
+    for which in ("target", "draft"):
+        done[f"{qs[which].dir}/"] = _pretrain_record(out / qs[which].dir) is not None
+    cache = out / qs.distill.cache_dir / "manifest.json"
+    done[f"{qs.distill.cache_dir}/"] = cache.is_file()
+    done[f"{qs.distill.dir}/"] = (out / qs.distill.dir).is_dir() and find_latest(out / qs.distill.dir) is not None
+    done[f"{qs.export.dir}/"] = (out / qs.export.dir / "config.json").is_file()
+    names = list(done)  # tokenizer, target, draft, cache, distill, export
+    later = {names[0]: names[1:], names[1]: names[3:], names[2]: names[4:]}
+    for phase, after in later.items():
+        stale = [n for n in after if done[n]]
+        if not done[phase] and stale:
+            raise ValueError(f"{out / phase} holds no finished {phase.rstrip('/')}, but {', '.join(stale)} (made "
+                             f"from the earlier one) {'is' if len(stale) == 1 else 'are'} still in {out}: delete them too so they are redone with the "
+                             f"new one, or put the earlier {phase} back (nothing is deleted for you)")
+
+
+def make_out_dir(out: Path, setting: str) -> None:
+    """Create the output folder now, before any work, or raise ValueError naming ``setting`` and why it cannot."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{setting} {out} is a file, not a folder: give a folder (a new one, or an earlier run's to "
+                         "reuse its artifacts)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".quickstart-write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"{setting} {out} cannot be used: {err.strerror or err} ({err.filename or out}); give a "
+                         "folder you can create and write to") from None
+
+
 def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
                   seed: int, max_gamma: int) -> dict:
     """Choose γ per draft and temperature from a calibration run, before any timed run.
@@ -593,12 +693,15 @@ def main(argv: list[str] | None = None) -> int:
     failed; the evaluation still runs on whatever was produced)."""
     from rich.console import Console
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # settings before and after --out alike
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
     try:
         qs = load_settings(experiment, args.overrides)
-        out = Path(args.out or qs.out_dir)
-        out = (out if out.is_absolute() else REPO / out).resolve()
+        # --out as any command takes a path: from where it was typed (scripts/quickstart.sh runs from the repository
+        # and passes that folder as QUICKSTART_CWD); the experiment's own out_dir is a folder of the repository
+        base = Path(os.environ.get("QUICKSTART_CWD") or os.getcwd()) if args.out else REPO
+        out = Path(args.out or qs.out_dir).expanduser()
+        out = (out if out.is_absolute() else base / out).resolve()
         try:
             extra = shlex.split(args.distill_overrides)
         except ValueError as err:
@@ -607,10 +710,12 @@ def main(argv: list[str] | None = None) -> int:
         check_pretrain_settings(qs)  # every setting before the first phase, not after 25 minutes of training
         check_distill_settings(qs, experiment, out, extra)
         check_eval_settings(qs.eval)
+        check_prompt_sets(qs.eval)
+        check_artifacts(qs, out)  # what is under --out already: reused only if this configuration made it
+        make_out_dir(out, "--out" if args.out else f"quickstart.out_dir ({qs.out_dir})")
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     console = Console(width=None if sys.stdout.isatty() else 132)  # CI logs: wide enough for the tables
     phases: dict[str, dict] = {}
     results: dict[str, Any] = {"experiment": experiment, "out": str(out), "environment": _environment(),

@@ -4,6 +4,7 @@
 #   scripts/quickstart.sh --smoke   # the same path in about a minute (tiny models), in checkpoints/quickstart_smoke/
 # Any other arguments go to `python -m quickstart` (see --help). QUICKSTART_SKIP_INSTALL=1 skips the install.
 set -euo pipefail
+export QUICKSTART_CWD="$PWD"  # a relative --out is taken from here, not from the repository
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 

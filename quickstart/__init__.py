@@ -6,3 +6,5 @@
 ``distill`` holds the distillation library and its command line; ``decode`` the speculative decoder. This package
 only calls them (``distill.corpus``, ``distill.checkpoint``, ``decode.SpeculativeDecoder``), as a user's script would.
 """
+
+INTERRUPTED_EXIT = 130  # exit status of a phase stopped by Ctrl-C / SIGTERM after saving (the shell's for SIGINT)

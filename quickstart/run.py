@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from quickstart import INTERRUPTED_EXIT
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_FILE = "results.json"
 MODES = ("plain", "baseline", "distilled")
@@ -97,7 +99,7 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None,
     console.print("$ " + shlex.join(["python"] + cmd[1:]), markup=False, highlight=False)
     t0 = time.time()
     if in_process is None:
-        rc = subprocess.run(cmd, cwd=REPO, env=env or _env()).returncode
+        rc = _run_child(cmd, env or _env(), console)
     else:
         try:
             in_process(cmd[4:])
@@ -109,7 +111,26 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None,
             rc = 1
     phases[name] = {"command": shlex.join(["python"] + cmd[1:]), "seconds": round(time.time() - t0, 1),
                     "status": "ok" if rc == 0 else f"failed (exit {rc})"}
+    if rc == INTERRUPTED_EXIT:
+        raise KeyboardInterrupt(name)
     return rc == 0
+
+
+def _run_child(cmd: list[str], env: dict, console) -> int:
+    """Run a phase's subprocess; its exit status. On Ctrl-C (which the child gets too: one process group) wait for
+    the child to save its checkpoint and exit, instead of ``subprocess.run``'s kill after 0.25 s, which lost the
+    steps since the last save; a second Ctrl-C kills it."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: waiting for the phase to save its checkpoint (Ctrl-C again to kill it)")
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def _pretrain_cmd(qs, out: Path, which: str) -> list[str]:
@@ -721,6 +742,19 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"experiment": experiment, "out": str(out), "environment": _environment(),
                                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "phases": phases}
     t_start = time.time()
+    for key, value in _env(qs.get("threads")).items():  # the in-process phases run offline too
+        os.environ.setdefault(key, value)
+    try:
+        return _run_phases(qs, experiment, out, extra, console, phases, results, t_start)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted; nothing is lost: run the same command again to continue (finished "
+                      f"phases under {out} are reused, an interrupted one resumes from its last save)")
+        return INTERRUPTED_EXIT
+
+
+def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phases: dict, results: dict,
+                t_start: float) -> int:
+    """:func:`main`'s phases and evaluation, after every check."""
 
     def cached(name: str, marker: Path) -> bool:
         if marker.is_file():
@@ -731,8 +765,6 @@ def main(argv: list[str] | None = None) -> int:
     from quickstart.pretrain import main as pretrain_main
 
     env = _env(qs.get("threads"))
-    for key, value in env.items():  # the in-process phases run offline too
-        os.environ.setdefault(key, value)
     ok = True
     for name in ("tokenizer", "target", "draft"):
         marker = out / "tokenizer" / "tokenizer.json" if name == "tokenizer" else out / qs[name].dir / "pretrain.json"

@@ -198,3 +198,69 @@ def test_a_failed_evaluation_still_writes_results_and_keeps_the_models(tmp_path,
     assert res["phases"]["target"]["status"].startswith("cached") and (out / "target" / "pretrain.json").is_file()
     assert res["target"] == {} and res["baseline_draft"] == {}  # the models' records are kept too
     assert "rerun the same command" in " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+
+
+def test_an_interrupted_phase_ends_the_run_with_a_resume_hint(tmp_path, monkeypatch, capsys):
+    """A phase stopped by Ctrl-C (exit 130 after saving) used to be reported as failed ("Nothing to evaluate");
+    the run now stops with 130 and says that rerunning continues, writing no results.json."""
+    import quickstart.pretrain as pretrain
+
+    real_main = pretrain.main
+
+    def interrupted(argv):
+        if "--tokenizer-only" not in argv:
+            print("python -m quickstart pretrain: interrupted at step 3", file=sys.stderr)
+            raise SystemExit(130)
+        return real_main(argv)
+
+    monkeypatch.setattr(pretrain, "main", interrupted)
+    out = tmp_path / "qs"
+    assert quickstart.main(["--smoke", "--out", str(out)]) == 130
+    said = " ".join(capsys.readouterr().out.split())
+    assert "interrupted; nothing is lost: run the same command again to continue" in said
+    assert (out / "tokenizer" / "tokenizer.json").is_file() and not (out / "results.json").exists()
+
+
+def test_ctrl_c_waits_for_a_subprocess_phase_to_save(tmp_path):
+    """subprocess.run kills its child 0.25 s after a Ctrl-C, so a distill phase lost the steps since its last
+    checkpoint; the phase now gets the time its own SIGINT handler needs to save and exit."""
+    import signal
+    import threading
+    import time as time_
+
+    from rich.console import Console
+
+    saved = tmp_path / "saved"
+    child = ("import signal, sys, time, pathlib\n"
+             "def stop(*_):\n"
+             "    time.sleep(1.5)  # a checkpoint save\n"
+             f"    pathlib.Path({str(saved)!r}).write_text('step 7')\n"
+             "    sys.exit(130)\n"
+             "signal.signal(signal.SIGINT, stop)\n"
+             f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('')\n"
+             "time.sleep(60)\n")
+    procs = []
+    real_popen = quickstart.subprocess.Popen
+
+    def popen(cmd, *a, **k):
+        proc = real_popen(cmd, *a, **k)
+        if cmd[:2] == [sys.executable, "-c"]:  # the phase (not another subprocess made on the way)
+            procs.append(proc)
+        return proc
+
+    def ctrl_c():  # what a terminal's Ctrl-C does: SIGINT to the child and to this process
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # so the main thread gets it (EINTR in waitpid)
+        deadline = time_.time() + 30
+        while not (tmp_path / "ready").exists() and time_.time() < deadline:
+            time_.sleep(0.05)
+        procs[0].send_signal(signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    quickstart.subprocess.Popen, phases = popen, {}
+    try:
+        threading.Thread(target=ctrl_c, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            quickstart.run_phase("distill", [sys.executable, "-c", child], phases, Console(file=open(os.devnull, "w")))
+    finally:
+        quickstart.subprocess.Popen = real_popen
+    assert saved.read_text() == "step 7" and procs[0].returncode == 130

@@ -149,6 +149,21 @@ def replace_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
+def recover_replaced_dir(path: Path) -> Path | None:
+    """After a crash inside :func:`replace_dir` (``path`` moved aside, the new copy not yet in place), put the newest
+    complete copy back at ``path``: ``path.tmp`` (the one being installed) if its manifest says complete, else
+    ``path.old``. Returns the folder it came from, or None when ``path`` exists or no complete copy is found.
+    Without this a reader that looks only at ``path`` would start over, and the next save would delete both."""
+    path = Path(path)
+    if path.exists():
+        return None
+    for source in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
+        if source.is_dir() and is_complete(source):
+            source.rename(path)
+            return source
+    return None
+
+
 def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, optimizer: Any, state: dict,
                     config_yaml: str, path: str | Path) -> Path:
     """Write a complete checkpoint at ``path`` (atomically replacing an existing one). Call on every process.

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from distill.logging import StopFlag
+from quickstart import INTERRUPTED_EXIT
 from distill.precision import resolve_mixed_precision
 
 # Model shapes. target: ~27M parameters, enough that a verify forward costs ~10x a draft forward on CPU, small
@@ -289,6 +291,16 @@ def cached_result(cfg: PretrainConfig) -> dict | None:
     if diff:
         raise ValueError(f"{cfg.out} holds a finished run with different settings {diff} (old, new); "
                          "pass --force to retrain or choose another --out")
+    if (Path(cfg.tokenizer) / "tokenizer.json").is_file() and (Path(cfg.out) / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        from decode.compat import tokenizer_fingerprint
+
+        given, saved = (tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(p))) for p in (cfg.tokenizer, cfg.out))
+        if given != saved:
+            raise ValueError(f"{cfg.out} holds a finished run trained with another tokenizer than --tokenizer "
+                             f"{cfg.tokenizer} (vocabulary fingerprint {saved}, given {given}); pass --force to "
+                             "retrain or choose another --out")
     return result
 
 
@@ -337,6 +349,11 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
                          "unpickling can run code, so it is not read. If you trust it, convert it once with "
                          f"python -m distill convert-checkpoint {out / LEGACY_RESUME_FILE} (tensors and plain types "
                          "only), or delete it to start this run over")
+    from distill.checkpoint import recover_replaced_dir
+
+    recovered = recover_replaced_dir(resume)  # a crash between replace_dir's two renames
+    if recovered is not None:
+        log(f"pretrain: {resume} was missing after an interrupted save; restored it from {recovered}")
     if resume.is_dir():
         state = {**load_resume(resume, model, optimizer, gen, identity), "identity": identity}
         log(f"pretrain: resuming {cfg.size} at step {state['step']} ({state['elapsed_s']:.0f}s of {cfg.budget_s:.0f}s)")
@@ -432,7 +449,25 @@ def _train_loop(model, optimizer, train_ids, gen, state, cfg: PretrainConfig, de
     bar = tqdm(total=int(cfg.budget_s) if cfg.budget_s > 0 else cfg.max_steps, initial=0, unit="s",
                desc=f"pretrain {cfg.size}", mininterval=2.0, dynamic_ncols=True, file=sys.stderr)
     last_save, ema = time.time(), None
+    try:
+        with StopFlag() as flag:  # Ctrl-C / SIGTERM: finish the step, save the snapshot, stop (a second one: now)
+            _steps(model, optimizer, train_ids, gen, state, cfg, device, resume, bar, flag, last_save, ema)
+    finally:
+        bar.close()
+
+
+class Interrupted(Exception):
+    """Ctrl-C / SIGTERM stopped the training loop after saving its resume snapshot (``args[0]``: the message)."""
+
+
+def _steps(model, optimizer, train_ids, gen, state, cfg: PretrainConfig, device, resume: Path, bar, flag,
+           last_save: float, ema: float | None) -> None:
     while True:
+        if flag.stop:
+            save_resume(resume, model, optimizer, gen, state)
+            raise Interrupted(f"interrupted at step {state['step']} ({state['elapsed_s']:.0f}s of the "
+                              f"{cfg.budget_s:.0f}s budget); the snapshot is saved in {resume}: run the same command "
+                              "again to resume")
         progress = state["elapsed_s"] / cfg.budget_s if cfg.budget_s > 0 else 0.0
         if cfg.max_steps:
             progress = max(progress, state["step"] / cfg.max_steps)
@@ -462,7 +497,6 @@ def _train_loop(model, optimizer, train_ids, gen, state, cfg: PretrainConfig, de
         if time.time() - last_save > cfg.save_every_s:
             save_resume(resume, model, optimizer, gen, state)
             last_save = time.time()
-    bar.close()
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -526,6 +560,9 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, CheckpointError) as e:  # what is in --out / --tokenizer: refused before any training
         print(f"python -m quickstart pretrain: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:
+        print(f"python -m quickstart pretrain: {e}", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 if __name__ == "__main__":

@@ -122,3 +122,76 @@ def test_python_m_quickstart_pretrain_dispatches(monkeypatch):
     monkeypatch.setattr("quickstart.run.main", lambda argv: seen.append(("run", argv)) or 0)
     assert main(["pretrain", "--budget-s", "1"]) == 0 and main(["--smoke", "eval.seed=1"]) == 0
     assert seen == [("pretrain", ["--budget-s", "1"]), ("run", ["--smoke", "eval.seed=1"])]
+
+
+def test_ctrl_c_saves_the_step_it_finished_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (SIGINT) used to end pretrain with a KeyboardInterrupt traceback, losing the steps since the last
+    periodic snapshot; now the step finishes, the snapshot is saved, and the CLI says how to resume (exit 130)."""
+    import os
+    import signal
+
+    straight = pt.pretrain(_cfg(tmp_path / "a", max_steps=6), log=lambda *_: None)
+    real_sample, calls = pt.sample_batch, {"n": 0}
+
+    def ctrl_c_on_fourth(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of step 4
+        return real_sample(*a, **k)
+
+    cfg = _cfg(tmp_path / "b", max_steps=6, save_every_s=1e9)  # no periodic snapshot: only the one at Ctrl-C
+    monkeypatch.setattr(pt, "sample_batch", ctrl_c_on_fourth)
+    args = ["--out", cfg.out, "--tokenizer", cfg.tokenizer, "--size", cfg.size, "--corpus", cfg.corpus,
+            "--vocab-size", str(cfg.vocab_size), "--seq-len", str(cfg.seq_len), "--batch-size", str(cfg.batch_size),
+            "--budget-s", "0", "--max-steps", "6", "--lr", str(cfg.lr), "--val-tokens", str(cfg.val_tokens),
+            "--device", "cpu", "--save-every-s", "1e9"]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            pt.main(args)
+    except KeyboardInterrupt:  # not handled: fail this test instead of stopping the whole session
+        pytest.fail("Ctrl-C reached the caller as KeyboardInterrupt")
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err
+    assert "interrupted at step 4" in err and "run the same command again to resume" in err and "Traceback" not in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    monkeypatch.setattr(pt, "sample_batch", real_sample)
+    assert json.loads((tmp_path / "b" / "model" / pt.RESUME_DIR / "state.json").read_text())["step"] == 4
+    resumed = pt.pretrain(cfg, log=lambda *_: None)
+    assert resumed["steps"] == 6 and resumed["val_loss"] == straight["val_loss"]
+
+
+@pytest.mark.parametrize("left", ["resume.old", "resume.tmp"])
+def test_a_crash_inside_the_snapshot_swap_resumes_instead_of_restarting(tmp_path, monkeypatch, left):
+    """replace_dir moves resume/ aside, then renames resume.tmp into place: a crash in between left no resume/, so
+    the rerun started over silently (and its first save deleted both copies)."""
+    import shutil
+
+    cfg = _cfg(tmp_path, max_steps=6, save_every_s=0.0)
+    real_sample, calls = pt.sample_batch, {"n": 0}
+
+    def crash_on_fourth(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real_sample(*a, **k)
+
+    monkeypatch.setattr(pt, "sample_batch", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        pt.pretrain(cfg, log=lambda *_: None)
+    monkeypatch.setattr(pt, "sample_batch", real_sample)
+    resume = tmp_path / "model" / pt.RESUME_DIR
+    shutil.move(str(resume), str(resume.with_name(left)))  # the state between the two renames
+    logs = []
+    result = pt.pretrain(cfg, log=logs.append)
+    assert any(f"restored it from {resume.with_name(left)}" in str(line) for line in logs)
+    assert any("resuming smoke_draft at step 3" in str(line) for line in logs) and result["steps"] == 6
+
+
+def test_a_finished_model_of_another_tokenizer_is_not_reused(tmp_path):
+    """The finished-run check compared size, corpus and window only: a model trained with another tokenizer was
+    reused for the given one."""
+    pt.pretrain(_cfg(tmp_path, max_steps=2), log=lambda *_: None)
+    assert pt.cached_result(_cfg(tmp_path, max_steps=2)) is not None  # the same tokenizer: reused
+    train_tokenizer(TEXTS, 300, tmp_path / "other_tok")
+    with pytest.raises(ValueError, match="trained with another tokenizer than --tokenizer"):
+        pt.pretrain(_cfg(tmp_path, max_steps=2, tokenizer=str(tmp_path / "other_tok")), log=lambda *_: None)

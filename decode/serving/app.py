@@ -44,10 +44,10 @@ class ServerLimits:
 class BearerAuth:
     """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>`` (compared in constant time)."""
 
-    def __init__(self, app: Any, api_key: str):
+    def __init__(self, app: Any, api_key: str, on_reject: Any = None):
         # Clients' tokens are stripped, so the key is too: a key read with its trailing newline (a secrets file, an
         # env file) would otherwise refuse every client. (create_app refuses a key that is only whitespace.)
-        self.app, self.key = app, api_key.strip().encode()
+        self.app, self.key, self.on_reject = app, api_key.strip().encode(), on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
@@ -58,6 +58,8 @@ class BearerAuth:
 
                 err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
                                "server was started with (--api-key or DRAFTKIT_API_KEY)", code="invalid_api_key")
+                if self.on_reject is not None:
+                    self.on_reject(401)
                 await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -131,7 +133,8 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
     app = FastAPI(title="draftkit speculative decoder", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key,
+                           on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
@@ -141,11 +144,13 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err):
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        metrics.rejected.labels(str(err.status_code)).inc()
         return JSONResponse(APIError(err.status_code, str(err.detail), code=code).body(), err.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request, err):
         log.exception("unhandled error")
+        metrics.rejected.labels("500").inc()
         return JSONResponse(APIError(500, f"internal error: {err.__class__.__name__}: {err}").body(), 500)
 
     @app.get("/health")

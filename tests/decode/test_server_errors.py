@@ -399,3 +399,19 @@ def test_chat_message_name_reaches_the_template():
         named = post(url, chat(messages=[{"role": "user", "content": "w2", "name": "w7"}]), key=None,
                      path="/v1/chat/completions")
         assert named.status_code == 200 and named.json()["usage"]["prompt_tokens"] == 3  # w7 w2 w9
+
+
+def test_every_http_error_is_counted_in_rejected_requests(server):
+    """401 (answered by the auth middleware) and 404 (by Starlette) were not counted: only errors raised inside a
+    handler were."""
+    from tests.decode.test_server_api import metric
+
+    url, _ = server
+
+    def rejected(status):
+        return metric(url, "draftkit_rejected_requests_total", {"status": status}) or 0.0
+
+    before = {s: rejected(s) for s in ("401", "404")}
+    assert post(url, ok(), key="wrong").status_code == 401
+    assert httpx.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 404
+    assert rejected("401") == before["401"] + 1 and rejected("404") == before["404"] + 1

@@ -139,18 +139,9 @@ def _cfg(tmp_path, **kw):
 
 
 def test_a_resume_snapshot_of_other_settings_is_named_not_continued(tmp_path, monkeypatch, capsys):
-    real, calls = pt.sample_batch, {"n": 0}
+    from tests.quickstart.test_pretrain import crash_pretrain_at
 
-    def crash_on_third(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(pt, "sample_batch", crash_on_third)
-    with pytest.raises(KeyboardInterrupt):
-        pt.pretrain(_cfg(tmp_path), log=lambda *_: None)
-    monkeypatch.setattr(pt, "sample_batch", real)
+    crash_pretrain_at(_cfg(tmp_path), 3, monkeypatch)
     snap = tmp_path / "model" / pt.RESUME_DIR
     state = json.loads((snap / "state.json").read_text())
     # same shapes, another window: it was continued silently

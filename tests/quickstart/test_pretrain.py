@@ -70,22 +70,27 @@ def test_pretrain_learns_saves_and_is_reused(tmp_path):
         pt.pretrain(_cfg(tmp_path, size="smoke_target"))
 
 
+def crash_pretrain_at(cfg, call: int, monkeypatch) -> None:
+    """Run ``pt.pretrain(cfg)`` until its ``call``-th batch raises KeyboardInterrupt (a kill mid-run)."""
+    real, calls = pt.sample_batch, {"n": 0}
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(pt, "sample_batch", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pt.pretrain(cfg, log=lambda *_: None)
+    monkeypatch.setattr(pt, "sample_batch", real)
+
+
 def test_interrupted_run_resumes_exactly(tmp_path, monkeypatch):
     straight = pt.pretrain(_cfg(tmp_path / "a", max_steps=6, save_every_s=0.0), log=lambda *_: None)
 
-    real_sample, calls = pt.sample_batch, {"n": 0}
-
-    def crash_on_fourth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real_sample(*a, **k)
-
     cfg = _cfg(tmp_path / "b", max_steps=6, save_every_s=0.0)
-    monkeypatch.setattr(pt, "sample_batch", crash_on_fourth)
-    with pytest.raises(KeyboardInterrupt):
-        pt.pretrain(cfg, log=lambda *_: None)
-    monkeypatch.setattr(pt, "sample_batch", real_sample)
+    crash_pretrain_at(cfg, 4, monkeypatch)
     assert json.loads((tmp_path / "b" / "model" / pt.RESUME_DIR / "state.json").read_text())["step"] == 3
     resumed = pt.pretrain(cfg, log=lambda *_: None)
     assert resumed["steps"] == 6 and resumed["val_loss"] == straight["val_loss"]
@@ -167,18 +172,7 @@ def test_a_crash_inside_the_snapshot_swap_resumes_instead_of_restarting(tmp_path
     import shutil
 
     cfg = _cfg(tmp_path, max_steps=6, save_every_s=0.0)
-    real_sample, calls = pt.sample_batch, {"n": 0}
-
-    def crash_on_fourth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real_sample(*a, **k)
-
-    monkeypatch.setattr(pt, "sample_batch", crash_on_fourth)
-    with pytest.raises(KeyboardInterrupt):
-        pt.pretrain(cfg, log=lambda *_: None)
-    monkeypatch.setattr(pt, "sample_batch", real_sample)
+    crash_pretrain_at(cfg, 4, monkeypatch)
     resume = tmp_path / "model" / pt.RESUME_DIR
     shutil.move(str(resume), str(resume.with_name(left)))  # the state between the two renames
     logs = []

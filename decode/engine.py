@@ -25,10 +25,12 @@ stay masked until a rare compaction; on the DynamicCache fallback they are compa
 """
 from __future__ import annotations
 
+import numbers
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -189,6 +191,7 @@ class SpeculativeDecoder:
         self._costs_bucket = None
         self._next_id = 0
         self._ids: set = set()  # ids of queued and active requests
+        self._undelivered: list[RequestOutput] = []  # finished in a step whose on_tokens callback raised
 
     def _check_gamma(self, gamma: int | str) -> int | str:
         if gamma == "auto":
@@ -263,15 +266,16 @@ class SpeculativeDecoder:
         return request_id
 
     def has_unfinished(self) -> bool:
-        """True while a request is queued or active."""
-        return bool(self._waiting or self._rows)
+        """True while a request is queued or active (or finished but not yet returned by :meth:`step`)."""
+        return bool(self._waiting or self._rows or self._undelivered)
 
     def num_active(self) -> int:
         """Rows decoding in the running batch (queued requests not counted)."""
         return len(self._rows)
 
     def abort(self, request_id: Any) -> bool:
-        """Drop a queued or active request (its row leaves the batch now); False if it is neither."""
+        """Drop a queued or active request (its row leaves the batch now, and its ``on_tokens`` is not called
+        again, even for tokens of a step whose callbacks are running); False if it is neither."""
         for i, r in enumerate(self._waiting):
             if r.request_id == request_id:
                 del self._waiting[i]
@@ -279,6 +283,7 @@ class SpeculativeDecoder:
                 return True
         for i, r in enumerate(self._rows):
             if r.request_id == request_id:
+                r.aborted = True
                 self._drop_rows([j for j in range(len(self._rows)) if j != i])
                 self._ids.discard(request_id)
                 return True
@@ -287,11 +292,16 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Admit queued requests, run one draft -> verify -> commit step over all active rows, and return the
-        requests that finished in it (in batch order). Returns ``[]`` when there is nothing to do."""
+        requests that finished in it (in batch order). Returns ``[]`` when there is nothing to do.
+
+        An exception raised by an ``on_tokens`` callback propagates after the step's tokens are committed (the
+        remaining callbacks of that step are skipped); the requests that finished in that step are returned by the
+        next call, before its own."""
         if self._waiting:
             self._admit()
         if not self._rows:
-            return []
+            late, self._undelivered = self._undelivered, []  # finished in a step whose on_tokens raised
+            return late
         gammas = self._row_gammas()
         n_acc, new = self._speculative_step(max(gammas), gammas)
         if self._adaptive is not None and max(gammas) > 0:
@@ -306,9 +316,12 @@ class SpeculativeDecoder:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(prompt_ids.shape)}")
             prompt_ids = prompt_ids.tolist()
         try:
-            prompt = [int(t) for t in prompt_ids]
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
+            if isinstance(prompt_ids, (str, bytes)):
+                raise TypeError
+            prompt = [operator.index(t) for t in prompt_ids]  # ints only: a float or a string is not an id
+        except TypeError:
+            raise ValueError(f"{name} must be a sequence of integer token ids (tokenize text first), got "
+                             f"{prompt_ids!r:.80}") from None
         if not prompt:
             raise ValueError(f"{name} has no tokens; give at least one (e.g. the tokenizer's bos token)")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -327,6 +340,11 @@ class SpeculativeDecoder:
     def _admit(self) -> None:
         new, self._waiting = self._waiting, []
         if self._state is None:
+            for name, model, harm in (("target", self.target, "the output is not the target's"),
+                                      ("draft", self.draft, "its proposals are noisier (still lossless)")):
+                if model is not None and model.training:  # dropout, if any, makes every forward random
+                    warnings.warn(f"decode: the {name} is in training mode (dropout, if any, is active: {harm}); "
+                                  f"call {name}.eval() before decoding", stacklevel=3)
             self._use_draft = self.draft is not None and self._gamma_config() != 0
             self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
             self._costs_bucket = None
@@ -463,14 +481,20 @@ class SpeculativeDecoder:
         Returns:
             :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``; the
             measured v_γ are made non-decreasing in γ and >= 1 (:func:`decode.speedup.smooth_verify_costs`).
+
+        Raises:
+            ValueError: no draft, ids of ``context_ids`` outside the vocabulary, or a batch size < 1.
         """
         from decode.speedup import measure_cost_ratio
 
         if self.draft is None:
             raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
-        seq = [int(t) for t in context_ids] or [0]
+        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batch_sizes):
+            raise ValueError(f"batch_sizes must be integers >= 1, got {list(batch_sizes)!r}")
         ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
         width = max(2, min(64, ctx - self.max_auto_draft_tokens - 2))
+        seq = list(context_ids)[-width:]
+        seq = self._check_prompt(seq, "context_ids") if seq else [0]
         seq = (seq * (width // len(seq) + 1))[-width:]
         for b in sorted({1 << (int(b) - 1).bit_length() for b in batch_sizes}):
             context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
@@ -701,9 +725,12 @@ class SpeculativeDecoder:
             idx = (torch.tensor(count_rows, device=self._counts.device), torch.tensor(count_ids, device=self._counts.device))
             self._counts.index_put_(idx, torch.ones(len(count_ids), device=self._counts.device), accumulate=True)
             self._seen[idx] = True
+        # Kept (with those of earlier steps whose callbacks raised) for the next step() if a callback raises below.
+        finished = self._undelivered = self._undelivered + finished
         for row, tokens in calls:
-            if row.on_tokens is not None and tokens:
+            if row.on_tokens is not None and tokens and not row.aborted:  # aborted by an earlier callback
                 row.on_tokens(row.request_id, list(tokens))
+        self._undelivered = []
         return finished
 
     def _drop_rows(self, keep: list[int]) -> None:
@@ -733,23 +760,41 @@ class SpeculativeDecoder:
         self._rebatch()
 
     # ------------------------------------------------------------------ generate
-    def _pack_prompts(self, input_ids: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    def _pack_prompts(self, input_ids: Any, attention_mask: Any) -> list[list[int]]:
+        if not isinstance(input_ids, torch.Tensor) and attention_mask is not None:
+            try:  # a list with a mask: the mask must apply to it, so both become (B, T) tensors
+                input_ids = torch.as_tensor(input_ids)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError("input_ids given with attention_mask must be a (B, T) or (T,) array of ids "
+                                 "(rows of equal length)") from None
         if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() not in (1, 2):
+                raise ValueError(f"input_ids must be (B, T) or (T,), got shape {tuple(input_ids.shape)}")
             ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
             if attention_mask is None:
                 prompts = ids.tolist()
             else:
-                m = attention_mask if attention_mask.dim() == 2 else attention_mask.unsqueeze(0)
+                m = torch.as_tensor(attention_mask)
+                m = m if m.dim() == 2 else m.unsqueeze(0)
                 if m.shape != ids.shape:
                     raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
                 prompts = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]
+        elif isinstance(input_ids, (str, bytes)):
+            raise ValueError("input_ids must be token ids, not text; tokenize it first (tokenizer(text)['input_ids'])")
+        elif isinstance(input_ids, Mapping):
+            raise ValueError("input_ids is a mapping (a tokenizer's BatchEncoding?); pass enc['input_ids'] and "
+                             "attention_mask=enc['attention_mask']")
         else:
-            prompts = [list(map(int, p)) for p in input_ids]
+            try:
+                rows = list(input_ids)
+            except TypeError:
+                raise ValueError(f"input_ids must be a (B, T) or (T,) tensor or a list of token-id lists, "
+                                 f"got {type(input_ids).__name__}") from None
+            # A flat list of ids is one prompt, as a (T,) tensor is.
+            prompts = [rows] if rows and all(isinstance(t, numbers.Integral) for t in rows) else rows
         if not prompts:
             raise ValueError("input_ids is empty: give at least one prompt")
-        for i, p in enumerate(prompts):
-            self._check_prompt(p, name=f"prompt {i}")
-        return prompts
+        return [self._check_prompt(p, name=f"prompt {i}") for i, p in enumerate(prompts)]
 
     @torch.no_grad()
     def generate(
@@ -771,9 +816,10 @@ class SpeculativeDecoder:
         A loop over the request API: one request per row, :meth:`step` until all finish. Needs an idle decoder.
 
         Args:
-            input_ids: ``(B, T)`` or ``(T,)`` int64 prompts (any padding side, given ``attention_mask``), or a list
-                of token-id lists.
-            attention_mask: ``(B, T)`` 1 for prompt tokens, 0 for padding; None means no padding.
+            input_ids: ``(B, T)`` or ``(T,)`` integer prompts (any padding side, given ``attention_mask``), a list
+                of token-id lists, or one flat list of ids (one prompt).
+            attention_mask: ``(B, T)`` (tensor or nested list) 1 for prompt tokens, 0 for padding, applied to
+                list ``input_ids`` too; None means no padding.
             temperature, top_k, top_p: sampling parameters shared by target and draft; temperature 0 is greedy
                 and gives exactly the target's plain greedy output.
             eos_token_id: id or ids that end a row (kept in the output; nothing follows it).
@@ -791,7 +837,14 @@ class SpeculativeDecoder:
                 fit in the target's context, or ``max_new_tokens < 1``.
             RuntimeError: requests are in flight (generate owns the whole batch).
         """
+        unknown = sorted(set(sampling) - PENALTY_ARGS)
+        if unknown:
+            raise ValueError(f"generate() got unknown argument(s) {', '.join(unknown)}; the sampling arguments are "
+                             f"temperature (0 = greedy; there is no do_sample), top_k, top_p, "
+                             f"{', '.join(sorted(PENALTY_ARGS))}")
         SamplingParams(temperature, top_k, top_p, **sampling)  # validate before any work
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         gamma = self._check_gamma(num_draft_tokens) if num_draft_tokens is not None else None
@@ -820,6 +873,7 @@ class SpeculativeDecoder:
                 first = first or time.perf_counter()
         finally:
             self._gamma_override = None
+            self._undelivered = []
             for rid in [r.request_id for r in self._waiting + self._rows]:
                 self.abort(rid)
         if streamer is not None:
@@ -834,6 +888,9 @@ class SpeculativeDecoder:
         new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in ordered]
         sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, ordered)]
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)
+
+
+PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
 
 
 def _check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:

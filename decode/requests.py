@@ -2,6 +2,7 @@
 (:class:`RequestOutput`)."""
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -46,6 +47,7 @@ class Request:
     new_tokens: list[int] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=lambda: DecodeStats(num_sequences=1))
     added_at: float = field(default_factory=time.perf_counter)
+    aborted: bool = False  # set by SpeculativeDecoder.abort (its on_tokens is not called after that)
 
     def output(self, finish_reason: str) -> RequestOutput:
         self.stats.num_new_tokens = len(self.new_tokens)
@@ -66,14 +68,16 @@ def check_seed(seed: Any, name: str = "seed", none_ok: bool = True) -> int:
 
 
 def check_eos(eos_token_id: Any) -> frozenset:
-    """``int | list[int] | None`` -> a set of stop ids; ``ValueError`` naming ``eos_token_id`` otherwise."""
+    """``int | list[int] | None`` (numpy ints and 0-d/1-D integer tensors too) -> a set of stop ids; ``ValueError``
+    naming ``eos_token_id`` otherwise (floats, strings, bools)."""
     if eos_token_id is None:
         return frozenset()
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if isinstance(eos_token_id, torch.Tensor):  # a 0-d or 1-D tensor of ids
+        eos_token_id = eos_token_id.tolist() if eos_token_id.dim() <= 1 else eos_token_id
+    ids = [eos_token_id] if isinstance(eos_token_id, int) or not hasattr(eos_token_id, "__iter__") else eos_token_id
     try:
-        ids = list(ids)
+        if isinstance(ids, (str, bytes)) or any(isinstance(i, bool) for i in ids):
+            raise TypeError
+        return frozenset(operator.index(i) for i in ids)  # ints (numpy ints too), not floats or strings
     except TypeError:
         raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}") from None
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-    return frozenset(ids)

@@ -212,6 +212,63 @@ def test_bad_prompts(pair):
         SpeculativeDecoder(target, None, 3)
 
 
+def test_list_input_ids_take_the_attention_mask_and_a_flat_list_is_one_prompt(pair):
+    """A list with a mask used to keep its padding as prompt tokens (mask ignored); a list mask raised
+    AttributeError; a flat list of ids raised TypeError."""
+    target, drafts = pair
+    dec = SpeculativeDecoder(target, drafts["perturbed"], 3)
+    prompt = [5, 7, 9, 11]
+    ref = reference_greedy(target, prompt, 8)
+    mask = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    ids = [[0, 0] + prompt, prompt + [0, 0]]
+    for m in (torch.tensor(mask), mask):
+        out = dec.generate(ids, attention_mask=m, max_new_tokens=8)
+        assert [t.tolist() for t in out.new_tokens] == [ref, ref]
+        assert [t.tolist() for t in out.sequences] == [prompt + ref] * 2
+    assert dec.generate(prompt, max_new_tokens=8).new_tokens[0].tolist() == ref
+    assert dec.generate(torch.tensor(prompt, dtype=torch.int32), max_new_tokens=8).new_tokens[0].tolist() == ref
+
+
+@pytest.mark.parametrize("input_ids,kwargs,match", [
+    ("5 7 9", {}, "not text"),
+    (torch.tensor([[5.5, 7.0]]), {}, "integer token ids"),
+    ([[5.5, 7.0]], {}, "integer token ids"),
+    (torch.tensor([[[5, 7]]]), {}, r"\(B, T\) or \(T,\)"),
+    ([[5, 7], [9]], dict(attention_mask=[[1, 1], [1]]), "rows of equal length"),
+    ({"input_ids": [[5, 7]], "attention_mask": [[1, 1]]}, {}, "BatchEncoding"),
+    ([[5, 7]], dict(do_sample=True), "do_sample"),
+    ([[5, 7]], dict(generator=5), "generator must be a torch.Generator"),
+])
+def test_bad_generate_inputs_raise_value_error(pair, input_ids, kwargs, match):
+    """These used to raise TypeError/AttributeError, or (float ids) silently truncate 5.5 to 5."""
+    target, drafts = pair
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, drafts["copy"], 2).generate(input_ids, max_new_tokens=2, **kwargs)
+
+
+def test_calibrate_checks_its_arguments(pair):
+    """Ids outside the vocabulary raised IndexError inside the embedding; batch size 0 measured batch 2."""
+    target, drafts = pair
+    dec = SpeculativeDecoder(target, drafts["copy"], "auto")
+    with pytest.raises(ValueError, match="context_ids"):
+        dec.calibrate([5, 500], (1,), repeats=1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        dec.calibrate([5, 6], (0,), repeats=1)
+    assert set(dec.calibrate(list(range(5, 95)) * 4, (1,), repeats=1)) == {1}  # long contexts are cut, not refused
+
+
+def test_model_in_training_mode_warns():
+    """A model left in train() mode (dropout active) silently gave random 'greedy' output."""
+    target = tiny_gpt2(seed=0)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.3), 2)
+    target.train()
+    try:
+        with pytest.warns(UserWarning, match=r"target is in training mode.*target.eval\(\)"):
+            dec.generate([[5, 6]], max_new_tokens=2)
+    finally:
+        target.eval()
+
+
 def test_streamer_receives_prompt_then_tokens(pair):
     target, drafts = pair
 

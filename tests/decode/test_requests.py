@@ -116,6 +116,10 @@ def test_duplicate_request_id_is_rejected(pair):
     (dict(seed=1.5), "seed"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(prompt_ids=[]), "prompt_ids"),
     (dict(prompt_ids=[5, 500]), "prompt_ids"), (dict(prompt_ids=list(range(3, 259))), "prompt_ids"),
     (dict(eos_token_id="x"), "eos_token_id"), (dict(request_id=1.5), "request_id"), (dict(on_tokens=3), "on_tokens"),
+    (dict(eos_token_id=[2.0]), "eos_token_id"), (dict(eos_token_id=torch.tensor(2.0)), "eos_token_id"),
+    # a string was read digit by digit ("57" -> [5, 7]) and floats were truncated (5.5 -> 5)
+    (dict(prompt_ids="57"), "prompt_ids"), (dict(prompt_ids=[5.5, 6]), "prompt_ids"),
+    (dict(prompt_ids=torch.tensor([5.5, 6.0])), "prompt_ids"),
 ])
 def test_bad_arguments_name_the_argument(pair, kwargs, match):
     dec = SpeculativeDecoder(*pair, 2)
@@ -188,3 +192,57 @@ def test_calibrate_fills_the_cost_model_before_decoding(pair):
     before = dict(costs)
     dec.generate([[4, 5, 6]], max_new_tokens=5)
     assert dec.auto_costs == before  # batch 1 was measured already: nothing re-measured inside the steps
+
+
+def test_a_raising_on_tokens_loses_no_finished_request(pair):
+    """An on_tokens exception used to drop the requests that finished in the same step: their outputs were never
+    returned and has_unfinished() went False without them."""
+    target, draft = pair
+    dec = SpeculativeDecoder(target, draft, 2)
+    calls = []
+
+    def boom(rid, tokens):
+        calls.append(tokens)
+        if len(calls) <= 2:  # two steps in a row fail: the first one's finished request must survive both
+            raise RuntimeError("callback failed")
+
+    dec.add_request([5, 6, 7], max_new_tokens=1, request_id="short")
+    dec.add_request([5, 6, 7], max_new_tokens=6, request_id="cb", on_tokens=boom)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="callback failed"):
+            dec.step()
+    assert dec.has_unfinished()
+    out = run_all(dec)
+    assert set(out) == {"short", "cb"}
+    assert len(out["short"].new_tokens) == 1 and len(out["cb"].new_tokens) == 6
+    assert sum(calls, []) == out["cb"].new_tokens
+    assert not dec.has_unfinished()
+
+
+@pytest.mark.parametrize("eos", [torch.tensor(2), torch.tensor([2, 99]), [torch.tensor(2)]])
+def test_eos_token_id_may_be_a_tensor(pair, eos):
+    """A tensor eos_token_id (0-d or 1-D, e.g. from a batch) used to raise ValueError."""
+    import numpy as np
+
+    dec = SpeculativeDecoder(*pair, 2)
+    dec.add_request([4, 5], max_new_tokens=12, eos_token_id=2, request_id="int")
+    ref = run_all(dec)["int"].new_tokens
+    for e in (eos, np.int64(2)):
+        dec.add_request([4, 5], max_new_tokens=12, eos_token_id=e, request_id="t")
+        assert run_all(dec)["t"].new_tokens == ref
+
+
+def test_request_aborted_by_another_callback_gets_no_more_tokens(pair):
+    """Aborting b from a's on_tokens returned True, yet b's on_tokens was still called for that step."""
+    dec = SpeculativeDecoder(*pair, 2)
+    got = {"a": [], "b": []}
+
+    def on_a(rid, tokens):
+        got["a"].append(tokens)
+        if len(got["a"]) == 1:
+            assert dec.abort("b")
+
+    dec.add_request([5, 6, 7], max_new_tokens=6, request_id="a", on_tokens=on_a)
+    dec.add_request([5, 6, 7], max_new_tokens=6, request_id="b", on_tokens=lambda r, t: got["b"].append(t))
+    out = run_all(dec)
+    assert set(out) == {"a"} and got["b"] == [] and sum(got["a"], []) == out["a"].new_tokens

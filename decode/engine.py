@@ -37,7 +37,7 @@ import torch
 from decode import cache as kv
 from decode.compat import check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
-from decode.requests import Request, RequestOutput, check_eos, check_seed
+from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
 from decode.speedup import AdaptiveGamma, smooth_verify_costs
 from decode.verify import verify, verify_greedy
@@ -243,8 +243,7 @@ class SpeculativeDecoder:
         """
         params = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
                                 repetition_penalty)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         prompt = self._check_prompt(prompt_ids)
         eos = check_eos(eos_token_id)
         seed = check_seed(seed)
@@ -845,8 +844,7 @@ class SpeculativeDecoder:
         SamplingParams(temperature, top_k, top_p, **sampling)  # validate before any work
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         gamma = self._check_gamma(num_draft_tokens) if num_draft_tokens is not None else None
         prompts = self._pack_prompts(input_ids, attention_mask)
         if streamer is not None and len(prompts) != 1:

@@ -2,6 +2,7 @@
 (:class:`RequestOutput`)."""
 from __future__ import annotations
 
+import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,13 @@ def check_seed(seed: Any, name: str = "seed", none_ok: bool = True) -> int:
         raise ValueError(f"{name} must be in [0, 2**63 - 1] (an integer{' or None' if none_ok else ''}), "
                          f"got {seed!r}")
     return seed
+
+
+def check_max_new_tokens(max_new_tokens: Any) -> int:
+    """An integer >= 1 (a NumPy integer too) as an ``int``; ``ValueError`` naming ``max_new_tokens`` otherwise."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return int(max_new_tokens)
 
 
 def check_eos(eos_token_id: Any) -> frozenset:

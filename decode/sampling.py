@@ -12,6 +12,7 @@ top-p, and min-p (Nguyen et al. 2024: drop ids whose probability is below ``min_
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,7 +23,8 @@ TINY = 1e-30  # smallest temperature / repetition penalty used as such (float32'
 
 
 def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+    """A finite real number: Python and NumPy ints and floats (``numbers.Real``), not bools, strings or tensors."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
 def validate_sampling_args(temperature: float, top_k: int | None = None, top_p: float | None = None,
@@ -66,6 +68,10 @@ class SamplingParams:
                                self.frequency_penalty, self.repetition_penalty)
         if self.top_k is not None:  # a whole-number float (2.0) is the integer it names
             object.__setattr__(self, "top_k", int(self.top_k))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:  # a NumPy scalar is kept as the Python float it equals
+                object.__setattr__(self, name, float(value))
 
     @property
     def greedy(self) -> bool:

@@ -129,6 +129,21 @@ def test_bad_arguments_name_the_argument(pair, kwargs, match):
     assert not dec.has_unfinished()
 
 
+def test_numpy_scalars_are_numbers_as_python_ones_are(pair):
+    """np.float32 temperature / np.int64 top_k and max_new_tokens (what a sweep over np.linspace or a config read
+    with numpy gives) were refused as 'must be a finite number' / 'an integer'; np.float64 passed only by being a
+    float subclass."""
+    import numpy as np
+
+    prompt = prompts_of([5], seed=3)[0]
+    runs = []
+    for t, k, n in ((0.5, 4, 12), (np.float32(0.5), np.int64(4), np.int64(12))):
+        dec = SpeculativeDecoder(*pair, 2)
+        dec.add_request(prompt, max_new_tokens=n, temperature=t, top_k=k, seed=1)
+        runs.append([list(o.new_tokens) for o in run_all(dec).values()])
+    assert runs[0] == runs[1] and len(runs[0][0]) == 12
+
+
 def test_stats_count_only_kept_tokens(pair):
     """Copy draft, γ = 4, eos = the 2nd greedy token: the step keeps 2 tokens (one accepted draft + the eos)."""
     target, _ = pair

@@ -777,6 +777,11 @@ class SpeculativeDecoder:
                 m = m if m.dim() == 2 else m.unsqueeze(0)
                 if m.shape != ids.shape:
                     raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
+                for i, mask in enumerate(m.cpu().bool()):
+                    kept = mask.nonzero().flatten()
+                    if len(kept) and int(kept[-1] - kept[0]) + 1 != len(kept):
+                        raise ValueError(f"attention_mask row {i} has padding between prompt tokens; a prompt is one "
+                                         "run of 1s (padding on the left or the right only)")
                 prompts = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]
         elif isinstance(input_ids, (str, bytes)):
             raise ValueError("input_ids must be token ids, not text; tokenize it first (tokenizer(text)['input_ids'])")

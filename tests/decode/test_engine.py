@@ -238,6 +238,7 @@ def test_list_input_ids_take_the_attention_mask_and_a_flat_list_is_one_prompt(pa
     ({"input_ids": [[5, 7]], "attention_mask": [[1, 1]]}, {}, "BatchEncoding"),
     ([[5, 7]], dict(do_sample=True), "do_sample"),
     ([[5, 7]], dict(generator=5), "generator must be a torch.Generator"),
+    (torch.tensor([[5, 7, 9]]), dict(attention_mask=torch.tensor([[1, 0, 1]])), "row 0 has padding between"),
 ])
 def test_bad_generate_inputs_raise_value_error(pair, input_ids, kwargs, match):
     """These used to raise TypeError/AttributeError, or (float ids) silently truncate 5.5 to 5."""

@@ -335,7 +335,7 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
             cfg = compose(job)
             if full:
                 validate(cfg)
-                check_inputs(cfg, training=name == "train")
+                check_inputs(cfg, training=name == "train", generating=name == "generate-data")
                 if name == "train" and not cfg.train.overwrite:  # the run folder rule, for every job of a sweep
                     from distill.checkpoint import prepare_run_folder  # (a pure check without train.overwrite)
 

@@ -368,15 +368,29 @@ def _check_values(cfg: DictConfig) -> None:
     if not (isinstance(mods, str) or (OmegaConf.is_list(mods) and all(isinstance(m, str) for m in mods) and mods)):
         raise SetupError(f"train.lora.target_modules={mods!r} must be all-linear or a list of module names, "
                          "e.g. train.lora.target_modules=[q_proj,v_proj]")
+    if isinstance(mods, str) and mods != "all-linear" and mods.isidentifier():
+        # peft reads any other string as a regex over full module paths, so a bare name matches nothing
+        raise SetupError(f"train.lora.target_modules={mods!r} is a single name, which peft reads as a regex over "
+                         f"full module paths (it matches nothing); write a list, train.lora.target_modules=[{mods}], "
+                         "or all-linear")
     if not str(cfg.train.output_dir).strip():
         raise SetupError("train.output_dir is empty; give the run folder, e.g. train.output_dir=checkpoints/run1")
     _check_sources(cfg)
 
 
+def eval_prompts_source(cfg: DictConfig) -> Any:
+    """``eval.prompts`` when it names a file or a corpus, else None (the eval prompts are then the last
+    ``data.holdout`` examples). conf/eval/default.yaml gives it as a source without path and corpus, rather than
+    null, so that ``eval.prompts.path=FILE`` works on the command line (Hydra cannot set a key under a null node)."""
+    src = cfg.eval.get("prompts") if cfg.get("eval") is not None else None
+    return src if src is not None and (src.get("path") or src.get("corpus")) else None
+
+
 def _check_sources(cfg: DictConfig) -> None:
     from distill.corpus import CORPORA
 
-    sources = [("data.source", cfg.data.source)] + ([("eval.prompts", cfg.eval.prompts)] if cfg.eval.prompts else [])
+    ev = eval_prompts_source(cfg)
+    sources = [("data.source", cfg.data.source)] + ([("eval.prompts", ev)] if ev is not None else [])
     for key, src in sources:
         if src.path and src.corpus:
             raise SetupError(f"{key} names both a corpus ({src.corpus!r}) and a file ({src.path!r}); keep one: "
@@ -550,10 +564,11 @@ def check_output_dir(path: str | os.PathLike, key: str) -> Path:
     return p
 
 
-def check_inputs(cfg: DictConfig, *, training: bool = True) -> None:
+def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = False) -> None:
     """Checks against the disk and the machine, run at start before any model loads: the data files (exist, not
     empty, every JSON line parses, the configured fields are present and not null), the output folder, and a
-    precision the device supports.
+    precision the device supports. ``generating`` (``generate-data``, which writes the target-data cache whatever
+    ``data.completions`` says): the cache folder is checked too.
 
     Raises:
         SetupError: naming the setting (or the file, line and field) and the fix.
@@ -562,9 +577,9 @@ def check_inputs(cfg: DictConfig, *, training: bool = True) -> None:
     from distill.precision import accelerator_precision
 
     preflight_source(cfg.data.source, "data.source", cfg.data)
-    if cfg.get("eval") is not None and cfg.eval.get("prompts"):
+    if eval_prompts_source(cfg) is not None:
         preflight_source(OmegaConf.merge({"completion_field": None}, cfg.eval.prompts), "eval.prompts", cfg.data)
-    if cfg.data.get("completions") in ("target", "both"):  # the sequence-level KD cache is written into this folder
+    if generating or cfg.data.get("completions") in ("target", "both"):  # the KD cache is written into this folder
         from distill.data import check_target_data_dir
 
         path = cfg.data.target_generated.get("path")

@@ -92,16 +92,27 @@ def _suffix(path: Path) -> str:
     return path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
 
 
+def _utf8_text(path: Path, key: str) -> str:
+    """The file's text (gunzipped for .gz). Raises SetupError naming the line of the first byte that is not UTF-8."""
+    import gzip
+
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise SetupError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+                         f"{key}.path must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8) or fix "
+                         f"line {lineno}") from e
+
+
 def _json_rows(path: Path, key: str):
     """``(line_number, row)`` of a JSON-lines file (or a .json array), each row a JSON object.
 
     Raises SetupError naming the file, the line and the fix for a line that does not parse or is not an object.
     """
-    import gzip
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    text = _utf8_text(path, key)
     if _suffix(path) == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -143,6 +154,8 @@ def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
     if path.stat().st_size == 0:
         raise SetupError(f"{key}.path: data file {path} is empty; point {key}.path at a file with rows")
     if builder != "json":
+        if builder in ("text", "csv"):  # the datasets builders fail on other encodings without naming the cause
+            _utf8_text(path, key)
         return
     if _source_kind(src) == "text":
         fields = [src.get("text_field") or "text"]

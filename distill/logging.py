@@ -29,8 +29,10 @@ class MetricsLogger:
             import wandb
 
             mode = cfg.logger.get("mode") or "auto"
-            if mode == "auto":
-                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            if mode == "auto":  # wandb.init(mode=...) overrides $WANDB_MODE, so honour it here
+                mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+                if mode == "dryrun":  # wandb's old name for offline
+                    mode = "offline"
             id_file = output_dir / "wandb_run_id"  # a resumed run continues the same W&B run
             run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
             self.run = wandb.init(project=cfg.logger.get("project") or "draftkit",

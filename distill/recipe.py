@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt
-from distill.config import check_inputs, normalize_config
+from distill.config import check_inputs, eval_prompts_source, normalize_config
 from distill.data import (accepts_logits_to_keep, as_examples, build_examples, cache_key, check_lengths,
                           collate_sequences, forward_kept_logits, generate_target_data, kept_positions,
                           micro_batch_indices)
@@ -143,15 +143,16 @@ def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
 
 
 def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[list[dict], list[list[int]]]:
-    """Training examples and eval prompts (held out of training when ``eval.prompts`` is null), length-checked."""
+    """Training examples and eval prompts (held out of training when ``eval.prompts`` names no file or corpus),
+    length-checked."""
     examples = build_examples(cfg.data.source, tokenizer, cfg.data)
-    if cfg.eval.get("prompts"):
+    if eval_prompts_source(cfg) is not None:
         ev_src = OmegaConf.merge({"kind": "auto", "completion_field": None}, cfg.eval.prompts)
         eval_examples = build_examples(ev_src, tokenizer, cfg.data)
     else:
         n_hold = int(cfg.data.holdout)
         if n_hold < 1:
-            raise SetupError("eval.prompts is null and data.holdout < 1: nothing to evaluate on; set "
+            raise SetupError("eval.prompts names no file and data.holdout < 1: nothing to evaluate on; set "
                              "data.holdout=N or eval.prompts.path=FILE")
         if len(examples) <= n_hold:
             raise SetupError(f"the data has {len(examples)} examples, not more than data.holdout={n_hold} held out "

@@ -127,6 +127,7 @@ def test_on_policy_fraction_out_of_range(pair, tmp_path, lam, monkeypatch):
     ("eval.num_draft_tokens=-1", "eval.num_draft_tokens"), ("data.rollout_temperature=-1", "rollout_temperature"),
     ("optim.lr=-1", "optim.lr"), ("eval.verify_costs=[1.0,0.5]", "eval.verify_costs"),
     ("eval.verify_costs=[1.2,1.5]", "eval.verify_costs"), ("eval.verify_costs=[]", "eval.verify_costs"),
+    ("train.lora.target_modules=q_proj", r"single name.*train.lora.target_modules=\[q_proj\]"),
 ])
 def test_eval_rollout_and_optim_values_checked_up_front(pair, tmp_path, override, match, monkeypatch):
     _no_model_loading(monkeypatch)
@@ -218,3 +219,22 @@ def test_real_process_exits_2_without_traceback(what, fixtures):
     _, args, expect = next(c for c in CASES if c[0] == what)
     r = run_case(*case_command(args, fixtures))
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz", "rows.txt", "rows.csv"])
+def test_non_utf8_data_named_by_line_before_loading(tmp_path, name):
+    """A latin-1 byte in a data file is a start-up error naming the file and line, not a UnicodeDecodeError
+    traceback (JSON) or the datasets builder's DatasetGenerationError after the models loaded (txt, csv)."""
+    import gzip
+
+    from omegaconf import OmegaConf
+
+    from distill.data import preflight_source
+
+    raw = b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n'
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    src = OmegaConf.create({"path": str(path), "kind": "prompts", "prompt_field": "prompt",
+                            "completion_field": "completion"})
+    with pytest.raises(SetupError, match=r"rows\.[a-z.]+:2: not UTF-8 .*data.source.path"):
+        preflight_source(src, "data.source")

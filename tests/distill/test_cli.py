@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distill.__main__ import SUBCOMMANDS, main
-from distill_helpers import PY, REPO, overrides, subprocess_env
+from distill_helpers import PY, REPO, compose, overrides, subprocess_env
 
 
 def test_help_lists_subcommands(capsys):
@@ -216,3 +216,23 @@ def test_a_tied_draft_run_and_its_export_print_only_their_own_lines(pair, tmp_pa
                       "Warning"):
             assert noise not in r.stdout + r.stderr, (argv[0], noise, r.stderr[-2000:])
     assert json.loads((out / "summary.json").read_text())["steps"] == 4 and (exported / "config.json").is_file()
+
+
+def test_eval_prompts_path_on_the_command_line(pair, tmp_path, capsys):
+    """eval.prompts.path=FILE (what the docs and the holdout error tell users to type) composes and evaluates on
+    that file; it used to crash in OmegaConf (AssertionError: Unexpected type for root: NoneType)."""
+    from distill.config import eval_prompts_source
+    from distill.recipe import load_data
+    from distill.models import load_tokenizer
+
+    prompts = tmp_path / "ev.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"q{i} def f():"}) + "\n" for i in range(5)))
+    ov = overrides(pair, tmp_path / "run", f"eval.prompts.path={prompts}", "eval.prompts.prompt_field=question",
+                   "eval.prompts.limit=3", "data.holdout=0", "eval.temperatures=[0.0]")
+    cfg = compose(ov)
+    assert eval_prompts_source(cfg).path == str(prompts)
+    assert eval_prompts_source(compose(overrides(pair, tmp_path / "run"))) is None  # default: the holdout
+    examples, ev = load_data(cfg, load_tokenizer(str(pair["tokenizer"])), None)
+    assert len(ev) == 3 and len(examples) > 0  # nothing held out of training
+    main(["eval", *ov, "--out", str(tmp_path / "ev.json")])
+    assert 0 <= json.loads((tmp_path / "ev.json").read_text())["acceptance_rate"] <= 1

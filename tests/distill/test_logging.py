@@ -129,3 +129,27 @@ def test_train_shows_cost_ratio_and_eval_progress(pair, tmp_path, monkeypatch):
     train(compose(overrides(pair, tmp_path / "quiet", "eval.cost_ratio=null", "eval.every=2", "train.max_steps=2")),
           log=lambda *_: None)  # train.progress=none
     assert "eval α/τ" not in quiet.getvalue() and COST_RATIO_PROGRESS not in quiet.getvalue()
+
+
+@pytest.mark.parametrize("env,expect", [({"WANDB_MODE": "offline", "WANDB_API_KEY": "k" * 40}, "offline"),
+                                        ({"WANDB_MODE": "disabled"}, "disabled"),
+                                        ({"WANDB_API_KEY": "k" * 40}, "online"), ({}, "offline")])
+def test_wandb_auto_mode_honours_wandb_mode(tmp_path, monkeypatch, env, expect):
+    """logger.mode=auto passes $WANDB_MODE on (wandb.init's mode argument would override it: with an API key set,
+    WANDB_MODE=offline went online and hung on a machine without network)."""
+    import types
+
+    import wandb
+    from omegaconf import OmegaConf
+
+    from distill.logging import MetricsLogger
+
+    for k in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or types.SimpleNamespace(id="r1", finish=lambda: 0))
+    cfg = OmegaConf.create({"logger": {"name": "wandb", "mode": "auto", "project": "p", "tags": []}})
+    MetricsLogger(cfg, tmp_path, enabled=True, resumed=False).finish()
+    assert seen["mode"] == expect

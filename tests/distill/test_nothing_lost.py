@@ -329,3 +329,21 @@ def test_target_data_is_never_written_into_a_folder_that_is_not_its_cache(pair, 
         train(compose(ov), log=QUIET)
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
     assert (folder / "dataset" / "data.arrow").read_text() == "user data"
+
+
+def test_generate_data_checks_its_cache_folder_whatever_data_completions_says(pair, tmp_path, capsys):
+    """generate-data writes the cache even with the default data.completions=data: a file or a user's folder at
+    data.target_generated.path is refused before any model loads (exit 2, not a FileExistsError traceback)."""
+    from distill.__main__ import main
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "data.arrow").write_text("user data")
+    for path, expect in ((afile, "is a file"), (folder, "no target-data cache")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate-data", *overrides(pair, tmp_path / "run"), f"data.target_generated.path={path}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "data.target_generated.path" in err and expect in err, err
+    assert afile.read_text() == "mine" and sorted(p.name for p in folder.iterdir()) == ["data.arrow"]

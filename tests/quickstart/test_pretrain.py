@@ -150,15 +150,18 @@ def test_ctrl_c_saves_the_step_it_finished_and_resumes_exactly(tmp_path, monkeyp
             "--vocab-size", str(cfg.vocab_size), "--seq-len", str(cfg.seq_len), "--batch-size", str(cfg.batch_size),
             "--budget-s", "0", "--max-steps", "6", "--lr", str(cfg.lr), "--val-tokens", str(cfg.val_tokens),
             "--device", "cpu", "--save-every-s", "1e9"]
-    try:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job
+    try:                                                                  # ignores SIGINT)
         with pytest.raises(SystemExit) as exit_:
             pt.main(args)
     except KeyboardInterrupt:  # not handled: fail this test instead of stopping the whole session
         pytest.fail("Ctrl-C reached the caller as KeyboardInterrupt")
+    finally:
+        handler = signal.signal(signal.SIGINT, previous)
     assert exit_.value.code == 130
     err = capsys.readouterr().err
     assert "interrupted at step 4" in err and "run the same command again to resume" in err and "Traceback" not in err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert handler is signal.default_int_handler  # the loop's handler was put back
     monkeypatch.setattr(pt, "sample_batch", real_sample)
     assert json.loads((tmp_path / "b" / "model" / pt.RESUME_DIR / "state.json").read_text())["step"] == 4
     resumed = pt.pretrain(cfg, log=lambda *_: None)

@@ -107,6 +107,29 @@ def _utf8_text(path: Path, key: str) -> str:
                          f"line {lineno}") from e
 
 
+def _check_utf8(path: Path, key: str, chunk: int = 1 << 20) -> None:
+    """:func:`_utf8_text`'s check without holding the file in memory (a large text or csv corpus)."""
+    import codecs
+    import gzip
+
+    decoder, offset, lines = codecs.getincrementaldecoder("utf-8")(), 0, 0
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        while True:
+            raw = f.read(chunk)
+            try:
+                decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:  # e.start counts from the bytes the decoder still held, then raw
+                held = len(e.object) - len(raw)
+                at = max(e.start - held, 0)
+                lineno = lines + raw.count(b"\n", 0, at) + 1
+                raise SetupError(f"{path}:{lineno}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                                 f"{offset + e.start - held}); {key}.path must be UTF-8: re-encode the file (e.g. "
+                                 f"iconv -f latin1 -t utf-8) or fix line {lineno}") from e
+            if not raw:
+                return
+            offset, lines = offset + len(raw), lines + raw.count(b"\n")
+
+
 def _json_rows(path: Path, key: str):
     """``(line_number, row)`` of a JSON-lines file (or a .json array), each row a JSON object.
 
@@ -155,7 +178,7 @@ def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
         raise SetupError(f"{key}.path: data file {path} is empty; point {key}.path at a file with rows")
     if builder != "json":
         if builder in ("text", "csv"):  # the datasets builders fail on other encodings without naming the cause
-            _utf8_text(path, key)
+            _check_utf8(path, key)
         return
     if _source_kind(src) == "text":
         fields = [src.get("text_field") or "text"]

@@ -39,7 +39,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -565,6 +565,18 @@ REUSABLE = ("target_data",)
 WRITE_PROBE = ".draftkit-write-probe-"  # decode.outputs.writable's short-lived file (another rank's check)
 
 
+def other_entries(folder: Path, ours: Iterable[str] = ()) -> list[str]:
+    """Sorted names in ``folder`` other than ``ours`` and write probes: what a command must not write among."""
+    ours = set(ours)
+    return sorted(p.name for p in Path(folder).iterdir() if p.name not in ours and not p.name.startswith(WRITE_PROBE))
+
+
+def name_list(names: list[str], most: int = 5) -> str:
+    """``"a, b, c"``, or the first ``most`` names and ``"and N more"``: names in an error message."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
 def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True,
                        inputs: dict[str, Any] | None = None, log: Any = None) -> Path | None:
     """Check ``train.output_dir`` against ``train.resume``/``train.overwrite`` before anything loads; return the
@@ -591,11 +603,10 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
     if resume is None:
         if not main:
             return None
-        others = [p.name for p in out.iterdir() if p.name not in REUSABLE and not p.name.startswith(WRITE_PROBE)] \
-            if out.is_dir() else []
+        others = other_entries(out, REUSABLE) if out.is_dir() else []
         if others and not overwrite:
             raise CheckpointError(
-                f"train.output_dir={out} already holds a run ({', '.join(sorted(others)[:5])}); nothing was changed. "
+                f"train.output_dir={out} already holds a run ({', '.join(others[:5])}); nothing was changed. "
                 "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
                 "checkpoints and metrics), or choose another train.output_dir")
         if others:

@@ -101,10 +101,12 @@ def _utf8_text(path: Path, key: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        lineno = raw.count(b"\n", 0, e.start) + 1
-        raise SetupError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
-                         f"{key}.path must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8) or fix "
-                         f"line {lineno}") from e
+        raise _not_utf8(path, key, raw.count(b"\n", 0, e.start) + 1, raw[e.start], e.start) from e
+
+
+def _not_utf8(path: Path, key: str, lineno: int, byte: int, offset: int) -> SetupError:
+    return SetupError(f"{path}:{lineno}: not UTF-8 text (byte {byte:#04x} at offset {offset}); {key}.path must be "
+                      f"UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8) or fix line {lineno}")
 
 
 def _check_utf8(path: Path, key: str, chunk: int = 1 << 20) -> None:
@@ -121,10 +123,8 @@ def _check_utf8(path: Path, key: str, chunk: int = 1 << 20) -> None:
             except UnicodeDecodeError as e:  # e.start counts from the bytes the decoder still held, then raw
                 held = len(e.object) - len(raw)
                 at = max(e.start - held, 0)
-                lineno = lines + raw.count(b"\n", 0, at) + 1
-                raise SetupError(f"{path}:{lineno}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                                 f"{offset + e.start - held}); {key}.path must be UTF-8: re-encode the file (e.g. "
-                                 f"iconv -f latin1 -t utf-8) or fix line {lineno}") from e
+                raise _not_utf8(path, key, lines + raw.count(b"\n", 0, at) + 1, e.object[e.start],
+                                offset + e.start - held) from e
             if not raw:
                 return
             offset, lines = offset + len(raw), lines + raw.count(b"\n")
@@ -418,16 +418,15 @@ def check_target_data_dir(cache_dir: str | Path) -> None:
     Raises:
         SetupError: naming the setting, what the folder holds and the fix.
     """
-    from distill.checkpoint import WRITE_PROBE
+    from distill.checkpoint import name_list, other_entries
 
     cache_dir = Path(cache_dir).expanduser().resolve()  # (a/missing/.. is a, which exists)
     if not cache_dir.is_dir() or (cache_dir / "meta.json").is_file():
         return
-    others = sorted(p.name for p in cache_dir.iterdir() if not p.name.startswith(WRITE_PROBE))
+    others = other_entries(cache_dir)
     if others:
-        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
         raise SetupError(f"data.target_generated.path={str(cache_dir)!r} is a folder that holds other files "
-                         f"({', '.join(others[:5])}{more}) and no target-data cache (meta.json); nothing was written. "
+                         f"({name_list(others)}) and no target-data cache (meta.json); nothing was written. "
                          "Give a new or empty folder, or null (<train.output_dir>/target_data)")
 
 

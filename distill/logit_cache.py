@@ -140,7 +140,7 @@ def check_cache_dir(out: Path) -> None:
     Raises:
         SetupError: naming ``data.logit_cache``, what the folder holds and the fix.
     """
-    from distill.checkpoint import WRITE_PROBE
+    from distill.checkpoint import name_list, other_entries
 
     out = Path(out).expanduser().resolve()  # (a/missing/.. is a, which exists)
     if (out / MANIFEST).is_file():
@@ -148,12 +148,10 @@ def check_cache_dir(out: Path) -> None:
         return
     if not out.is_dir():
         return
-    others = sorted(p.name for p in out.iterdir()
-                    if p.name not in ("shards", MANIFEST + ".tmp") and not p.name.startswith(WRITE_PROBE))
+    others = other_entries(out, ("shards", MANIFEST + ".tmp"))
     if others:
-        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
-        raise SetupError(f"data.logit_cache={str(out)!r} is a folder that holds other files ({', '.join(others[:5])}"
-                         f"{more}) and no logit cache ({MANIFEST}); nothing was written. Give a new or empty folder, "
+        raise SetupError(f"data.logit_cache={str(out)!r} is a folder that holds other files ({name_list(others)}) "
+                         f"and no logit cache ({MANIFEST}); nothing was written. Give a new or empty folder, "
                          "e.g. data.logit_cache=checkpoints/cache")
 
 

@@ -82,7 +82,10 @@ def cmd_generate(argv: list[str]) -> int:
                        top_p=args.top_p, eos_token_id=stop_token_ids(tok, target), streamer=streamer,
                        generator=torch.Generator(device=device).manual_seed(args.seed))
     s = out.stats
-    metrics = {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens, "acceptance_rate": s.acceptance_rate,
+    # Nothing drafted (no --draft, or 'auto' chose γ = 0 throughout): there is no acceptance rate to report, and a
+    # 0.0 would read as a draft that is always rejected.
+    metrics = {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens,
+               "acceptance_rate": s.acceptance_rate if s.num_drafted else None,
                "mean_accepted_length": s.mean_accepted_length, "acceptance_by_position": s.acceptance_by_position,
                "ttft_s": s.ttft_s, "per_token_latency_s": s.per_token_latency_s, "tokens_per_s": s.tokens_per_s,
                "peak_memory_bytes": s.peak_memory_bytes}
@@ -94,7 +97,8 @@ def cmd_generate(argv: list[str]) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in metrics.items():
-        table.add_row(k, ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else
+        table.add_row(k, "n/a (nothing drafted)" if v is None or v == [] else
+                      ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else
                       (f"{v:.4g}" if isinstance(v, float) else str(v)))
     Console(stderr=True).print(table)
     return 0

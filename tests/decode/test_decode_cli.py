@@ -38,6 +38,18 @@ def test_generate_streams_text_and_prints_metrics(saved_pair):
     assert r.returncode == 0 and "w1 w2 w3" in r.stdout  # without --json the text streams to stdout
 
 
+def test_generate_without_a_draft_reports_no_acceptance_rate(saved_pair):
+    """Plain decoding drafts nothing: its acceptance rate is absent (null), not a 0.0 that reads as 'all rejected'."""
+    r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "--max-new-tokens", "4",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads(r.stdout)
+    assert metrics["acceptance_rate"] is None and metrics["acceptance_by_position"] == []
+    assert metrics["num_draft_tokens"] == 0 and metrics["mean_accepted_length"] == 1.0
+    r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "--max-new-tokens", "4")
+    assert r.returncode == 0 and "nothing drafted" in r.stderr
+
+
 def test_generate_table_and_sampling(saved_pair):
     r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
             "--prompt", "w5", "-g", "auto", "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8")

@@ -22,12 +22,22 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or _default_code(status, param)
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _default_code(status: int, param: str | None) -> str:
+    """A machine-readable ``code`` for an error raised without one, so that every error body carries a string code
+    (clients branch on ``err.code``): a bad field is ``invalid_value``, a bad request as a whole
+    ``invalid_request``, any 5xx ``internal_error`` (503s name their own ``shutting_down``)."""
+    if status >= 500:
+        return "internal_error"
+    return "invalid_value" if param else {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
 
 
 def _reject_constant(name: str):

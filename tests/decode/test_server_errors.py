@@ -40,6 +40,7 @@ def assert_error(r, status, needle, param=None):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and err["code"], err  # every error carries a machine-readable code
     assert needle in err["message"], err
     if param is not None:
         assert err["param"] == param, err

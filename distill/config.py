@@ -351,6 +351,16 @@ def _check_values(cfg: DictConfig) -> None:
         raise SetupError(f"eval.verify_costs={list(verify)} must be [1.0, v_1, v_2, ..] with every v_γ >= 1 (a "
                          "verify forward over γ+1 tokens / a one-token forward, indexed by γ; v_0 = 1), or null to "
                          "measure them")
+    max_gamma = get("eval.max_gamma")
+    if verify is not None and max_gamma is not None and len(verify) < max_gamma + 1:
+        raise SetupError(f"eval.verify_costs has {len(verify)} entries (v_0..v_{len(verify) - 1}) but "
+                         f"eval.max_gamma={max_gamma} needs v_0..v_{max_gamma}: give {max_gamma + 1} values, lower "
+                         f"eval.max_gamma to {len(verify) - 1}, or set eval.verify_costs=null to measure them")
+    gamma, budget = get("eval.num_draft_tokens"), get("eval.max_new_tokens")
+    if gamma is not None and budget is not None and gamma > budget:
+        raise SetupError(f"eval.num_draft_tokens={gamma} is larger than eval.max_new_tokens={budget}: no step can "
+                         f"draft more tokens than are left, so the eval would measure a smaller γ than it reports; "
+                         f"lower eval.num_draft_tokens or raise eval.max_new_tokens")
     for key in ARCH_KEYS:
         value = get(f"draft.{key}")
         if value is not None and value < 1:

@@ -164,6 +164,20 @@ def recover_replaced_dir(path: Path) -> Path | None:
     return None
 
 
+def recover_interrupted_swaps(output_dir: str | Path) -> list[tuple[Path, Path]]:
+    """:func:`recover_replaced_dir` for every checkpoint of a run folder (``best`` and ``step_N``) that a crash
+    inside :func:`replace_dir` left only as ``NAME.tmp`` / ``NAME.old``; returns ``(restored, came_from)`` pairs.
+    Without it ``export <run>/best`` fails, and resume misses a step, until the next save of that name."""
+    out, done = Path(output_dir), []
+    names = {p.name.rsplit(".", 1)[0] for suffix in ("tmp", "old") for p in out.glob(f"*.{suffix}") if p.is_dir()}
+    for name in sorted(names):
+        if name == "best" or (name.startswith("step_") and name[5:].isdigit()):
+            source = recover_replaced_dir(out / name)
+            if source is not None:
+                done.append((out / name, source))
+    return done
+
+
 def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, optimizer: Any, state: dict,
                     config_yaml: str, path: str | Path) -> Path:
     """Write a complete checkpoint at ``path`` (atomically replacing an existing one). Call on every process.
@@ -269,6 +283,13 @@ def check_complete(path: str | Path) -> dict:
         hint = run_folder_hint(path)
         if hint is not None:
             raise CheckpointError(hint)
+        if not path.exists():
+            aside = [p for p in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old"))
+                     if p.is_dir() and is_complete(p)]
+            if aside:
+                raise CheckpointError(f"{path} does not exist, but {aside[0]} is a complete copy of it (a save was "
+                                      f"interrupted between two renames): rename it back (mv {aside[0]} {path}), "
+                                      "or resume the run with train.resume=true, which does that")
         raise CheckpointError(f"{path} is not a complete distill checkpoint (no {MANIFEST_FILE}: its save was "
                               "interrupted, or it is not a checkpoint); give a step_N or best folder of a run")
     manifest = read_json(manifest_file)
@@ -625,6 +646,12 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
             for p in doomed:  # a symlink is removed, never what it points to
                 p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
         return None
+    own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
+    if main and own_run:  # a crash inside replace_dir (best/ or a step_N) left its complete copy beside it
+        for restored, source in recover_interrupted_swaps(out):
+            if log is not None:
+                log(f"{restored.name}/ was missing after a save interrupted between two renames; restored it from "
+                    f"{source.name}/")
     if resume is True or resume == "true":
         path = find_latest(out)
         if main and log is not None and path is not None:  # (with none complete, the error below lists them)

@@ -106,6 +106,21 @@ def test_resume_names_a_damaged_newer_checkpoint_it_skips(pair, straight, tmp_pa
     assert len(lines) == 1 and newest.name in lines[0] and "damaged" in lines[0] and "model.safetensors" in lines[0]
 
 
+@pytest.mark.parametrize("left", ["best.old", "best.tmp"])
+def test_resume_restores_a_best_folder_left_aside_by_a_crash_inside_its_swap(pair, straight, tmp_path, left):
+    """replace_dir moves best/ aside, then renames best.tmp into place: a crash in between left no best/, so
+    `export <run>/best` failed (with no hint) until the run saved a better best."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    (out / "best").rename(out / left)  # the state between the two renames
+    with pytest.raises(ckpt.CheckpointError, match=rf"{left} is a complete copy of it.*mv .*train.resume=true"):
+        ckpt.check_complete(out / "best")
+    lines = []
+    assert ckpt.prepare_run_folder(out, True, False, log=lines.append) == ckpt.find_latest(out)
+    assert ckpt.is_complete(out / "best") and not (out / left).exists()
+    assert lines == [f"best/ was missing after a save interrupted between two renames; restored it from {left}/"]
+
+
 def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
     out, shared = tmp_path / "run", tmp_path / "shared"
     out.mkdir()

@@ -81,7 +81,7 @@ class SourceConfig:
     completion_tokens: int = 32                 # kind=text: continuation length
     windows_per_doc: Optional[int] = None       # kind=text: windows per document (null: all)
     add_bos: bool = True                        # kind=text: bos before each prefix
-    limit: Optional[int] = None                 # at most this many rows (null: all)
+    limit: Optional[int] = None                 # at most this many rows (kind=text: documents, before windowing)
 
 
 @dataclass

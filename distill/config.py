@@ -321,6 +321,17 @@ def _check_values(cfg: DictConfig) -> None:
         raise SetupError("loss=acceptance needs the target's full distribution at every position of a window; the "
                          "logit cache keeps top-k + tail only: use data.target_logits=online, or another loss with "
                          "the cache (loss=tvd is its per-token counterpart)")
+    if get("data.target_logits") == "cached":  # also checked against the cache itself when it opens
+        lam = float(get("data.on_policy_fraction"))
+        if lam > 0:
+            raise SetupError(f"data.target_logits=cached with data.on_policy_fraction={lam}: on-policy batches are "
+                             "draft samples the target never scored, so they need the target online. Set "
+                             "data.on_policy_fraction=0, or data.target_logits=online")
+        tail = get("data.logit_cache_tail_samples")
+        if tail and cfg.loss.name != "fkl":
+            raise SetupError(f"data.logit_cache_tail_samples={tail} (sampled tail ids) give an unbiased gradient for "
+                             f"loss=fkl only (loss={cfg.loss.name}): use loss=fkl, data.logit_cache_tail_samples=0 "
+                             "(a cache built without them), or data.target_logits=online")
     if get("draft.vocab.keep") is not None and float(get("data.on_policy_fraction")) > 0:
         raise SetupError(f"draft.vocab.keep={get('draft.vocab.keep')} with data.on_policy_fraction="
                          f"{get('data.on_policy_fraction')}: on-policy rollouts sample from the draft alone, which a "

@@ -693,7 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "quickstart_smoke with --smoke)")
     p.add_argument("--out", default=None, help="output folder (default: the experiment's out_dir)")
     p.add_argument("--distill-overrides", default="", help="extra Hydra overrides for `python -m distill train`, "
-                   "quoted, e.g. \"loss=jsd data.on_policy_fraction=0.5\"")
+                   "quoted, e.g. \"train.max_steps=800 optim.lr=1e-3\"; another loss or on-policy data need the "
+                   "target online: distill.target_logits=online --distill-overrides \"loss=tvd "
+                   "data.on_policy_fraction=0.5\"")
     return p
 
 
@@ -792,8 +794,8 @@ def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phase
                 env=env)
         if not distilled:
             ok = False
-            console.print("[red]The distill/export step failed (see above): `python -m distill train` must run with "
-                          f"+experiment={experiment}. Evaluating the baseline draft only.")
+            console.print("[red]The distill/export phase failed (its error is above). Fix the cause and run the same "
+                          "command again: finished phases are reused. Evaluating the baseline draft only.")
 
     drafts = {"baseline": out / qs.draft.dir}
     if distilled:

@@ -138,7 +138,10 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
              (["--distill-overrides", "train.max_step=5"], "did you mean train.max_steps"),
              (["--distill-overrides", "loss='fkl"], "No closing quotation"),
              (["distill.cache_k=null"], "quickstart.distill.cache_k=None"),
-             (["distill.tail_samples=2.7"], "quickstart.distill.tail_samples=2.7")]
+             (["distill.tail_samples=2.7"], "quickstart.distill.tail_samples=2.7"),
+             # the cached recipe cannot take these; they failed only in the distill phase, then blamed the experiment
+             (["--distill-overrides", "data.on_policy_fraction=0.5"], "on-policy batches are draft samples"),
+             (["--distill-overrides", "loss=tvd"], "data.logit_cache_tail_samples=4 (sampled tail ids) give")]
     for args, message in cases:
         assert quickstart.main(["--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args

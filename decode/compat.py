@@ -57,20 +57,39 @@ def draft_input_substitute(draft: Any, vocab_size: int, tokenizer: Any = None) -
     return limit, unk if isinstance(unk, int) and 0 <= unk < limit else 0
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: Any, special: dict | None = None) -> str:
     """A 16-hex-digit hash of the vocabulary (token -> id), the special tokens and the chat template: two
-    tokenizers with the same fingerprint turn text into the same ids (the logit cache and pruned drafts store it)."""
+    tokenizers with the same fingerprint turn text into the same ids (the logit cache and pruned drafts store it).
+    ``special``: hash these special tokens instead of ``tokenizer.special_tokens_map`` (see :func:`_pad_variants`)."""
+    special = tokenizer.special_tokens_map if special is None else special
     h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps({"special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    h.update(json.dumps({"special": {k: str(v) for k, v in sorted(special.items())},
                          "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def _pad_variants(tokenizer: Any) -> set[str]:
+    """Fingerprints of ``tokenizer`` with and without eos as its pad token (the same ids for every text).
+
+    Training loads a pad-less tokenizer with eos as pad (``pad_from_eos``: batches pad their rows) and saves it so;
+    the decoder loads the target's own, without one. Both name the same tokens, so both must match a map.
+    """
+    special = dict(tokenizer.special_tokens_map)
+    out = {tokenizer_fingerprint(tokenizer, special)}
+    eos = special.get("eos_token")
+    if eos is not None and special.get("pad_token") is None:
+        out.add(tokenizer_fingerprint(tokenizer, {**special, "pad_token": eos}))
+    elif eos is not None and str(special.get("pad_token")) == str(eos):
+        out.add(tokenizer_fingerprint(tokenizer, {k: v for k, v in special.items() if k != "pad_token"}))
+    return out
 
 
 def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) -> None:
     """Check a vocabulary-pruned draft's id map (:mod:`decode.vocab_map`) against the pair; a full draft passes.
 
     The map must have one id per lm_head row, lie in the shared vocabulary ``[0, vocab_size)``, be sorted and
-    unique, and (when ``tokenizer`` is given and the draft recorded one) come from the same tokenizer.
+    unique, and (when ``tokenizer`` is given and the draft recorded one) come from the same tokenizer (eos as pad
+    or no pad token count as the same: :func:`_pad_variants`).
 
     Raises:
         IncompatibleModelsError: naming the draft's map and the target's vocabulary or tokenizer.
@@ -92,7 +111,7 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
     stored = getattr(draft.config, HASH_FIELD, None)
     if tokenizer is not None and stored:
         current = tokenizer_fingerprint(tokenizer)
-        if current != stored:
+        if stored not in _pad_variants(tokenizer):  # eos as pad or no pad: the same ids
             raise IncompatibleModelsError(
                 f"the draft's vocabulary map was chosen with tokenizer {stored} but the target's tokenizer is "
                 f"{current}; its ids would name other tokens. Prune the draft again with this tokenizer "
@@ -103,13 +122,24 @@ def _special_ids(tok: Any) -> dict[str, Any]:
     return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
 
 
+def _pad_from_eos(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when one side has no pad id and the other uses its (shared) eos id as pad: the tokenizer that training
+    loads with ``pad_from_eos`` and saves next to the draft, against the target's own. Pad only fills batch rows."""
+    if a["eos"] is None or a["eos"] != b["eos"]:
+        return False
+    return (a["pad"] is None and b["pad"] == b["eos"]) or (b["pad"] is None and a["pad"] == a["eos"])
+
+
 def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
     """Raise :class:`IncompatibleModelsError` if the two tokenizers map any shared id to a different token or
-    disagree on bos/eos/pad/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ)."""
+    disagree on bos/eos/pad/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ), and so
+    is eos as pad on one side against no pad on the other (:func:`_pad_from_eos`)."""
     if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
         return
     t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
     for name in t_special:
+        if name == "pad" and _pad_from_eos(t_special, d_special):
+            continue
         if t_special[name] != d_special[name]:
             raise IncompatibleModelsError(
                 f"target and draft tokenizers disagree on the {name} token id: target {t_special[name]!r}, "

@@ -141,12 +141,45 @@ def scatter_to_vocab(logits: torch.Tensor, vocab_map: torch.Tensor, vocab_size: 
 # ------------------------------------------------------------------------------------------------ loading
 
 def pruned_size(folder: str | os.PathLike) -> int | None:
-    """N from a local checkpoint folder's config.json (None: not a pruned draft, or not a local folder)."""
-    cfg = Path(os.path.expanduser(str(folder))) / "config.json"
+    """N from a local checkpoint folder's config.json (None: not a pruned draft, or not a local folder).
+
+    Raises:
+        ValueError: ``draft_vocab_map_size`` is not a positive integer, or is absent while the folder's safetensors
+            hold a ``draft_vocab_map`` (an edited config.json: the N-row head would otherwise fail to load with a
+            bare size-mismatch error, or be replaced by a random V-row head).
+    """
+    folder = Path(os.path.expanduser(str(folder)))
+    cfg = folder / "config.json"
     if not cfg.is_file():
         return None
     value = json.loads(cfg.read_text()).get(SIZE_FIELD)
-    return int(value) if value is not None else None
+    if value is None:
+        stored = _stored_map_shape(folder)
+        if stored is not None:
+            raise ValueError(f"{folder}: its safetensors hold a vocabulary map {MAP_KEY!r} of shape {stored} but "
+                             f"config.json has no {SIZE_FIELD}; add \"{SIZE_FIELD}\": {stored[0] if stored else '?'} "
+                             "to config.json, or export the draft again with draftkit")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{folder}: config.json has {SIZE_FIELD}={value!r}; it must be a positive integer, the "
+                         "number of ids in the draft's vocabulary map (export the draft again with draftkit)")
+    return value
+
+
+def _stored_map_shape(folder: Path) -> tuple[int, ...] | None:
+    """The shape of the ``draft_vocab_map`` tensor in the folder's safetensors (header only), or None."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        path = json.loads(index.read_text()).get("weight_map", {}).get(MAP_KEY)
+        path = folder / path if path else None
+    else:
+        path = folder / "model.safetensors"
+    if path is None or not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return tuple(f.get_slice(MAP_KEY).get_shape()) if MAP_KEY in f.keys() else None
 
 
 def _read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -172,7 +205,8 @@ def restore_pruned_head(model: Any, folder: str | os.PathLike) -> Any:
     """Replace the V-row head that ``from_pretrained`` built by the stored N-row head and register the map.
 
     Raises:
-        ValueError: the folder lacks the head or the map, or their sizes disagree with ``config.draft_vocab_map_size``.
+        ValueError: the folder lacks the head or the map, the map is not an integer tensor, or their sizes disagree
+            with ``config.draft_vocab_map_size``.
     """
     folder = Path(os.path.expanduser(str(folder)))
     head = model.get_output_embeddings()
@@ -184,6 +218,10 @@ def restore_pruned_head(model: Any, folder: str | os.PathLike) -> Any:
     if missing:
         raise ValueError(f"{folder} says it is a vocabulary-pruned draft ({SIZE_FIELD}={size} in config.json) but "
                          f"its safetensors lack {missing}; export it again with draftkit")
+    map_dtype = stored[MAP_KEY].dtype
+    if map_dtype.is_floating_point or map_dtype.is_complex or map_dtype == torch.bool:  # .long() would truncate
+        raise ValueError(f"{folder}: the vocabulary map {MAP_KEY!r} is {map_dtype}; it must hold integer "
+                         "target ids (int64). The checkpoint was edited or is corrupt: export it again")
     ids, weight = stored[MAP_KEY].long(), stored[f"{head_name}.weight"]
     if ids.shape != (size,) or weight.shape[0] != size:
         raise ValueError(f"{folder}: {SIZE_FIELD}={size} but the map has shape {tuple(ids.shape)} and the head "

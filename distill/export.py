@@ -3,7 +3,9 @@
 The card (``README.md`` + ``draftkit_card.json``) names the target, holds the training config and the α/τ measured
 per temperature by the last evaluation of that checkpoint, so a draft is never shipped without its acceptance.
 The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and works as ``assistant_model`` in
-``transformers`` ``generate`` or as the draft of ``decode.SpeculativeDecoder``.
+``transformers`` ``generate`` or as the draft of ``decode.SpeculativeDecoder``; a vocabulary-pruned draft
+(``draft.vocab.keep``) loads with ``decode.loading.load_causal_lm`` and decodes with draftkit's decoder only, and
+its card says so (no ``from_pretrained``/vLLM/SGLang lines, which cannot read its id map).
 """
 from __future__ import annotations
 
@@ -139,8 +141,13 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     return out_dir
 
 
-def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None) -> dict:
+def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None,
+                     pruned: bool = False) -> dict:
     """Command lines that serve the exported draft in vLLM and SGLang, with γ from the recipe's evaluation.
+
+    A vocabulary-pruned draft (``pruned``) has no vLLM/SGLang lines (``vllm``/``sglang`` are None: those engines
+    do not read its id map, and its N-row head does not fit its config's vocabulary); ``draftkit`` is the
+    ``python -m decode serve`` line, which does, in every card.
 
     γ is the ``best_gamma`` the evaluation picked at its lowest measured temperature (greedy when measured; the
     table lists the best γ per temperature); without an evaluation it is the training config's
@@ -162,7 +169,12 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     sglang = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
                          "STANDALONE", "--speculative-draft-model-path", draft_dir, "--speculative-num-steps",
                          str(gamma), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(gamma + 1)])
-    return {"draft": draft_dir, "num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang}
+    draftkit = shlex.join(["python", "-m", "decode", "serve", "--target", target, "--draft", draft_dir,
+                           "--num-draft-tokens", str(gamma)])
+    if pruned:
+        vllm = sglang = None
+    return {"draft": draft_dir, "num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang,
+            "draftkit": draftkit}
 
 
 def _verify_markdown(ev: dict) -> str:
@@ -220,6 +232,59 @@ Cost ratio c (draft / target forward time) used for the prediction: {c}.
 """
 
 
+def _use_markdown(card: dict) -> str:
+    """The card's Use and Serve sections: transformers, vLLM and SGLang, or for a vocabulary-pruned draft (which
+    none of them can load with its id map) draftkit's decoder and server."""
+    serving = card["serving"]
+    if not card.get("draft_vocab"):
+        return f"""## Use
+
+The paths are the target's and the one this draft was exported to; change them if you move either folder.
+
+```python
+from transformers import AutoModelForCausalLM
+target = AutoModelForCausalLM.from_pretrained({str(card['target'])!r})
+draft = AutoModelForCausalLM.from_pretrained({serving['draft']!r})
+out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
+```
+
+## Serve
+
+With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}):
+
+```bash
+{serving['vllm']}
+{serving['sglang']}
+```
+"""
+    return f"""## Use
+
+The paths are the target's and the one this draft was exported to; change them if you move either folder. A
+vocabulary-pruned draft runs in draftkit's decoder, which reads its id map: `transformers` assisted generation,
+vLLM and SGLang do not (plain `from_pretrained` refuses its smaller head).
+
+```python
+from decode import SpeculativeDecoder
+from decode.loading import load_causal_lm, load_tokenizer
+target = load_causal_lm({str(card['target'])!r}, "target")
+draft = load_causal_lm({serving['draft']!r}, "draft")
+tokenizer = load_tokenizer({serving['draft']!r})
+prompt_ids = tokenizer("def fibonacci(n):")["input_ids"]
+decoder = SpeculativeDecoder(target, draft, {serving['num_draft_tokens']}, tokenizer=tokenizer)
+out = decoder.generate([prompt_ids], max_new_tokens=128)
+print(tokenizer.decode(out.sequences[0]))
+```
+
+## Serve
+
+With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}), an OpenAI-compatible server:
+
+```bash
+{serving['draftkit']}
+```
+"""
+
+
 def _card_markdown(card: dict) -> str:
     return f"""---
 library_name: transformers
@@ -232,26 +297,7 @@ draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} step
 LoRA merged: {card['lora_merged']}.
 {_pruned_markdown(card)}
 {_acceptance_markdown(card.get('evaluation') or {})}
-## Use
-
-The paths are the target's and the one this draft was exported to; change them if you move either folder.
-
-```python
-from transformers import AutoModelForCausalLM
-target = AutoModelForCausalLM.from_pretrained({str(card['target'])!r})
-draft = AutoModelForCausalLM.from_pretrained({card['serving']['draft']!r})
-out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
-```
-
-## Serve
-
-With γ = {card['serving']['num_draft_tokens']} ({card['serving']['gamma_source']}):
-
-```bash
-{card['serving']['vllm']}
-{card['serving']['sglang']}
-```
-
+{_use_markdown(card)}
 The full training config is in `{CARD_JSON}` (key `config`).
 """
 
@@ -308,7 +354,7 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
             "draft_vocab": pruned, "files": files}
     card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),
-                                       card["evaluation"], config)
+                                       card["evaluation"], config, pruned=pruned is not None)
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))
     (out_dir / "README.md").write_text(_card_markdown(card))
     return card

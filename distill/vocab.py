@@ -8,6 +8,7 @@ al. 2025) chooses its draft vocabulary by token frequency; the target's mass is 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +65,51 @@ def target_id_mass(target: Any, examples: list[dict], pad_id: int, vocab: int, b
 
 
 def checkpoint_vocab_map(checkpoint: str | Path) -> torch.Tensor | None:
-    """The draft's id map stored in a training checkpoint's ``model.safetensors`` (None when it has none)."""
+    """The draft's id map stored in a training checkpoint (None when it has none).
+
+    Read from ``model.safetensors``; a DeepSpeed/FSDP checkpoint has none (its weights are under ``accelerate/``),
+    so then from ``draft/`` (the unwrapped draft's ``save_pretrained``) or, when that holds a LoRA adapter only,
+    from the adapter's base named in ``trainer_state.json`` (``draft_base``, saved pruned by the run).
+    """
     from safetensors import safe_open
 
-    path = Path(checkpoint) / "model.safetensors"
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as f:
-        key = next((k for k in f.keys() if k == MAP_KEY or k.endswith("." + MAP_KEY)), None)
-        return f.get_tensor(key).long() if key is not None else None
+    from decode.vocab_map import _read_tensors
+
+    checkpoint = Path(checkpoint)
+    path = checkpoint / "model.safetensors"
+    if path.is_file():
+        with safe_open(str(path), framework="pt") as f:
+            key = next((k for k in f.keys() if k == MAP_KEY or k.endswith("." + MAP_KEY)), None)
+            return f.get_tensor(key).long() if key is not None else None
+    folders = [checkpoint / "draft"]
+    if (checkpoint / "draft" / "adapter_config.json").is_file() and (checkpoint / "trainer_state.json").is_file():
+        base = json.loads((checkpoint / "trainer_state.json").read_text()).get("draft_base")
+        folders = [Path(base)] if base else []
+    for folder in folders:
+        ids = _read_tensors(folder, [MAP_KEY]).get(MAP_KEY) if folder.is_dir() else None
+        if ids is not None:
+            return ids.long()
+    return None
+
+
+def _check_resumed_keep(keep: Any, ids: torch.Tensor | None, resume_from: str | Path | None) -> None:
+    """Refuse a ``draft.vocab.keep`` that does not match the head of the checkpoint being resumed.
+
+    ``ids``: the checkpoint's map (:func:`checkpoint_vocab_map`). A full head is recognised by a
+    ``model.safetensors`` without a map; a DeepSpeed/FSDP checkpoint (none) with a full head passes here.
+
+    Raises:
+        SetupError: naming the ``draft.vocab.keep`` the checkpoint needs.
+    """
+    if resume_from is None:
+        return
+    if ids is not None and (keep is None or int(keep) != ids.numel()):
+        raise SetupError(f"draft.vocab.keep={'null' if keep is None else keep} but the checkpoint {resume_from} "
+                         f"was trained with a {ids.numel()}-id map (a map is never regenerated on resume); resume with "
+                         f"draft.vocab.keep={ids.numel()}, or start a new run for another size")
+    if ids is None and keep is not None and (Path(resume_from) / "model.safetensors").is_file():
+        raise SetupError(f"draft.vocab.keep={keep} but the checkpoint {resume_from} has a full-vocabulary head (no "
+                         "map); resume with draft.vocab.keep=null, or start a new run (train.resume=false) to prune")
 
 
 def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target: Any = None, cache: Any = None,
@@ -82,13 +119,15 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
 
     - a draft that is already pruned (a pruned export, a run's checkpoint) keeps its own map; ``keep`` must be null
       or equal to its size (a map is never regenerated on a warm start);
-    - resuming a run: the map stored in the checkpoint is used (no new selection); ``keep`` must equal its size;
+    - resuming a run: the map stored in the checkpoint is used (no new selection); ``keep`` must equal its size,
+      and be null for a checkpoint with a full-vocabulary head (:func:`_check_resumed_keep`);
     - else the N ids of :func:`decode.vocab_map.select_kept_ids` over :func:`cache_id_mass` (cached mode) or
       :func:`target_id_mass` (one target pass over ``examples``).
 
     Raises:
         SetupError: ``keep`` outside [number of special ids, V], a different ``keep`` than an already-pruned draft's
-            or the resumed checkpoint's map size, or a map that does not fit the tokenizer/vocabulary.
+            or the resumed checkpoint's map size (null for a pruned checkpoint, set for a full one), or a map that
+            does not fit the tokenizer/vocabulary.
     """
     keep = cfg.draft.get("vocab", {}).get("keep") if cfg.draft.get("vocab") is not None else None
     existing = draft_vocab_map(draft)
@@ -98,14 +137,11 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
                              f"{existing.numel()} ids; use draft.vocab.keep=null (keep its map) or start from its "
                              "full-vocabulary checkpoint")
         pruned_here = False
-    elif keep is None:
-        return False
     else:
         ids = checkpoint_vocab_map(resume_from) if resume_from is not None else None
-        if ids is not None and ids.numel() != int(keep):
-            raise SetupError(f"draft.vocab.keep={keep} but the checkpoint {resume_from} was trained with a "
-                             f"{ids.numel()}-id map (a map is never regenerated on resume); resume with "
-                             f"draft.vocab.keep={ids.numel()}, or start a new run for another size")
+        _check_resumed_keep(keep, ids, resume_from)
+        if keep is None:
+            return False
         if ids is not None:
             log(f"draft.vocab.keep={keep}: using the {ids.numel()}-id map of the checkpoint {resume_from}")
         else:

@@ -97,6 +97,44 @@ def test_reload_refuses_a_folder_without_its_map(tmp_path):
     assert "vocabulary-pruned draft" in str(err.value)  # the folder's own problem is in the message
 
 
+def _saved_pruned(tmp_path):
+    from safetensors.torch import load_file
+
+    draft = prune_draft_head(tiny_llama(seed=2, layers=1), torch.arange(10), "h")
+    draft.save_pretrained(tmp_path / "d")
+    return tmp_path / "d", load_file(str(tmp_path / "d" / "model.safetensors"))
+
+
+def test_reload_refuses_a_map_that_is_not_integer(tmp_path):
+    """A float map (an edited or converted checkpoint) is refused, not truncated to ids by ``.long()``."""
+    from safetensors.torch import save_file
+
+    folder, weights = _saved_pruned(tmp_path)
+    weights[MAP_KEY] = weights[MAP_KEY].float() + 0.7  # 0.7, 1.7, ...: .long() would silently give 0, 1, ...
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(FileNotFoundError, match=f"{MAP_KEY}.* is torch.float32; it must hold integer"):
+        load_causal_lm(str(folder), "draft")
+
+
+@pytest.mark.parametrize("size,match", [
+    (None, f"hold a vocabulary map '{MAP_KEY}' of shape \\(10,\\) but config.json has no {SIZE_FIELD}; "
+           f"add \"{SIZE_FIELD}\": 10"),
+    ("ten", f"{SIZE_FIELD}='ten'; it must be a positive integer"),
+    (0, f"{SIZE_FIELD}=0; it must be a positive integer"),
+])
+def test_reload_names_a_missing_or_bad_size_field(tmp_path, size, match):
+    """An edited config.json: a clear error naming ``draft_vocab_map_size``, not transformers' size-mismatch
+    RuntimeError (missing field) or a bare int() error (a string)."""
+    import json
+
+    folder, _ = _saved_pruned(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop(SIZE_FIELD) if size is None else cfg.update({SIZE_FIELD: size})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match=match):
+        load_causal_lm(str(folder), "draft")
+
+
 # ------------------------------------------------------------------------------------------------ the pair check
 
 def test_pair_check_refuses_other_tokenizer_and_bad_maps():
@@ -115,6 +153,28 @@ def test_pair_check_refuses_other_tokenizer_and_bad_maps():
     big = prune_draft_head(tiny_llama(vocab_size=200, seed=1, layers=1), torch.tensor([1, 2, 150]))
     with pytest.raises(IncompatibleModelsError, match=r"outside \[0, 96\).*96 ids"):
         check_compatibility(target, big, tok)
+
+
+def test_pair_check_takes_a_pad_less_tokenizer_and_its_eos_as_pad_copy_as_one():
+    """Training loads a tokenizer without pad with eos as pad and saves it beside the draft (and hashes it into the
+    map); the decoder loads the target's own, without pad. The old check refused both the tokenizer pair (pad
+    2 vs None) and the map (another hash), so no draft trained on such a target could be decoded."""
+    from decode.compat import check_tokenizers
+
+    no_pad, eos_pad = make_tokenizer(pad_token=None), make_tokenizer(pad_token="</s>")
+    assert no_pad.pad_token_id is None and eos_pad.pad_token_id == eos_pad.eos_token_id
+    target = tiny_llama(seed=0)
+    for trained, decoding in ((eos_pad, no_pad), (no_pad, eos_pad)):
+        check_tokenizers(decoding, trained)
+        draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(trained))
+        assert check_compatibility(target, draft, decoding, trained) == VOCAB
+    # Any other pad disagreement, or another tokenizer, is still refused.
+    unk_pad = make_tokenizer(pad_token="<unk>")
+    with pytest.raises(IncompatibleModelsError, match="pad token id"):
+        check_tokenizers(no_pad, unk_pad)
+    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(unk_pad))
+    with pytest.raises(IncompatibleModelsError, match="tokenizer .* but the target's tokenizer is"):
+        check_compatibility(target, draft, no_pad)
 
 
 # ------------------------------------------------------------------------------------------------ decoding

@@ -63,6 +63,9 @@ def test_resume_is_exact_and_reads_the_map_from_the_checkpoint(pair, tmp_path, m
     with pytest.raises(SetupError, match=f"checkpoint .* was trained with a {KEEP}-id map"):  # another N: refused
         train(compose(overrides(pair, split, "train.resume=true", f"draft.vocab.keep={KEEP + 1}", *extra)),
               log=_quiet)
+    with pytest.raises(SetupError, match=f"keep=null but the checkpoint .* was trained with a {KEEP}-id map.* "
+                                         f"resume with draft.vocab.keep={KEEP}"):  # keep forgotten: named, not a
+        train(compose(overrides(pair, split, "train.resume=true", *extra)), log=_quiet)  # state-dict size mismatch
     second = train(compose(overrides(pair, split, "train.resume=true", *keep, *extra)), log=_quiet)
     assert second["steps"] == 4
     ws, wr = load_file(str(straight / "step_000004" / "model.safetensors")), \
@@ -72,6 +75,35 @@ def test_resume_is_exact_and_reads_the_map_from_the_checkpoint(pair, tmp_path, m
         assert torch.equal(ws[k], wr[k]), k
 
 
+@pytest.mark.parametrize("extra", [(), ("train.lora.enabled=true",)], ids=["full", "lora"])
+def test_checkpoint_map_is_read_without_model_safetensors(pair, tmp_path, extra):
+    """A DeepSpeed/FSDP checkpoint keeps its weights under accelerate/, with no model.safetensors: the map comes
+    from draft/ (or, for LoRA, the pruned draft_base). The old reader returned None, so a resumed sharded run chose
+    its map again."""
+    from distill.vocab import checkpoint_vocab_map
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, f"draft.vocab.keep={KEEP}", "train.max_steps=2", *extra)), log=_quiet)
+    step = run / "step_000002"
+    want = checkpoint_vocab_map(step)
+    assert want is not None and want.numel() == KEEP
+    (step / "model.safetensors").unlink()  # the layout of a sharded checkpoint
+    assert torch.equal(checkpoint_vocab_map(step), want)
+
+
+def test_resuming_a_full_vocabulary_run_with_keep_is_refused_before_choosing_ids(pair, tmp_path, monkeypatch):
+    """The checkpoint's head has V rows: pruning now could not load it. Refused naming the setting, before the
+    target pass that would choose a map (the old code chose one, then failed on a state-dict size mismatch)."""
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.stop_at=2")), log=_quiet)
+    import distill.vocab as vocab
+
+    monkeypatch.setattr(vocab, "target_id_mass", lambda *a, **k: (_ for _ in ()).throw(AssertionError("chosen")))
+    with pytest.raises(SetupError, match=f"keep={KEEP} but the checkpoint .* has a full-vocabulary head.*"
+                                         "draft.vocab.keep=null"):
+        train(compose(overrides(pair, run, "train.resume=true", f"draft.vocab.keep={KEEP}")), log=_quiet)
+
+
 @pytest.mark.parametrize("extra", [(), ("train.lora.enabled=true", "optim.lr=5e-2")], ids=["full", "lora"])
 def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path, extra):
     run = tmp_path / "run"
@@ -79,7 +111,17 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
     out = tmp_path / "export"
     card = export(run / "best", out)
     assert card["draft_vocab"]["kept_ids"] == KEEP and card["draft_vocab"]["vocab_size"] == pair["vocab"]
-    assert f"scores {KEEP} of the target's" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert f"scores {KEEP} of the target's" in readme
+    # The card's Use/Serve lines run where the map is read: no from_pretrained/assistant_model, vLLM or SGLang line
+    # (the old card printed them, and the first fails on the N-row head); its Python snippet runs as written.
+    assert "assistant_model" not in readme and "vllm serve" not in readme and "sglang" not in readme
+    assert card["serving"]["vllm"] is None and card["serving"]["sglang"] is None
+    assert card["serving"]["draftkit"] in readme and "python -m decode serve" in card["serving"]["draftkit"]
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0].replace("max_new_tokens=128", "max_new_tokens=4")
+    scope = {}
+    exec(snippet, scope)
+    assert len(scope["out"].sequences[0]) > len(scope["prompt_ids"])
     draft = load_causal_lm(str(out), "draft")
     from distill.export import load_checkpoint_draft
 
@@ -105,6 +147,32 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
     assert torch.equal(draft_vocab_map(setup(cfg, log=_quiet).draft).cpu(), draft_vocab_map(draft))
     with pytest.raises(SetupError, match=f"already pruned to {KEEP} ids"):
         setup(compose(overrides(pair, again, f"draft.name_or_path={out}", "draft.vocab.keep=30")), log=_quiet)
+
+
+def test_a_target_tokenizer_without_pad_trains_exports_and_decodes(pair, tmp_path, capsys):
+    """Llama-style tokenizers have no pad token: training adds eos as pad and saves that tokenizer (and its hash in
+    the map); `python -m decode generate` loads the target's own. It exited 2 (pad 2 vs None, then the map's
+    tokenizer hash); the same tokenizer must pass."""
+    import shutil
+
+    from decode.__main__ import main
+    from transformers import AutoTokenizer
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    tok = AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
+    tok.pad_token = None
+    for src, dst in ((pair["target"], target), (pair["draft"], draft)):
+        shutil.copytree(src, dst)
+        for f in dst.glob("tokenizer*"):
+            f.unlink()
+        tok.save_pretrained(str(dst))
+    no_pad = {**pair, "target": target, "draft": draft}
+    train(compose(overrides(no_pad, tmp_path / "run", f"draft.vocab.keep={KEEP}", "train.max_steps=2")), log=_quiet)
+    export(tmp_path / "run" / "best", tmp_path / "export")
+    assert load_tokenizer(str(target)).pad_token_id is None
+    argv = ["generate", "--target", str(target), "--draft", str(tmp_path / "export"), "--prompt", "the draft",
+            "--max-new-tokens", "4", "--device", "cpu", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err
 
 
 def test_cached_mode_chooses_from_the_cache(pair, tmp_path, monkeypatch):

@@ -165,17 +165,13 @@ def recover_replaced_dir(path: Path) -> Path | None:
 
 
 def recover_interrupted_swaps(output_dir: str | Path) -> list[tuple[Path, Path]]:
-    """:func:`recover_replaced_dir` for every checkpoint of a run folder (``best`` and ``step_N``) that a crash
-    inside :func:`replace_dir` left only as ``NAME.tmp`` / ``NAME.old``; returns ``(restored, came_from)`` pairs.
-    Without it ``export <run>/best`` fails, and resume misses a step, until the next save of that name."""
-    out, done = Path(output_dir), []
-    names = {p.name.rsplit(".", 1)[0] for suffix in ("tmp", "old") for p in out.glob(f"*.{suffix}") if p.is_dir()}
-    for name in sorted(names):
-        if name == "best" or (name.startswith("step_") and name[5:].isdigit()):
-            source = recover_replaced_dir(out / name)
-            if source is not None:
-                done.append((out / name, source))
-    return done
+    """:func:`recover_replaced_dir` for a run folder's ``best/``, which a crash inside :func:`replace_dir` left only
+    as ``best.tmp`` / ``best.old``; returns the ``(restored, came_from)`` pair, if any. Without it
+    ``export <run>/best`` fails until the run saves a better best. (A ``step_N`` left that way is not restored: the
+    main process would rename it while the other processes choose their checkpoint; resume takes the step before
+    it, and reaching step N again rewrites it.)"""
+    source = recover_replaced_dir(Path(output_dir) / "best")
+    return [(Path(output_dir) / "best", source)] if source is not None else []
 
 
 def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, optimizer: Any, state: dict,
@@ -647,7 +643,7 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                 p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
         return None
     own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
-    if main and own_run:  # a crash inside replace_dir (best/ or a step_N) left its complete copy beside it
+    if main and own_run:  # a crash inside replace_dir left best/'s complete copy beside it
         for restored, source in recover_interrupted_swaps(out):
             if log is not None:
                 log(f"{restored.name}/ was missing after a save interrupted between two renames; restored it from "

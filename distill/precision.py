@@ -72,3 +72,30 @@ def accelerator_precision(train: Any) -> tuple[str, bool]:
         raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU (fp16 autocast with a gradient scaler is "
                          "GPU-only); on CPU use train.mixed_precision=bf16 or train.mixed_precision=no")
     return resolve_mixed_precision(str(train.mixed_precision), "cpu" if cpu else "cuda"), cpu
+
+
+# ``accelerate launch`` passes its config to the processes as these variables; the engine each one asks for.
+LAUNCHER_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED"}
+
+
+def launcher_notes(precision: str, train_setting: str, distributed_type: str,
+                   env: dict[str, str] | None = None) -> list[str]:
+    """What the ``accelerate launch`` config (``env``: its variables, ``os.environ`` when None) asked for that this
+    run does not do, one sentence each: a launcher ``mixed_precision`` other than the ``precision`` that
+    ``train.mixed_precision=train_setting`` chose (the recipe passes its own to accelerate, so the launcher's is not
+    used), and an FSDP/DeepSpeed config on a run whose ``distributed_type`` is another (on CPU accelerate runs
+    plain data parallelism: every process holds the whole draft and its optimizer state)."""
+    import os
+
+    env = os.environ if env is None else env
+    notes = []
+    launcher = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher not in ("", "no") and launcher != precision:
+        notes.append(f"the launcher's mixed_precision={launcher} is not used: train.mixed_precision={train_setting} "
+                     f"decides ({precision}); set train.mixed_precision={launcher} to train in {launcher}")
+    for key, engine in LAUNCHER_ENGINES.items():
+        if env.get(key, "false").lower() == "true" and distributed_type != engine:
+            notes.append(f"the launcher config asks for {engine}, but this run is {distributed_type} (accelerate "
+                         f"uses {engine} only on GPUs; on CPU it runs plain data parallelism over gloo, every "
+                         "process holding the whole draft and optimizer state)")
+    return notes

@@ -42,7 +42,7 @@ from distill.logit_cache import cached_training_data, open_for_training, peak_me
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
                             load_draft_tokenizer, load_target, load_tokenizer)
-from distill.precision import accelerator_precision
+from distill.precision import accelerator_precision, launcher_notes
 from distill.rollout import rollout
 from distill.vocab import prune_for_training
 
@@ -189,6 +189,9 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
     if str(cfg.train.mixed_precision) == "auto":
         log(f"train.mixed_precision=auto -> {precision} (distill/precision.py: bf16 only where the hardware has it)")
+    if accelerator.is_main_process:
+        for note in launcher_notes(precision, str(cfg.train.mixed_precision), accelerator.distributed_type.value):
+            log(f"warning: {note}")
     if accelerator.distributed_type == DistributedType.DEEPSPEED and int(cfg.train.grad_accum) != 1:
         raise SetupError("DeepSpeed owns gradient accumulation: set train.grad_accum=1 and raise train.batch_size "
                          "(the recipe's exact token-count division needs one micro-batch per step)")
@@ -264,13 +267,18 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
 
 # ------------------------------------------------------------------------------------------------ micro-batch
 
+def micro_rng(cfg: DictConfig, micro_id: int) -> random.Random:
+    """The generator of global micro-batch ``micro_id``: its λ coin, then its rollout seed (same on every process)."""
+    return random.Random(f"{cfg.train.seed}/{micro_id}")
+
+
 def micro_batch(run: Run, micro_id: int) -> tuple[list[dict], bool]:
     """The examples of global micro-batch ``micro_id``; with probability λ their completions are draft rollouts."""
     cfg, acc = run.cfg, run.accelerator
     idx = micro_batch_indices(len(run.examples), micro_id, int(cfg.train.batch_size), int(cfg.train.seed),
                               bool(cfg.data.shuffle))
     batch = [run.examples[i] for i in idx]
-    rng = random.Random(f"{cfg.train.seed}/{micro_id}")
+    rng = micro_rng(cfg, micro_id)
     on_policy = rng.random() < float(cfg.data.on_policy_fraction)
     if on_policy:
         gen = torch.Generator(device=acc.device).manual_seed(rng.randrange(2**63))
@@ -413,7 +421,8 @@ def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
     (``step · grad_accum · processes`` when None; a run resumed on another world size passes its own).
 
     Returns ``loss_sum`` (a device scalar: the step's loss on this process), ``tokens`` (completion tokens of the
-    window over all processes), ``grad_norm`` (device scalar, None under DeepSpeed) and ``on_policy_fraction``.
+    window over all processes), ``grad_norm`` (device scalar, None under DeepSpeed) and ``on_policy_fraction``
+    (of the window's micro-batches over all processes).
     """
     cfg, acc = run.cfg, run.accelerator
     draft, optimizer, scheduler = run.draft, run.optimizer, run.scheduler
@@ -445,8 +454,12 @@ def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss_sum": loss_sum, "tokens": int(n_global), "grad_norm": grad_norm,
-            "on_policy_fraction": sum(p for _, p in drawn) / accum}
+    # The fraction of the step's micro-batches on every process that were on-policy: each coin is a function of
+    # (seed, micro-batch id), so it is counted here without a collective.
+    window = range(micro_position, micro_position + accum * world)
+    lam = float(cfg.data.on_policy_fraction)
+    on_policy = sum(micro_rng(cfg, m).random() < lam for m in window) / len(window)
+    return {"loss_sum": loss_sum, "tokens": int(n_global), "grad_norm": grad_norm, "on_policy_fraction": on_policy}
 
 
 # ------------------------------------------------------------------------------------------------ evaluate
@@ -526,7 +539,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
     # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
     kept_v = saved.get("verify_costs") if kept_c is not None else None
-    run = setup(cfg, log=log or print, cost_ratio=kept_c, resume_from=resume_from, verify_costs=kept_v)
+    main = int(os.environ.get("RANK", "0")) == 0  # setup's lines are the same on every process: print them once
+    run = setup(cfg, log=log or (print if main else lambda *_: None), cost_ratio=kept_c, resume_from=resume_from,
+                verify_costs=kept_v)
     cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
     out = run.output_dir
@@ -618,7 +633,11 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             micro_position += accum * world
             state["examples_consumed"] = micro_position * int(cfg.train.batch_size)  # the data position
             log_now = step % int(cfg.train.log_every) == 0 or step == 1 or step == stop_at
-            if log_now or flag.stop:  # the loss is read (a host sync) only when it is shown
+            signalled = flag.stop
+            if acc.num_processes > 1:  # a signal may reach one process only (kill -TERM of a rank) or the processes
+                # at different steps: all stop at the same step, or the others wait in the next collective forever
+                signalled = bool(acc.reduce(torch.tensor(float(signalled), device=acc.device), reduction="sum").item())
+            if log_now or signalled:  # the loss is read (a host sync) only when it is shown
                 loss_value = float(acc.reduce(out_step["loss_sum"], reduction="mean").item())
             dt = time.perf_counter() - t0
             tokens_per_s = out_step["tokens"] / max(dt, 1e-9)
@@ -634,14 +653,14 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             if max_time_s and acc.num_processes > 1:  # every process must stop at the same step
                 flag_t = torch.tensor(float(out_of_time), device=acc.device)
                 out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
-            stop_now = flag.stop or step == stop_at or out_of_time
+            stop_now = signalled or step == stop_at or out_of_time
             t1 = time.perf_counter()
             clock["elapsed_s"] += t1 - t0
             state["elapsed_s"] = clock["elapsed_s"]  # saved with the checkpoint: a resumed run keeps its schedule
             maybe_eval_and_save(step, force=stop_now)
             clock["elapsed_s"] += time.perf_counter() - t1  # eval and checkpoint time count against the budget
             state["elapsed_s"] = clock["elapsed_s"]
-            if flag.stop:
+            if signalled:
                 log(f"stopped by signal at step {step}; resume with train.resume=true")
                 break
             if out_of_time:

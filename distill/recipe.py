@@ -667,7 +667,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                 log(f"train.max_time_s={max_time_s:.0f} reached at step {step} ({clock['elapsed_s']:.0f}s)")
                 break
     logger.finish()
-    summary = {"steps": state["step"], "max_steps": max_steps, "final_loss": loss_value,
+    # null, not NaN (invalid JSON), when this call trained no step (a finished run resumed) or the loss diverged
+    final_loss = loss_value if math.isfinite(loss_value) else None
+    summary = {"steps": state["step"], "max_steps": max_steps, "final_loss": final_loss,
                "tokens_seen": state["tokens_seen"], "best": state["best"], "last_eval": state["last_eval"],
                "initial_eval": state.get("initial_eval"), "num_processes": world, "output_dir": str(out),
                "elapsed_s": state.get("elapsed_s"), "target_logits": target_logits_mode(cfg),

@@ -121,6 +121,17 @@ def test_resume_restores_a_best_folder_left_aside_by_a_crash_inside_its_swap(pai
     assert lines == [f"best/ was missing after a save interrupted between two renames; restored it from {left}/"]
 
 
+def test_resuming_a_finished_run_writes_a_valid_summary(pair, straight, tmp_path):
+    """A run resumed at its last step trains nothing: its final loss is null, not NaN (which is not JSON)."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    s = train(compose(overrides(pair, out, *FAST, "train.resume=true")), log=QUIET)
+    assert s["steps"] == 4 and s["final_loss"] is None
+    summary = json.loads((out / "summary.json").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert summary["final_loss"] is None and summary["steps"] == 4
+
+
 def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
     out, shared = tmp_path / "run", tmp_path / "shared"
     out.mkdir()

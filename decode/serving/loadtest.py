@@ -170,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: a few code "
                    "prompts)")
     p.add_argument("--server-pid", type=int, default=None, help="read RSS from /proc/PID (default: /metrics)")
-    p.add_argument("--api-key", default=os.environ.get("DRAFTKIT_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("DRAFTKIT_API_KEY"),
+                   help="the server's API key (default: $DRAFTKIT_API_KEY)")
     p.add_argument("--warmup-requests", type=int, default=None, help="requests sent (and not counted) before the "
                    "first RSS reading, so one-time allocations do not count as growth (default: --concurrency)")
     p.add_argument("--output", default=None, help="write the summary as JSON here (never overwritten)")
@@ -200,10 +201,20 @@ def main(argv: list[str] | None = None) -> int:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        model = args.model or httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        # the key is checked here too (with --model given, every request would otherwise fail with a 401)
+        answer = httpx.get(url + "/v1/models", headers=headers, timeout=10)
     except httpx.HTTPError as err:
         raise ValueError(f"no server answers at {url} ({err.__class__.__name__}); start `python -m decode serve` "
                          "first") from err
+    if answer.status_code == 401:
+        given = "refused the one given" if args.api_key else "none was given"
+        raise ValueError(f"the server at {url} wants an API key and {given}: pass the server's key with --api-key KEY "
+                         "or DRAFTKIT_API_KEY=KEY")
+    try:
+        model = args.model or answer.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{url}/v1/models answered HTTP {answer.status_code} without a model list "
+                         f"({answer.text[:200]!r}); is it a `python -m decode serve` server?") from None
     warmup = args.concurrency if args.warmup_requests is None else args.warmup_requests
     if warmup > 0:
         asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, min(args.concurrency, warmup),

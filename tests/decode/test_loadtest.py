@@ -39,6 +39,19 @@ def test_loadtest_refuses_other_hosts_and_bad_bounds():
         loadtest.main(["--url", "http://127.0.0.1:1", "--duration", "1"])
 
 
+def test_loadtest_without_the_server_s_key_is_a_clear_error(monkeypatch):
+    """README starts the server with DRAFTKIT_API_KEY; a loadtest without the key crashed with KeyError: 'data'."""
+    monkeypatch.delenv("DRAFTKIT_API_KEY", raising=False)
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, api_key="sk-right") as (url, _, _):
+        with pytest.raises(ValueError, match="wants an API key and none was given: pass the server's key"):
+            loadtest.main(["--url", url, "--duration", "1"])
+        with pytest.raises(ValueError, match="refused the one given"):
+            loadtest.main(["--url", url, "--duration", "1", "--api-key", "sk-wrong"])
+        monkeypatch.setenv("DRAFTKIT_API_KEY", "sk-right")  # the documented default of --api-key
+        assert loadtest.main(["--url", url, "--duration", "0.5", "--concurrency", "1", "--max-tokens", "2"]) == 0
+
+
 def test_summary_counts_errors_by_kind():
     raw = {"results": [{"error": "http 429"}, {"error": "http 429"}, {"tokens": 5, "ttft_s": 0.1, "itl_s": 0.01}],
            "wall_s": 2.0}

@@ -86,6 +86,7 @@ def cmd_generate(argv: list[str]) -> int:
     # 0.0 would read as a draft that is always rejected.
     metrics = {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens,
                "acceptance_rate": s.acceptance_rate if s.num_drafted else None,
+               "alpha": s.alpha if s.num_drafted else None,  # per-token acceptance (Leviathan et al.'s α)
                "mean_accepted_length": s.mean_accepted_length, "acceptance_by_position": s.acceptance_by_position,
                "ttft_s": s.ttft_s, "per_token_latency_s": s.per_token_latency_s, "tokens_per_s": s.tokens_per_s,
                "peak_memory_bytes": s.peak_memory_bytes}

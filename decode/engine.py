@@ -119,7 +119,8 @@ class SpeculativeDecoder:
     Args:
         target: a Hugging Face causal LM (``PreTrainedModel``), used frozen.
         draft: a causal LM sharing the target's tokenizer, or ``None`` for plain decoding only.
-        num_draft_tokens: γ, tokens drafted per verify step (0 = plain decoding; ``"auto"`` = γ in
+        num_draft_tokens: γ, tokens drafted per verify step (None: 4 with a draft, 0 without; 0 = plain
+            decoding; ``"auto"`` = γ in
             ``[0, max_auto_draft_tokens]`` chosen each step by :class:`decode.speedup.AdaptiveGamma` from the
             acceptance so far and the cost model of the current batch size; deterministic, see ``auto_costs``).
         tokenizer, draft_tokenizer: if given, checked for compatibility and used to set the shared vocabulary
@@ -142,8 +143,8 @@ class SpeculativeDecoder:
         ValueError: a bad ``num_draft_tokens``.
     """
 
-    def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str = 4, tokenizer: Any = None,
-                 draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
+    def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str | None = None,
+                 tokenizer: Any = None, draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
                  auto_costs: dict[int, dict] | None = None, compile: bool = False,
                  static_cache: bool | None = None):
         self.target = target
@@ -155,7 +156,8 @@ class SpeculativeDecoder:
             raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
                              f"'auto'), got {max_auto_draft_tokens!r}")
         self.max_auto_draft_tokens = max_auto_draft_tokens
-        self.num_draft_tokens = self._check_gamma(num_draft_tokens)
+        self.num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
+                                                  else num_draft_tokens)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.

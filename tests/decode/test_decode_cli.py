@@ -31,7 +31,7 @@ def test_generate_streams_text_and_prints_metrics(saved_pair):
     assert r.returncode == 0, r.stderr
     metrics = json.loads(r.stdout)  # with --json, stdout is one JSON document
     assert metrics["num_draft_tokens"] == 3 and 1 <= metrics["new_tokens"] <= 12
-    assert 0.0 <= metrics["acceptance_rate"] <= 1.0 and metrics["mean_accepted_length"] >= 1.0
+    assert 0.0 <= metrics["acceptance_rate"] <= metrics["alpha"] <= 1.0 and metrics["mean_accepted_length"] >= 1.0
     assert metrics["prompt"] == "w1 w2 w3" and len(metrics["token_ids"]) == metrics["new_tokens"]
     assert metrics["text"] == make_tokenizer().decode(metrics["token_ids"], skip_special_tokens=True)
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2 w3", "--max-new-tokens", "4")
@@ -44,7 +44,7 @@ def test_generate_without_a_draft_reports_no_acceptance_rate(saved_pair):
             "--json")
     assert r.returncode == 0, r.stderr
     metrics = json.loads(r.stdout)
-    assert metrics["acceptance_rate"] is None and metrics["acceptance_by_position"] == []
+    assert metrics["acceptance_rate"] is None and metrics["alpha"] is None and metrics["acceptance_by_position"] == []
     assert metrics["num_draft_tokens"] == 0 and metrics["mean_accepted_length"] == 1.0
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "--max-new-tokens", "4")
     assert r.returncode == 0 and "nothing drafted" in r.stderr

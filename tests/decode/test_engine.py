@@ -111,6 +111,9 @@ def test_plain_decoding_through_same_engine(pair, references):
     assert out.stats.num_target_forwards == MAX_NEW
     only_target = SpeculativeDecoder(target, None, 0).generate(prompts, max_new_tokens=MAX_NEW)
     assert [t.tolist() for t in only_target.new_tokens] == refs
+    # without a draft, γ defaults to 0 (it was 4, so SpeculativeDecoder(target) raised "needs a draft model")
+    assert SpeculativeDecoder(target).num_draft_tokens == 0
+    assert SpeculativeDecoder(target, drafts["random"]).num_draft_tokens == 4
 
 
 def test_auto_gamma_is_lossless_and_adapts(pair, references):

@@ -345,8 +345,13 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a valid safetensors file ({type(e).__name__}: {e}); the checkpoint "
-                              "is damaged or was not written by draftkit") from e
+        raise not_safetensors(path, e) from e
+
+
+def not_safetensors(path: Path, err: Exception) -> CheckpointError:
+    """The error for a checkpoint file that safetensors cannot read (a pickle, a truncated or damaged file)."""
+    return CheckpointError(f"{path} is not a valid safetensors file ({type(err).__name__}: {err}); the checkpoint is "
+                           "damaged or was not written by draftkit")
 
 
 def read_state(path: str | Path) -> dict:

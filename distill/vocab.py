@@ -8,7 +8,6 @@ al. 2025) chooses its draft vocabulary by token frequency; the target's mass is 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -71,19 +70,24 @@ def checkpoint_vocab_map(checkpoint: str | Path) -> torch.Tensor | None:
     so then from ``draft/`` (the unwrapped draft's ``save_pretrained``) or, when that holds a LoRA adapter only,
     from the adapter's base named in ``trainer_state.json`` (``draft_base``, saved pruned by the run).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from decode.vocab_map import _read_tensors
+    from distill.checkpoint import STATE_FILE, not_safetensors, read_json
 
     checkpoint = Path(checkpoint)
     path = checkpoint / "model.safetensors"
     if path.is_file():
-        with safe_open(str(path), framework="pt") as f:
-            key = next((k for k in f.keys() if k == MAP_KEY or k.endswith("." + MAP_KEY)), None)
-            return f.get_tensor(key).long() if key is not None else None
+        try:  # read before the checkpoint's own load, so a damaged file is named here, never unpickled
+            with safe_open(str(path), framework="pt") as f:
+                key = next((k for k in f.keys() if k == MAP_KEY or k.endswith("." + MAP_KEY)), None)
+                return f.get_tensor(key).long() if key is not None else None
+        except (SafetensorError, OSError, ValueError) as e:
+            raise not_safetensors(path, e) from e
     folders = [checkpoint / "draft"]
-    if (checkpoint / "draft" / "adapter_config.json").is_file() and (checkpoint / "trainer_state.json").is_file():
-        base = json.loads((checkpoint / "trainer_state.json").read_text()).get("draft_base")
+    if (checkpoint / "draft" / "adapter_config.json").is_file() and (checkpoint / STATE_FILE).is_file():
+        state = read_json(checkpoint / STATE_FILE)
+        base = state.get("draft_base") if isinstance(state, dict) else None
         folders = [Path(base)] if base else []
     for folder in folders:
         ids = _read_tensors(folder, [MAP_KEY]).get(MAP_KEY) if folder.is_dir() else None

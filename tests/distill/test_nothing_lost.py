@@ -132,6 +132,18 @@ def test_resuming_a_finished_run_writes_a_valid_summary(pair, straight, tmp_path
     assert summary["final_loss"] is None and summary["steps"] == 4
 
 
+def test_a_missing_checkpoint_is_named_as_missing_with_the_run_s_newest(straight, tmp_path):
+    """It was 'no manifest.json: its save was interrupted', which sends a user looking for a crash."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "best")  # a run that never evaluated (e.g. the quickstart's cached distillation)
+    with pytest.raises(ckpt.CheckpointError, match=r"best does not exist \(a run writes best/ only when it "
+                                                   r"evaluates\); its run's newest checkpoint is .*step_000004"):
+        ckpt.check_complete(out / "best")
+    with pytest.raises(ckpt.CheckpointError, match=r"nowhere does not exist; give a step_N"):
+        ckpt.check_complete(tmp_path / "nowhere")
+
+
 def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
     out, shared = tmp_path / "run", tmp_path / "shared"
     out.mkdir()

@@ -2,7 +2,7 @@
 draft, distill it against the target, export it, and measure both drafts on held-out real prompts.
 
     scripts/quickstart.sh                  # installs, then: python -m quickstart
-    python -m quickstart --smoke   # the same path in about a minute (CI end-to-end test)
+    python -m quickstart --smoke   # the same path in 1-2 minutes (CI end-to-end test)
 
 Phases (each reuses its artifact under ``--out`` when present; the commands are printed so each can be rerun alone):
 
@@ -688,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="settings of the quickstart: section, e.g. target.budget_s=300 "
                    "eval.prompt_sets.mbpp_code=20")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and seconds of training (experiment "
-                   "quickstart_smoke): the same path in about a minute")
+                   "quickstart_smoke): the same path in 1-2 minutes")
     p.add_argument("--experiment", default=None, help="conf/experiment/NAME.yaml (default: quickstart, or "
                    "quickstart_smoke with --smoke)")
     p.add_argument("--out", default=None, help="output folder (default: the experiment's out_dir)")

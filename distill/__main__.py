@@ -242,6 +242,27 @@ def run_generate_data(cfg: Any, opts: dict) -> None:
     print(json.dumps({"rows": len(rows), "path": str(target_data_dir(cfg) / "dataset")}))
 
 
+def _check_eval_keep(cfg: Any) -> None:
+    """``distill eval`` measures the draft as it is: ``draft.vocab.keep`` may only be null or the draft's own map
+    size (pruning is a training step, :mod:`distill.vocab`). Raises SetupError before any model loads."""
+    from decode.vocab_map import pruned_size
+    from distill.models import SetupError
+
+    keep = (cfg.draft.get("vocab") or {}).get("keep")
+    if keep is None:
+        return
+    try:
+        size = pruned_size(cfg.draft.name_or_path)
+    except ValueError as err:
+        raise SetupError(str(err)) from None
+    if size != int(keep):
+        head = (f"a {size}-id vocabulary map" if size is not None
+                else "no vocabulary map (no draft_vocab_map_size in a local config.json)")
+        raise SetupError(f"draft.vocab.keep={keep}, but distill eval measures the draft as it is, and "
+                         f"{cfg.draft.name_or_path} has {head}: set draft.vocab.keep=null (pruning to N ids is done "
+                         "by python -m distill train draft.vocab.keep=N)")
+
+
 def run_eval(cfg: Any, opts: dict) -> None:
     import torch
 
@@ -252,6 +273,7 @@ def run_eval(cfg: Any, opts: dict) -> None:
     from distill.recipe import load_data
 
     cfg = normalize_config(cfg)
+    _check_eval_keep(cfg)
     tokenizer, target, draft = _load_pair(cfg)
     ctx = [c for c in (context_length(target), context_length(draft)) if c]
     _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)

@@ -168,6 +168,20 @@ def test_eval_out_is_checked_before_loading(pair, tmp_path, capsys):
     assert existing.read_text() == "{}"
 
 
+def test_eval_refuses_a_keep_that_is_not_the_draft_s_own(pair, tmp_path, capsys, monkeypatch):
+    """distill eval measured the draft as it is and ignored draft.vocab.keep: a user asking for keep=N got numbers
+    for the full draft (or for another N) with no word. Refused before any model loads."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(SystemExit) as e:
+        main(["eval", *overrides(pair, tmp_path / "run"), "draft.vocab.keep=50"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "draft.vocab.keep=50, but distill eval measures the draft as it is" in err
+    assert "no vocabulary map" in err and "draft.vocab.keep=null" in err
+
+
 def test_resume_a_one_process_run_with_two_processes_continues_at_its_example(pair, tmp_path):
     """#10's case: 1 process x batch 2 stops at step 2 (examples 0-3); resumed by 2 processes x batch 2, steps 3-4
     must train on examples 4-11, which is exactly what 1 process x batch 2 x accumulation 2 trains on from there

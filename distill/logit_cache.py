@@ -103,16 +103,21 @@ def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | N
                                 (cfg.data.get("logit_cache_tail_samples") or 0))}
 
 
-def check_manifest(manifest: dict, expected: dict, path: str | Path) -> None:
-    """Raise SetupError naming every field of ``manifest`` that differs from ``expected`` and the setting to fix."""
+def check_manifest(manifest: dict, expected: dict, path: str | Path, training: bool = False) -> None:
+    """Raise SetupError naming every field of ``manifest`` that differs from ``expected`` and the setting to fix
+    (``training``: also that null k / tail samples take the cache's own, which only ``train`` does)."""
     if manifest.get("format") != FORMAT_VERSION:
         raise SetupError(f"logit cache {path} has format {manifest.get('format')!r}, this draftkit reads "
                          f"{FORMAT_VERSION}; rebuild it with python -m distill cache-logits")
     diffs = [f"{key} (cache {manifest.get(key, DEFAULTS.get(key))!r}, config {expected[key]!r}; set by {CHECKED[key]})"
              for key in CHECKED if key in expected and manifest.get(key, DEFAULTS.get(key)) != expected[key]]
     if diffs:
+        own = [CHECKED[k] for k in ("k", "tail_samples") if training and k in expected
+               and manifest.get(k, DEFAULTS.get(k)) != expected[k]]
+        null = f" ({' / '.join(f'{s}=null' for s in own)} takes the cache's own value)" if own else ""
         raise SetupError(f"logit cache {path} was made for another setup: " + "; ".join(diffs) +
-                         ". Use the same settings as cache-logits, or build a new cache at another data.logit_cache")
+                         f". Use the same settings as cache-logits{null}, or build a new cache at another "
+                         "data.logit_cache")
 
 
 # Keys every manifest written by ``cache-logits`` has (complete or not); a folder whose manifest.json lacks them
@@ -455,7 +460,7 @@ def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
     tail = cfg.data.get("logit_cache_tail_samples")
     expected = expected_manifest(cfg, tokenizer, base_examples, k=cfg.data.get("logit_cache_k") or cache.k,
                                  tail_samples=cache.tail_samples if tail is None else tail)
-    check_manifest(cache.manifest, expected, cache.path)
+    check_manifest(cache.manifest, expected, cache.path, training=True)
     if cache.tail_samples and str(cfg.loss.name) != "fkl":
         raise SetupError(f"logit cache {cache.path} holds {cache.tail_samples} sampled tail ids per position, which "
                          f"give an unbiased gradient for loss=fkl only (loss={cfg.loss.name}): use loss=fkl, or a "

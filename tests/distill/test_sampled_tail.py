@@ -149,7 +149,8 @@ def test_cache_stores_draws_reproducibly_and_train_refuses_other_losses(pair, tm
         train(compose(ov(tmp_path / "jsd", a, "data.target_logits=cached", "loss=jsd", "train.max_steps=1",
                          "data.logit_cache_tail_samples=null")),
               log=lambda *_: None)
-    with pytest.raises(SetupError, match="data.logit_cache_tail_samples"):  # config 0 vs cache 6: named
+    with pytest.raises(SetupError, match=r"(?s)data.logit_cache_tail_samples.*data.logit_cache_tail_samples=null "
+                                         "takes the cache's own value"):  # config 0 vs cache 6: named, with the fix
         train(compose(ov(tmp_path / "zero", a, "data.target_logits=cached", "train.max_steps=1",
                          "data.logit_cache_tail_samples=0")), log=lambda *_: None)
     out = train(compose(ov(tmp_path / "ok", a, "data.target_logits=cached", "train.max_steps=2",

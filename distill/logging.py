@@ -14,8 +14,36 @@ from typing import Any, Callable, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 
+def wandb_mode(mode: str, env: Any) -> str:
+    """The ``mode`` given to ``wandb.init`` for ``logger.mode``: ``auto`` is ``$WANDB_MODE`` when set (``init``'s own
+    argument would override it), else ``online`` for a user with W&B credentials (``$WANDB_API_KEY``, or the
+    ``~/.netrc`` entry that ``wandb login`` writes for the API host) and ``offline`` without; ``dryrun`` (W&B's
+    old name) is ``offline``. Any other value is passed through."""
+    if mode != "auto":
+        return mode
+    mode = env.get("WANDB_MODE") or ("online" if env.get("WANDB_API_KEY") or _netrc_login(env) else "offline")
+    return "offline" if mode == "dryrun" else mode
+
+
+def _netrc_login(env: Any) -> bool:
+    """True when the netrc file (``$NETRC``, else ``~/.netrc``) holds a password for the W&B API host
+    (``$WANDB_BASE_URL``, default https://api.wandb.ai), as ``wandb login`` writes it."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = env.get("NETRC") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
 class MetricsLogger:
-    """metrics.jsonl always; W&B too with ``logger=wandb`` (offline without an API key). Main process only."""
+    """metrics.jsonl always; W&B too with ``logger=wandb`` (offline without W&B credentials: :func:`wandb_mode`).
+    Main process only."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool, resumed: bool):
         self.enabled = enabled
@@ -28,11 +56,7 @@ class MetricsLogger:
 
             import wandb
 
-            mode = cfg.logger.get("mode") or "auto"
-            if mode == "auto":  # wandb.init(mode=...) overrides $WANDB_MODE, so honour it here
-                mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-                if mode == "dryrun":  # wandb's old name for offline
-                    mode = "offline"
+            mode = wandb_mode(cfg.logger.get("mode") or "auto", os.environ)
             id_file = output_dir / "wandb_run_id"  # a resumed run continues the same W&B run
             run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
             self.run = wandb.init(project=cfg.logger.get("project") or "draftkit",

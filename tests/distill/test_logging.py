@@ -131,12 +131,19 @@ def test_train_shows_cost_ratio_and_eval_progress(pair, tmp_path, monkeypatch):
     assert "eval α/τ" not in quiet.getvalue() and COST_RATIO_PROGRESS not in quiet.getvalue()
 
 
-@pytest.mark.parametrize("env,expect", [({"WANDB_MODE": "offline", "WANDB_API_KEY": "k" * 40}, "offline"),
-                                        ({"WANDB_MODE": "disabled"}, "disabled"),
-                                        ({"WANDB_API_KEY": "k" * 40}, "online"), ({}, "offline")])
-def test_wandb_auto_mode_honours_wandb_mode(tmp_path, monkeypatch, env, expect):
+WANDB_NETRC = "machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n"
+
+
+@pytest.mark.parametrize("env,netrc,expect", [
+    ({"WANDB_MODE": "offline", "WANDB_API_KEY": "k" * 40}, None, "offline"),
+    ({"WANDB_MODE": "disabled"}, None, "disabled"),
+    ({"WANDB_API_KEY": "k" * 40}, None, "online"), ({}, None, "offline"),
+    # `wandb login` keeps the key in ~/.netrc, not in the environment: such a user was logged offline
+    ({}, WANDB_NETRC, "online"), ({"WANDB_MODE": "offline"}, WANDB_NETRC, "offline"),
+    ({}, "machine example.com\n  login u\n  password p\n", "offline")])
+def test_wandb_auto_mode_honours_wandb_mode(tmp_path, monkeypatch, env, netrc, expect):
     """logger.mode=auto passes $WANDB_MODE on (wandb.init's mode argument would override it: with an API key set,
-    WANDB_MODE=offline went online and hung on a machine without network)."""
+    WANDB_MODE=offline went online and hung on a machine without network), and goes online for a logged-in user."""
     import types
 
     import wandb
@@ -144,8 +151,12 @@ def test_wandb_auto_mode_honours_wandb_mode(tmp_path, monkeypatch, env, expect):
 
     from distill.logging import MetricsLogger
 
-    for k in ("WANDB_MODE", "WANDB_API_KEY"):
+    for k in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(k, raising=False)
+    netrc_file = tmp_path / "netrc"  # never the machine's own ~/.netrc
+    if netrc is not None:
+        netrc_file.write_text(netrc)
+    monkeypatch.setenv("NETRC", str(netrc_file))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     seen = {}

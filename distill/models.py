@@ -141,13 +141,19 @@ def load_draft(cfg: Any, target: Any) -> Any:
 
 
 def attach_lora(draft: Any, cfg: Any) -> Any:
-    """Wrap the draft with a peft LoRA adapter (``train.lora``: r, alpha, dropout, target_modules)."""
+    """Wrap the draft with a peft LoRA adapter (``train.lora``: r, alpha, dropout, target_modules).
+
+    ``alpha`` is passed as given (a float: the adapter's scale is alpha / r); truncating it to an integer would
+    turn ``train.lora.alpha=0.5`` into 0, an adapter with zero scale and zero gradient that never trains.
+    """
     from peft import LoraConfig, get_peft_model
 
     modules = cfg.get("target_modules") or "all-linear"
     if not isinstance(modules, str):
         modules = list(modules)
-    lcfg = LoraConfig(r=int(cfg.r), lora_alpha=int(cfg.alpha), lora_dropout=float(cfg.dropout),
+    alpha = float(cfg.alpha)
+    lcfg = LoraConfig(r=int(cfg.r), lora_alpha=int(alpha) if alpha.is_integer() else alpha,
+                      lora_dropout=float(cfg.dropout),
                       target_modules=modules, bias="none", task_type="CAUSAL_LM")
     try:
         return get_peft_model(draft, lcfg)

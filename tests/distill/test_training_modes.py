@@ -1,0 +1,78 @@
+"""Training modes as a Hugging Face/TRL/peft user tries them: LoRA settings that must not be silently changed, and
+the target-generated data cache (sequence-level KD) against a target that changed after the cache was made."""
+import shutil
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from distill.data import build_examples, cache_key, generate_target_data
+from distill.models import attach_lora, load_draft, load_target
+from distill_helpers import make_llama
+
+
+@pytest.fixture(scope="module")
+def tok(pair):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
+
+
+def _draft_cfg(path):
+    return OmegaConf.create({"name_or_path": str(path), "num_hidden_layers": None, "hidden_size": None,
+                             "intermediate_size": None, "num_attention_heads": None, "num_key_value_heads": None,
+                             "init_from_target": True, "dtype": None, "seed": 0})
+
+
+def _lora_cfg(**kw):
+    return OmegaConf.create({"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"], **kw})
+
+
+def test_lora_fractional_alpha_keeps_its_scale_and_trains(pair):
+    """train.lora.alpha=0.5 (a float in the schema) was truncated to 0: zero scale, zero gradient, no training."""
+    target = load_target(OmegaConf.create({"name_or_path": str(pair["target"])}))
+    lora = attach_lora(load_draft(_draft_cfg(pair["draft"]), target), _lora_cfg(alpha=0.5))
+    layer = lora.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.scaling["default"] == 0.5 / 4
+    lora(torch.tensor([[1, 5, 9, 12]])).logits.square().mean().backward()
+    assert layer.lora_B["default"].weight.grad.abs().sum() > 0  # B starts at 0: only its gradient can move it
+
+
+def test_lora_integer_alpha_is_saved_as_before(pair):
+    target = load_target(OmegaConf.create({"name_or_path": str(pair["target"])}))
+    lora = attach_lora(load_draft(_draft_cfg(pair["draft"]), target), _lora_cfg(alpha=8.0))
+    assert lora.peft_config["default"].lora_alpha == 8 and isinstance(lora.peft_config["default"].lora_alpha, int)
+
+
+def test_target_data_cache_key_follows_the_targets_weights(pair, tmp_path):
+    """A target retrained or replaced at the same path must not reuse the old target's completions."""
+    path = tmp_path / "target"
+    shutil.copytree(pair["target"], path)
+    examples = [{"prompt_ids": [1, 5, 9], "completion_ids": []}]
+    gen = {"temperature": 0.0, "max_new_tokens": 4, "seed": 0}
+    before = cache_key(str(path), examples, gen)
+    assert cache_key(str(path), examples, gen) == before  # same files, same key: the cache is reused
+    make_llama(path, pair["vocab"], layers=2, seed=7)  # new weights, same path and config
+    assert cache_key(str(path), examples, gen) != before
+    assert cache_key("org/hub-id", examples, gen) == cache_key("org/hub-id", examples, gen)
+
+
+def test_target_generation_drafts_in_eval_mode_and_restores_train_mode(pair, tok, tmp_path):
+    """The recipe's draft is in train mode; generate-data must not draft with dropout (the decoder warned about it)
+    and must hand the draft back in train mode."""
+    target = load_target(OmegaConf.create({"name_or_path": str(pair["target"])}))
+    draft = load_draft(_draft_cfg(pair["draft"]), target)
+    assert draft.training
+    modes = []
+    draft.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    src = OmegaConf.create({"path": str(pair["data"]), "prompt_field": "prompt", "limit": 2})
+    data_cfg = OmegaConf.create({"max_new_tokens": 4, "chat_template": False, "append_eos": True})
+    examples = build_examples(src, tok, data_cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = generate_target_data(target, tok, examples, tmp_path / "cache", "k", temperature=0.0, max_new_tokens=4,
+                                   batch_size=2, shard_size=2, seed=0, draft=draft)
+    assert len(out) == 2 and modes and not any(modes)
+    assert draft.training
+    assert not [w for w in caught if "training mode" in str(w.message)]

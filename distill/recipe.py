@@ -336,8 +336,17 @@ def target_distribution(run: Run, batch: dict[str, torch.Tensor], rows: list[int
         return "logits", kept_logits(run, "target", batch, where)
 
 
-def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
-    """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens.
+def ce_weight(cfg: DictConfig, on_policy: bool) -> float:
+    """``loss.ce_weight`` of a micro-batch: 0 on on-policy batches, whose completions are the draft's own samples
+    (cross-entropy on them would train the draft toward what it already says; GKD's on-policy term is the
+    divergence alone, Agarwal et al. 2024)."""
+    return 0.0 if on_policy else float(cfg.loss.ce_weight)
+
+
+def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
+                  on_policy: bool = False) -> torch.Tensor:
+    """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens
+    (plus ``loss.ce_weight`` of cross-entropy, on batches that are not on-policy: :func:`ce_weight`).
 
     In cached mode ``batch["cache_rows"]`` (B,) locates the examples' cached target distributions.
     Only completion positions reach the lm_heads and the loss, so the float32 softmax work is (N, V), not
@@ -347,7 +356,7 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     """
     cfg, acc = run.cfg, run.accelerator
     if cfg.loss.name == "acceptance":
-        return _acceptance_loss_on_batch(run, batch, n_tokens)
+        return _acceptance_loss_on_batch(run, batch, n_tokens, on_policy)
     where = kept_positions(batch["loss_mask"])
     n_keep = len(where[1])
     labels = batch["labels"].flatten()[batch["loss_mask"].bool().flatten()]
@@ -358,7 +367,7 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     draft_kept = kept_logits(run, "draft", batch, where)
     draft_kept = (draft_kept if vocab_map is not None else _vocab_slice(draft_kept, run.vocab)).unsqueeze(0)
     kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
-              temperature=float(cfg.loss.temperature), ce_weight=float(cfg.loss.ce_weight),
+              temperature=float(cfg.loss.temperature), ce_weight=ce_weight(cfg, on_policy),
               fused=bool(cfg.loss.get("fused", True)))
     ones = torch.ones(1, n_keep, device=acc.device)
     # The pruned-support losses run through autograd (no fused form): loss.fused does not apply to them.
@@ -381,7 +390,8 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     return loss
 
 
-def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor) -> torch.Tensor:
+def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
+                              on_policy: bool = False) -> torch.Tensor:
     """``loss=acceptance`` on (B, C, V) logits: C is the contiguous column span from the first to the last column
     holding a completion token (all L columns when that is every one), so consecutive positions stay consecutive."""
     cfg, acc = run.cfg, run.accelerator
@@ -402,7 +412,7 @@ def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens
     vocab_map = draft_vocab_map(run.draft)
     draft_seq = kept_logits(run, "draft", batch, where).view(shape)  # (B, C, V) or (B, C, N) when pruned
     kw = dict(labels=labels.to(acc.device), beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
-              ce_weight=float(cfg.loss.ce_weight), gamma=int(cfg.loss.gamma))
+              ce_weight=ce_weight(cfg, on_policy), gamma=int(cfg.loss.gamma))
     target_seq = _vocab_slice(target_side.view(shape), run.vocab)
     if vocab_map is not None:
         loss = pruned_distill_loss(cfg.loss.name, draft_seq, target_seq, vocab_map, mask_seq.to(acc.device),
@@ -442,10 +452,10 @@ def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
         n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device), reduction="sum").item())
     n_tokens = n_global / world
     loss_sum = torch.zeros((), device=acc.device)
-    for j, batch in enumerate(batches):
+    for j, (batch, (_, on_policy)) in enumerate(zip(batches, drawn)):
         sync = j == accum - 1
         with acc.no_sync(draft) if not sync else contextlib.nullcontext():
-            loss = loss_on_batch(run, batch, n_tokens)
+            loss = loss_on_batch(run, batch, n_tokens, on_policy)
             acc.backward(loss)
         loss_sum += loss.detach()
     ckpt.fault_point("step", step + 1)
@@ -458,8 +468,8 @@ def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
     # (seed, micro-batch id), so it is counted here without a collective.
     window = range(micro_position, micro_position + accum * world)
     lam = float(cfg.data.on_policy_fraction)
-    on_policy = sum(micro_rng(cfg, m).random() < lam for m in window) / len(window)
-    return {"loss_sum": loss_sum, "tokens": int(n_global), "grad_norm": grad_norm, "on_policy_fraction": on_policy}
+    fraction = sum(micro_rng(cfg, m).random() < lam for m in window) / len(window)
+    return {"loss_sum": loss_sum, "tokens": int(n_global), "grad_norm": grad_norm, "on_policy_fraction": fraction}
 
 
 # ------------------------------------------------------------------------------------------------ evaluate

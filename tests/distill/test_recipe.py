@@ -211,11 +211,11 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(pair, tmp_pat
     train(compose(overrides(pair, straight, "train.save_every=0")), log=lambda *_: None)
     real, calls = recipe.loss_on_batch, []
 
-    def interrupt_on_third(run, batch, n_tokens):
+    def interrupt_on_third(run, batch, n_tokens, on_policy=False):
         calls.append(1)
         if len(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(run, batch, n_tokens)
+        return real(run, batch, n_tokens, on_policy)
 
     monkeypatch.setattr(recipe, "loss_on_batch", interrupt_on_third)
     first = train(compose(overrides(pair, interrupted, "train.save_every=0")), log=lambda *_: None)

@@ -76,3 +76,16 @@ def test_target_generation_drafts_in_eval_mode_and_restores_train_mode(pair, tok
     assert len(out) == 2 and modes and not any(modes)
     assert draft.training
     assert not [w for w in caught if "training mode" in str(w.message)]
+
+
+def test_cross_entropy_is_not_applied_to_on_policy_batches(pair, tmp_path):
+    """loss.ce_weight mixed CE into on-policy batches too, whose labels are the draft's own samples: the draft was
+    trained toward what it already says. With every batch on-policy, ce_weight must change nothing."""
+    from distill.recipe import train
+    from distill_helpers import compose, overrides
+
+    runs = {w: train(compose(overrides(pair, tmp_path / f"ce{w}", "data.on_policy_fraction=1.0",
+                                       f"loss.ce_weight={w}", "train.max_steps=2", "eval.at_start=false",
+                                       "eval.temperatures=[0.0]")), log=lambda *_: None)
+            for w in (0.0, 0.7)}
+    assert runs[0.0]["final_loss"] == pytest.approx(runs[0.7]["final_loss"], rel=1e-6)

@@ -219,6 +219,10 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     if cache is not None:
         pass  # the cache holds the scored sequences (target-generated ones included)
     elif cfg.data.completions in ("target", "both"):
+        if cfg.data.completions == "both" and all(not e["completion_ids"] for e in examples):
+            raise SetupError("data.completions=both trains on the data's own completions and the target's, but the "
+                             "data has none (data.source.completion_field is null or empty): half of the examples "
+                             "would train nothing. Use data.completions=target, or set data.source.completion_field")
         generated = prepare_target_data(cfg, target, draft, tokenizer, examples, accelerator, log)
         examples = generated if cfg.data.completions == "target" else examples + generated
     elif all(not e["completion_ids"] for e in examples) and float(cfg.data.on_policy_fraction) < 1.0:

@@ -144,6 +144,14 @@ def test_no_completions_without_on_policy(pair, tmp_path):
     assert s["steps"] == 1
 
 
+def test_both_completions_without_fixed_ones_is_refused(pair, tmp_path):
+    """data.completions=both with no completion field trained half its examples on zero tokens (loss 0, no
+    gradient, a step of the schedule spent): refused before the target generates anything."""
+    _fails(pair, tmp_path, "data.source.completion_field=null", "data.completions=both",
+           match="data.completions=both .* the data has none.*Use data.completions=target")
+    assert not (tmp_path / "run" / "target_data").exists()
+
+
 def test_other_bad_values(pair, tmp_path):
     _fails(pair, tmp_path, "eval.select_by=loss", match="eval.select_by")
     _fails(pair, tmp_path, "loss.beta=2", match="loss.beta")

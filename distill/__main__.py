@@ -231,14 +231,14 @@ def run_generate_data(cfg: Any, opts: dict) -> None:
 
     cfg = normalize_config(cfg)
     use_draft = bool(cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"))
-    tokenizer, target, draft = _load_pair(cfg, with_draft=use_draft)
+    # The draft is loaded even when it does not draft: its context limits the prompts as in train(), whose
+    # examples (and so the cache key) must be exactly these.
+    tokenizer, target, draft = _load_pair(cfg)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device)
-    if draft is not None:
-        draft.to(device)
-    ctx = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
+    ctx = [c for c in (context_length(target), context_length(draft)) if c]
     examples, _ = load_data(cfg, tokenizer, min(ctx) if ctx else None)  # exactly the examples train() uses
-    rows = prepare_target_data(cfg, target, draft, tokenizer, examples)
+    rows = prepare_target_data(cfg, target, draft.to(device) if use_draft else None, tokenizer, examples)
     print(json.dumps({"rows": len(rows), "path": str(target_data_dir(cfg) / "dataset")}))
 
 

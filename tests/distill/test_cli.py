@@ -63,6 +63,26 @@ def test_eval_and_generate_data_subcommands(pair, tmp_path, capsys):
     assert train(compose(s_ov), log=lambda *_: None)["steps"] == 1  # reuses the cache
 
 
+def test_generate_data_without_drafting_limits_prompts_by_the_draft_s_context_too(pair, tmp_path, capsys):
+    """With data.target_generated.use_draft=false the draft was not loaded, so its shorter context did not cut the
+    prompts: the cache was made for other examples than train() uses, and train refused it."""
+    import shutil
+
+    from distill.recipe import train
+    from distill_helpers import compose, make_llama
+
+    short = tmp_path / "short_draft"
+    make_llama(short, vocab=pair["vocab"], layers=1, max_pos=20)
+    for f in [*pair["draft"].glob("tok*"), *pair["draft"].glob("special_tokens_map.json")]:
+        shutil.copy(f, short / f.name)
+    ov = [*overrides(pair, tmp_path / "run", f"draft.name_or_path={short}", "data.truncate_prompts=true",
+                     "data.source.limit=12", "data.target_generated.shard_size=4", "data.max_new_tokens=6",
+                     "data.target_generated.use_draft=false")]
+    main(["generate-data", *ov])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == 8
+    assert train(compose([*ov, "data.completions=target", "train.max_steps=1"]), log=lambda *_: None)["steps"] == 1
+
+
 def test_accelerate_launch_two_cpu_processes(pair, tmp_path):
     """`accelerate launch` with 2 processes on CPU (gloo). Rank r takes micro-batch 2k+r, so 2 processes x batch 2
     see the same examples per step as 1 process x batch 4; with the window's token count taken over both

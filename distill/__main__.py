@@ -117,6 +117,12 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
         hint = f" (did you mean {group}={close[0]}?)" if close else ""
         plus = "+" if group in ("target", "experiment") else ""
         return f"{plus}{group}={option}: no such option in conf/{group}/{hint}; choose one of {', '.join(options)}"
+    m = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg, re.IGNORECASE)
+    if m:  # +key=value for a key the config (or an experiment) already sets
+        key = m.group(1)
+        value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"+{key}=")), "VALUE")
+        return (f"+{key}={value}: {key} is already set (by the config or the +experiment); replace it with "
+                f"++{key}={value}")
     key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
         parent, _, leaf = key.rpartition(".")

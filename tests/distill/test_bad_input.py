@@ -144,6 +144,13 @@ def test_no_completions_without_on_policy(pair, tmp_path):
     assert s["steps"] == 1
 
 
+def test_a_plus_for_a_key_the_experiment_sets_names_the_double_plus():
+    """Hydra said 'Could not append to config. An item is already at ...' with no fix."""
+    with pytest.raises(SetupError, match=r"\+target.name_or_path=/m: target.name_or_path is already set .* "
+                                         r"replace it with \+\+target.name_or_path=/m"):
+        compose(["+experiment=lora_seqkd_qwen", "+target.name_or_path=/m"])
+
+
 def test_both_completions_without_fixed_ones_is_refused(pair, tmp_path):
     """data.completions=both with no completion field trained half its examples on zero tokens (loss 0, no
     gradient, a step of the schedule spent): refused before the target generates anything."""

@@ -84,10 +84,10 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
 
 
 def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False,
-                   trust_remote_code: bool = False) -> Any:
+                   trust_remote_code: bool = False, fix: str = "pass --tokenizer PATH") -> Any:
     """``AutoTokenizer.from_pretrained`` with a clear error when it is missing. ``pad_from_eos``: a tokenizer
     without a pad token gets eos as pad (batched generation and training pad their rows). ``trust_remote_code``:
-    see :func:`load_causal_lm`.
+    see :func:`load_causal_lm`. ``fix``: how the caller's user names another tokenizer (a CLI flag, a setting).
 
     Raises:
         RemoteCodeError: the tokenizer ships its own code and ``trust_remote_code`` is off.
@@ -104,7 +104,7 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
                                   "tokenizer_config.json), which is not run unless you pass --trust-remote-code; read "
                                   "that code first") from err
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
-                                "the model (tokenizer.save_pretrained) or pass --tokenizer PATH.") from err
+                                f"the model (tokenizer.save_pretrained) or {fix}.") from err
     if pad_from_eos and tok.pad_token_id is None:
         if tok.eos_token is None:
             raise FileNotFoundError(f"the {role} {name_or_path!r} has neither a pad nor an eos token; add a pad token "

@@ -43,7 +43,8 @@ def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +targ
     (batched rollouts and training pad their rows). ``trust_remote_code`` (``target.trust_remote_code=true``) lets
     the tokenizer folder run its own Python code. Raises SetupError naming ``key``."""
     return _loaded(lambda: loading.load_tokenizer(str(name_or_path), "tokenizer", pad_from_eos=True,
-                                                  trust_remote_code=trust_remote_code),
+                                                  trust_remote_code=trust_remote_code,
+                                                  fix="set +target.tokenizer=PATH"),
                    f"tokenizer {str(name_or_path)!r}", key)
 
 

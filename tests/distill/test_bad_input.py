@@ -144,6 +144,21 @@ def test_no_completions_without_on_policy(pair, tmp_path):
     assert s["steps"] == 1
 
 
+def test_a_target_without_a_tokenizer_names_the_distill_setting(pair, tmp_path):
+    """The message told distill users to 'pass --tokenizer PATH', a flag of the decode CLIs."""
+    import shutil
+
+    bare = tmp_path / "bare_target"
+    bare.mkdir()
+    for f in pair["target"].iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, bare / f.name)
+    ov = [o for o in overrides(pair, tmp_path / "run") if not o.startswith("+target")]
+    with pytest.raises(SetupError, match=r"(?s)could not load the tokenizer .* or set \+target.tokenizer=PATH") as e:
+        train(compose([f"+target.name_or_path={bare}", *ov]), log=lambda *_: None)
+    assert "--tokenizer" not in str(e.value)
+
+
 def test_a_plus_for_a_key_the_experiment_sets_names_the_double_plus():
     """Hydra said 'Could not append to config. An item is already at ...' with no fix."""
     with pytest.raises(SetupError, match=r"\+target.name_or_path=/m: target.name_or_path is already set .* "

@@ -150,7 +150,12 @@ def write_docs(table: str, doc: Path = REPO / "docs" / "distill.md") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--write", action="store_true",
+                   help="also put the table between the bad-inputs markers of docs/distill.md")
+    args = p.parse_args(argv)  # --help, or a misspelled --write, stops here: no case runs, docs/ untouched
     bad = 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{_md(message.replace(str(tmp), '<tmp>'))} |" + ("" if ok else " **FAILED** |"))
     table = "\n".join(["| bad input | command | exit | error |", "| --- | --- | --- | --- |", *rows])
     print(table)
-    if "--write" in argv:
+    if args.write:
         write_docs(table)
     print(f"\n{len(CASES)} bad inputs, {len(CASES) - bad} exit 2 with a named error, no traceback, no run folder.",
           file=sys.stderr)

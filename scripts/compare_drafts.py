@@ -35,9 +35,9 @@ def main() -> int:
     if bad:
         p.error(f"drafts are NAME=PATH, got {bad}")
     drafts = dict(d.split("=", 1) for d in args.drafts)
-    reserved = [n for n in drafts if n == "plain"]
+    reserved = [n for n in drafts if n in ("plain", "")]
     if reserved or len(drafts) < len(args.drafts):
-        p.error("draft names must be unique and not 'plain' (the plain-decoding reference), got "
+        p.error("draft names must be unique, non-empty and not 'plain' (the plain-decoding reference), got "
                 f"{[d.split('=', 1)[0] for d in args.drafts]}")
     for name, path in [("--pair", f"{args.pair}/target"), *drafts.items()]:
         if not (Path(path) / "config.json").is_file():

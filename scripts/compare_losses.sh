@@ -4,21 +4,25 @@
 #   PAIR=checkpoints/quickstart OUT=checkpoints/compare_losses STEPS=400 SEEDS="0 1" \
 #     LOSSES="acceptance tvd jsd fkl" GAMMA=4 THREADS=2 bash scripts/compare_losses.sh
 #   LOSSES="fkl fkl:draft.vocab.keep=4096" bash scripts/compare_losses.sh   # a variant: loss[:override[:...]]
-#   EVAL="eval.prompt_sets.humaneval=2 eval.max_new_tokens=8" STEPS=2 SEEDS=0 OUT=/tmp/dry bash scripts/compare_losses.sh
+#   EVAL="eval.prompt_sets.humaneval=1 eval.prompt_sets.mbpp_code=1 eval.prompt_sets.stdlib=1 eval.max_new_tokens=8" \
+#     STEPS=2 SEEDS=0 LOSSES=fkl OUT=/tmp/dry bash scripts/compare_losses.sh   # (every prompt set keeps its own count)
 #     (a dry run: EVAL holds quickstart-settings overrides for the evaluation, keys as in `python -m quickstart`)
 # Each run is `python -m distill train +experiment=quickstart` from the same baseline draft with only `loss=` and
 # `train.seed=` changed (loss=acceptance also gets loss.gamma=$GAMMA, the γ the evaluation decodes with), exported,
 # then all drafts are measured in one `quickstart.run.evaluate` pass (plain target decoding interleaved with every
 # draft per prompt, same seeds): α/token, τ and measured speedup at T=0 and T=1 on HumanEval, MBPP and held-out
 # stdlib prompts. Prints a table (mean and range over seeds) and writes $OUT/results.json.
-# Nothing is overwritten: a finished run (its export exists) is reused, an interrupted one resumes, and an existing
-# $OUT/results.json stops the script unless OVERWRITE=1. Cost on 2 quiet cores: about 3 min per run (400 steps)
-# plus the evaluation (~1 min per draft); run it when the machine is otherwise idle, timings are part of the result.
+# Nothing is overwritten: a finished run (its export exists) is reused, an interrupted one resumes from its last
+# complete checkpoint (or, stopped before its first, starts over in its own folder), and an existing
+# $OUT/results.json stops the script unless OVERWRITE=1. Relative PAIR and OUT are taken from the current folder.
+# Cost on 2 quiet cores: about 3 min per run (400 steps) plus the evaluation (~1 min per draft); run it when the
+# machine is otherwise idle, timings are part of the result.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+PAIR="$(realpath -m "${PAIR:-$REPO/checkpoints/quickstart}")"  # before the cd: relative to where the user is
+OUT="$(realpath -m "${OUT:-$REPO/checkpoints/compare_losses}")"
+cd "$REPO"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-PAIR="$(realpath -m "${PAIR:-checkpoints/quickstart}")"
-OUT="$(realpath -m "${OUT:-checkpoints/compare_losses}")"
 STEPS="${STEPS:-400}"
 SEEDS="${SEEDS:-0 1}"
 LOSSES="${LOSSES:-acceptance tvd jsd fkl}"
@@ -32,6 +36,26 @@ done
 if [ -e "$OUT/results.json" ] && [ "${OVERWRITE:-0}" != "1" ]; then
   echo "error: $OUT/results.json exists; set OUT=another/folder or OVERWRITE=1 to replace it" >&2; exit 2
 fi
+for name in STEPS GAMMA; do
+  [[ "${!name}" =~ ^[0-9]+$ ]] && [ "${!name}" -ge 1 ] || { echo "error: $name=${!name} must be an integer >= 1" >&2; exit 2; }
+done
+for seed in $SEEDS; do
+  [[ "$seed" =~ ^[0-9]+$ ]] || { echo "error: SEEDS='$SEEDS' must be integers >= 0, e.g. SEEDS=\"0 1\"" >&2; exit 2; }
+done
+[ -n "${SEEDS// }" ] || { echo "error: SEEDS is empty; give at least one seed, e.g. SEEDS=0" >&2; exit 2; }
+[ -n "${LOSSES// }" ] || { echo "error: LOSSES is empty; give at least one loss, e.g. LOSSES=fkl" >&2; exit 2; }
+# The evaluation's settings, checked now rather than after every run has trained.
+EVAL="${EVAL:-}" GAMMA="$GAMMA" "$PY" -c '
+import os, sys
+from omegaconf import OmegaConf
+from quickstart.run import check_eval_settings, load_settings
+settings = os.environ["EVAL"]
+try:
+    check_eval_settings(OmegaConf.merge(load_settings("quickstart", settings.split()).eval,
+                                        {"num_draft_tokens": int(os.environ["GAMMA"])}))
+except (KeyError, ValueError) as err:
+    sys.exit(f"error: EVAL={settings!r}: {err.args[0]}")
+' || exit 2
 for item in $LOSSES; do
   loss="${item%%:*}"
   [ -f "conf/loss/$loss.yaml" ] || { echo "error: LOSSES names '$loss' but conf/loss/$loss.yaml does not exist" >&2; exit 2; }
@@ -52,7 +76,8 @@ for item in $LOSSES; do
     if [ -f "$export_dir/config.json" ]; then echo "== $name: reusing $export_dir"; continue; fi
     extra=("${variant[@]}")
     if [ "$loss" = "acceptance" ]; then extra+=("loss.gamma=$GAMMA"); fi
-    if compgen -G "$run/step_*" > /dev/null; then extra+=("train.resume=true"); fi
+    if compgen -G "$run/step_*/manifest.json" > /dev/null; then extra+=("train.resume=true")  # interrupted: continue
+    elif [ -n "$(ls -A "$run" 2>/dev/null)" ]; then extra+=("train.overwrite=true"); fi  # stopped before a checkpoint
     echo "== $name: python -m distill train loss=$loss train.seed=$seed train.max_steps=$STEPS ${extra[*]}"
     "$PY" -m distill train +experiment=quickstart "++target.name_or_path=$PAIR/target" \
         "draft.name_or_path=$PAIR/draft-baseline" "train.output_dir=$run" "loss=$loss" "train.seed=$seed" \

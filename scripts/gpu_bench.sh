@@ -12,11 +12,12 @@
 # Time limits (seconds): GPU_BENCH_TEST_TIMEOUT (default 150) for the tests, GPU_BENCH_TIMEOUT (default 300) for
 # the benchmark; the eager results are written before the compiled stage starts.
 set -uo pipefail
+out="${OUT:-}"
+if [ -n "$out" ]; then out="$(realpath -m "$out")"; fi  # before the cd: a relative OUT is the user's folder
 cd "$(dirname "$0")/.."
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 tiny="${GPU_BENCH_TINY:-0}"
-out="${OUT:-}"
 if [ -n "$out" ]; then
   for f in environment.txt pytest.log bench.log gpu_bench.json gpu_bench_compiled.json; do
     if [ -e "$out/$f" ]; then

@@ -120,7 +120,8 @@ def result_row(name: str, out: Path, rc: int, seconds: float, reference: list[fl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="checkpoints/gpu_train_check", help="work and result folder (must not exist)")
+    p.add_argument("--out", default=str(REPO / "checkpoints" / "gpu_train_check"),
+                   help="work and result folder (must not hold a gpu_train_check.json)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     p.add_argument("--k", type=int, default=64, help="data.logit_cache_k of the cached-mode runs")
     p.add_argument("--timeout", type=float, default=150, help="seconds per run")

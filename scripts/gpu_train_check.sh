@@ -5,9 +5,9 @@
 # float32 CPU reference of the same steps; peak memory and tokens/s. Table on stdout, JSON in DIR.
 # DRAFTKIT_GPU_CHECK_TINY=1 runs the same program with tiny models on CPU (how it is tested without a GPU).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# No cd: a relative --out DIR is taken from the current folder (the Python part runs its commands in the repository).
 if [[ "${DRAFTKIT_GPU_CHECK_TINY:-0}" != "1" ]] && ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "error: no CUDA device visible to torch; run on a GPU machine, or set DRAFTKIT_GPU_CHECK_TINY=1 for the CPU smoke run" >&2
   exit 2
 fi
-exec python scripts/gpu_train_check.py "$@"
+exec python "$(dirname "$0")/gpu_train_check.py" "$@"

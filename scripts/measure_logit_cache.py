@@ -9,7 +9,9 @@ Every run uses `+experiment=quickstart` (its loss, precision, batch 8 × (64 + 6
 the given pair; the online run trains with the full-vocabulary loss, each cached run with the top-k + tail loss
 on a cache built by `python -m distill cache-logits` (with `--tail-samples S`, S ids sampled per position from the
 target's tail, for `loss=fkl`), all from the same initial draft for the same steps and, per seed, data order. α is measured afterwards by `python -m distill eval` on the same held-out prompts for every draft (and
-the initial one). Extra Hydra overrides go after `--`. Writes <out>/results.json and prints a markdown table.
+the initial one). Extra Hydra overrides go after `--` (relative paths in them are taken from the repository root).
+Writes <out>/results.json and prints a markdown table. Rerun the same command after Ctrl-C: finished evaluations,
+caches and runs are reused, an interrupted run resumes from its last checkpoint (step ms then cover both parts).
 """
 from __future__ import annotations
 
@@ -33,6 +35,20 @@ def sh(cmd: list[str], log: Path) -> float:
     if rc != 0:
         raise SystemExit(f"failed ({rc}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
     return time.perf_counter() - t0
+
+
+def train(cmd: list[str], run_dir: Path, steps: int, log: Path) -> None:
+    """``python -m distill train``, rerun-safe: a run that reached ``steps`` is kept, an interrupted one resumes from
+    its last complete checkpoint, one stopped before its first starts over in its own folder."""
+    from distill.checkpoint import find_latest, is_complete, step_dir
+
+    if is_complete(step_dir(run_dir, steps)):
+        return
+    if find_latest(run_dir) is not None:
+        cmd = [*cmd, "train.resume=true"]
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        cmd = [*cmd, "train.overwrite=true"]
+    sh(cmd, log)
 
 
 def step_stats(run_dir: Path) -> dict:
@@ -64,10 +80,19 @@ def main() -> None:
     p.add_argument("--out", required=True, help="work folder (must not hold a results.json)")
     p.add_argument("extra", nargs="*", help="Hydra overrides for every run, after --")
     args = p.parse_args()
+    for flag, ok in (("--steps", args.steps >= 1), ("--ks", min(args.ks) >= 1),
+                     ("--tail-samples", min(args.tail_samples) >= 0), ("--seeds", min(args.seeds) >= 0)):
+        if not ok:
+            p.error(f"{flag}={getattr(args, flag[2:].replace('-', '_'))} is out of range (--steps, --ks >= 1; "
+                    "--tail-samples, --seeds >= 0)")
+    for flag in ("--target", "--draft"):
+        if not (Path(getattr(args, flag[2:])) / "config.json").is_file():
+            p.error(f"{flag} {getattr(args, flag[2:])} is not a checkpoint folder (no config.json)")
     out = Path(args.out).resolve()
     if (out / "results.json").exists():
-        raise SystemExit(f"{out}/results.json exists; choose another --out (results are never overwritten)")
-    out.mkdir(parents=True, exist_ok=True)
+        p.error(f"--out: {out}/results.json exists; choose another --out (results are never overwritten)")
+    out.mkdir(parents=True, exist_ok=True)  # a rerun after Ctrl-C reuses what the interrupted one finished
+    sys.path.insert(0, str(REPO))
     py = sys.executable
     base = ["+experiment=quickstart", f"++target.name_or_path={Path(args.target).resolve()}",
             f"draft.name_or_path={Path(args.draft).resolve()}", f"train.max_steps={args.steps}", "train.log_every=1",
@@ -79,12 +104,13 @@ def main() -> None:
 
     def evaluate(name: str, draft: Path | str) -> dict:
         file = out / f"eval_{name}.json"
+        if file.exists():  # written by an interrupted run of this script
+            return alpha(json.loads(file.read_text()))
         sh([py, "-m", "distill", "eval", *base, f"draft.name_or_path={draft}", "--out", str(file)],
            out / f"eval_{name}.log")
         return alpha(json.loads(file.read_text()))
 
     results["runs"]["initial"] = {"alpha": evaluate("initial", Path(args.draft).resolve())}
-    sys.path.insert(0, str(REPO))
     from distill.logit_cache import summarize
 
     caches = {}
@@ -92,21 +118,25 @@ def main() -> None:
         for tail in args.tail_samples:
             cache = out / f"cache_k{k}" if not tail else out / f"cache_k{k}_s{tail}"
             ov = [f"data.logit_cache={cache}", f"data.logit_cache_k={k}", f"data.logit_cache_tail_samples={tail}"]
-            build_s = sh([py, "-m", "distill", "cache-logits", *base, *ov, f"train.output_dir={out / 'c'}"],
-                         out / f"{cache.name}.log")
+            timing = out / f"{cache.name}.build_s.json"  # the first build's time (a rerun finds the cache built)
+            if not timing.exists():
+                resumed = cache.exists()
+                build_s = sh([py, "-m", "distill", "cache-logits", *base, *ov, f"train.output_dir={out / 'c'}"],
+                             out / f"{cache.name}.log")
+                timing.write_text(json.dumps({"cache_build_s": build_s, "cache_build_resumed": resumed}))
             caches[cache.name.replace("cache_", "")] = (ov, {"cache": summarize(cache, json.loads(
-                (cache / "manifest.json").read_text())), "cache_build_s": build_s})
+                (cache / "manifest.json").read_text())), **json.loads(timing.read_text())})
     for seed in args.seeds:
         tag = f"_seed{seed}" if len(args.seeds) > 1 else ""
         online = out / f"online{tag}"
-        sh([py, "-m", "distill", "train", *base, f"train.seed={seed}", f"train.output_dir={online}"],
-           out / f"online{tag}.log")
+        train([py, "-m", "distill", "train", *base, f"train.seed={seed}", f"train.output_dir={online}"], online,
+              args.steps, out / f"online{tag}.log")
         results["runs"][f"online{tag}"] = {**step_stats(online),
                                            "alpha": evaluate(f"online{tag}", online / f"step_{args.steps:06d}")}
         for name, (ov, info) in caches.items():
             run_dir = out / f"cached_{name}{tag}"
-            sh([py, "-m", "distill", "train", *base, *ov, f"train.seed={seed}", "data.target_logits=cached",
-                f"train.output_dir={run_dir}"], out / f"cached_{name}{tag}.log")
+            train([py, "-m", "distill", "train", *base, *ov, f"train.seed={seed}", "data.target_logits=cached",
+                   f"train.output_dir={run_dir}"], run_dir, args.steps, out / f"cached_{name}{tag}.log")
             results["runs"][f"cached_{name}{tag}"] = {**step_stats(run_dir), **info, "alpha": evaluate(
                 f"{name}{tag}", run_dir / f"step_{args.steps:06d}")}
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -128,7 +129,11 @@ def make_drafts(args, cfg, pair: dict, tokenizer, target, out: Path) -> list[dic
         if keep >= vocab:
             drafts.append({"name": f"full_{vocab}", "keep": vocab, "path": str(pair["draft"]), "mass_kept": 1.0})
             continue
-        ids = select_kept_ids(mass, keep, special_ids(tokenizer, vocab))
+        try:
+            ids = select_kept_ids(mass, keep, special_ids(tokenizer, vocab))
+        except ValueError as err:
+            print(f"error: --keeps {keep}: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
         draft = load_causal_lm(str(pair["draft"]), "draft", dtype="float32")
         prune_draft_head(draft, ids, tokenizer_fingerprint(tokenizer))
         path = out / "drafts" / f"keep_{keep}"
@@ -146,21 +151,30 @@ def fine_tune(args, cfg, d: dict, out: Path) -> str:
     """``args.steps`` recipe steps from the draft (its map kept), exported; returns the export folder."""
     from omegaconf import OmegaConf
 
-    from distill.checkpoint import step_dir
+    from distill.checkpoint import find_latest, step_dir
     from distill.export import export
     from distill.recipe import train
 
     run = out / "runs" / d["name"]
+    dest = out / "drafts_tuned" / d["name"]
+    if (dest / "draftkit_card.json").is_file():  # an interrupted measurement's finished export (written atomically)
+        steps = json.loads((dest / "draftkit_card.json").read_text()).get("steps")
+        if steps != args.steps:
+            print(f"error: {dest} was fine-tuned for {steps} steps, not --steps {args.steps}; choose another --out",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        d["fine_tune_s"] = None
+        return str(dest)
+    resume = find_latest(run) is not None  # Ctrl-C midway: continue from the last checkpoint, or start over
     cfg = OmegaConf.merge(cfg, {
         "draft": {"name_or_path": d["path"]}, "train": {"max_steps": args.steps, "output_dir": str(run),
                                                         "save_every": 0, "progress": "none", "stop_at": None,
-                                                        "resume": False},
+                                                        "resume": resume, "overwrite": not resume},
         "eval": {"every": 0, "at_start": False, "num_prompts": 2, "max_new_tokens": 8, "temperatures": [0.0],
                  "cost_ratio": 1.0}, "logger": {"name": "none"}})
     t0 = time.perf_counter()
     train(cfg, log=_quiet)
     d["fine_tune_s"] = time.perf_counter() - t0
-    dest = out / "drafts_tuned" / d["name"]
     export(step_dir(run, args.steps), dest)
     return str(dest)
 
@@ -249,20 +263,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pair", default=str(QUICKSTART),
                    help="folder with target/, draft-distilled/, distill/, tokenizer/")
-    p.add_argument("--keeps", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="N values (N >= V: full)")
-    p.add_argument("--steps", type=int, default=0, help="fine-tune every draft for this many recipe steps (0: none)")
-    p.add_argument("--mass-examples", type=int, default=256, help="training sequences of the target mass pass")
-    p.add_argument("--prompts", default="humaneval")
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved passes over the prompts")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--cost-repeats", type=int, default=21)
+    p.add_argument("--keeps", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                   help="N values, each >= 1 (N >= V: the full-vocabulary control)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="fine-tune every draft for this many recipe steps (0: none, the default)")
+    p.add_argument("--mass-examples", type=int, default=256, help="training sequences of the target mass pass (>= 1)")
+    p.add_argument("--prompts", default="humaneval", help="prompt set (decode.prompts)")
+    p.add_argument("--limit", type=int, default=8, help="prompts of the set (>= 1)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (>= 2)")
+    p.add_argument("--gamma", type=int, default=4, help="γ, draft tokens per step (>= 1)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved passes over the prompts (>= 1)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="each >= 0 (0: greedy)")
+    p.add_argument("--cost-repeats", type=int, default=21, help="timed repeats per cost (>= 1)")
     p.add_argument("--tiny", action="store_true", help="build a tiny pair under --out and run a seconds-long check")
     p.add_argument("--out", required=True, help="work folder; must not hold a results.json")
     args = p.parse_args(argv)
-    out = Path(args.out)
+    for flag, ok in (("--keeps", min(args.keeps) >= 1), ("--steps", args.steps >= 0),
+                     ("--mass-examples", args.mass_examples >= 1), ("--limit", args.limit >= 1),
+                     ("--max-new-tokens", args.max_new_tokens >= 2), ("--gamma", args.gamma >= 1),
+                     ("--rounds", args.rounds >= 1), ("--cost-repeats", args.cost_repeats >= 1),
+                     ("--temperatures", all(math.isfinite(t) and t >= 0 for t in args.temperatures))):
+        if not ok:
+            p.error(f"{flag}={getattr(args, flag[2:].replace('-', '_'))} is out of range (see --help)")
+    out = Path(args.out).resolve()  # absolute: the exported cards record their target's path
     if (out / "results.json").exists():
         print(f"error: {out / 'results.json'} exists; choose another --out (nothing is overwritten)", file=sys.stderr)
         return 2
@@ -274,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         pair = {"target": Path(args.pair) / "target", "draft": Path(args.pair) / "draft-distilled",
                 "tokenizer": Path(args.pair) / "tokenizer"}
-        for key, path in pair.items():
-            if not path.is_dir():
-                print(f"error: the {key} folder {path} does not exist; run bash scripts/quickstart.sh or pass --pair",
+        for key, path in [*pair.items(), ("training config", Path(args.pair) / "distill" / "config.yaml")]:
+            if not path.exists():
+                print(f"error: the {key} {path} does not exist; run bash scripts/quickstart.sh or pass --pair",
                       file=sys.stderr)
                 return 2
     out.mkdir(parents=True, exist_ok=True)

@@ -41,3 +41,12 @@ def test_refuses_to_start_without_a_gpu(tmp_path):
     r = subprocess.run(["bash", "scripts/gpu_train_check.sh", "--out", str(tmp_path / "x")], cwd=REPO,
                        env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "DRAFTKIT_GPU_CHECK_TINY=1" in r.stderr
+
+
+def test_a_relative_out_is_taken_from_the_current_folder(tmp_path):
+    (tmp_path / "rel").mkdir()
+    (tmp_path / "rel" / "gpu_train_check.json").write_text("{}")  # an earlier result there: refused, kept
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_train_check.sh"), "--out", "rel"], cwd=tmp_path,
+                       env=_env(DRAFTKIT_GPU_CHECK_TINY="1"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and str(tmp_path / "rel") in r.stderr, r.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "rel").iterdir()] == ["gpu_train_check.json"]

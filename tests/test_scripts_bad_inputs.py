@@ -1,0 +1,27 @@
+"""scripts/bad_inputs.py's own command line: --help and a misspelled flag run no case and write nothing."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--wirte"], 2)])
+def test_help_and_unknown_flags_run_no_case(argv, code, monkeypatch, capsys):
+    script = load_script()
+    ran, wrote = [], []
+    monkeypatch.setattr(script, "run_case", lambda *a: ran.append(a))
+    monkeypatch.setattr(script, "write_docs", lambda *a: wrote.append(a))
+    with pytest.raises(SystemExit) as stop:
+        script.main(argv)
+    assert stop.value.code == code and ran == [] and wrote == []
+    shown = capsys.readouterr()
+    assert "--write" in (shown.out if code == 0 else shown.err)  # the usage names the one flag

@@ -286,9 +286,12 @@ def check_complete(path: str | Path) -> dict:
                 raise CheckpointError(f"{path} does not exist, but {aside[0]} is a complete copy of it (a save was "
                                       f"interrupted between two renames): rename it back (mv {aside[0]} {path}), "
                                       "or resume the run with train.resume=true, which does that")
-            newest = find_latest(path.parent) if path.name == "best" else None
-            why = (f" (a run writes best/ only when it evaluates); its run's newest checkpoint is {newest}"
-                   if newest is not None else "")
+            newest = find_latest(path.parent)
+            why = ""
+            if newest is not None:  # a folder of a run: name what it has (step folders are step_000100, 6 digits)
+                why = " (a run writes best/ only when it evaluates)" if path.name == "best" else ""
+                steps = [p.name for p in list_checkpoints(path.parent)]
+                why += f"; its run has {name_list(steps)}, the newest complete one {newest}"
             raise CheckpointError(f"{path} does not exist{why}; give a step_N or best folder of a run")
         raise CheckpointError(f"{path} is not a complete distill checkpoint (no {MANIFEST_FILE}: its save was "
                               "interrupted, or it is not a checkpoint); give a step_N or best folder of a run")

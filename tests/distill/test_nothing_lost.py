@@ -138,8 +138,11 @@ def test_a_missing_checkpoint_is_named_as_missing_with_the_run_s_newest(straight
     shutil.copytree(straight, out)
     shutil.rmtree(out / "best")  # a run that never evaluated (e.g. the quickstart's cached distillation)
     with pytest.raises(ckpt.CheckpointError, match=r"best does not exist \(a run writes best/ only when it "
-                                                   r"evaluates\); its run's newest checkpoint is .*step_000004"):
+                                                   r"evaluates\); its run has step_000002, step_000004, the newest "
+                                                   r"complete one .*step_000004"):
         ckpt.check_complete(out / "best")
+    with pytest.raises(ckpt.CheckpointError, match=r"step_4 does not exist; its run has step_000002, step_000004"):
+        ckpt.check_complete(out / "step_4")  # the docs' step_N, written without the zero padding
     with pytest.raises(ckpt.CheckpointError, match=r"nowhere does not exist; give a step_N"):
         ckpt.check_complete(tmp_path / "nowhere")
 

@@ -153,6 +153,7 @@ class LoraConfig:
     alpha: float = 32                       # scale alpha / r
     dropout: float = 0.0                    # adapter dropout
     target_modules: Any = "all-linear"      # module names, e.g. [q_proj, v_proj], or all-linear
+    modules_to_save: Optional[List[str]] = None  # modules trained in full beside the adapter, e.g. [lm_head]
 
 
 @dataclass

@@ -142,7 +142,8 @@ def load_draft(cfg: Any, target: Any) -> Any:
 
 
 def attach_lora(draft: Any, cfg: Any) -> Any:
-    """Wrap the draft with a peft LoRA adapter (``train.lora``: r, alpha, dropout, target_modules).
+    """Wrap the draft with a peft LoRA adapter (``train.lora``: r, alpha, dropout, target_modules, and
+    modules_to_save: modules peft trains in full beside the adapter, e.g. ``[lm_head]``; export merges them).
 
     ``alpha`` is passed as given (a float: the adapter's scale is alpha / r); truncating it to an integer would
     turn ``train.lora.alpha=0.5`` into 0, an adapter with zero scale and zero gradient that never trains.
@@ -152,10 +153,16 @@ def attach_lora(draft: Any, cfg: Any) -> Any:
     modules = cfg.get("target_modules") or "all-linear"
     if not isinstance(modules, str):
         modules = list(modules)
+    save = list(cfg.get("modules_to_save") or [])
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in draft.named_modules() if n}
+    missing = [m for m in save if m not in leaves]
+    if missing:  # peft would train nothing for them, without a word
+        raise SetupError(f"train.lora.modules_to_save={save} names {missing}, which the draft has no module called; "
+                         f"e.g. train.lora.modules_to_save=[lm_head]")
     alpha = float(cfg.alpha)
     lcfg = LoraConfig(r=int(cfg.r), lora_alpha=int(alpha) if alpha.is_integer() else alpha,
-                      lora_dropout=float(cfg.dropout),
-                      target_modules=modules, bias="none", task_type="CAUSAL_LM")
+                      lora_dropout=float(cfg.dropout), target_modules=modules, bias="none", task_type="CAUSAL_LM",
+                      modules_to_save=save or None)
     try:
         return get_peft_model(draft, lcfg)
     except ValueError as e:

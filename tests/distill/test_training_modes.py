@@ -89,3 +89,25 @@ def test_cross_entropy_is_not_applied_to_on_policy_batches(pair, tmp_path):
                                        "eval.temperatures=[0.0]")), log=lambda *_: None)
             for w in (0.0, 0.7)}
     assert runs[0.0]["final_loss"] == pytest.approx(runs[0.7]["final_loss"], rel=1e-6)
+
+
+def test_lora_modules_to_save_trains_the_head_in_full_and_export_merges_it(pair, tmp_path):
+    """train.lora.modules_to_save (peft's, e.g. [lm_head]) did not exist: a LoRA user could not train the head."""
+    from safetensors.torch import load_file
+
+    from distill.export import export
+    from distill.models import SetupError
+    from distill.recipe import train
+    from distill_helpers import compose, overrides
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.lora.enabled=true", "train.lora.target_modules=[q_proj]",
+                            "train.lora.modules_to_save=[lm_head]", "optim.lr=5e-2", "train.max_steps=2",
+                            "eval.at_start=false", "eval.temperatures=[0.0]")), log=lambda *_: None)
+    export(run / "step_000002", tmp_path / "export")
+    base = load_file(str(pair["draft"] / "model.safetensors"))["lm_head.weight"]
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))["lm_head.weight"]
+    assert exported.shape == base.shape and not torch.allclose(exported, base)  # the head itself was trained
+    with pytest.raises(SetupError, match=r"modules_to_save=\['lm_haed'\] names \['lm_haed'\]"):
+        train(compose(overrides(pair, tmp_path / "bad", "train.lora.enabled=true",
+                                "train.lora.modules_to_save=[lm_haed]")), log=lambda *_: None)

@@ -42,6 +42,8 @@ CASES: list[tuple[str, str, str]] = [
     ("unknown loss name", "train {base} loss.name=kld", "loss.name='kld' is not allowed; choose one of fkl"),
     ("misspelled target config", "train {base_no_target} +target=qwen2.5-7b-instrct", "did you mean +target=qwen2.5-7b-instruct?"),
     ("unknown experiment", "train {base} +experiment=nope", "+experiment=nope: no such option in conf/experiment/"),
+    ("+ for a key the experiment sets", "train +experiment=lora_seqkd_qwen +target.name_or_path={target}",
+     "target.name_or_path is already set (by the config or the +experiment); replace it with ++target.name_or_path="),
     ("no target", "train {base_no_target}", "no target given: pass +target=NAME"),
     ("target path missing", "train {base_no_target} +target.name_or_path={tmp}/no_such_target", "does not exist; fix +target.name_or_path"),
     ("draft path missing", "train {base} draft.name_or_path={tmp}/no_such_draft", "does not exist; fix draft.name_or_path"),
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--write", action="store_true",
                    help="also put the table between the bad-inputs markers of docs/distill.md")
-    args = p.parse_args(argv)  # --help, or a misspelled --write, stops here: no case runs, docs/ untouched
+    opts = p.parse_args(argv)  # --help, or a misspelled --write, stops here: no case runs, docs/ untouched
     bad = 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{_md(message.replace(str(tmp), '<tmp>'))} |" + ("" if ok else " **FAILED** |"))
     table = "\n".join(["| bad input | command | exit | error |", "| --- | --- | --- | --- |", *rows])
     print(table)
-    if args.write:
+    if opts.write:
         write_docs(table)
     print(f"\n{len(CASES)} bad inputs, {len(CASES) - bad} exit 2 with a named error, no traceback, no run folder.",
           file=sys.stderr)

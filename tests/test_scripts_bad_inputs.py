@@ -25,3 +25,19 @@ def test_help_and_unknown_flags_run_no_case(argv, code, monkeypatch, capsys):
     assert stop.value.code == code and ran == [] and wrote == []
     shown = capsys.readouterr()
     assert "--write" in (shown.out if code == 0 else shown.err)  # the usage names the one flag
+
+
+def test_write_runs_the_cases_and_writes_the_table(monkeypatch, capsys):
+    """--write ran every case, then crashed before writing (the loop's variable shadowed the parsed options)."""
+    import subprocess
+
+    script = load_script()
+    wrote = []
+    monkeypatch.setattr(script, "CASES", [("a bad input", "train x=1", "named")])
+    monkeypatch.setattr(script, "make_fixtures", lambda tmp: {})
+    monkeypatch.setattr(script, "case_command", lambda args, fields: ("distill", ["train", "x=1"]))
+    monkeypatch.setattr(script, "run_case", lambda module, argv: subprocess.CompletedProcess(
+        argv, 2, "", "error: x=1 is named\n"))
+    monkeypatch.setattr(script, "write_docs", lambda table: wrote.append(table))
+    assert script.main(["--write"]) == 0
+    assert len(wrote) == 1 and "| a bad input | `python -m distill train x=1` | 2 | error: x=1 is named |" in wrote[0]

@@ -109,3 +109,14 @@ def make_tokenizer(words: list[str] | None = None, **special):
     kw = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     kw.update(special)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package), for tests of their logic."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script

@@ -1,6 +1,5 @@
 """scripts/measure_pruned_vocab.py --tiny: the whole measurement path (prune by target mass, equal-compute
 fine-tuning, one interleaved decode run) on a tiny pair it builds; the pruned drafts decode losslessly."""
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -8,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,9 +44,7 @@ def _run(*args, timeout=120):
 
 
 def test_bad_numbers_and_an_incomplete_pair_are_refused_naming_the_fix(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("measure_pruned_vocab", REPO / "scripts" / "measure_pruned_vocab.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("measure_pruned_vocab")
     for flag in (["--mass-examples", "0"], ["--rounds", "0"], ["--limit", "0"], ["--gamma", "0"],
                  ["--max-new-tokens", "1"], ["--keeps", "0"], ["--temperatures", "-1"], ["--steps", "-1"]):
         with pytest.raises(SystemExit) as stop:

@@ -1,22 +1,12 @@
 """scripts/bad_inputs.py's own command line: --help and a misspelled flag run no case and write nothing."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+from tests.conftest import load_script
 
 
 @pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--wirte"], 2)])
 def test_help_and_unknown_flags_run_no_case(argv, code, monkeypatch, capsys):
-    script = load_script()
+    script = load_script("bad_inputs")
     ran, wrote = [], []
     monkeypatch.setattr(script, "run_case", lambda *a: ran.append(a))
     monkeypatch.setattr(script, "write_docs", lambda *a: wrote.append(a))
@@ -31,7 +21,7 @@ def test_write_runs_the_cases_and_writes_the_table(monkeypatch, capsys):
     """--write ran every case, then crashed before writing (the loop's variable shadowed the parsed options)."""
     import subprocess
 
-    script = load_script()
+    script = load_script("bad_inputs")
     wrote = []
     monkeypatch.setattr(script, "CASES", [("a bad input", "train x=1", "named")])
     monkeypatch.setattr(script, "make_fixtures", lambda tmp: {})

@@ -1,21 +1,13 @@
 """scripts/measure_logit_cache.py's own logic, with its `python -m distill ...` calls replaced by a stand-in that
 writes what each would write (no model runs): bad flags are refused, and a rerun after Ctrl-C reuses the finished
 work and continues the interrupted run instead of failing on its folder."""
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("measure_logit_cache", REPO / "scripts" / "measure_logit_cache.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+from tests.conftest import load_script
 
 
 def value(cmd: list[str], key: str) -> str:
@@ -57,7 +49,7 @@ def script(monkeypatch, tmp_path):
     import distill.checkpoint
     import distill.logit_cache
 
-    script = load_script()
+    script = load_script("measure_logit_cache")
     monkeypatch.setattr(distill.logit_cache, "summarize", lambda cache, manifest: {"bytes_per_token": 1.0})
     monkeypatch.setattr(distill.checkpoint, "is_complete", lambda path: Path(path).is_dir())
     for name in ("target", "draft"):

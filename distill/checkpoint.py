@@ -149,29 +149,26 @@ def replace_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
+def complete_copy_aside(path: Path) -> Path | None:
+    """The complete copy that a crash inside :func:`replace_dir` left beside a missing ``path``: ``path.tmp`` (the
+    one being installed) if its manifest says complete, else ``path.old``; None when there is none."""
+    path = Path(path)
+    return next((p for p in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old"))
+                 if p.is_dir() and is_complete(p)), None)
+
+
 def recover_replaced_dir(path: Path) -> Path | None:
     """After a crash inside :func:`replace_dir` (``path`` moved aside, the new copy not yet in place), put the newest
-    complete copy back at ``path``: ``path.tmp`` (the one being installed) if its manifest says complete, else
-    ``path.old``. Returns the folder it came from, or None when ``path`` exists or no complete copy is found.
-    Without this a reader that looks only at ``path`` would start over, and the next save would delete both."""
+    complete copy (:func:`complete_copy_aside`) back at ``path``. Returns the folder it came from, or None when
+    ``path`` exists or no complete copy is found. Without this a reader that looks only at ``path`` would start
+    over, and the next save would delete both. (A run's ``best/`` is restored on resume; a ``step_N`` left that way
+    is not: the main process would rename it while the other processes choose their checkpoint, so resume takes
+    the step before it, and reaching step N again rewrites it.)"""
     path = Path(path)
-    if path.exists():
-        return None
-    for source in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
-        if source.is_dir() and is_complete(source):
-            source.rename(path)
-            return source
-    return None
-
-
-def recover_interrupted_swaps(output_dir: str | Path) -> list[tuple[Path, Path]]:
-    """:func:`recover_replaced_dir` for a run folder's ``best/``, which a crash inside :func:`replace_dir` left only
-    as ``best.tmp`` / ``best.old``; returns the ``(restored, came_from)`` pair, if any. Without it
-    ``export <run>/best`` fails until the run saves a better best. (A ``step_N`` left that way is not restored: the
-    main process would rename it while the other processes choose their checkpoint; resume takes the step before
-    it, and reaching step N again rewrites it.)"""
-    source = recover_replaced_dir(Path(output_dir) / "best")
-    return [(Path(output_dir) / "best", source)] if source is not None else []
+    source = None if path.exists() else complete_copy_aside(path)
+    if source is not None:
+        source.rename(path)
+    return source
 
 
 def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, optimizer: Any, state: dict,
@@ -280,11 +277,10 @@ def check_complete(path: str | Path) -> dict:
         if hint is not None:
             raise CheckpointError(hint)
         if not path.exists():
-            aside = [p for p in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old"))
-                     if p.is_dir() and is_complete(p)]
-            if aside:
-                raise CheckpointError(f"{path} does not exist, but {aside[0]} is a complete copy of it (a save was "
-                                      f"interrupted between two renames): rename it back (mv {aside[0]} {path}), "
+            aside = complete_copy_aside(path)
+            if aside is not None:
+                raise CheckpointError(f"{path} does not exist, but {aside} is a complete copy of it (a save was "
+                                      f"interrupted between two renames): rename it back (mv {aside} {path}), "
                                       "or resume the run with train.resume=true, which does that")
             newest = find_latest(path.parent)
             why = ""
@@ -655,11 +651,9 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                 p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
         return None
     own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
-    if main and own_run:  # a crash inside replace_dir left best/'s complete copy beside it
-        for restored, source in recover_interrupted_swaps(out):
-            if log is not None:
-                log(f"{restored.name}/ was missing after a save interrupted between two renames; restored it from "
-                    f"{source.name}/")
+    source = recover_replaced_dir(out / "best") if main and own_run else None
+    if source is not None and log is not None:
+        log(f"best/ was missing after a save interrupted between two renames; restored it from {source.name}/")
     if resume is True or resume == "true":
         path = find_latest(out)
         if main and log is not None and path is not None:  # (with none complete, the error below lists them)

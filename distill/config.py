@@ -307,6 +307,15 @@ def _choose(key: str, value: Any, choices: tuple) -> None:
                          f"(e.g. {key}={choices[0]})")
 
 
+def check_tail_samples_loss(tail_samples: int | None, loss: str) -> None:
+    """Sampled tail ids in the logit cache serve forward KL only (only FKL is linear in p, so only its gradient is
+    unbiased on the sparse target). Raises SetupError for ``tail_samples`` > 0 with another ``loss``."""
+    if tail_samples and str(loss) != "fkl":
+        raise SetupError(f"data.logit_cache_tail_samples={tail_samples} (sampled tail ids) give an unbiased gradient "
+                         f"for loss=fkl only (loss={loss}): use loss=fkl, data.logit_cache_tail_samples=0 (a cache "
+                         "built without them), or data.target_logits=online")
+
+
 def _check_values(cfg: DictConfig) -> None:
     """Ranges and allowed values of every key (types were checked by the schema at compose time)."""
     from decode.loading import DTYPES
@@ -328,11 +337,7 @@ def _check_values(cfg: DictConfig) -> None:
             raise SetupError(f"data.target_logits=cached with data.on_policy_fraction={lam}: on-policy batches are "
                              "draft samples the target never scored, so they need the target online. Set "
                              "data.on_policy_fraction=0, or data.target_logits=online")
-        tail = get("data.logit_cache_tail_samples")
-        if tail and cfg.loss.name != "fkl":
-            raise SetupError(f"data.logit_cache_tail_samples={tail} (sampled tail ids) give an unbiased gradient for "
-                             f"loss=fkl only (loss={cfg.loss.name}): use loss=fkl, data.logit_cache_tail_samples=0 "
-                             "(a cache built without them), or data.target_logits=online")
+        check_tail_samples_loss(get("data.logit_cache_tail_samples"), cfg.loss.name)
     if get("draft.vocab.keep") is not None and float(get("data.on_policy_fraction")) > 0:
         raise SetupError(f"draft.vocab.keep={get('draft.vocab.keep')} with data.on_policy_fraction="
                          f"{get('data.on_policy_fraction')}: on-policy rollouts sample from the draft alone, which a "

@@ -291,7 +291,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     from accelerate.state import AcceleratorState
 
     from distill.models import check_pair, context_length, load_draft, load_target, load_tokenizer
-    from distill.config import normalize_config
+    from distill.config import check_tail_samples_loss, normalize_config
     from distill.recipe import load_data, prepare_target_data
 
     cfg = normalize_config(cfg)
@@ -300,10 +300,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     if int(cfg.data.get("logit_cache_k") or 0) < 1:
         raise SetupError(f"data.logit_cache_k={cfg.data.get('logit_cache_k')!r} must be an integer >= 1, e.g. 32")
     tail_samples = cfg.data.get("logit_cache_tail_samples") or 0  # an integer >= 0: normalize_config checked it
-    if tail_samples and str(cfg.loss.name) != "fkl":
-        raise SetupError(f"data.logit_cache_tail_samples={tail_samples} serves loss=fkl only (the sampled tail gives an "
-                         f"unbiased gradient for forward KL), and this config trains loss={cfg.loss.name}: use loss=fkl, "
-                         "or data.logit_cache_tail_samples=0")
+    check_tail_samples_loss(tail_samples, cfg.loss.name)  # (normalize_config checks it too when training cached)
     out = Path(cfg.data.logit_cache)
     from distill.config import check_output_dir
 
@@ -438,17 +435,12 @@ class LogitCache:
 def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
     """The cache of ``data.logit_cache``, checked against the config (before any model loads).
 
-    Also sets ``cache.eval_prompts`` (the held-out prompts of ``load_data``). Raises SetupError for on-policy
-    batches (λ > 0 needs the target's logits on fresh draft samples), a missing or incomplete cache, or a manifest
-    that differs from the config (every differing field named).
+    Also sets ``cache.eval_prompts`` (the held-out prompts of ``load_data``). Raises SetupError for a missing or
+    incomplete cache, or a manifest that differs from the config (every differing field named). ``cfg`` is a
+    normalized config: on-policy batches with a cache (λ > 0) were refused there (:func:`distill.config.validate`).
     """
     from distill.recipe import load_data
 
-    lam = float(cfg.data.on_policy_fraction)
-    if lam > 0:
-        raise SetupError(f"data.target_logits=cached with data.on_policy_fraction={lam}: on-policy batches are draft "
-                         "samples the target never scored, so they need the target online. Set "
-                         "data.on_policy_fraction=0, or data.target_logits=online")
     if not cfg.data.get("logit_cache"):
         raise SetupError("data.target_logits=cached needs data.logit_cache=PATH (a folder made by "
                          "python -m distill cache-logits)")

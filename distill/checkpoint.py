@@ -314,6 +314,16 @@ def find_latest(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def rerun_overrides(output_dir: str | Path) -> list[str]:
+    """The overrides with which a tool that owns ``output_dir`` reruns ``distill train`` after an interruption:
+    ``train.resume=true`` when the run has a complete checkpoint (it continues where it stopped),
+    ``train.overwrite=true`` when it was killed before its first one (nothing to continue), none for a new run."""
+    out = Path(output_dir)
+    if out.is_dir() and find_latest(out) is not None:
+        return ["train.resume=true"]
+    return ["train.overwrite=true"] if out.is_dir() and any(out.iterdir()) else []
+
+
 def prune(output_dir: str | Path, keep_last: int) -> list[Path]:
     """Delete complete ``step_*`` checkpoints older than the newest ``keep_last`` complete ones; returns them.
 

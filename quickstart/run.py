@@ -201,13 +201,9 @@ def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
            f"++target.name_or_path={_hydra_path(out / qs.target.dir)}",
            f"draft.name_or_path={_hydra_path(out / qs.draft.dir)}", f"train.output_dir={_hydra_path(run_dir)}",
            *_cache_overrides(qs, out)]
-    from distill.checkpoint import find_latest
+    from distill.checkpoint import rerun_overrides
 
-    if run_dir.is_dir() and find_latest(run_dir) is not None:
-        cmd.append("train.resume=true")  # an interrupted run continues where it stopped
-    elif run_dir.is_dir() and any(run_dir.iterdir()):
-        cmd.append("train.overwrite=true")  # killed before its first complete checkpoint: nothing to continue
-    return cmd + list(extra)
+    return cmd + rerun_overrides(run_dir) + list(extra)  # an interrupted run continues (or starts over) in its folder
 
 
 def _distilled_checkpoint(qs, out: Path) -> Path | None:

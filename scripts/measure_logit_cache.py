@@ -40,15 +40,10 @@ def sh(cmd: list[str], log: Path) -> float:
 def train(cmd: list[str], run_dir: Path, steps: int, log: Path) -> None:
     """``python -m distill train``, rerun-safe: a run that reached ``steps`` is kept, an interrupted one resumes from
     its last complete checkpoint, one stopped before its first starts over in its own folder."""
-    from distill.checkpoint import find_latest, is_complete, step_dir
+    from distill.checkpoint import is_complete, rerun_overrides, step_dir
 
-    if is_complete(step_dir(run_dir, steps)):
-        return
-    if find_latest(run_dir) is not None:
-        cmd = [*cmd, "train.resume=true"]
-    elif run_dir.is_dir() and any(run_dir.iterdir()):
-        cmd = [*cmd, "train.overwrite=true"]
-    sh(cmd, log)
+    if not is_complete(step_dir(run_dir, steps)):
+        sh([*cmd, *rerun_overrides(run_dir)], log)
 
 
 def step_stats(run_dir: Path) -> dict:

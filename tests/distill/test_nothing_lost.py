@@ -147,6 +147,16 @@ def test_a_missing_checkpoint_is_named_as_missing_with_the_run_s_newest(straight
         ckpt.check_complete(tmp_path / "nowhere")
 
 
+def test_rerun_overrides_continue_or_restart_a_tool_s_own_run(straight, tmp_path):
+    """What the quickstart and the measuring scripts pass to `distill train` when they run a folder again."""
+    assert ckpt.rerun_overrides(straight) == ["train.resume=true"]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text("")  # killed before its first complete checkpoint
+    assert ckpt.rerun_overrides(killed) == ["train.overwrite=true"]
+    assert ckpt.rerun_overrides(tmp_path / "new") == [] and ckpt.rerun_overrides(tmp_path / "killed" / "x") == []
+
+
 def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
     out, shared = tmp_path / "run", tmp_path / "shared"
     out.mkdir()

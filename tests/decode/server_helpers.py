@@ -36,11 +36,15 @@ def tiny_pair(gamma: int = 3, chat: bool = True, eos=None):
 def running_server(decoder, tokenizer, graceful_shutdown_s: float = 30.0, **kw):
     """Yield ``(base_url, app, server)`` of a real uvicorn server on 127.0.0.1 (the one ``decode serve`` runs,
     :func:`decode.serving.app.make_server`); stops it (gracefully) on exit."""
-    port = free_port()
+    # A socket bound here and handed to uvicorn: no other test (or pytest-xdist worker) can take the port between
+    # choosing it and binding it, as it could with free_port().
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     kw.setdefault("limits", ServerLimits())
     app = create_app(decoder, tokenizer, MODEL, **kw)
     server = make_server(app, "127.0.0.1", port, graceful_shutdown_s, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not server.started and time.time() < deadline:
@@ -51,3 +55,4 @@ def running_server(decoder, tokenizer, graceful_shutdown_s: float = 30.0, **kw):
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+        sock.close()

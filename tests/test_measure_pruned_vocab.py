@@ -15,14 +15,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_tiny_measurement_writes_a_table_and_json_and_never_overwrites(tmp_path):
     out = tmp_path / "pv"
-    cmd = [sys.executable, str(REPO / "scripts" / "measure_pruned_vocab.py"), "--tiny", "--steps", "2", "--out",
-           str(out)]
+    # flags given with --tiny win over its defaults (they were silently replaced); a keep >= the tiny vocabulary (64)
+    # is its full-vocabulary control
+    cmd = [sys.executable, str(REPO / "scripts" / "measure_pruned_vocab.py"), "--tiny", "--steps", "2", "--limit", "2",
+           "--keeps", "16", "32", "100", "--out", str(out)]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PATH": "/usr/bin:/bin"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| keep_16 | 16 |" in r.stdout and "| full_64 | 64 |" in r.stdout
     res = json.loads((out / "results.json").read_text())
-    assert [d["keep"] for d in res["drafts"]] == [16, 32, 64] and res["steps"] == 2
+    assert [d["keep"] for d in res["drafts"]] == [16, 32, 64] and res["steps"] == 2 and res["prompts"] == 2
     for d in res["drafts"]:
         assert d["lm_head_rows"] == d["keep"]
         assert Path(d["path"]).parent.name == "drafts_tuned"  # every draft, the control too, was fine-tuned
@@ -35,6 +37,14 @@ def test_tiny_measurement_writes_a_table_and_json_and_never_overwrites(tmp_path)
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "exists" in r.stderr
     assert (out / "results.json").read_text() == before
+
+
+def test_a_greedy_mismatch_is_named_not_only_written_to_the_json():
+    script = load_script("measure_pruned_vocab")
+    drafts = [{"name": "keep_16", "per_temperature": {"0.0": {"greedy_equal": True}, "1.0": {}}},
+              {"name": "keep_32", "per_temperature": {"0.0": {"greedy_equal": False}, "1.0": {}}},
+              {"name": "full_64", "per_temperature": {"1.0": {}}}]  # no T = 0 run: nothing to compare
+    assert script.greedy_mismatches({"drafts": drafts}) == ["keep_32"]
 
 
 def _run(*args, timeout=120):

@@ -182,7 +182,7 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
 
     eos = stop_token_ids(tokenizer, target) or None  # the stop set of `decode generate` and the server
     results = run_benchmark(target, draft, prompt_ids, [p.category for p in prompts], cfg, pad_token_id=pad,
-                            eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=sys.stderr.isatty(),
+                            eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=True,
                             tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     paths = write_outputs(results, out)
     render_tables(results)

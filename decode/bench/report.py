@@ -170,7 +170,7 @@ class OutputPaths:
         """
         from decode.bench.plots import PLOTS
 
-        out = Path(out)
+        out = Path(out).expanduser()  # as certify and loadtest do: a quoted ~ must not become a folder named ~
         if out.suffix.lower() == ".json":
             folder, results = out.parent, out
             plots = {name: folder / f"{out.stem}_{name}.png" for name in PLOTS}
@@ -211,15 +211,28 @@ def write_outputs(results: dict[str, Any], out: str | os.PathLike | OutputPaths,
     from decode.bench.plots import PLOTS
 
     paths = out if isinstance(out, OutputPaths) else OutputPaths.plan(out, overwrite)
+    plots = paths.plots
+    taken = [p for p in (paths.results, *plots.values()) if p.exists()] if not paths.overwrite else []
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if taken:  # made since the plan: keep them, and write this run's set beside them under one timestamp
+        plots = {name: _stamped(p, stamp) for name, p in plots.items()}
+        print(f"warning: {', '.join(map(str, taken))} appeared during the run and were kept; this run's outputs "
+              "get a timestamped name", file=sys.stderr)
     results["report"] = must_show(results)
-    results["plots"] = {name: str(p) for name, p in paths.plots.items()}
+    results["plots"] = {name: str(p) for name, p in plots.items()}
     validate_results(results)
     paths.results.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=1, default=_json_default) + "\n"
-    written = _write_new(paths.results, text, paths.overwrite)
+    written = _write_new(_stamped(paths.results, stamp) if taken else paths.results, text, paths.overwrite)
     for name, fn in PLOTS.items():
-        fn(results, paths.plots[name])
+        fn(results, plots[name])
     return {"results": str(written), **results["plots"]}
+
+
+def _stamped(path: Path, stamp: str | None = None) -> Path:
+    """``path`` with a timestamp (default: now) before its suffix: where an output goes when ``path`` was taken
+    during the run."""
+    return path.with_name(f"{path.stem}.{stamp or _dt.datetime.now().strftime('%Y%m%d-%H%M%S')}{path.suffix}")
 
 
 def _write_new(path: Path, text: str, overwrite: bool) -> Path:
@@ -230,8 +243,7 @@ def _write_new(path: Path, text: str, overwrite: bool) -> Path:
             f.write(text)
         return path
     except FileExistsError:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        alt = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+        alt = _stamped(path)
         alt.write_text(text)
         print(f"warning: {path} appeared during the run; results written to {alt}", file=sys.stderr)
         return alt

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from typing import Any
@@ -78,7 +79,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         pad_token_id: used to left-pad batches and given to HF generate.
         eos_token_id: int, list of ints, or None; generation stops there unless ``cfg.ignore_eos``.
         prompt_names: ids of the prompts, stored with the per-prompt records.
-        progress: show a rich progress bar.
+        progress: show progress on stderr (a rich bar on a terminal, plain lines elsewhere).
         tokenizer, draft_tokenizer: optional; passed to the decoder, which then checks them and limits sampling
             to the tokenizer's vocabulary (lm_head padding rows never sampled).
 
@@ -169,7 +170,8 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
 
     The speculative method is ``cfg.batch_gamma``, else the best measured fixed γ, else γ="auto" when no fixed γ
     ran. Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
-    so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size.
+    so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size. A
+    ``cfg.batch_gamma`` that the main pass did not run is measured at batch size 1 here too.
     With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch.
     """
     out, jobs = [], []
@@ -181,10 +183,9 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
         if cfg.compile:
             pair += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in pair]
         for bs in cfg.batch_sizes:
-            if bs == 1:
-                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in pair
-                        if records.get((t, m.name))]
-            else:
+            if bs == 1 and all(records.get((t, m.name)) for m in pair):
+                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in pair]
+            else:  # also batch 1 when the main pass did not run that γ (--batch-gamma not in --gammas)
                 jobs.append((t, pair, bs))
     total = sum(math.ceil(len(prompt_ids) / bs) * len(pair) for _, pair, bs in jobs)
     with _progress(progress, total, "batches") as tick:
@@ -248,7 +249,8 @@ def _strip(records: list[dict]) -> list[dict]:
 
 
 class _progress:
-    """A rich progress bar, or nothing (tests, non-terminals)."""
+    """A rich progress bar on a terminal; elsewhere (logs, CI) a plain stderr line at every tenth of the work, so a
+    redirected run of many minutes still shows it is moving; nothing when disabled (tests)."""
 
     def __init__(self, enabled: bool, total: int, label: str):
         self.enabled, self.total, self.label = enabled and total > 0, total, label
@@ -256,6 +258,16 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return lambda: None
+        if not sys.stderr.isatty():
+            done, start, step = 0, time.perf_counter(), max(1, self.total // 10)
+
+            def tick():
+                nonlocal done
+                done += 1
+                if done % step == 0 or done == self.total:
+                    print(f"{self.label}: {done}/{self.total} ({time.perf_counter() - start:.0f} s)",
+                          file=sys.stderr, flush=True)
+            return tick
         from rich.progress import Progress
 
         self._p = Progress(transient=True)
@@ -264,7 +276,7 @@ class _progress:
         return lambda: self._p.advance(task)
 
     def __exit__(self, *exc):
-        if self.enabled:
+        if hasattr(self, "_p"):
             self._p.stop()
 
 

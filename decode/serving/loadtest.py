@@ -15,8 +15,10 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import math
 import os
 import statistics
+import sys
 import time
 from urllib.parse import urlparse
 
@@ -33,7 +35,10 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def loopback_url(url: str) -> str:
     """``url`` without a trailing slash; raises ValueError unless its host is a loopback address."""
-    host = urlparse(url).hostname or ""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"--url {url!r} is not a full URL; give the scheme and host, e.g. http://127.0.0.1:8000")
+    host = parsed.hostname
     ok = host == "localhost"
     if not ok:
         try:
@@ -69,9 +74,9 @@ async def _one(client, url: str, body: dict, headers: dict) -> dict:
     tokens, error = 0, None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return {"error": f"http {r.status_code}"}
+            if r.status_code != 200:  # the server's message, to say why when every request fails
+                detail = (await r.aread()).decode(errors="replace")[:300]
+                return {"error": f"http {r.status_code}", "detail": detail}
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -182,21 +187,33 @@ DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n"
                    "def parse_args(argv):\n    parser = ", "for i in range(10):\n"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    url = loopback_url(args.url)
+def _check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no server; raises ValueError naming the option and the fix."""
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
         raise ValueError(f"--concurrency must be in 1..{MAX_CONCURRENCY}, got {args.concurrency}")
     if not 0 < args.duration <= MAX_DURATION_S:
         raise ValueError(f"--duration must be in (0, {MAX_DURATION_S:.0f}] seconds, got {args.duration}")
     if args.max_requests < 1 or args.max_tokens < 1:
         raise ValueError("--max-requests and --max-tokens must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # NaN would fail every request client-side
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.warmup_requests is not None and args.warmup_requests < 0:
+        raise ValueError(f"--warmup-requests must be >= 0 (0: no warm-up), got {args.warmup_requests}")
+    if args.server_pid is not None and not os.path.exists(f"/proc/{args.server_pid}/status"):
+        raise ValueError(f"--server-pid {args.server_pid}: no such process on this machine; pass the server's pid "
+                         "or omit it to read the RSS from /metrics")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    url = loopback_url(args.url)
+    _check_args(args)
     if args.output and os.path.exists(args.output):
         raise FileExistsError(f"--output {args.output!r} exists; pick a new path (results are never overwritten)")
     if args.output:
         from decode.outputs import check_output_file
 
-        check_output_file(args.output, "--output")  # its folder exists and is writable
+        args.output = str(check_output_file(args.output, "--output"))  # folder exists, is writable; ~ expanded
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -211,14 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"the server at {url} wants an API key and {given}: pass the server's key with --api-key KEY "
                          "or DRAFTKIT_API_KEY=KEY")
     try:
-        model = args.model or answer.json()["data"][0]["id"]
+        served = [m["id"] for m in answer.json()["data"]]
+        model = args.model or served[0]
     except (ValueError, KeyError, IndexError, TypeError):
         raise ValueError(f"{url}/v1/models answered HTTP {answer.status_code} without a model list "
                          f"({answer.text[:200]!r}); is it a `python -m decode serve` server?") from None
+    if model not in served:
+        raise ValueError(f"--model {model!r} is not served at {url}; it serves {served} (omit --model for the first)")
     warmup = args.concurrency if args.warmup_requests is None else args.warmup_requests
     if warmup > 0:
-        asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, min(args.concurrency, warmup),
-                             MAX_DURATION_S, warmup, args.max_tokens, args.temperature, args.api_key))
+        warm = asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, min(args.concurrency, warmup),
+                                    MAX_DURATION_S, warmup, args.max_tokens, args.temperature, args.api_key))
+        failed = [r for r in warm["results"] if "error" in r]
+        if failed and len(failed) == len(warm["results"]):  # the settings are refused: do not hammer the server
+            raise ValueError(f"every warm-up request failed ({failed[0]['error']}: {failed[0].get('detail', '')!r}); "
+                             "check --max-tokens, --temperature and --prompt against the server's limits")
     rss_before = server_rss(url, args.server_pid)
     raw = asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, args.concurrency, args.duration,
                                args.max_requests, args.max_tokens, args.temperature, args.api_key))
@@ -227,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
                    warmup_requests=warmup)
     print_table(summary)
     if args.output:
-        with open(args.output, "x") as f:
-            json.dump(summary, f, indent=2)
+        from pathlib import Path
+
+        from decode.outputs import write_new_file
+
+        out = Path(args.output)
+        written = write_new_file(json.dumps(summary, indent=2), out)
+        if written != out:  # made by someone else while the load ran: keep theirs, and this run's results
+            print(f"warning: --output {str(out)!r} appeared during the run and was kept; the results are in "
+                  f"{str(written)!r}", file=sys.stderr)
     return 0 if summary["errors"] == 0 else 1

@@ -293,8 +293,10 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert [c["name"] for c in results["report"][0]["checks"]] == [
         "cost_ratio_vs_bare", "measured_vs_verify_aware", "decode_vs_verify_aware", "ours_vs_hf_assisted",
         "batch_speedup", "auto_vs_best_fixed"]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
+    assert "decoding: 12/12 (" in captured.err  # progress shows in a log too (stderr is not a terminal here)
     assert "must-show (issue #8)" in printed and "ours / HF assisted speedup, γ=2" in printed
     # Bad input through the dispatcher: exit status 2 and the message, no traceback.
     assert decode_main(["bench", *_pair_args(saved_pair), "--prompts", "humaneva", "--out",
@@ -374,6 +376,57 @@ def test_overwrite_replaces_and_a_file_that_appears_mid_run_is_kept(bench_run, t
     paths = write_outputs(json.loads(json.dumps(results)), plan)
     assert late.read_text() == "theirs"
     assert paths["results"] != str(late) and json.loads(open(paths["results"]).read())["kind"] == "draftkit.bench"
+
+
+def test_plots_that_appear_mid_run_are_kept_and_the_runs_set_goes_beside_them(bench_run, tmp_path):
+    """Only the JSON was kept: a plot made at the planned path during the run (e.g. by a second run into the same
+    folder) was overwritten, and the JSON kept beside it pointed at plots of the other run."""
+    results = bench_run[0]
+    plan = OutputPaths.plan(tmp_path / "out")
+    plan.results.parent.mkdir()
+    theirs = plan.plots["speedup_vs_gamma"]
+    theirs.write_bytes(b"theirs")
+    paths = write_outputs(json.loads(json.dumps(results)), plan)
+    assert theirs.read_bytes() == b"theirs" and not plan.results.exists()
+    saved = json.loads(Path(paths["results"]).read_text())
+    assert saved["plots"] == {k: v for k, v in paths.items() if k != "results"}
+    for name, path in saved["plots"].items():
+        assert path != str(plan.plots[name]) and Path(path).read_bytes()[:8] == PNG_MAGIC
+    assert Path(paths["results"]).name.startswith("results.")  # one timestamped set beside the kept file
+
+
+def test_batch_gamma_not_in_gammas_is_measured_at_batch_size_1():
+    """Batch size 1 reused the main pass, which has no spec_g{batch_gamma} when --batch-gamma is not in --gammas:
+    the speculative row of batch 1 was silently missing."""
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[1], auto=False, hf=False, batch_gamma=2, temperatures=[0.0], batch_sizes=[1, 2],
+                      max_new_tokens=4, cost_repeats=3, warmup=False)
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0,
+                            progress=False)
+    rows = {(b["method"], b["batch_size"]): b for b in results["batch"]}
+    assert set(rows) == {("plain", 1), ("spec_g2", 1), ("plain", 2), ("spec_g2", 2)}
+    assert rows[("spec_g2", 1)]["num_new_tokens"] == 8 and not rows[("spec_g2", 1)]["reused_main_pass"]
+    assert rows[("spec_g2", 1)]["speedup"] is not None
+
+
+def test_progress_shows_in_a_log_too(capsys):
+    """Progress was a rich bar only, and the CLI enabled it only on a terminal: a run redirected to a log (nohup,
+    CI) showed nothing for its whole length (the CLI side: test_cli_end_to_end_on_saved_checkpoints)."""
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[1], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1, 2], max_new_tokens=2,
+                      cost_repeats=3, warmup=False)
+    run_benchmark(target, target, [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0, progress=True)
+    err = capsys.readouterr().err  # not a terminal under pytest: plain lines
+    assert "decoding: 4/4 (" in err and "batches: 2/2 (" in err
+
+
+def test_out_expands_home(tmp_path, monkeypatch):
+    """--out '~/bench' (quoted) planned a folder literally named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert OutputPaths.plan("~/bench").results == tmp_path / "home" / "bench" / "results.json"
+    assert OutputPaths.plan("~/b.json").plots["speedup_vs_gamma"] == tmp_path / "home" / "b_speedup_vs_gamma.png"
 
 
 def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch, capsys, tmp_path):

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from decode.serving import loadtest
+from decode.serving.app import ServerLimits
 from tests.decode.server_helpers import MODEL, running_server, tiny_pair
 
 
@@ -58,3 +59,57 @@ def test_summary_counts_errors_by_kind():
     s = loadtest.summarize(raw, 3, 100, 110)
     assert s["errors"] == 2 and s["errors_by_kind"] == {"http 429": 2}
     assert s["tokens_per_s"] == 2.5 and s["rss_growth"] == pytest.approx(0.1) and s["ttft_p50_s"] == 0.1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number"),  # was: every request failed, NaN in the JSON
+    (["--temperature", "-1"], "--temperature must be a finite number"),
+    (["--warmup-requests", "-3"], "--warmup-requests must be >= 0"),
+    (["--server-pid", "999999999"], "--server-pid 999999999: no such process"),  # was: an OSError after the warm-up
+])
+def test_loadtest_refuses_bad_settings_before_contacting_the_server(argv, message):
+    """Port 1 has no server: a check made after contacting it would say 'no server answers' instead."""
+    with pytest.raises(ValueError, match=message):
+        loadtest.main(["--url", "http://127.0.0.1:1", "--duration", "1", *argv])
+    with pytest.raises(ValueError, match="not a full URL.*http://127.0.0.1:8000"):  # was: "host '' is not loopback"
+        loadtest.main(["--url", "127.0.0.1:8000"])
+
+
+def test_loadtest_stops_when_the_server_refuses_the_settings():
+    """An unknown --model or a --max-tokens above the server's limit failed every request for the whole duration
+    (hundreds per second) and exited 1 with only 'http 400' to go on."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, limits=ServerLimits(max_tokens=8)) as (url, _, _):
+        with pytest.raises(ValueError, match=f"--model 'nosuch' is not served.*'{MODEL}'"):
+            loadtest.main(["--url", url, "--duration", "1", "--model", "nosuch"])
+        with pytest.raises(ValueError, match="every warm-up request failed \\(http 400: .*max_tokens=9"):
+            loadtest.main(["--url", url, "--duration", "1", "--concurrency", "1", "--max-tokens", "9"])
+
+
+def test_loadtest_output_that_appears_during_the_run_is_kept_with_the_results_beside_it(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """The output was opened with mode 'x' at the end: a file made meanwhile made the finished run exit 2 with no
+    results written."""
+    out = tmp_path / "load.json"
+    monkeypatch.setattr(loadtest, "print_table", lambda summary: out.write_text("theirs"))
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):
+        rc = loadtest.main(["--url", url, "--duration", "0.5", "--concurrency", "1", "--max-tokens", "2",
+                            "--output", str(out)])
+    assert rc == 0 and out.read_text() == "theirs"
+    err = capsys.readouterr().err
+    assert "appeared during the run and was kept" in err
+    beside = [p for p in tmp_path.iterdir() if p != out]
+    assert len(beside) == 1 and json.loads(beside[0].read_text())["errors"] == 0 and str(beside[0]) in err
+
+
+def test_loadtest_output_under_home_is_written_there(tmp_path, monkeypatch):
+    """--output '~/load.json' (quoted, so the shell leaves ~) was checked in the expanded folder but written to a
+    literal '~' folder: the finished run failed on its last line."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):
+        assert loadtest.main(["--url", url, "--duration", "0.5", "--concurrency", "1", "--max-tokens", "2",
+                              "--output", "~/load.json"]) == 0
+    assert json.loads((tmp_path / "load.json").read_text())["errors"] == 0 and not (tmp_path / "~").exists()

@@ -223,9 +223,10 @@ def restore_pruned_head(model: Any, folder: str | os.PathLike) -> Any:
         raise ValueError(f"{folder}: the vocabulary map {MAP_KEY!r} is {map_dtype}; it must hold integer "
                          "target ids (int64). The checkpoint was edited or is corrupt: export it again")
     ids, weight = stored[MAP_KEY].long(), stored[f"{head_name}.weight"]
-    if ids.shape != (size,) or weight.shape[0] != size:
+    if ids.shape != (size,) or weight.shape != (size, head.weight.shape[1]):  # (a narrower head: a mid-decode error)
         raise ValueError(f"{folder}: {SIZE_FIELD}={size} but the map has shape {tuple(ids.shape)} and the head "
-                         f"{tuple(weight.shape)}; the checkpoint is inconsistent, export it again")
+                         f"{tuple(weight.shape)} (expected ({size}, {head.weight.shape[1]}), the model's hidden size); "
+                         "the checkpoint is inconsistent, export it again")
     new = torch.nn.Linear(weight.shape[1], size, bias=f"{head_name}.bias" in stored,
                           device=head.weight.device, dtype=head.weight.dtype)
     with torch.no_grad():
@@ -252,6 +253,11 @@ def load_pretrained(name_or_path: str, **kwargs: Any) -> Any:
 
     if pruned_size(name_or_path) is None:
         return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    cfg = json.loads((Path(os.path.expanduser(str(name_or_path))) / "config.json").read_text())
+    if cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get("tie_word_embeddings"):
+        raise ValueError(f"{name_or_path}: config.json has tie_word_embeddings=true, but a vocabulary-pruned draft's "
+                         "N-row head is untied from its V-row input embedding; set \"tie_word_embeddings\": false "
+                         "in config.json, or export the draft again with draftkit")
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report would list the expected head mismatch as a problem
     try:

@@ -435,10 +435,13 @@ def cmd_export(argv: list[str]) -> None:
     p.add_argument("--dtype", default=None, help="save in this dtype (float32, bf16, fp16); default: as trained")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export in OUT_DIR (a non-empty OUT_DIR is refused otherwise)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a draft (or LoRA base, tokenizer) that ships its own modeling code (auto_map) run it; "
+                        "read that code first")
     args = p.parse_args(argv)
     try:
         card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
     ev = card.get("evaluation") or {}

@@ -379,6 +379,11 @@ def read_state(path: str | Path) -> dict:
     state = read_json(path / STATE_FILE)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path / STATE_FILE} does not hold a JSON object")
+    bad = [k for k in ("step", "examples_consumed", "tokens_seen") if (k == "step" or k in state) and
+           (isinstance(state.get(k), bool) or not isinstance(state.get(k), int) or state[k] < 0)]
+    if bad:  # a resume would fail later with a bare int() traceback, or silently start at step 0
+        raise CheckpointError(f"{path / STATE_FILE} has {', '.join(f'{k}={state.get(k)!r}' for k in bad)}; each must "
+                              "be an integer >= 0. The checkpoint is damaged or was not written by draftkit")
     if (path / EVAL_FILE).is_file():
         state.update({k: v for k, v in read_json(path / EVAL_FILE).items() if v is not None})
     return state
@@ -412,22 +417,54 @@ def _restore(pieces: dict, like: Any) -> Any:
 
 
 def load_optimizer(optimizer: Any, path: Path) -> None:
-    """Load ``path/optimizer.safetensors`` + ``path/optimizer.json`` (see :func:`optimizer_to_data`)."""
+    """Load ``path/optimizer.safetensors`` + ``path/optimizer.json`` (see :func:`optimizer_to_data`).
+
+    Raises CheckpointError naming the file when its contents do not fit the optimizer (a damaged or edited file: a
+    missing key, a tensor of another shape), which would otherwise fail later, mid-step, with a bare traceback.
+    """
     tensors = load_tensors(path / "optimizer.safetensors")
     meta = read_json(path / "optimizer.json")
     live_groups = optimizer.state_dict()["param_groups"]
-    groups = meta["param_groups"]
+    groups = meta.get("param_groups") if isinstance(meta, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(f"{path / 'optimizer.json'} has no list of param_groups; the checkpoint is damaged or "
+                              "was not written by draftkit")
     if len(groups) != len(live_groups):
         raise CheckpointError(f"{path}: the optimizer has {len(live_groups)} parameter groups, the checkpoint "
                               f"{len(groups)}; resume with the model and settings (draft, train.lora) the checkpoint was made with")
     groups = [{k: _restore(v, live.get(k)) for k, v in g.items()} for g, live in zip(groups, live_groups)]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict] = {}
-    for key, t in tensors.items():
-        _, pid, name = key.split(".", 2)
-        state.setdefault(int(pid), {})[name] = t
-    for pid, values in meta.get("scalars", {}).items():
-        state.setdefault(int(pid), {}).update(values)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    try:
+        for key, t in tensors.items():
+            _, pid, name = key.split(".", 2)
+            if t.dim() and t.shape != params[int(pid)].shape:  # (scalars: the step count)
+                raise ValueError(f"{key} has shape {tuple(t.shape)}, its parameter {tuple(params[int(pid)].shape)}")
+            state.setdefault(int(pid), {})[name] = t
+        for pid, values in meta.get("scalars", {}).items():
+            state.setdefault(int(pid), {}).update(values)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{path / 'optimizer.safetensors'} / optimizer.json do not fit the draft's optimizer "
+                              f"({type(e).__name__}: {e}); the checkpoint is damaged, or resume with the draft and "
+                              "train.lora settings it was made with") from e
+
+
+def _load_scheduler(scheduler: Any, path: Path) -> None:
+    """Load ``path/scheduler.json``; its values must have the kinds the live scheduler's have, and it must hold
+    base_lrs and last_epoch (a damaged or edited file would otherwise be taken as it is and fail at the next step)."""
+    saved, live = read_json(path / "scheduler.json"), scheduler.state_dict()
+
+    def kind(v: Any) -> type:
+        return float if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v)
+
+    saved = saved if isinstance(saved, dict) else {}  # (keys a torch version added may be absent: not required)
+    bad = [k for k in live if (k in saved and kind(saved[k]) is not kind(live[k]))
+           or (k not in saved and k in ("base_lrs", "last_epoch"))]
+    if bad:
+        raise CheckpointError(f"{path / 'scheduler.json'} does not hold this LR scheduler's state (missing or wrong "
+                              f"type: {name_list(bad)}); the checkpoint is damaged or was not written by draftkit")
+    scheduler.load_state_dict(saved)
 
 
 def _load_rng(path: Path, rank: int) -> bool:
@@ -438,14 +475,19 @@ def _load_rng(path: Path, rank: int) -> bool:
         return False
     tensors = load_tensors(path / f"rng_state_{rank}.safetensors")
     rest = read_json(path / f"rng_state_{rank}.json")
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[f"torch_cuda.{i}"] for i in range(len(tensors)) if f"torch_cuda.{i}" in tensors]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    version, internal, gauss = rest["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = rest["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    try:
+        torch.set_rng_state(tensors["torch_cpu"])
+        cuda = [tensors[f"torch_cuda.{i}"] for i in range(len(tensors)) if f"torch_cuda.{i}" in tensors]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+        version, internal, gauss = rest["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = rest["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise CheckpointError(f"{path}/rng_state_{rank}.safetensors / rng_state_{rank}.json do not hold generator "
+                              f"states ({type(e).__name__}: {e}); the checkpoint is damaged or was not written by "
+                              "draftkit") from e
     return True
 
 
@@ -488,7 +530,7 @@ def load_checkpoint(accelerator: Any, draft: Any, optimizer: Any, scheduler: Any
         if not _load_rng(path, accelerator.process_index):
             log(f"warning: {path} has no RNG state for process {accelerator.process_index} (it was saved by fewer "
                 "processes); this process keeps its seeded generators")
-    scheduler.load_state_dict(read_json(path / "scheduler.json"))
+    _load_scheduler(scheduler, path)
     return state
 
 

@@ -23,7 +23,8 @@ from distill.checkpoint import CheckpointError, read_config, read_state
 CARD_JSON = "draftkit_card.json"
 
 
-def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[Any, Any, dict]:
+def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None,
+                          trust_remote_code: bool = False) -> tuple[Any, Any, dict]:
     """(draft with any LoRA merged, tokenizer, trainer_state) of a checkpoint folder (``step_N`` or ``best``).
 
     A LoRA checkpoint's adapter is applied to its base (``draft_base``: the draft the run started from), whose
@@ -31,17 +32,18 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
     base and adapter as trained), so a base folder changed after training (re-exported over, fine-tuned in place)
     does not change what is merged.
 
-    Raises FileNotFoundError if the folder is not a checkpoint or the LoRA base is missing; CheckpointError if the
-    checkpoint's weights do not fit the base's architecture.
-    """
-    from transformers import AutoTokenizer
+    The draft, its LoRA base and its tokenizer load through ``decode.loading`` (a pruned draft's head and map
+    restored); a folder that ships its own Python code (``auto_map``) is refused unless ``trust_remote_code``.
 
-    from decode.vocab_map import load_pretrained  # from_pretrained that restores a pruned draft's head and map
+    Raises FileNotFoundError if the folder is not a checkpoint or the LoRA base is missing; CheckpointError if the
+    checkpoint's weights do not fit the base's architecture; ``decode.loading.RemoteCodeError`` (a ValueError) for
+    a draft, base or tokenizer with its own code while ``trust_remote_code`` is off.
+    """
+    from decode.loading import load_causal_lm, load_tokenizer
 
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
     draft_dir = checkpoint / "draft"
-    kw = {"dtype": dtype} if dtype is not None else {}
     if (draft_dir / "adapter_config.json").exists():
         from peft import PeftModel
 
@@ -49,7 +51,7 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
         if not base_path or (base_path.startswith(("/", ".")) and not Path(base_path).exists()):
             raise FileNotFoundError(f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft "
                                     "checkpoint the run started from (or <output_dir>/draft_base for a built draft)")
-        base = load_pretrained(base_path, **kw)
+        base = load_causal_lm(base_path, "LoRA base", dtype, trust_remote_code=trust_remote_code)
         peft_model = PeftModel.from_pretrained(base, str(draft_dir))
         if (checkpoint / "model.safetensors").is_file():  # not in a DeepSpeed/FSDP checkpoint (accelerate/)
             from distill.checkpoint import _load_weights, load_tensors
@@ -58,8 +60,9 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None) -> tuple[An
         untie_adapted_weights(peft_model)
         draft = peft_model.merge_and_unload()
     else:
-        draft = load_pretrained(str(draft_dir), **kw)
-    tokenizer = AutoTokenizer.from_pretrained(str(draft_dir))
+        draft = load_causal_lm(str(draft_dir), "draft", dtype, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(str(draft_dir), "draft tokenizer", trust_remote_code=trust_remote_code,
+                               fix="save the tokenizer in the checkpoint's draft/ folder")
     return draft.eval(), tokenizer, state
 
 
@@ -302,7 +305,8 @@ The full training config is in `{CARD_JSON}` (key `config`).
 """
 
 
-def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overwrite: bool = False) -> dict:
+def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overwrite: bool = False,
+           trust_remote_code: bool = False) -> dict:
     """Write the merged draft, its tokenizer and the card to ``out_dir``; returns the card dict.
 
     Everything is written to a temporary folder next to ``out_dir`` and renamed into place at the end, so a failed
@@ -314,10 +318,18 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
             checkpoint, :func:`distill.checkpoint.check_complete`), or ``out_dir`` is not empty or holds more than
             an earlier export (see :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
+        CheckpointError: the draft ships its own Python code (``auto_map``) and ``trust_remote_code`` is off.
     """
+    from decode.loading import RemoteCodeError
+
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
     read_state(checkpoint)
-    draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype)
+    try:
+        draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code)
+    except RemoteCodeError as err:  # (its message names decode's --trust-remote-code, which export does not take)
+        raise CheckpointError(f"{checkpoint}: the draft, its LoRA base or its tokenizer ships its own Python code "
+                              "(auto_map), which export does not run; nothing was written. Read that code first; "
+                              "--trust-remote-code (export(..., trust_remote_code=True)) runs it") from err
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     umask = os.umask(0)

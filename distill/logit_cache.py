@@ -395,6 +395,12 @@ class LogitCache:
 
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
+        bad = [f"{key}={self.manifest.get(key, DEFAULTS.get(key))!r}" for key, low in
+               (("k", 1), ("num_shards", 1), ("num_examples", 1), ("vocab", 1), ("tail_samples", 0))
+               if not _is_int(self.manifest.get(key, DEFAULTS.get(key)), low)]
+        if bad:
+            raise SetupError(f"logit cache {self.path}: its {MANIFEST} has {', '.join(bad)} (integers expected); the "
+                             "cache is damaged or was edited: rebuild it with python -m distill cache-logits")
         self.k = int(self.manifest["k"])
         self.tail_samples = int(self.manifest.get("tail_samples", DEFAULTS["tail_samples"]))
         dirs = [self.path / "shards" / f"{s:05d}" for s in range(int(self.manifest["num_shards"]))]
@@ -412,6 +418,35 @@ class LogitCache:
                              f"{self.manifest['num_examples']}; rebuild it")
         self.arrays = self.ds.with_format("numpy", columns=["top_log_probs", "top_ids", "log_tail"] +
                                           (["tail_ids"] if self.tail_samples else []))
+        self._check_rows()
+
+    def _check_rows(self) -> None:
+        """Every row holds n·k top ids and log-probs, n tails (and n·s tail ids) for its n completion tokens, and
+        every stored id lies in the manifest's vocabulary: a damaged or edited shard (or one from another cache) is
+        named here, not by an index error mid-step or a batch whose rows no longer line up. Vectorized (Arrow)."""
+        import pyarrow.compute as pc
+
+        n = pc.list_value_length(self.ds.data.column("completion_ids"))
+        widths = {"top_ids": self.k, "top_log_probs": self.k, "log_tail": 1, "tail_ids": self.tail_samples}
+        for name, width in widths.items():
+            if name == "tail_ids" and not width:
+                continue
+            if name not in self.ds.column_names:
+                raise SetupError(f"logit cache {self.path} has no column {name!r} (its {MANIFEST}: k={self.k}, "
+                                 f"tail_samples={self.tail_samples}); rebuild it with python -m distill cache-logits")
+            col = self.ds.data.column(name)
+            wrong = pc.sum(pc.not_equal(pc.list_value_length(col), pc.multiply(n, width))).as_py()
+            if wrong:
+                raise SetupError(f"logit cache {self.path}: {wrong} rows of {name!r} do not hold {width} values per "
+                                 "completion token; a shard is damaged or comes from another cache: rebuild it with "
+                                 "python -m distill cache-logits")
+            if name.endswith("_ids") and len(self.ds):
+                bounds = pc.min_max(pc.list_flatten(col)).as_py()
+                if bounds["min"] is not None and not 0 <= bounds["min"] <= bounds["max"] < int(self.manifest["vocab"]):
+                    raise SetupError(f"logit cache {self.path}: {name!r} holds ids {bounds['min']}..{bounds['max']}, "
+                                     f"outside the vocabulary [0, {self.manifest['vocab']}) of its {MANIFEST}; a "
+                                     "shard is damaged or comes from another cache: rebuild it with python -m distill "
+                                     "cache-logits")
 
     def examples(self) -> list[dict]:
         """The scored sequences as training examples, each with its ``cache_row``."""
@@ -490,6 +525,10 @@ def peak_memory_mb(device: Any) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _cat(arrays) -> Any:

@@ -124,7 +124,9 @@ def load_draft(cfg: Any, target: Any) -> Any:
     if cfg.get("name_or_path") and (Path(cfg.name_or_path) / "trainer_state.json").exists():
         from distill.export import load_checkpoint_draft  # a distill checkpoint (e.g. <run>/best): LoRA merged
 
-        draft = load_checkpoint_draft(cfg.name_or_path, None if dtype == "auto" else dtype)[0]
+        name, trust = str(cfg.name_or_path), bool(cfg.get("trust_remote_code", False))
+        draft = _loaded(lambda: load_checkpoint_draft(name, None if dtype == "auto" else dtype, trust)[0],
+                        f"draft {name!r}", "draft.name_or_path")
     elif cfg.get("name_or_path"):
         name, trust = str(cfg.name_or_path), bool(cfg.get("trust_remote_code", False))
         draft = _loaded(lambda: loading.load_causal_lm(name, "draft", dtype, trust_remote_code=trust),

@@ -135,6 +135,28 @@ def test_reload_names_a_missing_or_bad_size_field(tmp_path, size, match):
         load_causal_lm(str(folder), "draft")
 
 
+def test_reload_names_a_head_of_another_width_or_a_tied_config(tmp_path):
+    """An edited pruned draft from someone else: a head whose rows are narrower than the hidden size, or a
+    config.json that says the N-row head is tied to the V-row embedding, is refused naming the problem (these
+    loaded and failed mid-decode with a matmul RuntimeError, or in transformers with a meta-tensor traceback)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder, weights = _saved_pruned(tmp_path)
+    head = next(k for k in weights if k.endswith("lm_head.weight"))
+    save_file({**weights, head: weights[head][:, :16].contiguous()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(FileNotFoundError, match=r"the head \(10, 16\) \(expected \(10, 32\)"):
+        load_causal_lm(str(folder), "draft")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    load_causal_lm(str(folder), "draft")  # the unedited folder loads
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(FileNotFoundError, match="tie_word_embeddings=true"):
+        load_causal_lm(str(folder), "draft")
+
+
 # ------------------------------------------------------------------------------------------------ the pair check
 
 def test_pair_check_refuses_other_tokenizer_and_bad_maps():

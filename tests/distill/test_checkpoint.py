@@ -100,6 +100,49 @@ def test_resume_from_a_truncated_file_exits_2_naming_it(pair, run, tmp_path, cap
     assert not (tmp_path / "resumed").exists()
 
 
+def _edit_json(path, change):
+    import json
+
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def _edit_tensors(path, change):
+    from safetensors.torch import load_file, save_file
+
+    save_file(change(load_file(str(path))), str(path))
+
+
+def _wrong_exp_avg(tensors):
+    key = next(k for k in tensors if k.endswith(".exp_avg"))
+    return {**tensors, key: torch.zeros(3)}
+
+
+EDITS = {  # file -> an edit that keeps it valid JSON / safetensors but not the state a resume restores
+    "rng_state_0.json": lambda f: _edit_json(f, lambda d: {"numpy": d["numpy"]}),
+    "rng_state_0.safetensors": lambda f: _edit_tensors(f, lambda t: {"torch_cpu": torch.zeros(5)}),
+    "optimizer.json": lambda f: _edit_json(f, lambda d: {"scalars": {}}),
+    "optimizer.safetensors": lambda f: _edit_tensors(f, _wrong_exp_avg),
+    "scheduler.json": lambda f: _edit_json(f, lambda d: {**d, "last_epoch": "abc"}),
+    "trainer_state.json": lambda f: _edit_json(f, lambda d: {**d, "step": "two"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_resume_from_an_edited_file_exits_2_naming_it(pair, run, tmp_path, capsys, name):
+    """A checkpoint file that parses but does not hold the state it should (a damaged or hand-edited copy from
+    someone else): one error naming the file, exit 2 (these gave KeyError/TypeError tracebacks, some mid-step)."""
+    from distill.__main__ import main
+
+    bad = tmp_path / "step_000002"
+    shutil.copytree(run / "step_000002", bad)
+    EDITS[name](bad / name)
+    _fix_manifest(bad)
+    with pytest.raises(SystemExit) as e:
+        main(["train", *overrides(pair, tmp_path / "resumed", f"train.resume={bad}", "train.max_steps=3")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and name in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------------------------------------ earlier layout
 
 def _legacy(pair, run, dst):

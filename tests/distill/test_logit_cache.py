@@ -210,3 +210,34 @@ def test_bench_step_writes_nothing_into_the_run_folder(pair, tmp_path):
     bench_step(compose(ov), steps=1, warmup=0, log=lambda *_: None)
     assert not run.exists()
     assert train(compose(ov), log=lambda *_: None)["steps"] == 4
+
+
+def test_a_damaged_or_edited_cache_is_named_before_training(pair, tmp_path):
+    """A cache received from someone else whose shard or manifest was edited or damaged (ids outside the vocabulary,
+    rows shorter than k per token, a non-integer manifest field) is refused naming the column or field, before
+    any step (these gave an index error mid-step, a traceback)."""
+    import datasets
+
+    cache_dir = tmp_path / "cache"
+    build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 4)), log=lambda *_: None)
+    shard = cache_dir / "shards" / "00000"
+    good = tmp_path / "good_shard"
+    shutil.copytree(shard, good)
+
+    def edit_shard(change):
+        ds = datasets.load_from_disk(str(good)).map(change)
+        shutil.rmtree(shard)
+        ds.save_to_disk(str(shard))
+
+    edit_shard(lambda r: {"top_ids": [i + pair["vocab"] for i in r["top_ids"]]})
+    with pytest.raises(SetupError, match="'top_ids' holds ids .* outside the vocabulary"):
+        LogitCache(cache_dir)
+    edit_shard(lambda r: {"top_log_probs": r["top_log_probs"][:-4]})
+    with pytest.raises(SetupError, match="'top_log_probs' do not hold 4 values per completion token"):
+        LogitCache(cache_dir)
+    edit_shard(lambda r: r)
+    LogitCache(cache_dir)  # the unedited shard is fine
+    m = json.loads((cache_dir / "manifest.json").read_text())
+    (cache_dir / "manifest.json").write_text(json.dumps({**m, "num_shards": "2"}))
+    with pytest.raises(SetupError, match="num_shards='2'"):
+        LogitCache(cache_dir)

@@ -79,3 +79,47 @@ def test_distill_loaders_refuse_remote_code_unless_asked(custom):
     assert not marker.exists()
     target = load_target(OmegaConf.create({"name_or_path": str(path), "trust_remote_code": True}))
     assert type(target).__name__ == "CustomModel" and marker.exists()
+
+
+def test_a_checkpoint_whose_draft_ships_code_is_refused_unless_asked(custom, tmp_path, monkeypatch):
+    """A distill checkpoint (``<run>/best``) from someone else whose draft/ names its own code: export and
+    draft.name_or_path=<checkpoint> refuse it with the setting, without asking on the terminal (transformers'
+    "Do you wish to run the custom code? [y/N]") and without running it; draft.trust_remote_code=true runs it."""
+    import io
+
+    from distill import checkpoint as ckpt
+    from distill.export import export
+    from distill.models import SetupError, load_draft
+
+    path, marker = custom
+    folder = tmp_path / "best"
+    shutil.copytree(path, folder / "draft")
+    ckpt.write_json(folder / ckpt.STATE_FILE, {"step": 2})
+    ckpt.write_manifest(folder, 2)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # a prompt would read this and run the code
+    with pytest.raises(ckpt.CheckpointError, match="auto_map"):
+        export(folder, tmp_path / "out")
+    with pytest.raises(SetupError, match="draft.trust_remote_code=true"):
+        load_draft(OmegaConf.create({"name_or_path": str(folder)}), None)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    draft = load_draft(OmegaConf.create({"name_or_path": str(folder), "trust_remote_code": True}), None)
+    assert type(draft).__name__ == "CustomModel" and marker.exists()
+
+
+def test_export_cli_takes_trust_remote_code(custom, tmp_path, capsys):
+    """``python -m distill export`` had no way to pass trust_remote_code: a draft with its own code could be
+    exported only from Python."""
+    from distill import checkpoint as ckpt
+    from distill.__main__ import cmd_export
+
+    path, marker = custom
+    folder = tmp_path / "best"
+    shutil.copytree(path, folder / "draft")
+    ckpt.write_json(folder / ckpt.STATE_FILE, {"step": 2})
+    ckpt.write_manifest(folder, 2)
+    with pytest.raises(SystemExit) as stop:
+        cmd_export([str(folder), str(tmp_path / "out")])
+    assert stop.value.code == 2 and "--trust-remote-code" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    cmd_export([str(folder), str(tmp_path / "out"), "--trust-remote-code"])
+    assert marker.exists() and (tmp_path / "out" / "config.json").is_file()

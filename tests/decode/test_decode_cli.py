@@ -161,3 +161,15 @@ def test_generate_chat_uses_the_template(saved_pair, tmp_path):
 def test_serve_bad_port_is_a_clear_error(saved_pair):
     r = run("serve", "--target", str(saved_pair / "target"), "--port", "99999")
     assert r.returncode == 2 and "--port must be in 1..65535" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_is_offline_before_the_hub_library_loads():
+    """`python -m decode bench` set HF_HUB_OFFLINE after transformers had imported huggingface_hub, which reads it
+    once: a mistyped --target retried huggingface.co for minutes instead of failing at once."""
+    code = ("from decode.__main__ import main\n"
+            "try:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "import huggingface_hub.constants as c\nprint('offline', c.HF_HUB_OFFLINE)")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert "offline True" in r.stdout, r.stdout[-1000:] + r.stderr[-2000:]

@@ -457,14 +457,21 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
     meta_path = cache_dir / "meta.json"
     check_target_data_dir(cache_dir)
     if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            meta = None
+        if not isinstance(meta, dict):
+            raise SetupError(f"{meta_path} is not a JSON object: the target-data cache is damaged; delete {cache_dir} "
+                             "to regenerate it, or set data.target_generated.path elsewhere")
         if meta.get("key") != key:
             raise SetupError(f"target-data cache {cache_dir} was made for other prompts/target/settings (key "
                              f"{meta.get('key')} != {key}: the target's path or weights, the prompts, "
                              "data.max_new_tokens, data.target_generated.temperature or train.seed changed); delete "
                              "it to regenerate, or set data.target_generated.path elsewhere")
         if meta.get("complete"):
-            return datasets.load_from_disk(str(cache_dir / "dataset"))
+            return _check_target_data(datasets.load_from_disk(str(cache_dir / "dataset")), cache_dir,
+                                      len(examples), max(len(tokenizer), target.get_output_embeddings().weight.shape[0]))
     cache_dir.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps({"key": key, "complete": False, "num_prompts": len(examples)}))
     was_training = draft is not None and draft.training
@@ -479,6 +486,24 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
     full.save_to_disk(str(cache_dir / "dataset"))
     meta_path.write_text(json.dumps({"key": key, "complete": True, "num_prompts": len(examples)}))
     return full
+
+
+def _check_target_data(ds: Any, cache_dir: Path, num_prompts: int, vocab: int) -> Any:
+    """``ds`` if it holds one row per prompt and only token ids in ``[0, vocab)``; raises SetupError naming the
+    cache otherwise (an edited or damaged cache would train on fewer examples without a word, or fail mid-step with
+    an index error). Vectorized (Arrow)."""
+    import pyarrow.compute as pc
+
+    fix = f"delete {cache_dir} to regenerate it, or set data.target_generated.path elsewhere"
+    if len(ds) != num_prompts or not {"prompt_ids", "completion_ids"} <= set(ds.column_names):
+        raise SetupError(f"target-data cache {cache_dir} holds {len(ds)} rows with columns {ds.column_names} for "
+                         f"{num_prompts} prompts (prompt_ids, completion_ids): it is damaged; {fix}")
+    for name in ("prompt_ids", "completion_ids"):
+        bounds = pc.min_max(pc.list_flatten(ds.data.column(name))).as_py()
+        if bounds["min"] is not None and not 0 <= bounds["min"] <= bounds["max"] < vocab:
+            raise SetupError(f"target-data cache {cache_dir}: {name!r} holds ids {bounds['min']}..{bounds['max']}, "
+                             f"outside the vocabulary [0, {vocab}); it is damaged or made with another tokenizer; {fix}")
+    return ds
 
 
 def _generate_shards(target: Any, tokenizer: Any, examples: list[dict], cache_dir: Path, temperature: float,

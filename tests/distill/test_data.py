@@ -197,3 +197,44 @@ def test_target_generated_cache_is_resumable(pair, tok, tmp_path):
     with pytest.raises(SetupError, match="other prompts"):
         generate_target_data(target, tok, ex, tmp_path / "a", "other-key", **kw)
     assert torch.is_grad_enabled()
+
+
+def test_a_damaged_target_data_cache_is_named_not_used(pair, tok, tmp_path):
+    """A finished cache from someone else or edited by hand: a truncated meta.json raised a JSONDecodeError
+    traceback, ids outside the vocabulary an IndexError mid-step, and a dataset cut to fewer rows trained on those
+    rows without a word."""
+    import shutil
+
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
+    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, _data_cfg())
+    kw = dict(temperature=1.0, max_new_tokens=4, batch_size=2, shard_size=2, seed=3)
+    good = tmp_path / "good"
+    full = generate_target_data(target, tok, ex, good, "k1", **kw)
+    vocab = target.get_output_embeddings().weight.shape[0]
+
+    def damaged(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        edit(folder)
+        return folder
+
+    def rewrite(rows):
+        def edit(folder):
+            shutil.rmtree(folder / "dataset")
+            datasets.Dataset.from_dict(rows).save_to_disk(str(folder / "dataset"))
+        return edit
+
+    cases = {
+        "truncated meta": (lambda f: (f / "meta.json").write_text('{"key": "k1", "comp'), "not a JSON object"),
+        "fewer rows": (rewrite(full[:2]), "holds 2 rows"),
+        "ids out of range": (rewrite({"prompt_ids": full["prompt_ids"],
+                                      "completion_ids": [[c[0] + vocab] + c[1:] for c in full["completion_ids"]]}),
+                             "outside the vocabulary"),
+    }
+    for name, (edit, message) in cases.items():
+        with pytest.raises(SetupError, match=message):
+            generate_target_data(target, tok, ex, damaged(name.replace(" ", "_"), edit), "k1", **kw)
+    assert generate_target_data(target, tok, ex, good, "k1", **kw)["completion_ids"] == full["completion_ids"]

@@ -45,26 +45,26 @@ class BenchConfig:
         if any((not isinstance(g, int)) or g < 1 for g in self.gammas):
             raise ValueError(f"every γ must be an integer >= 1 (got {self.gammas}); γ=0 (plain decoding) always runs")
         if any((not math.isfinite(t)) or t < 0 for t in self.temperatures) or not self.temperatures:
-            raise ValueError(f"temperatures must be >= 0 and finite, at least one (got {self.temperatures})")
+            raise ValueError(f"--temperatures (temperatures) must be >= 0 and finite, at least one (got {self.temperatures})")
         if any(b < 1 for b in self.batch_sizes):
-            raise ValueError(f"batch sizes must be >= 1 (got {self.batch_sizes})")
+            raise ValueError(f"--batch-sizes (batch_sizes) must each be >= 1 (got {self.batch_sizes})")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+            raise ValueError(f"--max-new-tokens (max_new_tokens) must be >= 1 (got {self.max_new_tokens})")
         if self.cost_repeats < 3:
-            raise ValueError(f"cost_repeats must be >= 3 for a meaningful median (got {self.cost_repeats})")
+            raise ValueError(f"--cost-repeats (cost_repeats) must be >= 3 for a meaningful median (got {self.cost_repeats})")
         if self.auto_max_gamma < 1:  # the decoder refuses max_auto_draft_tokens < 1 whether or not auto runs
-            raise ValueError(f"auto_max_gamma must be >= 1 (got {self.auto_max_gamma})")
+            raise ValueError(f"--auto-max-gamma (auto_max_gamma) must be >= 1 (got {self.auto_max_gamma})")
         if any(g < 1 for g in self.hf_gammas):
-            raise ValueError(f"HF assisted γ values must be >= 1 (got {self.hf_gammas})")
+            raise ValueError(f"--hf-gammas (hf_gammas) must each be >= 1 (got {self.hf_gammas})")
         if self.batch_gamma is not None and self.batch_gamma < 1:
-            raise ValueError(f"batch_gamma must be >= 1 (got {self.batch_gamma})")
+            raise ValueError(f"--batch-gamma (batch_gamma) must be >= 1 (got {self.batch_gamma})")
         if self.cost_context_tokens is not None and self.cost_context_tokens < 2:
             raise ValueError(f"--cost-context (cost_context_tokens) must be >= 2: one prefilled token and the one "
                              f"timed (got {self.cost_context_tokens}); omit it for mean prompt + max_new_tokens // 2")
         for name, values in (("gammas", self.gammas), ("temperatures", self.temperatures),
                              ("batch_sizes", self.batch_sizes), ("hf_gammas", self.hf_gammas)):
             if len(set(values)) != len(values):  # each would run, and be pooled, twice
-                raise ValueError(f"{name} lists a value twice ({values}); give each once")
+                raise ValueError(f"--{name.replace('_', '-')} ({name}) lists a value twice ({values}); give each once")
 
 
 def parse_gammas(text: str, option: str = "--gammas") -> tuple[list[int], bool]:

@@ -505,10 +505,14 @@ def test_cli_bad_input_fails_before_loading_models(saved_pair, tmp_path):
         run_cli(["--target", str(tmp_path / "missing"), "--draft", str(saved_pair / "draft"), "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="bad γ"):
         run_cli(pair + ["--gammas", "1,two"])
-    with pytest.raises(ValueError, match="temperatures must be >= 0"):
+    with pytest.raises(ValueError, match="--temperatures .* must be >= 0"):  # the flag, not only the field
         run_cli(pair + ["--temperatures", "0,-1"])
-    with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+    with pytest.raises(ValueError, match="--batch-sizes .* must each be >= 1"):
         run_cli(pair + ["--batch-sizes", "0"])
+    for flag, value in (("--auto-max-gamma", "0"), ("--batch-gamma", "0"), ("--cost-repeats", "2"),
+                        ("--max-new-tokens", "0")):
+        with pytest.raises(ValueError, match=f"^{flag} "):
+            run_cli(pair + [flag, value])
     assert not (tmp_path / "results.json").exists()
 
 
@@ -529,7 +533,7 @@ def test_list_options_take_each_value_once():
     # A config built in Python is taken as meant: a repeated value is refused, naming the list.
     for field, values in (("gammas", [2, 2]), ("temperatures", [0, 0.0]), ("batch_sizes", [1, 1]),
                           ("hf_gammas", [3, 3])):
-        with pytest.raises(ValueError, match=f"{field} lists a value twice"):
+        with pytest.raises(ValueError, match=f"\\({field}\\) lists a value twice"):
             BenchConfig(**{field: values}).validate()
 
 
@@ -593,7 +597,7 @@ def test_auto_only_runs_auto_in_the_batch_pass_and_prints_no_none(tmp_path):
 
 
 def test_config_validation_messages():
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match=r"\(max_new_tokens\) must be >= 1"):
         BenchConfig(max_new_tokens=0).validate()
     with pytest.raises(ValueError, match="no speculative method"):
         BenchConfig(gammas=[], auto=False).validate()

@@ -492,18 +492,28 @@ def _check_target_data(ds: Any, cache_dir: Path, num_prompts: int, vocab: int) -
     """``ds`` if it holds one row per prompt and only token ids in ``[0, vocab)``; raises SetupError naming the
     cache otherwise (an edited or damaged cache would train on fewer examples without a word, or fail mid-step with
     an index error). Vectorized (Arrow)."""
-    import pyarrow.compute as pc
-
     fix = f"delete {cache_dir} to regenerate it, or set data.target_generated.path elsewhere"
     if len(ds) != num_prompts or not {"prompt_ids", "completion_ids"} <= set(ds.column_names):
         raise SetupError(f"target-data cache {cache_dir} holds {len(ds)} rows with columns {ds.column_names} for "
                          f"{num_prompts} prompts (prompt_ids, completion_ids): it is damaged; {fix}")
     for name in ("prompt_ids", "completion_ids"):
-        bounds = pc.min_max(pc.list_flatten(ds.data.column(name))).as_py()
-        if bounds["min"] is not None and not 0 <= bounds["min"] <= bounds["max"] < vocab:
-            raise SetupError(f"target-data cache {cache_dir}: {name!r} holds ids {bounds['min']}..{bounds['max']}, "
+        outside = ids_outside_vocab(ds.data.column(name), vocab)
+        if outside is not None:
+            raise SetupError(f"target-data cache {cache_dir}: {name!r} holds ids {outside[0]}..{outside[1]}, "
                              f"outside the vocabulary [0, {vocab}); it is damaged or made with another tokenizer; {fix}")
     return ds
+
+
+def ids_outside_vocab(column: Any, vocab: int) -> tuple[int, int] | None:
+    """``(min, max)`` of the token ids in an Arrow list column when any lies outside ``[0, vocab)``, else None (an
+    empty column too). One vectorized pass (``pyarrow.compute.min_max``): how the target-data and logit caches check
+    that their stored ids fit the vocabulary before training indexes with them."""
+    import pyarrow.compute as pc
+
+    bounds = pc.min_max(pc.list_flatten(column)).as_py()
+    if bounds["min"] is None or 0 <= bounds["min"] <= bounds["max"] < vocab:
+        return None
+    return bounds["min"], bounds["max"]
 
 
 def _generate_shards(target: Any, tokenizer: Any, examples: list[dict], cache_dir: Path, temperature: float,

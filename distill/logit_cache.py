@@ -426,6 +426,8 @@ class LogitCache:
         named here, not by an index error mid-step or a batch whose rows no longer line up. Vectorized (Arrow)."""
         import pyarrow.compute as pc
 
+        from distill.data import ids_outside_vocab
+
         n = pc.list_value_length(self.ds.data.column("completion_ids"))
         widths = {"top_ids": self.k, "top_log_probs": self.k, "log_tail": 1, "tail_ids": self.tail_samples}
         for name, width in widths.items():
@@ -440,13 +442,11 @@ class LogitCache:
                 raise SetupError(f"logit cache {self.path}: {wrong} rows of {name!r} do not hold {width} values per "
                                  "completion token; a shard is damaged or comes from another cache: rebuild it with "
                                  "python -m distill cache-logits")
-            if name.endswith("_ids") and len(self.ds):
-                bounds = pc.min_max(pc.list_flatten(col)).as_py()
-                if bounds["min"] is not None and not 0 <= bounds["min"] <= bounds["max"] < int(self.manifest["vocab"]):
-                    raise SetupError(f"logit cache {self.path}: {name!r} holds ids {bounds['min']}..{bounds['max']}, "
-                                     f"outside the vocabulary [0, {self.manifest['vocab']}) of its {MANIFEST}; a "
-                                     "shard is damaged or comes from another cache: rebuild it with python -m distill "
-                                     "cache-logits")
+            outside = ids_outside_vocab(col, int(self.manifest["vocab"])) if name.endswith("_ids") else None
+            if outside is not None:
+                raise SetupError(f"logit cache {self.path}: {name!r} holds ids {outside[0]}..{outside[1]}, outside "
+                                 f"the vocabulary [0, {self.manifest['vocab']}) of its {MANIFEST}; a shard is damaged "
+                                 "or comes from another cache: rebuild it with python -m distill cache-logits")
 
     def examples(self) -> list[dict]:
         """The scored sequences as training examples, each with its ``cache_row``."""

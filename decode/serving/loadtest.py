@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     url = loopback_url(args.url)
     _check_args(args)
-    if args.output and os.path.exists(args.output):
+    # Checked here, ~ expanded, before check_output_file, whose message would suggest an --overwrite loadtest lacks.
+    if args.output and os.path.exists(os.path.expanduser(args.output)):
         raise FileExistsError(f"--output {args.output!r} exists; pick a new path (results are never overwritten)")
     if args.output:
         from decode.outputs import check_output_file

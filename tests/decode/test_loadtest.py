@@ -113,3 +113,12 @@ def test_loadtest_output_under_home_is_written_there(tmp_path, monkeypatch):
         assert loadtest.main(["--url", url, "--duration", "0.5", "--concurrency", "1", "--max-tokens", "2",
                               "--output", "~/load.json"]) == 0
     assert json.loads((tmp_path / "load.json").read_text())["errors"] == 0 and not (tmp_path / "~").exists()
+
+
+def test_an_existing_output_under_home_is_refused_without_naming_a_flag_loadtest_lacks(tmp_path, monkeypatch):
+    """A quoted '~/load.json' that exists got check_output_file's "pass --overwrite", a flag loadtest has not."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "load.json").write_text("mine")
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        loadtest.main(["--url", "http://127.0.0.1:1", "--duration", "1", "--output", "~/load.json"])
+    assert (tmp_path / "load.json").read_text() == "mine"

@@ -15,9 +15,9 @@ def _port(value: str) -> int:
     try:
         port = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--port must be an integer in 1..65535, got {value!r}")
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"--port must be in 1..65535, got {port}")
+        raise argparse.ArgumentTypeError(f"--port must be an integer in 0..65535, got {value!r}")
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in 0..65535 (0: any free port), got {port}")
     return port
 
 
@@ -69,7 +69,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target "
                    "folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=_port, default=8000,
+                   help="TCP port (default 8000; 0: a free port chosen by the system, printed at startup as "
+                   "'Uvicorn running on http://HOST:PORT')")
     p.add_argument("--api-key", type=_api_key, default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; prefer the "
                    "variable: command lines are visible to other users)")

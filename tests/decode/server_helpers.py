@@ -15,12 +15,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w9{% endif %}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tiny_pair(gamma: int = 3, chat: bool = True, eos=None):
     """(decoder, tokenizer): a 2-layer Llama target, a perturbed copy as draft, the word-level test tokenizer."""
     target = tiny_llama(seed=0)
@@ -37,7 +31,7 @@ def running_server(decoder, tokenizer, graceful_shutdown_s: float = 30.0, **kw):
     """Yield ``(base_url, app, server)`` of a real uvicorn server on 127.0.0.1 (the one ``decode serve`` runs,
     :func:`decode.serving.app.make_server`); stops it (gracefully) on exit."""
     # A socket bound here and handed to uvicorn: no other test (or pytest-xdist worker) can take the port between
-    # choosing it and binding it, as it could with free_port().
+    # choosing it and binding it.
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -1,10 +1,12 @@
 """``python -m decode serve`` command line: settings checked before any model loads, the key from the environment,
 the warning for a non-loopback bind without a key, and a real run stopped by SIGTERM."""
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -12,7 +14,6 @@ import pytest
 
 from decode.serving.cli import bind_warning, main, serve_parser
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
-from tests.decode.server_helpers import free_port
 
 
 def test_api_key_from_environment(monkeypatch):
@@ -41,7 +42,7 @@ def test_bind_warning_only_off_loopback_without_key():
     assert bind_warning("0.0.0.0", 8000, "k") is None
 
 
-@pytest.mark.parametrize("args,needle", [(["--port", "99999"], "--port must be in 1..65535"),
+@pytest.mark.parametrize("args,needle", [(["--port", "99999"], "--port must be in 0..65535"),
                                          (["--port", "http"], "--port must be an integer"),
                                          (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
                                          (["-g", "-1"], "num-draft-tokens"),
@@ -64,32 +65,41 @@ def test_port_in_use_is_a_clear_error():
 
 
 def test_serve_subprocess_with_key_then_sigterm(tmp_path):
+    """A real `decode serve` process on --port 0: the system picks a free port (no other test or pytest-xdist worker
+    can take it between choosing and binding, as it could when the test chose one), and uvicorn's startup line
+    names it."""
     tok = make_tokenizer()
     target = tiny_llama(seed=0).float()
     for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):
         model.save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
-    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DRAFTKIT_API_KEY="k1")
     proc = subprocess.Popen([sys.executable, "-m", "decode", "serve", "--target", str(tmp_path / "target"),
-                             "--draft", str(tmp_path / "draft"), "-g", "3", "--port", str(port)], env=env,
+                             "--draft", str(tmp_path / "draft"), "-g", "3", "--port", "0"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        started = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+        deadline, url = time.time() + 120, None
+        while url is None and time.time() < deadline and proc.poll() is None:
+            match = next(filter(None, map(started.search, list(lines))), None)
+            if match:
+                url = match.group(1)
+            else:
+                time.sleep(0.1)
+        assert url is not None and not url.endswith(":0"), "".join(lines)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
         body = {"model": "target", "prompt": "w5", "max_tokens": 4, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
         r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+    err = "".join(lines)
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
     assert proc.returncode in (0, -signal.SIGTERM), err
     assert "Application shutdown complete" in err and "Traceback" not in err

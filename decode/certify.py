@@ -600,6 +600,9 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if len(prompts) < args.num_prefixes:  # said before the run, not only in the certificate's num_prefixes
+        print(f"note: --prompts {args.prompts} has {len(prompts)} prompt(s), fewer than --num-prefixes "
+              f"{args.num_prefixes}; certifying {len(prompts)} prefix(es)", file=sys.stderr)
     tok = load_tokenizer(args.tokenizer or args.target)
     prefixes = encode_prompts(prompts, tok, chat_template=False, max_prompt_tokens=args.prefix_tokens)
     target = load_causal_lm(args.target, "target", args.dtype, device)

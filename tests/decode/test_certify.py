@@ -352,6 +352,24 @@ def test_cli_prefix_tokens_over_the_context_exits_2_before_sampling(saved, tmp_p
     assert "lower --num-draft-tokens" in capsys.readouterr().err
 
 
+def test_cli_says_when_the_prompts_hold_fewer_prefixes_than_asked(saved, tmp_path, capsys, monkeypatch):
+    """-M above the prompt set's size ran fewer prefixes with only the certificate's num_prefixes saying so."""
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w5 w7"}) + "\n" for i in range(2)))
+    seen = []
+
+    def count(target, draft, prefixes, *args, **kwargs):  # stop after counting: sampling is tested elsewhere
+        seen.append(len(prefixes))
+        raise ValueError("counted")
+
+    monkeypatch.setattr(certify_cli, "certify", count)
+    args = pair_args(saved)[:4] + ["--prompts", str(prompts), "-K", "5", "--settings", "T=1"]
+    assert certify_cli.main([*args, "-M", "5"]) == 2 and seen == [2]
+    assert f"--prompts {prompts} has 2 prompt(s), fewer than --num-prefixes 5; certifying 2" in capsys.readouterr().err
+    assert certify_cli.main([*args, "-M", "2"]) == 2 and seen == [2, 2]
+    assert "fewer than --num-prefixes" not in capsys.readouterr().err
+
+
 def test_cli_paths_are_checked_before_loading(saved, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")

@@ -51,7 +51,7 @@ def cmd_generate(argv: list[str]) -> int:
     from transformers import TextStreamer
 
     from decode import SpeculativeDecoder
-    from decode.loading import (chat_prompt_ids, check_device, check_model_path, load_causal_lm, load_draft_tokenizer,
+    from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
                                 load_tokenizer)
     from decode.requests import check_seed
     from decode.sampling import validate_sampling_args
@@ -64,7 +64,7 @@ def cmd_generate(argv: list[str]) -> int:
     device = check_device(args.device)
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
-            check_model_path(getattr(args, option), f"--{option}")
+            check_cached(getattr(args, option), f"--{option}")
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust)
     tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)

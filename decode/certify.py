@@ -558,11 +558,11 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
         from decode.outputs import check_output_file
 
         check_output_file(args.out, "--out", args.overwrite)
-    from decode.loading import check_model_path
+    from decode.loading import check_cached
 
     for option in ("target", "draft", "tokenizer"):
         if getattr(args, option) is not None:
-            check_model_path(getattr(args, option), f"--{option}")
+            check_cached(getattr(args, option), f"--{option}")
     return settings
 
 

@@ -33,15 +33,76 @@ def looks_local(name_or_path: str) -> bool:
     return str(name_or_path).startswith((".", os.sep, "~")) or os.path.exists(name_or_path)
 
 
+def local_folder(name_or_path: str) -> str | None:
+    """The folder a model name stands for: a local path that is a directory (``~`` expanded), or for a hub id
+    (``org/name``) the snapshot folder that ``refs/main`` of the local Hugging Face cache points to, found by
+    huggingface_hub's own offline lookup (``snapshot_download(local_files_only=True)``, no network). None when it
+    is neither (a missing path, a hub id not in the cache, a malformed id)."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(path):
+        return path
+    if looks_local(name_or_path):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(str(name_or_path), local_files_only=True)
+    except (OSError, ValueError):  # LocalEntryNotFoundError (not cached), HFValidationError (not an id)
+        return None
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _not_cached(name: str, role: str) -> str:
+    """Why a hub id cannot be loaded offline, with the cached ids it may be a misspelling of and the fixes."""
+    import difflib
+
+    from huggingface_hub import constants, scan_cache_dir
+
+    try:
+        # the cache folder read now (scan_cache_dir's default is the one its module saw when first imported)
+        cached = [r.repo_id for r in scan_cache_dir(constants.HF_HUB_CACHE).repos if r.repo_type == "model"]
+    except Exception:  # no cache folder yet, or one huggingface_hub cannot read: no suggestions
+        cached = []
+    close = difflib.get_close_matches(name, cached, n=3)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    repo, _, revision = name.partition("@")
+    at = " A revision is not part of the id: the cache's refs/main is what loads." if revision else ""
+    get = f"huggingface-cli download {repo}" + (f" --revision {revision}" if revision else "")
+    return (f"{role} {name!r} is not a local folder, and as a hub id it is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE is set{hint}.{at} Download it where the hub is "
+            f"reachable ({get}) or pass a directory written by save_pretrained.")
+
+
+def _shadow_hint(name: str) -> str:
+    """For a relative folder named like a hub id (``org/name``): that it, not the cached hub model, was read."""
+    if name.startswith((".", os.sep, "~")) or name.count("/") != 1 or not os.path.isdir(name):
+        return ""
+    return (f" ({name!r} is the folder ./{name} of the current directory, which shadows the hub id of that name; "
+            "run from another directory to load the cached hub model)")
+
+
 def check_model_path(name_or_path: str, role: str) -> None:
     """A value that looks like a local path (:func:`looks_local`) must be a folder, as ``from_pretrained`` needs; a
-    hub id (``org/name``) is left to the loader. Raises FileNotFoundError naming ``role`` (e.g. ``draft`` or a CLI's
-    ``--draft``) and whether the path is missing or a file."""
+    hub id (``org/name``) is left to the loader (:func:`check_cached` checks it offline). Raises FileNotFoundError
+    naming ``role`` (e.g. ``draft`` or a CLI's ``--draft``) and whether the path is missing or a file."""
     if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
             "does not exist"
         raise FileNotFoundError(f"{role} path {name_or_path!r} {what}; pass a directory written by "
                                 "save_pretrained (or a hub id when online)")
+
+
+def check_cached(name_or_path: str, role: str) -> None:
+    """:func:`check_model_path`, and offline (``HF_HUB_OFFLINE``) a hub id must be in the local Hugging Face cache:
+    a FileNotFoundError naming ``role``, close cached ids and the fixes, instead of the loader's network error."""
+    check_model_path(name_or_path, role)
+    if not looks_local(name_or_path) and _offline() and local_folder(name_or_path) is None:
+        raise FileNotFoundError(_not_cached(str(name_or_path), role))
 
 
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",
@@ -59,20 +120,23 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
         FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
             loaded (not a checkpoint folder, or a hub id that is not cached while offline), naming the role.
     """
-    from decode.vocab_map import load_pretrained
+    from decode.vocab_map import load_pretrained, pruned_size
 
     name_or_path = str(name_or_path)
-    check_model_path(name_or_path, role)
+    check_cached(name_or_path, role)
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
+    folder = local_folder(name_or_path)  # a pruned draft's id map is read from its folder, a cached hub id's too
     try:
-        model = load_pretrained(os.path.expanduser(name_or_path), **kw, trust_remote_code=trust_remote_code)
+        source = folder if folder and pruned_size(folder) is not None else os.path.expanduser(name_or_path)
+        model = load_pretrained(source, **kw, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         if isinstance(err, ValueError) and "trust_remote_code" in str(err):
             raise RemoteCodeError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its "
                                   "config.json), which is not run unless you pass --trust-remote-code; read that "
                                   "code first") from err
         if os.path.isdir(os.path.expanduser(name_or_path)):  # a local folder: its own problem is the message
-            raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}") from err
+            raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}"
+                                    f"{_shadow_hint(name_or_path)}") from err
         raise FileNotFoundError(
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
@@ -95,7 +159,7 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
     """
     from transformers import AutoTokenizer
 
-    check_model_path(str(name_or_path), role)
+    check_cached(str(name_or_path), role)
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
@@ -104,7 +168,8 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
                                   "tokenizer_config.json), which is not run unless you pass --trust-remote-code; read "
                                   "that code first") from err
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
-                                f"the model (tokenizer.save_pretrained) or {fix}.") from err
+                                f"the model (tokenizer.save_pretrained) or {fix}.{_shadow_hint(str(name_or_path))}"
+                                ) from err
     if pad_from_eos and tok.pad_token_id is None:
         if tok.eos_token is None:
             raise FileNotFoundError(f"the {role} {name_or_path!r} has neither a pad nor an eos token; add a pad token "
@@ -133,10 +198,12 @@ def check_device(device: str | None) -> str:
 
 
 def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False) -> Any:
-    """The draft's own tokenizer if its checkpoint folder has one (so the pair can be checked), else the target's."""
-    if os.path.isdir(draft_path) and any(os.path.exists(os.path.join(draft_path, f))
-                                         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return load_tokenizer(draft_path, "draft tokenizer", trust_remote_code=trust_remote_code)
+    """The draft's own tokenizer if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`) has
+    one (so the pair can be checked), else the target's."""
+    folder = local_folder(draft_path)
+    if folder and any(os.path.exists(os.path.join(folder, f))
+                      for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return load_tokenizer(folder, "draft tokenizer", trust_remote_code=trust_remote_code)
     return target_tokenizer
 
 

@@ -55,13 +55,18 @@ DEFAULTS = {"tail_samples": 0}
 def target_fingerprint(name_or_path: str, chunk: int = 1 << 20) -> str:
     """A hash of a local checkpoint: config.json in full, and for every weight file (``*.safetensors``, ``*.bin``)
     its name, size and first and last ``chunk`` bytes (safetensors headers hold every tensor's name, dtype, shape
-    and offsets; retrained weights change the bytes). Cheap for a 70B checkpoint. A hub id hashes its name only.
+    and offsets; retrained weights change the bytes). Cheap for a 70B checkpoint. A hub id is hashed as the snapshot
+    its ``refs/main`` points to in the local Hugging Face cache (``decode.loading.local_folder``), so a downloaded
+    update of the target is a changed target; a hub id not in the cache hashes its name only.
     """
-    path = Path(str(name_or_path)).expanduser()
+    from decode.loading import local_folder
+
+    folder = local_folder(str(name_or_path))
     h = hashlib.sha256()
-    if not path.is_dir():
+    if folder is None:
         h.update(str(name_or_path).encode())
         return h.hexdigest()[:16]
+    path = Path(folder)
     for name in ("config.json", "generation_config.json"):
         if (path / name).exists():
             h.update(name.encode() + (path / name).read_bytes())

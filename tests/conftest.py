@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -120,3 +122,27 @@ def load_script(name: str):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty private hub cache that huggingface_hub and transformers read instead of ~/.cache."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hf_home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def put_snapshot(cache: Path, repo: str, commit: str, folder: Path) -> Path:
+    """Copy ``folder`` (a save_pretrained output) in as ``repo``'s snapshot ``commit`` and point refs/main at it,
+    as ``huggingface-cli download`` of a new revision does."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    shutil.copytree(folder, snap)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return snap

@@ -144,14 +144,19 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     hf_logging.set_verbosity_error()  # HF's assisted generate warns about its own internal generation_config use
     cfg = config_from_args(args)
     out = OutputPaths.plan(args.out, overwrite=args.overwrite)
-    for name in ("target", "draft"):
+    from decode.loading import check_cached, local_folder, looks_local
+
+    for name in ("target", "draft"):  # a local path must exist; a hub id (org/name) is the loader's to find
         path = getattr(args, name)
-        if (os.path.sep in path or path.startswith(".")) and not Path(path).exists():
-            raise FileNotFoundError(f"--{name} {path} does not exist")
+        if looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+            raise FileNotFoundError(f"--{name} {path} does not exist; pass a checkpoint folder or a hub id "
+                                    "(org/name) in the local Hugging Face cache")
+        check_cached(path, f"--{name}")  # offline, a hub id must be cached: said before the prompts and models load
     from decode.vocab_map import pruned_size
 
-    if cfg.hf and pruned_size(args.draft) is not None:
-        raise ValueError(f"--draft {args.draft} is vocabulary-pruned (its lm_head scores {pruned_size(args.draft)} "
+    draft_folder = local_folder(args.draft)  # a cached hub id's snapshot: its config and tokenizer are read too
+    if cfg.hf and draft_folder and pruned_size(draft_folder) is not None:
+        raise ValueError(f"--draft {args.draft} is vocabulary-pruned (its lm_head scores {pruned_size(draft_folder)} "
                          "mapped ids); Hugging Face assisted generation cannot read its id map: pass --no-hf")
     from decode.prompts import load_prompts
 
@@ -165,7 +170,7 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft],
                                 args.trust_remote_code)
     draft_tokenizer = None
-    if not args.tokenizer and Path(args.draft).is_dir() and (Path(args.draft) / "tokenizer_config.json").exists():
+    if not args.tokenizer and draft_folder and (Path(draft_folder) / "tokenizer_config.json").exists():
         draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)
     from decode.compat import check_compatibility
     from decode.loading import load_causal_lm

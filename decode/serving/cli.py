@@ -67,7 +67,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target "
-                   "folder's name)")
+                   "folder's name, or the hub id as given)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=_port, default=8000,
                    help="TCP port (default 8000; 0: a free port chosen by the system, printed at startup as "
@@ -118,6 +118,16 @@ def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
             f"models. Set {API_KEY_ENV} (or --api-key) to require a key.")
 
 
+def served_model_name(target: str, override: str | None = None) -> str:
+    """The model id clients send: ``override`` (``--served-model-name``) if given, else a local target folder's name,
+    or a hub id as given (``org/name``, as vLLM serves it; its last part alone was answered 404)."""
+    from decode.loading import looks_local
+
+    if override:
+        return override
+    return os.path.basename(os.path.normpath(target)) if looks_local(target) else str(target)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check the address (before any model loads), load the pair, serve until Ctrl-C/SIGTERM."""
     args = serve_parser().parse_args(argv)
@@ -126,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(warning, file=sys.stderr)
     from decode.engine import SpeculativeDecoder
-    from decode.loading import check_device, check_model_path, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import check_cached, check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.serving.app import ServerLimits, create_app, make_server
 
     device = check_device(args.device)
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
-            check_model_path(getattr(args, option), f"--{option}")
+            check_cached(getattr(args, option), f"--{option}")
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
     tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma = args.num_draft_tokens if draft is not None else 0
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
+    name = served_model_name(args.target, args.served_model_name)
     limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
                      info={"target": args.target, "draft": args.draft})

@@ -724,3 +724,19 @@ def test_pruned_draft_with_hf_assisted_is_refused_before_loading(saved_pair, tmp
     assert decode_main(["bench", *args, "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert "vocabulary-pruned" in err and "pass --no-hf" in err
+
+
+def test_hub_ids_pass_the_path_check(saved_pair, tmp_path, monkeypatch):
+    """``org/name`` (a hub id in the local cache) is not a local path: bench used to refuse it as a missing file."""
+    import huggingface_hub.constants
+
+    from tests.conftest import put_snapshot
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    put_snapshot(cache, "org/target", "a" * 40, saved_pair / "target")
+    put_snapshot(cache, "org/draft", "b" * 40, saved_pair / "draft")
+    with pytest.raises(ValueError, match="unknown prompt set 'humaneva'"):  # got past --target and --draft
+        run_cli(["--target", "org/target", "--draft", "org/draft", "--prompts", "humaneva", "--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="--target ./org/target does not exist"):
+        run_cli(["--target", "./org/target", "--draft", "org/draft", "--out", str(tmp_path)])

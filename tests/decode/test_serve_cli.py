@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from decode.serving.cli import bind_warning, main, serve_parser
+from decode.serving.cli import bind_warning, main, serve_parser, served_model_name
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
 
 
@@ -119,3 +119,24 @@ def test_every_model_path_is_checked_before_the_target_loads(command, tmp_path, 
     extra = ["--prompt", "x"] if command == "generate" else []
     assert decode_main([command, "--target", str(tmp_path / "target"), "--tokenizer", missing, *extra]) == 2
     assert f"--tokenizer path {missing!r} does not exist" in capsys.readouterr().err
+
+
+def test_served_model_name_of_a_hub_id_is_the_id():
+    """Found by a new user serving a cached hub id: the default name was its last part, so an OpenAI client that
+    sent model="org/name" (vLLM's default id) got 404."""
+    assert served_model_name("org/name") == "org/name"
+    assert served_model_name("/ckpt/runs/target/") == served_model_name("./target") == "target"
+    assert served_model_name("org/name", "mine") == "mine"
+
+
+@pytest.mark.parametrize("command", ["serve", "certify"])
+def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, monkeypatch, capsys):
+    import decode.loading
+    from decode.__main__ import main as decode_main
+
+    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(decode.loading, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
+    extra = ["--draft", "org/draft"] if command == "certify" else []
+    assert decode_main([command, "--target", "org/not-cached", *extra]) == 2
+    assert "--target 'org/not-cached' is not a local folder, and as a hub id it is not in the local Hugging Face " \
+           "cache" in capsys.readouterr().err

@@ -1,0 +1,93 @@
+"""decode.loading with hub ids (``org/name``) served from the local Hugging Face cache while offline: the cache
+layout is built by hand as huggingface_hub writes it (``models--org--name/{refs/main, snapshots/<commit>/}``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.loading import load_causal_lm, load_draft_tokenizer, load_tokenizer
+from tests.conftest import make_tokenizer, put_snapshot, tiny_llama
+
+
+def test_local_folder_follows_refs_main_of_a_cached_hub_id(hub_cache, tmp_path):
+    from decode.loading import local_folder
+
+    tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "v1")
+    tiny_llama(seed=1, dtype=torch.float32).save_pretrained(tmp_path / "v2")
+    old = put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "v1")
+    assert Path(local_folder("org/target")) == old
+    new = put_snapshot(hub_cache, "org/target", "b" * 40, tmp_path / "v2")  # an update was downloaded
+    assert Path(local_folder("org/target")) == new
+    assert local_folder("org/not-cached") is None and local_folder("org/bad name!") is None
+    assert local_folder(str(tmp_path / "v1")) == str(tmp_path / "v1")
+    assert local_folder(str(tmp_path / "missing")) is None
+
+
+def test_a_cached_hub_draft_is_checked_with_its_own_tokenizer(hub_cache, tmp_path):
+    """The draft's own tokenizer is what the pair's compatibility check compares; a hub id used to fall back to
+    the target's silently, so a draft with another vocabulary passed as compatible."""
+    draft = tmp_path / "draft"
+    tiny_llama(seed=1, layers=1, dtype=torch.float32).save_pretrained(draft)
+    make_tokenizer([f"x{i}" for i in range(92)]).save_pretrained(draft)
+    put_snapshot(hub_cache, "org/draft", "c" * 40, draft)
+    target_tokenizer = make_tokenizer()
+    got = load_draft_tokenizer("org/draft", target_tokenizer)
+    assert got is not target_tokenizer and "x0" in got.get_vocab()
+
+
+def test_a_vocabulary_pruned_draft_loads_by_hub_id(hub_cache, tmp_path):
+    """A pruned draft's N-row head and id map are read from its folder; by hub id it failed inside
+    from_pretrained with a size-mismatch RuntimeError (a traceback from the CLIs)."""
+    from decode.vocab_map import prune_draft_head
+
+    draft = tiny_llama(seed=1, layers=1, dtype=torch.float32)
+    keep = torch.arange(0, draft.config.vocab_size, 2)
+    prune_draft_head(draft, keep).save_pretrained(tmp_path / "pruned")
+    put_snapshot(hub_cache, "org/pruned", "d" * 40, tmp_path / "pruned")
+    model = load_causal_lm("org/pruned", "draft")
+    assert model.lm_head.weight.shape[0] == len(keep)
+
+
+def test_a_hub_id_that_is_not_cached_offline_names_the_role_the_near_miss_and_the_fix(hub_cache, tmp_path):
+    """It used to read 'the hub is not reachable or has no such model (OSError)' after transformers' network retry,
+    and for the tokenizer 'save the tokenizer next to the model', which was not the problem."""
+    tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "t")
+    make_tokenizer().save_pretrained(tmp_path / "t")
+    put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "t")
+    for load in (lambda: load_causal_lm("org/targt", "target"),
+                 lambda: load_tokenizer("org/targt", "tokenizer")):
+        with pytest.raises(FileNotFoundError, match=r"tokenizer|target") as err:
+            load()
+        assert "'org/targt' is not a local folder, and as a hub id it is not in the local Hugging Face cache" \
+            in str(err.value)
+        assert "(did you mean 'org/target'?)" in str(err.value) and "huggingface-cli download org/targt" in \
+            str(err.value)
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download org/target --revision v2"):
+        load_causal_lm("org/target@v2", "target")
+
+
+def test_generate_names_an_uncached_draft_before_loading_the_target(hub_cache, monkeypatch, capsys):
+    import decode.loading
+    from decode.__main__ import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before every path was checked")
+
+    monkeypatch.setattr(decode.loading, "load_causal_lm", refuse)
+    assert main(["generate", "--target", "org/target", "--draft", "org/draft", "--prompt", "hi",
+                 "--device", "cpu"]) == 2
+    assert "--target 'org/target' is not a local folder" in capsys.readouterr().err
+
+
+def test_a_relative_folder_that_shadows_a_cached_hub_id_is_named(hub_cache, tmp_path, monkeypatch):
+    """``org/name`` that is also a folder of the current directory loads that folder (as transformers does); when
+    it is not a checkpoint the error said only 'Unrecognized model', with the cached hub model never mentioned."""
+    tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "t")
+    put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "t")
+    (tmp_path / "here" / "org" / "target").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(FileNotFoundError, match=r"'org/target' is the folder ./org/target of the current directory, "
+                                                r"which shadows the hub id"):
+        load_causal_lm("org/target", "target")

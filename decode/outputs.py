@@ -59,6 +59,9 @@ def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
 
     Returns:
         the path that holds ``text``: ``out``, or the temporary file when ``out`` was kept.
+
+    Raises:
+        ValueError: the file system refused the write (a full disk, a quota); no partial file is left.
     """
     import tempfile
 
@@ -84,6 +87,10 @@ def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
             return out
         tmp.unlink()
         return out
+    except OSError as err:  # a full disk or a quota: say so (exit 2 in the CLIs), leave no partial file
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"could not write {out} ({err}); nothing was written there. Free space on that disk (or "
+                         "choose another path) and run the command again") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

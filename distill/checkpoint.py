@@ -176,10 +176,32 @@ def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any
     """Write a complete checkpoint at ``path`` (atomically replacing an existing one). Call on every process.
 
     Every process writes its RNG state; the main process writes the rest, then ``manifest.json``, then renames
-    ``path.tmp`` to ``path``. Raises whatever the file system raises (the previous checkpoints stay complete).
+    ``path.tmp`` to ``path``.
+
+    Raises:
+        CheckpointError: the file system refused a write (a full disk, a quota): the half-written ``path.tmp`` is
+            removed (freeing its space), the previous checkpoints stay complete, and the message says how to go on.
     """
+    from safetensors import SafetensorError
+
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        return _save_checkpoint(accelerator, draft, tokenizer, scheduler, optimizer, state, config_yaml, path, tmp)
+    except (OSError, SafetensorError) as err:  # (safetensors reports a full disk as its own error type)
+        if accelerator.is_main_process and not is_complete(tmp):  # (a complete one is what resume may restore)
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = find_latest(path.parent)
+        kept = f"the newest complete checkpoint, {newest}, is intact" if newest else "no complete checkpoint exists yet"
+        raise CheckpointError(f"could not save the checkpoint {path} ({type(err).__name__}: {err}); the partial "
+                              f"{tmp.name} was removed and {kept}. Free space on that disk (e.g. delete "
+                              "older step_N folders of the run; train.keep_last=N keeps fewer), then continue with "
+                              "train.resume=true") from err
+
+
+def _save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any, optimizer: Any, state: dict,
+                     config_yaml: str, path: Path, tmp: Path) -> Path:
+    """:func:`save_checkpoint`'s writes into ``tmp``, then the rename to ``path``."""
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()

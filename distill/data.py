@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -431,7 +432,7 @@ def check_target_data_dir(cache_dir: str | Path) -> None:
     cache_dir = Path(cache_dir).expanduser().resolve()  # (a/missing/.. is a, which exists)
     if not cache_dir.is_dir() or (cache_dir / "meta.json").is_file():
         return
-    others = other_entries(cache_dir)
+    others = other_entries(cache_dir, ("meta.json.tmp",))  # (a kill before the first meta.json)
     if others:
         raise SetupError(f"data.target_generated.path={str(cache_dir)!r} is a folder that holds other files "
                          f"({name_list(others)}) and no target-data cache (meta.json); nothing was written. "
@@ -473,7 +474,7 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
             return _check_target_data(datasets.load_from_disk(str(cache_dir / "dataset")), cache_dir,
                                       len(examples), max(len(tokenizer), target.get_output_embeddings().weight.shape[0]))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps({"key": key, "complete": False, "num_prompts": len(examples)}))
+    _write_meta(meta_path, {"key": key, "complete": False, "num_prompts": len(examples)})
     was_training = draft is not None and draft.training
     if was_training:  # the recipe's draft is in train mode: no dropout in the proposals (restored below)
         draft.eval()
@@ -484,8 +485,16 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
         if was_training:
             draft.train()
     full.save_to_disk(str(cache_dir / "dataset"))
-    meta_path.write_text(json.dumps({"key": key, "complete": True, "num_prompts": len(examples)}))
+    _write_meta(meta_path, {"key": key, "complete": True, "num_prompts": len(examples)})
     return full
+
+
+def _write_meta(meta_path: Path, meta: dict) -> None:
+    """Write ``meta.json`` through a temporary file renamed over it: a kill or a full disk mid-write leaves the
+    previous meta.json (and the shards it vouches for), never an empty or cut one that reads as a damaged cache."""
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, meta_path)
 
 
 def _check_target_data(ds: Any, cache_dir: Path, num_prompts: int, vocab: int) -> Any:

@@ -319,6 +319,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
             an earlier export (see :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
         CheckpointError: the draft ships its own Python code (``auto_map``) and ``trust_remote_code`` is off.
+        CheckpointError: the file system refused a write (a full disk, a quota); ``out_dir`` is left as it was.
     """
     from decode.loading import RemoteCodeError
 
@@ -336,7 +337,14 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
     try:
-        card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
+        try:
+            card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
+        except Exception as err:  # noqa: BLE001  (tokenizers reports a full disk as a plain Exception)
+            if not _is_write_error(err):
+                raise
+            kept = "the earlier export there is unchanged" if out_dir.exists() else "nothing was written there"
+            raise CheckpointError(f"could not write the export to OUT_DIR {out_dir} ({type(err).__name__}: {err}); "
+                                  f"{kept}. Free space on that disk, then run the same command again") from err
         old = out_dir.with_name(tmp.name[:-4] + ".old")
         check_export_dir(out_dir, overwrite)  # again: files may have been added to OUT_DIR while this ran
         if out_dir.exists():
@@ -346,6 +354,12 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return card
+
+
+def _is_write_error(err: Exception) -> bool:
+    """True for a write the file system refused (a full disk, a quota), as Python, safetensors (SafetensorError)
+    or tokenizers (a plain Exception, "... (os error 28)") report it."""
+    return isinstance(err, OSError) or type(err).__name__ == "SafetensorError" or "(os error " in str(err)
 
 
 def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path,

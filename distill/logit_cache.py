@@ -275,11 +275,23 @@ def write_shards(target: Any, examples: list[dict], out_dir: str | Path, k: int,
         tmp = shards / f"{s:05d}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        datasets.Dataset.from_dict(cols, features=_features(tail_samples)).save_to_disk(str(tmp))
+        try:
+            datasets.Dataset.from_dict(cols, features=_features(tail_samples)).save_to_disk(str(tmp))
+        except OSError as err:  # a full disk or a quota: the finished shards stay, the partial one goes
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SetupError(f"could not write logit cache shard {final} ({err}); the shards finished before it are "
+                             "kept. Free space on that disk, then rerun python -m distill cache-logits with the same "
+                             "overrides to finish the cache") from err
         tmp.rename(final)
         written.append(s)
         log(f"  logit cache shard {s + 1}/{n_shards} written")
     return written
+
+
+def missing_shards(path: str | Path, manifest: dict) -> list[str]:
+    """Names of the shards a cache's manifest counts that are not (complete) in ``path/shards``."""
+    dirs = [Path(path) / "shards" / f"{s:05d}" for s in range(int(manifest.get("num_shards") or 0))]
+    return [d.name for d in dirs if not (d / "dataset_info.json").exists()]
 
 
 def build_cache(cfg: Any, log: Any = print) -> dict:
@@ -327,9 +339,12 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     if manifest_file.exists():
         old = _load_manifest(manifest_file)
         check_manifest(old, expected, out)
-        if old.get("complete"):
+        lost = missing_shards(out, old) if old.get("complete") else []
+        if old.get("complete") and not lost:
             log(f"logit cache {out} is complete; nothing to do")
             return {**summarize(out, old), "seconds": 0.0}
+        if lost:  # a shard deleted after the build (as train's message on a damaged shard says): write it again
+            log(f"logit cache {out} lacks shards {lost[:5]}; writing them again, the others are kept")
         if int(old.get("shard_size", shard_size)) != shard_size:
             raise SetupError(f"the unfinished logit cache {out} uses data.logit_cache_shard_size="
                              f"{old['shard_size']}; resume it with that value (shards would not line up)")
@@ -409,7 +424,7 @@ class LogitCache:
         self.k = int(self.manifest["k"])
         self.tail_samples = int(self.manifest.get("tail_samples", DEFAULTS["tail_samples"]))
         dirs = [self.path / "shards" / f"{s:05d}" for s in range(int(self.manifest["num_shards"]))]
-        missing = [d.name for d in dirs if not (d / "dataset_info.json").exists()]
+        missing = missing_shards(self.path, self.manifest)
         if missing:
             raise SetupError(f"logit cache {self.path} lacks shards {missing[:5]}; rerun python -m distill "
                              "cache-logits with the same overrides to finish it")

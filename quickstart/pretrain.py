@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from distill.logging import StopFlag
 from quickstart import INTERRUPTED_EXIT
@@ -363,6 +364,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         f"({sizes['params_non_embedding'] / 1e6:.2f}M non-embedding), {len(train_ids) / 1e6:.2f}M train tokens, "
         f"budget {cfg.budget_s:.0f}s on {device}{' bf16 autocast' if cfg.bf16 else ''}")
     _train_loop(model, optimizer, train_ids, gen, state, cfg, device, resume)
+    save_resume(resume, model, optimizer, gen, state)  # the trained steps are kept if evaluation or saving fails
 
     val_loss = evaluate_loss(model, val_ids, cfg.seq_len, cfg.val_tokens, device, cfg.bf16)
     bytes_per_token = sum(len(t.encode("utf-8")) for t in _corpus_texts(cfg.corpus, "validation")) / len(val_ids)
@@ -378,9 +380,14 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         "model_config": SIZES[cfg.size],
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("force", "tokenizer_only")},
     }
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    (out / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        model.save_pretrained(str(out), safe_serialization=True)
+        tokenizer.save_pretrained(str(out))
+        tmp = out / (RESULT_FILE + ".tmp")  # renamed: a cut pretrain.json would read as a finished, damaged run
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, out / RESULT_FILE)
+    except (OSError, SafetensorError) as err:  # (safetensors reports a full disk as its own error type)
+        raise _not_saved(f"the model to {out}", err, f"the trained steps are kept in {resume}") from err
     shutil.rmtree(resume, ignore_errors=True)
     log(f"pretrain: {cfg.size} done: val loss {val_loss:.3f} nats/token ({result['val_bits_per_byte']:.3f} bits/byte), "
         f"{state['tokens_seen'] / 1e6:.2f}M tokens in {state['step']} steps, {result['tokens_per_s']:.0f} tokens/s "
@@ -394,15 +401,28 @@ def save_resume(path: Path, model, optimizer, gen: torch.Generator, state: dict)
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_tensors(model.state_dict(), tmp / "model.safetensors")
-    tensors, rest = optimizer_to_data(optimizer.state_dict())
-    save_tensors(tensors, tmp / "optimizer.safetensors")
-    write_json(tmp / "optimizer.json", rest)
-    save_tensors({"generator": gen.get_state()}, tmp / "generator.safetensors")
-    write_json(tmp / "state.json", state)
-    write_manifest(tmp, int(state["step"]))
+    try:
+        tmp.mkdir(parents=True)
+        save_tensors(model.state_dict(), tmp / "model.safetensors")
+        tensors, rest = optimizer_to_data(optimizer.state_dict())
+        save_tensors(tensors, tmp / "optimizer.safetensors")
+        write_json(tmp / "optimizer.json", rest)
+        save_tensors({"generator": gen.get_state()}, tmp / "generator.safetensors")
+        write_json(tmp / "state.json", state)
+        write_manifest(tmp, int(state["step"]))
+    except (OSError, SafetensorError) as err:  # (safetensors reports a full disk as its own error type)
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial snapshot only holds the space the next try needs
+        kept = f"the previous snapshot {path} is intact" if path.is_dir() else "no snapshot was saved before"
+        raise _not_saved(f"the resume snapshot {path}", err, kept) from err
     replace_dir(tmp, path)
+
+
+def _not_saved(what: str, err: Exception, kept: str):
+    """The CheckpointError (exit 2) for a write the file system refused (a full disk, a quota)."""
+    from distill.checkpoint import CheckpointError
+
+    return CheckpointError(f"could not save {what} ({type(err).__name__}: {err}); {kept}. Free space on that disk, "
+                           "then run the same command again to continue")
 
 
 def load_resume(path: Path, model, optimizer, gen: torch.Generator, identity: dict | None = None) -> dict:

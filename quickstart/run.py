@@ -848,7 +848,17 @@ def _finish(results: dict, out: Path, console, t_start: float, status: int) -> i
     results["status"] = "ok" if status == 0 else "failed"
     path = out / RESULTS_FILE
     kept = keep_previous_results(path)
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    text = json.dumps(results, indent=2, default=str) + "\n"
+    tmp = path.with_name(path.name + ".tmp")  # renamed when whole: a kill or a full disk never leaves half a file
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:  # the run's measurements are only in memory now: show them rather than lose them
+        tmp.unlink(missing_ok=True)
+        print(text)
+        console.print(f"[red]could not write {path} ({err}); the results are printed above: free space and "
+                      "rerun the same command (finished phases are reused), or copy them from here")
+        return 1
     if kept is not None:
         console.print(f"[dim]the previous {RESULTS_FILE} is kept as {kept.name}")
     console.rule("[bold]quickstart results")

@@ -206,7 +206,8 @@ def write_outputs(results: dict[str, Any], out: str | os.PathLike | OutputPaths,
         {"results": path, plot name: path}; plot paths are also stored in ``results["plots"]``.
 
     Raises:
-        ValueError: bad ``out`` (see ``OutputPaths.plan``) or results that fail ``validate_results``.
+        ValueError: bad ``out`` (see ``OutputPaths.plan``), results that fail ``validate_results``, or a write the
+            file system refused (a full disk: no cut JSON is left, an earlier one is kept).
     """
     from decode.bench.plots import PLOTS
 
@@ -236,17 +237,15 @@ def _stamped(path: Path, stamp: str | None = None) -> Path:
 
 
 def _write_new(path: Path, text: str, overwrite: bool) -> Path:
-    """Write ``text`` to ``path``; if the file appeared since the run started (and ``overwrite`` is off), write
-    beside it under a timestamped name instead of replacing it or losing the run."""
-    try:
-        with open(path, "w" if overwrite else "x") as f:
-            f.write(text)
-        return path
-    except FileExistsError:
-        alt = _stamped(path)
-        alt.write_text(text)
-        print(f"warning: {path} appeared during the run; results written to {alt}", file=sys.stderr)
-        return alt
+    """Write ``text`` to ``path`` whole or not at all (:func:`decode.outputs.write_new_file`: a full disk is a
+    ValueError and leaves no cut file, nor an emptied earlier one with ``overwrite``); if the file appeared since
+    the run started (and ``overwrite`` is off), it is kept and ``text`` goes beside it under a new name."""
+    from decode.outputs import write_new_file
+
+    written = write_new_file(text, path, overwrite)
+    if written != path:
+        print(f"warning: {path} appeared during the run; results written to {written}", file=sys.stderr)
+    return written
 
 
 def _json_default(x):

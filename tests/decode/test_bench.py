@@ -378,6 +378,33 @@ def test_overwrite_replaces_and_a_file_that_appears_mid_run_is_kept(bench_run, t
     assert paths["results"] != str(late) and json.loads(open(paths["results"]).read())["kind"] == "draftkit.bench"
 
 
+def test_a_full_disk_while_writing_results_leaves_no_cut_file_and_keeps_the_earlier_one(bench_run, tmp_path,
+                                                                                         monkeypatch):
+    """Found by a new user on a full disk: results.json was written in place, so a cut file stayed (and a rerun
+    refused it as an existing result), and with --overwrite the earlier good file was emptied first."""
+    import os
+
+    import decode.outputs as outputs
+
+    results = bench_run[0]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text("earlier run")
+    real_fdopen = os.fdopen
+
+    def full_disk(fd, mode="r", *args, **kwargs):  # every write fails with ENOSPC, as on a full disk
+        os.close(fd)
+        return real_fdopen(os.open("/dev/full", os.O_WRONLY), mode)
+
+    monkeypatch.setattr(outputs.os, "fdopen", full_disk)
+    with pytest.raises(ValueError, match="No space left on device"):
+        write_outputs(json.loads(json.dumps(results)), OutputPaths.plan(tmp_path / "new.json"))
+    assert not (tmp_path / "new.json").exists()
+    with pytest.raises(ValueError, match="No space left on device"):
+        write_outputs(json.loads(json.dumps(results)), OutputPaths.plan(earlier, overwrite=True))
+    assert earlier.read_text() == "earlier run"
+    assert sorted(f.name for f in tmp_path.iterdir() if f.suffix == ".json") == ["earlier.json"]
+
+
 def test_plots_that_appear_mid_run_are_kept_and_the_runs_set_goes_beside_them(bench_run, tmp_path):
     """Only the JSON was kept: a plot made at the planned path during the run (e.g. by a second run into the same
     folder) was overwritten, and the JSON kept beside it pointed at plots of the other run."""

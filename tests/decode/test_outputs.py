@@ -19,3 +19,21 @@ def test_check_output_file_names_a_file_standing_where_a_folder_is_needed(tmp_pa
         check_output_file(tmp_path / "afile" / "sub" / "c.json", "--out")
     with pytest.raises(ValueError, match="does not exist; create it"):
         check_output_file(tmp_path / "missing" / "c.json", "--out")
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk raised a bare OSError (a traceback from `decode certify --out`, `loadtest --output`)."""
+    import os
+
+    import decode.outputs as outputs
+
+    def full_disk(fd, mode):  # every write fails with ENOSPC, as on a full disk
+        os.close(fd)
+        return open("/dev/full", mode)
+
+    monkeypatch.setattr(outputs.os, "fdopen", full_disk)
+    out = tmp_path / "cert.json"
+    with pytest.raises(ValueError, match=r"could not write .*cert.json .*No space left on device.*nothing was "
+                                         r"written there"):
+        write_new_file("{}" * 10000, out)
+    assert list(tmp_path.iterdir()) == []

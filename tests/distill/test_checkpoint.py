@@ -202,3 +202,35 @@ def test_converted_checkpoint_resumes_like_the_original(pair, run, legacy, tmp_p
     wa, wb = load_file(str(a / "step_000004" / "model.safetensors")), load_file(str(b / "step_000004" /
                                                                                    "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_full_disk_during_a_save_is_named_and_the_run_resumes_from_the_previous_checkpoint(pair, tmp_path,
+                                                                                               monkeypatch):
+    """A full disk mid-save was a traceback (safetensors' own error type, exit 1) that left the half-written
+    step_N.tmp holding the space the next try needed."""
+    import errno
+
+    from safetensors.torch import load_file
+
+    fast = ("eval.temperatures=[0.0]", "eval.at_start=false", "train.max_steps=4")
+    straight = tmp_path / "straight"
+    train(compose(overrides(pair, straight, *fast)), log=lambda *_: None)
+    out = tmp_path / "run"
+    real = ckpt.save_tensors
+
+    def disk_full(tensors, path):
+        if path.parent.name == "step_000004.tmp" and path.name == "optimizer.safetensors":
+            path.write_bytes(b"\0" * 64)  # what fitted before the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_tensors", disk_full)
+    with pytest.raises(SetupError, match=r"could not save the checkpoint .*step_000004 .*No space left on device.*"
+                                         r"step_000004.tmp was removed.*step_000002, is intact.*train.resume=true"):
+        train(compose(overrides(pair, out, *fast)), log=lambda *_: None)
+    assert not (out / "step_000004.tmp").exists() and ckpt.find_latest(out) == out / "step_000002"
+    monkeypatch.setattr(ckpt, "save_tensors", real)
+    s = train(compose(overrides(pair, out, *fast, "train.resume=true")), log=lambda *_: None)
+    assert s["steps"] == 4
+    a, b = (load_file(str(p / "step_000004" / "model.safetensors")) for p in (straight, out))
+    assert all(torch.equal(a[k], b[k]) for k in a)

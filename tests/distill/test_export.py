@@ -337,3 +337,30 @@ def test_export_of_a_run_folder_names_its_checkpoint(pair, tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "is a run folder" in err and str(run / "step_000002") in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_during_export_exits_2_and_keeps_the_earlier_export(pair, tmp_path, monkeypatch, capsys):
+    """A full disk mid-export was a traceback (exit 1): tokenizers reports it as a plain Exception, safetensors as
+    its own error type, neither of which the CLI named."""
+    from transformers import PreTrainedTokenizerFast
+
+    from distill.__main__ import main
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2", "train.save_every=1", "eval.temperatures=[0.0]")),
+          log=lambda *_: None)
+    out = tmp_path / "out"
+    export(run / "step_000001", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(self, *a, **k):  # what tokenizers raises when its file cannot be written
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", disk_full)
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(run / "step_000002"), str(out), "--overwrite"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and "could not write the export to OUT_DIR" in err and "os error 28" in err
+    assert "the earlier export there is unchanged" in err and "run the same command again" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no .out.*.tmp left

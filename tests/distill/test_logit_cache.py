@@ -241,3 +241,45 @@ def test_a_damaged_or_edited_cache_is_named_before_training(pair, tmp_path):
     (cache_dir / "manifest.json").write_text(json.dumps({**m, "num_shards": "2"}))
     with pytest.raises(SetupError, match="num_shards='2'"):
         LogitCache(cache_dir)
+
+
+def test_a_shard_deleted_from_a_complete_cache_is_written_again(pair, tmp_path):
+    """LogitCache's message on a missing or damaged shard says to delete it and rerun cache-logits; the rerun said
+    'complete; nothing to do' (the manifest is complete), so train and cache-logits sent the user in a circle."""
+    cache_dir = tmp_path / "cache"
+    build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 4)), log=lambda *_: None)
+    before = LogitCache(cache_dir).buckets([20])[1]
+    kept = (cache_dir / "shards" / "00000" / "dataset_info.json").stat().st_mtime_ns
+    shutil.rmtree(cache_dir / "shards" / "00001")
+    with pytest.raises(SetupError, match=r"lacks shards \['00001'\]; rerun python -m distill cache-logits"):
+        LogitCache(cache_dir)
+    lines = []
+    build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 4)), log=lines.append)
+    assert any("lacks shards ['00001']; writing them again" in line for line in lines)
+    assert (cache_dir / "shards" / "00000" / "dataset_info.json").stat().st_mtime_ns == kept
+    assert read_manifest(cache_dir)["complete"] and torch.equal(LogitCache(cache_dir).buckets([20])[1], before)
+
+
+def test_a_full_disk_while_writing_a_shard_is_named_and_the_rerun_finishes(pair, tmp_path, monkeypatch):
+    """A full disk mid-shard was a traceback that left the partial NNNNN.tmp holding the space the rerun needed."""
+    import errno
+
+    import datasets
+
+    cache_dir = tmp_path / "cache"
+    real = datasets.Dataset.save_to_disk
+
+    def disk_full(self, path, *a, **k):
+        if path.endswith("00001.tmp"):
+            real(self.select(range(1)), path, *a, **k)  # what fitted before the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", disk_full)
+    with pytest.raises(SetupError, match=r"could not write logit cache shard .*00001 .*No space left on device.*"
+                                         r"shards finished before it are kept.*rerun python -m distill cache-logits"):
+        build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 4)), log=lambda *_: None)
+    assert sorted(p.name for p in (cache_dir / "shards").iterdir()) == ["00000"]
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", real)
+    build_cache(compose(_cache_ov(pair, tmp_path / "run", cache_dir, 4)), log=lambda *_: None)
+    assert read_manifest(cache_dir)["complete"] and len(LogitCache(cache_dir).examples()) > 16

@@ -192,3 +192,75 @@ def test_a_finished_model_of_another_tokenizer_is_not_reused(tmp_path):
     train_tokenizer(TEXTS, 300, tmp_path / "other_tok")
     with pytest.raises(ValueError, match="trained with another tokenizer than --tokenizer"):
         pt.pretrain(_cfg(tmp_path, max_steps=2, tokenizer=str(tmp_path / "other_tok")), log=lambda *_: None)
+
+
+def test_a_failure_after_the_last_step_keeps_the_trained_steps(tmp_path, monkeypatch):
+    """The snapshot was saved only every --save-every-s: an error in the final evaluation (or a kill while saving
+    the model) lost every step since, and with no snapshot yet the rerun started over without a word."""
+    cfg = _cfg(tmp_path, max_steps=6, save_every_s=1e9)
+    real = pt.evaluate_loss
+    monkeypatch.setattr(pt, "evaluate_loss", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pt.pretrain(cfg, log=lambda *_: None)
+    monkeypatch.setattr(pt, "evaluate_loss", real)
+    monkeypatch.setattr(pt, "sample_batch", lambda *a, **k: pytest.fail("a step was trained again"))
+    logs = []
+    result = pt.pretrain(cfg, log=logs.append)
+    assert any("resuming smoke_draft at step 6" in str(line) for line in logs) and result["steps"] == 6
+
+
+def test_a_full_disk_while_writing_pretrain_json_is_resumed_not_read_as_finished(tmp_path, monkeypatch):
+    """pretrain.json was written in place: a full disk (or a kill) mid-write left a cut file beside config.json,
+    and every rerun failed reading it as a finished run ('Expecting value: line 1 column 1')."""
+    import errno
+    import pathlib
+
+    cfg = _cfg(tmp_path, max_steps=4, save_every_s=0.0)
+    real = pathlib.Path.write_text
+
+    def disk_full(self, text, *a, **k):  # like a real ENOSPC: the file is opened (truncated), then the write fails
+        if '"val_loss"' in text:
+            real(self, "", *a, **k)
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    with pytest.raises(ValueError, match=r"could not save the model to .*No space left.*trained steps are kept in "
+                                         r".*resume.*run the same command again"):
+        pt.pretrain(cfg, log=lambda *_: None)
+    monkeypatch.setattr(pathlib.Path, "write_text", real)
+    logs = []
+    result = pt.pretrain(cfg, log=logs.append)
+    assert any("resuming smoke_draft at step 4" in str(line) for line in logs) and result["steps"] == 4
+    assert json.loads((tmp_path / "model" / pt.RESULT_FILE).read_text())["steps"] == 4
+
+
+def test_a_full_disk_while_saving_the_snapshot_exits_2_and_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    """A full disk mid-snapshot was a traceback (safetensors' own error type) that left resume.tmp behind."""
+    import errno
+
+    from distill import checkpoint as ckpt
+
+    argv = ["--out", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok"), "--size", "smoke_draft",
+            "--corpus", "tinyshakespeare", "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4",
+            "--budget-s", "0", "--max-steps", "4", "--save-every-s", "0", "--val-tokens", "2048", "--device", "cpu"]
+    real, calls = ckpt.save_tensors, {"n": 0}
+
+    def disk_full(tensors, path):
+        if path.name == "optimizer.safetensors":
+            calls["n"] += 1
+            if calls["n"] == 3:  # the third snapshot (step 3)
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_tensors", disk_full)
+    with pytest.raises(SystemExit) as exit_info:
+        pt.main(argv)
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "could not save the resume snapshot" in err and "No space left" in err and "is intact" in err
+    resume = tmp_path / "model" / pt.RESUME_DIR
+    assert not resume.with_name(resume.name + ".tmp").exists()
+    assert json.loads((resume / "state.json").read_text())["step"] == 2
+    monkeypatch.setattr(ckpt, "save_tensors", real)
+    assert pt.main(argv)["steps"] == 4

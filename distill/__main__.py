@@ -427,7 +427,7 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
 
 def cmd_export(argv: list[str]) -> None:
     from decode.loading import resolve_dtype
-    from distill.export import export
+    from distill.export import export, stopped_export_notes
 
     p = argparse.ArgumentParser(prog="python -m distill export", description=SUBCOMMANDS["export"])
     p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
@@ -439,6 +439,8 @@ def cmd_export(argv: list[str]) -> None:
                    help="let a draft (or LoRA base, tokenizer) that ships its own modeling code (auto_map) run it; "
                         "read that code first")
     args = p.parse_args(argv)
+    for line in stopped_export_notes(args.out_dir):  # an earlier export killed mid-way: said, never deleted
+        print(line, file=sys.stderr)
     try:
         card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None,
                       overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)

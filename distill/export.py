@@ -10,6 +10,7 @@ its card says so (no ``from_pretrained``/vLLM/SGLang lines, which cannot read it
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import os
 import shlex
@@ -142,6 +143,29 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
                 f"({', '.join(foreign[:3])}{more}); --overwrite replaces only an earlier export's own files, so "
                 "nothing was changed. Move those out of OUT_DIR, or choose another folder")
     return out_dir
+
+
+def stopped_export_folders(out_dir: str | Path) -> dict[str, list[Path]]:
+    """Folders an export into ``out_dir`` that was stopped without cleaning up (SIGKILL, power loss) left beside it,
+    as :func:`export` names them: ``{"moved_aside": [...], "partial": [...]}``. ``.OUT.<id>.old`` holds the earlier
+    export, moved aside just before the new one was renamed into place (when ``out_dir`` is missing, it is the only
+    copy); ``.OUT.<id>.tmp`` holds a partial export (or one being written right now by another export). Neither is
+    used or deleted by an export: the user decides."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    if not out_dir.parent.is_dir():
+        return {"moved_aside": [], "partial": []}
+    found = sorted(p for p in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*") if p.is_dir())
+    return {"moved_aside": [p for p in found if p.name.endswith(".old") and (p / CARD_JSON).is_file()],
+            "partial": [p for p in found if p.name.endswith(".tmp")]}
+
+
+def stopped_export_notes(out_dir: str | Path) -> list[str]:
+    """One line per folder of :func:`stopped_export_folders`, saying what it holds and that it is kept."""
+    found = stopped_export_folders(out_dir)
+    return ([f"note: {p} holds an earlier export of {Path(out_dir).name}, moved aside by an export that was stopped "
+             "before it finished; it is kept (delete it once you no longer need it)" for p in found["moved_aside"]]
+            + [f"note: {p} holds a partial export left by a stopped export (or one that is running now); it is not "
+               "used: delete it when no export into that folder is running" for p in found["partial"]])
 
 
 def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None,

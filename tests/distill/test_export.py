@@ -232,6 +232,31 @@ def test_a_failed_export_leaves_the_earlier_export_as_it_was(pair, tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no .out.*.tmp or .old left
 
 
+def test_folders_of_an_export_killed_midway_are_named_and_kept(pair, tmp_path, capsys):
+    """Found by a new user's SIGKILL trial: a kill between export's two renames left the earlier export only in a
+    hidden .OUT.<id>.old folder (OUT missing), and a kill while writing a hidden .OUT.<id>.tmp with a full model copy;
+    nothing said so. The rerun names both and keeps them."""
+    from distill.__main__ import main
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=2", "eval.temperatures=[0.0]")), log=lambda *_: None)
+    out = tmp_path / "out"
+    main(["export", str(run / "step_000002"), str(out)])
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    out.rename(tmp_path / ".out.k1ll3d.old")  # killed after moving the earlier export aside
+    (tmp_path / ".out.p4rt.tmp").mkdir()  # killed while writing
+    (tmp_path / ".out.p4rt.tmp" / "model.safetensors").write_bytes(b"cut")
+    capsys.readouterr()
+    main(["export", str(run / "step_000002"), str(out)])
+    err = capsys.readouterr().err
+    assert f"{tmp_path / '.out.k1ll3d.old'} holds an earlier export of out" in err and "it is kept" in err
+    assert f"{tmp_path / '.out.p4rt.tmp'} holds a partial export" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / ".out.k1ll3d.old").iterdir()} == earlier
+    assert (tmp_path / ".out.p4rt.tmp" / "model.safetensors").exists() and (out / "draftkit_card.json").is_file()
+    main(["export", str(run / "step_000002"), str(tmp_path / "other")])  # another folder's leftovers: not named
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_card_states_the_speedup_model_it_predicted_with():
     from distill.export import _verify_markdown
 

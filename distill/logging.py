@@ -69,8 +69,16 @@ class MetricsLogger:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+                self.file.flush()
+            except OSError as err:  # a full disk: the metrics are not worth stopping the training for
+                print(f"warning: could not write {self.file.name} ({err}); training goes on without it (W&B, if "
+                      "on, still logs). The next checkpoint needs disk space too: free some", file=sys.stderr)
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                self.file = None
         if self.run is not None:
             self.run.log({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, step=step)
 
@@ -94,7 +102,9 @@ class MetricsLogger:
     def finish(self) -> None:
         if not self.enabled:
             return
-        self.file.close()
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # (a full disk: the warning was given in log)
+                self.file.close()
         if self.run is not None:
             self.run.finish()
 

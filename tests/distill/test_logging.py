@@ -164,3 +164,22 @@ def test_wandb_auto_mode_honours_wandb_mode(tmp_path, monkeypatch, env, netrc, e
     cfg = OmegaConf.create({"logger": {"name": "wandb", "mode": "auto", "project": "p", "tags": []}})
     MetricsLogger(cfg, tmp_path, enabled=True, resumed=False).finish()
     assert seen["mode"] == expect
+
+
+def test_a_full_disk_while_logging_metrics_warns_once_and_training_goes_on(tmp_path, capsys):
+    """Found by a new user's full-disk trial: a metrics.jsonl write that the disk refused stopped the training with a
+    traceback, though the checkpoints (which say so clearly now) are what a run keeps."""
+    from omegaconf import OmegaConf
+
+    from distill.logging import MetricsLogger
+
+    logger = MetricsLogger(OmegaConf.create({"logger": {"name": "none"}}), tmp_path, enabled=True, resumed=False)
+    logger.log({"train/loss": 1.0}, 1)
+    logger.file.close()
+    logger.file = open("/dev/full", "w")  # every write fails with ENOSPC, as on a full disk
+    logger.log({"train/loss": 0.9, "pad": "x" * 10000}, 2)
+    logger.log({"train/loss": 0.8}, 3)
+    logger.finish()
+    err = capsys.readouterr().err
+    assert err.count("could not write /dev/full") == 1 and "No space left on device" in err
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == ['{"step": 1, "train/loss": 1.0}']

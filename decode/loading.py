@@ -72,7 +72,7 @@ def _not_cached(name: str, role: str) -> str:
     hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
     repo, _, revision = name.partition("@")
     at = " A revision is not part of the id: the cache's refs/main is what loads." if revision else ""
-    get = f"huggingface-cli download {repo}" + (f" --revision {revision}" if revision else "")
+    get = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
     return (f"{role} {name!r} is not a local folder, and as a hub id it is not in the local Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE is set{hint}.{at} Download it where the hub is "
             f"reachable ({get}) or pass a directory written by save_pretrained.")

@@ -139,7 +139,7 @@ def hub_cache(tmp_path, monkeypatch):
 
 def put_snapshot(cache: Path, repo: str, commit: str, folder: Path) -> Path:
     """Copy ``folder`` (a save_pretrained output) in as ``repo``'s snapshot ``commit`` and point refs/main at it,
-    as ``huggingface-cli download`` of a new revision does."""
+    as ``hf download`` of a new revision does."""
     root = cache / f"models--{repo.replace('/', '--')}"
     snap = root / "snapshots" / commit
     shutil.copytree(folder, snap)

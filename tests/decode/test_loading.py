@@ -62,9 +62,9 @@ def test_a_hub_id_that_is_not_cached_offline_names_the_role_the_near_miss_and_th
             load()
         assert "'org/targt' is not a local folder, and as a hub id it is not in the local Hugging Face cache" \
             in str(err.value)
-        assert "(did you mean 'org/target'?)" in str(err.value) and "huggingface-cli download org/targt" in \
+        assert "(did you mean 'org/target'?)" in str(err.value) and "hf download org/targt" in \
             str(err.value)
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download org/target --revision v2"):
+    with pytest.raises(FileNotFoundError, match="hf download org/target --revision v2"):
         load_causal_lm("org/target@v2", "target")
 
 

@@ -157,6 +157,31 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
         )
 
 
+def check_cache_support(model: Any, role: str) -> None:
+    """Raise :class:`IncompatibleModelsError` if ``model`` (the ``role``: "target" or "draft") keeps state the decoder
+    cannot roll back: a recurrent or convolution state (Mamba and hybrids, transformers' linear-attention cache
+    layers) or a sparse-attention indexer cache. The decoder undoes a rejected draft by masking and dropping KV
+    slots, which needs every cached layer to be a plain per-token key/value cache (full or sliding-window)."""
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:  # older transformers: no per-layer cache kinds to inspect
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        layers = DynamicCache(config=base.config).layers
+    except Exception:  # noqa: BLE001 - a config the cache cannot read: leave the decision to the forward
+        return
+    kv_only = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)  # per-token KV slots, or no cache at all
+    bad = sorted({type(layer).__name__ for layer in layers if type(layer) not in kv_only})
+    if bad:
+        raise IncompatibleModelsError(
+            f"the {role} ({type(base).__name__}) keeps state the speculative decoder cannot roll back after a "
+            f"rejected draft (cache layers {bad}: a recurrent/convolution state or an indexer cache); only "
+            "attention models with a per-token KV cache are supported. Use an attention-only model as the "
+            f"{role}.")
+
+
 def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
     """Check that ``draft`` can propose tokens for ``target`` and return the shared vocabulary size V.
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from decode import cache as kv
-from decode.compat import check_compatibility, draft_input_substitute
+from decode.compat import check_cache_support, check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
@@ -139,7 +139,8 @@ class SpeculativeDecoder:
             the DynamicCache path for both; True: as None.
 
     Raises:
-        decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
+        decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
+            cannot be rolled back (Mamba and other recurrent/hybrid models: :func:`decode.compat.check_cache_support`).
         ValueError: a bad ``num_draft_tokens``.
     """
 
@@ -151,6 +152,9 @@ class SpeculativeDecoder:
         self.draft = draft
         self.tokenizer = tokenizer
         self.vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+        check_cache_support(target, "target")
+        if draft is not None:
+            check_cache_support(draft, "draft")
         if isinstance(max_auto_draft_tokens, bool) or not isinstance(max_auto_draft_tokens, int) \
                 or max_auto_draft_tokens < 1:
             raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="

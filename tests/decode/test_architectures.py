@@ -1,0 +1,116 @@
+"""Architectures other than Llama/GPT-2: exact greedy equality with Hugging Face's own greedy decoding (sliding
+window shorter than the sequence, logit softcapping, ALiBi, a pair of different architectures), which ones take
+the static cache path, and a clear error for models whose state cannot be rolled back (Mamba)."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from decode import SpeculativeDecoder
+from decode.compat import IncompatibleModelsError
+
+V = 96
+
+
+def _tiny(cfg_cls, seed=0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    sharpen = kw.pop("_sharpen", 20.0)
+    torch.manual_seed(seed)
+    # untied: a tied input embedding sharpened below would dominate the residual (the model repeats its input)
+    model = AutoModelForCausalLM.from_config(cfg_cls(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                                     tie_word_embeddings=False, **kw)).float().eval()
+    with torch.no_grad():  # sharpen near-uniform random logits so greedy ties are rare
+        model.get_output_embeddings().weight.mul_(sharpen)
+    return model
+
+
+def _llama_kw(**kw):
+    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, **kw)
+
+
+def _draft_of(model, noise=0.3, seed=1):
+    """A copy with noise on its lm_head: it agrees with ``model`` often but not always (ragged acceptance)."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = draft.get_output_embeddings().weight
+        w.add_(noise * w.std() * torch.randn(w.shape, generator=g))
+    return draft
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def _check(target, draft, static_expected, n=24, lengths=(3, 11, 20), draft_is_close=True):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, V, (L,), generator=g).tolist() for L in lengths]
+    refs = [_hf_greedy(target, p, n) for p in prompts]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dec = SpeculativeDecoder(target, draft, num_draft_tokens=3)
+    notices = [str(w.message) for w in caught if str(w.message).startswith("decode:")]
+    assert dec._static["target"] is static_expected
+    assert len(notices) == (0 if static_expected else 2) and all("\n" not in m for m in notices)
+    for gamma in (1, 3, 8):
+        out = dec.generate(prompts, max_new_tokens=n, temperature=0, num_draft_tokens=gamma)
+        assert [t.tolist() for t in out.new_tokens] == refs, f"gamma={gamma}"
+        if gamma == 3 and draft_is_close:  # rows accept different counts: rollback and holes are exercised
+            assert 0.1 < out.stats.acceptance_rate < 0.95
+    # a request joining mid-flight
+    dec2 = SpeculativeDecoder(target, draft, num_draft_tokens=3, static_cache=False if not static_expected else None)
+    first, outs = dec2.add_request(prompts[0], max_new_tokens=n), {}
+    for _ in range(2):
+        outs.update({o.request_id: o.new_tokens for o in dec2.step()})
+    second = dec2.add_request(prompts[2], max_new_tokens=n)
+    while dec2.has_unfinished():
+        outs.update({o.request_id: o.new_tokens for o in dec2.step()})
+    assert list(outs[first]) == refs[0] and list(outs[second]) == refs[2]
+
+
+def test_mistral_sliding_window_shorter_than_sequence_falls_back_exactly():
+    from transformers import MistralConfig
+
+    target = _tiny(MistralConfig, **_llama_kw(sliding_window=8))
+    _check(target, _draft_of(target), static_expected=False)
+
+
+def test_gemma2_softcapping_alternating_sliding_layers():
+    from transformers import Gemma2Config
+
+    target = _tiny(Gemma2Config, _sharpen=1.0, **_llama_kw(head_dim=8, sliding_window=8,
+                                                           final_logit_softcapping=5.0, attn_logit_softcapping=20.0))
+    _check(target, _draft_of(target), static_expected=False)
+
+
+def test_bloom_alibi_static_path():
+    from transformers import BloomConfig
+
+    target = _tiny(BloomConfig, hidden_size=32, n_layer=2, n_head=4)
+    _check(target, _draft_of(target), static_expected=True)
+
+
+def test_different_architectures_share_a_vocabulary():
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    target = _tiny(LlamaConfig, **_llama_kw())
+    draft = _tiny(GPTNeoXConfig, seed=3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256)
+    _check(target, draft, static_expected=True, draft_is_close=False)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_recurrent_model_is_rejected_with_a_clear_error(role):
+    from transformers import LlamaConfig, MambaConfig
+
+    mamba = _tiny(MambaConfig, hidden_size=32, num_hidden_layers=2, state_size=4)
+    llama = _tiny(LlamaConfig, **_llama_kw())
+    target, draft = (mamba, llama) if role == "target" else (llama, mamba)
+    with pytest.raises(IncompatibleModelsError, match=f"the {role} \\(MambaForCausalLM\\).*cannot roll back"):
+        SpeculativeDecoder(target, draft, num_draft_tokens=3)

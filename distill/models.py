@@ -161,6 +161,14 @@ def attach_lora(draft: Any, cfg: Any) -> Any:
     if missing:  # peft would train nothing for them, without a word
         raise SetupError(f"train.lora.modules_to_save={save} names {missing}, which the draft has no module called; "
                          f"e.g. train.lora.modules_to_save=[lm_head]")
+    if isinstance(modules, list):  # peft adapts the names that match and skips the rest with a warning only
+        names = [n for n, _ in draft.named_modules() if n]
+        unmatched = [m for m in modules if not any(n == m or n.endswith("." + m) for n in names)]
+        if unmatched and len(unmatched) < len(modules):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in draft.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise SetupError(f"train.lora.target_modules={modules} names {unmatched}, which the draft "
+                             f"({type(draft).__name__}) has no module called, so they would get no adapter; its "
+                             f"linear layers are {linear}: fix the list or use train.lora.target_modules=all-linear")
     alpha = float(cfg.alpha)
     lcfg = LoraConfig(r=int(cfg.r), lora_alpha=int(alpha) if alpha.is_integer() else alpha,
                       lora_dropout=float(cfg.dropout), target_modules=modules, bias="none", task_type="CAUSAL_LM",

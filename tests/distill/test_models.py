@@ -81,3 +81,19 @@ def test_missing_checkpoints_name_the_key(tmp_path):
         load_target(OmegaConf.create({"name_or_path": str(tmp_path)}))
     with pytest.raises(SetupError, match="no target given"):
         load_target(OmegaConf.create({"name_or_path": None}))
+
+
+def test_lora_target_modules_partly_missing_in_a_fused_qkv_architecture():
+    """Phi3 fuses q/k/v into qkv_proj: the usual list [q_proj,k_proj,v_proj,o_proj] used to adapt o_proj alone
+    (peft only warns about the rest), so attention trained no adapter without a word."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    draft = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                       pad_token_id=0))
+    cfg = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    with pytest.raises(SetupError, match=r"train.lora.target_modules=.*\['q_proj', 'k_proj', 'v_proj'\].*qkv_proj"):
+        attach_lora(draft, OmegaConf.create(cfg))
+    lora = attach_lora(draft, OmegaConf.create({**cfg, "target_modules": ["qkv_proj", "self_attn.o_proj"]}))
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in lora.named_parameters() if p.requires_grad} \
+        == {"qkv_proj", "o_proj"}

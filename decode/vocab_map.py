@@ -182,6 +182,48 @@ def _stored_map_shape(folder: Path) -> tuple[int, ...] | None:
         return tuple(f.get_slice(MAP_KEY).get_shape()) if MAP_KEY in f.keys() else None
 
 
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Every tensor name stored in the folder's ``model.safetensors`` (or its sharded index) -> its file."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), framework="pt") as f:
+        return {n: single for n in f.keys()}
+
+
+def _stored_head_keys(folder: Path, model: Any, head_name: str) -> dict[str, str]:
+    """Module parameter name -> the name the files store it under, for the head's weight and bias. Usually the
+    same; some architectures are saved under their original checkpoint names by transformers (GPT-NeoX's module
+    ``lm_head`` is stored as ``embed_out``): then the head is the one stored tensor that no parameter of the model
+    is named after with the head's parameter suffix and the pruned head's first dimension."""
+    stored = _weight_files(folder)
+    own = set(model.state_dict())
+    size = int(getattr(model.config, SIZE_FIELD))
+    out = {}
+    for suffix in ("weight", "bias"):
+        key = f"{head_name}.{suffix}"
+        if key in stored:
+            out[key] = key
+            continue
+        candidates = [n for n in stored if n.endswith("." + suffix) and n not in own and n != MAP_KEY
+                      and _stored_shape(stored[n], n)[:1] == (size,)]
+        if len(candidates) == 1:
+            out[key] = candidates[0]
+    return out
+
+
+def _stored_shape(path: Path, name: str) -> tuple[int, ...]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return tuple(f.get_slice(name).get_shape())
+
+
 def _read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors from the folder's ``model.safetensors`` (or its sharded index)."""
     from safetensors import safe_open
@@ -212,7 +254,9 @@ def restore_pruned_head(model: Any, folder: str | os.PathLike) -> Any:
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     keys = [MAP_KEY, f"{head_name}.weight"] + ([f"{head_name}.bias"] if getattr(head, "bias", None) is not None else [])
-    stored = _read_tensors(folder, keys)
+    renamed = _stored_head_keys(folder, model, head_name)  # module name -> file name (usually the same)
+    files = _read_tensors(folder, [renamed.get(k, k) for k in keys])
+    stored = {k: files[renamed.get(k, k)] for k in keys if renamed.get(k, k) in files}
     size = int(getattr(model.config, SIZE_FIELD))
     missing = [k for k in keys if k not in stored]
     if missing:

@@ -84,6 +84,23 @@ def test_saved_pruned_draft_reloads_with_head_and_map(tmp_path):
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"))
 
 
+def test_a_pruned_gpt_neox_draft_reloads_though_its_head_is_stored_as_embed_out(tmp_path):
+    """Found by a new user's trial: transformers saves GPT-NeoX's lm_head module as `embed_out.weight`, so a pruned
+    NeoX draft trained fine but every export/load failed with 'its safetensors lack ['lm_head.weight']'."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    torch.manual_seed(0)
+    neox = AutoModelForCausalLM.from_config(GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        tie_word_embeddings=False)).float().eval()
+    draft = prune_draft_head(neox, torch.arange(0, VOCAB, 3), "h")
+    draft.save_pretrained(tmp_path / "d")
+    back = load_causal_lm(str(tmp_path / "d"), "draft", dtype=None)
+    x = torch.tensor([[1, 4, 9, 70]])
+    assert torch.equal(back(x).logits, draft(x).logits)
+    assert torch.equal(draft_vocab_map(back), torch.arange(0, VOCAB, 3))
+
+
 def test_reload_refuses_a_folder_without_its_map(tmp_path):
     from safetensors.torch import load_file, save_file
 

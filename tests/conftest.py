@@ -146,3 +146,21 @@ def put_snapshot(cache: Path, repo: str, commit: str, folder: Path) -> Path:
     (root / "refs").mkdir(parents=True, exist_ok=True)
     (root / "refs" / "main").write_text(commit)
     return snap
+
+
+def full_disk_for(monkeypatch, marker: str):
+    """Make ``Path.write_text`` fail like a real full disk (the file is opened and truncated, then ENOSPC) for texts
+    that contain ``marker``; other writes go through. Returns a function that restores the real ``write_text``."""
+    import errno
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if marker in text:
+            real(self, "", *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    return lambda: monkeypatch.setattr(pathlib.Path, "write_text", real)

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from distill.data import (build_examples, check_lengths, collate_prompts, collate_sequences, epoch_order,
                           generate_target_data, micro_batch_indices, resolve_path)
 from distill.models import SetupError
+from tests.conftest import full_disk_for
 
 
 def _data_cfg(**kw):
@@ -243,26 +244,15 @@ def test_a_damaged_target_data_cache_is_named_not_used(pair, tok, tmp_path):
 def test_a_full_disk_while_marking_the_target_data_cache_complete_keeps_its_shards(pair, tok, tmp_path, monkeypatch):
     """meta.json was rewritten in place: a full disk (or a kill) while writing it left it empty, and the rerun
     called the cache damaged and said to delete it, generated shards and all."""
-    import errno
-    import pathlib
-
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
     ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, _data_cfg())
     kw = dict(temperature=1.0, max_new_tokens=4, batch_size=2, shard_size=2, seed=3)
-    real = pathlib.Path.write_text
-
-    def disk_full(self, text, *a, **k):  # like a real ENOSPC: the file is opened (truncated), then the write fails
-        if '"complete": true' in text:
-            real(self, "", *a, **k)
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return real(self, text, *a, **k)
-
-    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    restore = full_disk_for(monkeypatch, '"complete": true')
     with pytest.raises(OSError, match="No space left"):
         generate_target_data(target, tok, ex, tmp_path / "a", "k1", **kw)
-    monkeypatch.setattr(pathlib.Path, "write_text", real)
+    restore()
     shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "shards").iterdir()}
     assert sorted(shards) == ["00000", "00001"]
     calls = []

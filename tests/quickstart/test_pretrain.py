@@ -9,6 +9,7 @@ import torch
 
 from quickstart import pretrain as pt
 from quickstart.pretrain import PretrainConfig, lr_at, train_tokenizer
+from tests.conftest import full_disk_for
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class A:\n    def m(self):\n        return self.x\n"] * 50
 
@@ -212,23 +213,12 @@ def test_a_failure_after_the_last_step_keeps_the_trained_steps(tmp_path, monkeyp
 def test_a_full_disk_while_writing_pretrain_json_is_resumed_not_read_as_finished(tmp_path, monkeypatch):
     """pretrain.json was written in place: a full disk (or a kill) mid-write left a cut file beside config.json,
     and every rerun failed reading it as a finished run ('Expecting value: line 1 column 1')."""
-    import errno
-    import pathlib
-
     cfg = _cfg(tmp_path, max_steps=4, save_every_s=0.0)
-    real = pathlib.Path.write_text
-
-    def disk_full(self, text, *a, **k):  # like a real ENOSPC: the file is opened (truncated), then the write fails
-        if '"val_loss"' in text:
-            real(self, "", *a, **k)
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return real(self, text, *a, **k)
-
-    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    restore = full_disk_for(monkeypatch, '"val_loss"')
     with pytest.raises(ValueError, match=r"could not save the model to .*No space left.*trained steps are kept in "
                                          r".*resume.*run the same command again"):
         pt.pretrain(cfg, log=lambda *_: None)
-    monkeypatch.setattr(pathlib.Path, "write_text", real)
+    restore()
     logs = []
     result = pt.pretrain(cfg, log=logs.append)
     assert any("resuming smoke_draft at step 4" in str(line) for line in logs) and result["steps"] == 4

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from quickstart import run as quickstart
+from tests.conftest import full_disk_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -275,9 +276,6 @@ def test_ctrl_c_waits_for_a_subprocess_phase_to_save(tmp_path):
 def test_a_full_disk_while_writing_results_prints_them_and_leaves_no_cut_file(tmp_path, monkeypatch, capsys):
     """results.json was written in place: a full disk left an empty results.json (which the next run kept as an
     earlier result) and a traceback, and the run's measurements were gone."""
-    import errno
-    import pathlib
-
     out = tmp_path / "qs"
     for marker in ("tokenizer/tokenizer.json", "target/pretrain.json", "draft-baseline/pretrain.json",
                    "draft-distilled/config.json"):  # every phase already done: only the evaluation runs
@@ -285,17 +283,9 @@ def test_a_full_disk_while_writing_results_prints_them_and_leaves_no_cut_file(tm
         (out / marker).write_text("{}")
     (out / "results.json").write_text(json.dumps({"started": "2026-12-01T20:44:19+0000", "total_s": 1.0}))
     monkeypatch.setattr(quickstart, "evaluate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
-    real = pathlib.Path.write_text
-
-    def disk_full(self, text, *a, **k):  # like a real ENOSPC: the file is opened (truncated), then the write fails
-        if '"phases"' in text:
-            real(self, "", *a, **k)
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return real(self, text, *a, **k)
-
-    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    restore = full_disk_for(monkeypatch, '"phases"')
     assert quickstart.main(["--smoke", "--out", str(out)]) == 1
-    monkeypatch.setattr(pathlib.Path, "write_text", real)
+    restore()
     printed = " ".join(capsys.readouterr().out.split())
     assert '"status": "failed"' in printed and "could not write" in printed and "No space left" in printed
     assert not (out / "results.json").exists() and not (out / "results.json.tmp").exists()

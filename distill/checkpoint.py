@@ -77,9 +77,23 @@ def fault_point(name: str, step: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ writing
 
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into ``path.tmp``, then renamed over ``path``. A kill or a
+    full disk mid-write leaves the previous file (or none), never a cut one that reads as damaged; a ``.tmp`` whose
+    write failed is removed. Raises what the file system raises."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as indented JSON (raises TypeError for anything JSON cannot hold: state must be plain data)."""
-    path.write_text(json.dumps(obj, indent=2, allow_nan=True))
+    """``obj`` as indented JSON, written whole or not at all (:func:`replace_text`; raises TypeError for anything
+    JSON cannot hold: state must be plain data)."""
+    replace_text(path, json.dumps(obj, indent=2, allow_nan=True))
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -131,9 +145,7 @@ def write_manifest(folder: Path, step: int) -> None:
     """``folder/manifest.json`` listing every file's size; written last, it marks the folder complete."""
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
              if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)}
-    tmp = folder / (MANIFEST_FILE + ".tmp")
-    write_json(tmp, {"format": FORMAT_VERSION, "complete": True, "step": step, "files": files})
-    os.replace(tmp, folder / MANIFEST_FILE)
+    write_json(folder / MANIFEST_FILE, {"format": FORMAT_VERSION, "complete": True, "step": step, "files": files})
 
 
 def replace_dir(tmp: Path, path: Path) -> None:
@@ -245,9 +257,7 @@ def _save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: An
 def write_eval(path: str | Path, last_eval: dict | None, best: dict | None) -> None:
     """Record the evaluation made after saving ``path`` (``eval.json``; :func:`read_state` merges it)."""
     path = Path(path)
-    tmp = path / (EVAL_FILE + ".tmp")
-    write_json(tmp, {"last_eval": last_eval, "best": best})
-    os.replace(tmp, path / EVAL_FILE)
+    write_json(path / EVAL_FILE, {"last_eval": last_eval, "best": best})
 
 
 def mark_latest(output_dir: str | Path, path: str | Path) -> None:
@@ -780,8 +790,6 @@ def truncate_metrics(output_dir: str | Path, step: int) -> int:
             continue
         if row_step <= step:
             keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = f.with_name(f.name + ".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, f)
+    replace_text(f, "".join(keep))
     return len(lines) - len(keep)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -473,8 +472,10 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
         if meta.get("complete"):
             return _check_target_data(datasets.load_from_disk(str(cache_dir / "dataset")), cache_dir,
                                       len(examples), max(len(tokenizer), target.get_output_embeddings().weight.shape[0]))
+    from distill.checkpoint import replace_text  # meta.json whole or not at all: a cut one reads as a damaged cache
+
     cache_dir.mkdir(parents=True, exist_ok=True)
-    _write_meta(meta_path, {"key": key, "complete": False, "num_prompts": len(examples)})
+    replace_text(meta_path, json.dumps({"key": key, "complete": False, "num_prompts": len(examples)}))
     was_training = draft is not None and draft.training
     if was_training:  # the recipe's draft is in train mode: no dropout in the proposals (restored below)
         draft.eval()
@@ -485,16 +486,8 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
         if was_training:
             draft.train()
     full.save_to_disk(str(cache_dir / "dataset"))
-    _write_meta(meta_path, {"key": key, "complete": True, "num_prompts": len(examples)})
+    replace_text(meta_path, json.dumps({"key": key, "complete": True, "num_prompts": len(examples)}))
     return full
-
-
-def _write_meta(meta_path: Path, meta: dict) -> None:
-    """Write ``meta.json`` through a temporary file renamed over it: a kill or a full disk mid-write leaves the
-    previous meta.json (and the shards it vouches for), never an empty or cut one that reads as a damaged cache."""
-    tmp = meta_path.with_name(meta_path.name + ".tmp")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, meta_path)
 
 
 def _check_target_data(ds: Any, cache_dir: Path, num_prompts: int, vocab: int) -> Any:

@@ -350,7 +350,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
                          "unpickling can run code, so it is not read. If you trust it, convert it once with "
                          f"python -m distill convert-checkpoint {out / LEGACY_RESUME_FILE} (tensors and plain types "
                          "only), or delete it to start this run over")
-    from distill.checkpoint import recover_replaced_dir
+    from distill.checkpoint import recover_replaced_dir, replace_text
 
     recovered = recover_replaced_dir(resume)  # a crash between replace_dir's two renames
     if recovered is not None:
@@ -383,9 +383,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     try:
         model.save_pretrained(str(out), safe_serialization=True)
         tokenizer.save_pretrained(str(out))
-        tmp = out / (RESULT_FILE + ".tmp")  # renamed: a cut pretrain.json would read as a finished, damaged run
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out / RESULT_FILE)
+        # whole or not at all: a cut pretrain.json would read as a finished, damaged run
+        replace_text(out / RESULT_FILE, json.dumps(result, indent=2) + "\n")
     except (OSError, SafetensorError) as err:  # (safetensors reports a full disk as its own error type)
         raise _not_saved(f"the model to {out}", err, f"the trained steps are kept in {resume}") from err
     shutil.rmtree(resume, ignore_errors=True)

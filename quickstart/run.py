@@ -849,12 +849,11 @@ def _finish(results: dict, out: Path, console, t_start: float, status: int) -> i
     path = out / RESULTS_FILE
     kept = keep_previous_results(path)
     text = json.dumps(results, indent=2, default=str) + "\n"
-    tmp = path.with_name(path.name + ".tmp")  # renamed when whole: a kill or a full disk never leaves half a file
+    from distill.checkpoint import replace_text
+
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        replace_text(path, text)  # whole or not at all: a kill or a full disk never leaves half a file
     except OSError as err:  # the run's measurements are only in memory now: show them rather than lose them
-        tmp.unlink(missing_ok=True)
         print(text)
         console.print(f"[red]could not write {path} ({err}); the results are printed above: free space and "
                       "rerun the same command (finished phases are reused), or copy them from here")

@@ -691,6 +691,10 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     log(f"peak memory {summary['peak_memory_mb']:.0f} MiB ({'CUDA allocated' if acc.device.type == 'cuda' else 'RSS'}"
         f", target logits {summary['target_logits']})")
     if acc.is_main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:  # whole or not at all; a full disk here costs the summary only: every checkpoint is already saved
+            ckpt.replace_text(out / "summary.json", json.dumps(summary, indent=2))
+        except OSError as err:
+            log(f"warning: could not write {out / 'summary.json'} ({err.strerror or err}); the checkpoints in {out} "
+                f"are complete. The summary: {json.dumps(summary)}")
     acc.end_training()
     return summary

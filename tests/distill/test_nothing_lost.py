@@ -15,6 +15,7 @@ from distill import checkpoint as ckpt
 from distill.models import SetupError
 from distill.recipe import train
 from distill_helpers import PY, REPO, compose, overrides, subprocess_env
+from tests.conftest import full_disk_for
 
 QUIET = lambda *_: None  # noqa: E731
 FAST = ("eval.temperatures=[0.0]", "eval.at_start=false")
@@ -130,6 +131,24 @@ def test_resuming_a_finished_run_writes_a_valid_summary(pair, straight, tmp_path
     summary = json.loads((out / "summary.json").read_text(),
                          parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
     assert summary["final_loss"] is None and summary["steps"] == 4
+
+
+def test_a_full_disk_at_the_summary_keeps_the_earlier_summary_and_names_the_checkpoints(pair, straight, tmp_path,
+                                                                                    monkeypatch):
+    """summary.json was written in place after the final checkpoint: a full disk there was a traceback (exit 1) that
+    left an empty summary.json, though nothing trained was lost. Now a warning that prints the summary and names the
+    complete checkpoints; the earlier summary.json stays whole and no .tmp is left."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = (out / "summary.json").read_text()
+    full_disk_for(monkeypatch, '"final_loss"')
+    lines = []
+    s = train(compose(overrides(pair, out, *FAST, "train.resume=true")), log=lines.append)
+    assert s["steps"] == 4
+    assert (out / "summary.json").read_text() == before and not (out / "summary.json.tmp").exists()
+    warning = [line for line in lines if "summary.json" in line]
+    assert len(warning) == 1 and "No space left on device" in warning[0] and "are complete" in warning[0]
+    assert json.loads(warning[0].split("The summary: ", 1)[1])["steps"] == 4
 
 
 def test_a_missing_checkpoint_is_named_as_missing_with_the_run_s_newest(straight, tmp_path):

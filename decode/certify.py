@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """:func:`main` after argument parsing."""
-    from decode.loading import check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import check_device, hub_revision, load_causal_lm, load_draft_tokenizer, load_tokenizer
     from decode.prompts import encode_prompts, load_prompts
     from decode.requests import check_seed
 
@@ -616,7 +616,8 @@ def _run(args: argparse.Namespace) -> int:
     cert = certify(target, draft, prefixes, settings, samples=args.samples, num_draft_tokens=args.num_draft_tokens,
                    alpha=args.alpha, seed=args.seed, tokenizer=tok, draft_tokenizer=draft_tok,
                    max_enumerate=args.max_enumerate, log=lambda line: print(line, file=sys.stderr, flush=True))
-    cert.update(target=args.target, draft=args.draft, prompts=args.prompts, prompt_ids=[p.id for p in prompts])
+    cert.update(target=args.target, target_revision=hub_revision(args.target), draft=args.draft,
+                draft_revision=hub_revision(args.draft), prompts=args.prompts, prompt_ids=[p.id for p in prompts])
     print(format_certificate(cert))
     if args.out is not None:
         from decode.outputs import write_new_file

@@ -51,6 +51,17 @@ def local_folder(name_or_path: str) -> str | None:
         return None
 
 
+def hub_revision(name_or_path: str) -> str | None:
+    """The commit of the local Hugging Face cache snapshot a hub id (``org/name``) loads from: the snapshot folder's
+    name, which ``refs/main`` points to (40 hex digits). None for a local folder or path, and for an id that is not
+    in the cache. Recorded beside the bare id in run states, export cards, logit-cache manifests, bench and certify
+    JSON, so that a result names the exact weights (a later ``hf download`` moves ``refs/main``)."""
+    if looks_local(name_or_path) or os.path.isdir(os.path.expanduser(str(name_or_path))):
+        return None
+    folder = local_folder(name_or_path)
+    return None if folder is None else os.path.basename(os.path.normpath(folder))
+
+
 def _offline() -> bool:
     from huggingface_hub import constants
 

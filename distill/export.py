@@ -312,6 +312,11 @@ With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}), an OpenAI-c
 """
 
 
+def _revision(card: dict) -> str:
+    rev = card.get("target_revision")
+    return f" (hub revision `{rev}`)" if rev else ""
+
+
 def _card_markdown(card: dict) -> str:
     return f"""---
 library_name: transformers
@@ -319,7 +324,7 @@ tags: [speculative-decoding, draft-model, distillation, draftkit]
 ---
 # Draft model for `{card['target']}`
 
-A draft model for speculative decoding, distilled against the frozen target `{card['target']}` with
+A draft model for speculative decoding, distilled against the frozen target `{card['target']}`{_revision(card)} with
 draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
 LoRA merged: {card['lora_merged']}.
 {_pruned_markdown(card)}
@@ -398,7 +403,8 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
     vocab_map = draft_vocab_map(draft)
     pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": state.get("vocab_size"),
                                               "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0])}
-    card = {"target": state.get("target"), "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
+    card = {"target": state.get("target"), "target_revision": state.get("target_revision"),
+            "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,

@@ -101,7 +101,9 @@ def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | N
 
     name = str(cfg.target.name_or_path)
     name = str(Path(name).expanduser().resolve()) if is_local_path(name) else name  # relative vs absolute: same
-    return {"target": name, "target_hash": target_fingerprint(name),
+    from decode.loading import hub_revision
+
+    return {"target": name, "target_revision": hub_revision(name), "target_hash": target_fingerprint(name),
             "tokenizer_hash": tokenizer_fingerprint(tokenizer), "k": int(k or cfg.data.logit_cache_k),
             "temperature": float(cfg.loss.get("temperature", 1.0)), "data_fingerprint": data_fingerprint(examples, cfg),
             "tail_samples": int(tail_samples if tail_samples is not None else

@@ -114,7 +114,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1 (got {args.threads}); omit it for torch's default")
-    from decode.loading import check_device
+    from decode.loading import check_device, hub_revision
+
+    cfg.target_revision, cfg.draft_revision = hub_revision(args.target), hub_revision(args.draft)
     from decode.requests import check_seed
 
     check_seed(args.seed, "--seed", none_ok=False)

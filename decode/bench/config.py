@@ -32,6 +32,8 @@ class BenchConfig:
     # Descriptive, filled by the CLI.
     target: str | None = None
     draft: str | None = None
+    target_revision: str | None = None  # the hub snapshot commit of a hub id (decode.loading.hub_revision)
+    draft_revision: str | None = None
     prompts: str | None = None
     limit: int | None = None
     max_prompt_tokens: int | None = None  # prompts were cut to their last this-many tokens

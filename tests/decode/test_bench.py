@@ -767,3 +767,7 @@ def test_hub_ids_pass_the_path_check(saved_pair, tmp_path, monkeypatch):
         run_cli(["--target", "org/target", "--draft", "org/draft", "--prompts", "humaneva", "--out", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="--target ./org/target does not exist"):
         run_cli(["--target", "./org/target", "--draft", "org/draft", "--out", str(tmp_path)])
+    from decode.bench.cli import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["--target", "org/target", "--draft", "org/draft"]))
+    assert (cfg.target_revision, cfg.draft_revision) == ("a" * 40, "b" * 40)  # results.json's config names them

@@ -25,6 +25,19 @@ def test_local_folder_follows_refs_main_of_a_cached_hub_id(hub_cache, tmp_path):
     assert local_folder(str(tmp_path / "missing")) is None
 
 
+def test_hub_revision_names_the_snapshot_refs_main_points_to(hub_cache, tmp_path):
+    """Results record the bare id and this commit: a later ``hf download`` moves refs/main to other weights."""
+    from decode.loading import hub_revision
+
+    tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "v1")
+    assert hub_revision("org/target") is None  # not in the cache
+    put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "v1")
+    assert hub_revision("org/target") == "a" * 40
+    put_snapshot(hub_cache, "org/target", "b" * 40, tmp_path / "v1")
+    assert hub_revision("org/target") == "b" * 40
+    assert hub_revision(str(tmp_path / "v1")) is None and hub_revision(str(tmp_path / "missing")) is None
+
+
 def test_a_cached_hub_draft_is_checked_with_its_own_tokenizer(hub_cache, tmp_path):
     """The draft's own tokenizer is what the pair's compatibility check compares; a hub id used to fall back to
     the target's silently, so a draft with another vocabulary passed as compatible."""

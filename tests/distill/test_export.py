@@ -3,6 +3,7 @@ fresh process; the card names the target and the measured α/τ."""
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,26 @@ def test_export_of_built_full_finetune_draft(pair, tmp_path):
     readme = (tmp_path / "out" / "README.md").read_text()
     assert card["serving"]["vllm"] in readme and card["serving"]["sglang"] in readme
     assert json.loads((tmp_path / "out" / "draftkit_card.json").read_text())["serving"] == card["serving"]
+
+
+def test_a_hub_target_s_revision_is_recorded_in_the_run_and_the_card(pair, hub_cache, tmp_path):
+    """The state, the export card and its README named the bare hub id only: a later ``hf download`` moves refs/main
+    to other weights and nothing said which the draft was trained against. A resume after such a move says so."""
+    from tests.conftest import put_snapshot
+
+    put_snapshot(hub_cache, "org/target", "a" * 40, Path(pair["target"]))
+    run, lines = tmp_path / "run", []
+    hub = [o if not o.startswith("+target.name_or_path=") else "+target.name_or_path=org/target"
+           for o in overrides(pair, run, "train.max_steps=2", "eval.temperatures=[0.0]", "eval.at_start=false")]
+    train(compose(hub), log=lambda *_: None)
+    assert json.loads((run / "step_000002" / "trainer_state.json").read_text())["target_revision"] == "a" * 40
+    put_snapshot(hub_cache, "org/target", "b" * 40, Path(pair["target"]))  # an update was downloaded
+    train(compose([*hub, "train.max_steps=3", "train.resume=true"]), log=lines.append)
+    assert any("revision " + "b" * 40 in line and "a" * 40 in line for line in lines)
+    card = export(run / "step_000003", tmp_path / "out")
+    assert card["target"] == "org/target" and card["target_revision"] == "b" * 40
+    assert f"(hub revision `{'b' * 40}`)" in (tmp_path / "out" / "README.md").read_text()
+    assert export(run / "step_000002", tmp_path / "out2")["target_revision"] == "a" * 40  # what step 2 trained on
 
 
 def test_serving_commands_use_the_evaluated_gamma():

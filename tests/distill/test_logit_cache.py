@@ -31,6 +31,7 @@ def test_cache_matches_a_fresh_target_forward_and_resumes(pair, tmp_path):
     manifest = read_manifest(cache_dir)
     assert manifest["k"] == 8 and manifest["complete"] and manifest["num_shards"] == len(
         list((cache_dir / "shards").iterdir()))
+    assert manifest["target_revision"] is None  # a local folder; a hub id's snapshot commit (decode.loading)
     assert summary["tokens"] > 0 and summary["bytes_per_token"] > 0
     cache = LogitCache(cache_dir)
     examples = cache.examples()

@@ -126,6 +126,7 @@ class LossConfig:
     beta: float = 0.5           # jsd: 0 = forward KL, 1 = reverse KL
     temperature: float = 1.0    # softmax temperature of both logits
     ce_weight: float = 0.0      # (1 - w) * divergence + w * cross-entropy
+    ce_labels: str = "data"     # the CE term's labels: data (the completion's next tokens) | target (its top-1 id)
     gamma: int = 4              # acceptance: γ, the number of drafted tokens the loss models
     fused: bool = True          # fkl/rkl/jsd/tvd (online and cached) with the closed-form gradient; false: autograd
 
@@ -266,6 +267,7 @@ CHOICES = {
     "data.source.split": ("train", "validation", "test"),
     "data.completions": ("data", "target", "both"),
     "data.target_logits": ("online", "cached"),
+    "loss.ce_labels": ("data", "target"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("no", "bf16", "fp16", "auto"),
     "train.progress": ("rich", "tqdm", "none"),
@@ -327,6 +329,9 @@ def _check_values(cfg: DictConfig) -> None:
         if not key.startswith("data.source."):  # sources: _check_sources (data.source and eval.prompts)
             _choose(key, get(key), choices)
     _choose("loss.name", cfg.loss.name, tuple(DIVERGENCES))
+    if get("loss.ce_labels") == "target" and not get("loss.ce_weight"):
+        raise SetupError("loss.ce_labels=target sets the labels of the cross-entropy term, whose weight "
+                         "loss.ce_weight is 0: give it a weight, e.g. loss.ce_weight=0.2, or drop loss.ce_labels")
     if cfg.loss.name == "acceptance" and get("data.target_logits") == "cached":
         raise SetupError("loss=acceptance needs the target's full distribution at every position of a window; the "
                          "logit cache keeps top-k + tail only: use data.target_logits=online, or another loss with "

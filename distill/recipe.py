@@ -342,10 +342,33 @@ def target_distribution(run: Run, batch: dict[str, torch.Tensor], rows: list[int
 
 
 def ce_weight(cfg: DictConfig, on_policy: bool) -> float:
-    """``loss.ce_weight`` of a micro-batch: 0 on on-policy batches, whose completions are the draft's own samples
-    (cross-entropy on them would train the draft toward what it already says; GKD's on-policy term is the
-    divergence alone, Agarwal et al. 2024)."""
-    return 0.0 if on_policy else float(cfg.loss.ce_weight)
+    """``loss.ce_weight`` of a micro-batch: 0 on on-policy batches with ``loss.ce_labels=data``, whose labels are
+    the draft's own samples (cross-entropy on them would train the draft toward what it already says; GKD's
+    on-policy term is the divergence alone, Agarwal et al. 2024). With ``ce_labels=target`` the labels are the
+    target's choices, which on the draft's own states are what GKD trains toward: the weight applies."""
+    if on_policy and _ce_labels(cfg) != "target":
+        return 0.0
+    return float(cfg.loss.ce_weight)
+
+
+def _ce_labels(cfg: Any) -> str:
+    return getattr(cfg.loss, "ce_labels", None) or "data"  # (a config of an earlier version has no such key)
+
+
+def target_top1(kind: str, target_side: Any, vocab: int) -> torch.Tensor:
+    """The target's greedy choice at each kept position, the labels of ``loss.ce_labels=target`` (a top-1
+    agreement term: the token a greedy verify compares the draft's argmax with).
+
+    Args:
+        kind, target_side: as :func:`target_distribution` returns them: ``"logits"`` with (..., V') logits (ids
+            past the shared vocabulary ``vocab`` are ignored), or ``"cached"`` with ((N, k+1) bucket log-probs,
+            (N, k) ids, tail ids): the top cached id, which is the target's argmax (the cache keeps its top k).
+    Returns: (...,) or (N,) int64 target ids.
+    """
+    if kind == "cached":
+        log_p, ids, _ = target_side
+        return ids.gather(-1, log_p[..., :ids.shape[-1]].argmax(-1, keepdim=True)).squeeze(-1)
+    return _vocab_slice(target_side, vocab).argmax(-1)
 
 
 def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
@@ -368,6 +391,8 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     rows = batch["cache_rows"].tolist() if "cache_rows" in batch else None
     batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items() if k != "cache_rows"}
     kind, target_side = target_distribution(run, batch, rows, where)
+    if _ce_labels(cfg) == "target":
+        labels = target_top1(kind, target_side, run.vocab)
     vocab_map = draft_vocab_map(run.draft)  # (N,) for a pruned draft (its logits are N wide)
     draft_kept = kept_logits(run, "draft", batch, where)
     draft_kept = (draft_kept if vocab_map is not None else _vocab_slice(draft_kept, run.vocab)).unsqueeze(0)
@@ -414,6 +439,8 @@ def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens
     if kind != "logits":  # config validation refuses loss=acceptance with data.target_logits=cached
         raise SetupError("loss=acceptance needs the target's full logits; use data.target_logits=online")
     shape = (mask.shape[0], width, -1)
+    if _ce_labels(cfg) == "target":
+        labels = target_top1(kind, target_side.view(shape), run.vocab)
     vocab_map = draft_vocab_map(run.draft)
     draft_seq = kept_logits(run, "draft", batch, where).view(shape)  # (B, C, V) or (B, C, N) when pruned
     kw = dict(labels=labels.to(acc.device), beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),

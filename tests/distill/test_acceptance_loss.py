@@ -232,3 +232,60 @@ def test_cached_target_logits_with_loss_acceptance_is_refused_before_loading(pai
     with pytest.raises(SetupError, match="loss=acceptance.*data.target_logits=online"):
         validate(cfg)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["fkl", "acceptance"])
+def test_ce_labels_target_is_the_cross_entropy_to_the_target_s_greedy_choice(pair, name):
+    """loss.ce_labels=target (a top-1 agreement term for greedy decoding): with ce_weight=1 the recipe's loss is
+    exactly the cross-entropy of the draft against the target's argmax at every completion position, not against
+    the data's next tokens (which differ from it here: random ids)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from distill.losses import cross_entropy
+    from distill.recipe import loss_on_batch
+
+    target = AutoModelForCausalLM.from_pretrained(str(pair["target"]), torch_dtype=torch.float64).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(pair["draft"]), torch_dtype=torch.float64)
+    vocab = target.config.vocab_size
+    ids = torch.randint(3, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 8, dtype=torch.long)
+    mask[:, 3:7] = 1
+    labels = torch.roll(ids, -1, dims=1)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask, "labels": labels}
+    acc = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    n = int(mask.sum())
+    with torch.no_grad():
+        greedy = target(input_ids=ids).logits[..., :vocab].argmax(-1)
+    assert not torch.equal(greedy[mask.bool()], labels[mask.bool()])
+    got = {}
+    for which in ("data", "target"):
+        cfg = OmegaConf.create({"loss": dict(name=name, gamma=3, beta=0.5, temperature=1.0, ce_weight=1.0,
+                                             ce_labels=which, fused=True)})
+        run = SimpleNamespace(cfg=cfg, accelerator=acc, target=target, draft=draft, vocab=vocab, logit_cache=None,
+                              logits_to_keep={})
+        got[which] = loss_on_batch(run, batch, n).item()
+    draft_logits = draft(input_ids=ids).logits[..., :vocab]
+    assert got["target"] == pytest.approx(cross_entropy(draft_logits, greedy, mask, n).item(), rel=1e-10)
+    assert got["data"] == pytest.approx(cross_entropy(draft_logits, labels, mask, n).item(), rel=1e-10)
+
+
+def test_target_top1_of_a_cached_row_is_its_most_probable_cached_id_and_weights_on_policy_ce():
+    """The cache keeps the top k ids in any order and a tail bucket last: the label is the id of the largest of the
+    first k log-probs, never the tail. With ce_labels=target the CE weight applies to on-policy batches too (the
+    labels are the target's, not the draft's own samples); with data labels it stays 0 there."""
+    from types import SimpleNamespace
+
+    from distill.recipe import ce_weight, target_top1
+
+    log_p = torch.log(torch.tensor([[0.1, 0.3, 0.2, 0.4], [0.5, 0.1, 0.2, 0.2]]))  # (N, k+1): last = tail bucket
+    ids = torch.tensor([[7, 3, 9], [4, 8, 2]])
+    assert target_top1("cached", (log_p, ids, None), vocab=10).tolist() == [3, 4]
+    logits = torch.tensor([[0.0, 2.0, 1.0, 9.0]])  # the 4th id is lm_head padding past the shared vocabulary
+    assert target_top1("logits", logits, vocab=3).tolist() == [1]
+    for labels, on_policy in (("data", 0.0), ("target", 0.3)):
+        cfg = SimpleNamespace(loss=SimpleNamespace(ce_weight=0.3, ce_labels=labels))
+        assert ce_weight(cfg, on_policy=True) == on_policy and ce_weight(cfg, on_policy=False) == 0.3

@@ -130,6 +130,8 @@ def test_on_policy_fraction_out_of_range(pair, tmp_path, lam, monkeypatch):
     ("train.lora.target_modules=q_proj", r"single name.*train.lora.target_modules=\[q_proj\]"),
     ("eval.verify_costs=[1.0,1.1]", r"eval.verify_costs has 2 entries.*eval.max_gamma=8 needs v_0..v_8"),
     ("eval.num_draft_tokens=9", r"eval.num_draft_tokens=9 is larger than eval.max_new_tokens=8"),
+    ("loss.ce_labels=target", r"loss.ce_labels=target .* loss.ce_weight is 0: give it a weight"),
+    ("loss.ce_labels=argmax", r"loss.ce_labels"),
 ])
 def test_eval_rollout_and_optim_values_checked_up_front(pair, tmp_path, override, match, monkeypatch):
     _no_model_loading(monkeypatch)

@@ -562,9 +562,11 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     if saved is None:
         return []
     saved = OmegaConf.create(saved)
+    if OmegaConf.select(saved, "loss.ce_labels") is None:  # a config from before loss.ce_labels: data labels
+        OmegaConf.update(saved, "loss.ce_labels", "data", force_add=True)
     keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source",
-            "data.on_policy_fraction", "loss.name", "loss.beta", "loss.temperature", "loss.ce_weight", "loss.gamma",
-            "optim", "target.name_or_path"]  # not loss.fused: both forms make the same update
+            "data.on_policy_fraction", "loss.name", "loss.beta", "loss.temperature", "loss.ce_weight",
+            "loss.ce_labels", "loss.gamma", "optim", "target.name_or_path"]  # not loss.fused: same update
     return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
 
 

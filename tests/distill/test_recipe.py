@@ -244,6 +244,25 @@ def test_resume_warns_about_changed_config(pair, tmp_path):
     assert state["examples_consumed"] == 4 * 4 and state["step"] == 4
 
 
+def test_resume_warns_about_changed_ce_labels_and_not_for_a_config_without_the_key(pair, tmp_path):
+    """loss.ce_labels changes the update as loss.ce_weight does: a resume that switches it is warned about; a
+    checkpoint config written before the key existed (data labels) resumed with the default is not."""
+    out, messages = tmp_path / "run", []
+    train(compose(overrides(pair, out, "train.stop_at=2", "loss.ce_weight=0.5")), log=lambda *_: None)
+    train(compose(overrides(pair, out, "train.resume=true", "train.stop_at=3", "loss.ce_weight=0.5",
+                            "loss.ce_labels=target")), log=messages.append)
+    assert any("loss.ce_labels differs" in m for m in messages)
+    from distill.recipe import _changed_keys
+
+    old = tmp_path / "old"  # the config of a checkpoint from before the key existed
+    old.mkdir()
+    text = (out / "step_000002" / "config.yaml").read_text()
+    (old / "config.yaml").write_text("\n".join(line for line in text.splitlines() if "ce_labels" not in line))
+    cfg = compose(overrides(pair, out, "train.stop_at=2", "loss.ce_weight=0.5"))
+    assert _changed_keys(old, cfg) == [] and _changed_keys(old, compose(overrides(
+        pair, out, "train.stop_at=2", "loss.ce_weight=0.5", "loss.ce_labels=target"))) == ["loss.ce_labels"]
+
+
 def test_resume_into_another_run_folder_keeps_its_own_best(pair, tmp_path):
     """The checkpoint's best (step 2 of run A) came along into run B, so B's summary named a best whose folder was
     in A: with lr 1e-12 (below the weights' float32 resolution) the resumed evaluation could not beat it, B/best was never written and `export B/best` failed."""

@@ -56,7 +56,7 @@ def hub_revision(name_or_path: str) -> str | None:
     name, which ``refs/main`` points to (40 hex digits). None for a local folder or path, and for an id that is not
     in the cache. Recorded beside the bare id in run states, export cards, logit-cache manifests, bench and certify
     JSON, so that a result names the exact weights (a later ``hf download`` moves ``refs/main``)."""
-    if looks_local(name_or_path) or os.path.isdir(os.path.expanduser(str(name_or_path))):
+    if looks_local(name_or_path):  # (any existing path, ``~`` ones included)
         return None
     folder = local_folder(name_or_path)
     return None if folder is None else os.path.basename(os.path.normpath(folder))

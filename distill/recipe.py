@@ -589,19 +589,19 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     cfg, acc = run.cfg, run.accelerator
     log = log or acc.print
     out = run.output_dir
+    revision = hub_revision(str(cfg.target.name_or_path))
     state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
              "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path),
-             "target_revision": hub_revision(str(cfg.target.name_or_path)), "vocab_size": run.vocab,
+             "target_revision": revision, "vocab_size": run.vocab,
              "cost_ratio": run.cost_ratio, "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
              "num_processes": acc.num_processes, "examples_consumed": 0}
     if resume_from is not None:
         state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
         state["cost_ratio"], state["verify_costs"] = run.cost_ratio, run.verify_costs  # the ones this run uses
-        now = hub_revision(str(cfg.target.name_or_path))
-        if state.get("target_revision") != now and (now or state.get("target_revision")):
-            log(f"target {cfg.target.name_or_path} is at revision {now} (the cache's refs/main); the checkpoint "
-                f"was trained against {state.get('target_revision')}: the run goes on against {now}")
-        state["target_revision"] = now
+        if state.get("target_revision") != revision:
+            log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
+                f"checkpoint was trained against {state.get('target_revision')}: the run goes on against {revision}")
+        state["target_revision"] = revision
         log(f"resumed from {resume_from} at step {state['step']}")
         if state.get("best") and Path(resume_from).resolve().parent != out.resolve():
             # a fork into a new run folder: its best/ would be missing though the state names one

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from decode import cache as kv
+from decode import kernels
 from decode.compat import check_cache_support, check_compatibility, draft_input_substitute
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
@@ -137,6 +138,10 @@ class SpeculativeDecoder:
         static_cache: None (default): a preallocated static KV cache (:class:`decode.cache.StaticKV`) for each model
             whose architecture allows it, the DynamicCache path with a one-line warning for the others; False:
             the DynamicCache path for both; True: as None.
+        few_row_linear: run the steps and the cost measurement under :func:`decode.kernels.few_row_linear` (the
+            linear layers of 2..64-row forwards, i.e. verify forwards, take the faster transposed CPU GEMM; same
+            function up to float32 round-off). None (default): on when both models have float32 weights on the
+            CPU and ``compile`` is off; True/False: force.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
@@ -147,7 +152,7 @@ class SpeculativeDecoder:
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str | None = None,
                  tokenizer: Any = None, draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
                  auto_costs: dict[int, dict] | None = None, compile: bool = False,
-                 static_cache: bool | None = None):
+                 static_cache: bool | None = None, few_row_linear: bool | None = None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -180,6 +185,8 @@ class SpeculativeDecoder:
                 warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
                               f"({reason}); using the DynamicCache path", stacklevel=2)
             self._static[name] = reason is None
+        self.few_row_linear = (kernels.default_for(target, draft) and not self.compile if few_row_linear is None
+                               else bool(few_row_linear))
         self._target_call = _compiled(target) if compile else None
         self._draft_call = _compiled(draft) if compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
@@ -302,13 +309,14 @@ class SpeculativeDecoder:
         An exception raised by an ``on_tokens`` callback propagates after the step's tokens are committed (the
         remaining callbacks of that step are skipped); the requests that finished in that step are returned by the
         next call, before its own."""
-        if self._waiting:
-            self._admit()
-        if not self._rows:
-            late, self._undelivered = self._undelivered, []  # finished in a step whose on_tokens raised
-            return late
-        gammas = self._row_gammas()
-        n_acc, new = self._speculative_step(max(gammas), gammas)
+        with kernels.few_row_linear(self.few_row_linear):
+            if self._waiting:
+                self._admit()
+            if not self._rows:
+                late, self._undelivered = self._undelivered, []  # finished in a step whose on_tokens raised
+                return late
+            gammas = self._row_gammas()
+            n_acc, new = self._speculative_step(max(gammas), gammas)
         if self._adaptive is not None and max(gammas) > 0:
             self._adaptive.update(sum(gammas), sum(n_acc),
                                   num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g))
@@ -503,8 +511,9 @@ class SpeculativeDecoder:
         seq = (seq * (width // len(seq) + 1))[-width:]
         for b in sorted({1 << (int(b) - 1).bit_length() for b in batch_sizes}):
             context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
-            m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
-                                   verify_gammas=range(1, self.max_auto_draft_tokens + 1))
+            with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps will use
+                m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
+                                       verify_gammas=range(1, self.max_auto_draft_tokens + 1))
             self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
                                   "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]])}
         return self.auto_costs

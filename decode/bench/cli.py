@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. 4); hf_assisted always runs with HF's own defaults")
     p.add_argument("--compile", action="store_true",
                    help="also run our decoder built with compile=True (plain_compiled, spec_g{γ}_compiled)")
+    p.add_argument("--few-row-linear", choices=["auto", "on", "off"], default="auto",
+                   help="our decoder's few-row linear kernels (decode.kernels; auto: on for float32 CPU models)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
     p.add_argument("--max-prompt-tokens", type=int,
@@ -108,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
         cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed, compile=args.compile,
+        few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
     cfg.validate()
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:

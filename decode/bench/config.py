@@ -29,6 +29,8 @@ class BenchConfig:
     seed: int = 0
     # Also run our decoder built with SpeculativeDecoder(..., compile=True): plain_compiled, spec_g{γ}_compiled.
     compile: bool = False
+    # SpeculativeDecoder(few_row_linear=...) for our decoder: None = its default (on for float32 CPU models).
+    few_row_linear: bool | None = None
     # Descriptive, filled by the CLI.
     target: str | None = None
     draft: str | None = None

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from decode import kernels
 from decode.bench.bare_forward import measure_bare_forwards
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
@@ -106,12 +107,14 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     _check_cost_context_fits(context.shape[1], cfg, target, draft)
     eos = None if cfg.ignore_eos else eos_token_id
     kw = dict(num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-              max_auto_draft_tokens=cfg.auto_max_gamma)
+              max_auto_draft_tokens=cfg.auto_max_gamma, few_row_linear=cfg.few_row_linear)
     decoders = {False: SpeculativeDecoder(target, draft, **kw)}
     if cfg.compile:
         decoders[True] = SpeculativeDecoder(target, draft, compile=True, **kw)
     methods = build_methods(cfg)
-    cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
+    with kernels.few_row_linear(decoders[False].few_row_linear):  # the kernels our decoder's steps use
+        cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
+    cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
     cost["bare"] = measure_bare_forwards(target, draft, context, cfg.cost_repeats)
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one)
         for dec in decoders.values():

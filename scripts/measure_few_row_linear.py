@@ -1,0 +1,176 @@
+"""Measure the decoder's few-row linear kernels (:mod:`decode.kernels`) on a trained pair, on and off side by side.
+
+    python scripts/measure_few_row_linear.py --pair checkpoints/quickstart --out checkpoints/few_row_linear
+    python scripts/measure_few_row_linear.py --pair checkpoints/quickstart --out /tmp/frl --limit 1 --rounds 1
+
+1. Forward costs through the engine's forward path (:func:`decode.speedup.measure_cost_ratio`, the function the
+   recipe, the quickstart and the bench use): target and draft single-token forwards and the target's verify
+   forwards of γ+1 tokens (v_γ), with the kernels on and off, alternating rounds.
+2. End to end: for each prompt of the quickstart's held-out sets (``--limit`` per set) and each temperature, plain
+   decoding and speculative decoding with the kernels on and off (``SpeculativeDecoder(few_row_linear=...)``), in
+   a rotated order, same seed for every method; ``--rounds`` passes. Speedup = Σ plain wall / Σ speculative wall
+   over the same prompts; at T = 0 both speculative outputs must equal plain greedy decoding (``greedy_equal``).
+
+γ per temperature: ``--gammas`` (e.g. ``0:8,1:7``), else what the pair's quickstart results.json chose for the
+distilled draft, else 4. Prints a table and writes ``<out>/results.json`` (refused if it exists). Run it alone on
+the machine (two torch processes on 2 cores disturb each other's timings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SETS = ("humaneval", "mbpp_code", "stdlib")
+
+
+def parse_gammas(text: str | None, pair: Path) -> dict[float, int]:
+    """``{temperature: γ}`` from ``"T:γ,T:γ"``, else from the pair's results.json, else ``{0: 4, 1: 4}``."""
+    if text:
+        out = {}
+        for part in text.split(","):
+            t, _, g = part.partition(":")
+            try:
+                out[float(t)] = int(g)
+            except ValueError:
+                raise SystemExit(f"--gammas: {part!r} is not T:γ (e.g. 0:8,1:7)") from None
+            if out[float(t)] < 1:
+                raise SystemExit(f"--gammas: γ must be >= 1 (got {part!r})")
+        return out
+    results = pair / "results.json"
+    if results.is_file():
+        chosen = json.loads(results.read_text()).get("eval", {}).get("gammas", {}).get("distilled")
+        if chosen:
+            return {float(t): int(g) for t, g in chosen.items()}
+    return {0.0: 4, 1.0: 4}
+
+
+def forward_costs(target, draft, context: torch.Tensor, repeats: int, max_gamma: int, rounds: int) -> dict:
+    """Engine-path forward costs with the kernels on and off, ``rounds`` alternating measurements each."""
+    from decode import kernels
+    from decode.speedup import measure_cost_ratio
+
+    out: dict[str, list] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for label in ("on", "off"):
+            with kernels.few_row_linear(label == "on"):
+                m = measure_cost_ratio(target, draft, context, repeats=repeats, verify_gammas=range(1, max_gamma + 1))
+            out[label].append({"target_forward_ms": 1e3 * m["target_forward_s"],
+                               "draft_forward_ms": 1e3 * m["draft_forward_s"], "cost_ratio": m["cost_ratio"],
+                               "verify_forward_ms": {v["gamma"]: 1e3 * v["forward_s"] for v in m["verify"]},
+                               "verify_relative_cost": {v["gamma"]: v["relative_cost"] for v in m["verify"]}})
+    return out
+
+
+def end_to_end(target, draft, tokenizer, prompts, gammas: dict[float, int], max_new_tokens: int,
+               rounds: int) -> dict:
+    """Σ wall seconds per (temperature, method) over every prompt and round, and the greedy-equality count."""
+    from decode import SpeculativeDecoder
+
+    decs = {"plain": SpeculativeDecoder(target, None, 0),
+            "spec_on": SpeculativeDecoder(target, draft, 4, tokenizer=tokenizer, few_row_linear=True),
+            "spec_off": SpeculativeDecoder(target, draft, 4, tokenizer=tokenizer, few_row_linear=False)}
+    methods = list(decs)
+    wall = {(t, m): 0.0 for t in gammas for m in methods}
+    stats = {(t, m): [] for t in gammas for m in methods}
+    equal, compared = 0, 0
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            for t, g in gammas.items():
+                order = methods[(i + r) % 3:] + methods[:(i + r) % 3]
+                outs = {}
+                for m in order:
+                    gen = torch.Generator().manual_seed(1_000_003 * r + i)
+                    t0 = time.perf_counter()
+                    outs[m] = decs[m].generate([ids], max_new_tokens=max_new_tokens, temperature=t, generator=gen,
+                                               num_draft_tokens=0 if m == "plain" else g)
+                    wall[(t, m)] += time.perf_counter() - t0
+                    stats[(t, m)].append(outs[m].stats)
+                if t == 0:
+                    for m in ("spec_on", "spec_off"):
+                        equal += int(torch.equal(outs[m].new_tokens[0], outs["plain"].new_tokens[0]))
+                        compared += 1
+    from decode.metrics import DecodeStats
+
+    rows = []
+    for t, g in gammas.items():
+        row = {"temperature": t, "num_draft_tokens": g, "plain_s": wall[(t, "plain")]}
+        for m in ("spec_on", "spec_off"):
+            st = DecodeStats.merge(stats[(t, m)])
+            row[m] = {"wall_s": wall[(t, m)], "speedup": wall[(t, "plain")] / wall[(t, m)], "alpha": st.alpha,
+                      "mean_accepted_length": st.mean_accepted_length}
+        row["on_over_off"] = wall[(t, "spec_off")] / wall[(t, "spec_on")]
+        rows.append(row)
+    return {"rows": rows, "greedy_equal": [equal, compared]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", type=Path, default=REPO / "checkpoints" / "quickstart",
+                   help="a quickstart output folder: target/, draft-distilled/, tokenizer/")
+    p.add_argument("--out", type=Path, required=True, help="folder for results.json (must not hold one)")
+    p.add_argument("--limit", type=int, default=3, help="prompts per held-out set (3 sets)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="passes over the prompts (and forward-cost rounds)")
+    p.add_argument("--gammas", help="γ per temperature, e.g. 0:8,1:7 (default: the pair's quickstart choice)")
+    p.add_argument("--cost-repeats", type=int, default=11)
+    args = p.parse_args(argv)
+    for name in ("limit", "max_new_tokens", "rounds", "cost_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    missing = [d for d in ("target", "draft-distilled", "tokenizer") if not (args.pair / d).is_dir()]
+    if missing:
+        p.error(f"--pair {args.pair} lacks {', '.join(missing)}: give a quickstart output folder")
+    result_path = args.out / "results.json"
+    if result_path.exists():
+        p.error(f"{result_path} exists; give another --out (results are never overwritten)")
+    gammas = parse_gammas(args.gammas, args.pair)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    from quickstart.run import _load_lm, encode_prompt_sets
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.pair / "tokenizer"))
+    target, draft = _load_lm(args.pair / "target", "target"), _load_lm(args.pair / "draft-distilled")
+    prompts = [ids for _, ids in encode_prompt_sets(tokenizer, {s: args.limit for s in SETS}, 192)]
+    context = torch.tensor([(prompts[0] * 2)[-64:]])
+    costs = forward_costs(target, draft, context, args.cost_repeats, max(gammas.values()), args.rounds)
+    e2e = end_to_end(target, draft, tokenizer, prompts, gammas, args.max_new_tokens, args.rounds)
+    result = {"pair": str(args.pair), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "rounds": args.rounds, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "forward_costs": costs, "end_to_end": e2e}
+    result_path.write_text(json.dumps(result, indent=1))
+
+    def med(label, key):
+        return statistics.median(r[key] for r in costs[label])
+
+    print(f"forward costs (ms, median of {args.rounds} rounds x {args.cost_repeats} repeats; on / off)")
+    print(f"  target 1 token {med('on', 'target_forward_ms'):.2f} / {med('off', 'target_forward_ms'):.2f}   "
+          f"draft 1 token {med('on', 'draft_forward_ms'):.2f} / {med('off', 'draft_forward_ms'):.2f}")
+    for g in range(1, max(gammas.values()) + 1):
+        on = statistics.median(r["verify_forward_ms"][g] for r in costs["on"])
+        off = statistics.median(r["verify_forward_ms"][g] for r in costs["off"])
+        print(f"  verify γ={g} ({g + 1} tokens) {on:.2f} / {off:.2f}")
+    print(f"end to end ({len(prompts)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens)")
+    print("  T   γ  speedup on  speedup off  on/off  α on   α off")
+    for r in e2e["rows"]:
+        print(f"  {r['temperature']:<3g} {r['num_draft_tokens']:<2d} {r['spec_on']['speedup']:>10.3f} "
+              f"{r['spec_off']['speedup']:>12.3f} {r['on_over_off']:>7.3f}  {r['spec_on']['alpha']:.3f}  "
+              f"{r['spec_off']['alpha']:.3f}")
+    eq, n = e2e["greedy_equal"]
+    print(f"greedy equal to plain: {eq}/{n}; wrote {result_path}")
+    return 0 if eq == n else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

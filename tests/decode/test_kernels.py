@@ -1,0 +1,152 @@
+"""decode.kernels: the few-row linear is the same function as F.linear, leaves everything it is not meant for to
+the original bit for bit, is installed only inside its blocks (nested, threads, exceptions), and the engine runs
+its steps under it by default on float32 CPU models (greedy equality on both paths)."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decode import SpeculativeDecoder, kernels
+from tests.conftest import perturbed_copy, tiny_llama
+
+ORIGINAL = F.linear
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8, 9, 40, 64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(), (1,), (2,)])
+def test_linear_equals_f_linear(rows, bias, lead):
+    g = torch.Generator().manual_seed(rows)
+    n = rows // (lead[0] if lead else 1) if not lead or rows % lead[0] == 0 else rows
+    shape = (*lead, n, 48) if lead else (rows, 48)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(80, 48, generator=g)
+    b = torch.randn(80, generator=g) if bias else None
+    out = kernels.linear(x, w, b)
+    ref = ORIGINAL(x, w, b)
+    assert out.shape == ref.shape and out.is_contiguous() and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _refusing(*args, **kwargs):
+    raise AssertionError("took the original F.linear")
+
+
+@pytest.mark.parametrize("rows", [2, 8, 64])
+def test_eligible_inputs_take_the_transposed_product(monkeypatch, rows):
+    monkeypatch.setattr(kernels, "_original", _refusing)
+    out = kernels.linear(torch.randn(1, rows, 16), torch.randn(24, 16), torch.randn(24))
+    assert out.shape == (1, rows, 24)
+
+
+def _ineligible_cases():
+    w = torch.randn(24, 16)
+    yield "one row", torch.randn(1, 1, 16), w
+    yield "prefill-sized", torch.randn(1, kernels.MAX_ROWS + 1, 16), w
+    yield "bf16", torch.randn(1, 4, 16, dtype=torch.bfloat16), w.bfloat16()
+    yield "float64", torch.randn(1, 4, 16, dtype=torch.float64), w.double()
+    yield "1-D input", torch.randn(16), w
+    yield "weight needs grad", torch.randn(1, 4, 16), w.clone().requires_grad_()
+    yield "input needs grad", torch.randn(1, 4, 16).requires_grad_(), w
+
+
+@pytest.mark.parametrize("case", list(_ineligible_cases()), ids=lambda c: c[0])
+def test_ineligible_inputs_go_to_the_original_bit_for_bit(monkeypatch, case):
+    _, x, w = case
+    ref = ORIGINAL(x, w)
+    calls = []
+    monkeypatch.setattr(kernels, "_original", lambda *a: calls.append(1) or ORIGINAL(*a))
+    out = kernels.linear(x, w)
+    assert calls == [1]
+    assert torch.equal(out, ref)
+
+
+def test_autocast_and_training_keep_the_original(monkeypatch):
+    layer = torch.nn.Linear(16, 24)
+    x = torch.randn(1, 4, 16)
+    calls = []
+    monkeypatch.setattr(kernels, "_original", lambda *a: calls.append(1) or ORIGINAL(*a))
+    with kernels.few_row_linear(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    with kernels.few_row_linear():
+        layer(x).sum().backward()  # grad mode, weight requires grad
+    assert calls == [1, 1] and layer.weight.grad is not None
+
+
+def test_installed_only_inside_the_block_also_on_error():
+    assert F.linear is ORIGINAL
+    with kernels.few_row_linear():
+        assert F.linear is kernels.linear
+        with kernels.few_row_linear():  # nested
+            assert F.linear is kernels.linear
+        assert F.linear is kernels.linear  # the inner exit keeps the outer block's
+    assert F.linear is ORIGINAL
+    with pytest.raises(RuntimeError, match="boom"):
+        with kernels.few_row_linear():
+            raise RuntimeError("boom")
+    assert F.linear is ORIGINAL
+    with kernels.few_row_linear(enabled=False):
+        assert F.linear is ORIGINAL
+
+
+def test_blocks_in_several_threads_restore_the_original():
+    barrier = threading.Barrier(6)
+    seen, errors = [], []
+
+    def work(i):
+        try:
+            for j in range(200):
+                if j == 100:
+                    barrier.wait(timeout=30)
+                with kernels.few_row_linear():
+                    seen.append(F.linear is kernels.linear)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(seen) and len(seen) == 1200
+    assert F.linear is ORIGINAL
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)  # the default is float64: not eligible
+    return target, perturbed_copy(target, 0.5)
+
+
+def test_engine_default_and_switch(pair):
+    target, draft = pair
+    assert SpeculativeDecoder(target, draft).few_row_linear is True  # float32 on the CPU
+    assert SpeculativeDecoder(target, draft, few_row_linear=False).few_row_linear is False
+    assert SpeculativeDecoder(target, draft, compile=True).few_row_linear is False
+    half = tiny_llama(seed=0, layers=2, dtype=torch.bfloat16)
+    assert SpeculativeDecoder(half, perturbed_copy(half, 0.5)).few_row_linear is False
+    assert SpeculativeDecoder(tiny_llama(seed=0, layers=2)).few_row_linear is False  # float64
+    assert kernels.default_for(target, None) is True
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_engine_runs_its_forwards_under_the_switch_and_keeps_greedy_equality(pair, enabled, batch):
+    target, draft = pair
+    prompts = [[4, 9, 12, 30, 2], [7], [50, 51, 52, 53, 54, 55, 56, 57, 58], [3, 3]][:batch]
+    plain = [SpeculativeDecoder(target, None).generate([p], max_new_tokens=20).new_tokens[0].tolist()
+             for p in prompts]
+    seen = []
+    hook = target.register_forward_hook(lambda m, a, out: seen.append(F.linear is kernels.linear))
+    try:
+        dec = SpeculativeDecoder(target, draft, 4, few_row_linear=enabled)
+        out = dec.generate(prompts, max_new_tokens=20)  # batch 4: verify forwards of 20 rows
+        dec.calibrate(prompts[0], batch_sizes=(1,), repeats=1)
+    finally:
+        hook.remove()
+    assert [t.tolist() for t in out.new_tokens] == plain
+    assert 0 < out.stats.acceptance_rate < 1  # rejections: verify forwards of several rows ran
+    assert seen and all(s is enabled for s in seen)
+    assert F.linear is ORIGINAL

@@ -139,9 +139,9 @@ class SpeculativeDecoder:
             whose architecture allows it, the DynamicCache path with a one-line warning for the others; False:
             the DynamicCache path for both; True: as None.
         few_row_linear: run the steps and the cost measurement under :func:`decode.kernels.few_row_linear` (the
-            linear layers of 2..64-row forwards, i.e. verify forwards, take the faster transposed CPU GEMM; same
-            function up to float32 round-off). None (default): on when both models have float32 weights on the
-            CPU and ``compile`` is off; True/False: force.
+            linear layers of 1..64-row forwards, i.e. decode and verify forwards, take the faster transposed CPU
+            GEMM; same function up to float32 round-off). None (default): on when both models have float32
+            weights on the CPU and ``compile`` is off; True/False: force.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that

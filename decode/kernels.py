@@ -1,15 +1,16 @@
 """Kernel choice for the few-row linear layers of decoding on CPU.
 
-A verify forward runs every linear layer of the target on γ+1 rows (B(γ+1) in a batch). For such few-row inputs
-the CPU GEMM that ``torch.nn.functional.linear`` reaches (``x @ Wᵀ``, MKL) can be far slower than the same
-product taken as ``(W @ xᵀ)ᵀ``: on a 2-core AMD EPYC (AVX-512, torch 2.13 CPU build, MKL 2024.2) the quickstart
-target's forward over 8 tokens took 23–26 ms by ``F.linear`` and 17–21 ms by the transposed product, over 2
-tokens 24–25 ms and 13 ms, while one token takes 14–16 ms either way (docs/decode.md, "Few-row linear layers").
+A decode step runs every linear layer on B rows (plain decoding, the draft) or B(γ+1) rows (a verify forward).
+For such few-row inputs the CPU GEMM that ``torch.nn.functional.linear`` reaches (``x @ Wᵀ``, MKL) can be far
+slower than the same product taken as ``(W @ xᵀ)ᵀ``, and a one-row product (dispatched to GEMV) slower than that
+product over two copies of the row. On a 2-core AMD EPYC (AVX-512, torch 2.13 CPU build, MKL 2024.2) the
+quickstart target's engine-path forward took 14.9 -> 8.6 ms over one token, 23.1 -> 8.5 ms over two and
+19.5 -> 14.4 ms over eight (docs/decode.md, "Few-row linear layers").
 
-:func:`few_row_linear` routes ``F.linear`` calls with 2..:data:`MAX_ROWS` rows of float32 CPU inference through the
-transposed product while the block runs. It changes the summation order only (results agree to float32
-round-off, ~1e-6 on logits), not the function computed; everything else (one-row calls, training, autocast,
-other dtypes and devices, tensor subclasses) goes to the original ``F.linear`` untouched.
+:func:`few_row_linear` routes ``F.linear`` calls with 1..:data:`MAX_ROWS` rows of float32 CPU inference through
+the transposed product while the block runs. It changes the summation order only (results agree to float32
+round-off, ~1e-6 on logits), not the function computed; everything else (prefill-sized inputs, training,
+autocast, other dtypes and devices, tensor subclasses) goes to the original ``F.linear`` untouched.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 2   # one row (a decode step at batch 1) is as fast by F.linear: left alone
+MIN_ROWS = 1
 MAX_ROWS = 64  # above this (prefill) F.linear's GEMM is as fast or faster on the measured CPU
 
 _lock = threading.Lock()
@@ -30,7 +31,7 @@ _saved = F.linear     # what the last exit restores (F.linear as found at the fi
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``F.linear(x, weight)`` takes the transposed product: float32 CPU inference on 2..MAX_ROWS rows."""
+    """Whether ``F.linear(x, weight)`` takes the transposed product: float32 CPU inference on 1..MAX_ROWS rows."""
     if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return False  # tensor subclasses (DTensor, quantized, fake) keep their own dispatch
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2 or x.dim() < 2:
@@ -44,7 +45,8 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` = ``x Wᵀ + b``, taken as ``(W xᵀ)ᵀ`` for few-row float32 CPU inference.
+    """``F.linear(x, weight, bias)`` = ``x Wᵀ + b``, taken as ``(W xᵀ)ᵀ`` for few-row float32 CPU inference (one
+    row as two copies of it).
 
     Args:
         x: ``(..., K)``; weight: ``(N, K)``; bias: ``(N,)`` or None.
@@ -55,12 +57,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if not _eligible(x, weight):
         return _original(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1]).t()  # (K, n)
+    flat = x.reshape(-1, x.shape[-1])  # (n, K)
+    n = flat.shape[0]
+    if n == 1:  # a one-column product goes to GEMV, slower here than the GEMM of two: take two copies, keep one
+        flat = flat.expand(2, -1).contiguous()
     if bias is None:
-        out = torch.mm(weight, rows)
+        out = torch.mm(weight, flat.t())
     else:
-        out = torch.addmm(bias.unsqueeze(1), weight, rows)  # (N, n)
-    return out.t().contiguous().view(*x.shape[:-1], weight.shape[0])
+        out = torch.addmm(bias.unsqueeze(1), weight, flat.t())  # (N, n)
+    return out[:, :n].t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 @contextlib.contextmanager

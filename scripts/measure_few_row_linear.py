@@ -7,9 +7,10 @@
    recipe, the quickstart and the bench use): target and draft single-token forwards and the target's verify
    forwards of γ+1 tokens (v_γ), with the kernels on and off, alternating rounds.
 2. End to end: for each prompt of the quickstart's held-out sets (``--limit`` per set) and each temperature, plain
-   decoding and speculative decoding with the kernels on and off (``SpeculativeDecoder(few_row_linear=...)``), in
-   a rotated order, same seed for every method; ``--rounds`` passes. Speedup = Σ plain wall / Σ speculative wall
-   over the same prompts; at T = 0 both speculative outputs must equal plain greedy decoding (``greedy_equal``).
+   and speculative decoding, each with the kernels on and off (``SpeculativeDecoder(few_row_linear=...)``), in a
+   rotated order, same seed for every method; ``--rounds`` passes. Tokens/s over the same prompts; speedup =
+   Σ plain wall / Σ speculative wall on the same side; at T = 0 every output must equal plain greedy decoding
+   with the kernels off (``greedy_equal``).
 
 γ per temperature: ``--gammas`` (e.g. ``0:8,1:7``), else what the pair's quickstart results.json chose for the
 distilled draft, else 4. Prints a table and writes ``<out>/results.json`` (refused if it exists). Run it alone on
@@ -75,39 +76,47 @@ def end_to_end(target, draft, tokenizer, prompts, gammas: dict[float, int], max_
     """Σ wall seconds per (temperature, method) over every prompt and round, and the greedy-equality count."""
     from decode import SpeculativeDecoder
 
-    decs = {"plain": SpeculativeDecoder(target, None, 0),
+    decs = {"plain_on": SpeculativeDecoder(target, None, 0, few_row_linear=True),
+            "plain_off": SpeculativeDecoder(target, None, 0, few_row_linear=False),
             "spec_on": SpeculativeDecoder(target, draft, 4, tokenizer=tokenizer, few_row_linear=True),
             "spec_off": SpeculativeDecoder(target, draft, 4, tokenizer=tokenizer, few_row_linear=False)}
     methods = list(decs)
+    k = len(methods)
     wall = {(t, m): 0.0 for t in gammas for m in methods}
     stats = {(t, m): [] for t in gammas for m in methods}
     equal, compared = 0, 0
     for r in range(rounds):
         for i, ids in enumerate(prompts):
             for t, g in gammas.items():
-                order = methods[(i + r) % 3:] + methods[:(i + r) % 3]
+                order = methods[(i + r) % k:] + methods[:(i + r) % k]
                 outs = {}
                 for m in order:
                     gen = torch.Generator().manual_seed(1_000_003 * r + i)
                     t0 = time.perf_counter()
                     outs[m] = decs[m].generate([ids], max_new_tokens=max_new_tokens, temperature=t, generator=gen,
-                                               num_draft_tokens=0 if m == "plain" else g)
+                                               num_draft_tokens=0 if m.startswith("plain") else g)
                     wall[(t, m)] += time.perf_counter() - t0
                     stats[(t, m)].append(outs[m].stats)
                 if t == 0:
-                    for m in ("spec_on", "spec_off"):
-                        equal += int(torch.equal(outs[m].new_tokens[0], outs["plain"].new_tokens[0]))
+                    for m in ("plain_on", "spec_on", "spec_off"):
+                        equal += int(torch.equal(outs[m].new_tokens[0], outs["plain_off"].new_tokens[0]))
                         compared += 1
     from decode.metrics import DecodeStats
 
     rows = []
     for t, g in gammas.items():
-        row = {"temperature": t, "num_draft_tokens": g, "plain_s": wall[(t, "plain")]}
-        for m in ("spec_on", "spec_off"):
+        tokens = sum(s.num_new_tokens for s in stats[(t, "plain_off")])
+        row = {"temperature": t, "num_draft_tokens": g, "new_tokens": tokens}
+        for m in methods:
             st = DecodeStats.merge(stats[(t, m)])
-            row[m] = {"wall_s": wall[(t, m)], "speedup": wall[(t, "plain")] / wall[(t, m)], "alpha": st.alpha,
-                      "mean_accepted_length": st.mean_accepted_length}
-        row["on_over_off"] = wall[(t, "spec_off")] / wall[(t, "spec_on")]
+            side = m.split("_")[1]
+            row[m] = {"wall_s": wall[(t, m)], "tokens_per_s": tokens / wall[(t, m)]}
+            if m.startswith("spec"):
+                row[m].update(speedup=wall[(t, f"plain_{side}")] / wall[(t, m)], alpha=st.alpha,
+                              mean_accepted_length=st.mean_accepted_length)
+        row["plain_on_over_off"] = wall[(t, "plain_off")] / wall[(t, "plain_on")]
+        row["spec_on_over_off"] = wall[(t, "spec_off")] / wall[(t, "spec_on")]
+        row["spec_on_over_plain_off"] = wall[(t, "plain_off")] / wall[(t, "spec_on")]
         rows.append(row)
     return {"rows": rows, "greedy_equal": [equal, compared]}
 
@@ -162,13 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         off = statistics.median(r["verify_forward_ms"][g] for r in costs["off"])
         print(f"  verify γ={g} ({g + 1} tokens) {on:.2f} / {off:.2f}")
     print(f"end to end ({len(prompts)} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens)")
-    print("  T   γ  speedup on  speedup off  on/off  α on   α off")
+    print("  T   γ  tok/s plain off/on  spec off/on  | speedup over plain, off / on | on/off plain, spec | α off / on")
     for r in e2e["rows"]:
-        print(f"  {r['temperature']:<3g} {r['num_draft_tokens']:<2d} {r['spec_on']['speedup']:>10.3f} "
-              f"{r['spec_off']['speedup']:>12.3f} {r['on_over_off']:>7.3f}  {r['spec_on']['alpha']:.3f}  "
-              f"{r['spec_off']['alpha']:.3f}")
+        print(f"  {r['temperature']:<3g} {r['num_draft_tokens']:<2d} {r['plain_off']['tokens_per_s']:>8.1f} / "
+              f"{r['plain_on']['tokens_per_s']:<6.1f} {r['spec_off']['tokens_per_s']:>6.1f} / "
+              f"{r['spec_on']['tokens_per_s']:<6.1f} | {r['spec_off']['speedup']:>6.3f} / {r['spec_on']['speedup']:<6.3f}"
+              f"             | {r['plain_on_over_off']:.3f}, {r['spec_on_over_off']:.3f}     | "
+              f"{r['spec_off']['alpha']:.3f} / {r['spec_on']['alpha']:.3f}")
     eq, n = e2e["greedy_equal"]
-    print(f"greedy equal to plain: {eq}/{n}; wrote {result_path}")
+    print(f"greedy equal to plain decoding with the kernels off: {eq}/{n}; wrote {result_path}")
     return 0 if eq == n else 1
 
 

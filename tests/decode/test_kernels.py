@@ -13,7 +13,7 @@ from tests.conftest import perturbed_copy, tiny_llama
 ORIGINAL = F.linear
 
 
-@pytest.mark.parametrize("rows", [2, 3, 8, 9, 40, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40, 64])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead", [(), (1,), (2,)])
 def test_linear_equals_f_linear(rows, bias, lead):
@@ -33,7 +33,7 @@ def _refusing(*args, **kwargs):
     raise AssertionError("took the original F.linear")
 
 
-@pytest.mark.parametrize("rows", [2, 8, 64])
+@pytest.mark.parametrize("rows", [1, 2, 8, 64])
 def test_eligible_inputs_take_the_transposed_product(monkeypatch, rows):
     monkeypatch.setattr(kernels, "_original", _refusing)
     out = kernels.linear(torch.randn(1, rows, 16), torch.randn(24, 16), torch.randn(24))
@@ -42,7 +42,6 @@ def test_eligible_inputs_take_the_transposed_product(monkeypatch, rows):
 
 def _ineligible_cases():
     w = torch.randn(24, 16)
-    yield "one row", torch.randn(1, 1, 16), w
     yield "prefill-sized", torch.randn(1, kernels.MAX_ROWS + 1, 16), w
     yield "bf16", torch.randn(1, 4, 16, dtype=torch.bfloat16), w.bfloat16()
     yield "float64", torch.randn(1, 4, 16, dtype=torch.float64), w.double()

@@ -139,6 +139,7 @@ def test_reported_predictions_follow_the_formula(bench_run):
     c = results["cost"]["cost_ratio"]
     assert c > 0 and results["cost"]["target_forward_s"] > 0
     assert [e["gamma"] for e in results["cost"]["verify"]] == cfg.gammas
+    assert results["cost"]["few_row_linear"] is False  # as resolved: the float64 test pair is not eligible
     for run in results["runs"]:
         m = run["overall"]
         if isinstance(run["num_draft_tokens"], int) and run["num_draft_tokens"] > 0:
@@ -548,6 +549,15 @@ def _config(*argv: str) -> BenchConfig:
     from decode.bench.cli import build_parser, config_from_args
 
     return config_from_args(build_parser().parse_args(["--target", "t", "--draft", "d", "--device", "cpu", *argv]))
+
+
+def test_few_row_linear_option_maps_to_the_decoder_setting():
+    assert _config().few_row_linear is None  # the decoder's default
+    assert _config("--few-row-linear", "on").few_row_linear is True
+    assert _config("--few-row-linear", "off").few_row_linear is False
+    with pytest.raises(SystemExit) as e:
+        _config("--few-row-linear", "yes")
+    assert e.value.code == 2
 
 
 def test_list_options_take_each_value_once():

@@ -8,7 +8,8 @@
    forwards of γ+1 tokens (v_γ), with the kernels on and off, alternating rounds.
 2. End to end: for each prompt of the quickstart's held-out sets (``--limit`` per set) and each temperature, plain
    and speculative decoding, each with the kernels on and off (``SpeculativeDecoder(few_row_linear=...)``), in a
-   rotated order, same seed for every method; ``--rounds`` passes. Tokens/s over the same prompts; speedup =
+   rotated order, same seed for every method, each call timed by :func:`decode.bench.runs.run_ours` after one
+   short warm-up call per decoder; ``--rounds`` passes. Tokens/s over the same prompts; speedup =
    Σ plain wall / Σ speculative wall on the same side; at T = 0 every output must equal plain greedy decoding
    with the kernels off (``greedy_equal``).
 
@@ -22,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +34,10 @@ SETS = ("humaneval", "mbpp_code", "stdlib")
 
 
 def parse_gammas(text: str | None, pair: Path) -> dict[float, int]:
-    """``{temperature: γ}`` from ``"T:γ,T:γ"``, else from the pair's results.json, else ``{0: 4, 1: 4}``."""
+    """``{temperature: γ}`` from ``"T:γ,T:γ"``, else from the pair's results.json, else ``{0: 4, 1: 4}``.
+
+    Raises:
+        ValueError: a part that is not ``T:γ`` with γ >= 1 (the CLI turns it into exit status 2)."""
     if text:
         out = {}
         for part in text.split(","):
@@ -42,9 +45,9 @@ def parse_gammas(text: str | None, pair: Path) -> dict[float, int]:
             try:
                 out[float(t)] = int(g)
             except ValueError:
-                raise SystemExit(f"--gammas: {part!r} is not T:γ (e.g. 0:8,1:7)") from None
+                raise ValueError(f"--gammas: {part!r} is not T:γ (e.g. 0:8,1:7)") from None
             if out[float(t)] < 1:
-                raise SystemExit(f"--gammas: γ must be >= 1 (got {part!r})")
+                raise ValueError(f"--gammas: γ must be >= 1 (got {part!r})")
         return out
     results = pair / "results.json"
     if results.is_file():
@@ -75,44 +78,56 @@ def end_to_end(target, draft, tokenizer, prompts, gammas: dict[float, int], max_
                rounds: int) -> dict:
     """Σ wall seconds per (temperature, method) over every prompt and round, and the greedy-equality count."""
     from decode import SpeculativeDecoder
+    from decode.bench.config import OURS, BenchConfig, Method
+    from decode.bench.runs import run_ours
+    from decode.engine import left_pad
+    from decode.metrics import DecodeStats
 
+    device = next(target.parameters()).device
+    cfg = BenchConfig(gammas=sorted(set(gammas.values())), auto=False, temperatures=list(gammas),
+                      max_new_tokens=max_new_tokens, hf=False, ignore_eos=True)
     decs = {"plain_on": SpeculativeDecoder(target, None, 0, few_row_linear=True),
             "plain_off": SpeculativeDecoder(target, None, 0, few_row_linear=False),
             "spec_on": SpeculativeDecoder(target, draft, 4, tokenizer=tokenizer, few_row_linear=True),
             "spec_off": SpeculativeDecoder(target, draft, 4, tokenizer=tokenizer, few_row_linear=False)}
     methods = list(decs)
     k = len(methods)
+
+    def method(m: str, t: float) -> Method:
+        return Method(m, OURS, 0 if m.startswith("plain") else gammas[t])
+
+    for m, dec in decs.items():  # warm-up: allocator growth and lazy init stay out of the timings
+        ids, mask = left_pad(prompts[:1], tokenizer.pad_token_id, device)
+        t = next(iter(gammas))
+        run_ours(dec, method(m, t), ids, mask, t, BenchConfig(**{**cfg.__dict__, "max_new_tokens": 4}), None, 0,
+                 device)
     wall = {(t, m): 0.0 for t in gammas for m in methods}
     stats = {(t, m): [] for t in gammas for m in methods}
     equal, compared = 0, 0
     for r in range(rounds):
-        for i, ids in enumerate(prompts):
-            for t, g in gammas.items():
-                order = methods[(i + r) % k:] + methods[:(i + r) % k]
+        for i, prompt in enumerate(prompts):
+            ids, mask = left_pad([prompt], tokenizer.pad_token_id, device)
+            for t in gammas:
+                order = methods[(i + r) % k:] + methods[:(i + r) % k]  # rotate: drift hits all
                 outs = {}
                 for m in order:
-                    gen = torch.Generator().manual_seed(1_000_003 * r + i)
-                    t0 = time.perf_counter()
-                    outs[m] = decs[m].generate([ids], max_new_tokens=max_new_tokens, temperature=t, generator=gen,
-                                               num_draft_tokens=0 if m.startswith("plain") else g)
-                    wall[(t, m)] += time.perf_counter() - t0
-                    stats[(t, m)].append(outs[m].stats)
+                    outs[m], w, st, _ = run_ours(decs[m], method(m, t), ids, mask, t, cfg, None, 1_000_003 * r + i,
+                                                 device)
+                    wall[(t, m)] += w
+                    stats[(t, m)].append(st)
                 if t == 0:
                     for m in ("plain_on", "spec_on", "spec_off"):
-                        equal += int(torch.equal(outs[m].new_tokens[0], outs["plain_off"].new_tokens[0]))
+                        equal += int(outs[m] == outs["plain_off"])
                         compared += 1
-    from decode.metrics import DecodeStats
-
     rows = []
     for t, g in gammas.items():
         tokens = sum(s.num_new_tokens for s in stats[(t, "plain_off")])
         row = {"temperature": t, "num_draft_tokens": g, "new_tokens": tokens}
         for m in methods:
-            st = DecodeStats.merge(stats[(t, m)])
-            side = m.split("_")[1]
             row[m] = {"wall_s": wall[(t, m)], "tokens_per_s": tokens / wall[(t, m)]}
             if m.startswith("spec"):
-                row[m].update(speedup=wall[(t, f"plain_{side}")] / wall[(t, m)], alpha=st.alpha,
+                st = DecodeStats.merge(stats[(t, m)])
+                row[m].update(speedup=wall[(t, "plain_" + m.split("_")[1])] / wall[(t, m)], alpha=st.alpha,
                               mean_accepted_length=st.mean_accepted_length)
         row["plain_on_over_off"] = wall[(t, "plain_off")] / wall[(t, "plain_on")]
         row["spec_on_over_off"] = wall[(t, "spec_off")] / wall[(t, "spec_on")]
@@ -142,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     result_path = args.out / "results.json"
     if result_path.exists():
         p.error(f"{result_path} exists; give another --out (results are never overwritten)")
-    gammas = parse_gammas(args.gammas, args.pair)
+    try:
+        gammas = parse_gammas(args.gammas, args.pair)
+    except ValueError as e:
+        p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
 
     from transformers import AutoTokenizer

@@ -13,13 +13,11 @@ from tests.conftest import perturbed_copy, tiny_llama
 ORIGINAL = F.linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40, 64])
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (9, 48), (64, 48), (1, 1, 48), (1, 8, 48), (2, 4, 48),
+                                   (2, 9, 48), (2, 20, 48), (4, 16, 48)])  # 1..64 rows, 2-D and 3-D
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("lead", [(), (1,), (2,)])
-def test_linear_equals_f_linear(rows, bias, lead):
-    g = torch.Generator().manual_seed(rows)
-    n = rows // (lead[0] if lead else 1) if not lead or rows % lead[0] == 0 else rows
-    shape = (*lead, n, 48) if lead else (rows, 48)
+def test_linear_equals_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-2])
     x = torch.randn(*shape, generator=g)
     w = torch.randn(80, 48, generator=g)
     b = torch.randn(80, generator=g) if bias else None

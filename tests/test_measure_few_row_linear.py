@@ -1,0 +1,74 @@
+"""scripts/measure_few_row_linear.py: forward costs and the interleaved end-to-end run on a tiny float32 pair (both
+sides decode losslessly), γ parsing, and bad input refused with exit status 2 before anything is written."""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import load_script, make_tokenizer, perturbed_copy, tiny_llama
+
+script = load_script("measure_few_row_linear")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    return target, perturbed_copy(target, 0.5), make_tokenizer()
+
+
+def test_forward_costs_on_and_off(pair):
+    target, draft, _ = pair
+    costs = script.forward_costs(target, draft, torch.tensor([[5, 9, 14, 20, 7, 3, 11, 30]]), repeats=3,
+                                 max_gamma=3, rounds=2)
+    for label in ("on", "off"):
+        assert len(costs[label]) == 2
+        for r in costs[label]:
+            assert r["target_forward_ms"] > 0 and r["draft_forward_ms"] > 0 and r["cost_ratio"] > 0
+            assert sorted(r["verify_forward_ms"]) == [1, 2, 3]
+
+
+def test_end_to_end_rows_and_greedy_equality(pair):
+    target, draft, tok = pair
+    prompts = [[5, 9, 14], [20, 7, 3, 11], [30]]
+    e2e = script.end_to_end(target, draft, tok, prompts, {0.0: 3, 1.0: 2}, max_new_tokens=8, rounds=2)
+    assert e2e["greedy_equal"] == [18, 18]  # 3 prompts x 2 rounds x (plain on, spec on, spec off) at T = 0
+    assert [(r["temperature"], r["num_draft_tokens"]) for r in e2e["rows"]] == [(0.0, 3), (1.0, 2)]
+    for r in e2e["rows"]:
+        assert r["new_tokens"] == 3 * 2 * 8
+        for m in ("plain_on", "plain_off", "spec_on", "spec_off"):
+            assert r[m]["wall_s"] > 0 and r[m]["tokens_per_s"] > 0
+        for m in ("spec_on", "spec_off"):
+            assert r[m]["speedup"] > 0 and 0 <= r[m]["alpha"] <= 1 and r[m]["mean_accepted_length"] >= 1
+
+
+def test_parse_gammas(tmp_path):
+    assert script.parse_gammas("0:8,1:7", tmp_path) == {0.0: 8, 1.0: 7}
+    assert script.parse_gammas(None, tmp_path) == {0.0: 4, 1.0: 4}
+    (tmp_path / "results.json").write_text(json.dumps({"eval": {"gammas": {"distilled": {"0.0": 5, "1.0": 3}}}}))
+    assert script.parse_gammas(None, tmp_path) == {0.0: 5, 1.0: 3}  # the pair's quickstart choice
+    for bad in ("0:x", "0:0", "1"):
+        with pytest.raises(ValueError, match="--gammas"):
+            script.parse_gammas(bad, tmp_path)
+
+
+def test_bad_input_exits_2_before_writing(tmp_path, capsys):
+    pair_dir = tmp_path / "pair"
+    for d in ("target", "draft-distilled", "tokenizer"):
+        (pair_dir / d).mkdir(parents=True)
+    out = tmp_path / "out"
+    cases = [
+        (["--pair", str(tmp_path / "missing")], "lacks target, draft-distilled, tokenizer"),
+        (["--pair", str(pair_dir), "--gammas", "0:0"], "γ must be >= 1"),
+        (["--pair", str(pair_dir), "--rounds", "0"], "--rounds must be >= 1"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            script.main([*argv, "--out", str(out)])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+        assert not out.exists()
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        script.main(["--pair", str(pair_dir), "--out", str(out)])
+    assert e.value.code == 2 and "exists" in capsys.readouterr().err
+    assert (out / "results.json").read_text() == "{}"

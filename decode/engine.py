@@ -140,8 +140,8 @@ class SpeculativeDecoder:
             the DynamicCache path for both; True: as None.
         few_row_linear: run the steps and the cost measurement under :func:`decode.kernels.few_row_linear` (the
             linear layers of 1..64-row forwards, i.e. decode and verify forwards, take the faster transposed CPU
-            GEMM; same function up to float32 round-off). None (default): on when both models have float32
-            weights on the CPU and ``compile`` is off; True/False: force.
+            GEMM; same function up to float32 round-off). None (default): on when the target (and the draft, if
+            any) has float32 weights on the CPU and ``compile`` is off; True/False: force.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that

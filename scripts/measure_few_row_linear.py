@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
               f"             | {r['plain_on_over_off']:.3f}, {r['spec_on_over_off']:.3f}     | "
               f"{r['spec_off']['alpha']:.3f} / {r['spec_on']['alpha']:.3f}")
     eq, n = e2e["greedy_equal"]
-    print(f"greedy equal to plain decoding with the kernels off: {eq}/{n}; wrote {result_path}")
+    print(f"greedy equal to plain decoding with the kernels off (plain on, spec on and spec off at T = 0, each prompt "
+          f"and round): {eq}/{n}; wrote {result_path}")
     return 0 if eq == n else 1
 
 

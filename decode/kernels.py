@@ -1,21 +1,28 @@
 """Kernel choice for the few-row linear layers of decoding on CPU.
 
 A decode step runs every linear layer on B rows (plain decoding, the draft) or B(γ+1) rows (a verify forward).
-For such few-row inputs the CPU GEMM that ``torch.nn.functional.linear`` reaches (``x @ Wᵀ``, MKL) can be far
-slower than the same product taken as ``(W @ xᵀ)ᵀ``, and a one-row product (dispatched to GEMV) slower than that
-product over two copies of the row. On a 2-core AMD EPYC (AVX-512, torch 2.13 CPU build, MKL 2024.2) the
-quickstart target's engine-path forward took 14.9 -> 8.6 ms over one token, 23.1 -> 8.5 ms over two and
-19.5 -> 14.4 ms over eight (docs/decode.md, "Few-row linear layers").
+For such few-row inputs the CPU GEMM that ``torch.nn.functional.linear`` reaches (``x @ Wᵀ``, MKL) is far slower
+than the weights' memory traffic allows. Two forms do better on a 2-core AMD EPYC (AVX-512, torch 2.13 CPU build,
+MKL 2024.2; docs/decode.md, "Few-row linear layers"):
+
+- 1..:data:`TRANSPOSED_ROWS` rows: the same product taken as ``(W @ xᵀ)ᵀ``, one row as two copies of it (a
+  one-column product goes to GEMV, slower still). Over the quickstart target's weights: 10.9 -> 6.0 ms for one row.
+- more rows, up to :data:`MAX_ROWS`: oneDNN's linear on a weight reordered once into its blocked layout (what
+  inductor's CPU weight prepacking uses): about flat from 3 to 12 rows (5-6 ms where MKL takes 12-19 ms), 1.7x
+  faster at 40 rows. It keeps one packed copy per weight it has run (:func:`clear_packed` frees them); without
+  oneDNN in the torch build, the transposed product covers up to :data:`TRANSPOSED_FALLBACK_ROWS` rows and the
+  rest goes to the original.
 
 :func:`few_row_linear` routes ``F.linear`` calls with 1..:data:`MAX_ROWS` rows of float32 CPU inference through
-the transposed product while the block runs. It changes the summation order only (results agree to float32
-round-off, ~1e-6 on logits), not the function computed; everything else (prefill-sized inputs, training,
-autocast, other dtypes and devices, tensor subclasses) goes to the original ``F.linear`` untouched.
+these forms while the block runs. They change the summation order only (results agree to float32 round-off, ~1e-6
+on logits), not the function computed; everything else (prefill-sized inputs, training, autocast, other dtypes and
+devices, tensor subclasses) goes to the original ``F.linear`` untouched.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -23,11 +30,59 @@ import torch.nn.functional as F
 
 MIN_ROWS = 1
 MAX_ROWS = 64  # covers verify forwards up to batch 8 × γ 7; prefill-sized inputs keep F.linear (not measured)
+TRANSPOSED_ROWS = 2  # up to here the transposed product beats the packed oneDNN linear (measured)
+TRANSPOSED_FALLBACK_ROWS = 8  # without oneDNN: 9..16 rows were slower transposed than through F.linear (measured)
+PACK_BATCH_HINT = 16  # the batch size oneDNN picks the packed layout for (4, 16 and 64 measured alike)
 
 _lock = threading.Lock()
 _depth = 0
 _original = F.linear  # what ineligible calls go to
 _saved = F.linear     # what the last exit restores (F.linear as found at the first entry)
+# id(weight) -> (weakref to it, its _version and data_ptr when packed, the packed copy); entries leave with the weight
+_packed: dict[int, tuple[Any, int, int, torch.Tensor]] = {}
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has the oneDNN linear ops the packed form uses."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        return bool(torch.backends.mkldnn.is_available() and ops is not None
+                    and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = onednn_available()
+
+
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-packed copy of ``weight`` (made on first use; made again after an in-place update)."""
+    key = id(weight)
+    entry = _packed.get(key)
+    version, ptr = weight._version, weight.data_ptr()
+    if entry is not None and entry[0]() is weight and entry[1] == version and entry[2] == ptr:
+        return entry[3]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+    with _lock:
+        if entry is None or entry[0]() is not weight:
+            ref = weakref.ref(weight, lambda _, k=key: _packed.pop(k, None))
+        else:
+            ref = entry[0]
+        _packed[key] = (ref, version, ptr, packed)
+    return packed
+
+
+def clear_packed() -> int:
+    """Free the packed weight copies (they are made again on next use). Returns how many were freed."""
+    with _lock:
+        n = len(_packed)
+        _packed.clear()
+    return n
+
+
+def packed_bytes() -> int:
+    """Bytes held by the packed weight copies."""
+    return sum(e[3].numel() * e[3].element_size() for e in list(_packed.values()))
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -44,9 +99,39 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return k > 0 and k == weight.shape[1] and MIN_ROWS <= x.numel() // k <= MAX_ROWS
 
 
+def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``flat Wᵀ + b`` taken as ``(W flatᵀ)ᵀ``; one row as two copies of it (a one-column product goes to GEMV).
+
+    Args:
+        flat: ``(n, K)`` float32; weight: ``(N, K)``; bias: ``(N,)`` or None.
+
+    Returns:
+        ``(n, N)``, contiguous.
+    """
+    n = flat.shape[0]
+    if n == 1:  # a one-column product goes to GEMV, slower here than the GEMM of two: take two copies, keep one
+        flat = flat.expand(2, -1).contiguous()
+    out = torch.mm(weight, flat.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, flat.t())  # (N, n)
+    return out[:, :n].t().contiguous()
+
+
+def packed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``flat Wᵀ + b`` through oneDNN's linear on the packed copy of ``weight`` (made on first use; needs
+    :func:`onednn_available`).
+
+    Args:
+        flat: ``(n, K)`` float32 CPU; weight: ``(N, K)``; bias: ``(N,)`` or None.
+
+    Returns:
+        ``(n, N)``, contiguous.
+    """
+    return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), _packed_weight(weight), bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` = ``x Wᵀ + b``, taken as ``(W xᵀ)ᵀ`` for few-row float32 CPU inference (one
-    row as two copies of it).
+    """``F.linear(x, weight, bias)`` = ``x Wᵀ + b`` for few-row float32 CPU inference: :func:`transposed_linear` for
+    1..:data:`TRANSPOSED_ROWS` rows, :func:`packed_linear` for more (see the module docstring for the measurements
+    and the fallback without oneDNN).
 
     Args:
         x: ``(..., K)``; weight: ``(N, K)``; bias: ``(N,)`` or None.
@@ -59,13 +144,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _original(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])  # (n, K)
     n = flat.shape[0]
-    if n == 1:  # a one-column product goes to GEMV, slower here than the GEMM of two: take two copies, keep one
-        flat = flat.expand(2, -1).contiguous()
-    if bias is None:
-        out = torch.mm(weight, flat.t())
+    if n <= TRANSPOSED_ROWS:
+        out = transposed_linear(flat, weight, bias)
+    elif _ONEDNN:
+        out = packed_linear(flat, weight, bias)
+    elif n <= TRANSPOSED_FALLBACK_ROWS:
+        out = transposed_linear(flat, weight, bias)
     else:
-        out = torch.addmm(bias.unsqueeze(1), weight, flat.t())  # (N, n)
-    return out[:, :n].t().contiguous().view(*x.shape[:-1], weight.shape[0])
+        return _original(x, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @contextlib.contextmanager

@@ -3,6 +3,10 @@
     python scripts/measure_few_row_linear.py --pair checkpoints/quickstart --out checkpoints/few_row_linear
     python scripts/measure_few_row_linear.py --pair checkpoints/quickstart --out /tmp/frl --limit 1 --rounds 1
 
+0. Linear forms: the time of one pass over every ``nn.Linear`` weight of the target (streamed from memory, as in a
+   forward) with ``--linear-rows`` rows, for each form the kernels choose between (``F.linear``,
+   :func:`decode.kernels.transposed_linear`, :func:`decode.kernels.packed_linear` where oneDNN is present),
+   alternating forms, median of ``--linear-repeats`` passes.
 1. Forward costs through the engine's forward path (:func:`decode.speedup.measure_cost_ratio`, the function the
    recipe, the quickstart and the bench use): target and draft single-token forwards and the target's verify
    forwards of γ+1 tokens (v_γ), with the kernels on and off, alternating rounds.
@@ -55,6 +59,52 @@ def parse_gammas(text: str | None, pair: Path) -> dict[float, int]:
         if chosen:
             return {float(t): int(g) for t, g in chosen.items()}
     return {0.0: 4, 1.0: 4}
+
+
+def parse_rows(text: str) -> list[int]:
+    """``"1,2,8"`` -> ``[1, 2, 8]``. Raises ValueError (exit status 2) for a part that is not an integer in 1..64."""
+    from decode import kernels
+
+    out = []
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise ValueError(f"--linear-rows: {part!r} is not an integer") from None
+        if not kernels.MIN_ROWS <= n <= kernels.MAX_ROWS:
+            raise ValueError(f"--linear-rows: {n} is outside {kernels.MIN_ROWS}..{kernels.MAX_ROWS} (the kernels' "
+                             f"range)")
+        out.append(n)
+    return out
+
+
+def linear_forms(model, rows: list[int], repeats: int) -> dict:
+    """Milliseconds for one pass over all of ``model``'s ``nn.Linear`` weights per form and row count (medians)."""
+    import time
+
+    import torch.nn.functional as F
+
+    from decode import kernels
+
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    forms = {"f_linear": lambda x, w, b: F.linear(x, w, b), "transposed": kernels.transposed_linear}
+    if kernels.onednn_available():
+        forms["packed"] = kernels.packed_linear
+    out = {name: {} for name in forms}
+    with torch.no_grad():
+        for n in rows:
+            xs = {m.in_features: torch.randn(n, m.in_features) for m in layers}
+            samples = {name: [] for name in forms}
+            for i in range(repeats + 2):
+                for name, fn in forms.items():
+                    t0 = time.perf_counter()
+                    for m in layers:
+                        fn(xs[m.in_features], m.weight, m.bias)
+                    if i >= 2:  # the first passes pack the weights and warm the allocator
+                        samples[name].append(1e3 * (time.perf_counter() - t0))
+            for name in forms:
+                out[name][n] = statistics.median(samples[name])
+    return {"num_linear_layers": len(layers), "ms": out}
 
 
 def forward_costs(target, draft, context: torch.Tensor, repeats: int, max_gamma: int, rounds: int) -> dict:
@@ -147,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="passes over the prompts (and forward-cost rounds)")
     p.add_argument("--gammas", help="γ per temperature, e.g. 0:8,1:7 (default: the pair's quickstart choice)")
     p.add_argument("--cost-repeats", type=int, default=11)
+    p.add_argument("--linear-rows", default="1,2,3,4,8,12,20,40", help="row counts of the linear-forms pass")
+    p.add_argument("--linear-repeats", type=int, default=12)
     args = p.parse_args(argv)
-    for name in ("limit", "max_new_tokens", "rounds", "cost_repeats"):
+    for name in ("limit", "max_new_tokens", "rounds", "cost_repeats", "linear_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     missing = [d for d in ("target", "draft-distilled", "tokenizer") if not (args.pair / d).is_dir()]
@@ -159,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{result_path} exists; give another --out (results are never overwritten)")
     try:
         gammas = parse_gammas(args.gammas, args.pair)
+        linear_rows = parse_rows(args.linear_rows)
     except ValueError as e:
         p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -171,16 +224,22 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = _load_lm(args.pair / "target", "target"), _load_lm(args.pair / "draft-distilled")
     prompts = [ids for _, ids in encode_prompt_sets(tokenizer, {s: args.limit for s in SETS}, 192)]
     context = torch.tensor([(prompts[0] * 2)[-64:]])
+    forms = linear_forms(target, linear_rows, args.linear_repeats)
     costs = forward_costs(target, draft, context, args.cost_repeats, max(gammas.values()), args.rounds)
     e2e = end_to_end(target, draft, tokenizer, prompts, gammas, args.max_new_tokens, args.rounds)
     result = {"pair": str(args.pair), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "rounds": args.rounds, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "forward_costs": costs, "end_to_end": e2e}
+              "linear_forms": forms, "forward_costs": costs, "end_to_end": e2e}
     result_path.write_text(json.dumps(result, indent=1))
 
     def med(label, key):
         return statistics.median(r[key] for r in costs[label])
 
+    print(f"linear forms (ms per pass over the target's {forms['num_linear_layers']} linear weights, median of "
+          f"{args.linear_repeats})")
+    print(f"  {'rows':<10}" + "".join(f"{n:>8d}" for n in linear_rows))
+    for name, by_rows in forms["ms"].items():
+        print(f"  {name:<10}" + "".join(f"{by_rows[n]:8.2f}" for n in linear_rows))
     print(f"forward costs (ms, median of {args.rounds} rounds x {args.cost_repeats} repeats; on / off)")
     print(f"  target 1 token {med('on', 'target_forward_ms'):.2f} / {med('off', 'target_forward_ms'):.2f}   "
           f"draft 1 token {med('on', 'draft_forward_ms'):.2f} / {med('off', 'draft_forward_ms'):.2f}")

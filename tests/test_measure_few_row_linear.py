@@ -1,5 +1,5 @@
-"""scripts/measure_few_row_linear.py: forward costs and the interleaved end-to-end run on a tiny float32 pair (both
-sides decode losslessly), γ parsing, and bad input refused with exit status 2 before anything is written."""
+"""scripts/measure_few_row_linear.py: the linear-forms pass, forward costs and the interleaved end-to-end run on a
+tiny float32 pair (both sides decode losslessly), γ and row parsing, and bad input refused with exit status 2 before anything is written."""
 import json
 
 import pytest
@@ -14,6 +14,22 @@ script = load_script("measure_few_row_linear")
 def pair():
     target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
     return target, perturbed_copy(target, 0.5), make_tokenizer()
+
+
+def test_linear_forms_time_every_form_over_the_models_linear_layers(pair):
+    target, _, _ = pair
+    forms = script.linear_forms(target, [1, 3, 12], repeats=2)
+    assert forms["num_linear_layers"] == sum(isinstance(m, torch.nn.Linear) for m in target.modules()) > 0
+    assert sorted(forms["ms"]) == ["f_linear", "packed", "transposed"]  # the CPU wheel has oneDNN
+    for by_rows in forms["ms"].values():
+        assert sorted(by_rows) == [1, 3, 12] and all(v > 0 for v in by_rows.values())
+
+
+def test_parse_rows():
+    assert script.parse_rows("1,2,64") == [1, 2, 64]
+    for bad, message in (("0", "outside 1..64"), ("65", "outside 1..64"), ("2,x", "not an integer")):
+        with pytest.raises(ValueError, match=message):
+            script.parse_rows(bad)
 
 
 def test_forward_costs_on_and_off(pair):
@@ -60,6 +76,7 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
         (["--pair", str(tmp_path / "missing")], "lacks target, draft-distilled, tokenizer"),
         (["--pair", str(pair_dir), "--gammas", "0:0"], "γ must be >= 1"),
         (["--pair", str(pair_dir), "--rounds", "0"], "--rounds must be >= 1"),
+        (["--pair", str(pair_dir), "--linear-rows", "1,99"], "outside 1..64"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:

@@ -1,6 +1,9 @@
-"""decode.kernels: the few-row linear is the same function as F.linear, leaves everything it is not meant for to
-the original bit for bit, is installed only inside its blocks (nested, threads, exceptions), and the engine runs
-its steps under it by default on float32 CPU models (greedy equality on both paths)."""
+"""decode.kernels: the few-row linear is the same function as F.linear (transposed product for 1-2 rows, oneDNN on a
+packed weight beyond, or the fallback without oneDNN), keeps its packed copies in step with the weights, leaves
+everything it is not meant for to the original bit for bit, is installed only inside its blocks (nested, threads,
+exceptions), and the engine runs its steps under it by default on float32 CPU models (greedy equality on both
+paths)."""
+import gc
 import threading
 
 import pytest
@@ -13,10 +16,19 @@ from tests.conftest import perturbed_copy, tiny_llama
 ORIGINAL = F.linear
 
 
+@pytest.fixture(params=["onednn", "no-onednn"])
+def backend(request, monkeypatch):
+    """Both forms the kernel takes beyond TRANSPOSED_ROWS: oneDNN where the build has it, else the fallback."""
+    if request.param == "onednn":
+        assert kernels.onednn_available()  # the torch CPU wheels have it: a build without would test nothing here
+    monkeypatch.setattr(kernels, "_ONEDNN", request.param == "onednn")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (9, 48), (64, 48), (1, 1, 48), (1, 8, 48), (2, 4, 48),
                                    (2, 9, 48), (2, 20, 48), (4, 16, 48)])  # 1..64 rows, 2-D and 3-D
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear(shape, bias):
+def test_linear_equals_f_linear(shape, bias, backend):
     g = torch.Generator().manual_seed(len(shape) * 100 + shape[-2])
     x = torch.randn(*shape, generator=g)
     w = torch.randn(80, 48, generator=g)
@@ -31,11 +43,44 @@ def _refusing(*args, **kwargs):
     raise AssertionError("took the original F.linear")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 64])
-def test_eligible_inputs_take_the_transposed_product(monkeypatch, rows):
-    monkeypatch.setattr(kernels, "_original", _refusing)
-    out = kernels.linear(torch.randn(1, rows, 16), torch.randn(24, 16), torch.randn(24))
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64])
+def test_eligible_inputs_take_the_measured_form(monkeypatch, rows, backend):
+    """1-2 rows: the transposed product; more: oneDNN on a packed copy of the weight, or without oneDNN the
+    transposed product up to TRANSPOSED_FALLBACK_ROWS and the original F.linear beyond (bit for bit)."""
+    x, w, b = torch.randn(1, rows, 16), torch.randn(24, 16), torch.randn(24)
+    packed = rows > kernels.TRANSPOSED_ROWS and backend == "onednn"
+    original = rows > kernels.TRANSPOSED_FALLBACK_ROWS and backend == "no-onednn"
+    if not original:
+        monkeypatch.setattr(kernels, "_original", _refusing)
+    out = kernels.linear(x, w, b)
     assert out.shape == (1, rows, 24)
+    assert (id(w) in kernels._packed) is packed
+    if original:
+        assert torch.equal(out, ORIGINAL(x, w, b))
+
+
+def test_packed_copy_follows_the_weight():
+    """An in-place update of the weight (training, load_state_dict) makes the packed copy again; a dead weight's
+    copy is freed with it; clear_packed frees the rest."""
+    assert kernels.onednn_available()
+    layer = torch.nn.Linear(16, 24, bias=False).requires_grad_(False)
+    x = torch.randn(5, 16)
+    first = kernels.linear(x, layer.weight)
+    assert id(layer.weight) in kernels._packed and kernels.packed_bytes() >= layer.weight.numel() * 4
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    torch.testing.assert_close(kernels.linear(x, layer.weight), -2.0 * first, rtol=1e-5, atol=1e-5)
+    layer.load_state_dict({"weight": torch.ones(24, 16)})
+    torch.testing.assert_close(kernels.linear(x, layer.weight), ORIGINAL(x, torch.ones(24, 16)), rtol=1e-5,
+                               atol=1e-5)
+    key = id(layer.weight)
+    del layer
+    gc.collect()
+    assert key not in kernels._packed
+    w = torch.randn(24, 16)
+    kernels.linear(x, w)
+    assert kernels.clear_packed() >= 1 and not kernels._packed
+    torch.testing.assert_close(kernels.linear(x, w), ORIGINAL(x, w), rtol=1e-5, atol=1e-5)  # packed again
 
 
 def _ineligible_cases():

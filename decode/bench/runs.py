@@ -171,8 +171,8 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
 def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool) -> list[dict]:
     """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch.
 
-    The speculative method is ``cfg.batch_gamma``, else the best measured fixed γ, else γ="auto" when no fixed γ
-    ran. Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
+    The speculative methods are ``cfg.batch_gamma``, else the best measured fixed γ, else γ="auto" when no fixed γ
+    ran; and γ="auto" too when ``cfg.auto`` (it re-plans γ from costs measured at each batch size). Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
     so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size. A
     ``cfg.batch_gamma`` that the main pass did not run is measured at batch size 1 here too.
     With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch.
@@ -183,6 +183,8 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
         # No fixed γ run (--gammas auto): the batch pass measures γ="auto".
         g = cfg.batch_gamma or entry["best_gamma_measured"] or (cfg.gammas[0] if cfg.gammas else "auto")
         pair = [Method("plain", OURS, 0), Method("spec_auto" if g == "auto" else f"spec_g{g}", OURS, g)]
+        if cfg.auto and g != "auto":  # γ="auto" chooses per step from costs measured at the current batch size
+            pair.append(Method("spec_auto", OURS, "auto"))
         if cfg.compile:
             pair += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in pair]
         for bs in cfg.batch_sizes:

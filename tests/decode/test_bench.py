@@ -163,8 +163,11 @@ def test_batch_pass_has_every_size(bench_run):
     results, _, cfg, _ = bench_run
     for t in cfg.temperatures:
         rows = [b for b in results["batch"] if b["temperature"] == t]
-        assert {(b["batch_size"], b["num_draft_tokens"] == 0) for b in rows} == {(1, True), (1, False), (2, True),
-                                                                                 (2, False)}
+        best = next(s["best_gamma_measured"] for s in results["summary"] if s["temperature"] == t)
+        # plain, the best fixed γ and (cfg.auto) γ="auto", which re-plans from costs measured at each batch size
+        assert sorted((b["batch_size"], str(b["num_draft_tokens"])) for b in rows) == sorted(
+            (bs, str(g)) for bs in (1, 2) for g in (0, best, "auto"))
+        assert {b["method"] for b in rows} == {"plain", f"spec_g{best}", "spec_auto"}
         assert all(b["tokens_per_s"] > 0 for b in rows)
         two = [b for b in rows if b["batch_size"] == 2]
         assert all(b["num_new_tokens"] == 2 * 2 * cfg.max_new_tokens for b in two)  # 2 batches of 2 rows
@@ -205,10 +208,13 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
     for entry, s in zip(results["report"], results["summary"]):
         t = entry["temperature"]
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == t}
-        checks = {(c["name"], c.get("batch_size")): c for c in entry["checks"]}
-        assert set(checks) == {("cost_ratio_vs_bare", None), ("measured_vs_verify_aware", None),
-                               ("decode_vs_verify_aware", None), ("ours_vs_hf_assisted", None),
-                               ("batch_speedup", 2), ("auto_vs_best_fixed", None)}
+        checks = {(c["name"], c.get("batch_size"), c.get("gamma") if c["name"] == "batch_speedup" else None): c
+                  for c in entry["checks"]}
+        g = s["best_gamma_measured"]
+        assert set(checks) == {("cost_ratio_vs_bare", None, None), ("measured_vs_verify_aware", None, None),
+                               ("decode_vs_verify_aware", None, None), ("ours_vs_hf_assisted", None, None),
+                               ("batch_speedup", 2, g), ("batch_speedup", 2, "auto"), ("auto_vs_best_fixed", None, None)}
+        checks = {(name, bs): c for (name, bs, gamma), c in checks.items() if gamma != "auto"}
         for c in entry["checks"]:
             assert c["ratio"] == pytest.approx(c["ours"] / c["reference"]), c["name"]
         assert (checks[("cost_ratio_vs_bare", None)]["ours"], checks[("cost_ratio_vs_bare", None)]["reference"]) == (
@@ -225,10 +231,11 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
                                                               runs["hf_assisted_g3"]["speedup"])
         assert hf["analytic_bound"] == pytest.approx(runs["spec_g3"]["predicted_speedup_verify_aware"]
                                                      / runs["hf_assisted_g3"]["speedup"])
-        batch = checks[("batch_speedup", 2)]
-        row = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] == 2
-               and b["method"] != "plain"][0]
-        assert batch["ratio"] == pytest.approx(row["speedup"]) and batch["goal"] is None and batch["met"] is None
+        for gamma in (g, "auto"):
+            batch = [c for c in entry["checks"] if c["name"] == "batch_speedup" and c["gamma"] == gamma][0]
+            row = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] == 2
+                   and b["num_draft_tokens"] == gamma][0]
+            assert batch["ratio"] == pytest.approx(row["speedup"]) and batch["goal"] is None and batch["met"] is None
         assert checks[("auto_vs_best_fixed", None)]["ratio"] == s["auto_vs_best_fixed"]
 
 
@@ -243,7 +250,7 @@ def test_must_show_goals_are_issue_8s(bench_run):
         b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
     goals = {e["temperature"]: [c["goal"] for c in e["checks"] if c["name"] == "batch_speedup"]
              for e in must_show(results)}
-    assert goals == {0.0: [">= 1"], 1.0: [">= 1.15"]}
+    assert goals == {0.0: [">= 1", ">= 1"], 1.0: [">= 1.15", ">= 1.15"]}  # the fixed γ and auto
 
 
 def test_bare_forwards_are_timed_on_the_same_context():
@@ -293,7 +300,7 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert results["config"]["target"] == str(saved_pair / "target")
     assert [c["name"] for c in results["report"][0]["checks"]] == [
         "cost_ratio_vs_bare", "measured_vs_verify_aware", "decode_vs_verify_aware", "ours_vs_hf_assisted",
-        "batch_speedup", "auto_vs_best_fixed"]
+        "batch_speedup", "batch_speedup", "auto_vs_best_fixed"]  # batch 2: γ=2 and auto
     captured = capsys.readouterr()
     printed = captured.out
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed

@@ -10,8 +10,9 @@ MKL 2024.2; docs/decode.md, "Few-row linear layers"):
 - more rows, up to :data:`MAX_ROWS`: oneDNN's linear on a weight reordered once into its blocked layout (what
   inductor's CPU weight prepacking uses): about flat from 3 to 12 rows (5-6 ms where MKL takes 12-19 ms), 1.7x
   faster at 40 rows. It keeps one packed copy per weight it has run (:func:`clear_packed` frees them); without
-  oneDNN in the torch build, the transposed product covers up to :data:`TRANSPOSED_FALLBACK_ROWS` rows and the
-  rest goes to the original.
+  oneDNN in the torch build, and for weights made under ``torch.inference_mode`` (no version counter tells when a
+  copy is stale), the transposed product covers up to :data:`TRANSPOSED_FALLBACK_ROWS` rows and the rest goes to
+  the original.
 
 :func:`few_row_linear` routes ``F.linear`` calls with 1..:data:`MAX_ROWS` rows of float32 CPU inference through
 these forms while the block runs. They change the summation order only (results agree to float32 round-off, ~1e-6
@@ -146,7 +147,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = flat.shape[0]
     if n <= TRANSPOSED_ROWS:
         out = transposed_linear(flat, weight, bias)
-    elif _ONEDNN:
+    elif _ONEDNN and not weight.is_inference():  # an inference tensor has no version counter to key a copy on
         out = packed_linear(flat, weight, bias)
     elif n <= TRANSPOSED_FALLBACK_ROWS:
         out = transposed_linear(flat, weight, bias)

@@ -59,6 +59,19 @@ def test_eligible_inputs_take_the_measured_form(monkeypatch, rows, backend):
         assert torch.equal(out, ORIGINAL(x, w, b))
 
 
+@pytest.mark.parametrize("rows", [3, 12])
+def test_weights_made_under_inference_mode_take_the_fallback(rows):
+    """Inference tensors have no version counter (reading it raises), so no packed copy could be kept in step."""
+    with torch.inference_mode():
+        w = torch.randn(24, 16)
+    x = torch.randn(rows, 16)
+    for mode in (torch.no_grad(), torch.inference_mode()):
+        with mode:
+            out = kernels.linear(x, w)
+        torch.testing.assert_close(out, ORIGINAL(x, w), rtol=1e-5, atol=1e-5)
+    assert id(w) not in kernels._packed
+
+
 def test_packed_copy_follows_the_weight():
     """An in-place update of the weight (training, load_state_dict) makes the packed copy again; a dead weight's
     copy is freed with it; clear_packed frees the rest."""

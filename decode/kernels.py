@@ -9,7 +9,8 @@ MKL 2024.2; docs/decode.md, "Few-row linear layers"):
   one-column product goes to GEMV, slower still). Over the quickstart target's weights: 10.9 -> 6.0 ms for one row.
 - more rows, up to :data:`MAX_ROWS`: oneDNN's linear on a weight reordered once into its blocked layout (what
   inductor's CPU weight prepacking uses): about flat from 3 to 12 rows (5-6 ms where MKL takes 12-19 ms), 1.7x
-  faster at 40 rows. It keeps one packed copy per weight it has run (:func:`clear_packed` frees them); without
+  faster at 40 rows. It keeps one packed copy per weight it has run (about the size of the weight; made again when
+  the weight changes, see :func:`_packed_weight`; :func:`clear_packed` frees them). Without
   oneDNN in the torch build, and for weights made under ``torch.inference_mode`` (no version counter tells when a
   copy is stale), the transposed product covers up to :data:`TRANSPOSED_FALLBACK_ROWS` rows and the rest goes to
   the original.
@@ -37,10 +38,29 @@ PACK_BATCH_HINT = 16  # the batch size oneDNN picks the packed layout for (4, 16
 
 _lock = threading.Lock()
 _depth = 0
+_block = 0  # outermost block entries so far: a kept packed copy is checked against its weight once per block
 _original = F.linear  # what ineligible calls go to
 _saved = F.linear     # what the last exit restores (F.linear as found at the first entry)
-# id(weight) -> (weakref to it, its _version and data_ptr when packed, the packed copy); entries leave with the weight
-_packed: dict[int, tuple[Any, int, int, torch.Tensor]] = {}
+
+
+class _Packed:
+    """A packed copy and what tells whether its weight still holds the values it was made from."""
+
+    __slots__ = ("ref", "version", "ptr", "rows", "cols", "sample", "block", "packed")
+
+    def __init__(self, ref: Any, weight: torch.Tensor, packed: torch.Tensor):
+        n, k = weight.shape
+        self.ref, self.packed, self.block = ref, packed, _block
+        self.version, self.ptr = weight._version, weight.data_ptr()
+        # one element in every row and one in every column, spread by two large primes
+        r, c = torch.arange(n), torch.arange(k)
+        self.rows = torch.cat([r, (c * 104729) % n])
+        self.cols = torch.cat([(r * 7919) % k, c])
+        self.sample = weight.detach()[self.rows, self.cols]
+
+
+# id(weight) -> its _Packed; an entry leaves with its weight (weakref callback) or by clear_packed()
+_packed: dict[int, _Packed] = {}
 
 
 def onednn_available() -> bool:
@@ -56,25 +76,42 @@ def onednn_available() -> bool:
 _ONEDNN = onednn_available()
 
 
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``(N, K)`` copied into oneDNN's blocked layout for :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+
 def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed copy of ``weight`` (made on first use; made again after an in-place update)."""
+    """The oneDNN-packed copy of ``weight``.
+
+    Inside :func:`few_row_linear` blocks a copy is made on first use and kept with the weight. It is made again when
+    the weight's version counter or storage moved (in-place updates autograd tracks, reassigned ``.data``), or, at
+    its first use in a new outermost block, when a sample of one element per row and per column changed: updates
+    through ``weight.data`` (peft's merge writes ``weight.data += BA``) leave the version counter as it was.
+    Outside any block it is made for this call only."""
     key = id(weight)
     entry = _packed.get(key)
-    version, ptr = weight._version, weight.data_ptr()
-    if entry is not None and entry[0]() is weight and entry[1] == version and entry[2] == ptr:
-        return entry[3]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+    if (entry is not None and entry.ref() is weight and entry.version == weight._version
+            and entry.ptr == weight.data_ptr()):
+        if entry.block == _block:
+            return entry.packed
+        if torch.equal(weight.detach()[entry.rows, entry.cols], entry.sample):
+            entry.block = _block
+            return entry.packed
+    packed = _reorder(weight.detach())
+    if _depth == 0:
+        return packed
     with _lock:
-        if entry is None or entry[0]() is not weight:
-            ref = weakref.ref(weight, lambda _, k=key: _packed.pop(k, None))
-        else:
-            ref = entry[0]
-        _packed[key] = (ref, version, ptr, packed)
+        ref = entry.ref if entry is not None and entry.ref() is weight else \
+            weakref.ref(weight, lambda _, k=key: _packed.pop(k, None))
+        _packed[key] = _Packed(ref, weight, packed)
     return packed
 
 
 def clear_packed() -> int:
-    """Free the packed weight copies (they are made again on next use). Returns how many were freed."""
+    """Free the packed weight copies now (they are made again on next use). Call it after editing weights through
+    ``.data`` in a way that may leave every sampled element as it was (see :func:`_packed_weight`). Returns how
+    many were freed."""
     with _lock:
         n = len(_packed)
         _packed.clear()
@@ -83,7 +120,7 @@ def clear_packed() -> int:
 
 def packed_bytes() -> int:
     """Bytes held by the packed weight copies."""
-    return sum(e[3].numel() * e[3].element_size() for e in list(_packed.values()))
+    return sum(e.packed.numel() * e.packed.element_size() for e in list(_packed.values()))
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -166,16 +203,21 @@ def few_row_linear(enabled: bool = True) -> Iterator[None]:
     that calls ``F.linear`` meanwhile gets the same values up to round-off, and training, autocast and other
     dtypes are passed to the original.
 
+    Packed weight copies (:func:`packed_linear`) are kept across blocks and checked against their weights once per
+    outermost block (see :func:`_packed_weight`): the engine holds one block per ``generate()`` call and the server
+    one per busy period. Do not change weights through ``.data`` while a block is open.
+
     Args:
         enabled: False makes the block a no-op (so callers need no branch).
     """
-    global _depth, _saved
+    global _depth, _saved, _block
     if not enabled:
         yield
         return
     with _lock:
         if _depth == 0:
             _saved, F.linear = F.linear, linear
+            _block += 1
         _depth += 1
     try:
         yield

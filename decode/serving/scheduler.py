@@ -14,6 +14,7 @@ Events put on a request's ``asyncio.Queue``: ``("delta", text)``, ``("done", fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -22,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from decode import kernels
 from decode.serving.metrics import ServerMetrics
 from decode.serving.protocol import APIError, usage
 from decode.stops import StopStringFilter
@@ -157,17 +159,33 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the scheduler thread
     def _run(self) -> None:
+        # One decode.kernels.few_row_linear block per busy period: the engine's packed weights are made once per
+        # period, not once per step, and freed when the server goes idle.
+        busy = contextlib.ExitStack()
+        try:
+            self._loop(busy)
+        finally:
+            busy.close()
+
+    def _loop(self, busy: contextlib.ExitStack) -> None:
+        in_block = False
         while True:
             self._apply_commands()
             if self._abandon:  # shutdown(drain=False), also for requests admitted while it was called
                 self._abort_running(_shutdown_error())
             if not self._running:
+                if in_block:
+                    busy.close()
+                    in_block = False
                 with self._lock:
                     if self._stopping and not self._waiting:
                         return
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            if not in_block:
+                busy.enter_context(kernels.few_row_linear(bool(getattr(self.engine, "few_row_linear", False))))
+                in_block = True
             try:
                 finished = self.engine.step()
             except Exception as err:  # a bug: fail this batch, keep serving

@@ -3,8 +3,10 @@ packed weight beyond, or the fallback without oneDNN), keeps its packed copies i
 everything it is not meant for to the original bit for bit, is installed only inside its blocks (nested, threads,
 exceptions), and the engine runs its steps under it by default on float32 CPU models (greedy equality on both
 paths)."""
+import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -52,9 +54,10 @@ def test_eligible_inputs_take_the_measured_form(monkeypatch, rows, backend):
     original = rows > kernels.TRANSPOSED_FALLBACK_ROWS and backend == "no-onednn"
     if not original:
         monkeypatch.setattr(kernels, "_original", _refusing)
-    out = kernels.linear(x, w, b)
+    with kernels.few_row_linear():  # packed copies are kept while a block is open
+        out = kernels.linear(x, w, b)
+        assert (id(w) in kernels._packed) is packed
     assert out.shape == (1, rows, 24)
-    assert (id(w) in kernels._packed) is packed
     if original:
         assert torch.equal(out, ORIGINAL(x, w, b))
 
@@ -73,27 +76,44 @@ def test_weights_made_under_inference_mode_take_the_fallback(rows):
 
 
 def test_packed_copy_follows_the_weight():
-    """An in-place update of the weight (training, load_state_dict) makes the packed copy again; a dead weight's
-    copy is freed with it; clear_packed frees the rest."""
+    """A packed copy is made again after an in-place update (training, load_state_dict: the version counter moves)
+    and, at its first use in a new block, after an update through ``.data`` (peft's merge writes
+    ``weight.data += BA``; the version counter stays), also one that changes a single row or column. A dead
+    weight's copy goes with it; clear_packed frees the rest; outside any block nothing is kept."""
     assert kernels.onednn_available()
     layer = torch.nn.Linear(16, 24, bias=False).requires_grad_(False)
     x = torch.randn(5, 16)
-    first = kernels.linear(x, layer.weight)
-    assert id(layer.weight) in kernels._packed and kernels.packed_bytes() >= layer.weight.numel() * 4
-    with torch.no_grad():
-        layer.weight.mul_(-2.0)
-    torch.testing.assert_close(kernels.linear(x, layer.weight), -2.0 * first, rtol=1e-5, atol=1e-5)
-    layer.load_state_dict({"weight": torch.ones(24, 16)})
-    torch.testing.assert_close(kernels.linear(x, layer.weight), ORIGINAL(x, torch.ones(24, 16)), rtol=1e-5,
-                               atol=1e-5)
-    key = id(layer.weight)
+
+    def check():
+        torch.testing.assert_close(kernels.linear(x, layer.weight), ORIGINAL(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+    with kernels.few_row_linear():
+        check()
+        assert id(layer.weight) in kernels._packed and kernels.packed_bytes() >= layer.weight.numel() * 4
+        with torch.no_grad():
+            layer.weight.mul_(-2.0)
+        check()
+        layer.load_state_dict({"weight": torch.ones(24, 16)})
+        check()
+    for edit in (lambda w: w.data.mul_(3.0), lambda w: w.data[7].add_(1.0), lambda w: w.data[:, 11].sub_(0.5)):
+        version = layer.weight._version
+        edit(layer.weight)
+        assert layer.weight._version == version  # unseen by the version counter
+        with kernels.few_row_linear():
+            check()
+    key, w = id(layer.weight), layer.weight
     del layer
+    gc.collect()
+    assert key in kernels._packed  # w still holds the weight
+    del w
     gc.collect()
     assert key not in kernels._packed
     w = torch.randn(24, 16)
-    kernels.linear(x, w)
+    with kernels.few_row_linear():
+        kernels.linear(x, w)
     assert kernels.clear_packed() >= 1 and not kernels._packed
-    torch.testing.assert_close(kernels.linear(x, w), ORIGINAL(x, w), rtol=1e-5, atol=1e-5)  # packed again
+    kernels.linear(x, w)
+    assert not kernels._packed
 
 
 def _ineligible_cases():
@@ -204,4 +224,76 @@ def test_engine_runs_its_forwards_under_the_switch_and_keeps_greedy_equality(pai
     assert [t.tolist() for t in out.new_tokens] == plain
     assert 0 < out.stats.acceptance_rate < 1  # rejections: verify forwards of several rows ran
     assert seen and all(s is enabled for s in seen)
+    assert F.linear is ORIGINAL
+
+
+def test_generate_packs_each_weight_once_and_follows_a_merge(pair, monkeypatch):
+    """The first generate() packs each linear weight once (one block around its steps, the copies kept across
+    steps); later calls reuse the copies; after a peft-style merge through ``.data`` the changed weights are packed
+    again and greedy output equals plain decoding with the kernels off on the changed model."""
+    target, draft = pair
+    target, draft = copy.deepcopy(target), copy.deepcopy(draft)
+    made = []
+    reorder = kernels._reorder
+    monkeypatch.setattr(kernels, "_reorder", lambda w: made.append(w.data_ptr()) or reorder(w))
+    dec = SpeculativeDecoder(target, draft, 3)
+    prompts = [[4, 9, 12, 30, 2], [7], [50, 51, 52], [3, 3]]  # batch 4: every forward has more than 2 rows
+    out = dec.generate(prompts, max_new_tokens=12)
+    assert out.stats.num_target_forwards >= 4
+    weights = {m.weight.data_ptr() for model in (target, draft) for m in model.modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert sorted(made) == sorted(weights)
+    made.clear()
+    dec.generate(prompts, max_new_tokens=12)
+    assert made == []
+    merged = target.model.layers[0].mlp.down_proj.weight
+    merged.data += 0.5 * torch.randn(merged.shape[0], 2) @ torch.randn(2, merged.shape[1])  # W + BA, as peft merges
+    out = dec.generate(prompts, max_new_tokens=12)
+    assert made == [merged.data_ptr()]
+    plain = SpeculativeDecoder(target, None, few_row_linear=False)
+    assert [t.tolist() for t in out.new_tokens] == [
+        plain.generate([p], max_new_tokens=12).new_tokens[0].tolist() for p in prompts]
+
+
+def test_server_holds_one_block_per_busy_period():
+    """The scheduler thread keeps the kernels' block open while requests run (packed weights made once per busy
+    period) and closes it when it goes idle."""
+    import asyncio
+
+    from decode.serving.metrics import ServerMetrics
+    from decode.serving.scheduler import GenerationRequest, Scheduler
+
+    seen = []
+
+    class Engine:  # a request that runs until aborted; its steps do not enter a block themselves
+        few_row_linear = True
+
+        def add_request(self, *a, **k):
+            pass
+
+        def step(self):
+            seen.append(F.linear is kernels.linear)
+            time.sleep(0.001)
+            return []
+
+        def abort(self, rid):
+            pass
+
+    sched = Scheduler(Engine(), None, ServerMetrics(), max_batch_size=2, max_queue=1)
+    sched.start()
+    loop = asyncio.new_event_loop()
+    try:
+        live = sched.submit(GenerationRequest(prompt_ids=[1], sampling={}, stop_ids=[]), loop)
+        deadline = time.time() + 10
+        while len(seen) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        sched.abort(live.request_id)
+        while sched.num_running and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # an idle pass of the scheduler loop
+        assert seen and all(seen)
+        assert F.linear is ORIGINAL  # idle: the block is closed
+    finally:
+        sched.shutdown(drain=False, timeout=5)
+        loop.close()
     assert F.linear is ORIGINAL

@@ -6,7 +6,8 @@ than the weights' memory traffic allows. Two forms do better on a 2-core AMD EPY
 MKL 2024.2; docs/decode.md, "Few-row linear layers"):
 
 - 1..:data:`TRANSPOSED_ROWS` rows: the same product taken as ``(W @ xᵀ)ᵀ``, one row as two copies of it (a
-  one-column product goes to GEMV, slower still). Over the quickstart target's weights: 10.9 -> 6.0 ms for one row.
+  one-column product goes to GEMV, slower still). Over the quickstart target's weights: about 11 -> 5-7 ms for one
+  row.
 - more rows, up to :data:`MAX_ROWS`: oneDNN's linear on a weight reordered once into its blocked layout (what
   inductor's CPU weight prepacking uses): about flat from 3 to 12 rows (5-6 ms where MKL takes 12-19 ms), 1.7x
   faster at 40 rows. It keeps one packed copy per weight it has run (about the size of the weight; made again when
@@ -98,7 +99,7 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
         if torch.equal(weight.detach()[entry.rows, entry.cols], entry.sample):
             entry.block = _block
             return entry.packed
-    packed = _reorder(weight.detach())
+    packed = _reorder(weight.detach().contiguous())
     if _depth == 0:
         return packed
     with _lock:

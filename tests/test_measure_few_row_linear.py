@@ -1,5 +1,6 @@
 """scripts/measure_few_row_linear.py: the linear-forms pass, forward costs and the interleaved end-to-end run on a
-tiny float32 pair (both sides decode losslessly), γ and row parsing, and bad input refused with exit status 2 before anything is written."""
+tiny float32 pair (both sides decode losslessly), γ and row parsing, and bad input refused with exit status 2
+before anything is written."""
 import json
 
 import pytest

@@ -172,8 +172,9 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
     """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch.
 
     The speculative methods are ``cfg.batch_gamma``, else the best measured fixed γ, else γ="auto" when no fixed γ
-    ran; and γ="auto" too when ``cfg.auto`` (it re-plans γ from costs measured at each batch size). Batch size 1 reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts
-    so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size. A
+    ran; and γ="auto" too when ``cfg.auto`` (it re-plans γ from costs measured at each batch size). Batch size 1
+    reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts so every batch
+    is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size. A
     ``cfg.batch_gamma`` that the main pass did not run is measured at batch size 1 here too.
     With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch.
     """

@@ -159,8 +159,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the scheduler thread
     def _run(self) -> None:
-        # One decode.kernels.few_row_linear block per busy period: the engine's packed weights are made once per
-        # period, not once per step, and freed when the server goes idle.
+        # One decode.kernels.few_row_linear block per busy period: the engine's packed weight copies are checked
+        # against their weights once per period, not once per step, and F.linear is the original while idle.
         busy = contextlib.ExitStack()
         try:
             self._loop(busy)

@@ -38,8 +38,9 @@ TRANSPOSED_FALLBACK_ROWS = 8  # without oneDNN: 9..16 rows were slower transpose
 PACK_BATCH_HINT = 16  # the batch size oneDNN picks the packed layout for (4, 16 and 64 measured alike)
 
 _lock = threading.Lock()
-_depth = 0
-_block = 0  # outermost block entries so far: a kept packed copy is checked against its weight once per block
+_depth = 0  # open blocks in the process: F.linear is replaced while > 0
+_thread = threading.local()  # .depth: open blocks in this thread
+_block = 0  # entries of a thread's outermost block so far: a kept packed copy is checked once per such block
 _original = F.linear  # what ineligible calls go to
 _saved = F.linear     # what the last exit restores (F.linear as found at the first entry)
 
@@ -87,9 +88,9 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
     Inside :func:`few_row_linear` blocks a copy is made on first use and kept with the weight. It is made again when
     the weight's version counter or storage moved (in-place updates autograd tracks, reassigned ``.data``), or, at
-    its first use in a new outermost block, when a sample of one element per row and per column changed: updates
-    through ``weight.data`` (peft's merge writes ``weight.data += BA``) leave the version counter as it was.
-    Outside any block it is made for this call only."""
+    its first use after any thread entered its outermost block, when a sample of one element per row and per
+    column changed: updates through ``weight.data`` (peft's merge writes ``weight.data += BA``) leave the version
+    counter as it was. Outside any block it is made for this call only."""
     key = id(weight)
     entry = _packed.get(key)
     if (entry is not None and entry.ref() is weight and entry.version == weight._version
@@ -124,18 +125,24 @@ def packed_bytes() -> int:
     return sum(e.packed.numel() * e.packed.element_size() for e in list(_packed.values()))
 
 
-def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``F.linear(x, weight)`` takes the transposed product: float32 CPU inference on 1..MAX_ROWS rows."""
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` takes a kernel of this module: float32 CPU inference on 1..MAX_ROWS
+    rows of a weight with at least one output, and no bias or a 1-D float32 CPU bias of one value per output (any
+    other bias, e.g. a broadcast (1, N) or 0-D one, goes to the original, which broadcasts it)."""
     if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return False  # tensor subclasses (DTensor, quantized, fake) keep their own dispatch
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2 or x.dim() < 2:
         return False
     if x.device.type != "cpu" or weight.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return False
+    if bias is not None and (type(bias) not in (torch.Tensor, torch.nn.Parameter) or bias.dtype != torch.float32
+                             or bias.device.type != "cpu" or bias.shape != (weight.shape[0],)):
         return False
     k = x.shape[-1]
-    return k > 0 and k == weight.shape[1] and MIN_ROWS <= x.numel() // k <= MAX_ROWS
+    return k > 0 and k == weight.shape[1] and weight.shape[0] > 0 and MIN_ROWS <= x.numel() // k <= MAX_ROWS
 
 
 def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,6 +171,7 @@ def packed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Returns:
         ``(n, N)``, contiguous.
     """
+    bias = bias.contiguous() if bias is not None else None  # oneDNN reads the bias as a dense (N,) array
     return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), _packed_weight(weight), bias, "none", [], "")
 
 
@@ -179,7 +187,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``(..., N)``, contiguous, equal to ``F.linear`` up to float32 round-off (the original ``F.linear`` result,
         bit for bit, where the input is not eligible: see the module docstring).
     """
-    if not _eligible(x, weight):
+    if not _eligible(x, weight, bias):
         return _original(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])  # (n, K)
     n = flat.shape[0]
@@ -204,9 +212,10 @@ def few_row_linear(enabled: bool = True) -> Iterator[None]:
     that calls ``F.linear`` meanwhile gets the same values up to round-off, and training, autocast and other
     dtypes are passed to the original.
 
-    Packed weight copies (:func:`packed_linear`) are kept across blocks and checked against their weights once per
-    outermost block (see :func:`_packed_weight`): the engine holds one block per ``generate()`` call and the server
-    one per busy period. Do not change weights through ``.data`` while a block is open.
+    Packed weight copies (:func:`packed_linear`) are kept across blocks and checked against their weights at their
+    first use after a thread enters its outermost block (see :func:`_packed_weight`): the engine holds one block
+    per ``generate()`` call and the server one per busy period. Do not change weights through ``.data`` while a
+    block that uses them is open.
 
     Args:
         enabled: False makes the block a no-op (so callers need no branch).
@@ -215,14 +224,18 @@ def few_row_linear(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
+    mine = getattr(_thread, "depth", 0)
     with _lock:
         if _depth == 0:
             _saved, F.linear = F.linear, linear
+        if mine == 0:  # this thread's outermost block: kept copies are checked again (another thread's may be open)
             _block += 1
         _depth += 1
+    _thread.depth = mine + 1
     try:
         yield
     finally:
+        _thread.depth = mine
         with _lock:
             _depth -= 1
             if _depth == 0:

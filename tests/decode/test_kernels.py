@@ -62,6 +62,26 @@ def test_eligible_inputs_take_the_measured_form(monkeypatch, rows, backend):
         assert torch.equal(out, ORIGINAL(x, w, b))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_odd_biases_and_empty_weights_match_f_linear(rows, backend):
+    """A strided 1-D bias is read densely (oneDNN read it as contiguous: errors of 3.5, and 3.6e32 for an expanded
+    one); a bias F.linear broadcasts (0-D, (1, N)) or rejects (wrong length or dtype) and a weight with no outputs
+    go to the original, so values and errors are F.linear's."""
+    w, x = torch.randn(48, 32), torch.randn(rows, 32)
+    for b in (torch.randn(96)[::2], torch.tensor([0.5]).expand(48), torch.tensor(0.5), torch.randn(1, 48)):
+        with kernels.few_row_linear():
+            out = F.linear(x, w, b)
+        torch.testing.assert_close(out, ORIGINAL(x, w, b), rtol=1e-5, atol=1e-5)
+    for b in (torch.randn(47), torch.randn(48, dtype=torch.float64)):
+        with pytest.raises(RuntimeError) as ours, kernels.few_row_linear():
+            F.linear(x, w, b)
+        with pytest.raises(RuntimeError) as theirs:
+            ORIGINAL(x, w, b)
+        assert str(ours.value) == str(theirs.value)
+    with kernels.few_row_linear():
+        assert F.linear(x, torch.randn(0, 32)).shape == (rows, 0)
+
+
 @pytest.mark.parametrize("rows", [3, 12])
 def test_weights_made_under_inference_mode_take_the_fallback(rows):
     """Inference tensors have no version counter (reading it raises), so no packed copy could be kept in step."""
@@ -253,6 +273,36 @@ def test_generate_packs_each_weight_once_and_follows_a_merge(pair, monkeypatch):
     plain = SpeculativeDecoder(target, None, few_row_linear=False)
     assert [t.tolist() for t in out.new_tokens] == [
         plain.generate([p], max_new_tokens=12).new_tokens[0].tolist() for p in prompts]
+
+
+def test_a_block_held_by_another_thread_does_not_hide_a_merge(pair):
+    """The sample check runs after each thread's outermost entry: with another thread's block open the whole time
+    (a server's busy period, another decoder), generate() after a .data edit still uses the new weights."""
+    target, draft = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
+    prompt = [5, 7, 11, 13, 2, 9, 4]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with kernels.few_row_linear():
+            held.set()
+            release.wait(60)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert held.wait(30)
+        dec = SpeculativeDecoder(target, draft, 4)
+        dec.generate([prompt], max_new_tokens=24)
+        with torch.no_grad():
+            for p in target.parameters():
+                p.data.mul_(-1.0)
+        out = dec.generate([prompt], max_new_tokens=24).new_tokens[0].tolist()
+    finally:
+        release.set()
+        other.join()
+    plain = SpeculativeDecoder(target, None, few_row_linear=False).generate([prompt], max_new_tokens=24)
+    assert out == plain.new_tokens[0].tolist()
+    assert F.linear is ORIGINAL
 
 
 def test_server_holds_one_block_per_busy_period():

@@ -166,7 +166,8 @@ def packed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     :func:`onednn_available`).
 
     Args:
-        flat: ``(n, K)`` float32 CPU; weight: ``(N, K)``; bias: ``(N,)`` or None.
+        flat: ``(n, K)`` float32 CPU; weight: ``(N, K)``, not an inference tensor (its version counter keys the
+            copy); bias: ``(N,)`` or None.
 
     Returns:
         ``(n, N)``, contiguous.

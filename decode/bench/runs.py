@@ -183,33 +183,33 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
         t = entry["temperature"]
         # No fixed γ run (--gammas auto): the batch pass measures γ="auto".
         g = cfg.batch_gamma or entry["best_gamma_measured"] or (cfg.gammas[0] if cfg.gammas else "auto")
-        pair = [Method("plain", OURS, 0), Method("spec_auto" if g == "auto" else f"spec_g{g}", OURS, g)]
+        group = [Method("plain", OURS, 0), Method("spec_auto" if g == "auto" else f"spec_g{g}", OURS, g)]
         if cfg.auto and g != "auto":  # γ="auto" chooses per step from costs measured at the current batch size
-            pair.append(Method("spec_auto", OURS, "auto"))
+            group.append(Method("spec_auto", OURS, "auto"))
         if cfg.compile:
-            pair += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in pair]
+            group += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in group]
         for bs in cfg.batch_sizes:
-            if bs == 1 and all(records.get((t, m.name)) for m in pair):
-                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in pair]
+            if bs == 1 and all(records.get((t, m.name)) for m in group):
+                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
             else:  # also batch 1 when the main pass did not run that γ (--batch-gamma not in --gammas)
-                jobs.append((t, pair, bs))
-    total = sum(math.ceil(len(prompt_ids) / bs) * len(pair) for _, pair, bs in jobs)
+                jobs.append((t, group, bs))
+    total = sum(math.ceil(len(prompt_ids) / bs) * len(group) for _, group, bs in jobs)
     with _progress(progress, total, "batches") as tick:
-        for t, pair, bs in jobs:
+        for t, group, bs in jobs:
             n_batches = math.ceil(len(prompt_ids) / bs)
             rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
             if cfg.warmup:
-                for m in pair:
+                for m in group:
                     run(m, rows[:bs], t, 0)
-            recs: dict[str, list[dict]] = {m.name: [] for m in pair}
+            recs: dict[str, list[dict]] = {m.name: [] for m in group}
             for b in range(n_batches):
                 chunk = rows[b * bs:(b + 1) * bs]
-                for m in (pair if b % 2 == 0 else pair[::-1]):
+                for m in (group if b % 2 == 0 else group[::-1]):
                     new, wall, _, peak = run(m, chunk, t, seed_for(cfg, b, batch=bs))
                     recs[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
                                          "peak_memory_bytes": peak})
                     tick()
-            out += [batch_row(t, m, bs, recs[m.name], reused=False) for m in pair]
+            out += [batch_row(t, m, bs, recs[m.name], reused=False) for m in group]
     for row in out:  # over plain decoding (the eager engine) at the same temperature and batch size
         plain = [r for r in out if r["temperature"] == row["temperature"] and r["batch_size"] == row["batch_size"]
                  and r["method"] == "plain"]

@@ -15,6 +15,21 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w9{% endif %}")
 
 
+class EndlessEngine:
+    """The engine's request API for scheduler tests, without a model: a request never finishes by itself (each
+    step takes 1 ms and finishes nothing), aborts are accepted."""
+
+    def add_request(self, *a, **k):
+        pass
+
+    def step(self):
+        time.sleep(0.001)
+        return []
+
+    def abort(self, rid):
+        pass
+
+
 def tiny_pair(gamma: int = 3, chat: bool = True, eos=None):
     """(decoder, tokenizer): a 2-layer Llama target, a perturbed copy as draft, the word-level test tokenizer."""
     target = tiny_llama(seed=0)

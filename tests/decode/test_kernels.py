@@ -312,22 +312,16 @@ def test_server_holds_one_block_per_busy_period():
 
     from decode.serving.metrics import ServerMetrics
     from decode.serving.scheduler import GenerationRequest, Scheduler
+    from tests.decode.server_helpers import EndlessEngine
 
     seen = []
 
-    class Engine:  # a request that runs until aborted; its steps do not enter a block themselves
+    class Engine(EndlessEngine):  # a request that runs until aborted; its steps do not enter a block themselves
         few_row_linear = True
-
-        def add_request(self, *a, **k):
-            pass
 
         def step(self):
             seen.append(F.linear is kernels.linear)
-            time.sleep(0.001)
-            return []
-
-        def abort(self, rid):
-            pass
+            return super().step()
 
     sched = Scheduler(Engine(), None, ServerMetrics(), max_batch_size=2, max_queue=1)
     sched.start()

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from decode.serving.app import ServerLimits
-from tests.decode.server_helpers import MODEL, running_server, tiny_pair
+from tests.decode.server_helpers import MODEL, EndlessEngine, running_server, tiny_pair
 
 KEY = "sk-test-key"
 
@@ -260,17 +260,6 @@ def test_a_drain_past_its_timeout_ends_the_running_requests_with_503():
 
     from decode.serving.metrics import ServerMetrics
     from decode.serving.scheduler import GenerationRequest, Scheduler
-
-    class EndlessEngine:  # a request that never finishes by itself
-        def add_request(self, *a, **k):
-            pass
-
-        def step(self):
-            time.sleep(0.001)
-            return []
-
-        def abort(self, rid):
-            pass
 
     sched = Scheduler(EndlessEngine(), None, ServerMetrics(), max_batch_size=2, max_queue=1)
     sched.start()

@@ -200,6 +200,9 @@ class SpeculativeDecoder:
         self._use_draft = False
         self._adaptive: AdaptiveGamma | None = None
         self._gamma_override: int | str | None = None
+        self._static_batch = False  # True inside generate(): auto γ minimizes the time to the last row's end
+        # False: auto γ keeps the pooled choice in generate() too (the planner's A/B baseline, docs/decode.md)
+        self.plan_static_batches = True
         self.auto_costs: dict[int, dict] = _check_auto_costs(auto_costs)
         self._costs_bucket = None
         self._next_id = 0
@@ -320,6 +323,8 @@ class SpeculativeDecoder:
         if self._adaptive is not None and max(gammas) > 0:
             self._adaptive.update(sum(gammas), sum(n_acc),
                                   num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g))
+            for row, g, n in zip(self._rows, gammas, n_acc):
+                row.acceptance.update(g, n)
         return self._commit(gammas, n_acc, new)
 
     # ------------------------------------------------------------------ admission
@@ -459,6 +464,10 @@ class SpeculativeDecoder:
         cfg = self._gamma_config()
         if cfg == "auto" and self._use_draft:
             self._set_auto_costs()
+            if self._static_batch and self.plan_static_batches and len(self._rows) > 1:  # ends with its last row
+                self._adaptive.plan_batch([row.acceptance for row in self._rows],
+                                          [max(1, self._remaining(row, len(seq)))
+                                           for row, seq in zip(self._rows, self._state.committed)])
             gamma = self._adaptive.next_gamma()
         else:
             gamma = cfg if self._use_draft else 0
@@ -879,7 +888,7 @@ class SpeculativeDecoder:
         start, forwards = time.perf_counter(), (self.num_target_forwards, self.num_draft_forwards)
         outputs: dict[int, RequestOutput] = {}
         first = None
-        self._gamma_override = gamma
+        self._gamma_override, self._static_batch = gamma, True
         try:
             for i, p in enumerate(prompts):
                 self.add_request(p, max_new_tokens, temperature, top_k, top_p, eos_token_id=eos_token_id,
@@ -891,7 +900,7 @@ class SpeculativeDecoder:
                     outputs.update((o.request_id, o) for o in self.step())
                     first = first or time.perf_counter()
         finally:
-            self._gamma_override = None
+            self._gamma_override, self._static_batch = None, False
             self._undelivered = []
             for rid in [r.request_id for r in self._waiting + self._rows]:
                 self.abort(rid)

@@ -12,6 +12,7 @@ import torch
 
 from decode.metrics import DecodeStats
 from decode.sampling import MAX_SEED, SamplingParams
+from decode.speedup import AlphaEstimate
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Request:
     stats: DecodeStats = field(default_factory=lambda: DecodeStats(num_sequences=1))
     added_at: float = field(default_factory=time.perf_counter)
     aborted: bool = False  # set by SpeculativeDecoder.abort (its on_tokens is not called after that)
+    acceptance: AlphaEstimate = field(default_factory=AlphaEstimate)  # this row's acceptance counts (auto γ, static batch)
 
     def output(self, finish_reason: str) -> RequestOutput:
         self.stats.num_new_tokens = len(self.new_tokens)

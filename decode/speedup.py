@@ -84,6 +84,76 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
     return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
 
+def makespan_gamma(alphas: Sequence[float], remaining: Sequence[int], cost_ratio: float, max_gamma: int = 16,
+                   min_gamma: int = 0, verify_costs: Sequence[float] | None = None) -> int:
+    """The γ in ``[min_gamma, max_gamma]`` that minimizes the expected time until the *last* row of a static batch
+    finishes, were γ kept for the rest of the batch (smallest on ties).
+
+    In a batch whose rows all wait for the slowest (``generate()`` over several prompts), speculation pays only if
+    the row that finishes last gets there sooner. Row r needs ``remaining[r]`` more tokens and commits
+    E_r(γ) = ``expected_tokens_per_step(α_r, min(γ, R_r − 1))`` per step (a row never drafts past its budget); a step
+    costs ``γc + v_γ`` batch forwards (1 at γ = 0). The objective is ``(γc + v_γ) · max_r R_r / E_r(γ)``. With
+    equal α_r it picks the γ of :func:`best_gamma` (up to the budget cut); with a few slow rows it drafts less than
+    pooled α would (a pooled α weights the rows that accept most, and their tokens do not end the batch sooner).
+    The model is conservative: it ignores that the batch shrinks as rows finish, which makes later steps cheaper.
+
+    Args:
+        alphas: α_r per row, each in [0, 1]; remaining: R_r >= 1 per row (same length, at least one row).
+        cost_ratio: c >= 0 at this batch size; verify_costs: v_γ indexed by γ at this batch size
+            (:func:`verify_cost_at`).
+        max_gamma, min_gamma: the range searched (``max_gamma >= min_gamma >= 0``).
+
+    Raises:
+        ValueError: empty or unequal ``alphas`` / ``remaining``, an R_r < 1, ``max_gamma < min_gamma``, or α / c out
+            of range (:func:`expected_tokens_per_step`, :func:`predicted_speedup`).
+    """
+    if not alphas or len(alphas) != len(remaining):
+        raise ValueError(f"alphas and remaining must be non-empty and of equal length, got {len(alphas)} and "
+                         f"{len(remaining)}")
+    if min(remaining) < 1:
+        raise ValueError(f"remaining must be >= 1 per row, got {list(remaining)}")
+    if max_gamma < min_gamma:
+        raise ValueError(f"max_gamma ({max_gamma}) must be >= min_gamma ({min_gamma})")
+    if cost_ratio < 0 or math.isnan(cost_ratio):
+        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    v = list(verify_costs) if verify_costs is not None else None
+
+    def time_to_finish(g: int) -> float:
+        step = g * cost_ratio + verify_cost_at(v, g)
+        return step * max(r / expected_tokens_per_step(a, min(g, r - 1)) for a, r in zip(alphas, remaining))
+
+    return min(range(min_gamma, max_gamma + 1), key=lambda g: (time_to_finish(g), g))
+
+
+class AlphaEstimate:
+    """One row's acceptance counts for :meth:`AdaptiveGamma.plan_batch`: accepted drafts and trials (accepted +
+    rejections, as :class:`AdaptiveGamma` counts them for the pool), each decayed by ``decay`` per update. The
+    decoder keeps one per request. They start empty: :meth:`alpha` shrinks them toward a prior (the pooled α)."""
+
+    __slots__ = ("accepted", "trials", "decay")
+
+    def __init__(self, decay: float = 0.9):
+        self.accepted, self.trials, self.decay = 0.0, 0.0, decay
+
+    def alpha(self, prior_alpha: float, prior_weight: float) -> float:
+        """``(accepted + w·prior) / (trials + w)`` in [0, 1]: the row's α, shrunk toward ``prior_alpha`` with the
+        weight of ``prior_weight`` trials (the prior alone before any trial)."""
+        total = self.trials + prior_weight
+        value = (self.accepted + prior_weight * prior_alpha) / total if total > 0 else prior_alpha
+        return min(max(value, 0.0), 1.0)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Fold in one step: ``num_accepted`` of ``num_drafted`` drafts kept (a rejection ended the run if fewer;
+        nothing is learnt from a step that drafted nothing). Raises ValueError unless
+        ``0 <= num_accepted <= num_drafted``."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}")
+        if num_drafted == 0:
+            return
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.trials = self.decay * self.trials + num_accepted + (num_accepted < num_drafted)
+
+
 class AdaptiveGamma:
     """Chooses γ for each step from the acceptance seen so far and a fixed cost model, deterministically.
 
@@ -123,6 +193,8 @@ class AdaptiveGamma:
     Raises:
         ValueError: any of the ranges above, naming the argument.
     """
+
+    ROW_PRIOR_WEIGHT = 8.0  # trials of pooled α each row's estimate starts from in plan_batch (simulated: 2-8 alike)
 
     def __init__(self, max_gamma: int = 8, initial_gamma: int | None = None, decay: float = 0.9,
                  prior_alpha: float = 0.8, prior_weight: float = 4.0, initial_cost_ratio: float = 0.1,
@@ -179,6 +251,18 @@ class AdaptiveGamma:
     def _choose(self) -> None:
         a = min(max(self.alpha, 0.0), 1.0)
         self.gamma = best_gamma(a, self.cost_ratio, self.max_gamma, self.min_gamma, verify_costs=self._verify)
+
+    def plan_batch(self, rows: Sequence[AlphaEstimate], remaining: Sequence[int]) -> int:
+        """Replace the pooled choice by :func:`makespan_gamma` for a static batch (all rows wait for the last):
+        row r's α is its own counts shrunk toward the pooled estimate with the weight of :attr:`ROW_PRIOR_WEIGHT`
+        trials (:meth:`AlphaEstimate.alpha`), and ``remaining[r]`` its tokens still to make. :meth:`next_gamma`
+        then applies the warm-up and the probes to it as usual; the next :meth:`update` returns to the pooled
+        choice. Returns the planned γ. Raises ValueError as :func:`makespan_gamma`."""
+        pooled = min(max(self.alpha, 0.0), 1.0)
+        alphas = [row.alpha(pooled, self.ROW_PRIOR_WEIGHT) for row in rows]
+        self.gamma = makespan_gamma(alphas, remaining, self.cost_ratio, self.max_gamma, self.min_gamma,
+                                    verify_costs=self._verify)
+        return self.gamma
 
     def next_gamma(self) -> int:
         """γ for the next step: during the warm-up ``initial_gamma`` (default: the current choice, at least 1), then

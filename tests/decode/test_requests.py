@@ -198,6 +198,36 @@ def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):
     assert len(out.stats.accepted_per_position) == 8  # a perfect draft at no cost: γ reaches max_auto_draft_tokens
 
 
+def test_auto_gamma_plans_static_batches_from_each_rows_acceptance(pair, monkeypatch):
+    """generate() waits for its last row: auto γ plans from the rows' own acceptance and remaining budgets
+    (AdaptiveGamma.plan_batch); requests of the step API (a server's continuous batch) keep the pooled choice."""
+    from decode.speedup import AdaptiveGamma
+
+    target, draft = pair
+    calls = []
+    real = AdaptiveGamma.plan_batch
+
+    def spy(self, rows, remaining):
+        calls.append(([(r.accepted, r.trials) for r in rows], list(remaining)))
+        return real(self, rows, remaining)
+
+    monkeypatch.setattr(AdaptiveGamma, "plan_batch", spy)
+    prompts = prompts_of([5, 9, 3], seed=6)
+    costs = {b: {"cost_ratio": 0.1, "verify": [1.0] * 7} for b in (1, 2, 4)}
+    dec = SpeculativeDecoder(target, draft, "auto", max_auto_draft_tokens=6, auto_costs=costs)
+    out = dec.generate(prompts, max_new_tokens=12)
+    assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, 12) for p in prompts]
+    assert calls and all(len(rows) == len(left) >= 2 for rows, left in calls)
+    assert calls[0] == ([(0.0, 0.0)] * 3, [12] * 3)  # nothing made or learnt yet
+    assert any(trials > 0 for rows, _ in calls[1:] for _, trials in rows)  # each row's own counts
+    calls.clear()
+    for p in prompts:
+        dec.add_request(p, max_new_tokens=12)
+    while dec.has_unfinished():
+        dec.step()
+    assert calls == []
+
+
 def test_calibrate_fills_the_cost_model_before_decoding(pair):
     dec = SpeculativeDecoder(*pair, "auto", max_auto_draft_tokens=3)
     costs = dec.calibrate([4, 5, 6], batch_sizes=[1, 3])

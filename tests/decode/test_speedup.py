@@ -1,7 +1,8 @@
 """Leviathan et al. (2023) speedup formulas and the adaptive γ controller."""
 import pytest
 
-from decode.speedup import (AdaptiveGamma, best_gamma, expected_tokens_per_step, monotone_costs, predicted_speedup,
+from decode.speedup import (AdaptiveGamma, AlphaEstimate, best_gamma, expected_tokens_per_step, makespan_gamma,
+                            monotone_costs, predicted_speedup,
                             simulate_speedup, verify_cost_at)
 
 
@@ -169,3 +170,62 @@ def test_monotone_costs_is_the_least_squares_non_decreasing_fit(costs, expected)
     assert out == pytest.approx(expected)
     assert all(a <= b for a, b in zip(out, out[1:]))
     assert sum(out) == pytest.approx(sum(costs))  # pooling keeps block means
+
+
+# ---------------------------------------------------------------- static batches: the last row ends the batch
+def test_makespan_gamma_equals_best_gamma_for_equal_rows_with_room():
+    v = [1.0] + [1.0 + 0.1 * g for g in range(1, 9)]
+    for alpha in (0.3, 0.6, 0.8, 0.95):
+        assert makespan_gamma([alpha] * 4, [500] * 4, 0.2, 8, verify_costs=v) == best_gamma(alpha, 0.2, 8,
+                                                                                               verify_costs=v)
+
+
+def test_makespan_gamma_drafts_less_for_a_slow_row_than_pooled_alpha_would():
+    v = [1.0] + [1.0 + 0.15 * g for g in range(1, 9)]
+    alphas = [1.0] * 7 + [0.2]
+    pooled = (7 * 4 + 0.2) / (7 * 4 + 1.2)  # accepted / (accepted + rejections) at γ = 4, ~0.96
+    assert best_gamma(pooled, 0.2, 8, verify_costs=v) >= 4
+    assert makespan_gamma(alphas, [60] * 8, 0.2, 8, verify_costs=v) == 0  # the α = 0.2 row gains < its cost
+    # ... unless that row is nearly done and the others are not: then the fast rows set the end.
+    assert makespan_gamma(alphas, [60] * 7 + [2], 0.2, 8, verify_costs=v) >= 4
+
+
+def test_makespan_gamma_never_drafts_past_every_budget():
+    assert makespan_gamma([1.0, 1.0], [1, 1], 0.01, 8) == 0  # one token left each: a draft cannot be kept
+    assert makespan_gamma([1.0, 1.0], [3, 2], 0.01, 8) == 2  # smallest γ that finishes the longest row in a step
+
+
+@pytest.mark.parametrize("args, match", [(([], []), "non-empty"), (([0.5], [1, 2]), "equal length"),
+                                         (([0.5], [0]), "remaining"), (([1.5], [4]), "alpha")])
+def test_makespan_gamma_refuses_bad_rows(args, match):
+    with pytest.raises(ValueError, match=match):
+        makespan_gamma(*args, cost_ratio=0.1)
+
+
+def test_alpha_estimate_counts_trials_like_the_pooled_controller_and_shrinks_to_the_prior():
+    est = AlphaEstimate(decay=1.0)
+    assert est.alpha(0.7, 8.0) == 0.7  # no trial yet: the prior
+    est.update(4, 4)   # 4 accepted, no rejection
+    est.update(4, 1)   # 1 accepted, then a rejection
+    est.update(0, 0)   # nothing drafted: nothing learnt
+    assert (est.accepted, est.trials) == (5.0, 6.0)
+    assert est.alpha(0.0, 0.0) == pytest.approx(5 / 6)
+    assert est.alpha(0.5, 4.0) == pytest.approx((5 + 2) / 10)
+    with pytest.raises(ValueError, match="num_accepted"):
+        est.update(2, 3)
+
+
+def test_plan_batch_uses_each_rows_own_alpha():
+    ctl = AdaptiveGamma(max_gamma=8)
+    ctl.set_costs(0.3, [1.0] + [1.0 + 0.2 * g for g in range(1, 9)])
+    fast, slow = AlphaEstimate(), AlphaEstimate()
+    for _ in range(20):
+        fast.update(4, 4)
+        slow.update(4, 0)
+        ctl.update(8, 4, num_rejected=1)
+    assert ctl.gamma >= 2  # the pooled α (0.8) pays for drafting
+    assert slow.alpha(ctl.alpha, ctl.ROW_PRIOR_WEIGHT) < 0.4  # shrunk toward 0.8, still low
+    assert ctl.plan_batch([fast] * 3 + [slow], [50] * 4) == 0 and ctl.next_gamma() in (0, 1)  # γ = 0 or a probe
+    assert ctl.plan_batch([fast] * 4, [50] * 4) >= 4
+    ctl.update(16, 16, num_rejected=0)
+    assert ctl.gamma == best_gamma(ctl.alpha, 0.3, 8, verify_costs=ctl._verify)  # back to the pooled choice

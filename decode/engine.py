@@ -501,8 +501,10 @@ class SpeculativeDecoder:
             repeats: timed forwards per measurement (median).
 
         Returns:
-            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max]}}``; the
-            measured v_γ are made non-decreasing in γ and >= 1 (:func:`decode.speedup.smooth_verify_costs`).
+            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max],
+            "target_forward_s": t}}``; the measured v_γ are made non-decreasing in γ and >= 1
+            (:func:`decode.speedup.smooth_verify_costs`); t (the target's one-token forward, seconds) is kept for
+            :func:`decode.speedup.simulate_batch_speedup` and not used by the controller.
 
         Raises:
             ValueError: no draft, ids of ``context_ids`` outside the vocabulary, or a batch size < 1.
@@ -524,7 +526,8 @@ class SpeculativeDecoder:
                 m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
                                        verify_gammas=range(1, self.max_auto_draft_tokens + 1))
             self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
-                                  "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]])}
+                                  "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]]),
+                                  "target_forward_s": m["target_forward_s"]}  # for simulate_batch_speedup
         return self.auto_costs
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

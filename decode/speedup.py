@@ -311,6 +311,85 @@ class AdaptiveGamma:
         return self.gamma
 
 
+def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Sequence[float],
+                           auto_costs: dict[int, dict], max_new_tokens: int = 64, runs: int = 200, seed: int = 0,
+                           plan: bool = True) -> float:
+    """Speedup of one static batch (every row makes ``max_new_tokens`` tokens, the batch ends with its last row)
+    over plain decoding of the same batch, simulated with i.i.d. acceptance per row.
+
+    As the decoder does: rows that finish leave, and a step over B active rows is timed with the costs of the
+    power of two >= B, ``t_B · (γc_B + v_B(γ))`` (``t_B`` = the target's one-token forward at that batch size);
+    each row drafts ``min(γ, R_r − 1)``, accepts a run of Bernoulli(α_r) drafts that stops at the first rejection
+    and commits accepted + 1 tokens. A controller gets ``set_costs`` at each batch-size change, per-row
+    :class:`AlphaEstimate` counts and, with ``plan``, :meth:`AdaptiveGamma.plan_batch` before each step while more
+    than one row is active (the decoder's ``generate()``); without ``plan`` it keeps the pooled choice. Plain
+    decoding: ``max_new_tokens − 1`` steps at the full batch's ``t``.
+
+    Args:
+        gamma: a fixed γ >= 0 or a controller factory (see :func:`simulate_speedup`).
+        alphas: α_r per row, each in [0, 1].
+        auto_costs: ``{batch_size: {"cost_ratio", "verify", "target_forward_s"}}`` for every power of two up to
+            ``len(alphas)`` (what ``SpeculativeDecoder.calibrate`` returns; its keys may be strings, as in JSON).
+        max_new_tokens: tokens per row (>= 2); runs, seed: simulated batches and their random seed.
+
+    Returns:
+        (Σ plain time) / (Σ speculative time) over the runs.
+
+    Raises:
+        ValueError: empty ``alphas`` or one outside [0, 1], a missing batch size or key in ``auto_costs``,
+            ``max_new_tokens < 2`` or ``runs < 1``.
+    """
+    import random
+
+    if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+        raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {list(alphas)}")
+    if max_new_tokens < 2 or runs < 1:
+        raise ValueError(f"need max_new_tokens >= 2 and runs >= 1, got {max_new_tokens} and {runs}")
+    costs = {int(k): v for k, v in auto_costs.items()}
+    buckets = [1 << k for k in range(len(alphas).bit_length() + 1) if 1 << k < 2 * len(alphas)]
+    for b in buckets:
+        if b not in costs or any(key not in costs[b] for key in ("cost_ratio", "verify", "target_forward_s")):
+            raise ValueError(f"auto_costs needs batch size {b} with cost_ratio, verify and target_forward_s "
+                             f"(SpeculativeDecoder.calibrate(..., batch_sizes={buckets})), got {sorted(costs)}")
+    rng = random.Random(seed)
+    plain = spec = 0.0
+    for _ in range(runs):
+        ctl = gamma() if callable(gamma) else None
+        rows = [AlphaEstimate() for _ in alphas]
+        made = [1] * len(alphas)
+        active, bucket = list(range(len(alphas))), None
+        while active:
+            b = 1 << (len(active) - 1).bit_length()
+            entry = costs[b]
+            if ctl is not None and b != bucket:
+                ctl.set_costs(entry["cost_ratio"], entry["verify"])
+                bucket = b
+            if ctl is None:
+                g = int(gamma)
+            else:
+                if plan and len(active) > 1:
+                    ctl.plan_batch([rows[i] for i in active], [max_new_tokens - made[i] for i in active])
+                g = ctl.next_gamma()
+            gs = [min(g, max_new_tokens - made[i] - 1) for i in active]
+            step_gamma = max(gs)
+            spec += entry["target_forward_s"] * (step_gamma * entry["cost_ratio"]
+                                                 + verify_cost_at(entry["verify"], step_gamma))
+            accepted_total = rejected = 0
+            for i, gi in zip(active, gs):
+                accepted = 0
+                while accepted < gi and rng.random() < alphas[i]:
+                    accepted += 1
+                made[i] += accepted + 1
+                rows[i].update(gi, accepted)
+                accepted_total += accepted
+                rejected += int(accepted < gi)
+            if ctl is not None and step_gamma > 0:
+                ctl.update(sum(gs), accepted_total, num_rejected=rejected)
+            active = [i for i in active if made[i] < max_new_tokens]
+        plain += (max_new_tokens - 1) * costs[1 << (len(alphas) - 1).bit_length()]["target_forward_s"]
+    return plain / spec
+
+
 def monotone_costs(costs: Sequence[float]) -> list[float]:
     """The non-decreasing sequence closest to ``costs`` in least squares (pool-adjacent-violators).
 

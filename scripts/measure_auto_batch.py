@@ -8,7 +8,8 @@ A batch's rows all wait for the last one. ``auto`` (planner on) chooses γ each 
 acceptance and remaining budget (:meth:`decode.speedup.AdaptiveGamma.plan_batch`); ``auto_pooled`` is the same
 controller choosing from the pooled α (``plan_static_batches = False``), the choice before the planner. Both share
 one cost model (measured once by ``calibrate`` for batch sizes 1..max and reused). For each temperature, batch size
-and group of consecutive prompts (the quickstart's held-out sets, ``--limit`` per set), every method decodes the
+and group of consecutive prompts (the quickstart's held-out sets, ``--limit`` per set, interleaved so that a
+batch mixes them), every method decodes the
 group with ``--max-new-tokens`` new tokens and no eos, in a rotated order, ``--rounds`` passes. Speedup =
 Σ plain wall / Σ method wall over the same groups; at T = 0 every output must equal plain decoding's. Prints a
 table and writes ``<out>/results.json`` (refused if it exists). Run it alone on the machine.
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", type=Path, default=REPO / "checkpoints" / "quickstart",
                    help="a quickstart output folder: target/, draft-distilled/, tokenizer/")
+    p.add_argument("--draft", default="draft-distilled", help="the pair folder's draft: draft-distilled (default) or "
+                   "draft-baseline (a weaker draft, whose rows differ more in acceptance)")
     p.add_argument("--out", type=Path, required=True, help="folder for results.json (must not hold one)")
     p.add_argument("--limit", type=int, default=8, help="prompts per held-out set (3 sets)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("limit", "max_new_tokens", "rounds", "auto_max_gamma"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    missing = [d for d in ("target", "draft-distilled", "tokenizer") if not (args.pair / d).is_dir()]
+    missing = [d for d in ("target", args.draft, "tokenizer") if not (args.pair / d).is_dir()]
     if missing:
         p.error(f"--pair {args.pair} lacks {', '.join(missing)}: give a quickstart output folder")
     result_path = args.out / "results.json"
@@ -149,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     from quickstart.run import _load_lm, encode_prompt_sets
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.pair / "tokenizer"))
-    target, draft = _load_lm(args.pair / "target", "target"), _load_lm(args.pair / "draft-distilled")
-    prompts = [ids for _, ids in encode_prompt_sets(tokenizer, {s: args.limit for s in SETS}, 192)]
+    target, draft = _load_lm(args.pair / "target", "target"), _load_lm(args.pair / args.draft)
+    by_set = [[ids for _, ids in encode_prompt_sets(tokenizer, {s: args.limit}, 192)] for s in SETS]
+    prompts = [ids for group in zip(*by_set) for ids in group]  # sets interleaved: a batch mixes them
     res = measure(target, draft, tokenizer, prompts, batch_sizes, gammas, temperatures, args.max_new_tokens,
                   args.rounds, args.auto_max_gamma)
-    result = {"pair": str(args.pair), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    result = {"pair": str(args.pair), "draft": args.draft, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "rounds": args.rounds, "torch": torch.__version__, "threads": torch.get_num_threads(), **res}
     result_path.write_text(json.dumps(result, indent=1))
     methods = res["methods"][1:]

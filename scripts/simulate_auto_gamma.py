@@ -8,6 +8,16 @@ For each α and generation length, runs :func:`decode.speedup.simulate_speedup` 
 controller per request as the decoder makes) for γ = 0..max and for the controller with its defaults, and prints
 the controller's speedup as a fraction of the best fixed γ. Use the c and v_γ that ``SpeculativeDecoder.calibrate``
 or ``python -m decode bench`` measured on your hardware. With ``--out``, writes JSON (refuses an existing file).
+
+Static batches (``generate()`` over several prompts, which ends with its last row):
+
+    python scripts/simulate_auto_gamma.py --batch-alphas 0.3,0.5,0.7,0.9,1,1,1,1 \
+        --auto-costs checkpoints/auto_batch/results.json
+
+simulates one batch with those per-row α (:func:`decode.speedup.simulate_batch_speedup`, rows leave as they
+finish) with the per-batch-size costs of ``--auto-costs`` (a JSON file holding ``SpeculativeDecoder.calibrate``'s
+dict, or a ``scripts/measure_auto_batch.py`` results.json), and prints every fixed γ and the controller with and
+without the static-batch planner.
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode.speedup import AdaptiveGamma, simulate_speedup  # noqa: E402
+from decode.speedup import AdaptiveGamma, simulate_batch_speedup, simulate_speedup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="per-token acceptance values to simulate, each in [0, 1]")
     p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256], help="generation lengths (>= 2)")
     p.add_argument("--runs", type=int, default=300, help="simulated requests per cell (>= 1)")
+    p.add_argument("--batch-alphas", help="per-row α of one static batch, comma-separated (needs --auto-costs)")
+    p.add_argument("--auto-costs", type=Path, help="JSON with the per-batch-size costs (calibrate's dict, or a "
+                   "results.json of scripts/measure_auto_batch.py)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (an existing file is refused)")
     args = p.parse_args(argv)
     try:
@@ -55,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--alphas must lie in [0, 1], got {args.alphas}")
     if args.out is not None and args.out.exists():
         p.error(f"--out {args.out} exists; choose a new file (results are never overwritten)")
+
+    if args.batch_alphas is not None or args.auto_costs is not None:
+        return batch_main(p, args)
 
     def controller() -> AdaptiveGamma:
         ctl = AdaptiveGamma(args.max_gamma)
@@ -79,6 +95,50 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"cost_ratio": args.cost_ratio, "verify_costs": verify,
                                         "max_gamma": args.max_gamma, "runs": args.runs, "rows": rows}, indent=1))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def batch_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The static-batch table: every fixed γ, the pooled controller and the planned one (exit 2 on bad flags)."""
+    if args.batch_alphas is None or args.auto_costs is None:
+        p.error("--batch-alphas and --auto-costs go together")
+    try:
+        alphas = [float(x) for x in args.batch_alphas.split(",")]
+    except ValueError:
+        p.error(f"--batch-alphas must be comma-separated numbers, got {args.batch_alphas!r}")
+    if not all(0 <= a <= 1 for a in alphas):
+        p.error(f"--batch-alphas must lie in [0, 1], got {alphas}")
+    try:
+        data = json.loads(args.auto_costs.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--auto-costs {args.auto_costs}: {e}")
+    costs = data.get("auto_costs", data) if isinstance(data, dict) else data
+    if not isinstance(costs, dict) or not all(isinstance(v, dict) for v in costs.values()):
+        p.error(f"--auto-costs {args.auto_costs}: expected {{batch_size: {{cost_ratio, verify, target_forward_s}}}} "
+                f"(calibrate's dict) or a results.json holding it under 'auto_costs'")
+
+    def controller() -> AdaptiveGamma:
+        return AdaptiveGamma(args.max_gamma)
+
+    out = {"alphas": alphas, "max_gamma": args.max_gamma, "runs": args.runs, "auto_costs": costs, "rows": []}
+    print(f"static batch of {len(alphas)} rows, α = {alphas}, costs from {args.auto_costs}, {args.runs} runs per cell")
+    print("| new tokens | best fixed γ | its speedup | auto, pooled α | auto, planned | planned / pooled |")
+    print("|---|---|---|---|---|---|")
+    for n in args.max_new_tokens:
+        try:
+            fixed = {g: simulate_batch_speedup(g, alphas, costs, n, args.runs) for g in range(args.max_gamma + 1)}
+        except ValueError as e:
+            p.error(f"--auto-costs: {e}")
+        pooled = simulate_batch_speedup(controller, alphas, costs, n, args.runs, plan=False)
+        planned = simulate_batch_speedup(controller, alphas, costs, n, args.runs, plan=True)
+        best = max(fixed, key=fixed.get)
+        out["rows"].append({"max_new_tokens": n, "fixed_speedup": {str(g): v for g, v in fixed.items()},
+                            "best_gamma": best, "auto_pooled": pooled, "auto_planned": planned})
+        print(f"| {n} | {best} | {fixed[best]:.3f} | {pooled:.3f} | {planned:.3f} | {planned / pooled:.3f} |")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
         print(f"\nwrote {args.out}")
     return 0
 

@@ -47,6 +47,7 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
     cases = [
         (["--pair", str(tmp_path / "missing")], "lacks target, draft-distilled, tokenizer"),
         (["--pair", str(pair_dir), "--gammas", "0"], "--gammas: 0 must be >= 1"),
+        (["--pair", str(pair_dir), "--draft", "draft-baseline"], "lacks draft-baseline"),
         (["--pair", str(pair_dir), "--batch-sizes", "1,4"], "--batch-sizes: 1 must be >= 2"),
         (["--pair", str(pair_dir), "--rounds", "0"], "--rounds must be >= 1"),
         (["--pair", str(pair_dir), "--temperatures", "-1"], "--temperatures must be >= 0"),

@@ -33,3 +33,25 @@ def test_bad_settings_are_refused_naming_the_flag():
     assert r.returncode == 2 and "--verify-costs" in r.stderr
     r = run("--alphas", "1.5")
     assert r.returncode == 2 and "--alphas" in r.stderr
+
+
+def test_static_batch_simulation_compares_the_planner_with_the_pooled_choice(tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"auto_costs": {str(b): {
+        "cost_ratio": 0.2, "target_forward_s": 0.008 + 0.001 * (b - 1),
+        "verify": [1.0] + [1.0 + (0.02 + 0.025 * b) * (g + 1) for g in range(1, 9)]} for b in (1, 2, 4)}}))
+    out = tmp_path / "batch.json"
+    r = run("--batch-alphas", "0.2,0.9,0.9,1", "--auto-costs", str(costs), "--max-new-tokens", "48", "--runs", "20",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| 48 |" in r.stdout and "planned / pooled" in r.stdout
+    res = json.loads(out.read_text())
+    row = res["rows"][0]
+    assert res["alphas"] == [0.2, 0.9, 0.9, 1.0] and set(row["fixed_speedup"]) == {str(g) for g in range(9)}
+    assert abs(row["fixed_speedup"]["0"] - 1.0) < 1e-9 and row["auto_pooled"] > 0 and row["auto_planned"] > 0
+    for args, message in ((["--batch-alphas", "0.5"], "go together"),
+                          (["--batch-alphas", "0.5,x", "--auto-costs", str(costs)], "--batch-alphas"),
+                          (["--batch-alphas", "0.5,0.5,0.5,0.5,0.5", "--auto-costs", str(costs)], "batch size 8"),
+                          (["--batch-alphas", "0.5", "--auto-costs", str(tmp_path / "none.json")], "--auto-costs")):
+        r = run(*args, "--runs", "2")
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)

@@ -234,6 +234,7 @@ def test_calibrate_fills_the_cost_model_before_decoding(pair):
     assert set(costs) == {1, 4}
     for entry in costs.values():
         assert entry["cost_ratio"] > 0 and len(entry["verify"]) == 4 and entry["verify"][0] == 1.0
+        assert entry["target_forward_s"] > 0  # kept for decode.speedup.simulate_batch_speedup
     before = dict(costs)
     dec.generate([[4, 5, 6]], max_new_tokens=5)
     assert dec.auto_costs == before  # batch 1 was measured already: nothing re-measured inside the steps

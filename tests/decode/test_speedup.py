@@ -2,7 +2,7 @@
 import pytest
 
 from decode.speedup import (AdaptiveGamma, AlphaEstimate, best_gamma, expected_tokens_per_step, makespan_gamma,
-                            monotone_costs, predicted_speedup,
+                            monotone_costs, predicted_speedup, simulate_batch_speedup,
                             simulate_speedup, verify_cost_at)
 
 
@@ -229,3 +229,59 @@ def test_plan_batch_uses_each_rows_own_alpha():
     assert ctl.plan_batch([fast] * 4, [50] * 4) >= 4
     ctl.update(16, 16, num_rejected=0)
     assert ctl.gamma == best_gamma(ctl.alpha, 0.3, 8, verify_costs=ctl._verify)  # back to the pooled choice
+
+
+def _batch_costs(slope_per_row=0.025):
+    """A synthetic per-batch-size cost model shaped like the quickstart pair's on a 2-core CPU: the target's step
+    grows ~1 ms per row from 8 ms, the verify's relative cost grows with γ and with the batch."""
+    return {b: {"cost_ratio": 0.25 if b <= 2 else 0.2, "target_forward_s": 0.008 + 0.001 * (b - 1),
+                "verify": [1.0] + [1.0 + (0.02 + slope_per_row * b) * (g + 1) for g in range(1, 9)]}
+            for b in (1, 2, 4, 8)}
+
+
+def test_simulate_batch_speedup_of_one_row_is_simulate_speedup():
+    costs = _batch_costs()
+    one = {"1": costs[1]}  # string keys, as read from JSON
+    for alpha in (0.4, 0.9):
+        for g in (0, 2, 5):
+            assert simulate_batch_speedup(g, [alpha], one, 40, runs=30, seed=3) == pytest.approx(
+                simulate_speedup(g, alpha, costs[1]["cost_ratio"], costs[1]["verify"], 40, runs=30, seed=3))
+
+    def factory():
+        return AdaptiveGamma(8)
+
+    assert simulate_batch_speedup(factory, [0.8], one, 40, runs=30, seed=3) == pytest.approx(
+        simulate_speedup(lambda: _with_costs(costs[1]), 0.8, costs[1]["cost_ratio"], costs[1]["verify"], 40,
+                         runs=30, seed=3))
+
+
+def _with_costs(entry):
+    ctl = AdaptiveGamma(8)
+    ctl.set_costs(entry["cost_ratio"], entry["verify"])
+    return ctl
+
+
+def test_simulate_batch_speedup_plain_is_one_and_bad_costs_are_refused():
+    assert simulate_batch_speedup(0, [0.2, 0.9, 1.0], _batch_costs(), 30, runs=5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="batch size 4"):
+        simulate_batch_speedup(2, [0.5] * 3, {1: _batch_costs()[1], 2: _batch_costs()[2]}, 30, runs=2)
+    with pytest.raises(ValueError, match="alphas"):
+        simulate_batch_speedup(2, [1.5], _batch_costs(), 30, runs=2)
+
+
+def test_the_static_batch_planner_beats_the_pooled_choice_when_a_few_rows_accept_little():
+    """The case measured on quickstart pair H (docs/decode.md): at batch 8 the pooled choice drafts for the rows
+    that accept most while the slow rows end the batch; the planner drafts for the last row. With equal rows it
+    costs little (it ignores that the batch shrinks, so it is conservative)."""
+    def factory():
+        return AdaptiveGamma(8)
+
+    costs = _batch_costs()
+    slow_rows = [0.3, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95, 1.0]
+    pooled = simulate_batch_speedup(factory, slow_rows, costs, 64, runs=150, plan=False)
+    planned = simulate_batch_speedup(factory, slow_rows, costs, 64, runs=150, plan=True)
+    assert pooled < 0.92 and planned > pooled + 0.05
+    for equal in ([0.64] * 8, [0.85] * 8, [0.64] * 4):
+        pooled = simulate_batch_speedup(factory, equal, costs, 64, runs=150, plan=False)
+        planned = simulate_batch_speedup(factory, equal, costs, 64, runs=150, plan=True)
+        assert planned > 0.97 * pooled

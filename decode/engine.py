@@ -40,7 +40,7 @@ from decode.compat import check_cache_support, check_compatibility, draft_input_
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
-from decode.speedup import AdaptiveGamma, smooth_verify_costs
+from decode.speedup import AdaptiveGamma, cost_bucket, smooth_verify_costs
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 
@@ -123,7 +123,9 @@ class SpeculativeDecoder:
         num_draft_tokens: γ, tokens drafted per verify step (None: 4 with a draft, 0 without; 0 = plain
             decoding; ``"auto"`` = γ in
             ``[0, max_auto_draft_tokens]`` chosen each step by :class:`decode.speedup.AdaptiveGamma` from the
-            acceptance so far and the cost model of the current batch size; deterministic, see ``auto_costs``).
+            acceptance so far and the cost model of the current batch size; deterministic, see ``auto_costs``; in
+            :meth:`generate` over several prompts, planned for the batch's last row from each row's own acceptance,
+            :meth:`decode.speedup.AdaptiveGamma.plan_batch`, unless ``plan_static_batches`` is set False).
         tokenizer, draft_tokenizer: if given, checked for compatibility and used to set the shared vocabulary
             (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output.
         max_auto_draft_tokens: upper bound on γ in ``"auto"`` mode.
@@ -482,7 +484,7 @@ class SpeculativeDecoder:
 
     def _set_auto_costs(self) -> None:
         """Give the γ controller the cost model of the current batch size (measured once per power of two)."""
-        bucket = 1 << (len(self._rows) - 1).bit_length()
+        bucket = cost_bucket(len(self._rows))
         if bucket == self._costs_bucket:
             return
         if bucket not in self.auto_costs:
@@ -520,7 +522,7 @@ class SpeculativeDecoder:
         seq = list(context_ids)[-width:]
         seq = self._check_prompt(seq, "context_ids") if seq else [0]
         seq = (seq * (width // len(seq) + 1))[-width:]
-        for b in sorted({1 << (int(b) - 1).bit_length() for b in batch_sizes}):
+        for b in sorted({cost_bucket(b) for b in batch_sizes}):
             context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
             with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps will use
                 m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,

@@ -84,6 +84,17 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
     return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
 
+def cost_bucket(batch_size: int) -> int:
+    """The batch size whose costs the decoder uses for ``batch_size`` active rows: the power of two >= it."""
+    return 1 << (int(batch_size) - 1).bit_length()
+
+
+def cost_buckets(max_batch_size: int) -> list[int]:
+    """Every :func:`cost_bucket` a batch of up to ``max_batch_size`` rows passes through as its rows finish
+    (1, 2, 4, .., ``cost_bucket(max_batch_size)``): the batch sizes to calibrate before timing a batched run."""
+    return [1 << k for k in range(cost_bucket(max_batch_size).bit_length())]
+
+
 def makespan_gamma(alphas: Sequence[float], remaining: Sequence[int], cost_ratio: float, max_gamma: int = 16,
                    min_gamma: int = 0, verify_costs: Sequence[float] | None = None) -> int:
     """The γ in ``[min_gamma, max_gamma]`` that minimizes the expected time until the *last* row of a static batch
@@ -346,7 +357,7 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
     if max_new_tokens < 2 or runs < 1:
         raise ValueError(f"need max_new_tokens >= 2 and runs >= 1, got {max_new_tokens} and {runs}")
     costs = {int(k): v for k, v in auto_costs.items()}
-    buckets = [1 << k for k in range(len(alphas).bit_length() + 1) if 1 << k < 2 * len(alphas)]
+    buckets = cost_buckets(len(alphas))
     for b in buckets:
         if b not in costs or any(key not in costs[b] for key in ("cost_ratio", "verify", "target_forward_s")):
             raise ValueError(f"auto_costs needs batch size {b} with cost_ratio, verify and target_forward_s "
@@ -359,7 +370,7 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
         made = [1] * len(alphas)
         active, bucket = list(range(len(alphas))), None
         while active:
-            b = 1 << (len(active) - 1).bit_length()
+            b = cost_bucket(len(active))
             entry = costs[b]
             if ctl is not None and b != bucket:
                 ctl.set_costs(entry["cost_ratio"], entry["verify"])
@@ -386,7 +397,7 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
             if ctl is not None and step_gamma > 0:
                 ctl.update(sum(gs), accepted_total, num_rejected=rejected)
             active = [i for i in active if made[i] < max_new_tokens]
-        plain += (max_new_tokens - 1) * costs[1 << (len(alphas) - 1).bit_length()]["target_forward_s"]
+        plain += (max_new_tokens - 1) * costs[cost_bucket(len(alphas))]["target_forward_s"]
     return plain / spec
 
 

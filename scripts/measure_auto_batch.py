@@ -58,12 +58,13 @@ def measure(target, draft, tokenizer, prompts: list[list[int]], batch_sizes: lis
     from decode import SpeculativeDecoder
     from decode.engine import left_pad
     from decode.metrics import DecodeStats
+    from decode.speedup import cost_buckets
 
     device = next(target.parameters()).device
     decs = {"plain": SpeculativeDecoder(target, None, 0)}
     decs.update({f"g{g}": SpeculativeDecoder(target, draft, g, tokenizer=tokenizer) for g in gammas})
     planned = SpeculativeDecoder(target, draft, "auto", tokenizer=tokenizer, max_auto_draft_tokens=max_auto)
-    costs = planned.calibrate(prompts[0], batch_sizes=[1 << k for k in range(max(batch_sizes).bit_length())])
+    costs = planned.calibrate(prompts[0], batch_sizes=cost_buckets(max(batch_sizes)))
     pooled = SpeculativeDecoder(target, draft, "auto", tokenizer=tokenizer, max_auto_draft_tokens=max_auto,
                                 auto_costs=costs)
     pooled.plan_static_batches = False

@@ -28,7 +28,7 @@ from decode.bench.hf_assisted import run_hf
 from decode.bench.pool import batch_row, pool, stats_counts
 from decode.bench.timing import peak_bytes, reset_peak, sync
 from decode.engine import left_pad
-from decode.speedup import measure_cost_ratio
+from decode.speedup import cost_buckets, measure_cost_ratio
 
 SCHEMA_VERSION = 2
 
@@ -116,9 +116,12 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
     cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
     cost["bare"] = measure_bare_forwards(target, draft, context, cfg.cost_repeats)
-    if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one)
+    if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):
+        # every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1)
         for dec in decoders.values():
-            dec.calibrate(prompt_ids[0], batch_sizes=sorted({1, *cfg.batch_sizes}))
+            dec.calibrate(prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)))
+        # the eager decoder's model, as measured before any timed run (simulate_auto_gamma.py --auto-costs reads it)
+        cost["auto_costs"] = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
 
     def run(method, rows, temperature, seed, max_new_tokens=None):
         ids, mask = left_pad(rows, pad_token_id, device)

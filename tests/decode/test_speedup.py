@@ -1,9 +1,9 @@
 """Leviathan et al. (2023) speedup formulas and the adaptive γ controller."""
 import pytest
 
-from decode.speedup import (AdaptiveGamma, AlphaEstimate, best_gamma, expected_tokens_per_step, makespan_gamma,
-                            monotone_costs, predicted_speedup, simulate_batch_speedup,
-                            simulate_speedup, verify_cost_at)
+from decode.speedup import (AdaptiveGamma, AlphaEstimate, best_gamma, cost_bucket, cost_buckets,
+                            expected_tokens_per_step, makespan_gamma, monotone_costs, predicted_speedup,
+                            simulate_batch_speedup, simulate_speedup, verify_cost_at)
 
 
 def test_expected_tokens_matches_series():
@@ -285,3 +285,8 @@ def test_the_static_batch_planner_beats_the_pooled_choice_when_a_few_rows_accept
         pooled = simulate_batch_speedup(factory, equal, costs, 64, runs=150, plan=False)
         planned = simulate_batch_speedup(factory, equal, costs, 64, runs=150, plan=True)
         assert planned > 0.97 * pooled
+
+
+def test_cost_buckets_are_the_powers_of_two_a_batch_passes_through():
+    assert [cost_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert cost_buckets(1) == [1] and cost_buckets(4) == [1, 2, 4] and cost_buckets(6) == [1, 2, 4, 8]

@@ -2,21 +2,14 @@
 losslessly, the planned and the pooled controller share one cost model), integer parsing, and bad input refused
 with exit status 2 before anything is written."""
 import pytest
-import torch
 
-from tests.conftest import load_script, make_tokenizer, perturbed_copy, tiny_llama
+from tests.conftest import load_script, quickstart_pair_dir, script_refuses_before_writing
 
 script = load_script("measure_auto_batch")
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
-    return target, perturbed_copy(target, 0.5), make_tokenizer()
-
-
-def test_measure_rows_and_greedy_equality(pair):
-    target, draft, tok = pair
+def test_measure_rows_and_greedy_equality(float32_pair):
+    target, draft, tok = float32_pair
     prompts = [[5, 9, 14], [20, 7, 3, 11], [30], [8, 8, 2], [17, 4]]
     res = script.measure(target, draft, tok, prompts, batch_sizes=[2, 4], gammas=[2], temperatures=[0.0, 1.0],
                          max_new_tokens=6, rounds=2, max_auto=3)
@@ -40,10 +33,7 @@ def test_parse_ints():
 
 
 def test_bad_input_exits_2_before_writing(tmp_path, capsys):
-    pair_dir = tmp_path / "pair"
-    for d in ("target", "draft-distilled", "tokenizer"):
-        (pair_dir / d).mkdir(parents=True)
-    out = tmp_path / "out"
+    pair_dir = quickstart_pair_dir(tmp_path / "pair")
     cases = [
         (["--pair", str(tmp_path / "missing")], "lacks target, draft-distilled, tokenizer"),
         (["--pair", str(pair_dir), "--gammas", "0"], "--gammas: 0 must be >= 1"),
@@ -54,14 +44,4 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
         (["--pair", str(pair_dir), "--temperatures", "0,x"], "--temperatures: 'x' is not a number"),
         (["--pair", str(pair_dir), "--limit", "2", "--batch-sizes", "8"], "fewer than batch size 8"),
     ]
-    for argv, message in cases:
-        with pytest.raises(SystemExit) as e:
-            script.main([*argv, "--out", str(out)])
-        assert e.value.code == 2 and message in capsys.readouterr().err
-        assert not out.exists()
-    out.mkdir()
-    (out / "results.json").write_text("{}")
-    with pytest.raises(SystemExit) as e:
-        script.main(["--pair", str(pair_dir), "--out", str(out)])
-    assert e.value.code == 2 and "exists" in capsys.readouterr().err
-    assert (out / "results.json").read_text() == "{}"
+    script_refuses_before_writing(script.main, cases, pair_dir, tmp_path / "out", capsys)

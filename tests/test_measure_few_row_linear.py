@@ -6,19 +6,13 @@ import json
 import pytest
 import torch
 
-from tests.conftest import load_script, make_tokenizer, perturbed_copy, tiny_llama
+from tests.conftest import load_script, quickstart_pair_dir, script_refuses_before_writing
 
 script = load_script("measure_few_row_linear")
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
-    return target, perturbed_copy(target, 0.5), make_tokenizer()
-
-
-def test_linear_forms_time_every_form_over_the_models_linear_layers(pair):
-    target, _, _ = pair
+def test_linear_forms_time_every_form_over_the_models_linear_layers(float32_pair):
+    target, _, _ = float32_pair
     forms = script.linear_forms(target, [1, 3, 12], repeats=2)
     assert forms["num_linear_layers"] == sum(isinstance(m, torch.nn.Linear) for m in target.modules()) > 0
     assert sorted(forms["ms"]) == ["f_linear", "packed", "transposed"]  # the CPU wheel has oneDNN
@@ -33,8 +27,8 @@ def test_parse_rows():
             script.parse_rows(bad)
 
 
-def test_forward_costs_on_and_off(pair):
-    target, draft, _ = pair
+def test_forward_costs_on_and_off(float32_pair):
+    target, draft, _ = float32_pair
     costs = script.forward_costs(target, draft, torch.tensor([[5, 9, 14, 20, 7, 3, 11, 30]]), repeats=3,
                                  max_gamma=3, rounds=2)
     for label in ("on", "off"):
@@ -44,8 +38,8 @@ def test_forward_costs_on_and_off(pair):
             assert sorted(r["verify_forward_ms"]) == [1, 2, 3]
 
 
-def test_end_to_end_rows_and_greedy_equality(pair):
-    target, draft, tok = pair
+def test_end_to_end_rows_and_greedy_equality(float32_pair):
+    target, draft, tok = float32_pair
     prompts = [[5, 9, 14], [20, 7, 3, 11], [30]]
     e2e = script.end_to_end(target, draft, tok, prompts, {0.0: 3, 1.0: 2}, max_new_tokens=8, rounds=2)
     assert e2e["greedy_equal"] == [18, 18]  # 3 prompts x 2 rounds x (plain on, spec on, spec off) at T = 0
@@ -69,24 +63,11 @@ def test_parse_gammas(tmp_path):
 
 
 def test_bad_input_exits_2_before_writing(tmp_path, capsys):
-    pair_dir = tmp_path / "pair"
-    for d in ("target", "draft-distilled", "tokenizer"):
-        (pair_dir / d).mkdir(parents=True)
-    out = tmp_path / "out"
+    pair_dir = quickstart_pair_dir(tmp_path / "pair")
     cases = [
         (["--pair", str(tmp_path / "missing")], "lacks target, draft-distilled, tokenizer"),
         (["--pair", str(pair_dir), "--gammas", "0:0"], "γ must be >= 1"),
         (["--pair", str(pair_dir), "--rounds", "0"], "--rounds must be >= 1"),
         (["--pair", str(pair_dir), "--linear-rows", "1,99"], "outside 1..64"),
     ]
-    for argv, message in cases:
-        with pytest.raises(SystemExit) as e:
-            script.main([*argv, "--out", str(out)])
-        assert e.value.code == 2 and message in capsys.readouterr().err
-        assert not out.exists()
-    out.mkdir()
-    (out / "results.json").write_text("{}")
-    with pytest.raises(SystemExit) as e:
-        script.main(["--pair", str(pair_dir), "--out", str(out)])
-    assert e.value.code == 2 and "exists" in capsys.readouterr().err
-    assert (out / "results.json").read_text() == "{}"
+    script_refuses_before_writing(script.main, cases, pair_dir, tmp_path / "out", capsys)

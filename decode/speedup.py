@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -84,6 +85,11 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
     return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
 
+def _is_count(x: Any) -> bool:
+    """An integer (Python or NumPy, not bool): a number of tokens or drafts."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def cost_bucket(batch_size: int) -> int:
     """The batch size whose costs the decoder uses for ``batch_size`` active rows: the power of two >= it."""
     return 1 << (int(batch_size) - 1).bit_length()
@@ -121,13 +127,15 @@ def makespan_gamma(alphas: Sequence[float], remaining: Sequence[int], cost_ratio
     if not alphas or len(alphas) != len(remaining):
         raise ValueError(f"alphas and remaining must be non-empty and of equal length, got {len(alphas)} and "
                          f"{len(remaining)}")
-    if min(remaining) < 1:
-        raise ValueError(f"remaining must be >= 1 per row, got {list(remaining)}")
+    if not all(_is_count(r) and r >= 1 for r in remaining):
+        raise ValueError(f"remaining must be integers >= 1 (tokens per row), got {list(remaining)}")
     if max_gamma < min_gamma:
         raise ValueError(f"max_gamma ({max_gamma}) must be >= min_gamma ({min_gamma})")
     if cost_ratio < 0 or math.isnan(cost_ratio):
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
     v = list(verify_costs) if verify_costs is not None else None
+    if v is not None and (not v or not all(math.isfinite(x) and x > 0 for x in v)):
+        raise ValueError(f"verify_costs must be a non-empty list of finite values > 0 (or None), got {v}")
 
     def time_to_finish(g: int) -> float:
         step = g * cost_ratio + verify_cost_at(v, g)
@@ -144,11 +152,17 @@ class AlphaEstimate:
     __slots__ = ("accepted", "trials", "decay")
 
     def __init__(self, decay: float = 0.9):
-        self.accepted, self.trials, self.decay = 0.0, 0.0, decay
+        if not 0 < decay <= 1:  # also refuses NaN
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.accepted, self.trials, self.decay = 0.0, 0.0, float(decay)
 
     def alpha(self, prior_alpha: float, prior_weight: float) -> float:
         """``(accepted + w·prior) / (trials + w)`` in [0, 1]: the row's α, shrunk toward ``prior_alpha`` with the
-        weight of ``prior_weight`` trials (the prior alone before any trial)."""
+        weight of ``prior_weight`` trials (the prior alone before any trial). Raises ValueError for a prior outside
+        [0, 1] or a weight that is negative or not finite (NaN included)."""
+        if not 0 <= prior_alpha <= 1 or not (math.isfinite(prior_weight) and prior_weight >= 0):
+            raise ValueError(f"need prior_alpha in [0, 1] and a finite prior_weight >= 0, got {prior_alpha} and "
+                             f"{prior_weight}")
         total = self.trials + prior_weight
         value = (self.accepted + prior_weight * prior_alpha) / total if total > 0 else prior_alpha
         return min(max(value, 0.0), 1.0)
@@ -156,8 +170,8 @@ class AlphaEstimate:
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Fold in one step: ``num_accepted`` of ``num_drafted`` drafts kept (a rejection ended the run if fewer;
         nothing is learnt from a step that drafted nothing). Raises ValueError unless
-        ``0 <= num_accepted <= num_drafted``."""
-        if not 0 <= num_accepted <= num_drafted:
+        ``0 <= num_accepted <= num_drafted`` (integers)."""
+        if not (_is_count(num_drafted) and _is_count(num_accepted) and 0 <= num_accepted <= num_drafted):
             raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}")
         if num_drafted == 0:
             return
@@ -359,9 +373,19 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
     costs = {int(k): v for k, v in auto_costs.items()}
     buckets = cost_buckets(len(alphas))
     for b in buckets:
-        if b not in costs or any(key not in costs[b] for key in ("cost_ratio", "verify", "target_forward_s")):
-            raise ValueError(f"auto_costs needs batch size {b} with cost_ratio, verify and target_forward_s "
-                             f"(SpeculativeDecoder.calibrate(..., batch_sizes={buckets})), got {sorted(costs)}")
+        if b not in costs:
+            raise ValueError(f"auto_costs needs batch size {b} (SpeculativeDecoder.calibrate(..., batch_sizes="
+                             f"{buckets})), got batch sizes {sorted(costs)}")
+        entry = costs[b]
+        missing = [k for k in ("cost_ratio", "verify", "target_forward_s") if k not in entry]
+        if missing:
+            raise ValueError(f"auto_costs[{b}] lacks {', '.join(missing)} (calibrate() of this version records "
+                             f"all three)")
+        c, verify, t = entry["cost_ratio"], entry["verify"], entry["target_forward_s"]
+        if not (math.isfinite(c) and c >= 0 and math.isfinite(t) and t > 0 and verify
+                and all(math.isfinite(v) and v > 0 for v in verify)):
+            raise ValueError(f"auto_costs[{b}] needs cost_ratio >= 0, target_forward_s > 0 and a non-empty verify "
+                             f"list of values > 0, got {entry}")
     rng = random.Random(seed)
     plain = spec = 0.0
     for _ in range(runs):

@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("limit", "max_new_tokens", "rounds", "auto_max_gamma"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    missing = [d for d in ("target", args.draft, "tokenizer") if not (args.pair / d).is_dir()]
+    missing = [d for d in ("target", "tokenizer") if not (args.pair / d).is_dir()]
     if missing:
         p.error(f"--pair {args.pair} lacks {', '.join(missing)}: give a quickstart output folder")
+    if not (args.pair / args.draft).is_dir():
+        p.error(f"--draft {args.draft}: no such folder in --pair {args.pair} (draft-distilled or draft-baseline)")
     result_path = args.out / "results.json"
     if result_path.exists():
         p.error(f"{result_path} exists; give another --out (results are never overwritten)")

@@ -16,7 +16,7 @@ Static batches (``generate()`` over several prompts, which ends with its last ro
 
 simulates one batch with those per-row α (:func:`decode.speedup.simulate_batch_speedup`, rows leave as they
 finish) with the per-batch-size costs of ``--auto-costs`` (a JSON file holding ``SpeculativeDecoder.calibrate``'s
-dict, or a ``scripts/measure_auto_batch.py`` results.json), and prints every fixed γ and the controller with and
+dict, or the results.json of ``scripts/measure_auto_batch.py`` or ``python -m decode bench``), and prints every fixed γ and the controller with and
 without the static-batch planner.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=300, help="simulated requests per cell (>= 1)")
     p.add_argument("--batch-alphas", help="per-row α of one static batch, comma-separated (needs --auto-costs)")
     p.add_argument("--auto-costs", type=Path, help="JSON with the per-batch-size costs (calibrate's dict, or a "
-                   "results.json of scripts/measure_auto_batch.py)")
+                   "results.json of scripts/measure_auto_batch.py or of python -m decode bench)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (an existing file is refused)")
     args = p.parse_args(argv)
     try:
@@ -113,6 +113,8 @@ def batch_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         data = json.loads(args.auto_costs.read_text())
     except (OSError, ValueError) as e:
         p.error(f"--auto-costs {args.auto_costs}: {e}")
+    if isinstance(data, dict) and isinstance(data.get("cost"), dict) and "auto_costs" in data["cost"]:
+        data = data["cost"]  # a python -m decode bench results.json
     costs = data.get("auto_costs", data) if isinstance(data, dict) else data
     if not isinstance(costs, dict) or not all(isinstance(v, dict) for v in costs.values()):
         p.error(f"--auto-costs {args.auto_costs}: expected {{batch_size: {{cost_ratio, verify, target_forward_s}}}} "
@@ -128,10 +130,10 @@ def batch_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for n in args.max_new_tokens:
         try:
             fixed = {g: simulate_batch_speedup(g, alphas, costs, n, args.runs) for g in range(args.max_gamma + 1)}
-        except ValueError as e:
-            p.error(f"--auto-costs: {e}")
-        pooled = simulate_batch_speedup(controller, alphas, costs, n, args.runs, plan=False)
-        planned = simulate_batch_speedup(controller, alphas, costs, n, args.runs, plan=True)
+            pooled = simulate_batch_speedup(controller, alphas, costs, n, args.runs, plan=False)
+            planned = simulate_batch_speedup(controller, alphas, costs, n, args.runs, plan=True)
+        except (ValueError, TypeError) as e:
+            p.error(f"--auto-costs {args.auto_costs}: {e}")
         best = max(fixed, key=fixed.get)
         out["rows"].append({"max_new_tokens": n, "fixed_speedup": {str(g): v for g, v in fixed.items()},
                             "best_gamma": best, "auto_pooled": pooled, "auto_planned": planned})

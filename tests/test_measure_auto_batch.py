@@ -35,9 +35,9 @@ def test_parse_ints():
 def test_bad_input_exits_2_before_writing(tmp_path, capsys):
     pair_dir = quickstart_pair_dir(tmp_path / "pair")
     cases = [
-        (["--pair", str(tmp_path / "missing")], "lacks target, draft-distilled, tokenizer"),
+        (["--pair", str(tmp_path / "missing")], "lacks target, tokenizer"),
         (["--pair", str(pair_dir), "--gammas", "0"], "--gammas: 0 must be >= 1"),
-        (["--pair", str(pair_dir), "--draft", "draft-baseline"], "lacks draft-baseline"),
+        (["--pair", str(pair_dir), "--draft", "draft-baseline"], "--draft draft-baseline: no such folder"),
         (["--pair", str(pair_dir), "--batch-sizes", "1,4"], "--batch-sizes: 1 must be >= 2"),
         (["--pair", str(pair_dir), "--rounds", "0"], "--rounds must be >= 1"),
         (["--pair", str(pair_dir), "--temperatures", "-1"], "--temperatures must be >= 0"),

@@ -40,6 +40,14 @@ def test_static_batch_simulation_compares_the_planner_with_the_pooled_choice(tmp
     costs.write_text(json.dumps({"auto_costs": {str(b): {
         "cost_ratio": 0.2, "target_forward_s": 0.008 + 0.001 * (b - 1),
         "verify": [1.0] + [1.0 + (0.02 + 0.025 * b) * (g + 1) for g in range(1, 9)]} for b in (1, 2, 4)}}))
+    negative = tmp_path / "negative.json"
+    negative.write_text(json.dumps({"auto_costs": {**json.loads(costs.read_text())["auto_costs"],
+                                                   "2": {"cost_ratio": -1.0, "target_forward_s": 0.01,
+                                                         "verify": [1.0]}}}))
+    bench = tmp_path / "bench.json"  # a python -m decode bench results.json keeps the model under cost.auto_costs
+    bench.write_text(json.dumps({"cost": json.loads(costs.read_text())}))
+    r = run("--batch-alphas", "0.5,0.9", "--auto-costs", str(bench), "--runs", "5")
+    assert r.returncode == 0, r.stderr
     out = tmp_path / "batch.json"
     r = run("--batch-alphas", "0.2,0.9,0.9,1", "--auto-costs", str(costs), "--max-new-tokens", "48", "--runs", "20",
             "--out", str(out))
@@ -52,6 +60,7 @@ def test_static_batch_simulation_compares_the_planner_with_the_pooled_choice(tmp
     for args, message in ((["--batch-alphas", "0.5"], "go together"),
                           (["--batch-alphas", "0.5,x", "--auto-costs", str(costs)], "--batch-alphas"),
                           (["--batch-alphas", "0.5,0.5,0.5,0.5,0.5", "--auto-costs", str(costs)], "batch size 8"),
-                          (["--batch-alphas", "0.5", "--auto-costs", str(tmp_path / "none.json")], "--auto-costs")):
+                          (["--batch-alphas", "0.5", "--auto-costs", str(tmp_path / "none.json")], "--auto-costs"),
+                          (["--batch-alphas", "0.5,0.5", "--auto-costs", str(negative)], "cost_ratio")):
         r = run(*args, "--runs", "2")
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)

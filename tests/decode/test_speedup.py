@@ -196,10 +196,30 @@ def test_makespan_gamma_never_drafts_past_every_budget():
 
 
 @pytest.mark.parametrize("args, match", [(([], []), "non-empty"), (([0.5], [1, 2]), "equal length"),
-                                         (([0.5], [0]), "remaining"), (([1.5], [4]), "alpha")])
+                                         (([0.5], [0]), "remaining"), (([1.5], [4]), "alpha"),
+                                         (([0.5], [float("nan")]), "remaining"), (([0.5], [2.5]), "integers"),
+                                         (([0.5], [True]), "integers")])
 def test_makespan_gamma_refuses_bad_rows(args, match):
     with pytest.raises(ValueError, match=match):
         makespan_gamma(*args, cost_ratio=0.1)
+
+
+@pytest.mark.parametrize("verify", [[], [1.0, float("nan")], [1.0, -5.0], [1.0, float("inf")]])
+def test_makespan_gamma_refuses_bad_verify_costs(verify):
+    with pytest.raises(ValueError, match="verify_costs"):
+        makespan_gamma([0.9], [10], 0.2, 8, verify_costs=verify)
+
+
+def test_alpha_estimate_refuses_bad_settings():
+    for decay in (0.0, -1.0, 2.0, float("nan")):
+        with pytest.raises(ValueError, match="decay"):
+            AlphaEstimate(decay)
+    est = AlphaEstimate()
+    for prior, weight in ((float("nan"), 8.0), (2.0, 8.0), (0.5, -8.0), (0.5, float("nan"))):
+        with pytest.raises(ValueError, match="prior"):
+            est.alpha(prior, weight)
+    with pytest.raises(ValueError, match="num_accepted"):
+        est.update(2.5, 1.5)
 
 
 def test_alpha_estimate_counts_trials_like_the_pooled_controller_and_shrinks_to_the_prior():
@@ -265,6 +285,15 @@ def test_simulate_batch_speedup_plain_is_one_and_bad_costs_are_refused():
     assert simulate_batch_speedup(0, [0.2, 0.9, 1.0], _batch_costs(), 30, runs=5) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="batch size 4"):
         simulate_batch_speedup(2, [0.5] * 3, {1: _batch_costs()[1], 2: _batch_costs()[2]}, 30, runs=2)
+    for key, value, match in (("target_forward_s", None, "lacks target_forward_s"), ("cost_ratio", -1.0, "cost_ratio"),
+                              ("verify", [], "verify")):
+        costs = _batch_costs()
+        if value is None:
+            del costs[2][key]
+        else:
+            costs[2][key] = value
+        with pytest.raises(ValueError, match=match):
+            simulate_batch_speedup(2, [0.5] * 2, costs, 30, runs=2)
     with pytest.raises(ValueError, match="alphas"):
         simulate_batch_speedup(2, [1.5], _batch_costs(), 30, runs=2)
 

@@ -121,8 +121,9 @@ def makespan_gamma(alphas: Sequence[float], remaining: Sequence[int], cost_ratio
         max_gamma, min_gamma: the range searched (``max_gamma >= min_gamma >= 0``).
 
     Raises:
-        ValueError: empty or unequal ``alphas`` / ``remaining``, an R_r < 1, ``max_gamma < min_gamma``, or α / c out
-            of range (:func:`expected_tokens_per_step`, :func:`predicted_speedup`).
+        ValueError: empty or unequal ``alphas`` / ``remaining``, an R_r that is not an integer >= 1,
+            ``max_gamma < min_gamma``, c < 0 or NaN, ``verify_costs`` empty or holding a value that is not finite and
+            > 0, or an α outside [0, 1] (:func:`expected_tokens_per_step`).
     """
     if not alphas or len(alphas) != len(remaining):
         raise ValueError(f"alphas and remaining must be non-empty and of equal length, got {len(alphas)} and "
@@ -361,8 +362,9 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
         (Σ plain time) / (Σ speculative time) over the runs.
 
     Raises:
-        ValueError: empty ``alphas`` or one outside [0, 1], a missing batch size or key in ``auto_costs``,
-            ``max_new_tokens < 2`` or ``runs < 1``.
+        ValueError: empty ``alphas`` or one outside [0, 1], a missing batch size or key in ``auto_costs`` or a
+            value out of range there (c < 0, t <= 0, an empty or non-positive verify list), ``max_new_tokens < 2``
+            or ``runs < 1``.
     """
     import random
 

@@ -40,7 +40,7 @@ from decode.compat import check_cache_support, check_compatibility, draft_input_
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
-from decode.speedup import AdaptiveGamma, cost_bucket, smooth_verify_costs
+from decode.speedup import AdaptiveGamma, check_auto_costs, cost_bucket, smooth_verify_costs
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 
@@ -205,7 +205,7 @@ class SpeculativeDecoder:
         self._static_batch = False  # True inside generate(): auto γ minimizes the time to the last row's end
         # False: auto γ keeps the pooled choice in generate() too (the planner's A/B baseline, docs/decode.md)
         self.plan_static_batches = True
-        self.auto_costs: dict[int, dict] = _check_auto_costs(auto_costs)
+        self.auto_costs: dict[int, dict] = check_auto_costs(auto_costs)
         self._costs_bucket = None
         self._next_id = 0
         self._ids: set = set()  # ids of queued and active requests
@@ -924,21 +924,3 @@ class SpeculativeDecoder:
 
 
 PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
-
-
-def _check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
-    """``auto_costs`` as given (e.g. loaded from JSON, whose keys are strings) with int batch-size keys, checked:
-    every entry needs c >= 0 and a non-empty ``verify`` list of positive v_γ. Raises ValueError naming the entry."""
-    out: dict[int, dict] = {}
-    for key, entry in (auto_costs or {}).items():
-        try:
-            batch = int(key)
-            c, verify = float(entry["cost_ratio"]), [float(v) for v in entry["verify"]]
-        except (TypeError, ValueError, KeyError) as err:
-            raise ValueError(f"auto_costs[{key!r}] must be {{'cost_ratio': c, 'verify': [v_0, .., v_max]}} under a "
-                             f"batch-size key (what SpeculativeDecoder.calibrate returns): {err!r}") from None
-        if batch < 1 or not c >= 0 or not verify or not all(v > 0 for v in verify):
-            raise ValueError(f"auto_costs[{key!r}] = {entry!r}: need a batch size >= 1, cost_ratio >= 0 and a "
-                             "non-empty verify list of positive costs")
-        out[batch] = {**entry, "cost_ratio": c, "verify": verify}
-    return out

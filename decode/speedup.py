@@ -90,6 +90,27 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
+    """``auto_costs`` as given (e.g. loaded from JSON, whose keys are strings) with int batch-size keys, checked:
+    every entry needs a finite c >= 0 and a non-empty ``verify`` list of finite, positive v_γ (other keys, such as
+    ``target_forward_s``, are kept as they are). The decoder's ``auto_costs=`` and :func:`simulate_batch_speedup`
+    read the cost model through it. Raises ValueError naming the entry."""
+    out: dict[int, dict] = {}
+    for key, entry in (auto_costs or {}).items():
+        try:
+            batch = int(key)
+            c, verify = float(entry["cost_ratio"]), [float(v) for v in entry["verify"]]
+        except (TypeError, ValueError, KeyError) as err:
+            raise ValueError(f"auto_costs[{key!r}] must be {{'cost_ratio': c, 'verify': [v_0, .., v_max]}} under a "
+                             f"batch-size key (what SpeculativeDecoder.calibrate returns): {err!r}") from None
+        if (batch < 1 or not (math.isfinite(c) and c >= 0) or not verify
+                or not all(math.isfinite(v) and v > 0 for v in verify)):
+            raise ValueError(f"auto_costs[{key!r}] = {entry!r}: need a batch size >= 1, cost_ratio >= 0 and a "
+                             "non-empty verify list of positive costs")
+        out[batch] = {**entry, "cost_ratio": c, "verify": verify}
+    return out
+
+
 def cost_bucket(batch_size: int) -> int:
     """The batch size whose costs the decoder uses for ``batch_size`` active rows: the power of two >= it."""
     return 1 << (int(batch_size) - 1).bit_length()
@@ -372,22 +393,17 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
         raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {list(alphas)}")
     if max_new_tokens < 2 or runs < 1:
         raise ValueError(f"need max_new_tokens >= 2 and runs >= 1, got {max_new_tokens} and {runs}")
-    costs = {int(k): v for k, v in auto_costs.items()}
+    costs = check_auto_costs(auto_costs)
     buckets = cost_buckets(len(alphas))
     for b in buckets:
         if b not in costs:
             raise ValueError(f"auto_costs needs batch size {b} (SpeculativeDecoder.calibrate(..., batch_sizes="
                              f"{buckets})), got batch sizes {sorted(costs)}")
-        entry = costs[b]
-        missing = [k for k in ("cost_ratio", "verify", "target_forward_s") if k not in entry]
-        if missing:
-            raise ValueError(f"auto_costs[{b}] lacks {', '.join(missing)} (calibrate() of this version records "
-                             f"all three)")
-        c, verify, t = entry["cost_ratio"], entry["verify"], entry["target_forward_s"]
-        if not (math.isfinite(c) and c >= 0 and math.isfinite(t) and t > 0 and verify
-                and all(math.isfinite(v) and v > 0 for v in verify)):
-            raise ValueError(f"auto_costs[{b}] needs cost_ratio >= 0, target_forward_s > 0 and a non-empty verify "
-                             f"list of values > 0, got {entry}")
+        if "target_forward_s" not in costs[b]:
+            raise ValueError(f"auto_costs[{b}] lacks target_forward_s (calibrate() of this version records it)")
+        t = costs[b]["target_forward_s"]
+        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0):
+            raise ValueError(f"auto_costs[{b}] needs target_forward_s > 0 (seconds), got {t!r}")
     rng = random.Random(seed)
     plain = spec = 0.0
     for _ in range(runs):

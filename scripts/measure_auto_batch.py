@@ -70,8 +70,8 @@ def measure(target, draft, tokenizer, prompts: list[list[int]], batch_sizes: lis
     pooled.plan_static_batches = False
     decs.update(auto=planned, auto_pooled=pooled)
     methods = list(decs)
+    ids, mask = left_pad(prompts[:2], tokenizer.pad_token_id, device)
     for dec in decs.values():  # warm-up: lazy init and allocator growth stay out of the timings
-        ids, mask = left_pad(prompts[:2], tokenizer.pad_token_id, device)
         dec.generate(ids, attention_mask=mask, max_new_tokens=4)
     wall = {}
     stats: dict = {}

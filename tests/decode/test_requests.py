@@ -182,6 +182,9 @@ def test_bad_auto_settings_are_refused_at_construction(pair):
         SpeculativeDecoder(*pair, "auto", auto_costs={1: {"cost_ratio": 0.1}})
     with pytest.raises(ValueError, match="auto_costs"):
         SpeculativeDecoder(*pair, "auto", auto_costs={"1": {"cost_ratio": -1.0, "verify": [1.0]}})
+    for bad in ({"cost_ratio": float("inf"), "verify": [1.0]}, {"cost_ratio": 0.1, "verify": [1.0, float("nan")]}):
+        with pytest.raises(ValueError, match="auto_costs"):
+            SpeculativeDecoder(*pair, "auto", auto_costs={1: bad})
 
 
 def test_auto_gamma_goes_to_zero_when_drafting_does_not_pay(pair):

@@ -134,9 +134,12 @@ class SpeculativeDecoder:
             for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
             entries are measured once, at first use, by timed forwards (:func:`decode.speedup.measure_cost_ratio`)
             and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
-        compile: run both models' forwards through ``torch.compile(model.forward, dynamic=True)`` (applied from
-            outside, the models are not modified). The first calls compile (tens of seconds on CPU); shapes that
-            change (cache length, γ, batch size) stay dynamic instead of recompiling.
+        compile: False (default), True: run both models' draft and verify forwards through
+            ``torch.compile(model.forward, dynamic=True)`` (applied from outside, the models are not modified);
+            ``"draft"``: the draft's forwards only, the target stays eager (on CPU it keeps the few-row kernels, the
+            fastest measured setting there: docs/decode.md, "Compilation"). The first calls compile (tens of seconds
+            on CPU, more as new batch sizes appear); shapes that change (cache length, γ, batch size) stay dynamic
+            instead of recompiling.
         static_cache: None (default): a preallocated static KV cache (:class:`decode.cache.StaticKV`) for each model
             whose architecture allows it, the DynamicCache path with a one-line warning for the others; False:
             the DynamicCache path for both; True: as None.
@@ -148,12 +151,12 @@ class SpeculativeDecoder:
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
             cannot be rolled back (Mamba and other recurrent/hybrid models: :func:`decode.compat.check_cache_support`).
-        ValueError: a bad ``num_draft_tokens``.
+        ValueError: a bad ``num_draft_tokens`` or ``compile``.
     """
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str | None = None,
                  tokenizer: Any = None, draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
-                 auto_costs: dict[int, dict] | None = None, compile: bool = False,
+                 auto_costs: dict[int, dict] | None = None, compile: bool | str = False,
                  static_cache: bool | None = None, few_row_linear: bool | None = None):
         self.target = target
         self.draft = draft
@@ -175,7 +178,10 @@ class SpeculativeDecoder:
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
         # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
         self._draft_map = draft_vocab_map(draft) if draft is not None else None
-        self.compile = bool(compile)
+        if compile not in (False, True, "draft") or (compile == "draft" and draft is None):
+            raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft's forwards only; needs a "
+                             f"draft), got {compile!r}")
+        self.compile = compile if compile == "draft" else bool(compile)
         # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
         self._static = {}
         for name, model in (("target", target), ("draft", draft)):
@@ -187,10 +193,11 @@ class SpeculativeDecoder:
                 warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
                               f"({reason}); using the DynamicCache path", stacklevel=2)
             self._static[name] = reason is None
-        self.few_row_linear = (kernels.default_for(target, draft) and not self.compile if few_row_linear is None
+        # A compiled target loses the kernels (inductor picks its own); a compiled draft keeps the traceable ones.
+        self.few_row_linear = (kernels.default_for(target, draft) and self.compile is not True if few_row_linear is None
                                else bool(few_row_linear))
-        self._target_call = _compiled(target) if compile else None
-        self._draft_call = _compiled(draft) if compile and draft is not None else None
+        self._target_call = _compiled(target) if self.compile is True else None
+        self._draft_call = _compiled(draft) if self.compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
         self._waiting: list[Request] = []

@@ -194,6 +194,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = flat.shape[0]
     if n <= TRANSPOSED_ROWS:
         out = transposed_linear(flat, weight, bias)
+    elif torch.compiler.is_compiling():  # packed copies live in a Python dict: dynamo cannot trace them
+        return _original(x, weight, bias)
     elif _ONEDNN and not weight.is_inference():  # an inference tensor has no version counter to key a copy on
         out = packed_linear(flat, weight, bias)
     elif n <= TRANSPOSED_FALLBACK_ROWS:

@@ -293,6 +293,18 @@ def test_streamer_receives_prompt_then_tokens(pair):
     assert sum(s.chunks[1:], []) == out.new_tokens[0].tolist()
 
 
+@pytest.mark.parametrize("value", ["both", "target", 2, None])
+def test_bad_compile_values_are_refused(pair, value):
+    target, drafts = pair
+    with pytest.raises(ValueError, match="compile must be False, True .* or 'draft'"):
+        SpeculativeDecoder(target, drafts["perturbed"], 3, compile=value)
+
+
+def test_compile_draft_needs_a_draft(pair):
+    with pytest.raises(ValueError, match="needs a draft"):
+        SpeculativeDecoder(pair[0], None, compile="draft")
+
+
 def test_compiled_forwards_keep_greedy_equality(pair, references):
     """compile=True (torch.compile of both forwards, dynamic shapes): exact greedy output, batch 1."""
     target, drafts = pair

@@ -209,6 +209,21 @@ def test_blocks_in_several_threads_restore_the_original():
     assert F.linear is ORIGINAL
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_compiled_code_traces_the_transposed_form_and_leaves_the_packed_one(rows):
+    """A model compiled inside a block (compile="draft" runs the draft so): dynamo traces the transposed product
+    (1-2 rows) and gives more rows to the original F.linear, since the packed copies live in a Python dict (tracing
+    them failed in inductor before). Same values as F.linear either way."""
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(rows, 24)
+    fn = torch.compile(layer, dynamic=True)
+    with kernels.few_row_linear(), torch.no_grad():
+        got = fn(x)
+    torch.testing.assert_close(got, ORIGINAL(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert F.linear is ORIGINAL
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_llama(seed=0, layers=2, dtype=torch.float32)  # the default is float64: not eligible
@@ -220,6 +235,7 @@ def test_engine_default_and_switch(pair):
     assert SpeculativeDecoder(target, draft).few_row_linear is True  # float32 on the CPU
     assert SpeculativeDecoder(target, draft, few_row_linear=False).few_row_linear is False
     assert SpeculativeDecoder(target, draft, compile=True).few_row_linear is False
+    assert SpeculativeDecoder(target, draft, compile="draft").few_row_linear is True  # the target stays eager
     half = tiny_llama(seed=0, layers=2, dtype=torch.bfloat16)
     assert SpeculativeDecoder(half, perturbed_copy(half, 0.5)).few_row_linear is False
     assert SpeculativeDecoder(tiny_llama(seed=0, layers=2)).few_row_linear is False  # float64
@@ -244,6 +260,24 @@ def test_engine_runs_its_forwards_under_the_switch_and_keeps_greedy_equality(pai
     assert [t.tolist() for t in out.new_tokens] == plain
     assert 0 < out.stats.acceptance_rate < 1  # rejections: verify forwards of several rows ran
     assert seen and all(s is enabled for s in seen)
+    assert F.linear is ORIGINAL
+
+
+def test_compiled_draft_keeps_the_kernels_and_greedy_equality(pair):
+    """compile="draft": the draft's forwards compiled (the transposed product traced for 1-2 rows, the original
+    F.linear for 4), the target's eager under the kernels; output equals plain greedy decoding at batch 1 and 4."""
+    target, draft = pair
+    torch._dynamo.reset()
+    prompts = [[4, 9, 12, 30, 2], [7], [50, 51, 52, 53, 54, 55, 56, 57, 58], [3, 3]]
+    plain = [SpeculativeDecoder(target, None).generate([p], max_new_tokens=16).new_tokens[0].tolist()
+             for p in prompts]
+    dec = SpeculativeDecoder(target, draft, 3, compile="draft")
+    assert dec._target_call is None and dec._draft_call is not None and dec.few_row_linear
+    alone = dec.generate(prompts[:1], max_new_tokens=16)
+    batch = dec.generate(prompts, max_new_tokens=16)
+    assert alone.new_tokens[0].tolist() == plain[0]
+    assert [t.tolist() for t in batch.new_tokens] == plain
+    assert 0 < batch.stats.acceptance_rate < 1  # rejections and rollbacks happened under compilation
     assert F.linear is ORIGINAL
 
 

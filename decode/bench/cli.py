@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-gammas", default="",
                    help="extra HF assisted runs with num_assistant_tokens=γ, constant schedule, no confidence stop "
                         "(e.g. 4); hf_assisted always runs with HF's own defaults")
-    p.add_argument("--compile", action="store_true",
-                   help="also run our decoder built with compile=True (plain_compiled, spec_g{γ}_compiled)")
+    p.add_argument("--compile", nargs="?", const="both", choices=["both", "draft"],
+                   help="also run our decoder built with compile=True (--compile, or --compile both) or "
+                        "compile='draft' (--compile draft: the draft's forwards only): plain_compiled, "
+                        "spec_g{γ}_compiled")
     p.add_argument("--few-row-linear", choices=["auto", "on", "off"], default="auto",
                    help="our decoder's few-row linear kernels (decode.kernels; auto: on for float32 CPU models)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
@@ -109,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         batch_sizes=parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
         hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
-        cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed, compile=args.compile,
+        cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed, compile={None: False, "both": True, "draft": "draft"}[args.compile],
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
     cfg.validate()

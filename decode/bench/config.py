@@ -27,8 +27,9 @@ class BenchConfig:
     cost_repeats: int = 21
     warmup: bool = True
     seed: int = 0
-    # Also run our decoder built with SpeculativeDecoder(..., compile=True): plain_compiled, spec_g{γ}_compiled.
-    compile: bool = False
+    # Also run our decoder built with SpeculativeDecoder(..., compile=compile) (True: both models' forwards;
+    # "draft": the draft's only): plain_compiled, spec_g{γ}_compiled.
+    compile: bool | str = False
     # SpeculativeDecoder(few_row_linear=...) for our decoder: None = its default (on for float32 CPU models).
     few_row_linear: bool | None = None
     # Descriptive, filled by the CLI.
@@ -44,6 +45,8 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
+        if self.compile not in (False, True, "draft"):
+            raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft only), got {self.compile!r}")
         if not self.gammas and not self.auto:
             raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")
         if any((not isinstance(g, int)) or g < 1 for g in self.gammas):

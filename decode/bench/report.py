@@ -59,6 +59,8 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
     - ``ours_vs_hf_assisted`` (one per γ run by both ``spec_g{γ}`` and ``hf_assisted_g{γ}``): our speedup over HF
       assisted generation's at the same fixed γ; ``analytic_bound`` is the verify-aware prediction over HF's
       speedup, the largest ratio a decoder with no overhead beyond its forwards could reach;
+    - ``ours_compiled_vs_hf_assisted`` (with ``--compile``): the same for ``spec_g{γ}_compiled`` (its speedup is over
+      the eager plain run, like every speedup here; ``compile`` says which forwards were compiled);
     - ``batch_speedup`` (one per batch size > 1): speculative over plain tokens/s, our eager engine, same batch;
     - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
     """
@@ -85,6 +87,10 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
                 checks.append(_check("ours_vs_hf_assisted", _ratio(ours, hf), ours, hf, GOALS["ours_vs_hf_assisted"],
                                      gamma=g, analytic_bound=_ratio(
                                          runs[f"spec_g{g}"].get("predicted_speedup_verify_aware"), hf)))
+            if f"spec_g{g}_compiled" in runs:  # --compile: the compiled decoder against the same HF runs
+                ours = runs[f"spec_g{g}_compiled"]["speedup"]
+                checks.append(_check("ours_compiled_vs_hf_assisted", _ratio(ours, hf), ours, hf,
+                                     GOALS["ours_vs_hf_assisted"], gamma=g, compile=(results.get("config") or {}).get("compile")))
         batch = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] > 1 and not b["compiled"]]
         for b in sorted((b for b in batch if b["method"] != "plain"), key=lambda b: b["batch_size"]):
             plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]]
@@ -287,6 +293,9 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     _render_batch(results, console)
     if results.get("report"):
         _render_must_show(results, console)
+    if results.get("compiled_graphs_during_timing"):
+        console.print(f"[bold]note:[/] torch.compile built {results['compiled_graphs_during_timing']} graph(s) inside "
+                      "timed runs: the *_compiled timings include compilation (shapes the warm-up did not meet)")
 
 
 def _render_methods(results, s, console) -> None:
@@ -382,6 +391,8 @@ _LABELS = {
     "decode_vs_verify_aware": lambda ck: f"decode-phase speedup / verify-aware prediction, {_gamma(ck)}",
     "ours_vs_hf_assisted": lambda ck: (f"ours / HF assisted speedup, γ={ck['gamma']} (analytic bound "
                                        f"{_fmt(ck.get('analytic_bound'))})"),
+    "ours_compiled_vs_hf_assisted": lambda ck: (f"ours compiled ({'draft only' if ck.get('compile') == 'draft' else 'both'}"
+                                                f") / HF assisted speedup, γ={ck['gamma']}"),
     "batch_speedup": lambda ck: f"batch {ck['batch_size']} tok/s, γ={ck['gamma']} / plain",
     "auto_vs_best_fixed": lambda ck: (f"auto γ / best fixed γ={ck['gamma']} speedup" if ck["gamma"] is not None
                                       else "auto γ / best fixed γ speedup: no fixed γ measured"),

@@ -110,7 +110,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
               max_auto_draft_tokens=cfg.auto_max_gamma, few_row_linear=cfg.few_row_linear)
     decoders = {False: SpeculativeDecoder(target, draft, **kw)}
     if cfg.compile:
-        decoders[True] = SpeculativeDecoder(target, draft, compile=True, **kw)
+        decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)
     methods = build_methods(cfg)
     with kernels.few_row_linear(decoders[False].few_row_linear):  # the kernels our decoder's steps use
         cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
@@ -123,17 +123,24 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         # the eager decoder's model, as measured before any timed run (simulate_auto_gamma.py --auto-costs reads it)
         cost["auto_costs"] = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
 
-    def run(method, rows, temperature, seed, max_new_tokens=None):
+    compiled_graphs = [0]  # graphs compiled inside timed runs (their wall time includes the compilation)
+
+    def run(method, rows, temperature, seed, max_new_tokens=None, timed=True):
         ids, mask = left_pad(rows, pad_token_id, device)
         c = cfg if max_new_tokens is None else BenchConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
         if method.kind == OURS:
-            return run_ours(decoders[method.compiled], method, ids, mask, temperature, c, eos, seed, device)
+            before = _compiled_graphs()
+            out = run_ours(decoders[method.compiled], method, ids, mask, temperature, c, eos, seed, device)
+            compiled_graphs[0] += (_compiled_graphs() - before) if timed else 0
+            return out
         return run_hf(target, draft, method, ids, mask, temperature, c, eos, pad_token_id, seed, device)
 
     if cfg.warmup:  # first calls pay for allocator growth, lazy init and compilation; keep them out of the timings
         for method in methods:
             for t in cfg.temperatures:
-                run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens))
+                # a compiled decoder meets more of its shapes (pending width 1 and 2) in a full-length run
+                run(method, prompt_ids[:1], t, 0, max_new_tokens=None if method.compiled else min(4, cfg.max_new_tokens),
+                    timed=False)
     records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress)
     runs, summary = pool(records, methods, cfg, cost, categories)
     batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress)
@@ -145,6 +152,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                     "categories": _count(c for c in categories if c is not None),
                     "mean_prompt_tokens": statistics.mean(len(r) for r in prompt_ids)},
         "cost": cost, "runs": runs, "summary": summary, "batch": batch,
+        # with --compile: graphs torch.compile built inside timed runs (> 0: those timings include compilation)
+        "compiled_graphs_during_timing": compiled_graphs[0] if cfg.compile else None,
         "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
     }
 
@@ -203,7 +212,7 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
             rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
             if cfg.warmup:
                 for m in group:
-                    run(m, rows[:bs], t, 0)
+                    run(m, rows[:bs], t, 0, timed=False)
             recs: dict[str, list[dict]] = {m.name: [] for m in group}
             for b in range(n_batches):
                 chunk = rows[b * bs:(b + 1) * bs]
@@ -219,6 +228,13 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
         row["speedup"] = (row["tokens_per_s"] / plain[0]["tokens_per_s"]
                           if plain and plain[0]["tokens_per_s"] and row["tokens_per_s"] else None)
     return out
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def cost_context(prompt_ids, cfg: BenchConfig, device) -> torch.Tensor:

@@ -78,6 +78,7 @@ def test_schema_and_json_round_trip(bench_run):
     validate_results(loaded)
     assert loaded["schema_version"] == SCHEMA_VERSION
     assert loaded["prompts"]["categories"] == {"x": 2, "y": 1}
+    assert loaded["compiled_graphs_during_timing"] is None  # nothing compiled without --compile
     bad = json.loads(json.dumps(loaded))
     del bad["runs"][0]["overall"]["alpha"]
     with pytest.raises(ValueError, match=r"runs\[0\].overall: missing keys \['alpha'\]"):
@@ -483,7 +484,8 @@ def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch,
                       progress=False)
 
 
-def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path):
+@pytest.mark.parametrize("compile", [True, "draft"])
+def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, compile):
     """The bench's plumbing for --compile: compiled methods (main and batch pass) go to the decoder built with
     compile=True, the others to the eager one. The engine's compilation itself is tested with the engine."""
     import decode
@@ -498,18 +500,22 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path):
 
         def generate(self, *args, **kwargs):
             self.calls.append(kwargs["num_draft_tokens"])
+            graphs[0] += bool(self.compile)  # as if each compiled call built a graph
             return super().generate(*args, **kwargs)
 
+    graphs = [0]
     monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    monkeypatch.setattr("decode.bench.runs._compiled_graphs", lambda: graphs[0])
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
-    cfg = BenchConfig(gammas=[2], auto=False, compile=True, hf=False, temperatures=[0.0], batch_sizes=[1, 2],
+    cfg = BenchConfig(gammas=[2], auto=False, compile=compile, hf=False, temperatures=[0.0], batch_sizes=[1, 2],
                       max_new_tokens=6, cost_repeats=3, warmup=False)
     results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0,
                             progress=False)
-    eager, compiled = sorted(built, key=lambda d: d.compile)
-    assert compiled.compile and not eager.compile
+    eager, compiled = sorted(built, key=lambda d: bool(d.compile))
+    assert compiled.compile == compile and not eager.compile
     # Main pass: 2 prompts x (plain, spec_g2); batch pass at size 2: one batch of (plain, spec_g2) each.
     assert sorted(compiled.calls) == sorted(eager.calls) == [0, 0, 0, 2, 2, 2]
+    assert results["compiled_graphs_during_timing"] == 6  # every compiled call was timed (no warm-up here)
     runs = {r["method"]: r for r in results["runs"]}
     assert set(runs) == {"plain", "spec_g2", "plain_compiled", "spec_g2_compiled"}
     assert runs["spec_g2_compiled"]["compiled"] and runs["spec_g2_compiled"]["overall"]["matches_plain_greedy"] == 1
@@ -566,6 +572,36 @@ def test_few_row_linear_option_maps_to_the_decoder_setting():
     with pytest.raises(SystemExit) as e:
         _config("--few-row-linear", "yes")
     assert e.value.code == 2
+
+
+def test_compile_option_maps_to_the_decoder_setting():
+    assert _config().compile is False
+    assert _config("--compile").compile is True  # both models, as before the draft-only choice
+    assert _config("--compile", "both").compile is True
+    assert _config("--compile", "draft").compile == "draft"
+    with pytest.raises(SystemExit) as e:
+        _config("--compile", "target")
+    assert e.value.code == 2
+    with pytest.raises(ValueError, match="compile must be False, True .* or 'draft'"):
+        BenchConfig(compile="target").validate()
+
+
+def test_must_show_compares_a_compiled_run_with_hf_assisted(bench_run):
+    """With --compile, spec_g{γ}_compiled gets its own row against the same HF assisted run."""
+    results = json.loads(json.dumps(bench_run[0]))
+    results["config"]["compile"] = "draft"
+    for run in [r for r in results["runs"] if r["method"] == "spec_g3"]:
+        twin = json.loads(json.dumps(run))
+        twin["method"], twin["compiled"] = "spec_g3_compiled", True
+        twin["overall"]["speedup"] = run["overall"]["speedup"] * 1.25
+        results["runs"].append(twin)
+    for entry in must_show(results):
+        runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == entry["temperature"]}
+        (ck,) = [c for c in entry["checks"] if c["name"] == "ours_compiled_vs_hf_assisted"]
+        assert (ck["gamma"], ck["compile"], ck["goal"]) == (3, "draft", ">= 1.3")
+        assert ck["ours"] == runs["spec_g3_compiled"]["speedup"] and ck["reference"] == runs["hf_assisted_g3"]["speedup"]
+        assert ck["ratio"] == pytest.approx(1.25 * [c for c in entry["checks"]
+                                                    if c["name"] == "ours_vs_hf_assisted"][0]["ratio"])
 
 
 def test_list_options_take_each_value_once():

@@ -146,7 +146,8 @@ class SpeculativeDecoder:
         few_row_linear: run the steps and the cost measurement under :func:`decode.kernels.few_row_linear` (the
             linear layers of 1..64-row forwards, i.e. decode and verify forwards, take the faster transposed CPU
             GEMM; same function up to float32 round-off). None (default): on when the target (and the draft, if
-            any) has float32 weights on the CPU and ``compile`` is off; True/False: force.
+            any) has float32 weights on the CPU and the target is not compiled (``compile`` is not True;
+            ``"draft"`` keeps them); True/False: force.
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
@@ -178,10 +179,13 @@ class SpeculativeDecoder:
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
         # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
         self._draft_map = draft_vocab_map(draft) if draft is not None else None
-        if compile not in (False, True, "draft") or (compile == "draft" and draft is None):
-            raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft's forwards only; needs a "
-                             f"draft), got {compile!r}")
-        self.compile = compile if compile == "draft" else bool(compile)
+        if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "draft")):
+            raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft's forwards only), got "
+                             f"{compile!r}")
+        if compile == "draft" and draft is None:
+            raise ValueError("compile='draft' compiles the draft's forwards, but draft is None: pass a draft, or "
+                             "compile=True to compile the target")
+        self.compile = compile
         # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
         self._static = {}
         for name, model in (("target", target), ("draft", draft)):

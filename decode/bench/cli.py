@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "compile='draft' (--compile draft: the draft's forwards only): plain_compiled, "
                         "spec_g{γ}_compiled")
     p.add_argument("--few-row-linear", choices=["auto", "on", "off"], default="auto",
-                   help="our decoder's few-row linear kernels (decode.kernels; auto: on for float32 CPU models)")
+                   help="our decoder's few-row linear kernels (decode.kernels; auto: on for float32 CPU models unless "
+                        "the target is compiled, --compile both)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
     p.add_argument("--max-prompt-tokens", type=int,

@@ -101,7 +101,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if len(categories) != len(prompt_ids):
         raise ValueError(f"{len(categories)} categories for {len(prompt_ids)} prompts")
     if cfg.compile and not compile_supported():
-        raise ValueError("compile=True: this version's SpeculativeDecoder has no compile option; drop --compile")
+        raise ValueError(f"compile={cfg.compile!r}: this version's SpeculativeDecoder has no compile option; drop "
+                         "--compile")
     device = next(target.parameters()).device
     context = cost_context(prompt_ids, cfg, device)
     _check_cost_context_fits(context.shape[1], cfg, target, draft)

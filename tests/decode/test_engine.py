@@ -211,7 +211,7 @@ def test_bad_prompts(pair):
         dec.generate([[]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         dec.generate([[5, 500]])
-    with pytest.raises(ValueError, match="needs a draft"):
+    with pytest.raises(ValueError, match="compile='draft' compiles the draft's forwards, but draft is None"):
         SpeculativeDecoder(target, None, 3)
 
 
@@ -293,7 +293,7 @@ def test_streamer_receives_prompt_then_tokens(pair):
     assert sum(s.chunks[1:], []) == out.new_tokens[0].tolist()
 
 
-@pytest.mark.parametrize("value", ["both", "target", 2, None])
+@pytest.mark.parametrize("value", ["both", "target", 2, None, 1, 1.0, 0])
 def test_bad_compile_values_are_refused(pair, value):
     target, drafts = pair
     with pytest.raises(ValueError, match="compile must be False, True .* or 'draft'"):
@@ -301,7 +301,7 @@ def test_bad_compile_values_are_refused(pair, value):
 
 
 def test_compile_draft_needs_a_draft(pair):
-    with pytest.raises(ValueError, match="needs a draft"):
+    with pytest.raises(ValueError, match="compile='draft' compiles the draft's forwards, but draft is None"):
         SpeculativeDecoder(pair[0], None, compile="draft")
 
 

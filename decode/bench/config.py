@@ -45,7 +45,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
-        if self.compile not in (False, True, "draft"):
+        if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "draft")):
             raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft only), got {self.compile!r}")
         if not self.gammas and not self.auto:
             raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")

@@ -582,8 +582,9 @@ def test_compile_option_maps_to_the_decoder_setting():
     with pytest.raises(SystemExit) as e:
         _config("--compile", "target")
     assert e.value.code == 2
-    with pytest.raises(ValueError, match="compile must be False, True .* or 'draft'"):
-        BenchConfig(compile="target").validate()
+    for bad in ("target", 1, 0, None):  # 1 == True and 0 == False, but neither is the setting's type
+        with pytest.raises(ValueError, match="compile must be False, True .* or 'draft'"):
+            BenchConfig(compile=bad).validate()
 
 
 def test_must_show_compares_a_compiled_run_with_hf_assisted(bench_run):

@@ -87,8 +87,6 @@ def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor,
     positions = (mask.sum(-1, keepdim=True) + input_mask.cumsum(-1) - 1).clamp(0, max_position)
     # Always the same keyword set (0 keeps every position), so a compiled forward sees one signature.
     kwargs = {_cache_kwarg(model): cache, "logits_to_keep": logits_to_keep or 0}
-    if call is not None:  # a compiled forward guards on strides: slices of the pending input would recompile it
-        input_ids = input_ids.contiguous()
     out = (call or model)(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True,
                           **kwargs)
     return out.logits, full_mask
@@ -412,8 +410,6 @@ class StaticKV:
         positions = positions.clamp(0, max_position)
         self.holey = self.holey or holes
         attn = self.mask[:, : W + k] if self.holey else None
-        if call is not None:  # a compiled forward guards on strides: slices of the pending input would recompile it
-            input_ids, attn = input_ids.contiguous(), attn.contiguous() if attn is not None else None
         for layer in self.cache.layers:
             layer.used = W + k
         kwargs = {_cache_kwarg(model): self.cache, "logits_to_keep": logits_to_keep or 0}

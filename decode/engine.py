@@ -101,14 +101,29 @@ def context_length(model: Any) -> int | None:
 def _compiled(model: Any) -> Callable:
     """``torch.compile(model.forward, dynamic=True)``, called under a raised recompile limit: target and draft
     share one code object (``forward`` of their class), so dynamo's per-code cache holds the entries of both
-    models and of each cache width/γ, and the default limit of 8 sent the engine back to eager."""
+    models and of each cache width/γ, and the default limit of 8 sent the engine back to eager. Tensor arguments
+    are passed contiguous: dynamo guards on strides, and slices (the draft's pending input) recompiled it."""
     fn = torch.compile(model.forward, dynamic=True)
 
     def call(**kwargs: Any) -> Any:
+        kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
             return fn(**kwargs)
 
     return call
+
+
+def check_compile(compile: Any, has_draft: bool = True) -> bool | str:
+    """``SpeculativeDecoder(compile=...)`` checked: False, True (both models' forwards) or ``"draft"`` (the draft's
+    only); look-alikes such as 1 or 0 are refused. Returns the value. Raises ValueError naming the setting, also
+    for ``"draft"`` when ``has_draft`` is False (the bench checks its config with it before loading models)."""
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "draft")):
+        raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft's forwards only), got "
+                         f"{compile!r}")
+    if compile == "draft" and not has_draft:
+        raise ValueError("compile='draft' compiles the draft's forwards, but draft is None: pass a draft, or "
+                         "compile=True to compile the target")
+    return compile
 
 
 class SpeculativeDecoder:
@@ -179,13 +194,7 @@ class SpeculativeDecoder:
         self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
         # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
         self._draft_map = draft_vocab_map(draft) if draft is not None else None
-        if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "draft")):
-            raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft's forwards only), got "
-                             f"{compile!r}")
-        if compile == "draft" and draft is None:
-            raise ValueError("compile='draft' compiles the draft's forwards, but draft is None: pass a draft, or "
-                             "compile=True to compile the target")
-        self.compile = compile
+        self.compile = check_compile(compile, draft is not None)
         # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
         self._static = {}
         for name, model in (("target", target), ("draft", draft)):

@@ -112,7 +112,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         batch_sizes=parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
         hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
-        cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed, compile={None: False, "both": True, "draft": "draft"}[args.compile],
+        cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed,
+        compile={None: False, "both": True, "draft": "draft"}[args.compile],
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
     cfg.validate()

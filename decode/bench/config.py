@@ -45,8 +45,9 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
-        if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "draft")):
-            raise ValueError(f"compile must be False, True (both models) or 'draft' (the draft only), got {self.compile!r}")
+        from decode.engine import check_compile  # the decoder's own check of the setting, before any model loads
+
+        check_compile(self.compile)
         if not self.gammas and not self.auto:
             raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")
         if any((not isinstance(g, int)) or g < 1 for g in self.gammas):

@@ -522,6 +522,10 @@ class SpeculativeDecoder:
             batch_sizes: batch sizes to measure; each is rounded up to a power of two.
             repeats: timed forwards per measurement (median).
 
+        The forwards are timed as the steps run them: on each model's cache kind (static or dynamic) and, with
+        ``compile``, through the compiled forwards (so a compiled draft's lower c reaches the γ choice; the first
+        calibration compiles the one-token shapes, tens of seconds on CPU).
+
         Returns:
             :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max],
             "target_forward_s": t}}``; the measured v_γ are made non-decreasing in γ and >= 1
@@ -531,8 +535,6 @@ class SpeculativeDecoder:
         Raises:
             ValueError: no draft, ids of ``context_ids`` outside the vocabulary, or a batch size < 1.
         """
-        from decode.speedup import measure_cost_ratio
-
         if self.draft is None:
             raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
         if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batch_sizes):
@@ -543,14 +545,38 @@ class SpeculativeDecoder:
         seq = self._check_prompt(seq, "context_ids") if seq else [0]
         seq = (seq * (width // len(seq) + 1))[-width:]
         for b in sorted({cost_bucket(b) for b in batch_sizes}):
-            context = self._draft_ids(torch.tensor([seq] * b, device=self.target.device))
-            with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps will use
-                m = measure_cost_ratio(self.target, self.draft, context, repeats=repeats,
-                                       verify_gammas=range(1, self.max_auto_draft_tokens + 1))
+            context = torch.tensor([seq] * b, device=self.target.device)
+            m = self.measure_costs(context, repeats=repeats, verify_gammas=range(1, self.max_auto_draft_tokens + 1))
             self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
                                   "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]]),
                                   "target_forward_s": m["target_forward_s"]}  # for simulate_batch_speedup
         return self.auto_costs
+
+    @torch.no_grad()
+    def measure_costs(self, context_ids: torch.Tensor, repeats: int = 21, verify_gammas: Sequence[int] = (),
+                      progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """:func:`decode.speedup.measure_cost_ratio` on this decoder's own forward path: its few-row kernels
+        setting, each model's cache kind (static or dynamic) and, with ``compile``, the compiled forwards; ids the
+        draft cannot embed are replaced by its substitute id in both models' input (only the shapes matter).
+
+        Args:
+            context_ids: ``(B, L)`` LongTensor of target ids on the models' device (B rows: costs at batch size B).
+            repeats, verify_gammas, progress: as in :func:`decode.speedup.measure_cost_ratio`.
+
+        Returns:
+            the dict of :func:`decode.speedup.measure_cost_ratio` (seconds; ``cost_ratio`` = c).
+
+        Raises:
+            ValueError: this decoder has no draft.
+        """
+        from decode.speedup import measure_cost_ratio
+
+        if self.draft is None:
+            raise ValueError("measure_costs() times the draft against the target; this decoder has no draft")
+        with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps use
+            return measure_cost_ratio(self.target, self.draft, self._draft_ids(context_ids), repeats=repeats,
+                                      verify_gammas=verify_gammas, progress=progress, static_cache=self._static,
+                                      target_call=self._target_call, draft_call=self._draft_call)
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the

@@ -12,7 +12,7 @@ import math
 import numbers
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -480,12 +480,16 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21,
                        verify_gammas: Sequence[int] = (),
-                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                       progress: Callable[[int, int], None] | None = None,
+                       static_cache: bool | Mapping[str, bool] = False, target_call: Callable | None = None,
+                       draft_call: Callable | None = None) -> dict[str, Any]:
     """Measure c = draft forward time / target forward time on this hardware, and the cost of verify forwards.
 
     Both models are prefilled with all but the last token of ``context_ids``; each timed call is then one decode
-    forward on a fresh copy of that KV cache (so every call sees the same context), through the engine's own
-    forward (``decode.cache.forward``: explicit positions and mask). Target and draft alternate so drift hits both.
+    forward on that context through the engine's own forward path: on a fresh copy of the ``DynamicCache``
+    (``decode.cache.forward``: explicit positions and mask), or, for a model on the static path, on a
+    :class:`decode.cache.StaticKV` whose write column is moved back after each call (the engine's rollback). Target
+    and draft alternate so drift hits both.
 
     Leviathan et al. (2023) assume a verify forward of γ+1 tokens costs one single-token target forward. On
     compute-bound hardware (CPU, large batches) it does not; ``verify_gammas`` also times target forwards of γ+1
@@ -499,6 +503,12 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
         verify_gammas: γ values whose verify forward (γ+1 tokens) is timed on the target.
         progress: called as ``progress(done, total)`` after each round of timed forwards (``total`` =
             ``repeats`` + 2 untimed ones), e.g. to drive a progress bar.
+        static_cache: time on the static cache: True for both models, or ``{"target": bool, "draft": bool}`` (the
+            decoder's own choice per model); a model whose architecture cannot use it
+            (``StaticKV.supported``) keeps the ``DynamicCache``.
+        target_call, draft_call: what runs each model's forward (default: the model itself), e.g. the
+            ``torch.compile``-d forwards of a ``SpeculativeDecoder(compile=...)``, so c is the compiled one. A
+            compiled call compiles in the untimed first calls.
 
     Returns:
         dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
@@ -508,25 +518,40 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
 
     device = context_ids.device
     prefix, last = context_ids[:, :-1], context_ids[:, -1:]
+    B, width = prefix.shape
+    # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
+    jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
+    jobs += [(f"verify{g}", target, "target", g + 1, None) for g in sorted(set(verify_gammas))]
+    calls = {"target": target_call, "draft": draft_call}
     base = {}
     for name, model in (("target", target), ("draft", draft)):
         cache = kv.new_cache(model)
         _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
+        static = static_cache.get(name, False) if isinstance(static_cache, Mapping) else bool(static_cache)
+        if static and kv.StaticKV.supported(model) is None:
+            skv = kv.StaticKV(model, device)
+            skv.merge(cache, mask, [width] * B, room=max(k for _, _, n, k, _ in jobs if n == name) + 1)
+            cache, mask = skv, None
         base[name] = (cache, mask)
-    # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
-    jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
-    jobs += [(f"verify{g}", target, "target", g + 1, None) for g in sorted(set(verify_gammas))]
     samples: dict[str, list[float]] = {label: [] for label, *_ in jobs}
     for i in range(repeats + 2):
         for label, model, name, k, keep in jobs:
-            cache, mask = copy.deepcopy(base[name][0]), base[name][1]
-            ids = last.expand(last.shape[0], k)
+            cache, mask = base[name]
+            ids = last.expand(B, k).contiguous()
+            static = isinstance(cache, kv.StaticKV)
+            cache = cache if static else copy.deepcopy(cache)
             _sync(device)
             t0 = time.perf_counter()
-            kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep)
+            if static:
+                cache.forward(model, ids, None, logits_to_keep=keep, call=calls[name])
+            else:
+                kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep, call=calls[name])
             _sync(device)
-            if i >= 2:  # the first calls pay for lazy initialisation
-                samples[label].append(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            if static:  # the write column goes back: the next call sees the same context
+                cache.roll_back(width, ids.new_zeros(B, k, dtype=torch.bool), width, [width] * B, holes=False)
+            if i >= 2:  # the first calls pay for lazy initialisation (and compilation)
+                samples[label].append(elapsed)
         if progress is not None:
             progress(i + 1, repeats + 2)
     t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])

@@ -130,20 +130,24 @@ def pool(records: dict[tuple[float, str], list[dict]], methods: list[Method], cf
     entry per temperature with the pooled α, the best γ by measurement and by prediction, auto and HF)."""
     c = cost["cost_ratio"]
     v = {e["gamma"]: e["relative_cost"] for e in cost.get("verify", [])}
+    # compiled methods are predicted from the costs of the compiled forwards (measured when the run compiles)
+    compiled = cost.get("compiled") or cost
+    c_comp, v_comp = compiled["cost_ratio"], {e["gamma"]: e["relative_cost"] for e in compiled.get("verify", [])}
     cats = sorted({x for x in categories if x is not None})
     runs, summary = [], []
     for t in cfg.temperatures:
         plain = records[(t, "plain")]
         for m in methods:
             rs = records[(t, m.name)]
+            mc, mv = (c_comp, v_comp) if m.compiled else (c, v)
             run = {"temperature": t, "method": m.name, "kind": m.kind,
                    "num_draft_tokens": None if m.kind == HF else m.gamma,
                    "hf_num_assistant_tokens": m.gamma if m.kind == HF else None, "compiled": m.compiled,
-                   "overall": aggregate(rs, plain, c, m.gamma, t, cfg.auto_max_gamma, v), "by_category": {}}
+                   "overall": aggregate(rs, plain, mc, m.gamma, t, cfg.auto_max_gamma, mv), "by_category": {}}
             for cat in cats:
                 run["by_category"][cat] = aggregate([r for r in rs if r["category"] == cat],
-                                                    [r for r in plain if r["category"] == cat], c, m.gamma, t,
-                                                    cfg.auto_max_gamma, v)
+                                                    [r for r in plain if r["category"] == cat], mc, m.gamma, t,
+                                                    cfg.auto_max_gamma, mv)
             runs.append(run)
         summary.append(_summarise(t, runs, records, methods, cfg, c, v))
     return runs, summary

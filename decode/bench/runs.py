@@ -3,8 +3,9 @@
 - Interleaved: for each prompt, every temperature and every method runs before the next prompt (method order
   rotated per prompt), so machine drift and thermal state hit all methods alike.
 - Throughput is wall-clock around each generate call (device synchronised), identical for our engine and for HF.
-- c is measured once by ``decode.speedup.measure_cost_ratio`` (the engine's forward path) and next to it the bare
-  HF forwards (``decode.bench.bare_forward``) on the same context.
+- c is measured once by ``SpeculativeDecoder.measure_costs`` (the engine's forward path; a second time through
+  the compiled forwards for compiled methods) and next to it the bare HF forwards (``decode.bench.bare_forward``)
+  on the same context.
 """
 from __future__ import annotations
 
@@ -21,14 +22,13 @@ from typing import Any
 
 import torch
 
-from decode import kernels
 from decode.bench.bare_forward import measure_bare_forwards
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
 from decode.bench.pool import batch_row, pool, stats_counts
 from decode.bench.timing import peak_bytes, reset_peak, sync
 from decode.engine import left_pad
-from decode.speedup import cost_buckets, measure_cost_ratio
+from decode.speedup import cost_buckets
 
 SCHEMA_VERSION = 2
 
@@ -113,8 +113,10 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.compile:
         decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)
     methods = build_methods(cfg)
-    with kernels.few_row_linear(decoders[False].few_row_linear):  # the kernels our decoder's steps use
-        cost = measure_cost_ratio(target, draft, context, cfg.cost_repeats, verify_gammas=cfg.gammas)
+    # c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own
+    cost = decoders[False].measure_costs(context, cfg.cost_repeats, verify_gammas=cfg.gammas)
+    if cfg.compile:  # compiles the one-token shapes now, before any timed run
+        cost["compiled"] = decoders[True].measure_costs(context, cfg.cost_repeats, verify_gammas=cfg.gammas)
     cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
     cost["bare"] = measure_bare_forwards(target, draft, context, cfg.cost_repeats)
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):

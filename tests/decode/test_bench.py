@@ -503,6 +503,12 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
             graphs[0] += bool(self.compile)  # as if each compiled call built a graph
             return super().generate(*args, **kwargs)
 
+        def measure_costs(self, *args, **kwargs):
+            m = super().measure_costs(*args, **kwargs)
+            if self.compile:
+                m["cost_ratio"] = 0.01  # tells the compiled decoder's costs apart
+            return m
+
     graphs = [0]
     monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
     monkeypatch.setattr("decode.bench.runs._compiled_graphs", lambda: graphs[0])
@@ -519,6 +525,12 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
     runs = {r["method"]: r for r in results["runs"]}
     assert set(runs) == {"plain", "spec_g2", "plain_compiled", "spec_g2_compiled"}
     assert runs["spec_g2_compiled"]["compiled"] and runs["spec_g2_compiled"]["overall"]["matches_plain_greedy"] == 1
+    # compiled methods are predicted from the compiled forwards' costs, the others from the eager ones
+    cost = results["cost"]
+    assert cost["compiled"]["cost_ratio"] == 0.01 and cost["cost_ratio"] != 0.01
+    for name, c in (("spec_g2", cost["cost_ratio"]), ("spec_g2_compiled", 0.01)):
+        m = runs[name]["overall"]
+        assert m["predicted_speedup"] == pytest.approx(predicted_speedup(m["alpha"], 2, c))
     assert {(b["method"], b["batch_size"]) for b in results["batch"]} == {
         (m, bs) for m in ("plain", "spec_g2", "plain_compiled", "spec_g2_compiled") for bs in (1, 2)}
     paths = write_outputs(results, tmp_path / "compiled.json")
@@ -635,7 +647,7 @@ def test_contradictory_or_out_of_range_options_are_refused(argv, message):
 
 def test_cost_context_must_fit_the_models_positions_before_any_timing(monkeypatch):
     """The cost measurement prefills n - 1 tokens, then times a verify forward of γ+1 tokens: n + γ positions."""
-    import decode.bench.runs
+    import decode.speedup
 
     seen = []
 
@@ -643,7 +655,7 @@ def test_cost_context_must_fit_the_models_positions_before_any_timing(monkeypatc
         seen.append(context.shape[1])
         raise InterruptedError("the timed work starts here")
 
-    monkeypatch.setattr(decode.bench.runs, "measure_cost_ratio", stop)
+    monkeypatch.setattr(decode.speedup, "measure_cost_ratio", stop)
     target = tiny_llama(seed=0, layers=1)  # 256 positions
     cfg = BenchConfig(gammas=[2], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=4,
                       cost_repeats=3, warmup=False, cost_context_tokens=255)

@@ -319,3 +319,40 @@ def test_the_static_batch_planner_beats_the_pooled_choice_when_a_few_rows_accept
 def test_cost_buckets_are_the_powers_of_two_a_batch_passes_through():
     assert [cost_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
     assert cost_buckets(1) == [1] and cost_buckets(4) == [1, 2, 4] and cost_buckets(6) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("static_cache", [False, True, {"target": True, "draft": False}])
+def test_measure_cost_ratio_times_the_given_calls_on_the_same_context_each_time(static_cache):
+    """Every timed forward goes through the given call (e.g. a compiled forward), on the same cache each time:
+    the positions fed are the context's next ones on every call, on the DynamicCache copy and on the static cache
+    whose write column is moved back after each call."""
+    import torch
+
+    from decode import cache as kv
+    from decode.speedup import measure_cost_ratio
+    from tests.conftest import perturbed_copy, tiny_llama
+
+    target = tiny_llama(seed=0, layers=1)
+    draft = perturbed_copy(target, 0.5)
+    seen = {"target": [], "draft": []}
+    kinds = {"target": set(), "draft": set()}
+
+    def counting(name, model):
+        def call(**kw):
+            seen[name].append((kw["input_ids"].shape[1], kw["position_ids"].tolist()))
+            kinds[name].add(type(kw.get("cache", kw.get("past_key_values"))).__name__)
+            return model(**kw)
+        return call
+
+    context = torch.tensor([[5, 6, 7, 8, 9, 10]] * 2)
+    m = measure_cost_ratio(target, draft, context, repeats=3, verify_gammas=[2],
+                           static_cache=static_cache, target_call=counting("target", target),
+                           draft_call=counting("draft", draft))
+    assert m["cost_ratio"] > 0 and [v["gamma"] for v in m["verify"]] == [2]
+    assert len(seen["draft"]) == 5 and len(seen["target"]) == 10  # (3 timed + 2 untimed) x (1 token, verify)
+    assert all(pos == [[5]] * 2 for k, pos in seen["draft"])
+    assert all(pos == [[5, 6, 7][:k]] * 2 for k, pos in seen["target"])
+    static = static_cache if isinstance(static_cache, dict) else dict.fromkeys(seen, static_cache)
+    for name in seen:  # the static path writes into the StaticKV's transformers StaticCache
+        assert kinds[name] == ({"StaticCache"} if static[name] else {"DynamicCache"}), name
+    assert kv.StaticKV.supported(target) is None

@@ -248,7 +248,8 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
         ecfg: ``quickstart.eval`` settings: prompt_sets {name: n}, temperatures, num_draft_tokens (γ: an int for
             every draft and temperature, or ``best``: chosen per draft and temperature by :func:`choose_gammas`
             on ``calibration_prompts`` further prompts of each set, up to ``max_draft_tokens``), max_new_tokens,
-            max_prompt_tokens, seed.
+            max_prompt_tokens, seed, compile (the drafts' ``SpeculativeDecoder(compile=...)``: false, ``draft`` or
+            true; plain decoding is compiled only with true, the one setting that compiles the target).
         console: rich console for the progress bar (None: a new one).
 
     Returns:
@@ -275,10 +276,12 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     target = _load_lm(target_dir, "target")
     models = {name: _load_lm(path) for name, path in drafts.items()}
     max_gamma = int(ecfg.get("max_draft_tokens", 8)) if setting == "best" else setting
-    decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0)}
+    compile = eval_compile(ecfg)
+    decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0, compile=compile is True)}
     for name, model in models.items():
         decoders[name] = SpeculativeDecoder(target, model, num_draft_tokens=PROBE_GAMMA, tokenizer=tokenizer,
-                                            draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma)
+                                            draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma,
+                                            compile=compile)
     prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), int(ecfg.max_prompt_tokens))
     temps = [float(t) for t in ecfg.temperatures]
     new = int(ecfg.max_new_tokens)
@@ -292,6 +295,13 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
 
     for mode in modes:  # untimed: the first call of each model pays for lazy initialisation
         generate(mode, prompts[0][1][-16:], 0.0, 0, PROBE_GAMMA)
+    if compile:  # and compilation: a full-length run per temperature meets the shapes the timed runs will
+        console.print(f"eval: compiling ({'the drafts' if compile == 'draft' else 'both models'}' forwards, "
+                      "untimed)")
+        for mode in modes:
+            if mode != "plain" or compile is True:
+                for temperature in temps:
+                    generate(mode, prompts[0][1], temperature, 0, PROBE_GAMMA)
     calibration = None
     if setting == "best":
         calib = encode_prompt_sets(tokenizer, {k: int(ecfg.get("calibration_prompts", 2)) for k in ecfg.prompt_sets},
@@ -331,10 +341,35 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
             "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": setting,
             "gammas": {n: {str(t): g for t, g in per.items()} for n, per in gammas.items()},
             "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens),
-            "temperatures": temps}
+            "temperatures": temps, "compile": compile}
 
 
 PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chosen
+
+
+def eval_compile(ecfg) -> bool | str:
+    """``quickstart.eval.compile`` checked: false (default), ``draft`` (the drafts' forwards compiled, the target
+    eager) or true (both models'). Compilation needs a C++ compiler (inductor's CPU backend), so its absence is
+    named here, before any training, not in the evaluation 20 minutes later.
+
+    Raises:
+        ValueError: another value, or no C++ compiler on the PATH (nor ``$CXX``).
+    """
+    import shutil
+
+    from decode.engine import check_compile
+
+    value = ecfg.get("compile", False)
+    try:
+        value = check_compile(value)
+    except ValueError:
+        raise ValueError(f"quickstart.eval.compile={value!r}: use false, draft (the drafts' forwards compiled, "
+                         "docs/decode.md \"Compilation\") or true (both models)") from None
+    if value and not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
+        raise ValueError(f"quickstart.eval.compile={value}: torch.compile needs a C++ compiler on CPU and none was "
+                         "found (g++, c++, clang++ or $CXX); install one (e.g. apt install g++) or set "
+                         "eval.compile=false")
+    return value
 
 
 def gamma_setting(value) -> int | str:
@@ -427,6 +462,7 @@ def check_eval_settings(ecfg) -> int | str:
     def count(key: str, default: int, low: int = 1) -> None:
         _check_number(f"eval.{key}", ecfg.get(key, default), low=low)
 
+    eval_compile(ecfg)
     count("max_new_tokens", 64, low=2)  # the first token comes from the prefill: one more is the least that drafts
     count("max_prompt_tokens", 192)
     count("seed", 0, low=0)
@@ -647,6 +683,7 @@ def render_table(results: dict, console) -> None:
     drafts = [d for d in ("baseline", "distilled") if d in ev["rows"][0]]
     chosen = ("γ chosen per draft and temperature on further prompts" if ev["num_draft_tokens"] == "best"
               else f"γ={ev['num_draft_tokens']}")
+    chosen += {"draft": ", drafts compiled", True: ", both models compiled"}.get(ev.get("compile"), "")
     table = Table(title=f"speculative decoding vs plain target decoding ({chosen}, "
                         f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
     for col in ("T", "prompts", "draft", "γ", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup",

@@ -16,9 +16,9 @@ from tests.conftest import full_disk_for
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(out: Path) -> subprocess.CompletedProcess:
+def _run(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "quickstart", "--smoke", "--out", str(out)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "quickstart", "--smoke", "--out", str(out), *overrides], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -76,8 +76,10 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     # greedy speculative decoding is lossless: every greedy run equals plain greedy decoding
     assert ev["greedy_lossless"]["equal"] == ev["greedy_lossless"]["total"] == 2 * 3
     assert "speculative decoding vs plain target decoding" in proc.stdout
+    # the drafts ran compiled (the default, as in the full quickstart); the rerun measures the eager engine
+    assert ev["compile"] == "draft" and "drafts compiled" in " ".join(proc.stdout.split())  # the title may wrap
 
-    again = _run(out)
+    again = _run(out, "eval.compile=false")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     res2 = json.loads((out / "results.json").read_text())
     kept = list(out.glob("results-*.json"))  # the first run's results are renamed, not overwritten
@@ -85,6 +87,7 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     assert all(res2["phases"][p]["status"].startswith("cached") for p in ("tokenizer", "target", "draft",
                                                                             "distill+export"))
     assert res2["target"]["val_loss"] == target["val_loss"]
+    assert res2["eval"]["compile"] is False and res2["eval"]["greedy_lossless"]["equal"] == 6
 
 
 def test_settings_load_with_overrides_and_fail_clearly():
@@ -142,7 +145,9 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
              (["distill.tail_samples=2.7"], "quickstart.distill.tail_samples=2.7"),
              # the cached recipe cannot take these; they failed only in the distill phase, then blamed the experiment
              (["--distill-overrides", "data.on_policy_fraction=0.5"], "on-policy batches are draft samples"),
-             (["--distill-overrides", "loss=tvd"], "data.logit_cache_tail_samples=4 (sampled tail ids) give")]
+             (["--distill-overrides", "loss=tvd"], "data.logit_cache_tail_samples=4 (sampled tail ids) give"),
+             (["eval.compile=both"], "quickstart.eval.compile='both': use false, draft"),
+             (["eval.compile=1"], "quickstart.eval.compile=1: use false, draft")]
     for args, message in cases:
         assert quickstart.main(["--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args
@@ -150,6 +155,23 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
     # a recipe key given in --distill-overrides is not blamed on the quickstart setting that sets it otherwise
     assert quickstart.main(["--smoke", "--out", str(out), "--distill-overrides", "data.logit_cache_k=0"]) == 2
     assert "set by quickstart" not in capsys.readouterr().err
+
+
+def test_compiling_without_a_cpp_compiler_is_refused_before_any_phase(tmp_path, monkeypatch, capsys):
+    """eval.compile needs inductor's C++ compiler; without one the evaluation would fail after all the training."""
+    import shutil
+
+    out = tmp_path / "qs"
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    assert quickstart.main(["--smoke", "--out", str(out), "eval.compile=draft"]) == 2
+    assert "quickstart.eval.compile=draft: torch.compile needs a C++ compiler" in capsys.readouterr().err
+    assert not out.exists()
+    from omegaconf import OmegaConf
+
+    assert quickstart.eval_compile(OmegaConf.create({"compile": False})) is False  # no compiler needed
+    monkeypatch.setenv("CXX", "/opt/cc/bin/g++")
+    assert quickstart.eval_compile(OmegaConf.create({"compile": "draft"})) == "draft"
 
 
 def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):

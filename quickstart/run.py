@@ -17,7 +17,8 @@ Phases (each reuses its artifact under ``--out`` when present; the commands are 
               exported distilled draft, at each temperature, on HumanEval, MBPP and held-out stdlib prompts.
 
 Measurement (see ``evaluate``): every run goes through ``decode.SpeculativeDecoder``; plain decoding is the same
-engine with ``num_draft_tokens=0``. For each prompt, plain, baseline and distilled runs follow each other (order
+engine with ``num_draft_tokens=0``; the drafts' forwards are compiled (``quickstart.eval.compile: draft``), the
+target's are not, on both sides. For each prompt, plain, baseline and distilled runs follow each other (order
 rotated per prompt) with the same generator seed, so machine drift hits all three alike. Speedup is pooled
 tokens/s of a draft over pooled tokens/s of plain decoding on the same prompts and temperature. acceptance rate =
 Σaccepted / Σdrafted (``DecodeStats.acceptance_rate``), α = the per-token acceptance probability of Leviathan et al.
@@ -348,8 +349,8 @@ PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chose
 
 
 def eval_compile(ecfg) -> bool | str:
-    """``quickstart.eval.compile`` checked: false (default), ``draft`` (the drafts' forwards compiled, the target
-    eager) or true (both models'). Compilation needs a C++ compiler (inductor's CPU backend), so its absence is
+    """``quickstart.eval.compile`` checked: false (also when the key is absent), ``draft`` (the drafts' forwards
+    compiled, the target eager: the quickstart's default) or true (both models'). Compilation needs a C++ compiler (inductor's CPU backend), so its absence is
     named here, before any training, not in the evaluation 20 minutes later.
 
     Raises:

@@ -6,7 +6,8 @@ prompt, same seeds): acceptance rate, α, τ, c and measured speedup at T=0 and 
 
 Drafts are NAME=PATH (plain or vocabulary-pruned Hugging Face checkpoints); the pair's target is PAIR/target and the
 evaluation settings are the quickstart's (``--set eval.KEY=VALUE``, once per setting): γ is chosen per draft and
-temperature on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it.
+temperature on further prompts (``eval.num_draft_tokens=best``) unless ``--set eval.num_draft_tokens=4`` fixes it,
+and the drafts' forwards are compiled (``eval.compile=draft``; ``--set eval.compile=false`` for the eager engine).
 Speedups are wall clock: run it on an otherwise idle machine, twice for a spread. An existing --out is never overwritten.
 """
 from __future__ import annotations

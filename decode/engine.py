@@ -113,6 +113,23 @@ def _compiled(model: Any) -> Callable:
     return call
 
 
+def cpu_compiler_problem() -> str | None:
+    """Why ``torch.compile`` cannot build CPU code on this machine, or None: inductor's CPU backend compiles C++ with
+    the compiler of ``torch._inductor.config.cpp.cxx`` (``$CXX``, else ``g++``), found by the function inductor
+    itself uses (``torch._inductor.cpp_builder.get_cpp_compiler``: runs ``<cxx> --version``). Callers check it
+    before loading models, so a missing compiler is not found after minutes of work. None also when this torch has
+    no such function (nothing to check)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as err:  # noqa: BLE001 - InvalidCxxCompiler and whatever a broken toolchain raises
+        return f"{type(err).__name__}: {err}".strip()
+    return None
+
+
 def check_compile(compile: Any, has_draft: bool = True) -> bool | str:
     """``SpeculativeDecoder(compile=...)`` checked: False, True (both models' forwards) or ``"draft"`` (the draft's
     only); look-alikes such as 1 or 0 are refused. Returns the value. Raises ValueError naming the setting, also
@@ -567,12 +584,22 @@ class SpeculativeDecoder:
             the dict of :func:`decode.speedup.measure_cost_ratio` (seconds; ``cost_ratio`` = c).
 
         Raises:
-            ValueError: this decoder has no draft.
+            ValueError: this decoder has no draft, or a bad argument (as :func:`decode.speedup.measure_cost_ratio`
+                raises; ids are checked against the target before the draft's substitution).
         """
         from decode.speedup import measure_cost_ratio
 
         if self.draft is None:
             raise ValueError("measure_costs() times the draft against the target; this decoder has no draft")
+        if not isinstance(context_ids, torch.Tensor) or context_ids.dim() != 2 or context_ids.is_floating_point():
+            got = (f"a {context_ids.dtype} tensor of shape {tuple(context_ids.shape)}"
+                   if isinstance(context_ids, torch.Tensor) else type(context_ids).__name__)
+            raise ValueError(f"context_ids must be a (B, L) integer tensor of target ids, got {got} (calibrate() "
+                             "takes a list of ids)")
+        rows = self.target.get_input_embeddings().num_embeddings
+        if context_ids.numel() and (int(context_ids.min()) < 0 or int(context_ids.max()) >= rows):
+            raise ValueError(f"context_ids holds ids {int(context_ids.min())}..{int(context_ids.max())}, outside the "
+                             f"target's embedding of {rows} rows")
         with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps use
             return measure_cost_ratio(self.target, self.draft, self._draft_ids(context_ids), repeats=repeats,
                                       verify_gammas=verify_gammas, progress=progress, static_cache=self._static,

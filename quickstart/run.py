@@ -354,11 +354,10 @@ def eval_compile(ecfg) -> bool | str:
     named here, before any training, not in the evaluation 20 minutes later.
 
     Raises:
-        ValueError: another value, or no C++ compiler on the PATH (nor ``$CXX``).
+        ValueError: another value, or no working C++ compiler where inductor looks (``$CXX``, else ``g++``;
+            :func:`decode.engine.cpu_compiler_problem`).
     """
-    import shutil
-
-    from decode.engine import check_compile
+    from decode.engine import check_compile, cpu_compiler_problem
 
     value = ecfg.get("compile", False)
     try:
@@ -366,10 +365,11 @@ def eval_compile(ecfg) -> bool | str:
     except ValueError:
         raise ValueError(f"quickstart.eval.compile={value!r}: use false, draft (the drafts' forwards compiled, "
                          "docs/decode.md \"Compilation\") or true (both models)") from None
-    if value and not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
-        raise ValueError(f"quickstart.eval.compile={value}: torch.compile needs a C++ compiler on CPU and none was "
-                         "found (g++, c++, clang++ or $CXX); install one (e.g. apt install g++) or set "
-                         "eval.compile=false")
+    problem = cpu_compiler_problem() if value else None
+    if problem:
+        raise ValueError(f"quickstart.eval.compile={value}: torch.compile needs a working C++ compiler on CPU "
+                         f"($CXX, else g++) and found none ({problem}); install one (e.g. apt install g++), point "
+                         "CXX at one, or set eval.compile=false")
     return value
 
 

@@ -286,6 +286,12 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     if c.get("verify"):
         console.print("verify cost v_γ = t(γ+1 tokens) / t(1 token): "
                       + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in c["verify"]))
+    k = c.get("compiled")
+    if k:  # what the *_compiled rows' predictions use
+        console.print(f"compiled forwards: c = {k['cost_ratio']:.3f}  (draft {k['draft_forward_s'] * 1e3:.2f} ms / "
+                      f"target {k['target_forward_s'] * 1e3:.2f} ms); v_γ "
+                      + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in k.get("verify", []))
+                      + "; the *_compiled predictions use these")
     for s in results["summary"]:
         _render_methods(results, s, console)
     _render_summary(results, console)

@@ -484,6 +484,25 @@ def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch,
                       progress=False)
 
 
+def test_compile_without_a_cpp_compiler_exits_2_before_loading(saved_pair, tmp_path, monkeypatch, capsys):
+    """--compile on the CPU needs inductor's C++ compiler ($CXX, else g++); it died with a BackendCompilerFailed
+    traceback after loading the models and writing nothing."""
+    from torch._inductor import config as inductor_config
+
+    import decode.loading
+    from decode.__main__ import main as decode_main
+
+    loads = []
+    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no" / "g++")))
+    out = tmp_path / "x.json"
+    assert decode_main(["bench", *_pair_args(saved_pair), "--compile", "draft", "--device", "cpu",
+                        "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--compile: torch.compile needs a working C++ compiler" in err and "InvalidCxxCompiler" in err
+    assert not loads and not out.exists()
+
+
 @pytest.mark.parametrize("compile", [True, "draft"])
 def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, compile):
     """The bench's plumbing for --compile: compiled methods (main and batch pass) go to the decoder built with

@@ -285,6 +285,12 @@ def test_calibrate_times_the_forwards_the_steps_run(pair, monkeypatch):
     assert costs[1]["cost_ratio"] > 0 and len(costs[1]["verify"]) == 3
     with pytest.raises(ValueError, match="no draft"):
         SpeculativeDecoder(target, None).measure_costs(torch.tensor([[5, 6]]))
+    with pytest.raises(ValueError, match=r"got list \(calibrate\(\) takes a list of ids\)"):
+        dec.measure_costs([[5, 6]])
+    with pytest.raises(ValueError, match=r"ids 5\.\.900, outside the target's embedding"):
+        dec.measure_costs(torch.tensor([[5, 900]]))
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        dec.calibrate([5, 6, 7], (1,), repeats=0)
 
 
 def test_model_in_training_mode_warns():

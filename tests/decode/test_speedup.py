@@ -356,3 +356,30 @@ def test_measure_cost_ratio_times_the_given_calls_on_the_same_context_each_time(
     for name in seen:  # the static path writes into the StaticKV's transformers StaticCache
         assert kinds[name] == ({"StaticCache"} if static[name] else {"DynamicCache"}), name
     assert kv.StaticKV.supported(target) is None
+
+
+def test_measure_cost_ratio_names_a_bad_argument_before_any_forward():
+    """These raised IndexError/RuntimeError/StatisticsError from inside the models or the median."""
+    import torch
+
+    from decode.speedup import measure_cost_ratio
+    from tests.conftest import perturbed_copy, tiny_llama
+
+    target = tiny_llama(seed=0, layers=1)  # 256 positions
+    draft = perturbed_copy(target, 0.5)
+    ok = torch.tensor([[5, 6, 7]])
+    cases = [((target, None, ok), {}, "both are needed"),
+             ((target, draft, ok[0]), {}, r"\(B, L\) integer tensor .* got a torch.int64 tensor of shape \(3,\)"),
+             ((target, draft, ok[:, :1]), {}, "L >= 2"), ((target, draft, ok.float()), {}, "integer tensor"),
+             ((target, draft, [[5, 6, 7]]), {}, "got list"),
+             ((target, draft, torch.tensor([[5, 500]])), {}, r"ids 5\.\.500, outside the target's embedding"),
+             ((target, draft, torch.tensor([[-3, 5]])), {}, "outside the target's embedding"),
+             ((target, draft, ok), {"repeats": 0}, "repeats must be an integer >= 1"),
+             ((target, draft, ok), {"verify_gammas": [-1]}, "verify_gammas must be integers >= 1"),
+             ((target, draft, torch.ones(1, 250, dtype=torch.long)), {"verify_gammas": [8]},
+              "need 258 positions, more than the target's 256"),
+             ((target, draft, ok), {"static_cache": {"targte": True}}, "static_cache keys"),
+             ((target, draft, ok), {"target_call": 5}, "target_call must be callable")]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            measure_cost_ratio(*args, **kwargs)

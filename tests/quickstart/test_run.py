@@ -158,20 +158,21 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
 
 
 def test_compiling_without_a_cpp_compiler_is_refused_before_any_phase(tmp_path, monkeypatch, capsys):
-    """eval.compile needs inductor's C++ compiler; without one the evaluation would fail after all the training."""
-    import shutil
+    """eval.compile needs inductor's C++ compiler (the one inductor picks: $CXX, else g++, which a first version of
+    this check did not follow: a $CXX naming no compiler passed it); without one the evaluation would fail after
+    all the training."""
+    from omegaconf import OmegaConf
+    from torch._inductor import config as inductor_config
 
     out = tmp_path / "qs"
-    monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    assert quickstart.eval_compile(OmegaConf.create({"compile": "draft"})) == "draft"  # this machine has one
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no" / "g++")))  # as CXX=/that/path
     assert quickstart.main(["--smoke", "--out", str(out), "eval.compile=draft"]) == 2
-    assert "quickstart.eval.compile=draft: torch.compile needs a C++ compiler" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "quickstart.eval.compile=draft: torch.compile needs a working C++ compiler" in err
+    assert "InvalidCxxCompiler" in err and "eval.compile=false" in err
     assert not out.exists()
-    from omegaconf import OmegaConf
-
     assert quickstart.eval_compile(OmegaConf.create({"compile": False})) is False  # no compiler needed
-    monkeypatch.setenv("CXX", "/opt/cc/bin/g++")
-    assert quickstart.eval_compile(OmegaConf.create({"compile": "draft"})) == "draft"
 
 
 def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):

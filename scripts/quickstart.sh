@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The toolkit's main job end to end, offline, one command (a fresh machine needs PyPI for the install only):
-#   scripts/quickstart.sh           # <= 20 min on 2 AVX-512 CPU cores (25-28 on AVX2 only); tables printed, results in checkpoints/quickstart/
+#   scripts/quickstart.sh           # <= 20 min on 2 CPU cores (18-20 measured on AVX2 only); tables printed, results in checkpoints/quickstart/
 #   scripts/quickstart.sh --smoke   # the same path in about a minute (tiny models), in checkpoints/quickstart_smoke/
 # Any other arguments go to `python -m quickstart` (see --help). QUICKSTART_SKIP_INSTALL=1 skips the install.
 set -euo pipefail

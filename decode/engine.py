@@ -130,6 +130,15 @@ def cpu_compiler_problem() -> str | None:
     return None
 
 
+def check_cpu_compiler(setting: str, instead: str) -> None:
+    """Raise ValueError naming ``setting`` (e.g. ``--compile``) and the fixes, ``instead`` the last of them (e.g.
+    ``drop --compile``), when torch.compile cannot build CPU code here (:func:`cpu_compiler_problem`)."""
+    problem = cpu_compiler_problem()
+    if problem:
+        raise ValueError(f"{setting}: torch.compile needs a working C++ compiler on CPU ($CXX, else g++) and found "
+                         f"none ({problem}); install one (e.g. apt install g++), point CXX at one, or {instead}")
+
+
 def check_compile(compile: Any, has_draft: bool = True) -> bool | str:
     """``SpeculativeDecoder(compile=...)`` checked: False, True (both models' forwards) or ``"draft"`` (the draft's
     only); look-alikes such as 1 or 0 are refused. Returns the value. Raises ValueError naming the setting, also
@@ -587,19 +596,12 @@ class SpeculativeDecoder:
             ValueError: this decoder has no draft, or a bad argument (as :func:`decode.speedup.measure_cost_ratio`
                 raises; ids are checked against the target before the draft's substitution).
         """
-        from decode.speedup import measure_cost_ratio
+        from decode.speedup import check_context_ids, measure_cost_ratio
 
         if self.draft is None:
             raise ValueError("measure_costs() times the draft against the target; this decoder has no draft")
-        if not isinstance(context_ids, torch.Tensor) or context_ids.dim() != 2 or context_ids.is_floating_point():
-            got = (f"a {context_ids.dtype} tensor of shape {tuple(context_ids.shape)}"
-                   if isinstance(context_ids, torch.Tensor) else type(context_ids).__name__)
-            raise ValueError(f"context_ids must be a (B, L) integer tensor of target ids, got {got} (calibrate() "
-                             "takes a list of ids)")
-        rows = self.target.get_input_embeddings().num_embeddings
-        if context_ids.numel() and (int(context_ids.min()) < 0 or int(context_ids.max()) >= rows):
-            raise ValueError(f"context_ids holds ids {int(context_ids.min())}..{int(context_ids.max())}, outside the "
-                             f"target's embedding of {rows} rows")
+        # before the draft's substitution hides an id too large for the target
+        check_context_ids(context_ids, {"target": self.target}, hint=" (calibrate() takes a list of ids)")
         with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps use
             return measure_cost_ratio(self.target, self.draft, self._draft_ids(context_ids), repeats=repeats,
                                       verify_gammas=verify_gammas, progress=progress, static_cache=self._static,

@@ -477,6 +477,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_context_ids(context_ids: Any, models: Mapping[str, Any], hint: str = "") -> None:
+    """A cost measurement's context checked: a ``(B, L)`` integer tensor with B >= 1, L >= 2 (a prefix to prefill
+    and one token to decode) whose ids every model in ``models`` (role -> model) can embed; ``hint`` ends the
+    message of a wrong shape or type.
+
+    Raises:
+        ValueError: naming what is wrong (shape, dtype, or the ids and the embedding they fall outside of)."""
+    if not (isinstance(context_ids, torch.Tensor) and context_ids.dim() == 2 and context_ids.dtype in
+            (torch.int64, torch.int32) and context_ids.shape[0] >= 1 and context_ids.shape[1] >= 2):
+        got = (f"a {context_ids.dtype} tensor of shape {tuple(context_ids.shape)}"
+               if isinstance(context_ids, torch.Tensor) else type(context_ids).__name__)
+        raise ValueError(f"context_ids must be a (B, L) integer tensor with B >= 1 and L >= 2 (a prefix to prefill "
+                         f"and one token to decode), got {got}{hint}")
+    lo, hi = int(context_ids.min()), int(context_ids.max())
+    for role, model in models.items():
+        rows = model.get_input_embeddings().num_embeddings
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"context_ids holds ids {lo}..{hi}, outside the {role}'s embedding of {rows} rows")
+
+
 def _check_cost_inputs(target, draft, context_ids: Any, repeats: Any, verify_gammas: Sequence[int],
                        static_cache: Any, calls: dict[str, Any]) -> list[int]:
     """The arguments of :func:`measure_cost_ratio` checked before any forward; returns the sorted γ values."""
@@ -484,12 +504,7 @@ def _check_cost_inputs(target, draft, context_ids: Any, repeats: Any, verify_gam
 
     if draft is None or target is None:
         raise ValueError("measure_cost_ratio times a draft against a target: both are needed (got None)")
-    if not (isinstance(context_ids, torch.Tensor) and context_ids.dim() == 2 and context_ids.dtype in
-            (torch.int64, torch.int32) and context_ids.shape[0] >= 1 and context_ids.shape[1] >= 2):
-        got = (f"a {context_ids.dtype} tensor of shape {tuple(context_ids.shape)}"
-               if isinstance(context_ids, torch.Tensor) else type(context_ids).__name__)
-        raise ValueError(f"context_ids must be a (B, L) integer tensor with B >= 1 and L >= 2 (a prefix to prefill "
-                         f"and one token to decode), got {got}")
+    check_context_ids(context_ids, {"target": target, "draft": draft})
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1 (timed forwards per measurement), got {repeats!r}")
     gammas = sorted(set(verify_gammas))
@@ -501,12 +516,8 @@ def _check_cost_inputs(target, draft, context_ids: Any, repeats: Any, verify_gam
         if call is not None and not callable(call):
             raise ValueError(f"{name}_call must be callable (a model's forward, e.g. compiled) or None, got "
                              f"{type(call).__name__}")
-    lo, hi = int(context_ids.min()), int(context_ids.max())
     need = context_ids.shape[1] + max(gammas, default=0)
     for role, model in (("target", target), ("draft", draft)):
-        rows = model.get_input_embeddings().num_embeddings
-        if lo < 0 or hi >= rows:
-            raise ValueError(f"context_ids holds ids {lo}..{hi}, outside the {role}'s embedding of {rows} rows")
         limit = context_length(model)
         if limit is not None and need > limit:
             raise ValueError(f"context_ids of {context_ids.shape[1]} tokens plus the largest verify γ "
@@ -558,15 +569,14 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
     """
     from decode import cache as kv
 
-    verify_gammas = _check_cost_inputs(target, draft, context_ids, repeats, verify_gammas, static_cache,
-                                       {"target": target_call, "draft": draft_call})
+    calls = {"target": target_call, "draft": draft_call}
+    verify_gammas = _check_cost_inputs(target, draft, context_ids, repeats, verify_gammas, static_cache, calls)
     device = context_ids.device
     prefix, last = context_ids[:, :-1], context_ids[:, -1:]
     B, width = prefix.shape
     # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
     jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
     jobs += [(f"verify{g}", target, "target", g + 1, None) for g in verify_gammas]
-    calls = {"target": target_call, "draft": draft_call}
     base = {}
     for name, model in (("target", target), ("draft", draft)):
         cache = kv.new_cache(model)

@@ -350,14 +350,15 @@ PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chose
 
 def eval_compile(ecfg) -> bool | str:
     """``quickstart.eval.compile`` checked: false (also when the key is absent), ``draft`` (the drafts' forwards
-    compiled, the target eager: the quickstart's default) or true (both models'). Compilation needs a C++ compiler (inductor's CPU backend), so its absence is
-    named here, before any training, not in the evaluation 20 minutes later.
+    compiled, the target eager: the quickstart's default) or true (both models'). Compilation needs a C++
+    compiler (inductor's CPU backend), so its absence is named here, before any training, not in the evaluation 20
+    minutes later.
 
     Raises:
         ValueError: another value, or no working C++ compiler where inductor looks (``$CXX``, else ``g++``;
-            :func:`decode.engine.cpu_compiler_problem`).
+            :func:`decode.engine.check_cpu_compiler`).
     """
-    from decode.engine import check_compile, cpu_compiler_problem
+    from decode.engine import check_compile, check_cpu_compiler
 
     value = ecfg.get("compile", False)
     try:
@@ -365,11 +366,8 @@ def eval_compile(ecfg) -> bool | str:
     except ValueError:
         raise ValueError(f"quickstart.eval.compile={value!r}: use false, draft (the drafts' forwards compiled, "
                          "docs/decode.md \"Compilation\") or true (both models)") from None
-    problem = cpu_compiler_problem() if value else None
-    if problem:
-        raise ValueError(f"quickstart.eval.compile={value}: torch.compile needs a working C++ compiler on CPU "
-                         f"($CXX, else g++) and found none ({problem}); install one (e.g. apt install g++), point "
-                         "CXX at one, or set eval.compile=false")
+    if value:
+        check_cpu_compiler(f"quickstart.eval.compile={value}", "set eval.compile=false")
     return value
 
 

@@ -131,13 +131,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if cfg.compile and not compile_supported():
         raise ValueError("--compile: this version's SpeculativeDecoder has no compile option; drop --compile")
     if cfg.compile and str(cfg.device).startswith("cpu"):
-        from decode.engine import cpu_compiler_problem
+        from decode.engine import check_cpu_compiler
 
-        problem = cpu_compiler_problem()
-        if problem:
-            raise ValueError(f"--compile: torch.compile needs a working C++ compiler on CPU ($CXX, else g++) and "
-                             f"found none ({problem}); install one (e.g. apt install g++), point CXX at one, or "
-                             "drop --compile")
+        check_cpu_compiler("--compile", "drop --compile")
     return cfg
 
 

@@ -313,7 +313,7 @@ class StaticKV:
             self.lens = self.lens + list(other_lens)
             self._sync_pos()
             return
-        L = max(self.L, self._size(newW + room))
+        L = max(self.L, self._size(newW + room + 1))  # + 1: see ensure_room
         keys, values = self._alloc(B1 + B2, L, ref.keys, ref.values)
         sh = newW - self.W
         for i in range(len(keys)):
@@ -352,11 +352,12 @@ class StaticKV:
             self.holey = False
 
     def ensure_room(self, k: int) -> None:
-        """Make ``k`` free columns after W: compact (one gather right-aligning every row) and, if still short,
-        grow the buffers (a re-layout)."""
+        """Make ``k`` free columns after W, and one more: compact (one gather right-aligning every row) and, if still
+        short, grow the buffers (a re-layout). A write never fills a buffer to its last column: a compiled forward
+        specialises on a full buffer (attention over all of it), and that rare state cost one more graph."""
         if self.cache is None or not self.cache.layers[0].is_initialized:
             return
-        if self.W + k <= self.L:
+        if self.W + k < self.L:
             return
         width = max(self.lens)
         if width < self.W:
@@ -369,7 +370,7 @@ class StaticKV:
             self.mask[:, :width] = torch.arange(width, device=self.device) >= width - lens[:, None]
             self._set_width(width)
             self.holey = min(self.lens) != width
-        if self.W + k > self.L:
+        if self.W + k >= self.L:
             L = self._size(self.W + k + self.L)
             first = self.cache.layers[0]
             keys, values = self._alloc(self.batch_size, L, first.keys, first.values)

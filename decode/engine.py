@@ -98,15 +98,27 @@ def context_length(model: Any) -> int | None:
     return None
 
 
+def _standard_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it with the row-major strides of its shape when its own differ (also in size-1 dims)."""
+    stride, expected = t.stride(), []
+    n = 1
+    for size in reversed(t.shape):
+        expected.append(n)
+        n *= size
+    return t if stride == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
+
+
 def _compiled(model: Any) -> Callable:
     """``torch.compile(model.forward, dynamic=True)``, called under a raised recompile limit: target and draft
     share one code object (``forward`` of their class), so dynamo's per-code cache holds the entries of both
     models and of each cache width/γ, and the default limit of 8 sent the engine back to eager. Tensor arguments
-    are passed contiguous: dynamo guards on strides, and slices (the draft's pending input) recompiled it."""
+    are passed with the standard strides of their shape: dynamo guards on strides, and slices (the draft's pending
+    input) recompiled it. ``contiguous()`` is not enough: it keeps a size-1 dimension's stride (a ``(1, 1)`` slice
+    of a ``(1, 2)`` tensor keeps strides ``(2, 1)``), which cost one more graph per shape class."""
     fn = torch.compile(model.forward, dynamic=True)
 
     def call(**kwargs: Any) -> Any:
-        kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        kwargs = {k: _standard_strides(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
             return fn(**kwargs)
 
@@ -607,6 +619,60 @@ class SpeculativeDecoder:
                                       verify_gammas=verify_gammas, progress=progress, static_cache=self._static,
                                       target_call=self._target_call, draft_call=self._draft_call)
 
+    @torch.no_grad()
+    def warm_up(self, max_batch_size: int = 16) -> float:
+        """Do, before the first request, the one-time work that steps would otherwise do in the middle of serving,
+        stalling every running request: compile the compiled forwards' graphs (with ``compile``) and, with
+        ``num_draft_tokens="auto"``, measure the cost model of every batch size up to ``max_batch_size``. Returns
+        the seconds it took (0 when there is nothing to do).
+
+        A compiled forward (``torch.compile(..., dynamic=True)``) specialises on sizes 0 and 1, on whether an
+        attention mask is passed and, through the few-row kernels, on whether rows × new tokens is at most 2. So a
+        step's forward falls into one of 12 shape classes per compiled model: 1, 2 or more rows; 1, 2 or more new
+        tokens (the draft's pending input is usually 1 or 2 tokens, more after auto γ chose 0; the verify window is
+        γ + 1); without or with a mask (rows of unequal length). Each class compiles the first time a step meets
+        it (seconds to tens of seconds on CPU). This runs each class once: for 1, 2 and 3 rows, a prefill of
+        equal-length dummy prompts, then the forward helpers the steps use (:meth:`_draft_forward`,
+        :meth:`_verify_forward`) with 1, 2 and 3 new tokens (3 stands for more), first without and then with a
+        mask, on a scratch state (the decoder's requests are
+        untouched). Auto γ measures its cost model once per power-of-two batch size
+        (:func:`decode.speedup.cost_bucket`), here for all of them at once (:meth:`calibrate` on a dummy 64-token
+        context) unless ``auto_costs`` were given. ``python -m decode serve`` calls it before it listens; a test
+        checks that afterwards a mixed workload (requests joining and leaving, ragged, greedy and sampled) compiles
+        nothing more (tests/decode/test_engine.py).
+
+        Args:
+            max_batch_size: the most requests that will run together (the server's ``--max-batch-size``).
+
+        Raises:
+            ValueError: ``max_batch_size`` < 1.
+        """
+        from decode.speedup import cost_buckets
+
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ValueError(f"warm_up(max_batch_size=...) takes an integer >= 1, got {max_batch_size!r}")
+        start = time.perf_counter()
+        if self.compile:
+            prompt = [i % self.vocab_size for i in range(1, 5)]
+            with kernels.few_row_linear(self.few_row_linear):
+                for batch in [b for b in (1, 2, 3) if b <= max_batch_size]:
+                    state = self.prefill([prompt] * batch, use_draft=self._draft_call is not None)
+                    self._to_static(state)
+                    for holes in (False, True):
+                        for k in (1, 2, 3):
+                            ids = state.last[:, None].repeat(1, k)
+                            if self._draft_call is not None:
+                                self._draft_forward(state, ids, torch.ones_like(ids), holes)
+                            if self._target_call is not None:
+                                if holes and isinstance(state.target_cache, kv.StaticKV):
+                                    state.target_cache.holey = True  # what a ragged batch's roll-back leaves
+                                self._verify_forward(state, ids)
+        if self.draft is not None and self.num_draft_tokens == "auto":
+            missing = [b for b in cost_buckets(max_batch_size) if b not in self.auto_costs]
+            if missing:
+                self.calibrate([i % self.vocab_size for i in range(1, 65)], missing)
+        return time.perf_counter() - start if self.compile or self.num_draft_tokens == "auto" else 0.0
+
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the
         acceptance tests, one for the residual/bonus token. Greedy rows draw none (their choices are argmaxes).
@@ -643,22 +709,13 @@ class SpeculativeDecoder:
         inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
         counts, seen = self._counts, self._seen
         tokens, probs = [], []
-        max_pos = self.draft_context_length - 1 if self.draft_context_length else None
-        static = isinstance(state.draft_cache, kv.StaticKV)
-        if static:
+        if isinstance(state.draft_cache, kv.StaticKV):
             state.draft_cache.ensure_room(width + gamma)
             self._draft_start = state.draft_cache.W
         holes = min(state.draft_pending) < width
         for i in range(gamma):
-            if static:
-                logits = state.draft_cache.forward(self.draft, self._draft_ids(inp), inp_mask if holes else None,
-                                                   logits_to_keep=1, max_position=max_pos, call=self._draft_call,
-                                                   holes=holes)
-                holes = False
-            else:
-                logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
-                                                      self._draft_ids(inp), inp_mask, logits_to_keep=1,
-                                                      max_position=max_pos, call=self._draft_call)
+            logits = self._draft_forward(state, inp, inp_mask, holes)
+            holes = False
             args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
                     counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
             if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
@@ -673,6 +730,33 @@ class SpeculativeDecoder:
                 seen = seen.scatter(-1, tok[:, None], True)
             inp, inp_mask = tok[:, None], torch.ones_like(tok)[:, None]
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
+
+    def _draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
+        """One draft forward on ``inp`` ``(B, k)`` (``inp_mask`` ``(B, k)``: 0 for the holes of rows with fewer
+        pending tokens; ``holes``: whether it has a 0) appended to the draft's cache; returns logits ``(B, 1, N)``."""
+        max_pos = self.draft_context_length - 1 if self.draft_context_length else None
+        if isinstance(state.draft_cache, kv.StaticKV):
+            return state.draft_cache.forward(self.draft, self._draft_ids(inp), inp_mask if holes else None,
+                                             logits_to_keep=1, max_position=max_pos, call=self._draft_call,
+                                             holes=holes)
+        logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, self._draft_ids(inp),
+                                              inp_mask, logits_to_keep=1, max_position=max_pos,
+                                              call=self._draft_call)
+        return logits
+
+    def _verify_forward(self, state: DecodeState, target_in: torch.Tensor) -> torch.Tensor:
+        """The target's forward on ``target_in`` ``(B, γ+1)`` (the last committed token and the drafts) appended to
+        its cache; returns logits ``(B, γ+1, V)``."""
+        max_pos = self.context_length - 1 if self.context_length else None
+        if isinstance(state.target_cache, kv.StaticKV):
+            state.target_cache.ensure_room(target_in.shape[1])
+            self._target_start = state.target_cache.W
+            return state.target_cache.forward(self.target, target_in, None, max_position=max_pos,
+                                              call=self._target_call)
+        logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
+                                               torch.ones_like(target_in), max_position=max_pos,
+                                               call=self._target_call)
+        return logits
 
     def _window_counts(self, drafts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Penalty counts of the verify window's γ+1 prefixes: ``(B, γ+1, V)``; position j includes d_1..d_j."""
@@ -695,16 +779,7 @@ class SpeculativeDecoder:
             drafts = state.last.new_zeros(B, 0)
             q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
-        max_pos = self.context_length - 1 if self.context_length else None
-        if isinstance(state.target_cache, kv.StaticKV):
-            state.target_cache.ensure_room(gamma + 1)
-            self._target_start = state.target_cache.W
-            logits = state.target_cache.forward(self.target, target_in, None, max_position=max_pos,
-                                                call=self._target_call)
-        else:
-            logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
-                                                   torch.ones_like(target_in), max_position=max_pos,
-                                                   call=self._target_call)
+        logits = self._verify_forward(state, target_in)
         counts, seen = self._window_counts(drafts)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
         if self._sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots

@@ -125,8 +125,9 @@ def packed_bytes() -> int:
     return sum(e.packed.numel() * e.packed.element_size() for e in list(_packed.values()))
 
 
-def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``F.linear(x, weight, bias)`` takes a kernel of this module: float32 CPU inference on 1..MAX_ROWS
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              max_rows: int = MAX_ROWS) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` takes a kernel of this module: float32 CPU inference on 1..``max_rows``
     rows of a weight with at least one output, and no bias or a 1-D float32 CPU bias of one value per output (any
     other bias, e.g. a broadcast (1, N) or 0-D one, goes to the original, which broadcasts it)."""
     if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, torch.nn.Parameter):
@@ -142,7 +143,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
                              or bias.device.type != "cpu" or bias.shape != (weight.shape[0],)):
         return False
     k = x.shape[-1]
-    return k > 0 and k == weight.shape[1] and weight.shape[0] > 0 and MIN_ROWS <= x.numel() // k <= MAX_ROWS
+    return k > 0 and k == weight.shape[1] and weight.shape[0] > 0 and MIN_ROWS <= x.numel() // k <= max_rows
 
 
 def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,14 +189,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``(..., N)``, contiguous, equal to ``F.linear`` up to float32 round-off (the original ``F.linear`` result,
         bit for bit, where the input is not eligible: see the module docstring).
     """
-    if not _eligible(x, weight, bias):
+    # Traced code takes the transposed product only: the packed copies live in a Python dict, which dynamo cannot
+    # trace, and one row bound (not two) means one shape guard, so fewer graphs for a compiled forward.
+    if not _eligible(x, weight, bias, TRANSPOSED_ROWS if torch.compiler.is_compiling() else MAX_ROWS):
         return _original(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])  # (n, K)
     n = flat.shape[0]
     if n <= TRANSPOSED_ROWS:
         out = transposed_linear(flat, weight, bias)
-    elif torch.compiler.is_compiling():  # packed copies live in a Python dict: dynamo cannot trace them
-        return _original(x, weight, bias)
     elif _ONEDNN and not weight.is_inference():  # an inference tensor has no version counter to key a copy on
         out = packed_linear(flat, weight, bias)
     elif n <= TRANSPOSED_FALLBACK_ROWS:

@@ -332,6 +332,66 @@ def test_bad_compile_values_are_refused(pair, value):
         SpeculativeDecoder(target, drafts["perturbed"], 3, compile=value)
 
 
+def test_warm_up_compiles_every_graph_a_mixed_workload_meets():
+    """After warm_up(), requests that join and leave, ragged prompts, greedy and sampled rows, batch sizes 1..6
+    and an abort compile no further graph (a compiled draft with the few-row kernels: the most shape classes);
+    greedy rows still equal plain greedy decoding."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.6), 3, compile="draft")
+    assert dec.few_row_linear
+    before = counters["stats"]["unique_graphs"]
+    assert dec.warm_up() > 0
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed > before
+    rng = random.Random(0)
+    greedy = {}
+    for round_ in range(4):
+        batch = [dict(prompt_ids=prompts_of([rng.randrange(1, 30)], seed=100 * round_ + i)[0],
+                      max_new_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.0, 1.0]), seed=i)
+                 for i in range(rng.randrange(1, 7))]
+        ids = [dec.add_request(**r) for r in batch]
+        steps = 0
+        while dec.has_unfinished():
+            for out in dec.step():
+                r = batch[ids.index(out.request_id)] if out.request_id in ids else None
+                if r is not None and r["temperature"] == 0.0:
+                    greedy[tuple(r["prompt_ids"])] = (r["max_new_tokens"], out.new_tokens)
+            steps += 1
+            if steps == 2:  # requests joining mid-flight, one leaving early
+                late = [dict(prompt_ids=prompts_of([rng.randrange(1, 30)], seed=999 + round_)[0],
+                             max_new_tokens=rng.randrange(5, 30), temperature=0.0)]
+                ids += [dec.add_request(**r) for r in late]
+                batch += late
+                if len(ids) > 2:
+                    dec.abort(ids[0])
+    assert counters["stats"]["unique_graphs"] == warmed
+    assert len(greedy) >= 3
+    plain = SpeculativeDecoder(target, None)
+    for prompt, (n, tokens) in greedy.items():
+        assert list(tokens) == plain.generate([list(prompt)], max_new_tokens=n).new_tokens[0].tolist()
+
+
+def test_warm_up_measures_the_auto_cost_model_of_every_batch_size(pair, monkeypatch):
+    """γ = "auto": warm_up(max_batch_size=5) measures buckets 1, 2, 4 and 8 once; later steps at any of those batch
+    sizes measure nothing. Without compile or auto there is nothing to do; a bad size is refused."""
+    target, drafts = pair
+    dec = SpeculativeDecoder(target, drafts["perturbed"], "auto")
+    assert dec.warm_up(max_batch_size=5) > 0
+    assert sorted(dec.auto_costs) == [1, 2, 4, 8]
+    monkeypatch.setattr(dec, "calibrate", lambda *a, **k: pytest.fail("calibrated inside a step"))
+    out = dec.generate(prompts_of([3, 5, 7, 2, 9]), max_new_tokens=8)
+    assert out.stats.num_verify_steps > 0
+    assert SpeculativeDecoder(target, drafts["perturbed"], 3).warm_up() == 0.0
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="max_batch_size"):
+            dec.warm_up(max_batch_size=bad)
+
+
 def test_compile_draft_needs_a_draft(pair):
     with pytest.raises(ValueError, match="compile='draft' compiles the draft's forwards, but draft is None"):
         SpeculativeDecoder(pair[0], None, compile="draft")

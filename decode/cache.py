@@ -414,8 +414,11 @@ class StaticKV:
         for layer in self.cache.layers:
             layer.used = W + k
         kwargs = {_cache_kwarg(model): self.cache, "logits_to_keep": logits_to_keep or 0}
-        out = (call or model)(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                              **kwargs)
+        # The first write into a cache no prefill filled (1-token prompts only) allocates its buffers inside the
+        # forward: run it eagerly, so a compiled call never traces that (one more graph, rare in serving).
+        if call is None or not self.cache.layers[0].is_initialized:
+            call = model
+        out = call(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, **kwargs)
         self.W = W + k
         return out.logits
 

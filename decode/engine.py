@@ -25,6 +25,7 @@ stay masked until a rare compaction; on the DynamicCache fallback they are compa
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
 import time
@@ -653,25 +654,37 @@ class SpeculativeDecoder:
             raise ValueError(f"warm_up(max_batch_size=...) takes an integer >= 1, got {max_batch_size!r}")
         start = time.perf_counter()
         if self.compile:
-            prompt = [i % self.vocab_size for i in range(1, 5)]
+            # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class runs
+            # first on a 64-column buffer (a short prompt), then every class on a 128-column one.
+            ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
+            every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], (False, True), (1, 2, 3)))
             with kernels.few_row_linear(self.few_row_linear):
-                for batch in [b for b in (1, 2, 3) if b <= max_batch_size]:
-                    state = self.prefill([prompt] * batch, use_draft=self._draft_call is not None)
-                    self._to_static(state)
-                    for holes in (False, True):
-                        for k in (1, 2, 3):
-                            ids = state.last[:, None].repeat(1, k)
-                            if self._draft_call is not None:
-                                self._draft_forward(state, ids, torch.ones_like(ids), holes)
-                            if self._target_call is not None:
-                                if holes and isinstance(state.target_cache, kv.StaticKV):
-                                    state.target_cache.holey = True  # what a ragged batch's roll-back leaves
-                                self._verify_forward(state, ids)
+                if ctx >= 72 + self._room() + 4:
+                    self._run_shape_classes(4, [(1, False, 1)])
+                    self._run_shape_classes(72, every)
+                else:
+                    self._run_shape_classes(4, every)
         if self.draft is not None and self.num_draft_tokens == "auto":
             missing = [b for b in cost_buckets(max_batch_size) if b not in self.auto_costs]
             if missing:
                 self.calibrate([i % self.vocab_size for i in range(1, 65)], missing)
         return time.perf_counter() - start if self.compile or self.num_draft_tokens == "auto" else 0.0
+
+    def _run_shape_classes(self, prompt_length: int, classes: list[tuple[int, bool, int]]) -> None:
+        """For :meth:`warm_up`: each ``(rows, holes, k)`` runs the compiled forwards once on a scratch state of
+        ``rows`` dummy prompts of ``prompt_length`` ids, with k new tokens and a mask if ``holes``."""
+        prompt = [i % self.vocab_size for i in range(1, prompt_length + 1)]
+        for batch in sorted({c[0] for c in classes}):
+            state = self.prefill([prompt] * batch, use_draft=self._draft_call is not None)
+            self._to_static(state)
+            for _, holes, k in [c for c in classes if c[0] == batch]:
+                ids = state.last[:, None].repeat(1, k)
+                if self._draft_call is not None:
+                    self._draft_forward(state, ids, torch.ones_like(ids), holes)
+                if self._target_call is not None:
+                    if holes and isinstance(state.target_cache, kv.StaticKV):
+                        state.target_cache.holey = True  # what a ragged batch's roll-back leaves
+                    self._verify_forward(state, ids)
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the

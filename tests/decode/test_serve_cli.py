@@ -64,10 +64,11 @@ def test_port_in_use_is_a_clear_error():
             main(["--target", "/nonexistent", "--port", str(s.getsockname()[1])])
 
 
-def test_serve_subprocess_with_key_then_sigterm(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--compile", "draft", "--max-batch-size", "4"]], ids=["eager", "compiled"])
+def test_serve_subprocess_with_key_then_sigterm(tmp_path, extra):
     """A real `decode serve` process on --port 0: the system picks a free port (no other test or pytest-xdist worker
     can take it between choosing and binding, as it could when the test chose one), and uvicorn's startup line
-    names it."""
+    names it. With --compile draft the graphs are compiled before uvicorn starts (the warm-up lines come first)."""
     tok = make_tokenizer()
     target = tiny_llama(seed=0).float()
     for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):
@@ -75,14 +76,14 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path):
         tok.save_pretrained(tmp_path / name)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DRAFTKIT_API_KEY="k1")
     proc = subprocess.Popen([sys.executable, "-m", "decode", "serve", "--target", str(tmp_path / "target"),
-                             "--draft", str(tmp_path / "draft"), "-g", "3", "--port", "0"], env=env,
+                             "--draft", str(tmp_path / "draft"), "-g", "3", "--port", "0", *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
     try:
         started = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
-        deadline, url = time.time() + 120, None
+        deadline, url = time.time() + (600 if extra else 120), None
         while url is None and time.time() < deadline and proc.poll() is None:
             match = next(filter(None, map(started.search, list(lines))), None)
             if match:
@@ -90,7 +91,8 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path):
             else:
                 time.sleep(0.1)
         assert url is not None and not url.endswith(":0"), "".join(lines)
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["compile"] == ("draft" if extra else False)
         body = {"model": "target", "prompt": "w5", "max_tokens": 4, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
         r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"}, timeout=30)
@@ -104,6 +106,30 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path):
     assert proc.returncode in (0, -signal.SIGTERM), err
     assert "Application shutdown complete" in err and "Traceback" not in err
     assert "without an API key" not in err
+    if extra:
+        warm = err.index("warm-up: compiling the forwards' graphs for batch sizes up to 4")
+        assert warm < err.index("warm-up done in") < err.index("Uvicorn running on")
+
+
+def test_compile_draft_without_a_draft_is_refused_before_loading(tmp_path, monkeypatch):
+    import decode.loading
+
+    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ValueError, match="--compile draft compiles the draft's forwards, but no --draft"):
+        main(["--target", str(tmp_path), "--port", "0", "--compile", "draft"])
+
+
+def test_compile_without_a_cpp_compiler_exits_2_before_loading(tmp_path, monkeypatch, capsys):
+    from torch._inductor import config as inductor_config
+
+    import decode.loading
+    from decode.__main__ import main as decode_main
+
+    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no" / "g++")))
+    assert decode_main(["serve", "--target", str(tmp_path), "--draft", str(tmp_path), "--port", "0",
+                        "--device", "cpu", "--compile"]) == 2
+    assert "--compile: torch.compile needs a working C++ compiler" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

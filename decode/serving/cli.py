@@ -7,6 +7,7 @@ import math
 import os
 import socket
 import sys
+from typing import Any
 
 API_KEY_ENV = "DRAFTKIT_API_KEY"
 
@@ -132,6 +133,27 @@ def served_model_name(target: str, override: str | None = None) -> str:
     return os.path.basename(os.path.normpath(target)) if looks_local(target) else str(target)
 
 
+def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | str) -> tuple[Any, Any]:
+    """Load the pair and tokenizer, build the decoder and warm it up (compiled graphs, auto γ's cost model) before
+    the server listens, so no request waits for either. Returns ``(decoder, tokenizer)``."""
+    from decode.engine import SpeculativeDecoder
+    from decode.loading import load_causal_lm, load_draft_tokenizer, load_tokenizer
+
+    trust = args.trust_remote_code
+    target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
+    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
+    draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
+    gamma = args.num_draft_tokens if draft is not None else 0
+    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok, compile=compile_)
+    if compile_ or gamma == "auto":
+        work = " and ".join(w for w, on in (("compiling the forwards' graphs", compile_),
+                                            ("measuring auto γ's cost model", gamma == "auto")) if on)
+        print(f"warm-up: {work} for batch sizes up to {args.max_batch_size} ...", file=sys.stderr, flush=True)
+        print(f"warm-up done in {dec.warm_up(args.max_batch_size):.1f} s", file=sys.stderr, flush=True)
+    return dec, tok
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check the address (before any model loads), load the pair, serve until Ctrl-C/SIGTERM."""
     args = serve_parser().parse_args(argv)
@@ -139,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host, args.port, args.api_key)
     if warning:
         print(warning, file=sys.stderr)
-    from decode.engine import SpeculativeDecoder
-    from decode.loading import check_cached, check_device, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import check_cached, check_device
     from decode.serving.app import ServerLimits, create_app, make_server
 
     device = check_device(args.device)
@@ -155,18 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
             check_cached(getattr(args, option), f"--{option}")
-    trust = args.trust_remote_code
-    target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
-    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
-    draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
-    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
-    gamma = args.num_draft_tokens if draft is not None else 0
-    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok, compile=compile_)
-    if compile_ or gamma == "auto":  # before listening: no request waits for a compilation or a cost measurement
-        work = " and ".join(w for w, on in (("compiling the forwards' graphs", compile_),
-                                            ("measuring auto γ's cost model", gamma == "auto")) if on)
-        print(f"warm-up: {work} for batch sizes up to {args.max_batch_size} ...", file=sys.stderr, flush=True)
-        print(f"warm-up done in {dec.warm_up(args.max_batch_size):.1f} s", file=sys.stderr, flush=True)
+    try:
+        dec, tok = _load_and_warm_up(args, device, compile_)
+    except KeyboardInterrupt:  # Ctrl-C while loading or compiling: nothing served yet, nothing to save
+        print("interrupted before the server listened (loading or warm-up); nothing was served", file=sys.stderr)
+        return 130
     name = served_model_name(args.target, args.served_model_name)
     limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,

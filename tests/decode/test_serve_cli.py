@@ -166,3 +166,29 @@ def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, 
     assert decode_main([command, "--target", "org/not-cached", *extra]) == 2
     assert "--target 'org/not-cached' is not a local folder, and as a hub id it is not in the local Hugging Face " \
            "cache" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_the_warm_up_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """The warm-up (--compile, or -g auto) runs before the server listens, up to minutes on a CPU: Ctrl-C there
+    stops the command with exit 130 and one line, as a Ctrl-C while serving stops it cleanly."""
+    from decode.__main__ import main as decode_main
+    from decode.engine import SpeculativeDecoder
+
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0).float()
+    for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    calls = []
+
+    def interrupted(self, max_batch_size=16):
+        calls.append(max_batch_size)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpeculativeDecoder, "warm_up", interrupted)
+    code = decode_main(["serve", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                        "-g", "auto", "--max-batch-size", "4", "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 130 and calls == [4]
+    assert "warm-up: measuring auto γ's cost model for batch sizes up to 4" in err
+    assert "interrupted before the server listened" in err and "Traceback" not in err

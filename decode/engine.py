@@ -635,12 +635,14 @@ class SpeculativeDecoder:
         it (seconds to tens of seconds on CPU). This runs each class once: for 1, 2 and 3 rows, a prefill of
         equal-length dummy prompts, then the forward helpers the steps use (:meth:`_draft_forward`,
         :meth:`_verify_forward`) with 1, 2 and 3 new tokens (3 stands for more), first without and then with a
-        mask, on a scratch state (the decoder's requests are
-        untouched). Auto γ measures its cost model once per power-of-two batch size
-        (:func:`decode.speedup.cost_bucket`), here for all of them at once (:meth:`calibrate` on a dummy 64-token
-        context) unless ``auto_costs`` were given. ``python -m decode serve`` calls it before it listens; a test
-        checks that afterwards a mixed workload (requests joining and leaving, ragged, greedy and sampled) compiles
-        nothing more (tests/decode/test_engine.py).
+        mask, on a scratch state (the decoder's requests are untouched). Dynamo also keeps a static buffer's length
+        static until it sees it change, so one class runs first on a 64-column buffer and then every class on a
+        128-column one (72-token prompts; a model whose context is too short for that stays at 64). Auto γ measures
+        its cost model once per power-of-two batch size (:func:`decode.speedup.cost_bucket`), here for all of them
+        at once (:meth:`calibrate` on a dummy 64-token context) unless ``auto_costs`` were given.
+        ``python -m decode serve`` calls it before it listens. Tested: afterwards long prompts, requests joining and
+        leaving, ragged, greedy and sampled rows and 1-token prompts compile nothing more
+        (tests/decode/test_engine.py); docs/decode.md, "Warm-up before serving".
 
         Args:
             max_batch_size: the most requests that will run together (the server's ``--max-batch-size``).

@@ -112,6 +112,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     decoders = {False: SpeculativeDecoder(target, draft, **kw)}
     if cfg.compile:
         decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)
+        if cfg.warmup:  # every shape class the compiled forwards meet, so no timed run builds a graph
+            decoders[True].warm_up(max(cfg.batch_sizes, default=1))
     methods = build_methods(cfg)
     # c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own
     cost = decoders[False].measure_costs(context, cfg.cost_repeats, verify_gammas=cfg.gammas)

@@ -503,6 +503,34 @@ def test_compile_without_a_cpp_compiler_exits_2_before_loading(saved_pair, tmp_p
     assert not loads and not out.exists()
 
 
+def test_the_compiled_decoder_is_warmed_up_for_the_largest_batch_before_timing(monkeypatch):
+    """With --compile and the warm-up on, the compiled decoder runs SpeculativeDecoder.warm_up for the largest
+    --batch-sizes before the first timed run (pair K, run K7: 3 graphs were built inside timed runs with the
+    per-method warm-up runs alone); without the warm-up, or without --compile, it does not. (The decoders run
+    eager here: the engine's compilation and warm-up are tested with the engine.)"""
+    import decode
+
+    warmed = []
+
+    class Recording(decode.SpeculativeDecoder):
+        def __init__(self, *args, compile=False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.compile = compile
+
+        def warm_up(self, max_batch_size=16):
+            warmed.append((self.compile, max_batch_size))
+            return 0.0
+
+    monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    for compile, warmup, expected in (("draft", True, [("draft", 4)]), ("draft", False, []), (False, True, [])):
+        warmed.clear()
+        cfg = BenchConfig(gammas=[2], auto=False, compile=compile, hf=False, temperatures=[0.0], batch_sizes=[1, 4],
+                          max_new_tokens=4, cost_repeats=3, warmup=warmup)
+        run_benchmark(target, perturbed_copy(target), [[1, 5, 6]], [None], cfg, pad_token_id=0, progress=False)
+        assert warmed == expected
+
+
 @pytest.mark.parametrize("compile", [True, "draft"])
 def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, compile):
     """The bench's plumbing for --compile: compiled methods (main and batch pass) go to the decoder built with

@@ -152,6 +152,12 @@ def check_cpu_compiler(setting: str, instead: str) -> None:
                          f"none ({problem}); install one (e.g. apt install g++), point CXX at one, or {instead}")
 
 
+def compile_setting(flag: str | None) -> bool | str:
+    """The ``compile`` value of a command line's ``--compile [both|draft]`` (absent: None): False, True or
+    ``"draft"``."""
+    return {None: False, "both": True, "draft": "draft"}[flag]
+
+
 def check_compile(compile: Any, has_draft: bool = True) -> bool | str:
     """``SpeculativeDecoder(compile=...)`` checked: False, True (both models' forwards) or ``"draft"`` (the draft's
     only); look-alikes such as 1 or 0 are refused. Returns the value. Raises ValueError naming the setting, also
@@ -578,8 +584,7 @@ class SpeculativeDecoder:
             raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
         if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batch_sizes):
             raise ValueError(f"batch_sizes must be integers >= 1, got {list(batch_sizes)!r}")
-        ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
-        width = max(2, min(64, ctx - self.max_auto_draft_tokens - 2))
+        width = max(2, min(64, self._shared_context() - self.max_auto_draft_tokens - 2))
         seq = list(context_ids)[-width:]
         seq = self._check_prompt(seq, "context_ids") if seq else [0]
         seq = (seq * (width // len(seq) + 1))[-width:]
@@ -654,23 +659,28 @@ class SpeculativeDecoder:
 
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
             raise ValueError(f"warm_up(max_batch_size=...) takes an integer >= 1, got {max_batch_size!r}")
+        auto = self.draft is not None and self.num_draft_tokens == "auto"
+        if not self.compile and not auto:
+            return 0.0
         start = time.perf_counter()
         if self.compile:
             # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class runs
             # first on a 64-column buffer (a short prompt), then every class on a 128-column one.
-            ctx = min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
             every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], (False, True), (1, 2, 3)))
             with kernels.few_row_linear(self.few_row_linear):
-                if ctx >= 72 + self._room() + 4:
+                if self._shared_context() >= 72 + self._room() + 4:
                     self._run_shape_classes(4, [(1, False, 1)])
                     self._run_shape_classes(72, every)
                 else:
                     self._run_shape_classes(4, every)
-        if self.draft is not None and self.num_draft_tokens == "auto":
-            missing = [b for b in cost_buckets(max_batch_size) if b not in self.auto_costs]
-            if missing:
-                self.calibrate([i % self.vocab_size for i in range(1, 65)], missing)
-        return time.perf_counter() - start if self.compile or self.num_draft_tokens == "auto" else 0.0
+        missing = [b for b in cost_buckets(max_batch_size) if b not in self.auto_costs] if auto else []
+        if missing:
+            self.calibrate([i % self.vocab_size for i in range(1, 65)], missing)
+        return time.perf_counter() - start
+
+    def _shared_context(self) -> int:
+        """The shorter of the two models' contexts (2**30 when neither states one)."""
+        return min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
 
     def _run_shape_classes(self, prompt_length: int, classes: list[tuple[int, bool, int]]) -> None:
         """For :meth:`warm_up`: each ``(rows, holes, k)`` runs the compiled forwards once on a scratch state of

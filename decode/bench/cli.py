@@ -16,6 +16,7 @@ import torch
 from decode.bench.config import BenchConfig, parse_gammas, parse_list
 from decode.bench.report import OutputPaths, render_tables, write_outputs
 from decode.bench.runs import compile_supported, run_benchmark
+from decode.engine import compile_setting
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
         cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed,
-        compile={None: False, "both": True, "draft": "draft"}[args.compile],
+        compile=compile_setting(args.compile),
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
     cfg.validate()

@@ -161,17 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host, args.port, args.api_key)
     if warning:
         print(warning, file=sys.stderr)
+    from decode.engine import check_cpu_compiler, compile_setting
     from decode.loading import check_cached, check_device
     from decode.serving.app import ServerLimits, create_app, make_server
 
     device = check_device(args.device)
-    compile_ = {None: False, "both": True, "draft": "draft"}[args.compile]
+    compile_ = compile_setting(args.compile)
     if compile_ == "draft" and args.draft is None:
         raise ValueError("--compile draft compiles the draft's forwards, but no --draft was given; add --draft, or "
                          "use --compile both to compile the target")
     if compile_ and str(device).startswith("cpu"):
-        from decode.engine import check_cpu_compiler
-
         check_cpu_compiler("--compile", "drop --compile")
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:

@@ -59,13 +59,18 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
     - ``ours_vs_hf_assisted`` (one per γ run by both ``spec_g{γ}`` and ``hf_assisted_g{γ}``): our speedup over HF
       assisted generation's at the same fixed γ; ``analytic_bound`` is the verify-aware prediction over HF's
       speedup, the largest ratio a decoder with no overhead beyond its forwards could reach;
+    - ``cost_ratio_compiled_vs_bare``, ``measured_compiled_vs_verify_aware``, ``decode_compiled_vs_verify_aware``
+      (with ``--compile``): the first three for the compiled decoder: its c (``cost["compiled"]``) over the bare
+      ratio, and ``spec_g{best}_compiled``'s speedups over its own prediction, made from the compiled c and v_γ
+      (``compile`` says which forwards were compiled);
     - ``ours_compiled_vs_hf_assisted`` (with ``--compile``): the same for ``spec_g{γ}_compiled`` (its speedup is over
-      the eager plain run, like every speedup here; ``compile`` says which forwards were compiled);
+      the eager plain run, like every speedup here);
     - ``batch_speedup`` (one per batch size > 1): speculative over plain tokens/s, our eager engine, same batch;
     - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
     """
     cost = results["cost"]
     c, bare = cost["cost_ratio"], (cost.get("bare") or {}).get("cost_ratio")
+    compile_ = (results.get("config") or {}).get("compile")
     out = []
     for s in results["summary"]:
         t = s["temperature"]
@@ -81,6 +86,16 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
                              _ratio(at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware")),
                              at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware"),
                              GOALS["decode_vs_verify_aware"], gamma=best))
+        compiled = runs.get(f"spec_g{best}_compiled") if best else None
+        if compiled is not None and cost.get("compiled"):  # --compile: the same three against the compiled costs
+            cc = cost["compiled"]["cost_ratio"]
+            checks.append(_check("cost_ratio_compiled_vs_bare", _ratio(cc, bare), cc, bare,
+                                 GOALS["cost_ratio_vs_bare"], compile=compile_))
+            for name, key in (("measured_compiled_vs_verify_aware", "speedup"),
+                              ("decode_compiled_vs_verify_aware", "decode_speedup")):
+                checks.append(_check(name, _ratio(compiled.get(key), compiled.get("predicted_speedup_verify_aware")),
+                                     compiled.get(key), compiled.get("predicted_speedup_verify_aware"),
+                                     GOALS[name.replace("_compiled", "")], gamma=best, compile=compile_))
         for g in sorted(int(k) for k in s["hf_assisted_fixed_speedup"]):
             if f"spec_g{g}" in runs:
                 ours, hf = runs[f"spec_g{g}"]["speedup"], s["hf_assisted_fixed_speedup"][str(g)]
@@ -90,7 +105,7 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
             if f"spec_g{g}_compiled" in runs:  # --compile: the compiled decoder against the same HF runs
                 ours = runs[f"spec_g{g}_compiled"]["speedup"]
                 checks.append(_check("ours_compiled_vs_hf_assisted", _ratio(ours, hf), ours, hf,
-                                     GOALS["ours_vs_hf_assisted"], gamma=g, compile=(results.get("config") or {}).get("compile")))
+                                     GOALS["ours_vs_hf_assisted"], gamma=g, compile=compile_))
         batch = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] > 1 and not b["compiled"]]
         for b in sorted((b for b in batch if b["method"] != "plain"), key=lambda b: b["batch_size"]):
             plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]]
@@ -334,17 +349,25 @@ def _render_summary(results, console) -> None:
     """One row per temperature: ours (best fixed γ, auto) vs HF assisted, measured vs predicted."""
     from rich.table import Table
 
-    table = Table(title=f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f})")
-    for col in ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best",
-                "HF assisted", "HF target"):
+    compiled = (results["cost"].get("compiled") or {}).get("cost_ratio")
+    title = f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f}"
+    table = Table(title=title + (f"; compiled c = {compiled:.3f})" if compiled is not None else ")"))
+    cols = ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best")
+    for col in cols + (("compiled, best γ (pred. v-aware)",) if compiled is not None else ()) + ("HF assisted",
+                                                                                                "HF target"):
         table.add_column(col, justify="right")
     for s in results["summary"]:
         hf = _x(s["hf_assisted_speedup"]) + "".join(f", γ={g}: {_x(v)}"
                                                     for g, v in s["hf_assisted_fixed_speedup"].items())
-        table.add_row(f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), _fmt(s["best_gamma_measured"], "g"),
-                      _x(s["measured_speedup_at_best"]), _fmt(s["best_gamma_predicted"], "g"),
-                      _x(s["predicted_speedup_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"]),
-                      hf, _x(s["hf_target_speedup"]))
+        row = [f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), _fmt(s["best_gamma_measured"], "g"),
+               _x(s["measured_speedup_at_best"]), _fmt(s["best_gamma_predicted"], "g"),
+               _x(s["predicted_speedup_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"])]
+        if compiled is not None:  # the compiled decoder at the same best γ, against its own (compiled-c) prediction
+            run = next((r["overall"] for r in results["runs"] if r["temperature"] == s["temperature"]
+                        and r["method"] == f"spec_g{s['best_gamma_measured']}_compiled"), None)
+            row.append("-" if run is None else
+                       f"{_x(run['speedup'])} ({_x(run['predicted_speedup_verify_aware'])})")
+        table.add_row(*row, hf, _x(s["hf_target_speedup"]))
     console.print(table)
 
 
@@ -391,14 +414,22 @@ def _gamma(ck, prefix: str = "") -> str:
     return "no fixed γ measured" if ck["gamma"] is None else f"{prefix}γ={ck['gamma']}"
 
 
+def _compiled(ck) -> str:
+    return "draft only" if ck.get("compile") == "draft" else "both"
+
+
 _LABELS = {
     "cost_ratio_vs_bare": lambda ck: "engine c / bare HF forward ratio",
     "measured_vs_verify_aware": lambda ck: f"speedup / verify-aware prediction, {_gamma(ck, 'best ')}",
     "decode_vs_verify_aware": lambda ck: f"decode-phase speedup / verify-aware prediction, {_gamma(ck)}",
+    "cost_ratio_compiled_vs_bare": lambda ck: f"compiled ({_compiled(ck)}) c / bare HF forward ratio",
+    "measured_compiled_vs_verify_aware": lambda ck: (f"compiled ({_compiled(ck)}) speedup / its verify-aware "
+                                                     f"prediction, {_gamma(ck)}"),
+    "decode_compiled_vs_verify_aware": lambda ck: (f"compiled ({_compiled(ck)}) decode-phase speedup / its "
+                                                   f"verify-aware prediction, {_gamma(ck)}"),
     "ours_vs_hf_assisted": lambda ck: (f"ours / HF assisted speedup, γ={ck['gamma']} (analytic bound "
                                        f"{_fmt(ck.get('analytic_bound'))})"),
-    "ours_compiled_vs_hf_assisted": lambda ck: (f"ours compiled ({'draft only' if ck.get('compile') == 'draft' else 'both'}"
-                                                f") / HF assisted speedup, γ={ck['gamma']}"),
+    "ours_compiled_vs_hf_assisted": lambda ck: f"ours compiled ({_compiled(ck)}) / HF assisted speedup, γ={ck['gamma']}",
     "batch_speedup": lambda ck: f"batch {ck['batch_size']} tok/s, γ={ck['gamma']} / plain",
     "auto_vs_best_fixed": lambda ck: (f"auto γ / best fixed γ={ck['gamma']} speedup" if ck["gamma"] is not None
                                       else "auto γ / best fixed γ speedup: no fixed γ measured"),
@@ -414,7 +445,7 @@ def _render_must_show(results, console) -> None:
         table.add_column(col, justify="left" if col == "comparison" else "right")
     for entry in results["report"]:
         for ck in entry["checks"]:
-            digits = ".3f" if ck["name"] == "cost_ratio_vs_bare" else ".2f"
+            digits = ".3f" if ck["name"].startswith("cost_ratio") else ".2f"
             table.add_row(f"{entry['temperature']:g}", _LABELS[ck["name"]](ck), _fmt(ck["ours"], digits),
                           _fmt(ck["reference"], digits), _fmt(ck["ratio"]), ck["goal"] or "-",
                           {True: "yes", False: "no", None: "-"}[ck["met"]])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decode.bench import (SCHEMA_VERSION, BenchConfig, OutputPaths, alpha_from_steps, build_methods, must_show,
-                          parse_gammas, run_benchmark, run_cli, validate_results, write_outputs)
+                          parse_gammas, render_tables, run_benchmark, run_cli, validate_results, write_outputs)
 from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
 from tests.conftest import TEST_DEVICE, perturbed_copy, tiny_llama
 from tests.decode.test_prompts import char_tokenizer
@@ -646,22 +646,43 @@ def test_compile_option_maps_to_the_decoder_setting():
             BenchConfig(compile=bad).validate()
 
 
-def test_must_show_compares_a_compiled_run_with_hf_assisted(bench_run):
-    """With --compile, spec_g{γ}_compiled gets its own row against the same HF assisted run."""
+def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_prediction(bench_run):
+    """With --compile, spec_g{γ}_compiled gets its own row against the same HF assisted run, and the compiled c and
+    the compiled run at the best γ are checked against the bare ratio and their own (compiled-c) prediction."""
     results = json.loads(json.dumps(bench_run[0]))
     results["config"]["compile"] = "draft"
-    for run in [r for r in results["runs"] if r["method"] == "spec_g3"]:
+    results["cost"]["compiled"] = dict(results["cost"], cost_ratio=0.5 * results["cost"]["cost_ratio"])
+    for run in [r for r in results["runs"] if r["method"] in {f"spec_g{s['best_gamma_measured']}"
+                                                              for s in results["summary"]} | {"spec_g3"}]:
         twin = json.loads(json.dumps(run))
-        twin["method"], twin["compiled"] = "spec_g3_compiled", True
-        twin["overall"]["speedup"] = run["overall"]["speedup"] * 1.25
+        twin["method"], twin["compiled"] = f"{run['method']}_compiled", True
+        for key, factor in (("speedup", 1.25), ("decode_speedup", 1.5), ("predicted_speedup_verify_aware", 1.4)):
+            twin["overall"][key] = run["overall"][key] * factor
         results["runs"].append(twin)
-    for entry in must_show(results):
+    for entry, s in zip(must_show(results), results["summary"]):
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == entry["temperature"]}
-        (ck,) = [c for c in entry["checks"] if c["name"] == "ours_compiled_vs_hf_assisted"]
+        checks = {c["name"]: c for c in entry["checks"] if c["name"] != "batch_speedup"}
+        ck = checks["ours_compiled_vs_hf_assisted"]
         assert (ck["gamma"], ck["compile"], ck["goal"]) == (3, "draft", ">= 1.3")
         assert ck["ours"] == runs["spec_g3_compiled"]["speedup"] and ck["reference"] == runs["hf_assisted_g3"]["speedup"]
-        assert ck["ratio"] == pytest.approx(1.25 * [c for c in entry["checks"]
-                                                    if c["name"] == "ours_vs_hf_assisted"][0]["ratio"])
+        assert ck["ratio"] == pytest.approx(1.25 * checks["ours_vs_hf_assisted"]["ratio"])
+        ck = checks["cost_ratio_compiled_vs_bare"]
+        assert (ck["ours"], ck["reference"], ck["goal"], ck["compile"]) == (
+            results["cost"]["compiled"]["cost_ratio"], results["cost"]["bare"]["cost_ratio"], "<= 1.25", "draft")
+        assert ck["ratio"] == pytest.approx(0.5 * checks["cost_ratio_vs_bare"]["ratio"])
+        g = s["best_gamma_measured"]
+        for name, key, factor in (("measured", "speedup", 1.25 / 1.4), ("decode", "decode_speedup", 1.5 / 1.4)):
+            ck = checks[f"{name}_compiled_vs_verify_aware"]
+            assert (ck["gamma"], ck["goal"], ck["compile"]) == (g, ">= 0.95", "draft")
+            assert (ck["ours"], ck["reference"]) == (runs[f"spec_g{g}_compiled"][key],
+                                                     runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"])
+            assert ck["ratio"] == pytest.approx(factor * checks[f"{name}_vs_verify_aware"]["ratio"])
+    from rich.console import Console
+
+    buf = io.StringIO()
+    render_tables(dict(results, report=must_show(results)), Console(file=buf, width=250))
+    text = buf.getvalue()
+    assert "compiled c = " in text and "its verify-aware prediction" in text, text
 
 
 def test_list_options_take_each_value_once():

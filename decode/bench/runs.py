@@ -140,12 +140,10 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
             return out
         return run_hf(target, draft, method, ids, mask, temperature, c, eos, pad_token_id, seed, device)
 
-    if cfg.warmup:  # first calls pay for allocator growth, lazy init and compilation; keep them out of the timings
+    if cfg.warmup:  # first calls pay for allocator growth and lazy init (compilation: warm_up above)
         for method in methods:
             for t in cfg.temperatures:
-                # a compiled decoder meets more of its shapes (pending width 1 and 2) in a full-length run
-                short = None if method.compiled else min(4, cfg.max_new_tokens)
-                run(method, prompt_ids[:1], t, 0, max_new_tokens=short, timed=False)
+                run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
     records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress)
     runs, summary = pool(records, methods, cfg, cost, categories)
     batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress)

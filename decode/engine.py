@@ -640,7 +640,8 @@ class SpeculativeDecoder:
         it (seconds to tens of seconds on CPU). This runs each class once: for 1, 2 and 3 rows, a prefill of
         equal-length dummy prompts, then the forward helpers the steps use (:meth:`_draft_forward`,
         :meth:`_verify_forward`) with 1, 2 and 3 new tokens (3 stands for more), first without and then with a
-        mask, on a scratch state (the decoder's requests are untouched). Dynamo also keeps a static buffer's length
+        mask, on a scratch state (the decoder's requests are untouched); with ``max_batch_size=1`` the mask classes
+        are left out (one row has no holes: 3 classes per compiled model). Dynamo also keeps a static buffer's length
         static until it sees it change, so one class runs first on a 64-column buffer and then every class on a
         128-column one (72-token prompts; a model whose context is too short for that stays at 64). Auto γ measures
         its cost model once per power-of-two batch size (:func:`decode.speedup.cost_bucket`), here for all of them
@@ -666,7 +667,9 @@ class SpeculativeDecoder:
         if self.compile:
             # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class runs
             # first on a 64-column buffer (a short prompt), then every class on a 128-column one.
-            every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], (False, True), (1, 2, 3)))
+            # a single row never has holes (they come from rows of unequal length), so no mask class at batch 1
+            masks = (False, True) if max_batch_size > 1 else (False,)
+            every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], masks, (1, 2, 3)))
             with kernels.few_row_linear(self.few_row_linear):
                 if self._shared_context() >= 72 + self._room() + 4:
                     self._run_shape_classes(4, [(1, False, 1)])

@@ -382,6 +382,33 @@ def test_warm_up_compiles_every_graph_a_mixed_workload_meets():
         assert list(tokens) == plain.generate([list(prompt)], max_new_tokens=n).new_tokens[0].tolist()
 
 
+def test_warm_up_for_one_row_leaves_out_the_mask_classes_and_batch_1_compiles_nothing_more():
+    """warm_up(max_batch_size=1) runs the 3 unmasked classes only (a single row has no holes), and afterwards batch-1
+    requests of every kind (long and short prompts, greedy and sampled, rejections, a γ cut to 0 by the budget)
+    compile no further graph; with 2 rows the mask classes are run too."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    target = tiny_llama(seed=0, layers=2, hidden=128, dtype=torch.float32, max_position_embeddings=512)
+    draft = tiny_llama(seed=1, layers=1, hidden=128, dtype=torch.float32, max_position_embeddings=512)
+    dec = SpeculativeDecoder(target, draft, 3, compile="draft")
+    seen = []
+    real = dec._run_shape_classes
+    dec._run_shape_classes = lambda length, classes: (seen.extend(classes), real(length, classes))
+    assert dec.warm_up(max_batch_size=1) > 0
+    assert sorted(set(seen)) == [(1, False, 1), (1, False, 2), (1, False, 3)]
+    warmed = counters["stats"]["unique_graphs"]
+    for n, temperature, new in ((100, 0.0, 20), (200, 1.0, 17), (7, 0.0, 1), (30, 1.0, 9)):
+        out = dec.generate(prompts_of([n], seed=n), max_new_tokens=new, temperature=temperature,
+                           generator=torch.Generator().manual_seed(n))
+        assert len(out.new_tokens[0]) == new
+    assert counters["stats"]["unique_graphs"] == warmed
+    seen.clear()
+    dec._run_shape_classes = lambda length, classes: seen.extend(classes)  # which classes only, no compilation
+    dec.warm_up(max_batch_size=2)
+    assert {holes for _, holes, _ in seen} == {False, True} and {rows for rows, _, _ in seen} == {1, 2}
+
+
 def test_warm_up_measures_the_auto_cost_model_of_every_batch_size(pair, monkeypatch):
     """γ = "auto": warm_up(max_batch_size=5) measures buckets 1, 2, 4 and 8 once; later steps at any of those batch
     sizes measure nothing. Without compile or auto there is nothing to do; a bad size is refused."""

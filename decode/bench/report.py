@@ -86,11 +86,11 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
                              _ratio(at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware")),
                              at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware"),
                              GOALS["decode_vs_verify_aware"], gamma=best))
-        compiled = runs.get(f"spec_g{best}_compiled") if best else None
-        if compiled is not None and cost.get("compiled"):  # --compile: the same three against the compiled costs
+        if cost.get("compiled"):  # --compile: the same three for the compiled decoder, against its own costs
             cc = cost["compiled"]["cost_ratio"]
             checks.append(_check("cost_ratio_compiled_vs_bare", _ratio(cc, bare), cc, bare,
                                  GOALS["cost_ratio_vs_bare"], compile=compile_))
+            compiled = runs.get(f"spec_g{best}_compiled", {}) if best else {}
             for name, key in (("measured_compiled_vs_verify_aware", "speedup"),
                               ("decode_compiled_vs_verify_aware", "decode_speedup")):
                 checks.append(_check(name, _ratio(compiled.get(key), compiled.get("predicted_speedup_verify_aware")),

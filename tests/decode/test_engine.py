@@ -398,11 +398,14 @@ def test_warm_up_for_one_row_leaves_out_the_mask_classes_and_batch_1_compiles_no
     assert dec.warm_up(max_batch_size=1) > 0
     assert sorted(set(seen)) == [(1, False, 1), (1, False, 2), (1, False, 3)]
     warmed = counters["stats"]["unique_graphs"]
+    rates = []
     for n, temperature, new in ((100, 0.0, 20), (200, 1.0, 17), (7, 0.0, 1), (30, 1.0, 9)):
         out = dec.generate(prompts_of([n], seed=n), max_new_tokens=new, temperature=temperature,
                            generator=torch.Generator().manual_seed(n))
         assert len(out.new_tokens[0]) == new
+        rates.append(out.stats.acceptance_rate)
     assert counters["stats"]["unique_graphs"] == warmed
+    assert any(r is not None and r < 1 for r in rates)  # rejections and roll-backs happened
     seen.clear()
     dec._run_shape_classes = lambda length, classes: seen.extend(classes)  # which classes only, no compilation
     dec.warm_up(max_batch_size=2)

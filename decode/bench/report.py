@@ -45,6 +45,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def compiled_over_own_plain(runs: dict[str, dict], method: str, key: str, compile_: Any) -> float | None:
+    """``runs[method][key]`` (a speedup over eager plain decoding) as a speedup over the plain decoding its
+    prediction is relative to: eager plain with ``compile="draft"`` (the target stays eager), ``plain_compiled``
+    when the target is compiled too (``True``/``"both"``; its c and v_γ are over the compiled target's forward).
+
+    Args:
+        runs: ``{method: overall}`` of one temperature; key: ``"speedup"`` or ``"decode_speedup"``.
+
+    Returns:
+        the ratio, or None where a value is missing."""
+    ours = (runs.get(method) or {}).get(key)
+    if compile_ == "draft":
+        return ours
+    return _ratio(ours, (runs.get("plain_compiled") or {}).get(key))
+
+
 def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The comparisons issue #8 asks for, per temperature, computed from a results dict (or loaded JSON).
 
@@ -62,7 +78,8 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
     - ``cost_ratio_compiled_vs_bare``, ``measured_compiled_vs_verify_aware``, ``decode_compiled_vs_verify_aware``
       (with ``--compile``): the first three for the compiled decoder: its c (``cost["compiled"]``) over the bare
       ratio, and ``spec_g{best}_compiled``'s speedups over its own prediction, made from the compiled c and v_γ
-      (``compile`` says which forwards were compiled);
+      (``compile`` says which forwards were compiled; with the target compiled too, both the prediction and
+      ``ours`` are over ``plain_compiled``: :func:`compiled_over_own_plain`);
     - ``ours_compiled_vs_hf_assisted`` (with ``--compile``): the same for ``spec_g{γ}_compiled`` (its speedup is over
       the eager plain run, like every speedup here);
     - ``batch_speedup`` (one per batch size > 1): speculative over plain tokens/s, our eager engine, same batch;
@@ -90,11 +107,12 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
             cc = cost["compiled"]["cost_ratio"]
             checks.append(_check("cost_ratio_compiled_vs_bare", _ratio(cc, bare), cc, bare,
                                  GOALS["cost_ratio_vs_bare"], compile=compile_))
-            compiled = runs.get(f"spec_g{best}_compiled", {}) if best else {}
+            method = f"spec_g{best}_compiled"
+            predicted = (runs.get(method) or {}).get("predicted_speedup_verify_aware")
             for name, key in (("measured_compiled_vs_verify_aware", "speedup"),
                               ("decode_compiled_vs_verify_aware", "decode_speedup")):
-                checks.append(_check(name, _ratio(compiled.get(key), compiled.get("predicted_speedup_verify_aware")),
-                                     compiled.get(key), compiled.get("predicted_speedup_verify_aware"),
+                ours = compiled_over_own_plain(runs, method, key, compile_) if best else None
+                checks.append(_check(name, _ratio(ours, predicted), ours, predicted,
                                      GOALS[name.replace("_compiled", "")], gamma=best, compile=compile_))
         for g in sorted(int(k) for k in s["hf_assisted_fixed_speedup"]):
             if f"spec_g{g}" in runs:
@@ -304,8 +322,9 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     k = c.get("compiled")
     if k:  # what the *_compiled rows' predictions use
         console.print(f"compiled forwards: c = {k['cost_ratio']:.3f}  (draft {k['draft_forward_s'] * 1e3:.2f} ms / "
-                      f"target {k['target_forward_s'] * 1e3:.2f} ms); v_γ "
-                      + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in k.get("verify", []))
+                      f"target {k['target_forward_s'] * 1e3:.2f} ms)"
+                      + ("; v_γ " + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in k["verify"])
+                         if k.get("verify") else "")
                       + "; the *_compiled predictions use these")
     for s in results["summary"]:
         _render_methods(results, s, console)
@@ -353,8 +372,10 @@ def _render_summary(results, console) -> None:
     title = f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f}"
     table = Table(title=title + (f"; compiled c = {compiled:.3f})" if compiled is not None else ")"))
     cols = ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best")
-    for col in cols + (("compiled, best γ (pred. v-aware)",) if compiled is not None else ()) + ("HF assisted",
-                                                                                                "HF target"):
+    own = "compiled over plain_compiled" if (results.get("config") or {}).get("compile") not in (None, False, "draft") \
+        else "compiled"
+    for col in cols + ((f"{own}, best γ (pred. v-aware)",) if compiled is not None else ()) + ("HF assisted",
+                                                                                               "HF target"):
         table.add_column(col, justify="right")
     for s in results["summary"]:
         hf = _x(s["hf_assisted_speedup"]) + "".join(f", γ={g}: {_x(v)}"
@@ -363,10 +384,12 @@ def _render_summary(results, console) -> None:
                _x(s["measured_speedup_at_best"]), _fmt(s["best_gamma_predicted"], "g"),
                _x(s["predicted_speedup_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"])]
         if compiled is not None:  # the compiled decoder at the same best γ, against its own (compiled-c) prediction
-            run = next((r["overall"] for r in results["runs"] if r["temperature"] == s["temperature"]
-                        and r["method"] == f"spec_g{s['best_gamma_measured']}_compiled"), None)
-            row.append("-" if run is None else
-                       f"{_x(run['speedup'])} ({_x(run['predicted_speedup_verify_aware'])})")
+            runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == s["temperature"]}
+            method = f"spec_g{s['best_gamma_measured']}_compiled"
+            compile_ = (results.get("config") or {}).get("compile")
+            row.append("-" if method not in runs else
+                       f"{_x(compiled_over_own_plain(runs, method, 'speedup', compile_))} "
+                       f"({_x(runs[method]['predicted_speedup_verify_aware'])})")
         table.add_row(*row, hf, _x(s["hf_target_speedup"]))
     console.print(table)
 

@@ -646,37 +646,42 @@ def test_compile_option_maps_to_the_decoder_setting():
             BenchConfig(compile=bad).validate()
 
 
-def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_prediction(bench_run):
+@pytest.mark.parametrize("compile", ["draft", "both"])
+def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_prediction(bench_run, compile):
     """With --compile, spec_g{γ}_compiled gets its own row against the same HF assisted run, and the compiled c and
-    the compiled run at the best γ are checked against the bare ratio and their own (compiled-c) prediction."""
+    the compiled run at the best γ are checked against the bare ratio and their own (compiled-c) prediction, which
+    is over plain_compiled when the target is compiled too (over eager plain with the draft alone compiled)."""
     results = json.loads(json.dumps(bench_run[0]))
-    results["config"]["compile"] = "draft"
+    results["config"]["compile"] = compile
     results["cost"]["compiled"] = dict(results["cost"], cost_ratio=0.5 * results["cost"]["cost_ratio"])
+    plain_factor = {"speedup": 1.3, "decode_speedup": 1.2} if compile == "both" else {"speedup": 1, "decode_speedup": 1}
     for run in [r for r in results["runs"] if r["method"] in {f"spec_g{s['best_gamma_measured']}"
-                                                              for s in results["summary"]} | {"spec_g3"}]:
+                                                              for s in results["summary"]} | {"spec_g3", "plain"}]:
         twin = json.loads(json.dumps(run))
         twin["method"], twin["compiled"] = f"{run['method']}_compiled", True
-        for key, factor in (("speedup", 1.25), ("decode_speedup", 1.5), ("predicted_speedup_verify_aware", 1.4)):
+        factors = plain_factor if run["method"] == "plain" else {"speedup": 1.25, "decode_speedup": 1.5,
+                                                                 "predicted_speedup_verify_aware": 1.4}
+        for key, factor in factors.items():
             twin["overall"][key] = run["overall"][key] * factor
         results["runs"].append(twin)
     for entry, s in zip(must_show(results), results["summary"]):
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == entry["temperature"]}
         checks = {c["name"]: c for c in entry["checks"] if c["name"] != "batch_speedup"}
-        ck = checks["ours_compiled_vs_hf_assisted"]
-        assert (ck["gamma"], ck["compile"], ck["goal"]) == (3, "draft", ">= 1.3")
+        ck = checks["ours_compiled_vs_hf_assisted"]  # both over eager plain
+        assert (ck["gamma"], ck["compile"], ck["goal"]) == (3, compile, ">= 1.3")
         assert ck["ours"] == runs["spec_g3_compiled"]["speedup"] and ck["reference"] == runs["hf_assisted_g3"]["speedup"]
         assert ck["ratio"] == pytest.approx(1.25 * checks["ours_vs_hf_assisted"]["ratio"])
         ck = checks["cost_ratio_compiled_vs_bare"]
         assert (ck["ours"], ck["reference"], ck["goal"], ck["compile"]) == (
-            results["cost"]["compiled"]["cost_ratio"], results["cost"]["bare"]["cost_ratio"], "<= 1.25", "draft")
+            results["cost"]["compiled"]["cost_ratio"], results["cost"]["bare"]["cost_ratio"], "<= 1.25", compile)
         assert ck["ratio"] == pytest.approx(0.5 * checks["cost_ratio_vs_bare"]["ratio"])
         g = s["best_gamma_measured"]
         for name, key, factor in (("measured", "speedup", 1.25 / 1.4), ("decode", "decode_speedup", 1.5 / 1.4)):
             ck = checks[f"{name}_compiled_vs_verify_aware"]
-            assert (ck["gamma"], ck["goal"], ck["compile"]) == (g, ">= 0.95", "draft")
-            assert (ck["ours"], ck["reference"]) == (runs[f"spec_g{g}_compiled"][key],
-                                                     runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"])
-            assert ck["ratio"] == pytest.approx(factor * checks[f"{name}_vs_verify_aware"]["ratio"])
+            assert (ck["gamma"], ck["goal"], ck["compile"]) == (g, ">= 0.95", compile)
+            assert ck["ours"] == pytest.approx(runs[f"spec_g{g}_compiled"][key] / runs["plain_compiled"][key])
+            assert ck["reference"] == runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"]
+            assert ck["ratio"] == pytest.approx(factor / plain_factor[key] * checks[f"{name}_vs_verify_aware"]["ratio"])
     from rich.console import Console
 
     buf = io.StringIO()

@@ -125,14 +125,16 @@ class Method:
 
 
 def build_methods(cfg: BenchConfig) -> list[Method]:
-    """plain, spec_g{γ} for each γ, spec_auto, [plain_compiled, spec_g{γ}_compiled], hf_target, hf_assisted,
-    hf_assisted_g{γ} (as configured)."""
+    """plain, spec_g{γ} for each γ, spec_auto, [plain_compiled, spec_g{γ}_compiled, spec_auto_compiled], hf_target,
+    hf_assisted, hf_assisted_g{γ} (as configured)."""
     methods = [Method("plain", OURS, 0)] + [Method(f"spec_g{g}", OURS, g) for g in cfg.gammas]
     if cfg.auto:
         methods.append(Method("spec_auto", OURS, "auto"))
     if cfg.compile:
         methods.append(Method("plain_compiled", OURS, 0, compiled=True))
         methods += [Method(f"spec_g{g}_compiled", OURS, g, compiled=True) for g in cfg.gammas]
+        if cfg.auto:  # also what the batch pass runs, so its batch size 1 reuses these rows
+            methods.append(Method("spec_auto_compiled", OURS, "auto", compiled=True))
     if cfg.hf:
         methods += [Method("hf_target", HF, None), Method("hf_assisted", HF, None, assisted=True)]
         methods += [Method(f"hf_assisted_g{g}", HF, g, assisted=True) for g in cfg.hf_gammas]

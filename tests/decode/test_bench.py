@@ -585,6 +585,32 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
     assert all(open(paths[name], "rb").read(8) == PNG_MAGIC for name in results["plots"])
 
 
+def test_compiled_auto_runs_in_the_main_pass_so_batch_1_reuses_it(monkeypatch):
+    """With --compile and auto, spec_auto_compiled joins the main pass (it had no main-pass row, so --gammas auto
+    gave the report no compiled run), and the batch pass's batch-1 rows of every method reuse the main pass."""
+    import decode
+
+    class Labelled(decode.SpeculativeDecoder):  # "compiled" in name only: the plumbing, not the compilation
+        def __init__(self, *args, compile=False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.compile = compile
+
+    monkeypatch.setattr(decode, "SpeculativeDecoder", Labelled)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[2], auto=True, compile="draft", hf=False, temperatures=[0.0], batch_sizes=[1, 2],
+                      max_new_tokens=6, cost_repeats=3, warmup=False)
+    assert [m.name for m in build_methods(cfg)] == ["plain", "spec_g2", "spec_auto", "plain_compiled",
+                                                    "spec_g2_compiled", "spec_auto_compiled"]
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0,
+                            progress=False)
+    runs = {r["method"]: r for r in results["runs"]}
+    assert runs["spec_auto_compiled"]["compiled"] and runs["spec_auto_compiled"]["num_draft_tokens"] == "auto"
+    batch_1 = [b for b in results["batch"] if b["batch_size"] == 1]
+    assert {b["method"] for b in batch_1} == {"plain", "spec_g2", "spec_auto", "plain_compiled", "spec_g2_compiled",
+                                              "spec_auto_compiled"}
+    assert all(b["reused_main_pass"] for b in batch_1)
+
+
 @pytest.mark.parametrize("text, message", [
     ("1,x", "bad γ 'x'"), ("0,2", "every γ must be >= 1"), (" , ", "empty γ list"), ("-1", "every γ must be >= 1"),
 ])

@@ -369,11 +369,11 @@ def _render_summary(results, console) -> None:
     from rich.table import Table
 
     compiled = (results["cost"].get("compiled") or {}).get("cost_ratio")
+    compile_ = (results.get("config") or {}).get("compile")
     title = f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f}"
     table = Table(title=title + (f"; compiled c = {compiled:.3f})" if compiled is not None else ")"))
     cols = ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best")
-    own = "compiled over plain_compiled" if (results.get("config") or {}).get("compile") not in (None, False, "draft") \
-        else "compiled"
+    own = "compiled" if compile_ == "draft" else "compiled over plain_compiled"
     for col in cols + ((f"{own}, best γ (pred. v-aware)",) if compiled is not None else ()) + ("HF assisted",
                                                                                                "HF target"):
         table.add_column(col, justify="right")
@@ -386,7 +386,6 @@ def _render_summary(results, console) -> None:
         if compiled is not None:  # the compiled decoder at the same best γ, against its own (compiled-c) prediction
             runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == s["temperature"]}
             method = f"spec_g{s['best_gamma_measured']}_compiled"
-            compile_ = (results.get("config") or {}).get("compile")
             row.append("-" if method not in runs else
                        f"{_x(compiled_over_own_plain(runs, method, 'speedup', compile_))} "
                        f"({_x(runs[method]['predicted_speedup_verify_aware'])})")

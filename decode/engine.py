@@ -665,12 +665,12 @@ class SpeculativeDecoder:
             return 0.0
         start = time.perf_counter()
         if self.compile:
-            # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class runs
-            # first on a 64-column buffer (a short prompt), then every class on a 128-column one.
-            # a single row never has holes (they come from rows of unequal length), so no mask class at batch 1
+            # A single row never has holes (they come from rows of unequal length): no mask class at batch 1.
             masks = (False, True) if max_batch_size > 1 else (False,)
             every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], masks, (1, 2, 3)))
             with kernels.few_row_linear(self.few_row_linear):
+                # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class
+                # runs first on a 64-column buffer (a short prompt), then every class on a 128-column one.
                 if self._shared_context() >= 72 + self._room() + 4:
                     self._run_shape_classes(4, [(1, False, 1)])
                     self._run_shape_classes(72, every)

@@ -104,7 +104,7 @@ class BatchSampling:
         # probs_from_logits), and a top_k beyond 2^31 - 1 (more than any vocabulary) keeps every id, as it would.
         self.temperature = col([min(max(p.temperature, TINY), 1 / TINY) if not p.greedy else 1.0 for p in params])
         ks = [min(p.top_k, 2**31 - 1) for p in params if p.top_k is not None]
-        self.top_k_max = max(ks) if ks else None
+        self.top_k_max, self.top_k_min = (max(ks), min(ks)) if ks else (None, None)
         self.top_k = col([min(p.top_k or 1, 2**31 - 1) - 1 for p in params], torch.long) if ks else None  # k-th
         self.has_top_k = col([p.top_k is not None for p in params], torch.bool) if ks else None
         use = lambda name, none: any(getattr(p, name) not in (None, none) for p in params)  # noqa: E731
@@ -174,9 +174,10 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
     # -inf (probability 0) instead of overflowing to +inf (inf - inf = NaN); the top ids keep 0.
     top = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)
     logits = (logits - top) / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k_max < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k_max, dim=-1).values
-        kth = kth.gather(-1, sampling.top_k.expand(*logits.shape[:-1], 1))
+    if sampling.top_k is not None and sampling.top_k_min < logits.shape[-1]:  # some row keeps fewer than all ids
+        k = min(sampling.top_k_max, logits.shape[-1])  # a row's k >= V keeps every id: its k-th is the smallest
+        kth = torch.topk(logits, k, dim=-1).values
+        kth = kth.gather(-1, sampling.top_k.clamp(max=k - 1).expand(*logits.shape[:-1], 1))
         logits = logits.masked_fill((logits < kth) & sampling.has_top_k, float("-inf"))
     if sampling.top_p is not None:
         sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)

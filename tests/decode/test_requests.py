@@ -59,8 +59,9 @@ def test_seeded_request_alone_equals_among_seven_others(pair, gamma):
         dec.add_request(p, max_new_tokens=5 + 3 * i, temperature=0.7 if i else 0.0, top_p=0.9, seed=i)
     dec.step()
     dec.add_request(prompt, **settings, request_id="x")
-    for i, p in enumerate(others[4:]):
-        dec.add_request(p, max_new_tokens=30, temperature=1.3, min_p=0.05, repetition_penalty=1.2, seed=50 + i)
+    for i, p in enumerate(others[4:]):  # one keeps the whole vocabulary with a top_k beyond it
+        dec.add_request(p, max_new_tokens=30, temperature=1.3, min_p=0.05, repetition_penalty=1.2, seed=50 + i,
+                        top_k=10**6 if i == 0 else None)
     assert run_all(dec)["x"].new_tokens == ref
     other_seed = SpeculativeDecoder(target, draft, gamma)
     other_seed.add_request(prompt, **{**settings, "seed": 124}, request_id="x")

@@ -86,3 +86,21 @@ def test_extreme_top_p_top_k_and_penalty_saturate():
     seen = torch.tensor([[[False, True, False, False, False]]])
     probs = probs_from_logits(logits[None], sampling, None, torch.zeros(1, 1, 5), seen)
     assert torch.isfinite(probs).all() and probs[0, 0].argmax() == 1
+
+
+@pytest.mark.parametrize("big_k", [8, 9, 10**6])
+def test_each_row_keeps_its_own_top_k_when_another_row_asks_for_the_whole_vocabulary(big_k):
+    """A batch mixing top_k = 1 with a top_k >= V (8 ids here) restricts the first row and not the second: each row
+    equals its own settings applied alone (a top_k reaching V used to switch top-k off for the whole batch)."""
+    from decode.sampling import BatchSampling, SamplingParams, probs_from_logits
+
+    logits = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_k=big_k),
+              SamplingParams(temperature=1.0, top_k=3)]
+    batch = probs_from_logits(logits[[0, 1, 0]], BatchSampling(params))
+    for i, (row, p) in enumerate(zip((0, 1, 0), params)):
+        alone = probs_from_logits(logits[row:row + 1], BatchSampling([p]))[0]
+        torch.testing.assert_close(batch[i], alone)
+    assert torch.equal((batch[0] > 0).sum(-1), torch.ones(3, dtype=torch.long))  # top_k = 1: one id per position
+    torch.testing.assert_close(batch[1], logits[1].softmax(-1))                  # top_k >= V: every id
+    assert torch.equal((batch[2] > 0).sum(-1), torch.full((3,), 3))

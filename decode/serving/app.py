@@ -25,6 +25,7 @@ from decode.serving.scheduler import GenerationRequest, Live, Scheduler
 from decode.stops import stop_token_ids
 
 log = logging.getLogger("decode.serving")
+DISCONNECT_CHECK_S = 0.2  # how often a non-streaming request looks for a client that went away
 
 
 @dataclass
@@ -277,13 +278,21 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
 
     async def collect(request: Request, live: Live, rid: str, chat: bool):
         parts, finished = [], False
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_CHECK_S
         try:
             while True:
+                # Look for a gone client every DISCONNECT_CHECK_S, whether or not tokens keep arriving (a running
+                # row sends one every step, so waiting for a quiet moment would never look).
                 try:
-                    event = await asyncio.wait_for(live.queue.get(), 0.2)
+                    event = await asyncio.wait_for(live.queue.get(), max(check_at - loop.time(), 0.0))
                 except asyncio.TimeoutError:
+                    event = None
+                if loop.time() >= check_at:
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                    check_at = loop.time() + DISCONNECT_CHECK_S
+                if event is None:
                     continue
                 if event[0] == "delta":
                     parts.append(event[1])

@@ -161,6 +161,25 @@ def test_disconnect_frees_its_row(server):
     assert metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) == before + 1
 
 
+def test_dropped_non_streaming_request_is_aborted_while_it_decodes():
+    """A client that gives up on a non-streaming request frees its row before the generation ends, although the
+    row sends the handler tokens every step (each step is slowed to 20 ms here, so 240 greedy tokens of "w5", no
+    eos, take over a second; the client leaves after 0.3 s)."""
+    dec, tok = tiny_pair()
+    step = dec.step
+    dec.step = lambda: time.sleep(0.02) or step()
+    with running_server(dec, tok) as (url, app, _):
+        before = {r: metric(url, "draftkit_requests_total", {"finish_reason": r}) or 0.0 for r in ("abort", "length")}
+        body = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+        deadline = time.time() + 20
+        while time.time() < deadline and httpx.get(url + "/health").json()["running"]:
+            time.sleep(0.02)
+        assert metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) == before["abort"] + 1
+        assert (metric(url, "draftkit_requests_total", {"finish_reason": "length"}) or 0.0) == before["length"]
+
+
 def test_metrics_in_prometheus_format(server):
     url, client, dec, tok = server
     client.completions.create(model=MODEL, prompt="w6", max_tokens=8, temperature=0)

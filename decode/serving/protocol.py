@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
 
@@ -113,6 +113,13 @@ class SamplingFields(_Strict):
     n: int = Field(1, ge=1)
     user: str | None = None  # accepted: it does not change the output
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "stream",
+                     mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI's API takes null for these (the openai client sends it for temperature=None): the default applies
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -95,6 +95,18 @@ def test_bad_field_is_a_400_naming_it(server, payload, needle):
     assert_error(post(url, payload, path=path), 400, needle, param=needle if needle.isidentifier() else None)
 
 
+def test_null_sampling_fields_take_their_defaults(server):
+    """OpenAI's API takes null for temperature, the penalties, n and stream (the openai client sends null for
+    temperature=None): the request runs as if the field were left out."""
+    url, _ = server
+    nulls = dict(temperature=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None, n=None,
+                 stream=None)
+    got, ref = post(url, ok(seed=7, max_tokens=6, **nulls)), post(url, ok(seed=7, max_tokens=6))
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+    assert post(url, chat(temperature=None), path="/v1/chat/completions").status_code == 200
+
+
 @pytest.mark.parametrize("content,needle", [(b"{not json", "not valid JSON"),
                                             (b'{"model": "tiny", "prompt": "w1", "temperature": NaN}', "NaN"),
                                             (b'{"model": "tiny", "prompt": "w1", "temperature": Infinity}',

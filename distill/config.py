@@ -298,6 +298,9 @@ IN_RANGE = {
     "train.lora.dropout": (0.0, 1.0, "adapter dropout probability"),
     "train.max_time_s": (0.0, None, "wall-clock budget in seconds; 0 or null: none"),
 }
+# Seeds: numpy's seeding (accelerate's set_seed, which seeds python, numpy and torch) takes [0, 2^32 - 1].
+SEEDS = ("draft.seed", "train.seed", "eval.seed")
+MAX_SEED = 2**32 - 1
 POSITIVE = {"loss.temperature": "softmax temperature", "optim.lr": "peak learning rate, e.g. optim.lr=1e-4",
             "optim.eps": "AdamW epsilon", "train.lora.alpha": "LoRA scale numerator", "eval.cost_ratio":
             "draft forward time / target forward time, or null to measure it"}
@@ -356,6 +359,11 @@ def _check_values(cfg: DictConfig) -> None:
         value = get(key)
         if value is not None and value < low:
             raise SetupError(f"{key}={value} must be an integer >= {low}, e.g. {key}={max(low, 1)}")
+    for key in SEEDS:
+        value = get(key)
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise SetupError(f"{key}={value} must be an integer in [0, {MAX_SEED}] (the seeds numpy takes, which "
+                             f"seeding python, numpy and torch together needs), e.g. {key}=0")
     for key, (low, high, what) in IN_RANGE.items():
         value = get(key)
         if value is None:

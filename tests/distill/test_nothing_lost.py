@@ -244,6 +244,18 @@ def test_resume_from_an_older_path_would_overwrite_newer_checkpoints(pair, strai
         train(compose(overrides(pair, other, f"train.resume={out / 'step_000002'}", *FAST)), log=QUIET)
 
 
+def test_resume_with_stop_at_before_the_checkpoint_is_refused_before_any_model_loads(pair, straight, tmp_path,
+                                                                                       monkeypatch):
+    """train.stop_at=2 resuming step 4 used to evaluate step 4 again and log a second metrics row for it."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    monkeypatch.setattr(recipe, "setup", lambda *a, **k: pytest.fail("models were loaded"))
+    with pytest.raises(SetupError, match=r"train.stop_at=2 is before step 4, where the checkpoint it resumes stops"):
+        train(compose(overrides(pair, out, "train.resume=true", "train.stop_at=2", *FAST)), log=QUIET)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
 def test_prune_keeps_the_checkpoint_resume_needs(tmp_path, straight):
     out = tmp_path / "run"
     shutil.copytree(straight, out)

@@ -57,7 +57,8 @@ def cmd_generate(argv: list[str]) -> int:
     from decode.sampling import validate_sampling_args
     from decode.stops import stop_token_ids
 
-    validate_sampling_args(args.temperature, args.top_k, args.top_p)
+    validate_sampling_args(args.temperature, args.top_k, args.top_p,
+                           names={"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"})
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed, "--seed", none_ok=False)

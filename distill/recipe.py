@@ -731,6 +731,12 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                "peak_memory_mb": peak_memory_mb(acc.device)}
     log(f"peak memory {summary['peak_memory_mb']:.0f} MiB ({'CUDA allocated' if acc.device.type == 'cuda' else 'RSS'}"
         f", target logits {summary['target_logits']})")
+    initial, best = state.get("initial_eval") or {}, state["best"]
+    if best and initial.get(best["metric"]) is not None and best["value"] < initial[best["metric"]]:
+        # the starting draft is never a candidate for best/ (it is not a checkpoint of this run)
+        log(f"warning: best/ (step {best['step']}, {best['metric']} {best['value']:.4f}) scores below the starting "
+            f"draft ({initial[best['metric']]:.4f}): training has not improved on it yet, so keep the starting draft "
+            f"or train longer before exporting best/")
     if acc.is_main_process:
         try:  # whole or not at all; a full disk here costs the summary only: every checkpoint is already saved
             ckpt.replace_text(out / "summary.json", json.dumps(summary, indent=2))

@@ -345,6 +345,24 @@ def test_an_evaluation_error_loses_no_trained_step(pair, tmp_path, monkeypatch):
     assert ckpt.find_latest(out) == out / "step_000004"  # the final save came before the final evaluation
 
 
+def test_a_best_checkpoint_below_the_starting_draft_is_named_in_a_warning(pair, tmp_path, monkeypatch):
+    """best/ is chosen among the run's checkpoints; the starting draft is not one, so a run that only made the draft
+    worse says so instead of leaving a worse best/ to be exported unawares."""
+    real, calls = recipe.evaluate, []
+
+    def scored(run):  # the real evaluation, with the selection metric set: the initial draft scores highest
+        ev = real(run)
+        calls.append(0.9 if not calls else 0.5)
+        return {**ev, "acceptance_rate": calls[-1]}
+
+    monkeypatch.setattr(recipe, "evaluate", scored)
+    messages = []
+    s = train(compose(overrides(pair, tmp_path / "run", "eval.temperatures=[0.0]", "eval.at_start=true")),
+              log=messages.append)
+    assert s["initial_eval"]["acceptance_rate"] == 0.9 and s["best"]["value"] == 0.5
+    assert any(m.startswith("warning: best/ (step") and "below the starting draft (0.9000)" in m for m in messages)
+
+
 def test_eval_out_is_checked_before_the_run(pair, tmp_path, capsys, monkeypatch):
     from distill.__main__ import main
 

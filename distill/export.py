@@ -391,11 +391,22 @@ def _is_write_error(err: Exception) -> bool:
     return isinstance(err, OSError) or type(err).__name__ == "SafetensorError" or "(os error " in str(err)
 
 
+def _usual_permissions(folder: Path) -> None:
+    """Give the folder's files the mode a new file gets under the process's umask (0644 under 022): transformers'
+    ``save_pretrained`` writes ``model.safetensors`` as 0600, which a server running as another user cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path,
                   final_dir: Path | None = None) -> dict:
     """Write the export into ``out_dir`` (the temporary folder); the card's serving lines name ``final_dir``."""
     draft.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
+    _usual_permissions(out_dir)
     files = sorted({p.name for p in out_dir.iterdir()} | {CARD_JSON, "README.md"})
     config = read_config(checkpoint)
     from decode.vocab_map import draft_vocab_map

@@ -93,6 +93,10 @@ def test_export_of_built_full_finetune_draft(pair, tmp_path):
     readme = (tmp_path / "out" / "README.md").read_text()
     assert card["serving"]["vllm"] in readme and card["serving"]["sglang"] in readme
     assert json.loads((tmp_path / "out" / "draftkit_card.json").read_text())["serving"] == card["serving"]
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)  # readable by a server under another user (0644 under 022)
 
 
 def test_a_hub_target_s_revision_is_recorded_in_the_run_and_the_card(pair, hub_cache, tmp_path):

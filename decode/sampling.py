@@ -38,21 +38,21 @@ def validate_sampling_args(temperature: float, top_k: int | None = None, top_p: 
     repetition_penalty finite and > 0 (1 = none). ``names``: what the messages call an argument (a command line
     passes its flags, ``{"top_p": "--top-p"}``); the others keep their own names.
     """
-    n = (names or {}).get
+    n = lambda name: (names or {}).get(name, name)  # noqa: E731
     if temperature is None or not _finite(temperature) or temperature < 0:
-        raise ValueError(f"{n('temperature', 'temperature')} must be a finite number >= 0 (0 means greedy), got "
+        raise ValueError(f"{n('temperature')} must be a finite number >= 0 (0 means greedy), got "
                          f"{temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not _finite(top_k) or int(top_k) != top_k or top_k < 1):
-        raise ValueError(f"{n('top_k', 'top_k')} must be an integer >= 1 (None: off), got {top_k!r}")
+        raise ValueError(f"{n('top_k')} must be an integer >= 1 (None: off), got {top_k!r}")
     if top_p is not None and not (_finite(top_p) and 0.0 < float(top_p) <= 1.0):
-        raise ValueError(f"{n('top_p', 'top_p')} must be in (0, 1] (None: off), got {top_p!r}")
+        raise ValueError(f"{n('top_p')} must be in (0, 1] (None: off), got {top_p!r}")
     if min_p is not None and not (_finite(min_p) and 0.0 <= float(min_p) <= 1.0):
-        raise ValueError(f"{n('min_p', 'min_p')} must be in [0, 1] (None: off), got {min_p!r}")
+        raise ValueError(f"{n('min_p')} must be in [0, 1] (None: off), got {min_p!r}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not (_finite(value) and -2.0 <= float(value) <= 2.0):
-            raise ValueError(f"{n(name, name)} must be a number in [-2, 2] (0 = none), got {value!r}")
+            raise ValueError(f"{n(name)} must be a number in [-2, 2] (0 = none), got {value!r}")
     if not (_finite(repetition_penalty) and float(repetition_penalty) > 0):
-        raise ValueError(f"{n('repetition_penalty', 'repetition_penalty')} must be a finite number > 0 (1 = none), "
+        raise ValueError(f"{n('repetition_penalty')} must be a finite number > 0 (1 = none), "
                          f"got {repetition_penalty!r}")
 
 

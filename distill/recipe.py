@@ -580,9 +580,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     """
     resume_from = resolve_resume(normalize_config(cfg), log=log or print)
     saved = ckpt.read_state(resume_from) if resume_from is not None else {}
-    stop_at, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
-    if stop_at is not None and stop_at < at:
-        raise SetupError(f"train.stop_at={stop_at} is before step {at}, where the checkpoint it resumes stops "
+    asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
+    if asked_stop is not None and asked_stop < at:
+        raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes stops "
                          f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
                          "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
     kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None

@@ -634,6 +634,12 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
     state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
+    if cfg.train.stop_at is not None and int(cfg.train.stop_at) > max_steps:
+        log(f"warning: train.stop_at={cfg.train.stop_at} is past train.max_steps={max_steps}; the run ends at step "
+            f"{max_steps}")
+    if int(cfg.optim.warmup_steps) > max_steps:
+        log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > train.max_steps={max_steps}: the learning rate "
+            f"never reaches optim.lr={cfg.optim.lr} (it peaks at {max_steps / int(cfg.optim.warmup_steps):.0%} of it)")
     log(f"distill: {len(run.examples)} examples, {len(run.eval_prompts)} eval prompts, loss={cfg.loss.name}, "
         f"λ={cfg.data.on_policy_fraction}, {world} process(es), steps {state['step']}->{stop_at}/{max_steps}")
 

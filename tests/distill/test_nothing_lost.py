@@ -363,6 +363,16 @@ def test_a_best_checkpoint_below_the_starting_draft_is_named_in_a_warning(pair, 
     assert any(m.startswith("warning: best/ (step") and "below the starting draft (0.9000)" in m for m in messages)
 
 
+def test_a_stop_at_past_max_steps_and_a_warmup_longer_than_the_run_are_named_in_warnings(pair, tmp_path):
+    messages = []
+    s = train(compose(overrides(pair, tmp_path / "run", "train.max_steps=2", "train.stop_at=5",
+                                "optim.warmup_steps=4", *FAST)), log=messages.append)
+    assert s["steps"] == 2
+    assert "warning: train.stop_at=5 is past train.max_steps=2; the run ends at step 2" in messages
+    assert any(m.startswith("warning: optim.warmup_steps=4 > train.max_steps=2") and "peaks at 50%" in m
+               for m in messages)
+
+
 def test_eval_out_is_checked_before_the_run(pair, tmp_path, capsys, monkeypatch):
     from distill.__main__ import main
 

@@ -190,13 +190,16 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
         # Drop an id when the mass *before* it already reaches top_p; the top id always survives.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
         drop_sorted[..., 0] = False  # also when top_p rounds to 0 in float32 (top_p=1e-46)
+        # a row without top_p (1.0 here) keeps every id, also where its cumulative sum rounds to 1 before the end
+        drop_sorted &= sampling.top_p < 1.0
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
     if sampling.min_p is not None:
         keep = probs >= sampling.min_p * probs.amax(-1, keepdim=True)
-        probs = probs * keep
-        probs = probs / probs.sum(-1, keepdim=True)
+        cut = probs * keep
+        # a row without min_p (0 here) keeps its probabilities bit for bit (no renormalisation round-off)
+        probs = torch.where(sampling.min_p > 0, cut / cut.sum(-1, keepdim=True), probs)
     if greedy is not None:
         probs = torch.where(sampling.greedy, greedy, probs)
     return probs

@@ -104,3 +104,24 @@ def test_each_row_keeps_its_own_top_k_when_another_row_asks_for_the_whole_vocabu
     assert torch.equal((batch[0] > 0).sum(-1), torch.ones(3, dtype=torch.long))  # top_k = 1: one id per position
     torch.testing.assert_close(batch[1], logits[1].softmax(-1))                  # top_k >= V: every id
     assert torch.equal((batch[2] > 0).sum(-1), torch.full((3,), 3))
+
+
+def test_a_row_without_top_p_or_min_p_is_the_same_beside_rows_that_use_them():
+    """Ids whose probability is below float32's resolution next to 1 (cumulative sum already 1.0) stayed in a row
+    without top_p alone but were dropped when another row of the batch used top_p; a row without min_p was
+    renormalised (a round-off change) when another row used min_p."""
+    from decode.sampling import BatchSampling, SamplingParams, probs_from_logits
+
+    logits = torch.zeros(1, 1, 8)
+    logits[..., 0] = 20.0  # p = 1 - 7 * 2e-9: the cumulative sum is 1.0 in float32 from the first id on
+    free = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=1.0)]
+    for row in free:
+        alone = probs_from_logits(logits, BatchSampling([row]))
+        batch = probs_from_logits(logits.expand(2, 1, 8), BatchSampling([row, SamplingParams(1.0, top_p=0.5)]))
+        assert torch.equal(batch[:1], alone) and bool((alone > 0).all())
+        assert batch[1].count_nonzero() == 1  # the top_p row is cut to its top id
+    logits = torch.randn(1, 3, 50, generator=torch.Generator().manual_seed(1)) * 3
+    for row in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, min_p=0.0)):
+        alone = probs_from_logits(logits, BatchSampling([row]))
+        batch = probs_from_logits(logits.expand(2, 3, 50), BatchSampling([row, SamplingParams(0.7, min_p=0.1)]))
+        assert torch.equal(batch[:1], alone)

@@ -671,6 +671,9 @@ RUN_ARTIFACTS = ("step_*", "best", "best.tmp", "best.old", LATEST_FILE, LATEST_F
                  "metrics.jsonl.tmp", "summary.json", "config.yaml", "wandb_run_id", "wandb", "draft_base")
 # Kept by a fresh run: the sequence-level KD cache that `distill generate-data` writes before `distill train`.
 REUSABLE = ("target_data",)
+# train.overwrite=true moves the earlier run here; it is deleted once the new run has passed every check and loaded
+# its models (right before its first write), and put back if the new run stops before that.
+SET_ASIDE = ".overwritten"
 WRITE_PROBE = ".draftkit-write-probe-"  # decode.outputs.writable's short-lived file (another rank's check)
 
 
@@ -686,13 +689,38 @@ def name_list(names: list[str], most: int = 5) -> str:
     return ", ".join(names[:most]) + more
 
 
+def discard_set_aside(output_dir: str | Path) -> None:
+    """Delete the run ``train.overwrite=true`` set aside (:func:`prepare_run_folder`), if any. A symlink in it is
+    removed, never what it points to."""
+    folder = Path(output_dir) / SET_ASIDE
+    if folder.is_dir():
+        shutil.rmtree(folder)
+
+
+def restore_set_aside(output_dir: str | Path) -> None:
+    """Put the run ``train.overwrite=true`` set aside back where it was, if any: the new run stopped before its
+    first write. An entry the new run made under the same name (a LoRA run's ``draft_base``) gives way."""
+    out = Path(output_dir)
+    folder = out / SET_ASIDE
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        dest = out / p.name
+        if os.path.lexists(dest):
+            dest.unlink() if dest.is_symlink() or not dest.is_dir() else shutil.rmtree(dest)
+        p.rename(dest)
+    folder.rmdir()
+
+
 def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True,
                        inputs: dict[str, Any] | None = None, log: Any = None) -> Path | None:
     """Check ``train.output_dir`` against ``train.resume``/``train.overwrite`` before anything loads; return the
     checkpoint to resume from (None for a fresh run).
 
     - a fresh run (resume false) needs a missing or empty folder (a ``target_data`` cache is fine); with
-      ``overwrite`` the earlier run's files (``RUN_ARTIFACTS``) are deleted first, other files are left alone;
+      ``overwrite`` the earlier run's files (``RUN_ARTIFACTS``) are moved into ``SET_ASIDE`` (the caller deletes
+      them with :func:`discard_set_aside` once the new run starts writing, or puts them back with
+      :func:`restore_set_aside` if it stops before), other files are left alone;
     - ``resume=true`` takes the newest complete ``step_*`` checkpoint of the folder (see :func:`find_latest`);
     - ``resume=PATH`` needs a complete checkpoint at PATH, and an output folder that is PATH's own run or empty,
       holding no complete checkpoint newer than PATH (resuming would overwrite it).
@@ -704,8 +732,8 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
     were skipped (the run replaces them when it reaches their step).
 
     Raises:
-        CheckpointError: the folder holds another run, there is no complete checkpoint to resume from, or
-            ``overwrite`` would delete one of ``inputs``.
+        CheckpointError: the folder holds another run, there is no complete checkpoint to resume from,
+            ``overwrite`` would delete one of ``inputs``, or an earlier overwrite's ``SET_ASIDE`` is still there.
     """
     out = Path(output_dir)
     resume = None if resume in (None, False, "false", "") else resume
@@ -721,6 +749,12 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
         if others:
             from fnmatch import fnmatch  # (Path.glob skips dangling symlinks)
 
+            if os.path.lexists(out / SET_ASIDE):
+                raise CheckpointError(
+                    f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
+                    f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
+                    "needed), then run again")
+
             doomed = [p for p in out.iterdir() if any(fnmatch(p.name, pattern) for pattern in RUN_ARTIFACTS)]
             for setting, value in (inputs or {}).items():
                 if value in (None, ""):
@@ -731,8 +765,10 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                     raise CheckpointError(
                         f"train.overwrite=true would delete {hit}, which holds {setting}={value}; nothing was "
                         "changed. Copy it out of train.output_dir first, or choose another train.output_dir")
-            for p in doomed:  # a symlink is removed, never what it points to
-                p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
+            if doomed:
+                (out / SET_ASIDE).mkdir()
+                for p in doomed:  # renames in one folder: a symlink moves as itself
+                    p.rename(out / SET_ASIDE / p.name)
         return None
     own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
     source = recover_replaced_dir(out / "best") if main and own_run else None

@@ -579,49 +579,58 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...
     """
     resume_from = resolve_resume(normalize_config(cfg), log=log or print)
-    saved = ckpt.read_state(resume_from) if resume_from is not None else {}
-    asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
-    if asked_stop is not None and asked_stop < at:
-        raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes stops "
-                         f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
-                         "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
-    kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
-    # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
-    kept_v = saved.get("verify_costs") if kept_c is not None else None
     main = int(os.environ.get("RANK", "0")) == 0  # setup's lines are the same on every process: print them once
-    run = setup(cfg, log=log or (print if main else lambda *_: None), cost_ratio=kept_c, resume_from=resume_from,
-                verify_costs=kept_v)
-    cfg, acc = run.cfg, run.accelerator
-    log = log or acc.print
-    out = run.output_dir
-    revision = hub_revision(str(cfg.target.name_or_path))
-    state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
-             "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path),
-             "target_revision": revision, "vocab_size": run.vocab,
-             "cost_ratio": run.cost_ratio, "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
-             "num_processes": acc.num_processes, "examples_consumed": 0}
-    if resume_from is not None:
-        state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
-        state["cost_ratio"], state["verify_costs"] = run.cost_ratio, run.verify_costs  # the ones this run uses
-        if state.get("target_revision") != revision:
-            log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
-                f"checkpoint was trained against {state.get('target_revision')}: the run goes on against {revision}")
-        state["target_revision"] = revision
-        log(f"resumed from {resume_from} at step {state['step']}")
-        if state.get("best") and Path(resume_from).resolve().parent != out.resolve():
-            # a fork into a new run folder: its best/ would be missing though the state names one
-            old = state["best"]
-            log(f"resume into another run folder: its best checkpoint starts over (the earlier run's best, "
-                f"{old['metric']} {old['value']:.4f} at step {old['step']}, stays in {Path(resume_from).parent / 'best'})")
-            state["best"] = None
-        if kept_c is not None:
-            verify = ("set by eval.verify_costs" if cfg.eval.get("verify_costs") is not None else
-                      "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")
-            log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; set "
-                f"eval.cost_ratio to use another); verify costs: {verify}")
-    max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
-    micro_position = _data_position(state, cfg, world, log)  # a refused resume raises here, before any write
-    if acc.is_main_process:
+    try:  # until the first write, a stop puts back the run that train.overwrite=true set aside
+        saved = ckpt.read_state(resume_from) if resume_from is not None else {}
+        asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
+        if asked_stop is not None and asked_stop < at:
+            raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes "
+                             f"stops ({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it "
+                             "to go on to train.max_steps), or resume an earlier checkpoint with "
+                             "train.resume=<its step_N folder>")
+        kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
+        # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
+        kept_v = saved.get("verify_costs") if kept_c is not None else None
+        run = setup(cfg, log=log or (print if main else lambda *_: None), cost_ratio=kept_c, resume_from=resume_from,
+                    verify_costs=kept_v)
+        cfg, acc = run.cfg, run.accelerator
+        log = log or acc.print
+        out = run.output_dir
+        revision = hub_revision(str(cfg.target.name_or_path))
+        state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
+                 "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path),
+                 "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": run.cost_ratio,
+                 "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
+                 "num_processes": acc.num_processes, "examples_consumed": 0}
+        if resume_from is not None:
+            state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
+            state["cost_ratio"], state["verify_costs"] = run.cost_ratio, run.verify_costs  # the ones this run uses
+            if state.get("target_revision") != revision:
+                log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
+                    f"checkpoint was trained against {state.get('target_revision')}: the run goes on against "
+                    f"{revision}")
+            state["target_revision"] = revision
+            log(f"resumed from {resume_from} at step {state['step']}")
+            if state.get("best") and Path(resume_from).resolve().parent != out.resolve():
+                # a fork into a new run folder: its best/ would be missing though the state names one
+                old = state["best"]
+                log(f"resume into another run folder: its best checkpoint starts over (the earlier run's best, "
+                    f"{old['metric']} {old['value']:.4f} at step {old['step']}, stays in "
+                    f"{Path(resume_from).parent / 'best'})")
+                state["best"] = None
+            if kept_c is not None:
+                verify = ("set by eval.verify_costs" if cfg.eval.get("verify_costs") is not None else
+                          "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")
+                log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; "
+                    f"set eval.cost_ratio to use another); verify costs: {verify}")
+        max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
+        micro_position = _data_position(state, cfg, world, log)  # a refused resume raises here, before any write
+    except BaseException:
+        if main:
+            ckpt.restore_set_aside(cfg.train.output_dir)
+        raise
+    if acc.is_main_process:  # the new run starts writing: the run it replaces goes
+        ckpt.discard_set_aside(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     if resume_from is not None:

@@ -69,6 +69,38 @@ def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_pat
     assert _train_steps(out) == [1, 2]  # the old run's rows are gone, not mixed in
     assert sorted(p.name for p in ckpt.list_checkpoints(out)) == ["step_000002"]
     assert (out / "notes.txt").read_text() == "mine" and (out / "target_data").is_dir()
+    assert not (out / ckpt.SET_ASIDE).exists()  # the old run went when the new one started writing
+
+
+@pytest.mark.parametrize("late", ["empty_logit_cache", "vocab_keep_too_large", "interrupted"])
+def test_an_overwrite_that_stops_before_the_new_run_writes_puts_the_old_run_back(pair, straight, tmp_path,
+                                                                                 monkeypatch, late):
+    """train.overwrite=true deleted the earlier run first, then a check that needs no model (an empty logit cache,
+    draft.vocab.keep above the vocabulary) or a Ctrl-C while the models loaded stopped the new run: the folder was
+    left empty. Now the earlier run is set aside and comes back."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    extra = {"empty_logit_cache": (f"data.logit_cache={tmp_path / 'empty'}", "data.target_logits=cached"),
+             "vocab_keep_too_large": ("draft.vocab.keep=99999",), "interrupted": ()}[late]
+    (tmp_path / "empty").mkdir()
+    if late == "interrupted":
+        def stop(*a, **k):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(recipe, "load_draft", stop)
+    with pytest.raises(KeyboardInterrupt if late == "interrupted" else SetupError):
+        train(compose(overrides(pair, out, "train.overwrite=true", *FAST, *extra)), log=QUIET)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_an_earlier_overwrite_s_set_aside_run_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    (out / ckpt.SET_ASIDE / "step_000002").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ckpt.CheckpointError, match="holds the run an earlier train.overwrite=true set aside"):
+        ckpt.prepare_run_folder(out, False, True)
+    assert (out / ckpt.SET_ASIDE / "step_000002").is_dir() and (out / "metrics.jsonl").exists()
 
 
 def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straight, tmp_path, monkeypatch):
@@ -185,6 +217,7 @@ def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
     (out / "metrics.jsonl").symlink_to(shared / "metrics.jsonl")
     (out / "summary.json").symlink_to(tmp_path / "gone.json")  # a dangling link
     assert ckpt.prepare_run_folder(out, False, True) is None
+    ckpt.discard_set_aside(out)
     assert not list(out.iterdir())  # the links are gone ...
     assert (shared / "wandb").is_dir() and (shared / "metrics.jsonl").read_text() == "{}\n"  # ... not their targets
 

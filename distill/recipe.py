@@ -564,10 +564,13 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     saved = OmegaConf.create(saved)
     if OmegaConf.select(saved, "loss.ce_labels") is None:  # a config from before loss.ce_labels: data labels
         OmegaConf.update(saved, "loss.ce_labels", "data", force_add=True)
-    keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source",
-            "data.on_policy_fraction", "loss.name", "loss.beta", "loss.temperature", "loss.ce_weight",
-            "loss.ce_labels", "loss.gamma", "optim", "target.name_or_path"]  # not loss.fused: same update
-    return [k for k in keys if OmegaConf.select(saved, k) != OmegaConf.select(cfg, k)]
+    keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source", "data.holdout",
+            "data.completions", "data.target_logits", "data.logit_cache", "data.logit_cache_k",
+            "data.logit_cache_tail_samples", "data.on_policy_fraction", "data.rollout_temperature", "loss.name",
+            "loss.beta", "loss.temperature", "loss.ce_weight", "loss.ce_labels", "loss.gamma", "optim",
+            "target.name_or_path"]  # not loss.fused: same update
+    absent = object()  # a key the checkpoint's config predates is not a change
+    return [k for k in keys if OmegaConf.select(saved, k, default=absent) not in (absent, OmegaConf.select(cfg, k))]
 
 
 # ------------------------------------------------------------------------------------------------ train

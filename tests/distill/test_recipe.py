@@ -242,6 +242,14 @@ def test_resume_warns_about_changed_config(pair, tmp_path):
     assert any("loss.name differs" in m for m in messages)
     state = json.loads((out / "step_000004" / "trainer_state.json").read_text())
     assert state["examples_consumed"] == 4 * 4 and state["step"] == 4
+    from distill.recipe import _changed_keys
+
+    # the data regime counts too (found by a new-user trial: a switch to cached logits or to target completions
+    # resumed with no warning)
+    for change, key in (("data.completions=target", "data.completions"), ("data.holdout=3", "data.holdout"),
+                        ("data.target_logits=cached", "data.target_logits"),
+                        ("data.rollout_temperature=0.5", "data.rollout_temperature")):
+        assert _changed_keys(out / "step_000002", compose(overrides(pair, out, change))) == [key]
 
 
 def test_resume_warns_about_changed_ce_labels_and_not_for_a_config_without_the_key(pair, tmp_path):

@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,16 +105,26 @@ DERIVED_SETS["mbpp_code"] = ("mbpp", lambda row: mbpp_to_prompt(row["text"], row
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file (gunzipped for .gz). Raises ValueError naming the file for a line that is not
+    JSON, text that is not UTF-8, or a .gz that is not a whole gzip file."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON "
+                                     "object") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x}); re-encode the file, e.g. "
+                         "iconv -f latin1 -t utf-8") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: not a whole gzip file ({e}); check it with gzip -t, or give the .jsonl "
+                         "uncompressed") from None
     return rows
 
 

@@ -16,6 +16,7 @@ Every example is ``{"prompt_ids": list[int], "completion_ids": list[int]}`` (com
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -96,12 +97,25 @@ def _utf8_text(path: Path, key: str) -> str:
     """The file's text (gunzipped for .gz). Raises SetupError naming the line of the first byte that is not UTF-8."""
     import gzip
 
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+    with _gzip_errors(path, key), (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         raw = f.read()
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _not_utf8(path, key, raw.count(b"\n", 0, e.start) + 1, raw[e.start], e.start) from e
+
+
+@contextlib.contextmanager
+def _gzip_errors(path: Path, key: str):
+    """A .gz that is not a whole gzip file (plain text named .gz, a truncated download) as a SetupError."""
+    import gzip
+    import zlib
+
+    try:
+        yield
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise SetupError(f"{path}: not a whole gzip file ({e}); {key}.path: check it with gzip -t, or give it "
+                         "uncompressed") from None
 
 
 def _not_utf8(path: Path, key: str, lineno: int, byte: int, offset: int) -> SetupError:
@@ -115,7 +129,7 @@ def _check_utf8(path: Path, key: str, chunk: int = 1 << 20) -> None:
     import gzip
 
     decoder, offset, lines = codecs.getincrementaldecoder("utf-8")(), 0, 0
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+    with _gzip_errors(path, key), (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         while True:
             raw = f.read(chunk)
             try:

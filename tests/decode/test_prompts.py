@@ -95,6 +95,20 @@ def test_bad_input_gives_clear_errors(tmp_path):
         load_prompts(bad)
 
 
+def test_a_broken_gzip_or_non_utf8_file_names_itself(tmp_path):
+    """These were tracebacks from gzip (exit 1 in decode bench) or a bare codec message without the file."""
+    import gzip
+
+    whole = gzip.compress("".join(f'{{"prompt": "{i} {"ab" * (i % 37)}"}}\n' for i in range(400)).encode())
+    cases = {"truncated.jsonl.gz": whole[: len(whole) // 2], "plain.jsonl.gz": b'{"prompt": "a"}\n',
+             "latin1.jsonl": b'{"prompt": "caf\xe9"}\n'}
+    for name, raw in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        why = "not UTF-8 text" if name.startswith("latin1") else "not a whole gzip file"
+        with pytest.raises(ValueError, match=f"{name}: {why}"):
+            load_prompts(tmp_path / name)
+
+
 def test_missing_shared_data_names_the_env_var(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTKIT_SHARED_DATA", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="DRAFTKIT_SHARED_DATA"):

@@ -255,6 +255,25 @@ def test_real_process_exits_2_without_traceback(what, fixtures):
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.txt.gz"])
+def test_a_gz_data_file_that_is_not_whole_gzip_is_named_before_loading(tmp_path, name):
+    """Plain text named .gz, or half a gzip file, was a gzip traceback (exit 1)."""
+    import gzip
+
+    from omegaconf import OmegaConf
+
+    from distill.data import preflight_source
+
+    whole = gzip.compress("".join(f'{{"prompt": "{i}", "completion": "{"ab" * (i % 37)}"}}\n'
+                                  for i in range(400)).encode())
+    src = OmegaConf.create({"path": str(tmp_path / name), "kind": "prompts", "prompt_field": "prompt",
+                            "completion_field": "completion"})
+    for raw in (whole[: len(whole) // 2], b'{"prompt": "a", "completion": "b"}\n'):
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(SetupError, match=f"{name}: not a whole gzip file .*data.source.path"):
+            preflight_source(src, "data.source")
+
+
 @pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz", "rows.txt", "rows.csv"])
 def test_non_utf8_data_named_by_line_before_loading(tmp_path, name):
     """A latin-1 byte in a data file is a start-up error naming the file and line, not a UnicodeDecodeError

@@ -438,12 +438,14 @@ def cmd_export(argv: list[str]) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a draft (or LoRA base, tokenizer) that ships its own modeling code (auto_map) run it; "
                         "read that code first")
+    p.add_argument("--lora-base", default=None,
+                   help="a LoRA checkpoint's base draft, if it moved since training (default: the recorded one)")
     args = p.parse_args(argv)
     for line in stopped_export_notes(args.out_dir):  # an earlier export killed mid-way: said, never deleted
         print(line, file=sys.stderr)
     try:
         card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None,
-                      overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
+                      overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, lora_base=args.lora_base)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
     ev = card.get("evaluation") or {}

@@ -24,14 +24,15 @@ from distill.checkpoint import CheckpointError, read_config, read_state
 CARD_JSON = "draftkit_card.json"
 
 
-def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None,
-                          trust_remote_code: bool = False) -> tuple[Any, Any, dict]:
+def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remote_code: bool = False,
+                          lora_base: str | Path | None = None) -> tuple[Any, Any, dict]:
     """(draft with any LoRA merged, tokenizer, trainer_state) of a checkpoint folder (``step_N`` or ``best``).
 
     A LoRA checkpoint's adapter is applied to its base (``draft_base``: the draft the run started from), whose
     folder gives the architecture; the weights are then the checkpoint's own full copy (``model.safetensors``:
     base and adapter as trained), so a base folder changed after training (re-exported over, fine-tuned in place)
-    does not change what is merged.
+    does not change what is merged. ``lora_base`` replaces the recorded base: the same draft moved elsewhere (its
+    weights are used only by a checkpoint without that full copy, a DeepSpeed/FSDP one).
 
     The draft, its LoRA base and its tokenizer load through ``decode.loading`` (a pruned draft's head and map
     restored); a folder that ships its own Python code (``auto_map``) is refused unless ``trust_remote_code``.
@@ -48,10 +49,13 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None,
     if (draft_dir / "adapter_config.json").exists():
         from peft import PeftModel
 
-        base_path = state.get("draft_base")
+        base_path = str(lora_base) if lora_base is not None else state.get("draft_base")
         if not base_path or (base_path.startswith(("/", ".")) and not Path(base_path).exists()):
-            raise FileNotFoundError(f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft "
-                                    "checkpoint the run started from (or <output_dir>/draft_base for a built draft)")
+            raise FileNotFoundError(
+                f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft checkpoint the run "
+                "started from (or <output_dir>/draft_base for a built draft). If it moved, give its new place: "
+                f"python -m distill export {checkpoint} OUT_DIR --lora-base NEW_PATH (its config gives the "
+                "architecture, the weights are the checkpoint's own), then use OUT_DIR")
         base = load_causal_lm(base_path, "LoRA base", dtype, trust_remote_code=trust_remote_code)
         peft_model = PeftModel.from_pretrained(base, str(draft_dir))
         if (checkpoint / "model.safetensors").is_file():  # not in a DeepSpeed/FSDP checkpoint (accelerate/)
@@ -335,12 +339,13 @@ The full training config is in `{CARD_JSON}` (key `config`).
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overwrite: bool = False,
-           trust_remote_code: bool = False) -> dict:
+           trust_remote_code: bool = False, lora_base: str | Path | None = None) -> dict:
     """Write the merged draft, its tokenizer and the card to ``out_dir``; returns the card dict.
 
     Everything is written to a temporary folder next to ``out_dir`` and renamed into place at the end, so a failed
     export leaves nothing half-written and an earlier export is replaced only when complete. The card lists the
     files written (``files``), so a later ``overwrite`` can tell them from files added to the folder since.
+    ``lora_base``: where a LoRA checkpoint's base is now, if it moved (:func:`load_checkpoint_draft`).
 
     Raises:
         CheckpointError: ``checkpoint`` is not a complete checkpoint (a run folder: the message names its newest
@@ -355,16 +360,14 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
     read_state(checkpoint)
     try:
-        draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code)
+        draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code, lora_base)
     except RemoteCodeError as err:  # (its message names decode's --trust-remote-code, which export does not take)
         raise CheckpointError(f"{checkpoint}: the draft, its LoRA base or its tokenizer ships its own Python code "
                               "(auto_map), which export does not run; nothing was written. Read that code first; "
                               "--trust-remote-code (export(..., trust_remote_code=True)) runs it") from err
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the export is an ordinary folder
     try:
         try:
             card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
@@ -391,14 +394,20 @@ def _is_write_error(err: Exception) -> bool:
     return isinstance(err, OSError) or type(err).__name__ == "SafetensorError" or "(os error " in str(err)
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def _usual_permissions(folder: Path) -> None:
     """Give the folder's files the mode a new file gets under the process's umask (0644 under 022): transformers'
     ``save_pretrained`` writes ``model.safetensors`` as 0600, which a server running as another user cannot read."""
-    umask = os.umask(0)
-    os.umask(umask)
+    mode = 0o666 & ~_umask()
     for path in folder.iterdir():
         if path.is_file():
-            path.chmod(0o666 & ~umask)
+            path.chmod(mode)
 
 
 def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path,

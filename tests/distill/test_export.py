@@ -159,6 +159,13 @@ def test_lora_export_does_not_change_when_its_base_folder_changes_later(pair, tm
     assert w1.keys() == w2.keys()
     for k in w1:
         assert torch.equal(w1[k], w2[k]), k
+    # the base folder moved: the export names --lora-base, and with it gives the same weights
+    shutil.move(str(base), str(tmp_path / "moved"))
+    with pytest.raises(FileNotFoundError, match="is missing.*--lora-base NEW_PATH"):
+        export(run / "step_000002", tmp_path / "e3")
+    export(run / "step_000002", tmp_path / "e3", lora_base=tmp_path / "moved")
+    w3 = load_file(str(tmp_path / "e3" / "model.safetensors"))
+    assert w3.keys() == w1.keys() and all(torch.equal(w1[k], w3[k]) for k in w1)
 
 
 def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):

@@ -105,6 +105,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if hf_auto:
         raise ValueError(f"--hf-gammas {args.hf_gammas!r}: 'auto' is not an option there; hf_assisted already runs "
                          "HF's own adaptive schedule, --hf-gammas adds fixed γ values only (e.g. --hf-gammas 4)")
+    if hf_gammas and args.no_hf:
+        raise ValueError(f"--hf-gammas {args.hf_gammas!r} asks for HF assisted runs but --no-hf skips HF; drop one "
+                         "of them")
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1 (got {args.limit}): the number of prompts to run")
     cfg = BenchConfig(
@@ -175,6 +178,9 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     from decode.prompts import load_prompts
 
     prompts = load_prompts(args.prompts, limit=args.limit, field=args.prompt_field)
+    if len(prompts) < args.limit:  # said before the run; the JSON's prompts.count has it too
+        print(f"note: --prompts {args.prompts} has {len(prompts)} prompt(s), fewer than --limit {args.limit}; "
+              f"benchmarking {len(prompts)}", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(cfg.device)  # checked by config_from_args

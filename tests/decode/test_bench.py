@@ -325,6 +325,20 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(decode.loading, "load_causal_lm", refuse)
 
 
+def test_a_limit_beyond_the_prompt_file_is_said_before_the_models_load(saved_pair, tmp_path, capsys, monkeypatch):
+    import decode.loading
+    from decode.__main__ import main as decode_main
+
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text('{"prompt": "w1 w2"}\n{"prompt": "w3"}\n')
+    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
+    assert decode_main(["bench", *_pair_args(saved_pair), "--prompts", str(prompts), "--limit", "50",
+                        "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"note: --prompts {prompts} has 2 prompt(s), fewer than --limit 50; benchmarking 2" in err
+    assert err.index("note:") < err.index("error: stop")
+
+
 def test_out_refuses_an_existing_file_before_loading_models(saved_pair, tmp_path, capsys, no_model_loads):
     from decode.__main__ import main as decode_main
 
@@ -732,6 +746,7 @@ def test_list_options_take_each_value_once():
 
 @pytest.mark.parametrize("argv, message", [
     (["--gammas", "auto", "--no-auto"], "lists 'auto' but --no-auto skips it"),
+    (["--hf-gammas", "2", "--no-hf"], "asks for HF assisted runs but --no-hf skips HF"),
     (["--hf-gammas", "4,auto"], "--hf-gammas '4,auto': 'auto' is not an option there"),
     (["--hf-gammas", "0"], "bad γ 0 in --hf-gammas"),
     (["--limit", "0"], r"--limit must be >= 1 \(got 0\)"),

@@ -145,7 +145,13 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
             raise RemoteCodeError(f"the {role} {name_or_path!r} ships its own Python code (auto_map in its "
                                   "config.json), which is not run unless you pass --trust-remote-code; read that "
                                   "code first") from err
-        if os.path.isdir(os.path.expanduser(name_or_path)):  # a local folder: its own problem is the message
+        local = os.path.expanduser(name_or_path)
+        if os.path.isfile(os.path.join(local, "trainer_state.json")):  # a distill run's step_N or best
+            raise FileNotFoundError(
+                f"could not load the {role} from {name_or_path!r}: it is a distill training checkpoint, not a "
+                f"Hugging Face model folder; export it first (python -m distill export {name_or_path} OUT_DIR), "
+                f"then give OUT_DIR") from err
+        if os.path.isdir(local):  # a local folder: its own problem is the message
             raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}"
                                     f"{_shadow_hint(name_or_path)}") from err
         raise FileNotFoundError(

@@ -104,3 +104,13 @@ def test_a_relative_folder_that_shadows_a_cached_hub_id_is_named(hub_cache, tmp_
     with pytest.raises(FileNotFoundError, match=r"'org/target' is the folder ./org/target of the current directory, "
                                                 r"which shadows the hub id"):
         load_causal_lm("org/target", "target")
+
+
+def test_a_distill_training_checkpoint_is_named_with_the_export_command(tmp_path):
+    """A run's step_N or best folder (trainer_state.json, weights under draft/) failed with transformers' 'Should
+    have a model_type key'; the decode CLIs now say to export it first."""
+    ckpt = tmp_path / "run" / "best"
+    tiny_llama(seed=0).save_pretrained(ckpt / "draft")
+    (ckpt / "trainer_state.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"distill training checkpoint.*python -m distill export .*best OUT_DIR"):
+        load_causal_lm(str(ckpt), "draft")

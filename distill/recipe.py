@@ -600,14 +600,16 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         log = log or acc.print
         out = run.output_dir
         revision = hub_revision(str(cfg.target.name_or_path))
+        # cached logits: no target to time, so no c (null in trainer_state.json, not NaN, which is not JSON)
+        measured_c = run.cost_ratio if math.isfinite(run.cost_ratio) else None
         state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
                  "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path),
-                 "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": run.cost_ratio,
+                 "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": measured_c,
                  "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
                  "num_processes": acc.num_processes, "examples_consumed": 0}
         if resume_from is not None:
             state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
-            state["cost_ratio"], state["verify_costs"] = run.cost_ratio, run.verify_costs  # the ones this run uses
+            state["cost_ratio"], state["verify_costs"] = measured_c, run.verify_costs  # the ones this run uses
             if state.get("target_revision") != revision:
                 log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
                     f"checkpoint was trained against {state.get('target_revision')}: the run goes on against "

@@ -81,6 +81,16 @@ def test_cached_training_without_target_equals_online_at_full_k(pair, tmp_path, 
     # fp16 top-k storage is the only difference from the online fp32 loss
     assert cached["final_loss"] == pytest.approx(online["final_loss"], rel=2e-2)
     assert (tmp_path / "cached" / "step_000003" / "draft" / "config.json").exists()
+    import json
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    train(compose(_cache_ov(pair, tmp_path / "no_c", cache_dir, V, "loss=fkl", "train.max_steps=1",
+                            "data.target_logits=cached", "eval.cost_ratio=null")), log=lambda *_: None)
+    state = json.loads((tmp_path / "no_c" / "step_000001" / "trainer_state.json").read_text(),
+                       parse_constant=no_constants)  # no target was timed: c is null, not NaN
+    assert state["cost_ratio"] is None
 
 
 def test_cached_mode_bad_input_names_the_setting(pair, tmp_path):

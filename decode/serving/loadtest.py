@@ -36,6 +36,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 def loopback_url(url: str) -> str:
     """``url`` without a trailing slash; raises ValueError unless its host is a loopback address."""
     parsed = urlparse(url)
+    if parsed.scheme and parsed.scheme not in ("http", "https") and parsed.hostname:
+        raise ValueError(f"--url {url!r}: the server speaks http (or https behind a proxy), not {parsed.scheme}; "
+                         "e.g. http://127.0.0.1:8000")
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(f"--url {url!r} is not a full URL; give the scheme and host, e.g. http://127.0.0.1:8000")
     host = parsed.hostname

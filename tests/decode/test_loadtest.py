@@ -73,6 +73,8 @@ def test_loadtest_refuses_bad_settings_before_contacting_the_server(argv, messag
         loadtest.main(["--url", "http://127.0.0.1:1", "--duration", "1", *argv])
     with pytest.raises(ValueError, match="not a full URL.*http://127.0.0.1:8000"):  # was: "host '' is not loopback"
         loadtest.main(["--url", "127.0.0.1:8000"])
+    with pytest.raises(ValueError, match="speaks http .*not ftp"):  # was: "is not a full URL"
+        loadtest.main(["--url", "ftp://127.0.0.1:8000"])
 
 
 def test_loadtest_stops_when_the_server_refuses_the_settings():

@@ -283,6 +283,9 @@ def run_folder_hint(path: str | Path) -> str | None:
     """When ``path`` is a run folder (``train.output_dir``) given where a checkpoint is needed, the sentence that
     says so and names its newest complete ``step_N`` (and ``best/``); None for any other folder."""
     path = Path(path)
+    if path.name == LATEST_FILE and path.is_file():  # the run's pointer file, not a folder
+        return (f"{path} is the run's pointer to its newest checkpoint, not a checkpoint; give the folder it names: "
+                f"{path.parent / path.read_text().strip()}")
     if not ((path / LATEST_FILE).is_file() or list_checkpoints(path)):
         return None
     newest = find_latest(path)

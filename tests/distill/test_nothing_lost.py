@@ -289,6 +289,11 @@ def test_resume_with_stop_at_before_the_checkpoint_is_refused_before_any_model_l
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
 
+def test_the_latest_pointer_given_as_a_checkpoint_names_the_folder_it_points_to(straight):
+    with pytest.raises(ckpt.CheckpointError, match=r"latest is the run's pointer .* names: .*step_000004"):
+        ckpt.check_complete(straight / "latest")
+
+
 def test_prune_keeps_the_checkpoint_resume_needs(tmp_path, straight):
     out = tmp_path / "run"
     shutil.copytree(straight, out)

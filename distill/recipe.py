@@ -591,6 +591,11 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                              f"stops ({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it "
                              "to go on to train.max_steps), or resume an earlier checkpoint with "
                              "train.resume=<its step_N folder>")
+        if "lora" in saved and bool(saved["lora"]) != bool(cfg.train.lora.enabled):
+            lora = bool(saved["lora"])
+            raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume "
+                             f"it with train.lora.enabled={str(lora).lower()}"
+                             + (" and the run's other train.lora settings" if lora else ""))
         kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
         # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
         kept_v = saved.get("verify_costs") if kept_c is not None else None

@@ -289,6 +289,15 @@ def test_resume_with_stop_at_before_the_checkpoint_is_refused_before_any_model_l
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
 
+def test_a_resume_that_drops_or_adds_lora_is_refused_before_any_model_loads(pair, straight, tmp_path, monkeypatch):
+    """It was refused only after the models loaded, with ~100 state-dict key names and no word of the setting."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    monkeypatch.setattr(recipe, "setup", lambda *a, **k: pytest.fail("models were loaded"))
+    with pytest.raises(SetupError, match="was trained without LoRA; resume it with train.lora.enabled=false$"):
+        train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true", *FAST)), log=QUIET)
+
+
 def test_the_latest_pointer_given_as_a_checkpoint_names_the_folder_it_points_to(straight):
     with pytest.raises(ckpt.CheckpointError, match=r"latest is the run's pointer .* names: .*step_000004"):
         ckpt.check_complete(straight / "latest")

@@ -6,6 +6,14 @@ import os
 from pathlib import Path
 
 
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back): the mode bits a plain ``open()`` or
+    ``mkdir`` leaves out, for files that ``tempfile`` or a library made private (0600/0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def writable(folder: str | os.PathLike) -> bool:
     """True if a file can be created in the existing ``folder`` (tried: ``os.access`` says yes to root everywhere,
     also on read-only mounts and in /proc)."""
@@ -70,9 +78,7 @@ def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it the mode a plain open() would
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes it private; give it the mode a plain open() would
         if overwrite:
             os.replace(tmp, out)
             return out

@@ -356,6 +356,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
         CheckpointError: the file system refused a write (a full disk, a quota); ``out_dir`` is left as it was.
     """
     from decode.loading import RemoteCodeError
+    from decode.outputs import umask
 
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
     read_state(checkpoint)
@@ -367,7 +368,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
                               "--trust-remote-code (export(..., trust_remote_code=True)) runs it") from err
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the export is an ordinary folder
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the export is an ordinary folder
     try:
         try:
             card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
@@ -394,17 +395,12 @@ def _is_write_error(err: Exception) -> bool:
     return isinstance(err, OSError) or type(err).__name__ == "SafetensorError" or "(os error " in str(err)
 
 
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
 def _usual_permissions(folder: Path) -> None:
     """Give the folder's files the mode a new file gets under the process's umask (0644 under 022): transformers'
     ``save_pretrained`` writes ``model.safetensors`` as 0600, which a server running as another user cannot read."""
-    mode = 0o666 & ~_umask()
+    from decode.outputs import umask
+
+    mode = 0o666 & ~umask()
     for path in folder.iterdir():
         if path.is_file():
             path.chmod(mode)

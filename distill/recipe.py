@@ -573,6 +573,21 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     return [k for k in keys if OmegaConf.select(saved, k, default=absent) not in (absent, OmegaConf.select(cfg, k))]
 
 
+def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | None) -> None:
+    """Settings a resume cannot honour, checked against the checkpoint's trainer_state.json (``saved``; empty for
+    a fresh run) before any model loads. Raises SetupError naming the setting and the fix."""
+    asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
+    if asked_stop is not None and asked_stop < at:
+        raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes stops "
+                         f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
+                         "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
+    if "lora" in saved and bool(saved["lora"]) != bool(cfg.train.lora.enabled):
+        lora = bool(saved["lora"])
+        raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume it "
+                         f"with train.lora.enabled={str(lora).lower()}"
+                         + (" and the run's other train.lora settings" if lora else ""))
+
+
 # ------------------------------------------------------------------------------------------------ train
 
 def train(cfg: DictConfig, log: Any = None) -> dict:
@@ -585,17 +600,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     main = int(os.environ.get("RANK", "0")) == 0  # setup's lines are the same on every process: print them once
     try:  # until the first write, a stop puts back the run that train.overwrite=true set aside
         saved = ckpt.read_state(resume_from) if resume_from is not None else {}
-        asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
-        if asked_stop is not None and asked_stop < at:
-            raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes "
-                             f"stops ({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it "
-                             "to go on to train.max_steps), or resume an earlier checkpoint with "
-                             "train.resume=<its step_N folder>")
-        if "lora" in saved and bool(saved["lora"]) != bool(cfg.train.lora.enabled):
-            lora = bool(saved["lora"])
-            raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume "
-                             f"it with train.lora.enabled={str(lora).lower()}"
-                             + (" and the run's other train.lora settings" if lora else ""))
+        _check_resume_settings(saved, cfg, resume_from)
         kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
         # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
         kept_v = saved.get("verify_costs") if kept_c is not None else None
@@ -606,15 +611,15 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
         out = run.output_dir
         revision = hub_revision(str(cfg.target.name_or_path))
         # cached logits: no target to time, so no c (null in trainer_state.json, not NaN, which is not JSON)
-        measured_c = run.cost_ratio if math.isfinite(run.cost_ratio) else None
+        recorded_c = run.cost_ratio if math.isfinite(run.cost_ratio) else None
         state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
                  "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path),
-                 "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": measured_c,
+                 "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": recorded_c,
                  "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
                  "num_processes": acc.num_processes, "examples_consumed": 0}
         if resume_from is not None:
             state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
-            state["cost_ratio"], state["verify_costs"] = measured_c, run.verify_costs  # the ones this run uses
+            state["cost_ratio"], state["verify_costs"] = recorded_c, run.verify_costs  # the ones this run uses
             if state.get("target_revision") != revision:
                 log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
                     f"checkpoint was trained against {state.get('target_revision')}: the run goes on against "

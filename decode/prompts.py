@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 SHARED_DATA_ENV = "DRAFTKIT_SHARED_DATA"
+# What reading a .gz raises when it is not a whole gzip file (plain text named .gz, a truncated download).
+GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x}); re-encode the file, e.g. "
                          "iconv -f latin1 -t utf-8") from None
-    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+    except GZIP_ERRORS as e:
         raise ValueError(f"{path}: not a whole gzip file ({e}); check it with gzip -t, or give the .jsonl "
                          "uncompressed") from None
     return rows

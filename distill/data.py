@@ -108,12 +108,11 @@ def _utf8_text(path: Path, key: str) -> str:
 @contextlib.contextmanager
 def _gzip_errors(path: Path, key: str):
     """A .gz that is not a whole gzip file (plain text named .gz, a truncated download) as a SetupError."""
-    import gzip
-    import zlib
+    from decode.prompts import GZIP_ERRORS
 
     try:
         yield
-    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+    except GZIP_ERRORS as e:
         raise SetupError(f"{path}: not a whole gzip file ({e}); {key}.path: check it with gzip -t, or give it "
                          "uncompressed") from None
 

@@ -108,6 +108,9 @@ class BatchSampling:
         # outside [1e-30, 1e30] acts like its bound (a tiny temperature keeps the row's top ids only, see
         # probs_from_logits), and a top_k beyond 2^31 - 1 (more than any vocabulary) keeps every id, as it would.
         self.temperature = col([min(max(p.temperature, TINY), 1 / TINY) if not p.greedy else 1.0 for p in params])
+        sampled_t = [p.temperature for p in params if not p.greedy]
+        self.cools = any(t < 1 for t in sampled_t)  # some row divides by T < 1: logits can overflow (see below)
+        self.unit_temperature = all(t == 1 for t in sampled_t)  # dividing by T changes nothing
         ks = [min(p.top_k, 2**31 - 1) for p in params if p.top_k is not None]
         self.top_k_max, self.top_k_min = (max(ks), min(ks)) if ks else (None, None)
         self.top_k = col([min(p.top_k or 1, 2**31 - 1) - 1 for p in params], torch.long) if ks else None  # k-th
@@ -175,10 +178,14 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
     if sampling.all_greedy:
         return _one_hot_argmax(logits)
     greedy = _one_hot_argmax(logits) if sampling.any_greedy else None
-    # Shift by the row's max before dividing: softmax is unchanged, and a tiny temperature sends every other id to
-    # -inf (probability 0) instead of overflowing to +inf (inf - inf = NaN); the top ids keep 0.
-    top = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)
-    logits = (logits - top) / sampling.temperature
+    if sampling.cools:
+        # Shift by the row's max before dividing: softmax is unchanged, and a tiny temperature sends every other id
+        # to -inf (probability 0) instead of overflowing to +inf (inf - inf = NaN); the top ids keep 0. Dividing by
+        # T >= 1 cannot overflow, so those batches skip the shift (a quarter of a T = 1 draft step's sampling work).
+        top = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)
+        logits = (logits - top) / sampling.temperature
+    elif not sampling.unit_temperature:
+        logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k_min < logits.shape[-1]:  # some row keeps fewer than all ids
         k = min(sampling.top_k_max, logits.shape[-1])  # a row's k >= V keeps every id: its k-th is the smallest
         kth = torch.topk(logits, k, dim=-1).values
@@ -250,6 +257,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: tor
         u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device
                        if generator is None else generator.device).to(probs.device)
     cdf = probs.cumsum(-1)
-    x = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # first id whose cdf exceeds x
-    return torch.where(idx >= probs.shape[-1], probs.argmax(-1), idx)
+    total = cdf[..., -1:]
+    # x < total also where u * total rounds up to it, so some id's cdf exceeds x; that id's cdf rose past the one
+    # before it, so its probability is positive (no argmax fallback: one op less per draw)
+    x = torch.minimum(u.to(cdf.dtype).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # first id whose cdf exceeds x

@@ -51,6 +51,29 @@ def test_sample_uses_generator():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_a_draw_at_the_largest_uniform_returns_the_last_id_of_positive_probability():
+    """u just below 1 with unnormalised totals and trailing ids of probability 0: the draw is the last positive id
+    (not a zero-probability id past it, and not the argmax)."""
+    u_max = torch.tensor(1.0).nextafter(torch.tensor(0.0))  # the largest float32 below 1
+    for total in (1.0, 3.0, 7.0, 1000.3, 2.0 ** 20 + 1):
+        probs = torch.zeros(4, 12)
+        probs[:, 0], probs[:, 7] = total * 0.75, total * 0.25  # id 0 is the argmax, id 7 the last positive id
+        ids = sample(probs, u=torch.full((4,), float(u_max)))
+        assert ids.tolist() == [7] * 4, (total, ids)
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
+    assert sample(probs, u=torch.tensor([0.0])).item() == 1 and sample(probs, u=u_max[None]).item() == 2
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_temperatures_of_one_and_above_handle_logits_near_the_float32_limit(temperature):
+    """T >= 1 divides without the max shift (it cannot overflow); the distribution equals the reference's."""
+    logits = torch.tensor([[3.0e38, 2.9e38, -3.0e38, float("-inf")], [1.0, 2.0, 3.0, 4.0]])
+    probs = logits_to_probs(logits, temperature)
+    ref = (logits.double() / temperature).softmax(-1).float()
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, ref)
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-1, top_k=None, top_p=None), dict(temperature=1, top_k=0, top_p=None),
                                 dict(temperature=1, top_k=None, top_p=0.0), dict(temperature=1, top_k=None, top_p=1.5)])
 def test_bad_sampling_args(kw):

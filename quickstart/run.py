@@ -356,9 +356,9 @@ def eval_compile(ecfg) -> bool | str:
 
     Raises:
         ValueError: another value, or no working C++ compiler where inductor looks (``$CXX``, else ``g++``;
-            :func:`decode.engine.check_cpu_compiler`).
+            :func:`decode.compiling.check_cpu_compiler`).
     """
-    from decode.engine import check_compile, check_cpu_compiler
+    from decode.compiling import check_compile, check_cpu_compiler
 
     value = ecfg.get("compile", False)
     try:

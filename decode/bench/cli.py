@@ -16,7 +16,7 @@ import torch
 from decode.bench.config import BenchConfig, parse_gammas, parse_list
 from decode.bench.report import OutputPaths, render_tables, write_outputs
 from decode.bench.runs import compile_supported, run_benchmark
-from decode.engine import compile_setting
+from decode.compiling import compile_setting
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if cfg.compile and not compile_supported():
         raise ValueError("--compile: this version's SpeculativeDecoder has no compile option; drop --compile")
     if cfg.compile and str(cfg.device).startswith("cpu"):
-        from decode.engine import check_cpu_compiler
+        from decode.compiling import check_cpu_compiler
 
         check_cpu_compiler("--compile", "drop --compile")
     return cfg

@@ -45,7 +45,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
-        from decode.engine import check_compile  # the decoder's own check of the setting, before any model loads
+        from decode.compiling import check_compile  # the decoder's own check of the setting, before any model loads
 
         check_compile(self.compile)
         if not self.gammas and not self.auto:

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host, args.port, args.api_key)
     if warning:
         print(warning, file=sys.stderr)
-    from decode.engine import check_cpu_compiler, compile_setting
+    from decode.compiling import check_cpu_compiler, compile_setting
     from decode.loading import check_cached, check_device
     from decode.serving.app import ServerLimits, create_app, make_server
 

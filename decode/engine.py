@@ -204,6 +204,7 @@ class SpeculativeDecoder:
         self._next_id = 0
         self._ids: set = set()  # ids of queued and active requests
         self._undelivered: list[RequestOutput] = []  # finished in a step whose on_tokens callback raised
+        self._in_step = False  # a step is running (its on_tokens callbacks may not step again)
 
     def _check_gamma(self, gamma: int | str) -> int | str:
         if gamma == "auto":
@@ -307,7 +308,19 @@ class SpeculativeDecoder:
 
         An exception raised by an ``on_tokens`` callback propagates after the step's tokens are committed (the
         remaining callbacks of that step are skipped); the requests that finished in that step are returned by the
-        next call, before its own."""
+        next call, before its own. A callback may add or abort requests but not step: a nested ``step()`` (or
+        ``generate()``) raises RuntimeError (it would deliver tokens out of order and return the inner step's
+        finished requests to the callback)."""
+        if self._in_step:
+            raise RuntimeError("step() was called while a step is running (from an on_tokens callback?); a "
+                               "callback may add_request() or abort(), and the caller's loop runs the next step")
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> list[RequestOutput]:
         with kernels.few_row_linear(self.few_row_linear):
             if self._waiting:
                 self._admit()
@@ -331,6 +344,9 @@ class SpeculativeDecoder:
             prompt_ids = prompt_ids.tolist()
         try:
             if isinstance(prompt_ids, (str, bytes)):
+                raise TypeError
+            prompt_ids = list(prompt_ids)
+            if any(isinstance(t, bool) for t in prompt_ids):  # a mask passed as ids?
                 raise TypeError
             prompt = [operator.index(t) for t in prompt_ids]  # ints only: a float or a string is not an id
         except TypeError:
@@ -911,6 +927,9 @@ class SpeculativeDecoder:
             else:
                 m = torch.as_tensor(attention_mask)
                 m = m if m.dim() == 2 else m.unsqueeze(0)
+                if not ((m == 0) | (m == 1)).all():
+                    raise ValueError("attention_mask must hold only 0 (padding) and 1 (prompt token), got values "
+                                     f"{sorted(set(m[(m != 0) & (m != 1)].flatten().tolist()))[:5]}")
                 if m.shape != ids.shape:
                     raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
                 for i, mask in enumerate(m.cpu().bool()):

@@ -296,3 +296,38 @@ def test_request_aborted_by_another_callback_gets_no_more_tokens(pair):
     dec.add_request([5, 6, 7], max_new_tokens=6, request_id="b", on_tokens=lambda r, t: got["b"].append(t))
     out = run_all(dec)
     assert set(out) == {"a"} and got["b"] == [] and sum(got["a"], []) == out["a"].new_tokens
+
+
+def test_a_callback_that_steps_is_refused_and_streams_stay_in_order(pair):
+    """A step() from inside an on_tokens callback used to run a nested step: another request's tokens were
+    streamed out of order, and requests finishing in the inner step were returned only to the callback."""
+    dec = SpeculativeDecoder(*pair, 2)
+    got = {"a": [], "b": []}
+    refused = []
+
+    def on_a(rid, tokens):
+        got["a"].extend(tokens)
+        try:
+            dec.step()
+        except RuntimeError as err:
+            refused.append(str(err))
+
+    dec.add_request([5, 6, 7], max_new_tokens=8, request_id="a", on_tokens=on_a)
+    dec.add_request([4, 5], max_new_tokens=8, request_id="b", on_tokens=lambda r, t: got["b"].extend(t))
+    out = run_all(dec)
+    assert refused and "while a step is running" in refused[0]
+    assert set(out) == {"a", "b"} and got == {"a": out["a"].new_tokens, "b": out["b"].new_tokens}
+    dec.add_request([5, 6, 7], max_new_tokens=2, request_id="after")
+    assert run_all(dec)["after"].new_tokens  # the guard is released after a step
+
+
+def test_ids_that_are_bools_and_masks_other_than_0_1_are_refused(pair):
+    """A bool tensor (a mask passed as ids) ran as ids 1 and 0; a mask value such as 0.5 counted as 1."""
+    dec = SpeculativeDecoder(*pair, 2)
+    for ids in (torch.tensor([True, False, True]), [True, 5]):
+        with pytest.raises(ValueError, match="integer token ids"):
+            dec.add_request(ids)
+        with pytest.raises(ValueError, match="integer token ids"):
+            dec.generate(ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match="only 0 .padding. and 1"):
+        dec.generate(torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[0.5, 1.0, 1.0]]), max_new_tokens=2)

@@ -112,7 +112,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:  # a leading byte-order mark is dropped
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -100,7 +100,7 @@ def _utf8_text(path: Path, key: str) -> str:
     with _gzip_errors(path, key), (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         raw = f.read()
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a leading byte-order mark (Windows tools write one) is not text
     except UnicodeDecodeError as e:
         raise _not_utf8(path, key, raw.count(b"\n", 0, e.start) + 1, raw[e.start], e.start) from e
 
@@ -156,7 +156,9 @@ def _json_rows(path: Path, key: str):
             raise SetupError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file given as {key}.path") from e
         yield from ((i + 1, r) for i, r in enumerate(rows))
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # split on newlines only: str.splitlines also splits at U+2028/U+2029/U+0085/form feed, which JSON strings
+    # may hold unescaped (json.dumps(..., ensure_ascii=False) writes them so)
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -212,11 +214,31 @@ def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
             if row[f] is None:
                 raise SetupError(f"{path}:{lineno}: \"{f}\" is null; every row needs a text in {f!r} "
                                  f"({key}.{which}): fix or delete line {lineno}")
+            if field_text(row[f]) is None:
+                raise SetupError(f"{path}:{lineno}: \"{f}\" {_not_text(row[f])}; every row needs a string in "
+                                 f"{f!r} ({key}.{which}): fix or delete line {lineno}")
         n += 1
         if limit and n >= int(limit):
             break
     if n == 0:
         raise SetupError(f"{key}.path: data file {path} has no rows; point {key}.path at a file with rows")
+
+
+def field_text(value: Any) -> str | None:
+    """The text a row's field holds: a string, or the first of a list of strings (multi-turn sets such as
+    MT-Bench's "turns" give their first turn). None for anything else (a number, an object, a chat ``messages``
+    list of role/content objects): such a field is not text, and its Python repr must not be trained on."""
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = value[0]
+    return value if isinstance(value, str) else None
+
+
+def _not_text(value: Any) -> str:
+    """Why a field is not text, and the fix (for :func:`field_text`'s None)."""
+    what = f"a list of {type(value[0]).__name__}" if isinstance(value, list) and value else type(value).__name__
+    hint = (" (a chat messages list? give the user turn's text as its own field)"
+            if isinstance(value, list) and value and isinstance(value[0], dict) else "")
+    return f"holds {what}, not text{hint}"
 
 
 def _field(row: dict, field: str, where: str, index: int | None = None) -> str:
@@ -227,9 +249,10 @@ def _field(row: dict, field: str, where: str, index: int | None = None) -> str:
     value = row[field]
     if value is None:
         raise SetupError(f"{at}: field {field!r} is null; give every row a text there, or drop the row")
-    if isinstance(value, list):  # multi-turn sets (MT-Bench "turns"): the first turn
-        value = value[0] if value else ""
-    return str(value)
+    text = field_text(value)
+    if text is None:
+        raise SetupError(f"{at}: field {field!r} {_not_text(value)}; give every row a string there")
+    return text
 
 
 def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
@@ -287,17 +310,27 @@ def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, li
     return out
 
 
-def check_lengths(examples: list[dict], context: int | None, data_cfg: Any, what: str = "data.source") -> list[dict]:
-    """Enforce ``len(prompt) + data.max_new_tokens <= context`` and ``data.max_prompt_tokens``.
+def check_lengths(examples: list[dict], context: int | None, data_cfg: Any, what: str = "data.source",
+                  max_new_key: str = "data.max_new_tokens") -> list[dict]:
+    """Enforce a prompt of at least one token, ``len(prompt) + max_new_tokens <= context`` and
+    ``data.max_prompt_tokens``. ``max_new_key`` names the setting ``data_cfg.max_new_tokens`` came from.
 
     Long prompts are left-truncated when ``data.truncate_prompts`` is true; otherwise SetupError names the fix.
+    An empty prompt (an empty field, with a tokenizer that adds no bos token) is a SetupError: its first
+    completion token has nothing to be predicted from, so the row trained nothing, and generation needs a prefix.
     """
+    empty = [i for i, e in enumerate(examples) if not e["prompt_ids"]]
+    if empty:
+        raise SetupError(f"{len(empty)} of {len(examples)} prompts in {what} have no tokens (rows "
+                         f"{', '.join(str(i + 1) for i in empty[:5])}{', ...' if len(empty) > 5 else ''}: an empty "
+                         "prompt, and the tokenizer adds no bos token); give every row a prompt, e.g. move the "
+                         "completion's first words into it, or use text data (data.source.kind=text)")
     max_new = int(data_cfg.max_new_tokens)
     limit = int(data_cfg.max_prompt_tokens) if data_cfg.get("max_prompt_tokens") else None
     if context is not None:
         if max_new >= context:
-            raise SetupError(f"data.max_new_tokens={max_new} leaves no room for a prompt in the models' context of "
-                             f"{context} positions; lower data.max_new_tokens")
+            raise SetupError(f"{max_new_key}={max_new} leaves no room for a prompt in the models' context of "
+                             f"{context} positions; lower {max_new_key}")
         limit = min(limit, context - max_new) if limit else context - max_new
     if limit is None:
         return examples
@@ -306,9 +339,9 @@ def check_lengths(examples: list[dict], context: int | None, data_cfg: Any, what
         longest = max(len(examples[i]["prompt_ids"]) for i in too_long)
         raise SetupError(
             f"{len(too_long)} of {len(examples)} prompts in {what} are longer than {limit} tokens (longest "
-            f"{longest}; context {context}, data.max_new_tokens={max_new}, data.max_prompt_tokens="
+            f"{longest}; context {context}, {max_new_key}={max_new}, data.max_prompt_tokens="
             f"{data_cfg.get('max_prompt_tokens')}). Set data.truncate_prompts=true to keep their last {limit} "
-            "tokens, or lower data.max_new_tokens")
+            f"tokens, or lower {max_new_key}")
     return [dict(e, prompt_ids=e["prompt_ids"][-limit:]) for e in examples]
 
 

@@ -161,7 +161,8 @@ def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[lis
         examples, eval_examples = examples[:-n_hold], examples[-n_hold:]
     examples = check_lengths(examples, context, cfg.data)
     eval_cfg = OmegaConf.merge(cfg.data, {"max_new_tokens": int(cfg.eval.max_new_tokens)})
-    eval_examples = check_lengths(eval_examples[: int(cfg.eval.num_prompts)], context, eval_cfg, "eval prompts")
+    eval_examples = check_lengths(eval_examples[: int(cfg.eval.num_prompts)], context, eval_cfg, "eval prompts",
+                                  "eval.max_new_tokens")
     return examples, [e["prompt_ids"] for e in eval_examples]
 
 

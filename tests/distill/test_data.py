@@ -150,6 +150,27 @@ def test_length_checks():
     assert out[0]["prompt_ids"] == list(range(6, 30)) and out[1] == ex[1]
     with pytest.raises(SetupError, match="no room"):
         check_lengths(ex, 8, cfg)
+    # the eval's own setting is named (it said data.max_new_tokens, a setting that was fine)
+    with pytest.raises(SetupError, match=r"eval.max_new_tokens=8 leaves no room .* lower eval.max_new_tokens$"):
+        check_lengths(ex, 8, cfg, "eval prompts", "eval.max_new_tokens")
+
+
+def test_an_empty_prompt_is_refused_not_silently_left_out_of_training(tmp_path):
+    """With a tokenizer that adds no bos token an empty prompt has no ids: the row's completion trained nothing
+    (all-empty data trained nothing and exited 0), and an empty eval or on-policy prompt crashed after loading."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "c": 3}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    nobos = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="[UNK]")
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "completion": " b c"}) + "\n" for p in ("a", "", "a b", "")))
+    ex = build_examples(_src(path=str(path), prompt_field="prompt", completion_field="completion"), nobos,
+                        _data_cfg(chat_template=False))
+    assert [len(e["prompt_ids"]) for e in ex] == [1, 0, 2, 0]
+    with pytest.raises(SetupError, match=r"2 of 4 prompts in data.source have no tokens \(rows 2, 4: an empty"):
+        check_lengths(ex, 32, _data_cfg())
 
 
 def test_collate_masks_prompt_and_padding():
@@ -260,3 +281,39 @@ def test_a_full_disk_while_marking_the_target_data_cache_complete_keeps_its_shar
     assert len(full) == 4 and calls == []  # nothing generated again
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "shards").iterdir()} == shards
     assert json.loads((tmp_path / "a" / "meta.json").read_text())["complete"]
+
+
+def test_json_lines_may_hold_line_separators_and_a_byte_order_mark(tmp_path, tok):
+    """U+2028 inside a string (json.dumps(..., ensure_ascii=False) writes it raw) split the line in the start-up
+    check ("not valid JSON ... line 1"), and a UTF-8 byte-order mark made line 1 invalid; both are valid data."""
+    from distill.data import preflight_source
+
+    rows = [{"prompt": "a\u2028b\u2029c\x85d\x0ce", "completion": " x"}, {"prompt": "second", "completion": " y"}]
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8-sig")
+    src = _src(path=str(path), kind="prompts", prompt_field="prompt", completion_field="completion")
+    preflight_source(src, "data.source")
+    ex = build_examples(src, tok, _data_cfg())
+    assert [e["prompt_ids"] for e in ex] == [tok(r["prompt"])["input_ids"] for r in rows]
+
+
+@pytest.mark.parametrize("value,said", [([{"role": "user", "content": "hi"}], "holds a list of dict, not text .a chat"),
+                                        ({"text": "hi"}, "holds dict, not text"), (7, "holds int, not text"),
+                                        ([1, 2], "holds a list of int, not text")])
+def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, tok, value, said):
+    """A chat messages list trained on "{'role': 'user', 'content': ...}" (the first item's repr), and an int
+    completion on its digits; refused before loading (JSON) and when the rows are read (every format)."""
+    from distill.data import preflight_source
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"prompt": "fine", "completion": " ok"}) + "\n"
+                    + json.dumps({"prompt": value, "completion": " ok"}) + "\n")
+    src = _src(path=str(path), kind="prompts", prompt_field="prompt", completion_field="completion")
+    with pytest.raises(SetupError, match=f"m.jsonl:2: \"prompt\" {said}"):
+        preflight_source(src, "data.source")
+    pq = tmp_path / "m.parquet"
+    import datasets
+
+    datasets.Dataset.from_dict({"q": ["a", "b"], "a": [7, 8]}).to_parquet(str(pq))
+    with pytest.raises(SetupError, match="row 1: field 'a' holds int, not text"):
+        build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())

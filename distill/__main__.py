@@ -395,6 +395,14 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
     helping = any(f in ("--help", "-h", "--hydra-help", "--version", "--info", "-sc", "--shell-completion")
                   for f in flags)
     showing = any(f in ("--cfg", "-c") for f in flags)
+    processes = int(os.environ.get("WORLD_SIZE") or 1)
+    if multirun and processes > 1 and not helping:
+        # Each launched process would run every job of the sweep, and the second job's process group never forms
+        # (both ranks wait in init_process_group forever), so the sweep is refused before anything runs.
+        _fail(f"a Hydra sweep (-m) cannot run under a {processes}-process launch (accelerate launch / torchrun): "
+              "its second job hangs while setting up the processes; launch one run per sweep value instead, e.g. "
+              "for loss in fkl tvd; do accelerate launch ... -m distill train ... loss=$loss "
+              "train.output_dir=checkpoints/run-$loss; done")
     if not helping:
         preflight(name, overrides, multirun, opts, full=not showing)
     overrides = [o for o in expand_target_shorthand(overrides)] if not helping else overrides

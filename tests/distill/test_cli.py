@@ -179,6 +179,17 @@ def test_multirun_checks_every_job_before_the_first_runs(pair, tmp_path, capsys)
     assert not out.exists()  # job 0 did not run
 
 
+def test_a_sweep_under_a_multi_process_launch_is_refused_before_anything_runs(pair, tmp_path, capsys, monkeypatch):
+    """Under accelerate launch with 2 processes the sweep's second job hung forever in init_process_group."""
+    out = tmp_path / "sweep"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["train", *overrides(pair, out), "-m", "loss=fkl,tvd"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "a Hydra sweep (-m) cannot run under a 2-process launch" in err
+    assert "for loss in fkl tvd" in err and not out.exists()
+
+
 def test_eval_out_is_checked_before_loading(pair, tmp_path, capsys):
     existing = tmp_path / "ev.json"
     existing.write_text("{}")

@@ -77,15 +77,20 @@ def untie_adapted_weights(peft_model: Any) -> bool:
     Merging writes ``W + BA`` into the adapted weight; tied to the other, it would move the input embeddings too
     (so the merged model would differ from the adapter model that was trained and evaluated). After untying, the
     merged model computes the same function as base + adapter, and its config says the weights are untied.
-    Returns True when it untied something.
+    Returns True when it untied something; a tied pair that no adapter touches stays tied (untying it would grow the
+    export by a vocabulary-sized matrix and change its architecture for nothing).
     """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
     model = peft_model.get_base_model()
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     if out is None or inp is None:
         return False
     out_w = getattr(out, "base_layer", out).weight
     in_w = getattr(inp, "base_layer", inp).weight
-    if out_w.data_ptr() != in_w.data_ptr():
+    adapted = any(isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper)) for m in (out, inp))
+    if out_w.data_ptr() != in_w.data_ptr() or not adapted:
         return False
     import torch
 

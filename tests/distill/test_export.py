@@ -186,10 +186,15 @@ def test_export_bad_checkpoint(tmp_path, capsys):
     assert e.value.code == 2 and "not a complete distill checkpoint" in capsys.readouterr().err
 
 
-def test_lora_on_tied_embeddings_exports_the_adapter_model(pair, tmp_path):
-    """tie_word_embeddings=True with LoRA on lm_head: the merge must not move the shared embedding matrix; the
-    exported model computes what base + adapter computed (it moved embeddings by 0.08 and logits by 0.70)."""
+@pytest.mark.parametrize("head_setting", ["train.lora.target_modules=[q_proj,lm_head]", "train.lora.modules_to_save=[lm_head]",
+                                     None])
+def test_lora_on_tied_embeddings_exports_the_adapter_model(pair, tmp_path, head_setting):
+    """tie_word_embeddings=True with LoRA on lm_head (or lm_head trained in full): the merge must not move the
+    shared embedding matrix; the exported model computes what base + adapter computed (it moved embeddings by 0.08
+    and logits by 0.70). With no adapter on the head or embeddings (None: q_proj only) the export stays tied (it
+    was untied, growing by a vocabulary-sized matrix)."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from distill_helpers import make_llama
@@ -198,7 +203,8 @@ def test_lora_on_tied_embeddings_exports_the_adapter_model(pair, tmp_path):
     make_llama(tied, pair["vocab"], layers=1, seed=3, tie=True)
     run = tmp_path / "run"
     train(compose(overrides(pair, run, f"draft.name_or_path={tied}", "train.lora.enabled=true",
-                            "train.lora.target_modules=[q_proj,lm_head]", "optim.lr=5e-2", "eval.temperatures=[0.0]")),
+                            head_setting or "train.lora.target_modules=[q_proj]", "optim.lr=5e-2",
+                            "eval.temperatures=[0.0]")),
           log=lambda *_: None)
     out = tmp_path / "export"
     export(run / "step_000004", out)
@@ -212,7 +218,8 @@ def test_lora_on_tied_embeddings_exports_the_adapter_model(pair, tmp_path):
         assert not torch.allclose(want, AutoModelForCausalLM.from_pretrained(str(tied))(ids).logits, atol=1e-3)
     assert torch.equal(exported.get_input_embeddings().weight, embeddings)  # the merge left embeddings alone
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)  # same function (merge rounding only)
-    assert exported.config.tie_word_embeddings is False
+    assert exported.config.tie_word_embeddings is (head_setting is None)
+    assert ("lm_head.weight" in load_file(str(out / "model.safetensors"))) is (head_setting is not None)
 
 
 def test_export_never_overwrites_a_folder_it_was_not_asked_to(pair, tmp_path, capsys):

@@ -119,27 +119,18 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
 
 
 def _special_ids(tok: Any) -> dict[str, Any]:
-    return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
-
-
-def _pad_from_eos(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """True when one side has no pad id and the other uses its (shared) eos id as pad: the tokenizer that training
-    loads with ``pad_from_eos`` and saves next to the draft, against the target's own. Pad only fills batch rows."""
-    if a["eos"] is None or a["eos"] != b["eos"]:
-        return False
-    return (a["pad"] is None and b["pad"] == b["eos"]) or (b["pad"] is None and a["pad"] == a["eos"])
+    return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "unk")}
 
 
 def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
     """Raise :class:`IncompatibleModelsError` if the two tokenizers map any shared id to a different token or
-    disagree on bos/eos/pad/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ), and so
-    is eos as pad on one side against no pad on the other (:func:`_pad_from_eos`)."""
+    disagree on bos/eos/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ), and so are
+    different pad tokens (none, eos as pad, or a ``<pad>`` of its own): pad only fills batch rows, which the
+    attention mask and the loss leave out, so it changes no token either model sees."""
     if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
         return
     t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
     for name in t_special:
-        if name == "pad" and _pad_from_eos(t_special, d_special):
-            continue
         if t_special[name] != d_special[name]:
             raise IncompatibleModelsError(
                 f"target and draft tokenizers disagree on the {name} token id: target {t_special[name]!r}, "

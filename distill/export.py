@@ -278,10 +278,13 @@ def _use_markdown(card: dict) -> str:
 The paths are the target's and the one this draft was exported to; change them if you move either folder.
 
 ```python
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 target = AutoModelForCausalLM.from_pretrained({str(card['target'])!r})
 draft = AutoModelForCausalLM.from_pretrained({serving['draft']!r})
-out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
+tokenizer = AutoTokenizer.from_pretrained({serving['draft']!r})
+inputs = tokenizer("def fibonacci(n):", return_tensors="pt")
+out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)
+print(tokenizer.decode(out[0]))
 ```
 
 ## Serve

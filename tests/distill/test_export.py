@@ -72,6 +72,11 @@ def test_lora_export_round_trip_in_fresh_process(pair, tmp_path):
     readme = (out / "README.md").read_text()
     assert str(pair["target"]) in readme and "| 0.0 |" in readme and "| 1.0 |" in readme
     assert (out / "tokenizer.json").exists()
+    # the card's Use snippet runs as written (it used input_ids without defining them)
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0].replace("max_new_tokens=128", "max_new_tokens=4")
+    scope = {}
+    exec(snippet, scope)
+    assert scope["out"].shape[1] > scope["inputs"]["input_ids"].shape[1]
 
 
 def test_export_of_built_full_finetune_draft(pair, tmp_path):

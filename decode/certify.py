@@ -131,8 +131,19 @@ def parse_settings(text: str) -> list[Setting]:
             if earlier.label == setting.label:  # the results are grouped by label: the two would be mixed
                 raise ValueError(f"{where} repeats part {j} ({parts[j - 1].strip()!r}): both are {setting.label}; "
                                  "give each setting once")
+            if _distribution(earlier) == _distribution(setting):
+                raise ValueError(f"{where} samples the same distribution as part {j} ({parts[j - 1].strip()!r}): "
+                                 "top_p=1 keeps every id, and T=0 is greedy whatever top_k/top_p; give each "
+                                 "setting once")
         settings.append(setting)
     return settings
+
+
+def _distribution(setting: Setting) -> tuple:
+    """What decides a setting's sampling distribution: T = 0 is greedy whatever top_k/top_p say, top_p = 1 is off."""
+    if setting.temperature == 0:
+        return (0.0,)
+    return setting.temperature, setting.top_k, setting.top_p if setting.top_p != 1 else None
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -558,6 +569,9 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
         from decode.outputs import check_output_file
 
         check_output_file(args.out, "--out", args.overwrite)
+    elif args.overwrite:
+        raise ValueError("--overwrite replaces an existing --out file, and no --out was given (nothing is written "
+                         "without one); add --out FILE or drop --overwrite")
     from decode.loading import check_cached
 
     for option in ("target", "draft", "tokenizer"):

@@ -209,6 +209,8 @@ def test_parse_settings():
     ("T=1; T=0.7,top_p=1.5", "part 2 ('T=0.7,top_p=1.5'): top_p must be"),
     ("T=1; temperature=1.0", "part 2 ('temperature=1.0') repeats part 1 ('T=1'): both are T=1"),
     ("T=0.7,top_k=20; T=1; top_k=20,T=0.70", "part 3 ('top_k=20,T=0.70') repeats part 1"),
+    ("T=0.7; T=0.7,top_p=1.0", "part 2 ('T=0.7,top_p=1.0') samples the same distribution as part 1"),
+    ("T=0; T=0,top_k=5", "part 2 ('T=0,top_k=5') samples the same distribution as part 1"),
 ])
 def test_parse_settings_errors_name_the_part(text, needle):
     with pytest.raises(ValueError) as err:
@@ -350,6 +352,13 @@ def test_cli_prefix_tokens_over_the_context_exits_2_before_sampling(saved, tmp_p
     assert "--prefix-tokens 254 is more than 253" in err and "use --prefix-tokens <= 253" in err
     assert certify_cli.main([*args, "--prefix-tokens", "40", "-g", "300"]) == 2
     assert "lower --num-draft-tokens" in capsys.readouterr().err
+
+
+def test_cli_overwrite_without_out_is_refused(saved, capsys, monkeypatch):
+    """--overwrite without --out was accepted silently (nothing is written without --out)."""
+    monkeypatch.setattr(certify_cli, "certify", lambda *a, **k: pytest.fail("sampled"))
+    assert certify_cli.main([*pair_args(saved)[:4], "-M", "1", "-K", "5", "--settings", "T=1", "--overwrite"]) == 2
+    assert "--overwrite replaces an existing --out file, and no --out was given" in capsys.readouterr().err
 
 
 def test_cli_says_when_the_prompts_hold_fewer_prefixes_than_asked(saved, tmp_path, capsys, monkeypatch):

@@ -191,32 +191,36 @@ def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
                          f"{sorted(BUILDERS)}")
     if path.stat().st_size == 0:
         raise SetupError(f"{key}.path: data file {path} is empty; point {key}.path at a file with rows")
-    if builder != "json":
-        if builder in ("text", "csv"):  # the datasets builders fail on other encodings without naming the cause
-            _check_utf8(path, key)
+    if builder in ("text", "csv"):  # the datasets builders fail on other encodings without naming the cause
+        _check_utf8(path, key)
+    if builder == "text":
         return
     if _source_kind(src) == "text":
         fields = [src.get("text_field") or "text"]
     else:
         fields = [src.get("prompt_field") or "prompt"] + ([src.completion_field] if src.get("completion_field") else [])
+    if builder == "json":
+        rows = ((f"{path}:{n}", f"line {n}", row) for n, row in _json_rows(path, key))
+    else:  # parquet, csv: read as training will (datasets' builder; a csv's empty cell is null)
+        rows = ((f"{path}, row {n}", f"row {n}", row) for n, row in enumerate(load_rows(src), 1))
     limit, n = src.get("limit"), 0
-    for lineno, row in _json_rows(path, key):
+    for at, line, row in rows:
         if not isinstance(row, dict):
-            raise SetupError(f"{path}:{lineno}: a row must be a JSON object with the field(s) {fields}, "
+            raise SetupError(f"{at}: a row must be a JSON object with the field(s) {fields}, "
                              f"not {type(row).__name__}")
         for f in fields:
             which = "prompt_field" if f == fields[0] else "completion_field"
             if _source_kind(src) == "text":
                 which = "text_field"
             if f not in row:
-                raise SetupError(f"{path}:{lineno}: field {f!r} not found (fields: {sorted(row)}); set "
+                raise SetupError(f"{at}: field {f!r} not found (fields: {sorted(row)}); set "
                                  f"{key}.{which} to one of them")
             if row[f] is None:
-                raise SetupError(f"{path}:{lineno}: \"{f}\" is null; every row needs a text in {f!r} "
-                                 f"({key}.{which}): fix or delete line {lineno}")
+                raise SetupError(f"{at}: \"{f}\" is null; every row needs a text in {f!r} "
+                                 f"({key}.{which}): fix or delete {line}")
             if field_text(row[f]) is None:
-                raise SetupError(f"{path}:{lineno}: \"{f}\" {_not_text(row[f])}; every row needs a string in "
-                                 f"{f!r} ({key}.{which}): fix or delete line {lineno}")
+                raise SetupError(f"{at}: \"{f}\" {_not_text(row[f])}; every row needs a string in "
+                                 f"{f!r} ({key}.{which}): fix or delete {line}")
         n += 1
         if limit and n >= int(limit):
             break

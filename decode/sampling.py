@@ -108,9 +108,11 @@ class BatchSampling:
         # outside [1e-30, 1e30] acts like its bound (a tiny temperature keeps the row's top ids only, see
         # probs_from_logits), and a top_k beyond 2^31 - 1 (more than any vocabulary) keeps every id, as it would.
         self.temperature = col([min(max(p.temperature, TINY), 1 / TINY) if not p.greedy else 1.0 for p in params])
-        sampled_t = [p.temperature for p in params if not p.greedy]
-        self.cools = any(t < 1 for t in sampled_t)  # some row divides by T < 1: logits can overflow (see below)
-        self.unit_temperature = all(t == 1 for t in sampled_t)  # dividing by T changes nothing
+        # Rows that divide by T < 1 (their logits can overflow: see probs_from_logits); None when no row does.
+        cool = [not p.greedy and p.temperature < 1 for p in params]
+        self.cool = col(cool, torch.bool) if any(cool) and not all(cool) else None
+        self.any_cool, self.all_cool = any(cool), all(cool)
+        self.unit_temperature = all(p.greedy or p.temperature == 1 for p in params)  # dividing changes nothing
         ks = [min(p.top_k, 2**31 - 1) for p in params if p.top_k is not None]
         self.top_k_max, self.top_k_min = (max(ks), min(ks)) if ks else (None, None)
         self.top_k = col([min(p.top_k or 1, 2**31 - 1) - 1 for p in params], torch.long) if ks else None  # k-th
@@ -178,12 +180,14 @@ def probs_from_logits(logits: torch.Tensor, sampling: BatchSampling, vocab_size:
     if sampling.all_greedy:
         return _one_hot_argmax(logits)
     greedy = _one_hot_argmax(logits) if sampling.any_greedy else None
-    if sampling.cools:
-        # Shift by the row's max before dividing: softmax is unchanged, and a tiny temperature sends every other id
-        # to -inf (probability 0) instead of overflowing to +inf (inf - inf = NaN); the top ids keep 0. Dividing by
-        # T >= 1 cannot overflow, so those batches skip the shift (a quarter of a T = 1 draft step's sampling work).
+    if sampling.any_cool:
+        # Rows with T < 1 are shifted by their max before dividing: softmax is unchanged, and a tiny temperature
+        # sends every other id to -inf (probability 0) instead of overflowing to +inf (inf - inf = NaN); the top
+        # ids keep 0. Dividing by T >= 1 cannot overflow, so those rows skip the shift (a quarter of a T = 1 draft
+        # step's sampling work), in a batch as alone (a row's result never depends on its neighbours).
         top = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(logits.dtype).min)
-        logits = (logits - top) / sampling.temperature
+        shifted = (logits - top) / sampling.temperature
+        logits = shifted if sampling.all_cool else torch.where(sampling.cool, shifted, logits / sampling.temperature)
     elif not sampling.unit_temperature:
         logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k_min < logits.shape[-1]:  # some row keeps fewer than all ids

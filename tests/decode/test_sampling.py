@@ -148,3 +148,11 @@ def test_a_row_without_top_p_or_min_p_is_the_same_beside_rows_that_use_them():
         alone = probs_from_logits(logits, BatchSampling([row]))
         batch = probs_from_logits(logits.expand(2, 3, 50), BatchSampling([row, SamplingParams(0.7, min_p=0.1)]))
         assert torch.equal(batch[:1], alone)
+    # Rows with T >= 1 skip the max shift that rows with T < 1 need; beside such a row they still skip it.
+    logits = torch.randn(1, 3, 50, generator=torch.Generator().manual_seed(2)) * 7 + 30
+    for row in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.7)):
+        alone = probs_from_logits(logits, BatchSampling([row]))
+        for other in (SamplingParams(0.3), SamplingParams(0.0), SamplingParams(2.0)):
+            batch = probs_from_logits(logits.expand(2, 3, 50), BatchSampling([row, other]))
+            assert torch.equal(batch[:1], alone), (row, other)
+            assert torch.equal(batch[1:], probs_from_logits(logits, BatchSampling([other])))

@@ -281,7 +281,8 @@ def _source_kind(src: Any) -> str:
 def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, list[int]]]:
     """Tokenized examples of a source (see module doc). Completions are cut to ``data.max_new_tokens``.
 
-    Raises SetupError if no example results (empty source, documents shorter than one window).
+    Raises SetupError if no example results (empty source, documents shorter than one window), or a prompt has no
+    tokens (an empty prompt field with a tokenizer that adds no bos token).
     """
     rows = load_rows(src)
     where = src.get("path") or f"corpus {src.get('corpus')}"
@@ -311,24 +312,22 @@ def build_examples(src: Any, tokenizer: Any, data_cfg: Any) -> list[dict[str, li
             completion = tokenizer(_field(row, completion_field, where, i), add_special_tokens=False)["input_ids"]
             completion = (list(completion) + eos)[:max_new]
         out.append({"prompt_ids": prompt, "completion_ids": completion})
+    empty = [i + 1 for i, e in enumerate(out) if not e["prompt_ids"]]
+    if empty:  # the first completion token would have nothing to be predicted from (the row trained nothing)
+        raise SetupError(f"{where}: {len(empty)} of {len(out)} prompts have no tokens (rows "
+                         f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}: an empty prompt, and "
+                         "the tokenizer adds no bos token); give every row a prompt, e.g. move the completion's first "
+                         "words into it, or use text data (kind: text)")
     return out
 
 
 def check_lengths(examples: list[dict], context: int | None, data_cfg: Any, what: str = "data.source",
                   max_new_key: str = "data.max_new_tokens") -> list[dict]:
-    """Enforce a prompt of at least one token, ``len(prompt) + max_new_tokens <= context`` and
-    ``data.max_prompt_tokens``. ``max_new_key`` names the setting ``data_cfg.max_new_tokens`` came from.
+    """Enforce ``len(prompt) + max_new_tokens <= context`` and ``data.max_prompt_tokens``. ``max_new_key`` names the
+    setting ``data_cfg.max_new_tokens`` came from.
 
     Long prompts are left-truncated when ``data.truncate_prompts`` is true; otherwise SetupError names the fix.
-    An empty prompt (an empty field, with a tokenizer that adds no bos token) is a SetupError: its first
-    completion token has nothing to be predicted from, so the row trained nothing, and generation needs a prefix.
     """
-    empty = [i for i, e in enumerate(examples) if not e["prompt_ids"]]
-    if empty:
-        raise SetupError(f"{len(empty)} of {len(examples)} prompts in {what} have no tokens (rows "
-                         f"{', '.join(str(i + 1) for i in empty[:5])}{', ...' if len(empty) > 5 else ''}: an empty "
-                         "prompt, and the tokenizer adds no bos token); give every row a prompt, e.g. move the "
-                         "completion's first words into it, or use text data (data.source.kind=text)")
     max_new = int(data_cfg.max_new_tokens)
     limit = int(data_cfg.max_prompt_tokens) if data_cfg.get("max_prompt_tokens") else None
     if context is not None:

@@ -229,11 +229,14 @@ def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
 
 
 def field_text(value: Any) -> str | None:
-    """The text a row's field holds: a string, or the first of a list of strings (multi-turn sets such as
-    MT-Bench's "turns" give their first turn). None for anything else (a number, an object, a chat ``messages``
-    list of role/content objects): such a field is not text, and its Python repr must not be trained on."""
+    """The text a row's field holds: a string, a number's digits (a csv column of numbers is read as numbers), or
+    the first of a list of strings (multi-turn sets such as MT-Bench's "turns" give their first turn). None for
+    anything else (an object, a bool, a chat ``messages`` list of role/content objects): such a field is not text,
+    and its Python repr must not be trained on."""
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         value = value[0]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
     return value if isinstance(value, str) else None
 
 

@@ -296,11 +296,11 @@ def test_json_lines_may_hold_line_separators_and_a_byte_order_mark(tmp_path, tok
 
 
 @pytest.mark.parametrize("value,said", [([{"role": "user", "content": "hi"}], "holds a list of dict, not text .a chat"),
-                                        ({"text": "hi"}, "holds dict, not text"), (7, "holds int, not text"),
+                                        ({"text": "hi"}, "holds dict, not text"), (True, "holds bool, not text"),
                                         ([1, 2], "holds a list of int, not text")])
 def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, tok, value, said):
-    """A chat messages list trained on "{'role': 'user', 'content': ...}" (the first item's repr), and an int
-    completion on its digits; refused before loading (JSON) and when the rows are read (every format)."""
+    """A chat messages list trained on "{'role': 'user', 'content': ...}" (the first item's repr); refused before
+    loading (JSON) and when the rows are read (every format). Numbers stay text (a csv column of digits)."""
     from distill.data import preflight_source
 
     path = tmp_path / "m.jsonl"
@@ -312,9 +312,12 @@ def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, t
     pq = tmp_path / "m.parquet"
     import datasets
 
-    datasets.Dataset.from_dict({"q": ["a", "b"], "a": [7, 8]}).to_parquet(str(pq))
-    with pytest.raises(SetupError, match="row 1: field 'a' holds int, not text"):
+    datasets.Dataset.from_dict({"q": ["a", "b"], "a": [{"x": 1}, {"x": 2}]}).to_parquet(str(pq))
+    with pytest.raises(SetupError, match="row 1: field 'a' holds dict, not text"):
         build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())
+    datasets.Dataset.from_dict({"q": ["a", "b"], "a": [7, 8]}).to_parquet(str(pq))
+    ex = build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())
+    assert ex[0]["completion_ids"][:-1] == tok("7", add_special_tokens=False)["input_ids"]
 
 
 def test_parquet_and_csv_fields_are_checked_before_loading(tmp_path):

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,12 +125,17 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
     scheduler = Scheduler(decoder, tokenizer, metrics, max_batch_size, max_queue)
     created = int(time.time())
 
+    # Tokenizing (and rendering a chat template) takes ~1.4 s for a 1 MB prompt: done on the event loop it froze
+    # every stream and /health meanwhile. One worker thread keeps the tokenizer's calls in order.
+    tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftkit-tokenize")
+
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
         yield
         # uvicorn has stopped accepting and waited for open responses; drain what is still running.
         await asyncio.to_thread(scheduler.shutdown, True, 60.0)
+        tokenize.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="draftkit speculative decoder", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
@@ -246,7 +252,8 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
 
     async def serve(request: Request, chat: bool):
         req = validate(ChatCompletionRequest if chat else CompletionRequest, parse_json(await read_body(request)))
-        live = scheduler.submit(generation_request(req, chat), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        live = scheduler.submit(await loop.run_in_executor(tokenize, generation_request, req, chat), loop)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if req.stream:
             usage_wanted = bool(req.stream_options and req.stream_options.include_usage)

@@ -180,6 +180,38 @@ def test_dropped_non_streaming_request_is_aborted_while_it_decodes():
         assert (metric(url, "draftkit_requests_total", {"finish_reason": "length"}) or 0.0) == before["length"]
 
 
+def test_a_slow_tokenization_does_not_hold_up_other_requests():
+    """Prompts were tokenized on the event loop: a 1 MB prompt (~1.4 s to tokenize) froze every stream and
+    /health meanwhile. Here the tokenizer holds one prompt until /health has answered; on the event loop /health
+    could not answer (its read times out after 10 s, and the test fails)."""
+    dec, tok = tiny_pair()
+    entered, gate = threading.Event(), threading.Event()
+
+    class GatedTokenizer:  # the real tokenizer, except that the prompt "w9 w9" waits at the gate
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __len__(self):
+            return len(tok)
+
+        def __call__(self, text, *args, **kwargs):
+            if text == "w9 w9":
+                entered.set()
+                gate.wait(30)
+            return tok(text, *args, **kwargs)
+
+    with running_server(dec, GatedTokenizer()) as (url, app, _):
+        with cf.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(httpx.post, url + "/v1/completions", timeout=60,
+                               json={"model": MODEL, "prompt": "w9 w9", "max_tokens": 2, "temperature": 0})
+            assert entered.wait(30)
+            try:
+                assert httpx.get(url + "/health", timeout=10).status_code == 200
+            finally:
+                gate.set()
+            assert slow.result().status_code == 200
+
+
 def test_metrics_in_prometheus_format(server):
     url, client, dec, tok = server
     client.completions.create(model=MODEL, prompt="w6", max_tokens=8, temperature=0)

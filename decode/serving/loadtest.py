@@ -71,6 +71,19 @@ def server_rss(url: str, pid: int | None) -> int | None:
     return None
 
 
+def rss_after_load(url: str, pid: int | None) -> int | None:
+    """:func:`server_rss` after the load, or None with a warning when the server is gone (it crashed or was stopped
+    during the run): the load's results are reported and written all the same."""
+    import httpx
+
+    try:
+        return server_rss(url, pid)
+    except (OSError, httpx.HTTPError) as err:
+        print(f"warning: the server's memory could not be read after the load ({type(err).__name__}: {err}); did "
+              "it stop during the run? rss_after_bytes is null", file=sys.stderr)
+        return None
+
+
 async def _one(client, url: str, body: dict, headers: dict) -> dict:
     t0 = time.perf_counter()
     t_first = t_last = None
@@ -250,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     rss_before = server_rss(url, args.server_pid)
     raw = asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, args.concurrency, args.duration,
                                args.max_requests, args.max_tokens, args.temperature, args.api_key))
-    summary = summarize(raw, args.concurrency, rss_before, server_rss(url, args.server_pid))
+    summary = summarize(raw, args.concurrency, rss_before, rss_after_load(url, args.server_pid))
     summary.update(model=model, max_tokens=args.max_tokens, temperature=args.temperature, duration_s=args.duration,
                    warmup_requests=warmup)
     print_table(summary)

@@ -105,6 +105,31 @@ def test_loadtest_output_that_appears_during_the_run_is_kept_with_the_results_be
     assert len(beside) == 1 and json.loads(beside[0].read_text())["errors"] == 0 and str(beside[0]) in err
 
 
+@pytest.mark.parametrize("pid", [False, True])
+def test_loadtest_keeps_its_results_when_the_server_is_gone_after_the_load(tmp_path, monkeypatch, capsys, pid):
+    """A server that stopped during the run made the final memory reading raise (a ConnectError traceback, or with
+    --server-pid a missing /proc file, exit 2): no table and no JSON for the requests that ran."""
+    import httpx
+
+    real, calls = loadtest.server_rss, []
+
+    def gone_after_the_load(url, server_pid):
+        calls.append(url)
+        if len(calls) == 1:
+            return real(url, server_pid)
+        raise FileNotFoundError(f"/proc/{server_pid}/status") if pid else httpx.ConnectError("Connection refused")
+
+    monkeypatch.setattr(loadtest, "server_rss", gone_after_the_load)
+    out = tmp_path / "load.json"
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):
+        rc = loadtest.main(["--url", url, "--duration", "0.5", "--concurrency", "1", "--max-tokens", "2",
+                            "--output", str(out), *(["--server-pid", str(os.getpid())] if pid else [])])
+    summary = json.loads(out.read_text())
+    assert rc == 0 and summary["requests"] >= 1 and summary["rss_after_bytes"] is None and len(calls) == 2
+    assert "could not be read after the load" in capsys.readouterr().err
+
+
 def test_loadtest_output_under_home_is_written_there(tmp_path, monkeypatch):
     """--output '~/load.json' (quoted, so the shell leaves ~) was checked in the expanded folder but written to a
     literal '~' folder: the finished run failed on its last line."""

@@ -74,19 +74,26 @@ def make_server(app: Any, host: str, port: int, graceful_shutdown_s: float = 30.
     responses, then cancels them: a bare plain-text 500 with a traceback in the log, or a stream cut mid-body.
     This server starts draining the scheduler at the same moment with a deadline a little inside uvicorn's, so a
     request still running then ends with a 503 ``shutting_down`` in OpenAI's shape (on a stream: an error event and
-    ``data: [DONE]``) before uvicorn would cancel it.
+    ``data: [DONE]``) before uvicorn would cancel it. A second Ctrl-C (uvicorn's ``force_exit``) ends the running
+    requests the same way at once and exits.
     """
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None):
             margin = min(1.0, graceful_shutdown_s / 2)  # time for the 503s to reach their clients
-            drain = asyncio.ensure_future(asyncio.to_thread(app.state.scheduler.shutdown, True,
-                                                            graceful_shutdown_s - margin))
+            scheduler = app.state.scheduler
+            drain = asyncio.ensure_future(asyncio.to_thread(scheduler.shutdown, True, graceful_shutdown_s - margin))
             try:
                 await super().shutdown(sockets)
             finally:
+                while not drain.done() and not self.force_exit:
+                    await asyncio.wait({drain}, timeout=0.1)
+                if not drain.done():  # a second Ctrl-C: end what still runs now (503s), not after the drain period
+                    await asyncio.to_thread(scheduler.shutdown, False, 10.0)
                 await drain
+                if self.force_exit:  # uvicorn then skips the app's lifespan shutdown, and the cancelled lifespan
+                    await self.lifespan.shutdown()  # task logged a CancelledError traceback: run it (quick now)
 
     return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          timeout_graceful_shutdown=graceful_shutdown_s))

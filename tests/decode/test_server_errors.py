@@ -417,3 +417,34 @@ def test_every_http_error_is_counted_in_rejected_requests(server):
     assert post(url, ok(), key="wrong").status_code == 401
     assert httpx.get(url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 404
     assert rejected("401") == before["401"] + 1 and rejected("404") == before["404"] + 1
+
+
+def test_a_second_ctrl_c_ends_running_requests_at_once_with_503(caplog):
+    """uvicorn's force exit (a second Ctrl-C) still waited out the whole drain period (a 1000-token stream ran to
+    its end, or 30 s), then logged a CancelledError traceback from the app's skipped lifespan shutdown."""
+    import json
+    import threading
+
+    dec, tok = tiny_pair()
+    real_step = dec.step
+    dec.step = lambda: time.sleep(0.05) or real_step()  # 240 tokens at γ=3 take > 3 s
+    results = {}
+    with running_server(dec, tok, graceful_shutdown_s=60.0) as (url, app, server):
+        def streamed():
+            body = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        t = threading.Thread(target=streamed)
+        t.start()
+        deadline = time.time() + 20
+        while app.state.scheduler.num_running < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        server.should_exit = True  # the first Ctrl-C: drain
+        time.sleep(0.3)
+        server.force_exit = True  # the second
+        t.join(timeout=60)
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
+    assert not dec.has_unfinished()
+    assert "CancelledError" not in caplog.text

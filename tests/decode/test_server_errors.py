@@ -403,6 +403,19 @@ def test_chat_message_name_reaches_the_template():
         assert named.status_code == 200 and named.json()["usage"]["prompt_tokens"] == 3  # w7 w2 w9
 
 
+def test_chat_content_parts_are_joined_by_newlines_and_an_empty_list_is_refused(server):
+    """Text parts were joined with "" ("a" + "b" -> "ab"; vLLM joins them with newlines), and "content": [] was
+    accepted as an empty message."""
+    from decode.serving.protocol import ChatCompletionRequest, validate
+
+    parts = [{"type": "text", "text": "def f():"}, {"type": "text", "text": "    return 1"}]
+    req = validate(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    assert req.messages[0].text() == "def f():\n    return 1"
+    url, _ = server
+    empty = post(url, chat(messages=[{"role": "user", "content": []}]), path="/v1/chat/completions")
+    assert_error(empty, 400, "at least 1 item")
+
+
 def test_every_http_error_is_counted_in_rejected_requests(server):
     """401 (answered by the auth middleware) and 404 (by Starlette) were not counted: only errors raised inside a
     handler were."""

@@ -126,6 +126,9 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
     context = getattr(decoder, "context_length", None)
     max_prompt = limits.max_prompt_tokens or (context - 1 if context else 1 << 20)
     max_tokens_limit = limits.max_tokens or (context or 1 << 16)
+    if limits.max_tokens and context and limits.max_tokens >= context:
+        log.warning("--max-tokens-limit %d is not below the target's context (%d tokens): the context is the limit "
+                    "(a prompt of at least one token leaves at most %d)", limits.max_tokens, context, context - 1)
     vocab = getattr(decoder, "vocab_size", None) or len(tokenizer)
     base_stops = stop_token_ids(tokenizer, getattr(decoder, "target", None))
     metrics = ServerMetrics()
@@ -167,7 +170,7 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
         metrics.rejected.labels("500").inc()
         return JSONResponse(APIError(500, f"internal error: {err.__class__.__name__}: {err}").body(), 500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load-balancer probes that send it
     async def health():
         return {"status": "ok", "model": model_name, "num_draft_tokens": getattr(decoder, "num_draft_tokens", None),
                 "running": scheduler.num_running, **(info or {})}

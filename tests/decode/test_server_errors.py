@@ -416,6 +416,17 @@ def test_chat_content_parts_are_joined_by_newlines_and_an_empty_list_is_refused(
     assert_error(empty, 400, "at least 1 item")
 
 
+def test_health_answers_head_and_a_max_tokens_limit_past_the_context_is_named(caplog):
+    """HEAD /health (some load-balancer probes) was a 405; --max-tokens-limit above the context was silent."""
+    import logging
+
+    dec, tok = tiny_pair()
+    with caplog.at_level(logging.WARNING, logger="decode.serving"):
+        with running_server(dec, tok, limits=ServerLimits(max_tokens=5000)) as (url, _, _):
+            assert httpx.head(url + "/health", timeout=10).status_code == 200
+    assert f"--max-tokens-limit 5000 is not below the target's context ({dec.context_length} tokens)" in caplog.text
+
+
 def test_every_http_error_is_counted_in_rejected_requests(server):
     """401 (answered by the auth middleware) and 404 (by Starlette) were not counted: only errors raised inside a
     handler were."""

@@ -351,10 +351,11 @@ def find_latest(output_dir: str | Path) -> Path | None:
 
 def rerun_overrides(output_dir: str | Path) -> list[str]:
     """The overrides with which a tool that owns ``output_dir`` reruns ``distill train`` after an interruption:
-    ``train.resume=true`` when the run has a complete checkpoint (it continues where it stopped),
-    ``train.overwrite=true`` when it was killed before its first one (nothing to continue), none for a new run."""
+    ``train.resume=true`` when the run has a checkpoint folder (it continues where it stopped; one that is damaged,
+    since saves are renamed into place whole, is then named by the resume instead of deleted),
+    ``train.overwrite=true`` when it was killed before its first save (nothing to continue), none for a new run."""
     out = Path(output_dir)
-    if out.is_dir() and find_latest(out) is not None:
+    if out.is_dir() and (list_checkpoints(out) or (out / "best").is_dir()):
         return ["train.resume=true"]
     return ["train.overwrite=true"] if out.is_dir() and any(out.iterdir()) else []
 

@@ -206,6 +206,18 @@ def test_rerun_overrides_continue_or_restart_a_tool_s_own_run(straight, tmp_path
     (killed / "metrics.jsonl").write_text("")  # killed before its first complete checkpoint
     assert ckpt.rerun_overrides(killed) == ["train.overwrite=true"]
     assert ckpt.rerun_overrides(tmp_path / "new") == [] and ckpt.rerun_overrides(tmp_path / "killed" / "x") == []
+    (killed / "step_000002.tmp").mkdir()  # a save cut short: never renamed into place
+    assert ckpt.rerun_overrides(killed) == ["train.overwrite=true"]
+    # A run whose only checkpoint is damaged (a byte cut off a file) was started over with train.overwrite=true,
+    # deleting the checkpoint and the metrics; now it is resumed, which names the damage and stops.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(straight, damaged)
+    for extra in [p for p in ckpt.list_checkpoints(damaged)][:-1] + [damaged / "best"]:
+        shutil.rmtree(extra, ignore_errors=True)
+    only = ckpt.list_checkpoints(damaged)[-1]
+    victim = next(p for p in sorted(only.iterdir()) if p.suffix == ".safetensors")
+    victim.write_bytes(victim.read_bytes()[:-1])
+    assert ckpt.find_latest(damaged) is None and ckpt.rerun_overrides(damaged) == ["train.resume=true"]
 
 
 def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):

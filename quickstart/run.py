@@ -37,6 +37,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -117,14 +118,28 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None,
     return rc == 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken like Ctrl-C (``kill PID``, systemd and ``docker stop`` send it): the phase saves, then stop."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def _run_child(cmd: list[str], env: dict, console) -> int:
-    """Run a phase's subprocess; its exit status. On Ctrl-C (which the child gets too: one process group) wait for
-    the child to save its checkpoint and exit, instead of ``subprocess.run``'s kill after 0.25 s, which lost the
-    steps since the last save; a second Ctrl-C kills it."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    """Run a phase's subprocess; its exit status. The child has its own process group, so a Ctrl-C in the terminal
+    reaches this process only, and this process passes it on, once, as it does SIGTERM (a child in our group got
+    the terminal's Ctrl-C but not a SIGTERM sent to this process, which then died and left the child running on its
+    own; a Ctrl-C sent to this process alone never reached the child). Then wait for the child to save its
+    checkpoint and exit, instead of ``subprocess.run``'s kill after 0.25 s, which lost the steps since the last
+    save; a second Ctrl-C kills it."""
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, process_group=0)
     try:
         return proc.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        proc.send_signal(signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
         console.print("[yellow]interrupted: waiting for the phase to save its checkpoint (Ctrl-C again to kill it)")
         try:
             proc.wait()
@@ -778,12 +793,19 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     for key, value in _env(qs.get("threads")).items():  # the in-process phases run offline too
         os.environ.setdefault(key, value)
+    import signal
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # like Ctrl-C: save, exit 130
     try:
         return _run_phases(qs, experiment, out, extra, console, phases, results, t_start)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; nothing is lost: run the same command again to continue (finished "
                       f"phases under {out} are reused, an interrupted one resumes from its last save)")
         return INTERRUPTED_EXIT
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phases: dict, results: dict,

@@ -248,9 +248,12 @@ def test_an_interrupted_phase_ends_the_run_with_a_resume_hint(tmp_path, monkeypa
     assert (out / "tokenizer" / "tokenizer.json").is_file() and not (out / "results.json").exists()
 
 
-def test_ctrl_c_waits_for_a_subprocess_phase_to_save(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_reaches_a_subprocess_phase_once_and_waits_for_it_to_save(tmp_path, signame):
     """subprocess.run kills its child 0.25 s after a Ctrl-C, so a distill phase lost the steps since its last
-    checkpoint; the phase now gets the time its own SIGINT handler needs to save and exit."""
+    checkpoint; the phase now gets the time its own handler needs to save and exit. The phase has its own process
+    group and this process passes the signal on: a SIGTERM to this process killed it at once and left the phase
+    running on its own, and a Ctrl-C sent to this process alone never reached the phase (it ran to its end)."""
     import signal
     import threading
     import time as time_
@@ -259,11 +262,15 @@ def test_ctrl_c_waits_for_a_subprocess_phase_to_save(tmp_path):
 
     saved = tmp_path / "saved"
     child = ("import signal, sys, time, pathlib\n"
-             "def stop(*_):\n"
+             "got = []\n"
+             "def stop(signum, frame):\n"
+             "    got.append(signal.Signals(signum).name)\n"
+             "    if len(got) > 1: return\n"
              "    time.sleep(1.5)  # a checkpoint save\n"
-             f"    pathlib.Path({str(saved)!r}).write_text('step 7')\n"
+             f"    pathlib.Path({str(saved)!r}).write_text(' '.join(got))\n"
              "    sys.exit(130)\n"
              "signal.signal(signal.SIGINT, stop)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
              f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('')\n"
              "time.sleep(60)\n")
     procs = []
@@ -275,25 +282,27 @@ def test_ctrl_c_waits_for_a_subprocess_phase_to_save(tmp_path):
             procs.append(proc)
         return proc
 
-    def ctrl_c():  # what a terminal's Ctrl-C does: SIGINT to the child and to this process
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # so the main thread gets it (EINTR in waitpid)
+    sig = getattr(signal, signame)
+
+    def send():  # a terminal's Ctrl-C (the foreground group: this process, not the phase's group), or kill PID
+        signal.pthread_sigmask(signal.SIG_BLOCK, {sig})  # so the main thread gets it (EINTR in waitpid)
         deadline = time_.time() + 30
         while not (tmp_path / "ready").exists() and time_.time() < deadline:
             time_.sleep(0.05)
-        procs[0].send_signal(signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), sig)
 
     quickstart.subprocess.Popen, phases = popen, {}
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job
-    try:                                                                  # ignores SIGINT)
-        threading.Thread(target=ctrl_c, daemon=True).start()
+    handler = signal.default_int_handler if signame == "SIGINT" else quickstart._on_sigterm  # as main() installs
+    previous = signal.signal(sig, handler)
+    try:
+        threading.Thread(target=send, daemon=True).start()
         with pytest.raises(KeyboardInterrupt) as stop:
             quickstart.run_phase("distill", [sys.executable, "-c", child], phases, Console(file=open(os.devnull, "w")))
     finally:
         quickstart.subprocess.Popen = real_popen
-        signal.signal(signal.SIGINT, previous)
-    assert stop.value.args == ()  # this process's own Ctrl-C, not the phase's exit status 130
-    assert saved.read_text() == "step 7" and procs[0].returncode == 130
+        signal.signal(sig, previous)
+    assert stop.value.args == ()  # this process's own signal, not the phase's exit status 130
+    assert saved.read_text() == signame and procs[0].returncode == 130  # the phase got it once, saved, exited
 
 
 def test_a_full_disk_while_writing_results_prints_them_and_leaves_no_cut_file(tmp_path, monkeypatch, capsys):

@@ -120,7 +120,20 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike):
     bos = SPECIAL_TOKENS["bos_token"]
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                        special_tokens=[(bos, tok.token_to_id(bos))])
-    PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS).save_pretrained(str(out_dir))
+    # Saved into a sibling folder and renamed into place whole: tokenizer.json is the phase's "done" marker, and a
+    # save cut short in place (a full disk, a kill) left a truncated one that every rerun reused and failed on.
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():  # a save of ours cut short before (never renamed into place)
+        shutil.rmtree(tmp)
+    try:
+        PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS).save_pretrained(str(tmp))
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    tmp.rename(out_dir)
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
@@ -132,7 +145,12 @@ def load_or_train_tokenizer(cfg: PretrainConfig, log=print):
 
     path = Path(cfg.tokenizer)
     if (path / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(path))
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as err:  # e.g. a tokenizer.json cut short by an earlier version's save
+            raise ValueError(f"{path} holds a tokenizer that does not load ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}); delete that folder to train the "
+                             "tokenizer again (the phases after it must be redone too)") from err
     t0 = time.time()
     texts = list(load_corpus(cfg.corpus, "train")["text"])
     tok = train_tokenizer(texts, cfg.vocab_size, path)

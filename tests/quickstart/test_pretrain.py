@@ -111,6 +111,37 @@ def test_bad_settings_fail_before_training(tmp_path):
         pt.pretrain(_cfg(tmp_path, max_steps=None, budget_s=0))
 
 
+def test_a_tokenizer_save_cut_short_leaves_nothing_that_reads_as_done(tmp_path, monkeypatch):
+    """save_pretrained wrote straight into the folder whose tokenizer.json marks the phase done: a full disk left a
+    truncated one that every rerun reused ("tokenizer: reusing") and then failed on with a bare JSON error."""
+    import errno
+
+    from transformers import PreTrainedTokenizerFast
+
+    real = PreTrainedTokenizerFast.save_pretrained
+
+    def full_disk(self, save_directory, *a, **k):
+        real(self, save_directory, *a, **k)
+        path = pt.Path(save_directory) / "tokenizer.json"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", full_disk)
+    out = tmp_path / "tok"
+    out.mkdir()  # an empty folder made beforehand is fine
+    with pytest.raises(OSError, match="No space"):
+        train_tokenizer(TEXTS, 300, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"] and not any(out.iterdir())
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", real)
+    assert len(train_tokenizer(TEXTS, 300, out)) > 259
+    # a truncated tokenizer.json left by an earlier version is named, with the fix
+    cut = out / "tokenizer.json"
+    cut.write_bytes(cut.read_bytes()[:500])
+    cfg = PretrainConfig(out="", tokenizer=str(out), corpus="tinyshakespeare", vocab_size=300)
+    with pytest.raises(ValueError, match="holds a tokenizer that does not load .*delete that folder"):
+        pt.load_or_train_tokenizer(cfg)
+
+
 def test_cli_tokenizer_only(tmp_path, capsys):
     pt.main(["--tokenizer", str(tmp_path / "tok"), "--corpus", "tinyshakespeare", "--vocab-size", "280",
              "--tokenizer-only"])

@@ -294,9 +294,11 @@ def run_eval(cfg: Any, opts: dict) -> None:
                                  progress=report, verify_costs=None if cfg.eval.get("verify_costs") is None
                                  else [float(v) for v in cfg.eval.verify_costs])
     text = json.dumps(result, indent=2)
+    print(text)  # first: a results file that cannot be written (a full disk) loses nothing
     if opts.get("out"):
-        Path(opts["out"]).write_text(text)
-    print(text)
+        from distill.checkpoint import write_results
+
+        write_results(text, opts["out"], bool(opts.get("overwrite")))
 
 
 HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {

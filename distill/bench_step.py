@@ -16,7 +16,6 @@ import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -195,8 +194,8 @@ def _bench(run: Any, steps: int, warmup: int, out: str | None, log: Any, overwri
     if other:
         log(f"  bound / recipe step with the {result['other_loss_form']} loss = "
             f"{result['efficiency_other_loss_form']:.2f}")
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w" if overwrite else "x") as f:  # a results file is replaced only when asked
-            json.dump(result, f, indent=2)
+    if out:  # after the table above: a results file that cannot be written loses nothing
+        from distill.checkpoint import write_results
+
+        write_results(json.dumps(result, indent=2), out, overwrite)
     return result

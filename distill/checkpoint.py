@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -146,6 +147,22 @@ def write_manifest(folder: Path, step: int) -> None:
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
              if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)}
     write_json(folder / MANIFEST_FILE, {"format": FORMAT_VERSION, "complete": True, "step": step, "files": files})
+
+
+def write_results(text: str, out: str, overwrite: bool) -> None:
+    """Write an ``--out`` results file (checked before the work: :func:`decode.outputs.check_output_file`) whole
+    or not at all; a file made meanwhile is kept (without ``overwrite``), and the results go beside it (said)."""
+    from decode.outputs import write_new_file
+    from distill.models import SetupError
+
+    path = Path(out).expanduser()
+    try:
+        written = write_new_file(text, path, overwrite)
+    except ValueError as err:  # a full disk or a quota: the results were printed above
+        raise SetupError(f"--out: {err}") from err
+    if written != path:
+        print(f"warning: --out {str(path)!r} appeared during the run and was kept; the results are in "
+              f"{str(written)!r}", file=sys.stderr)
 
 
 def replace_dir(tmp: Path, path: Path) -> None:

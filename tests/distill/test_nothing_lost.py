@@ -516,3 +516,42 @@ def test_generate_data_checks_its_cache_folder_whatever_data_completions_says(pa
         err = capsys.readouterr().err
         assert e.value.code == 2 and "data.target_generated.path" in err and expect in err, err
     assert afile.read_text() == "mine" and sorted(p.name for p in folder.iterdir()) == ["data.arrow"]
+
+
+def test_a_results_file_that_cannot_be_written_leaves_no_empty_file(tmp_path, monkeypatch, capsys):
+    """eval/bench-step --out opened the file first and wrote into it: a full disk left a 0-byte file (which the
+    next run refused to overwrite) and, with --overwrite, emptied the earlier results. Now the file appears whole
+    or not at all, and the error names --out (the results were printed before)."""
+    import errno
+
+    import decode.outputs
+    from distill.models import SetupError
+
+    out = tmp_path / "ev.json"
+    ckpt.write_results('{"a": 1}', str(out), overwrite=False)
+    assert json.loads(out.read_text()) == {"a": 1}
+    real = decode.outputs.os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(decode.outputs.os, "fdopen", lambda fd, mode: Full(real(fd, mode)))
+    with pytest.raises(SetupError, match="--out: could not write .*No space left"):
+        ckpt.write_results('{"a": 2}', str(out), overwrite=True)
+    with pytest.raises(SetupError, match="--out: could not write"):
+        ckpt.write_results('{"b": 1}', str(tmp_path / "new.json"), overwrite=False)
+    assert json.loads(out.read_text()) == {"a": 1} and sorted(p.name for p in tmp_path.iterdir()) == ["ev.json"]
+    monkeypatch.setattr(decode.outputs.os, "fdopen", real)
+    out.write_text("theirs")  # made while the command ran: kept, the results go beside it
+    ckpt.write_results('{"a": 3}', str(out), overwrite=False)
+    assert out.read_text() == "theirs" and "appeared during the run and was kept" in capsys.readouterr().err

@@ -584,6 +584,34 @@ def make_out_dir(out: Path, setting: str) -> None:
                          "folder you can create and write to") from None
 
 
+LOCK_FILE = ".quickstart.lock"
+
+
+def lock_out_dir(out: Path):
+    """Hold an exclusive lock on ``out/.quickstart.lock`` for this run, or raise ValueError when another quickstart
+    holds it (two runs into one folder trained, overwrote and mixed each other's phases). The lock is the open
+    file's ``flock``: the system releases it when the process ends, also on ``kill -9``, so none is ever stale.
+    Returns the open file (keep it open while the run lasts); None where ``fcntl`` does not exist (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    f = open(out / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise ValueError(f"another quickstart is running into {out} ({holder or 'its process is not named'}); wait "
+                         "for it to finish or stop it (Ctrl-C: its phase saves first), or give another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    f.flush()
+    return f
+
+
 def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
                   seed: int, max_gamma: int) -> dict:
     """Choose γ per draft and temperature from a calibration run, before any timed run.
@@ -783,6 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         check_prompt_sets(qs.eval)
         check_artifacts(qs, out)  # what is under --out already: reused only if this configuration made it
         make_out_dir(out, "--out" if args.out else f"quickstart.out_dir ({qs.out_dir})")
+        lock = lock_out_dir(out)  # held until the run ends (closed below)
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
@@ -806,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+        if lock is not None:
+            lock.close()
 
 
 def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phases: dict, results: dict,

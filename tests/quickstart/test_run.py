@@ -175,6 +175,21 @@ def test_compiling_without_a_cpp_compiler_is_refused_before_any_phase(tmp_path, 
     assert quickstart.eval_compile(OmegaConf.create({"compile": False})) is False  # no compiler needed
 
 
+def test_a_second_quickstart_into_the_same_folder_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):
+    """Two runs into one --out trained over each other: the second's target replaced the first's (whose results
+    then described a model it did not train), and an overwrite deleted the first's running distillation files."""
+    out = tmp_path / "qs"
+    out.mkdir()
+    held = quickstart.lock_out_dir(out)  # the first run, still going
+    monkeypatch.setattr(quickstart, "_run_phases", lambda *a, **k: pytest.fail("a phase ran"))
+    assert quickstart.main(["--smoke", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"another quickstart is running into {out} (pid {os.getpid()} on " in err and "give another --out" in err
+    held.close()  # the first run ended (also what kill -9 does): the lock goes with it
+    monkeypatch.setattr(quickstart, "_run_phases", lambda *a, **k: 0)
+    assert quickstart.main(["--smoke", "--out", str(out)]) == 0
+
+
 def test_a_cache_made_with_other_settings_is_named_not_reused(tmp_path):
     from quickstart.run import _cache_complete
 

@@ -862,6 +862,11 @@ def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phase
 
     export_dir = out / qs.export.dir
     distilled = cached("distill+export", export_dir / "config.json")
+    results["distill_overrides"] = extra
+    if distilled and extra:  # they were ignored without a word, and results.json did not say which were asked for
+        console.print(f"[yellow]--distill-overrides {shlex.join(extra)} apply when the distillation runs; this run "
+                      f"reuses {export_dir}. To distill with them, delete {export_dir} and {out / qs.distill.dir} "
+                      "(or give another --out)")
     if not distilled:
         scored = True
         if _cache_overrides(qs, out):  # quickstart.distill.target_logits=cached: score the training data once first

@@ -242,6 +242,23 @@ def test_a_failed_evaluation_still_writes_results_and_keeps_the_models(tmp_path,
     assert "rerun the same command" in " ".join(capsys.readouterr().out.split())  # rich wraps long lines
 
 
+def test_distill_overrides_on_a_reused_distillation_are_named_and_recorded(tmp_path, monkeypatch, capsys):
+    """A rerun with other --distill-overrides reused the finished distilled draft without a word, and results.json
+    did not record the overrides asked for."""
+    out = tmp_path / "qs"
+    for marker in ("tokenizer/tokenizer.json", "target/pretrain.json", "draft-baseline/pretrain.json",
+                   "draft-distilled/config.json"):  # every phase already done: only the evaluation runs
+        (out / marker).parent.mkdir(parents=True, exist_ok=True)
+        (out / marker).write_text("{}")
+    monkeypatch.setattr(quickstart, "evaluate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("not needed")))
+    quickstart.main(["--smoke", "--out", str(out), "--distill-overrides", "train.max_steps=12 optim.lr=1e-2"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--distill-overrides train.max_steps=12 optim.lr=1e-2 apply when the distillation runs" in said
+    assert f"delete {out / 'draft-distilled'}" in said
+    assert json.loads((out / "results.json").read_text())["distill_overrides"] == ["train.max_steps=12",
+                                                                                   "optim.lr=1e-2"]
+
+
 def test_an_interrupted_phase_ends_the_run_with_a_resume_hint(tmp_path, monkeypatch, capsys):
     """A phase stopped by Ctrl-C (exit 130 after saving) used to be reported as failed ("Nothing to evaluate");
     the run now stops with 130 and says that rerunning continues, writing no results.json."""

@@ -88,7 +88,18 @@ class PretrainConfig:
 
 # ------------------------------------------------------------------------------------------------ tokenizer
 
-def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike):
+TOKENIZER_RECORD = "quickstart_tokenizer.json"  # beside the tokenizer: the vocab_size and corpus it was trained for
+
+
+def tokenizer_record(folder: str | os.PathLike) -> dict | None:
+    """What a tokenizer folder was trained for (``{"vocab_size", "corpus"}``), or None (not recorded: older runs)."""
+    try:
+        return json.loads((Path(folder) / TOKENIZER_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike, record: dict | None = None):
     """Train a byte-level BPE tokenizer and save it as a Hugging Face fast tokenizer.
 
     Byte-level (GPT-2 style) so any text, including unseen characters, encodes without unknown tokens. ids 0, 1, 2
@@ -128,6 +139,8 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike):
         shutil.rmtree(tmp)
     try:
         PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS).save_pretrained(str(tmp))
+        if record is not None:
+            (tmp / TOKENIZER_RECORD).write_text(json.dumps(record))
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -153,7 +166,7 @@ def load_or_train_tokenizer(cfg: PretrainConfig, log=print):
                              "tokenizer again (the phases after it must be redone too)") from err
     t0 = time.time()
     texts = list(load_corpus(cfg.corpus, "train")["text"])
-    tok = train_tokenizer(texts, cfg.vocab_size, path)
+    tok = train_tokenizer(texts, cfg.vocab_size, path, {"vocab_size": cfg.vocab_size, "corpus": cfg.corpus})
     log(f"tokenizer: trained byte-level BPE, vocab {len(tok)}, on {len(texts)} {cfg.corpus} train documents "
         f"in {time.time() - t0:.1f}s -> {path}")
     return tok

@@ -536,7 +536,16 @@ def check_artifacts(qs, out: Path) -> None:
     deleted to redo it) is refused too: the phases after it must be redone, so their folders must go as well. Nothing
     is deleted here. Raises ValueError naming the folder and the fix."""
     from distill.checkpoint import find_latest
+    from quickstart.pretrain import tokenizer_record
 
+    made = tokenizer_record(out / "tokenizer") or {}
+    diff = {k: (made[k], v) for k, v in (("vocab_size", int(qs.vocab_size)), ("corpus", qs.corpus))
+            if k in made and made[k] != v}
+    if diff:  # it was reused, and the models made with it recorded the asked-for value, not the real one
+        raise ValueError(f"{out / 'tokenizer'} holds a tokenizer trained with "
+                         f"{', '.join(f'{k}={o!r}' for k, (o, _) in diff.items())}, and this run asks for "
+                         f"{', '.join(f'{k}={v!r}' for k, (_, v) in diff.items())}: choose another --out, or set "
+                         "those settings to its values to reuse it")
     for which in ("target", "draft"):
         folder = out / qs[which].dir
         old = (_pretrain_record(folder) or {}).get("config") or {}

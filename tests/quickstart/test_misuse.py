@@ -77,6 +77,19 @@ def test_a_model_made_with_other_settings_is_not_reused(tmp_path, capsys):
     assert (out / "target" / "pretrain.json").is_file()
 
 
+def test_a_tokenizer_trained_with_another_vocabulary_is_not_reused(tmp_path, capsys):
+    """A folder holding only a 512-id tokenizer, given vocab_size=1024, reused it, and the target trained with it
+    recorded vocab_size 1024, so every later check passed on a false record."""
+    from quickstart.pretrain import TOKENIZER_RECORD
+
+    out = tmp_path / "qs"
+    _write(out / "tokenizer" / "tokenizer.json", {})
+    _write(out / "tokenizer" / TOKENIZER_RECORD, {"vocab_size": 512, "corpus": "stdlib"})
+    err = _refused(["--smoke", "--out", str(out), "vocab_size=1024"], capsys)
+    assert f"{out / 'tokenizer'} holds a tokenizer trained with vocab_size=512" in err and "vocab_size=1024" in err
+    assert (out / "tokenizer" / "tokenizer.json").is_file()  # nothing deleted
+
+
 def test_a_deleted_phase_with_later_artifacts_left_is_refused(tmp_path, capsys):
     """Deleting target/ retrained the target and then reused the draft distilled against the old one."""
     out = tmp_path / "qs"

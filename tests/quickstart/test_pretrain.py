@@ -146,6 +146,7 @@ def test_cli_tokenizer_only(tmp_path, capsys):
     pt.main(["--tokenizer", str(tmp_path / "tok"), "--corpus", "tinyshakespeare", "--vocab-size", "280",
              "--tokenizer-only"])
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert pt.tokenizer_record(tmp_path / "tok") == {"vocab_size": 280, "corpus": "tinyshakespeare"}
     with pytest.raises(SystemExit):
         pt.main(["--tokenizer", str(tmp_path / "tok")])  # --out missing
 

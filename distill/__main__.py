@@ -517,10 +517,14 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if name in HYDRA_COMMANDS:
-        run_hydra_command(name, rest)
-    elif name in COMMANDS:
-        COMMANDS[name](rest)
+    if name in HYDRA_COMMANDS or name in COMMANDS:
+        try:
+            run_hydra_command(name, rest) if name in HYDRA_COMMANDS else COMMANDS[name](rest)
+        except KeyboardInterrupt:  # (train saves a checkpoint first: its own handler; the others printed a traceback)
+            print(f"python -m distill {name}: interrupted (Ctrl-C). What was saved is kept: run the same command "
+                  "again to continue (cache-logits and generate-data resume from their last complete shard; an "
+                  "export leaves the earlier export as it was)", file=sys.stderr)
+            raise SystemExit(130) from None
     elif name in ELSEWHERE:
         _fail(f"`{name}` is part of the quickstart program, not of the distill library: run "
               f"`{ELSEWHERE[name]} {' '.join(rest) or '--help'}`".rstrip())

@@ -281,3 +281,17 @@ def test_eval_prompts_path_on_the_command_line(pair, tmp_path, capsys):
     assert len(ev) == 3 and len(examples) > 0  # nothing held out of training
     main(["eval", *ov, "--out", str(tmp_path / "ev.json")])
     assert 0 <= json.loads((tmp_path / "ev.json").read_text())["acceptance_rate"] <= 1
+
+
+def test_ctrl_c_in_a_command_is_a_resume_hint_not_a_traceback(monkeypatch, capsys):
+    """cache-logits, generate-data and export printed a raw KeyboardInterrupt traceback on Ctrl-C."""
+    import distill.__main__ as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "export", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(["export", "a", "b"])
+    assert e.value.code == 130
+    assert "python -m distill export: interrupted (Ctrl-C). What was saved is kept" in capsys.readouterr().err

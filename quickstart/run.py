@@ -135,7 +135,9 @@ def _run_child(cmd: list[str], env: dict, console) -> int:
     save; a second Ctrl-C kills it."""
     import signal
 
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, process_group=0)
+    # process_group is Python 3.11's; setpgrp before exec is the same on 3.10 (this package's floor)
+    own_group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, **own_group)
     try:
         return proc.wait()
     except KeyboardInterrupt as stop:

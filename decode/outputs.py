@@ -3,6 +3,7 @@ decode CLIs and, through :func:`distill.config.check_output_file`, by distill's)
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -100,3 +101,15 @@ def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_results(text: str, out: str | os.PathLike, overwrite: bool = False, key: str = "--out") -> Path:
+    """Write a results file (checked before the work: :func:`check_output_file`) with :func:`write_new_file`: whole
+    or not at all; one made meanwhile by someone else is kept (without ``overwrite``) and ``text`` goes beside it,
+    which a warning naming ``key`` says. Returns the path that holds ``text``. Raises ValueError (full disk)."""
+    path = Path(out).expanduser()
+    written = write_new_file(text, path, overwrite)
+    if written != path:
+        print(f"warning: {key} {str(path)!r} appeared during the run and was kept; the results are in "
+              f"{str(written)!r}", file=sys.stderr)
+    return written

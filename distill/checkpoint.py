@@ -38,7 +38,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -150,19 +149,15 @@ def write_manifest(folder: Path, step: int) -> None:
 
 
 def write_results(text: str, out: str, overwrite: bool) -> None:
-    """Write an ``--out`` results file (checked before the work: :func:`decode.outputs.check_output_file`) whole
-    or not at all; a file made meanwhile is kept (without ``overwrite``), and the results go beside it (said)."""
-    from decode.outputs import write_new_file
+    """:func:`decode.outputs.write_results` for an ``--out`` of ``distill eval`` / ``bench-step``, with a full disk
+    as a SetupError naming ``--out`` (exit 2; the results were printed before)."""
+    from decode.outputs import write_results as write
     from distill.models import SetupError
 
-    path = Path(out).expanduser()
     try:
-        written = write_new_file(text, path, overwrite)
-    except ValueError as err:  # a full disk or a quota: the results were printed above
+        write(text, out, overwrite)
+    except ValueError as err:
         raise SetupError(f"--out: {err}") from err
-    if written != path:
-        print(f"warning: --out {str(path)!r} appeared during the run and was kept; the results are in "
-              f"{str(written)!r}", file=sys.stderr)
 
 
 def replace_dir(tmp: Path, path: Path) -> None:

@@ -268,13 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                    warmup_requests=warmup)
     print_table(summary)
     if args.output:
-        from pathlib import Path
+        from decode.outputs import write_results
 
-        from decode.outputs import write_new_file
-
-        out = Path(args.output)
-        written = write_new_file(json.dumps(summary, indent=2), out)
-        if written != out:  # made by someone else while the load ran: keep theirs, and this run's results
-            print(f"warning: --output {str(out)!r} appeared during the run and was kept; the results are in "
-                  f"{str(written)!r}", file=sys.stderr)
+        write_results(json.dumps(summary, indent=2), args.output, key="--output")
     return 0 if summary["errors"] == 0 else 1

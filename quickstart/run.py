@@ -540,20 +540,16 @@ def check_artifacts(qs, out: Path) -> None:
     from distill.checkpoint import find_latest
     from quickstart.pretrain import tokenizer_record
 
-    made = tokenizer_record(out / "tokenizer") or {}
-    diff = {k: (made[k], v) for k, v in (("vocab_size", int(qs.vocab_size)), ("corpus", qs.corpus))
-            if k in made and made[k] != v}
-    if diff:  # it was reused, and the models made with it recorded the asked-for value, not the real one
-        raise ValueError(f"{out / 'tokenizer'} holds a tokenizer trained with "
-                         f"{', '.join(f'{k}={o!r}' for k, (o, _) in diff.items())}, and this run asks for "
-                         f"{', '.join(f'{k}={v!r}' for k, (_, v) in diff.items())}: choose another --out, or set "
-                         "those settings to its values to reuse it")
+    shared = {"corpus": ("corpus", qs.corpus), "vocab_size": ("vocab_size", int(qs.vocab_size))}
+    # (a tokenizer made with another vocabulary was reused, and the models trained with it recorded the asked-for
+    # value, not the real one; tokenizers made before their record existed are not checked)
+    records = [(out / "tokenizer", "tokenizer", tokenizer_record(out / "tokenizer") or {}, shared)]
     for which in ("target", "draft"):
         folder = out / qs[which].dir
-        old = (_pretrain_record(folder) or {}).get("config") or {}
-        want = {f"{which}.size": ("size", qs[which].size), "corpus": ("corpus", qs.corpus),
-                f"{which}.seq_len": ("seq_len", int(qs[which].seq_len)),
-                "vocab_size": ("vocab_size", int(qs.vocab_size))}
+        records.append((folder, which, (_pretrain_record(folder) or {}).get("config") or {},
+                        {f"{which}.size": ("size", qs[which].size), **shared,
+                         f"{which}.seq_len": ("seq_len", int(qs[which].seq_len))}))
+    for folder, which, old, want in records:
         diff = {key: (old[field], value) for key, (field, value) in want.items()
                 if field in old and old[field] != value}
         if diff:

@@ -86,7 +86,7 @@ def test_a_tokenizer_trained_with_another_vocabulary_is_not_reused(tmp_path, cap
     _write(out / "tokenizer" / "tokenizer.json", {})
     _write(out / "tokenizer" / TOKENIZER_RECORD, {"vocab_size": 512, "corpus": "stdlib"})
     err = _refused(["--smoke", "--out", str(out), "vocab_size=1024"], capsys)
-    assert f"{out / 'tokenizer'} holds a tokenizer trained with vocab_size=512" in err and "vocab_size=1024" in err
+    assert f"{out / 'tokenizer'} holds a tokenizer made with vocab_size=512" in err and "vocab_size=1024" in err
     assert (out / "tokenizer" / "tokenizer.json").is_file()  # nothing deleted
 
 

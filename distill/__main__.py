@@ -345,6 +345,9 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
                   f"see python -m distill {name} --help")
         else:
             overrides.append(a)
+    if opts.get("overwrite") and not opts.get("out"):
+        _fail("--overwrite replaces an existing --out file, and no --out was given (nothing is written without one); "
+              "add --out FILE or drop --overwrite")
     return flags, overrides, opts
 
 

@@ -295,3 +295,12 @@ def test_ctrl_c_in_a_command_is_a_resume_hint_not_a_traceback(monkeypatch, capsy
         main(["export", "a", "b"])
     assert e.value.code == 130
     assert "python -m distill export: interrupted (Ctrl-C). What was saved is kept" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["eval", "bench-step"])
+def test_overwrite_without_out_is_refused(command, capsys):
+    """--overwrite with no --out was accepted silently (nothing is written without --out)."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--overwrite", "draft.num_hidden_layers=1"])
+    assert e.value.code == 2 and "no --out was given" in capsys.readouterr().err
+

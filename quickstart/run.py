@@ -126,18 +126,38 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+_held_lock = None  # the run's --out lock (lock_out_dir), which every phase's subprocess holds too while it lives
+
+
+def _phase_process_setup() -> None:
+    """In a phase's subprocess before it runs: its own process group, and SIGTERM when this process dies (Linux's
+    ``PR_SET_PDEATHSIG``), so a ``kill -9`` of the quickstart makes the phase save and stop instead of training on
+    into the folder a rerun then uses. Never raises (a failure here would stop the phase from starting)."""
+    import signal
+
+    try:
+        os.setpgrp()
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _run_child(cmd: list[str], env: dict, console) -> int:
     """Run a phase's subprocess; its exit status. The child has its own process group, so a Ctrl-C in the terminal
     reaches this process only, and this process passes it on, once, as it does SIGTERM (a child in our group got
     the terminal's Ctrl-C but not a SIGTERM sent to this process, which then died and left the child running on its
     own; a Ctrl-C sent to this process alone never reached the child). Then wait for the child to save its
     checkpoint and exit, instead of ``subprocess.run``'s kill after 0.25 s, which lost the steps since the last
-    save; a second Ctrl-C kills it."""
+    save; a second Ctrl-C kills it. If this process is killed outright (``kill -9``), the child gets SIGTERM
+    (:func:`_phase_process_setup`), and it holds the run's lock until it has exited, so a rerun cannot start
+    beside it."""
     import signal
 
-    # process_group is Python 3.11's; setpgrp before exec is the same on 3.10 (this package's floor)
-    own_group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, **own_group)
+    lock = [_held_lock.fileno()] if _held_lock is not None else []
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=_phase_process_setup, pass_fds=lock)
     try:
         return proc.wait()
     except KeyboardInterrupt as stop:
@@ -818,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         check_prompt_sets(qs.eval)
         check_artifacts(qs, out)  # what is under --out already: reused only if this configuration made it
         make_out_dir(out, "--out" if args.out else f"quickstart.out_dir ({qs.out_dir})")
-        lock = lock_out_dir(out)  # held until the run ends (closed below)
+        lock = lock_out_dir(out)  # held until the run ends (closed below), and by each phase's subprocess
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
@@ -833,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # like Ctrl-C: save, exit 130
+    global _held_lock
+    _held_lock = lock
     try:
         return _run_phases(qs, experiment, out, extra, console, phases, results, t_start)
     except KeyboardInterrupt:
@@ -842,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+        _held_lock = None
         if lock is not None:
             lock.close()
 

@@ -337,6 +337,52 @@ def test_ctrl_c_or_sigterm_reaches_a_subprocess_phase_once_and_waits_for_it_to_s
     assert saved.read_text() == signame and procs[0].returncode == 130  # the phase got it once, saved, exited
 
 
+def test_a_phase_outlives_a_killed_quickstart_only_to_save_and_holds_the_lock_until_it_exits(tmp_path):
+    """kill -9 of the quickstart left its distill phase training on (its own process group) and freed the --out lock,
+    so a rerun resumed into the same folder beside it (two trainers; the rerun failed on a pruned step folder). The
+    phase now gets SIGTERM when the quickstart dies (it saves and stops) and holds the lock until it has exited."""
+    import signal
+    import subprocess
+    import time as time_
+
+    out, marker, pid_file = tmp_path / "qs", tmp_path / "saved", tmp_path / "child.pid"
+    out.mkdir()
+    child = ("import os, signal, sys, time, pathlib\n"
+             "def stop(signum, frame):\n"
+             "    time.sleep(1.5)  # a checkpoint save\n"
+             f"    pathlib.Path({str(marker)!r}).write_text(signal.Signals(signum).name)\n"
+             "    sys.exit(130)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+             "time.sleep(60)\n")
+    parent = ("import os, sys\n"
+              "from pathlib import Path\n"
+              "from rich.console import Console\n"
+              "import quickstart.run as q\n"
+              "q._held_lock = q.lock_out_dir(Path(sys.argv[1]))\n"
+              "q._run_child([sys.executable, '-c', sys.argv[2]], q._env(), Console(file=open(os.devnull, 'w')))\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent, str(out), child], cwd=quickstart.REPO,
+                            env={**os.environ, "PYTHONPATH": str(quickstart.REPO)})
+    deadline = time_.time() + 60
+    while not pid_file.exists() and time_.time() < deadline:
+        time_.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with pytest.raises(ValueError, match="another quickstart is running into"):  # the phase still holds it
+        quickstart.lock_out_dir(out).close()
+    while not marker.exists() and time_.time() < deadline:
+        time_.sleep(0.05)
+    assert marker.read_text() == "SIGTERM"  # the phase was told to stop, and saved
+    while time_.time() < deadline:
+        try:
+            quickstart.lock_out_dir(out).close()  # free once the phase has exited
+            break
+        except ValueError:
+            time_.sleep(0.05)
+    else:
+        pytest.fail("the lock was never released")
+
+
 def test_a_full_disk_while_writing_results_prints_them_and_leaves_no_cut_file(tmp_path, monkeypatch, capsys):
     """results.json was written in place: a full disk left an empty results.json (which the next run kept as an
     earlier result) and a traceback, and the run's measurements were gone."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,13 @@ def load_rows(src: Any) -> Any:
         if path.stat().st_size == 0:
             raise SetupError(f"data file {path} is empty; point the source at a file with rows")
         kw = {"sample_by": src.get("sample_by") or "paragraph"} if builder == "text" else {}
+        if builder == "csv":  # cells are text as written: no "0070" -> 70, no "None"/"NA" -> null (only empty is)
+            import csv
+
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                header = next(csv.reader(f), [])
+            kw = {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+                  "keep_default_na": False, "na_values": [""]}
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kw)
         except Exception as e:  # datasets raises many types (ArrowInvalid, DatasetGenerationError, ...)
@@ -235,7 +243,7 @@ def field_text(value: Any) -> str | None:
     and its Python repr must not be trained on."""
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         value = value[0]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return str(value)
     return value if isinstance(value, str) else None
 
@@ -243,6 +251,8 @@ def field_text(value: Any) -> str | None:
 def _not_text(value: Any) -> str:
     """Why a field is not text, and the fix (for :func:`field_text`'s None)."""
     what = f"a list of {type(value[0]).__name__}" if isinstance(value, list) and value else type(value).__name__
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN, a parquet float column's missing value
+        what = f"{value} (a missing number)"
     hint = (" (a chat messages list? give the user turn's text as its own field)"
             if isinstance(value, list) and value and isinstance(value[0], dict) else "")
     return f"holds {what}, not text{hint}"

@@ -336,3 +336,29 @@ def test_parquet_and_csv_fields_are_checked_before_loading(tmp_path):
     with pytest.raises(SetupError, match=r"c.csv, row 2: \"a\" is null; .*\(eval.prompts.completion_field\): fix or "
                                          r"delete row 2"):
         preflight_source(_src(path=str(csv), kind="prompts", prompt_field="q", completion_field="a"), "eval.prompts")
+
+
+def test_csv_cells_are_text_as_written_and_nan_is_not_text(tmp_path, tok):
+    """CSV columns went through pandas' type and missing-value guessing: "0070" trained as "70", "1.50" as "1.5",
+    and a cell "None" or "NA" was refused as null. A NaN (JSON's bare NaN, a parquet float column) passed the
+    start-up check and trained as "nan" (parquet) or failed after loading (JSON)."""
+    import datasets
+
+    from distill.data import preflight_source
+
+    csv = tmp_path / "c.csv"
+    csv.write_text("q,a\nx,0070\ny,None\nz,NA\nv,1.50\n")
+    src = _src(path=str(csv), kind="prompts", prompt_field="q", completion_field="a")
+    preflight_source(src, "data.source")
+    ex = build_examples(src, tok, _data_cfg(append_eos=False))
+    assert [e["completion_ids"] for e in ex] == [tok(t, add_special_tokens=False)["input_ids"]
+                                                 for t in ("0070", "None", "NA", "1.50")]
+    js = tmp_path / "n.jsonl"
+    js.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": NaN}\n')
+    with pytest.raises(SetupError, match=r'n.jsonl:2: "completion" holds nan \(a missing number\).*delete line 2'):
+        preflight_source(_src(path=str(js), kind="prompts", prompt_field="prompt", completion_field="completion"),
+                         "data.source")
+    pq = tmp_path / "n.parquet"
+    datasets.Dataset.from_dict({"q": ["a", "b"], "a": [1.5, float("nan")]}).to_parquet(str(pq))
+    with pytest.raises(SetupError, match=r'n.parquet, row 2: "a" holds nan \(a missing number\)'):
+        preflight_source(_src(path=str(pq), kind="prompts", prompt_field="q", completion_field="a"), "data.source")

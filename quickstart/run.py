@@ -129,20 +129,31 @@ def _on_sigterm(signum, frame):
 _held_lock = None  # the run's --out lock (lock_out_dir), which every phase's subprocess holds too while it lives
 
 
-def _phase_process_setup() -> None:
-    """In a phase's subprocess before it runs: its own process group, and SIGTERM when this process dies (Linux's
-    ``PR_SET_PDEATHSIG``), so a ``kill -9`` of the quickstart makes the phase save and stop instead of training on
-    into the folder a rerun then uses. Never raises (a failure here would stop the phase from starting)."""
+def _phase_process_setup():
+    """What a phase's subprocess runs before the phase (``preexec_fn``): its own process group, and SIGTERM when
+    this process dies (Linux's ``PR_SET_PDEATHSIG``), so a ``kill -9`` of the quickstart makes the phase save and
+    stop instead of training on into the folder a rerun then uses. libc's ``prctl`` is looked up here, in this
+    process, so the forked child only calls it. The function never raises (that would stop the phase starting)."""
     import signal
 
-    try:
-        os.setpgrp()
-        if sys.platform.startswith("linux"):
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
             import ctypes
 
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            prctl = None
+
+    def setup() -> None:
+        try:
+            os.setpgrp()
+            if prctl is not None:
+                prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        except Exception:  # noqa: BLE001
+            pass
+
+    return setup
 
 
 def _run_child(cmd: list[str], env: dict, console) -> int:
@@ -157,7 +168,7 @@ def _run_child(cmd: list[str], env: dict, console) -> int:
     import signal
 
     lock = [_held_lock.fileno()] if _held_lock is not None else []
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=_phase_process_setup, pass_fds=lock)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=_phase_process_setup(), pass_fds=lock)
     try:
         return proc.wait()
     except KeyboardInterrupt as stop:

@@ -685,12 +685,64 @@ def _convert_pretrain_resume(path: Path) -> Path:
 # What a training run writes into its output_dir (train.overwrite=true removes these, and only these).
 RUN_ARTIFACTS = ("step_*", "best", "best.tmp", "best.old", LATEST_FILE, LATEST_FILE + ".tmp", "metrics.jsonl",
                  "metrics.jsonl.tmp", "summary.json", "config.yaml", "wandb_run_id", "wandb", "draft_base")
+# Held (flock) by the run that trains into the folder: a second `distill train` into it is refused while it lives.
+RUN_LOCK = ".distill-train.lock"
 # Kept by a fresh run: the sequence-level KD cache that `distill generate-data` writes before `distill train`.
-REUSABLE = ("target_data",)
+REUSABLE = ("target_data", RUN_LOCK)
 # train.overwrite=true moves the earlier run here; it is deleted once the new run has passed every check and loaded
 # its models (right before its first write), and put back if the new run stops before that.
 SET_ASIDE = ".overwritten"
 WRITE_PROBE = ".draftkit-write-probe-"  # decode.outputs.writable's short-lived file (another rank's check)
+
+
+class FolderBusy(RuntimeError):
+    """Another live process holds the folder's lock (:func:`lock_folder`); ``holder`` is what it wrote there."""
+
+    def __init__(self, folder: Path, holder: str):
+        super().__init__(f"{folder} is in use by another process ({holder or 'its process is not named'})")
+        self.folder, self.holder = folder, holder
+
+
+def lock_folder(folder: str | Path, name: str):
+    """Hold an exclusive lock on ``folder/name`` (created, with ``folder``, if missing) for as long as the returned
+    file stays open, or raise :class:`FolderBusy` at once when another process holds it. The lock is the open
+    file's ``flock``: the system releases it when the process ends, also on ``kill -9``, so none is ever stale.
+    The file names the holder (pid, host, start time) for the refusal. Returns None where ``fcntl`` does not exist
+    (Windows: no lock)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    import platform
+    import time
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / name, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise FolderBusy(folder, holder) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    f.flush()
+    return f
+
+
+def lock_run_folder(output_dir: str | Path):
+    """:func:`lock_folder` for a training run's ``train.output_dir`` (``RUN_LOCK``): two runs into one folder
+    would save over each other's checkpoints, and one's ``train.overwrite=true`` would delete the other's running
+    files. Raises CheckpointError naming the other run's process."""
+    try:
+        return lock_folder(output_dir, RUN_LOCK)
+    except FolderBusy as err:
+        raise CheckpointError(f"another distill train is running into train.output_dir={output_dir} "
+                              f"({err.holder or 'its process is not named'}); nothing was changed. Wait for it to "
+                              "finish or stop it (Ctrl-C: it saves first), or choose another train.output_dir") from None
 
 
 def other_entries(folder: Path, ours: Iterable[str] = ()) -> list[str]:

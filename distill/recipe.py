@@ -595,10 +595,28 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     """Run the recipe for a composed config; returns the summary also written to ``<output_dir>/summary.json``.
 
     Raises SetupError (a ValueError) for bad input before any training starts: missing target, incompatible
-    tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...
+    tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...; CheckpointError
+    when the run folder holds another run, or another ``distill train`` is running into it (the main process holds
+    ``checkpoint.RUN_LOCK`` there while it runs).
     """
-    resume_from = resolve_resume(normalize_config(cfg), log=log or print)
+    normalized = normalize_config(cfg)
     main = int(os.environ.get("RANK", "0")) == 0  # setup's lines are the same on every process: print them once
+    lock = None
+    if main:
+        from distill.config import check_output_dir
+
+        check_output_dir(normalized.train.output_dir, "train.output_dir")  # not under a file, writable
+        lock = ckpt.lock_run_folder(normalized.train.output_dir)
+    try:
+        return _train(cfg, normalized, main, log)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> dict:
+    """:func:`train` once the run folder is locked."""
+    resume_from = resolve_resume(normalized, log=log or print)
     try:  # until the first write, a stop puts back the run that train.overwrite=true set aside
         saved = ckpt.read_state(resume_from) if resume_from is not None else {}
         _check_resume_settings(saved, cfg, resume_from)

@@ -626,28 +626,18 @@ LOCK_FILE = ".quickstart.lock"
 
 
 def lock_out_dir(out: Path):
-    """Hold an exclusive lock on ``out/.quickstart.lock`` for this run, or raise ValueError when another quickstart
-    holds it (two runs into one folder trained, overwrote and mixed each other's phases). The lock is the open
-    file's ``flock``: the system releases it when the process ends, also on ``kill -9``, so none is ever stale.
-    Returns the open file (keep it open while the run lasts); None where ``fcntl`` does not exist (Windows)."""
+    """Hold an exclusive lock on ``out/.quickstart.lock`` for this run (``distill.checkpoint.lock_folder``: it goes
+    with the process, also on ``kill -9``), or raise ValueError when another quickstart holds it (two runs into one
+    folder trained, overwrote and mixed each other's phases). Returns the open file (keep it open while the run
+    lasts); None where ``fcntl`` does not exist (Windows)."""
+    from distill.checkpoint import FolderBusy, lock_folder
+
     try:
-        import fcntl
-    except ImportError:
-        return None
-    f = open(out / LOCK_FILE, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise ValueError(f"another quickstart is running into {out} ({holder or 'its process is not named'}); wait "
-                         "for it to finish or stop it (Ctrl-C: its phase saves first), or give another --out") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
-    f.flush()
-    return f
+        return lock_folder(out, LOCK_FILE)
+    except FolderBusy as err:
+        raise ValueError(f"another quickstart is running into {out} ({err.holder or 'its process is not named'}); "
+                         "wait for it to finish or stop it (Ctrl-C: its phase saves first), or give another --out"
+                         ) from None
 
 
 def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,

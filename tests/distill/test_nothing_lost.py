@@ -32,6 +32,16 @@ def _assert_same_weights(a, b):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def _mtimes(folder):
+    """path -> mtime of everything under a run folder but its lock file (each run rewrites its holder line)."""
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.name != ckpt.RUN_LOCK}
+
+
+def _contents(folder):
+    """relative path -> bytes of every file under a run folder but its lock file."""
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ckpt.RUN_LOCK}
+
+
 def _train_steps(out):
     """Steps of the metrics.jsonl train rows, in file order."""
     return [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if "train/loss" in line]
@@ -53,11 +63,32 @@ def straight(pair, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------ run folders
 
 def test_rerun_without_resume_is_refused_before_loading_and_changes_nothing(pair, straight, monkeypatch):
-    before = {p: p.stat().st_mtime_ns for p in straight.rglob("*")}
+    before = _mtimes(straight)
     monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SetupError, match="already holds a run.*train.resume=true.*train.overwrite=true"):
         train(compose(overrides(pair, straight, *FAST)), log=QUIET)
-    assert {p: p.stat().st_mtime_ns for p in straight.rglob("*")} == before
+    assert _mtimes(straight) == before
+
+
+@pytest.mark.parametrize("settings", [(), ("train.resume=true",), ("train.overwrite=true",)])
+def test_a_second_run_into_a_folder_another_run_is_training_into_is_refused(pair, straight, tmp_path, monkeypatch,
+                                                                           settings):
+    """Two `distill train` into one output_dir saved over each other's checkpoints (resume), and the second's
+    overwrite set aside and deleted the first's running files."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = _mtimes(out)
+    held = ckpt.lock_run_folder(out)  # the first run, still going (another process in real life)
+    monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
+    try:
+        with pytest.raises(SetupError, match=f"another distill train is running into train.output_dir={out} "
+                                             f"\\(pid {os.getpid()} on .*choose another train.output_dir"):
+            train(compose(overrides(pair, out, *FAST, *settings)), log=QUIET)
+    finally:
+        held.close()  # the first run ended (or was killed): the lock goes with it
+    assert _mtimes(out) == before
+    with pytest.raises(SetupError, match="already holds a run"):  # free again: the folder's own rules apply
+        train(compose(overrides(pair, out, *FAST)), log=QUIET)
 
 
 def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_path):
@@ -80,7 +111,7 @@ def test_an_overwrite_that_stops_before_the_new_run_writes_puts_the_old_run_back
     left empty. Now the earlier run is set aside and comes back."""
     out = tmp_path / "run"
     shutil.copytree(straight, out)
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = _contents(out)
     extra = {"empty_logit_cache": (f"data.logit_cache={tmp_path / 'empty'}", "data.target_logits=cached"),
              "vocab_keep_too_large": ("draft.vocab.keep=99999",), "interrupted": ()}[late]
     (tmp_path / "empty").mkdir()
@@ -91,7 +122,7 @@ def test_an_overwrite_that_stops_before_the_new_run_writes_puts_the_old_run_back
         monkeypatch.setattr(recipe, "load_draft", stop)
     with pytest.raises(KeyboardInterrupt if late == "interrupted" else SetupError):
         train(compose(overrides(pair, out, "train.overwrite=true", *FAST, *extra)), log=QUIET)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert _contents(out) == before
 
 
 def test_an_earlier_overwrite_s_set_aside_run_is_never_overwritten(tmp_path):
@@ -108,12 +139,12 @@ def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straigh
     out = tmp_path / "run"
     shutil.copytree(straight, out)
     ckpt_dir = ckpt.find_latest(out)
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    before = _mtimes(out)
     monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
     cfg = compose(overrides(pair, out, "train.overwrite=true", *FAST, f"draft.name_or_path={ckpt_dir}"))
     with pytest.raises(SetupError, match=f"would delete .*{ckpt_dir.name}.*draft.name_or_path"):
         train(cfg, log=QUIET)
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    assert _mtimes(out) == before
 
 
 def test_a_refused_resume_leaves_the_run_folder_as_it_was(pair, straight, tmp_path):
@@ -121,10 +152,10 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(pair, straight, tmp_pa
     config.yaml with the refused setup and truncated its metrics before refusing."""
     out = tmp_path / "run"
     shutil.copytree(straight, out)
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = _contents(out)
     with pytest.raises(SetupError, match="resume with train.batch_size="):
         train(compose(overrides(pair, out, "train.resume=true", "train.batch_size=3", *FAST)), log=QUIET)
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert _contents(out) == before
 
 
 def test_resume_names_a_damaged_newer_checkpoint_it_skips(pair, straight, tmp_path):
@@ -294,11 +325,11 @@ def test_resume_with_stop_at_before_the_checkpoint_is_refused_before_any_model_l
     """train.stop_at=2 resuming step 4 used to evaluate step 4 again and log a second metrics row for it."""
     out = tmp_path / "run"
     shutil.copytree(straight, out)
-    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    files = _contents(out)
     monkeypatch.setattr(recipe, "setup", lambda *a, **k: pytest.fail("models were loaded"))
     with pytest.raises(SetupError, match=r"train.stop_at=2 is before step 4, where the checkpoint it resumes stops"):
         train(compose(overrides(pair, out, "train.resume=true", "train.stop_at=2", *FAST)), log=QUIET)
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    assert _contents(out) == files
 
 
 def test_a_resume_that_drops_or_adds_lora_is_refused_before_any_model_loads(pair, straight, tmp_path, monkeypatch):

@@ -185,6 +185,10 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
                                             "owned_by": "draftkit"}]}
 
     async def read_body(request: Request) -> bytes:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # a gzip body was read as JSON text: a misleading "not valid JSON"
+            raise APIError(415, f"Content-Encoding: {encoding} is not supported; send the request body uncompressed",
+                           code="unsupported_content_encoding")
         size = request.headers.get("content-length")
         too_big = APIError(413, f"the request body is larger than {limits.max_body_bytes} bytes (--max-body-bytes)",
                            code="request_too_large")

@@ -117,6 +117,22 @@ def test_malformed_json_and_nan_are_400(server, content, needle):
     assert_error(post(url, content=content), 400, needle)
 
 
+def test_a_compressed_body_is_415_not_a_json_error(server):
+    """A gzip body (Content-Encoding: gzip) was read as JSON text: 400 'not valid JSON', which sends a user looking
+    at the JSON. Uncompressed bodies with an explicit identity encoding still work."""
+    import gzip
+    import json
+
+    url, _ = server
+    body = json.dumps(ok()).encode()
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = httpx.post(url + "/v1/completions", content=gzip.compress(body), timeout=30,
+                   headers={**headers, "Content-Encoding": "gzip"})
+    assert_error(r, 415, "Content-Encoding: gzip is not supported; send the request body uncompressed")
+    r = httpx.post(url + "/v1/completions", content=body, timeout=30, headers={**headers, "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_model_is_404_and_limits(server):
     url, _ = server
     assert_error(post(url, ok(model="gpt-4")), 404, "gpt-4", param="model")

@@ -84,6 +84,9 @@ def load_rows(src: Any) -> Any:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kw)
         except Exception as e:  # datasets raises many types (ArrowInvalid, DatasetGenerationError, ...)
+            if _no_table_rows(path, builder):  # the builders fail on a header or schema without rows, vaguely
+                raise SetupError(f"data file {path} has a {'header' if builder == 'csv' else 'schema'} but no rows; "
+                                 "point the source at a file with rows") from None
             raise SetupError(f"cannot read {path} with the datasets '{builder}' builder ({type(e).__name__}: {e}); "
                              "check the file's format") from e
         where = str(path)
@@ -95,6 +98,25 @@ def load_rows(src: Any) -> Any:
     if len(ds) == 0:
         raise SetupError(f"data source {where} is empty; point data.source at a file with rows")
     return ds
+
+
+def _no_table_rows(path: Path, builder: str) -> bool:
+    """True for a parquet file whose metadata counts 0 rows, or a csv file with at most its header line; False for
+    anything else, also a file that cannot be read this way (the caller's error then names the builder's)."""
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows == 0
+        if builder == "csv":
+            import csv
+            from itertools import islice
+
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                return len(list(islice(csv.reader(f), 2))) < 2
+    except Exception:
+        return False
+    return False
 
 
 def _suffix(path: Path) -> str:

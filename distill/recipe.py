@@ -601,14 +601,20 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     """
     normalized = normalize_config(cfg)
     main = int(os.environ.get("RANK", "0")) == 0  # setup's lines are the same on every process: print them once
-    lock = None
+    out, lock = Path(normalized.train.output_dir), None
+    created = main and not os.path.lexists(out)
     if main:
         from distill.config import check_output_dir
 
-        check_output_dir(normalized.train.output_dir, "train.output_dir")  # not under a file, writable
-        lock = ckpt.lock_run_folder(normalized.train.output_dir)
+        check_output_dir(out, "train.output_dir")  # not under a file, writable
+        lock = ckpt.lock_run_folder(out)
     try:
         return _train(cfg, normalized, main, log)
+    except BaseException:
+        if created and [p.name for p in out.iterdir()] == [ckpt.RUN_LOCK]:  # refused before any write: as it was
+            (out / ckpt.RUN_LOCK).unlink()
+            out.rmdir()
+        raise
     finally:
         if lock is not None:
             lock.close()

@@ -18,7 +18,7 @@ def _fails(pair, tmp_path, *extra, match):
     out = tmp_path / "run"
     with pytest.raises(SetupError, match=match):
         train(compose(overrides(pair, out, *extra)), log=lambda *_: None)
-    assert not list(out.glob("step_*")) and not (out / "metrics.jsonl").exists()  # no training happened
+    assert not out.exists()  # no training happened, and the refused run left no folder (nor its lock file)
 
 
 def test_missing_target_path(pair, tmp_path):
@@ -83,6 +83,14 @@ def test_empty_data(pair, tmp_path):
     few = tmp_path / "few.jsonl"
     few.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     _fails(pair, tmp_path, f"data.source.path={few}", match="data.holdout")
+    import datasets
+
+    # a schema or header without rows: the datasets builders failed with "BatchSize must be greater than 0" or
+    # 'Instruction "train" corresponds to no data!'
+    datasets.Dataset.from_dict({"prompt": [], "completion": []}).to_parquet(str(tmp_path / "none.parquet"))
+    (tmp_path / "none.csv").write_text("prompt,completion\n")
+    for name, has in (("none.parquet", "a schema"), ("none.csv", "a header")):
+        _fails(pair, tmp_path, f"data.source.path={tmp_path / name}", match=f"none.* has {has} but no rows")
 
 
 def test_file_and_corpus_both_set(pair, tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -682,9 +683,12 @@ def _convert_pretrain_resume(path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ run folders
 
-# What a training run writes into its output_dir (train.overwrite=true removes these, and only these).
-RUN_ARTIFACTS = ("step_*", "best", "best.tmp", "best.old", LATEST_FILE, LATEST_FILE + ".tmp", "metrics.jsonl",
-                 "metrics.jsonl.tmp", "summary.json", "config.yaml", "wandb_run_id", "wandb", "draft_base")
+# What a training run writes into its output_dir (train.overwrite=true removes these, and only these): names only
+# a run writes (with the .tmp/.old of a save in progress), ...
+RUN_OWN = re.compile(r"(step_\d+|best|" + re.escape(LATEST_FILE) +
+                     r"|metrics\.jsonl|summary\.json|wandb_run_id|draft_base)(\.tmp|\.old)?")
+# ... and names a run writes that a user's own folder may hold too: the run's only in a folder that holds a run.
+RUN_SHARED = ("config.yaml", "wandb")
 # Held (flock) by the run that trains into the folder: a second `distill train` into it is refused while it lives.
 RUN_LOCK = ".distill-train.lock"
 # Kept by a fresh run: the sequence-level KD cache that `distill generate-data` writes before `distill train`.
@@ -745,6 +749,34 @@ def lock_run_folder(output_dir: str | Path):
                               "finish or stop it (Ctrl-C: it saves first), or choose another train.output_dir") from None
 
 
+def run_artifacts(folder: Path) -> list[Path]:
+    """The entries of ``folder`` that a ``distill train`` run wrote (empty: the folder holds no run), sorted.
+
+    A run is recognised by names only a run writes (``RUN_OWN``: ``step_N``, ``best``, ``metrics.jsonl``, ...), or
+    by a ``config.yaml`` that is a recipe config; then its ``config.yaml`` and ``wandb/`` are the run's too. In a
+    folder without those, ``config.yaml`` and ``wandb/`` are the user's (a user's ``step_3_keep`` or
+    ``step_3.bak`` is never the run's either)."""
+    entries = sorted(Path(folder).iterdir())
+    own = [p for p in entries if RUN_OWN.fullmatch(p.name)]
+    if own or _is_run_config(Path(folder) / "config.yaml"):
+        own = sorted(own + [p for p in entries if p.name in RUN_SHARED])
+    return own
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether ``path`` is the config.yaml a run writes (a mapping with the recipe's train/loss/draft sections)."""
+    if not path.is_file():
+        return False
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(path.read_text())
+    except Exception:  # not text, not YAML: not ours
+        return False
+    return isinstance(cfg, dict) and {"train", "loss", "draft"} <= set(cfg) and isinstance(cfg["train"], dict) \
+        and "output_dir" in cfg["train"]
+
+
 def other_entries(folder: Path, ours: Iterable[str] = ()) -> list[str]:
     """Sorted names in ``folder`` other than ``ours`` and write probes: what a command must not write among."""
     ours = set(ours)
@@ -786,9 +818,10 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
     checkpoint to resume from (None for a fresh run).
 
     - a fresh run (resume false) needs a missing or empty folder (a ``target_data`` cache is fine); with
-      ``overwrite`` the earlier run's files (``RUN_ARTIFACTS``) are moved into ``SET_ASIDE`` (the caller deletes
+      ``overwrite`` the earlier run's files (:func:`run_artifacts`) are moved into ``SET_ASIDE`` (the caller deletes
       them with :func:`discard_set_aside` once the new run starts writing, or puts them back with
-      :func:`restore_set_aside` if it stops before), other files are left alone;
+      :func:`restore_set_aside` if it stops before), other files are left alone; a folder holding no run but
+      other files is refused, also with ``overwrite`` when one of them has a name the run writes (``RUN_SHARED``);
     - ``resume=true`` takes the newest complete ``step_*`` checkpoint of the folder (see :func:`find_latest`);
     - ``resume=PATH`` needs a complete checkpoint at PATH, and an output folder that is PATH's own run or empty,
       holding no complete checkpoint newer than PATH (resuming would overwrite it).
@@ -809,21 +842,27 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
         if not main:
             return None
         others = other_entries(out, REUSABLE) if out.is_dir() else []
-        if others and not overwrite:
+        doomed = run_artifacts(out) if others else []
+        if others and not doomed:  # the user's own files: a run writes beside them only if asked, never over them
+            clash = [name for name in others if name in RUN_SHARED]
+            if clash or not overwrite:
+                fix = (f"move {', '.join(clash)} out of it (the run writes files of those names)" if clash else
+                       "pass train.overwrite=true to train beside them (they are kept)")
+                raise CheckpointError(
+                    f"train.output_dir={out} is not empty and holds no run ({name_list(others)}); nothing was "
+                    f"changed. Choose an empty or new train.output_dir, or {fix}")
+        if doomed and not overwrite:
             raise CheckpointError(
-                f"train.output_dir={out} already holds a run ({', '.join(others[:5])}); nothing was changed. "
+                f"train.output_dir={out} already holds a run ({name_list(others)}); nothing was changed. "
                 "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
                 "checkpoints and metrics), or choose another train.output_dir")
         if others:
-            from fnmatch import fnmatch  # (Path.glob skips dangling symlinks)
-
             if os.path.lexists(out / SET_ASIDE):
                 raise CheckpointError(
                     f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
                     f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
                     "needed), then run again")
 
-            doomed = [p for p in out.iterdir() if any(fnmatch(p.name, pattern) for pattern in RUN_ARTIFACTS)]
             for setting, value in (inputs or {}).items():
                 if value in (None, ""):
                     continue

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,41 @@ def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_pat
     assert sorted(p.name for p in ckpt.list_checkpoints(out)) == ["step_000002"]
     assert (out / "notes.txt").read_text() == "mine" and (out / "target_data").is_dir()
     assert not (out / ckpt.SET_ASIDE).exists()  # the old run went when the new one started writing
+
+
+def test_overwrite_removes_only_what_a_run_wrote_and_a_folder_without_a_run_is_not_called_one(straight, tmp_path):
+    """train.overwrite=true deleted a user's step_000002_keep/step_000002.bak copies (glob step_*), and in a folder
+    that never held a run the user's config.yaml and wandb/ (which the refusal had called "a run")."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.copytree(straight / "step_000002", out / "step_000002_keep")
+    shutil.copytree(straight / "step_000002", out / "step_000002.bak")
+    assert ckpt.prepare_run_folder(out, False, True) is None
+    ckpt.discard_set_aside(out)
+    assert sorted(p.name for p in out.iterdir()) == [ckpt.RUN_LOCK, "step_000002.bak", "step_000002_keep"]
+
+    mine = tmp_path / "project"
+    (mine / "wandb").mkdir(parents=True)
+    (mine / "wandb" / "my_other_project.log").write_text("x")
+    (mine / "config.yaml").write_text("model: mine\n")
+    (mine / "notes.txt").write_text("notes")
+    before = _contents(mine)
+    for overwrite in (False, True):
+        with pytest.raises(SetupError, match="is not empty and holds no run .*config.yaml, notes.txt, wandb.*move "
+                                             "config.yaml, wandb out of it"):
+            ckpt.prepare_run_folder(mine, False, overwrite)
+    assert _contents(mine) == before
+    (mine / "config.yaml").unlink()
+    shutil.rmtree(mine / "wandb")
+    with pytest.raises(SetupError, match=r"holds no run \(notes.txt\).*train.overwrite=true to train beside them"):
+        ckpt.prepare_run_folder(mine, False, False)
+    assert ckpt.prepare_run_folder(mine, False, True) is None and _contents(mine) == {Path("notes.txt"): b"notes"}
+    # a run killed after writing only its config.yaml is still a run: its rerun's overwrite replaces it
+    (mine / "config.yaml").write_text((straight / "config.yaml").read_text())
+    with pytest.raises(SetupError, match="already holds a run"):
+        ckpt.prepare_run_folder(mine, False, False)
+    ckpt.prepare_run_folder(mine, False, True)
+    assert (mine / ckpt.SET_ASIDE / "config.yaml").is_file() and not (mine / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("late", ["empty_logit_cache", "vocab_keep_too_large", "interrupted"])

@@ -309,12 +309,20 @@ def run_folder_hint(path: str | Path) -> str | None:
     return f"{path} is a run folder, not a checkpoint; give one of its checkpoints, e.g. its newest: {newest}{best}"
 
 
+def is_legacy(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint of the earlier pickle layout (state file and pickles, no manifest), which
+    :func:`convert_legacy` converts."""
+    path = Path(path)
+    return (not (path / MANIFEST_FILE).is_file() and (path / STATE_FILE).is_file()
+            and any((path / f).exists() for f in LEGACY_FILES))
+
+
 def check_complete(path: str | Path) -> dict:
     """The manifest of a complete checkpoint; raises CheckpointError saying what is missing or wrong."""
     path = Path(path)
     manifest_file = path / MANIFEST_FILE
     if not manifest_file.is_file():
-        if (path / STATE_FILE).is_file() and any((path / f).exists() for f in LEGACY_FILES):
+        if is_legacy(path):
             raise CheckpointError(
                 f"{path} was written by an earlier draftkit layout that stores state as pickles (scheduler.pt, "
                 "accelerate/*.bin, *.pkl); unpickling can run code, so it is not read. If you trust where it came "
@@ -623,6 +631,8 @@ def convert_legacy(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file() and path.name == "resume.pt":
         return _convert_pretrain_resume(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give the step_N folder of the earlier layout to convert")
     if (path / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{path} already has the data layout ({MANIFEST_FILE}); nothing to convert")
     if not (path / STATE_FILE).is_file() or not (path / "scheduler.pt").is_file():
@@ -893,6 +903,13 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                     log(f"warning: resume skips {skipped.name}: {err}. The run saves over it when it reaches that "
                         "step; copy it elsewhere first if you need it")
         if path is None:
+            legacy = [p for p in list_checkpoints(out) if is_legacy(p)]
+            if legacy:  # "incomplete ... add train.overwrite=true" would have sent the user to delete them
+                raise CheckpointError(
+                    f"train.resume=true but the checkpoints of train.output_dir={out} ({name_list([p.name for p in legacy])}) "
+                    "were written by an earlier draftkit layout that stores state as pickles; they are not read. If "
+                    f"you trust where they came from, convert the newest once: python -m distill convert-checkpoint "
+                    f"{legacy[-1]} (reads the pickles as data only), then resume")
             found = [p.name for p in list_checkpoints(out)]
             detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
                       else "it has no step_N checkpoint")

@@ -167,9 +167,17 @@ def legacy(pair, run, tmp_path_factory):
     return _legacy(pair, run, tmp_path_factory.mktemp("legacy") / "run" / "step_000002")
 
 
-def test_earlier_layout_is_refused_with_the_convert_command(pair, legacy, tmp_path):
+def test_earlier_layout_is_refused_with_the_convert_command(pair, legacy, tmp_path, capsys):
     with pytest.raises(SetupError, match="python -m distill convert-checkpoint"):
         train(compose(overrides(pair, tmp_path / "r", f"train.resume={legacy}")), log=lambda *_: None)
+    # train.resume=true in its run folder said "incomplete ... add train.overwrite=true", which deletes them
+    with pytest.raises(SetupError, match=f"were written by an earlier draftkit layout.*convert-checkpoint {legacy}"):
+        train(compose(overrides(pair, legacy.parent, "train.resume=true")), log=lambda *_: None)
+    from distill.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["convert-checkpoint", str(tmp_path / "nope")])
+    assert e.value.code == 2 and f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["scheduler.pt", "accelerate/optimizer.bin", "accelerate/random_states_0.pkl"])

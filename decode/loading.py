@@ -126,8 +126,12 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     its own modeling code (``auto_map``) import and run that Python code; leave it off for checkpoints you have not
     read.
 
+    A checkpoint that names its own code but whose ``model_type`` transformers knows is built with transformers'
+    own class (as ``from_pretrained`` does), with a UserWarning saying so.
+
     Raises:
-        RemoteCodeError: (a ValueError) the checkpoint ships its own code and ``trust_remote_code`` is off.
+        RemoteCodeError: (a ValueError) the checkpoint ships its own code, transformers has no class for its
+            ``model_type``, and ``trust_remote_code`` is off.
         FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
             loaded (not a checkpoint folder, or a hub id that is not cached while offline), naming the role.
     """
@@ -158,6 +162,14 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
         ) from err
+    own = (getattr(model.config, "auto_map", None) or {}) if not trust_remote_code else {}
+    if own.get("AutoModelForCausalLM"):  # transformers built its own class: say so, the checkpoint may expect its code
+        import warnings
+
+        warnings.warn(f"decode: the {role} {name_or_path!r} names its own code (auto_map: "
+                      f"{own['AutoModelForCausalLM']}), which is not run: it was built with transformers' "
+                      f"{type(model).__name__} (model_type {model.config.model_type!r}). Pass --trust-remote-code "
+                      "(distill: *.trust_remote_code=true) to run its code instead, after reading it", stacklevel=2)
     model.eval().requires_grad_(False)
     if device:
         model.to(device)

@@ -58,6 +58,20 @@ def test_decode_loader_refuses_remote_code_unless_asked(custom):
     assert type(model).__name__ == "CustomModel" and marker.exists()
 
 
+def test_own_code_for_a_model_type_transformers_knows_is_not_run_and_is_named(custom):
+    """With model_type "llama" and an auto_map, transformers builds its own LlamaForCausalLM and says nothing: the
+    checkpoint's code did not run (right), but the user was not told that its own architecture was not used."""
+    from decode.loading import load_causal_lm
+
+    path, marker = custom
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.warns(UserWarning, match=r"names its own code \(auto_map: custom_llama.CustomModel\), which is not "
+                                         r"run: it was built with transformers' LlamaForCausalLM .*--trust-remote-code"):
+        model = load_causal_lm(str(path), "draft")
+    assert type(model).__name__ == "LlamaForCausalLM" and not marker.exists()
+
+
 def test_decode_generate_cli_flag(custom, capsys):
     from decode.__main__ import main
 

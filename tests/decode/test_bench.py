@@ -255,6 +255,20 @@ def test_must_show_goals_are_issue_8s(bench_run):
     assert goals == {0.0: [">= 1", ">= 1"], 1.0: [">= 1.15", ">= 1.15"]}  # the fixed γ and auto
 
 
+def test_the_must_show_table_prints_a_missed_ratio_so_that_it_reads_missed():
+    """0.9469 against ">= 0.95" printed as "0.95 ... no"."""
+    from rich.console import Console
+
+    from decode.bench.report import _render_must_show
+
+    ck = {"name": "cost_ratio_vs_bare", "ours": 0.2, "reference": 0.2112, "ratio": 0.9469, "goal": ">= 0.95",
+          "met": False}
+    console = Console(record=True, width=200)
+    _render_must_show({"report": [{"temperature": 0.0, "checks": [ck]}]}, console)
+    row = next(line for line in console.export_text().splitlines() if "engine c" in line)
+    assert "0.947" in row and "0.95 " not in row.replace(">= 0.95", "") and row.rstrip(" │").endswith("no")
+
+
 def test_bare_forwards_are_timed_on_the_same_context():
     from decode.bench.bare_forward import measure_bare_forwards
 

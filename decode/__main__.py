@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 
@@ -129,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, func, _ = COMMANDS[name]
     if name == "bench":  # bench loads local checkpoints only (decode/bench/cli.py); huggingface_hub reads this
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # once, on import: before transformers, or a typo retries the hub
+        from decode.loading import run_offline
+
+        run_offline("decode bench")  # once, on import: before transformers, or a typo retries the hub
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-model weight-loading bars drown the command's own progress

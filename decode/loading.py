@@ -62,6 +62,18 @@ def hub_revision(name_or_path: str) -> str | None:
     return None if folder is None else os.path.basename(os.path.normpath(folder))
 
 
+_offline_by: str | None = None  # the command that set HF_HUB_OFFLINE itself (run_offline), for its errors
+
+
+def run_offline(command: str) -> None:
+    """Set ``HF_HUB_OFFLINE=1`` for ``command`` (e.g. ``"decode bench"``: a benchmark reaches no network) unless
+    the user set it either way. Call it before transformers is imported (huggingface_hub reads it once)."""
+    global _offline_by
+    if "HF_HUB_OFFLINE" not in os.environ:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        _offline_by = command
+
+
 def _offline() -> bool:
     from huggingface_hub import constants
 
@@ -84,8 +96,10 @@ def _not_cached(name: str, role: str) -> str:
     repo, _, revision = name.partition("@")
     at = " A revision is not part of the id: the cache's refs/main is what loads." if revision else ""
     get = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
+    offline = ("HF_HUB_OFFLINE is set" if _offline_by is None else
+               f"{_offline_by} runs offline (HF_HUB_OFFLINE=1 unless you set HF_HUB_OFFLINE=0)")
     return (f"{role} {name!r} is not a local folder, and as a hub id it is not in the local Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE is set{hint}.{at} Download it where the hub is "
+            f"({constants.HF_HUB_CACHE}) while {offline}{hint}.{at} Download it where the hub is "
             f"reachable ({get}) or pass a directory written by save_pretrained.")
 
 

@@ -154,7 +154,9 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         FileNotFoundError: missing target/draft/tokenizer/prompt file.
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from decode.loading import run_offline
+
+    run_offline("decode bench")
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 

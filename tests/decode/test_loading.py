@@ -2,6 +2,7 @@
 layout is built by hand as huggingface_hub writes it (``models--org--name/{refs/main, snapshots/<commit>/}``)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,25 @@ def test_a_hub_id_that_is_not_cached_offline_names_the_role_the_near_miss_and_th
             str(err.value)
     with pytest.raises(FileNotFoundError, match="hf download org/target --revision v2"):
         load_causal_lm("org/target@v2", "target")
+
+
+def test_offline_set_by_the_bench_is_named_as_the_bench_s_not_the_user_s(hub_cache, monkeypatch):
+    """The bench sets HF_HUB_OFFLINE=1 itself; its error said 'while HF_HUB_OFFLINE is set' to a user who had not."""
+    import decode.loading
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(decode.loading, "_offline_by", None)
+    decode.loading.run_offline("decode bench")
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    with pytest.raises(FileNotFoundError, match=r"while decode bench runs offline \(HF_HUB_OFFLINE=1 unless you set "
+                                                r"HF_HUB_OFFLINE=0\)"):
+        load_causal_lm("org/nope", "target")
+    monkeypatch.setattr(decode.loading, "_offline_by", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the user's own setting stands and is named as theirs
+    decode.loading.run_offline("decode bench")
+    assert decode.loading._offline_by is None
+    with pytest.raises(FileNotFoundError, match="while HF_HUB_OFFLINE is set"):
+        load_causal_lm("org/nope", "target")
 
 
 def test_generate_names_an_uncached_draft_before_loading_the_target(hub_cache, monkeypatch, capsys):

@@ -534,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="draft checkpoint: local path or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--prompts", default="humaneval", help="prompt set name or .jsonl path the prefixes come from")
-    p.add_argument("--prompt-field", default=None, help="text field of a local jsonl")
+    p.add_argument("--prompt-field", default=None, help="text field of a local jsonl, or another field of a named set")
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help=f"';'-separated sampling settings (default {DEFAULT_SETTINGS!r})")
     p.add_argument("--num-prefixes", "-M", type=int, default=4, help="M prefixes (one per prompt; default 4)")

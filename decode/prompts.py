@@ -133,7 +133,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def _text_of(row: dict[str, Any], field: str, where: str) -> str:
     if field not in row:
         raise ValueError(f"{where}: no field {field!r}; fields present: {sorted(row)}. "
-                       "Pass the right one as the prompt field")
+                       "Pass the right one with --prompt-field (load_prompts: field=)")
     value = row[field]
     if isinstance(value, list):  # chat-style `turns`: the first user turn opens the conversation
         if not value:
@@ -221,7 +221,8 @@ def load_prompts(
         text_field = next((f for f in DEFAULT_LOCAL_FIELDS if f in rows[0]), None)
         if text_field is None:
             raise ValueError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
-                           f"(fields present: {sorted(rows[0])}); pass the prompt field explicitly")
+                           f"(fields present: {sorted(rows[0])}); pass the prompt field with --prompt-field (load_prompts: "
+                             "field=)")
     prompts = []
     for i, row in enumerate(rows):
         where = f"{path}:{i + 1}"

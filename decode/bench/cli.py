@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="draft checkpoint: local path or HF id")
     p.add_argument("--tokenizer", help="tokenizer path (default: the target's, else the draft's)")
     p.add_argument("--prompts", default="humaneval",
-                   help="humaneval | mbpp | spec_bench | mt_bench | gsm8k | path/to/file.jsonl[.gz]")
-    p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question or turns)")
+                   help="humaneval | mbpp | mbpp_code | spec_bench | mt_bench | gsm8k | path/to/file.jsonl[.gz]")
+    p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question, turns or "
+                   "instruction), or another field of a named set")
     p.add_argument("--limit", type=int, default=20, help="number of prompts (category-balanced for Spec-Bench)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gammas", default="1,2,4,8",

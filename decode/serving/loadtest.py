@@ -126,21 +126,23 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, d
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.perf_counter() + duration_s
     results: list[dict] = []
-    sent = 0
+    sent, gone_at = 0, None
+    start = time.perf_counter()
 
     async def client_loop(worker: int, client):
-        nonlocal sent
-        while time.perf_counter() < deadline and sent < max_requests:
+        nonlocal sent, gone_at
+        while time.perf_counter() < deadline and sent < max_requests and gone_at is None:
             body = {"model": model, "prompt": prompts[(sent + worker) % len(prompts)], "max_tokens": max_tokens,
                     "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
             sent += 1
             results.append(await _one(client, url, body, headers))
+            if results[-1].get("error") == "ConnectError":  # refused: the server is gone; retrying at once made
+                gone_at = gone_at or time.perf_counter() - start  # thousands of "requests" in a second
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
         await asyncio.gather(*(client_loop(i, client) for i in range(concurrency)))
-    return {"results": results, "wall_s": time.perf_counter() - start}
+    return {"results": results, "wall_s": time.perf_counter() - start, "server_gone_at_s": gone_at}
 
 
 def summarize(raw: dict, concurrency: int, rss_before: int | None, rss_after: int | None) -> dict:
@@ -160,7 +162,8 @@ def summarize(raw: dict, concurrency: int, rss_before: int | None, rss_after: in
             "tokens_per_s": tokens / raw["wall_s"] if raw["wall_s"] > 0 else 0.0,
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
             "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99),
-            "rss_before_bytes": rss_before, "rss_after_bytes": rss_after, "rss_growth": growth}
+            "rss_before_bytes": rss_before, "rss_after_bytes": rss_after, "rss_growth": growth,
+            "server_gone_at_s": raw.get("server_gone_at_s")}
 
 
 def print_table(summary: dict) -> None:
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(raw, args.concurrency, rss_before, rss_after_load(url, args.server_pid))
     summary.update(model=model, max_tokens=args.max_tokens, temperature=args.temperature, duration_s=args.duration,
                    warmup_requests=warmup)
+    if summary["server_gone_at_s"] is not None:
+        print(f"warning: the server refused connections {summary['server_gone_at_s']:.1f} s into the run (it is "
+              "gone): the clients stopped there; the numbers cover the run up to then", file=sys.stderr)
     print_table(summary)
     if args.output:
         from decode.outputs import write_results

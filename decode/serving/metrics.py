@@ -17,7 +17,7 @@ class ServerMetrics:
     """The server's counters, gauges and histograms on one registry."""
 
     def __init__(self):
-        self._sums = [0, 0, 0]  # drafted, accepted, verify steps (for the derived gauges)
+        self._sums = [0, 0, 0, 0]  # drafted, accepted, verify steps, new tokens (for the derived gauges)
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         self.requests = Counter("draftkit_requests", "Finished requests by endpoint and finish reason "
@@ -29,9 +29,10 @@ class ServerMetrics:
         self.drafted = Counter("draftkit_drafted_tokens", "Draft tokens proposed (finished requests)", registry=r)
         self.accepted = Counter("draftkit_accepted_tokens", "Draft tokens accepted (finished requests)", registry=r)
         self.verify_steps = Counter("draftkit_verify_steps", "Verify steps (finished requests)", registry=r)
-        Gauge("draftkit_acceptance_rate", "Σaccepted / Σdrafted over finished requests",
+        Gauge("draftkit_acceptance_rate", "Σaccepted / Σdrafted over finished requests (NaN: nothing drafted)",
               registry=r).set_function(self._acceptance_rate)
-        Gauge("draftkit_mean_accepted_length", "τ = Σ(accepted + 1) / verify steps over finished requests",
+        Gauge("draftkit_mean_accepted_length", "τ = Σ(accepted + 1) / verify steps over finished requests (1: "
+              "tokens without verify steps, plain decoding; NaN: no tokens yet)",
               registry=r).set_function(self._mean_accepted_length)
         self.queue_depth = Gauge("draftkit_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.running = Gauge("draftkit_running_requests", "Requests in the running batch", registry=r)
@@ -43,18 +44,19 @@ class ServerMetrics:
                              registry=r)
 
     def _acceptance_rate(self) -> float:
-        drafted, accepted, _ = self._sums
-        return accepted / drafted if drafted else 0.0
+        drafted, accepted = self._sums[:2]  # undefined without drafts: NaN (generate --json: null), not a 0 rate
+        return accepted / drafted if drafted else float("nan")
 
     def _mean_accepted_length(self) -> float:
-        _, accepted, steps = self._sums
-        return (accepted + steps) / steps if steps else 0.0
+        _, accepted, steps, tokens = self._sums  # as DecodeStats.mean_accepted_length: plain decoding is 1
+        return (accepted + steps) / steps if steps else 1.0 if tokens else float("nan")
 
     def record_stats(self, stats) -> None:
         """Add a finished request's :class:`decode.metrics.DecodeStats` (or None)."""
         if stats is None:
             return
-        counts = [getattr(stats, name, 0) for name in ("num_drafted", "num_accepted", "num_verify_steps")]
+        counts = [getattr(stats, name, 0) for name in ("num_drafted", "num_accepted", "num_verify_steps",
+                                                        "num_new_tokens")]
         for counter, n in zip((self.drafted, self.accepted, self.verify_steps), counts):
             counter.inc(n)
         self._sums = [a + b for a, b in zip(self._sums, counts)]  # one writer: the scheduler thread

@@ -226,6 +226,28 @@ def test_metrics_in_prometheus_format(server):
     assert metric(url, "process_resident_memory_bytes") > 0
 
 
+def test_derived_metrics_follow_decode_stats_when_nothing_was_drafted():
+    """A server without a draft reported τ = 0 and an acceptance rate of 0 (DecodeStats: τ = 1, rate undefined)."""
+    import math
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from decode.metrics import DecodeStats
+    from decode.serving.metrics import ServerMetrics
+
+    def gauges(m):
+        return {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
+                if s.name in ("draftkit_acceptance_rate", "draftkit_mean_accepted_length")}
+
+    m = ServerMetrics()
+    assert all(math.isnan(v) for v in gauges(m).values())  # nothing finished: undefined, not 0
+    m.record_stats(DecodeStats(num_new_tokens=4, num_target_forwards=4))  # plain decoding
+    g = gauges(m)
+    assert math.isnan(g["draftkit_acceptance_rate"]) and g["draftkit_mean_accepted_length"] == 1.0
+    m.record_stats(DecodeStats(num_drafted=8, num_accepted=6, num_verify_steps=2, num_new_tokens=8))
+    assert gauges(m) == {"draftkit_acceptance_rate": 0.75, "draftkit_mean_accepted_length": 4.0}
+
+
 def test_full_queue_is_429_with_retry_after_and_shutdown_drains():
     dec, tok = tiny_pair()
     with running_server(dec, tok, max_batch_size=1, max_queue=1) as (url, app, server):

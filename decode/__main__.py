@@ -25,7 +25,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
-    p.add_argument("--num-draft-tokens", "-g", type=_gamma, default=4, help="γ, or 'auto' (default 4)")
+    p.add_argument("--num-draft-tokens", "-g", type=_gamma, default=None,
+                   help="γ, or 'auto' (default 4; needs --draft, without which the target decodes alone)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
@@ -61,6 +62,9 @@ def cmd_generate(argv: list[str]) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed, "--seed", none_ok=False)
+    if args.draft is None and args.num_draft_tokens not in (None, 0):  # the API refuses it too
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} needs a draft: pass --draft PATH, or leave "
+                         "-g out to decode with the target alone")
     device = check_device(args.device)
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
@@ -70,7 +74,7 @@ def cmd_generate(argv: list[str]) -> int:
     tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
-    gamma = args.num_draft_tokens if draft is not None else 0
+    gamma = (4 if args.num_draft_tokens is None else args.num_draft_tokens) if draft is not None else 0
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:

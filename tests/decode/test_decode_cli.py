@@ -48,6 +48,11 @@ def test_generate_without_a_draft_reports_no_acceptance_rate(saved_pair):
     assert metrics["num_draft_tokens"] == 0 and metrics["mean_accepted_length"] == 1.0
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "--max-new-tokens", "4")
     assert r.returncode == 0 and "nothing drafted" in r.stderr
+    # an explicit γ without a draft ran plain decoding silently (the Python API refuses it)
+    r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "-g", "4")
+    assert r.returncode == 2 and "--num-draft-tokens 4 needs a draft: pass --draft PATH" in r.stderr
+    r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "-g", "0", "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr
 
 
 def test_generate_table_and_sampling(saved_pair):

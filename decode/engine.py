@@ -148,6 +148,9 @@ class SpeculativeDecoder:
                  tokenizer: Any = None, draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
                  auto_costs: dict[int, dict] | None = None, compile: bool | str = False,
                  static_cache: bool | None = None, few_row_linear: bool | None = None):
+        for name, value in (("static_cache", static_cache), ("few_row_linear", few_row_linear)):
+            if value not in (None, True, False) or isinstance(value, (int, float)) and not isinstance(value, bool):
+                raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer

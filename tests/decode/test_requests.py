@@ -177,6 +177,10 @@ def test_auto_gamma_same_seed_same_output(pair):
 
 
 def test_bad_auto_settings_are_refused_at_construction(pair):
+    for name in ("static_cache", "few_row_linear"):  # 'yes' was taken as True, 0.5 too
+        for bad in ("yes", 0.5, 1):
+            with pytest.raises(ValueError, match=f"{name} must be None .*True or False, got {bad!r}"):
+                SpeculativeDecoder(*pair, 2, **{name: bad})
     with pytest.raises(ValueError, match="max_auto_draft_tokens"):
         SpeculativeDecoder(*pair, "auto", max_auto_draft_tokens=0)
     with pytest.raises(ValueError, match=r"auto_costs\[1\]"):

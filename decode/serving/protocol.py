@@ -177,6 +177,17 @@ class ChatMessage(_Strict):
     content: str | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else []:  # an image part read "unknown field ...image_url"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content: only text parts are supported (this server serves a text model), got a part of "
+                                 f"type {kind!r}")
+        return data
+
     def text(self) -> str:
         """The content as one string: text parts joined by newlines, as vLLM joins them for text-only models."""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)

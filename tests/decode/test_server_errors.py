@@ -430,6 +430,10 @@ def test_chat_content_parts_are_joined_by_newlines_and_an_empty_list_is_refused(
     url, _ = server
     empty = post(url, chat(messages=[{"role": "user", "content": []}]), path="/v1/chat/completions")
     assert_error(empty, 400, "at least 1 item")
+    # an image part read "unknown field 'messages.0.content.list[TextPart].0.image_url'"
+    image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    r = post(url, chat(messages=[{"role": "user", "content": image}]), path="/v1/chat/completions")
+    assert_error(r, 400, "only text parts are supported (this server serves a text model), got a part of type 'image_url'")
 
 
 def test_health_answers_head_and_a_max_tokens_limit_past_the_context_is_named(caplog):

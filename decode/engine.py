@@ -149,7 +149,7 @@ class SpeculativeDecoder:
                  auto_costs: dict[int, dict] | None = None, compile: bool | str = False,
                  static_cache: bool | None = None, few_row_linear: bool | None = None):
         for name, value in (("static_cache", static_cache), ("few_row_linear", few_row_linear)):
-            if value not in (None, True, False) or isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
         self.target = target
         self.draft = draft

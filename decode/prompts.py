@@ -221,8 +221,8 @@ def load_prompts(
         text_field = next((f for f in DEFAULT_LOCAL_FIELDS if f in rows[0]), None)
         if text_field is None:
             raise ValueError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
-                           f"(fields present: {sorted(rows[0])}); pass the prompt field with --prompt-field (load_prompts: "
-                             "field=)")
+                           f"(fields present: {sorted(rows[0])}); pass the prompt field with --prompt-field "
+                             "(load_prompts: field=)")
     prompts = []
     for i, row in enumerate(rows):
         where = f"{path}:{i + 1}"

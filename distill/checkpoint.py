@@ -756,7 +756,8 @@ def lock_run_folder(output_dir: str | Path):
     except FolderBusy as err:
         raise CheckpointError(f"another distill train is running into train.output_dir={output_dir} "
                               f"({err.holder or 'its process is not named'}); nothing was changed. Wait for it to "
-                              "finish or stop it (Ctrl-C: it saves first), or choose another train.output_dir") from None
+                              "finish or stop it (Ctrl-C: it saves first), or choose another train.output_dir"
+                              ) from None
 
 
 def run_artifacts(folder: Path) -> list[Path]:
@@ -905,11 +906,12 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
         if path is None:
             legacy = [p for p in list_checkpoints(out) if is_legacy(p)]
             if legacy:  # "incomplete ... add train.overwrite=true" would have sent the user to delete them
+                names = name_list([p.name for p in legacy])
                 raise CheckpointError(
-                    f"train.resume=true but the checkpoints of train.output_dir={out} ({name_list([p.name for p in legacy])}) "
-                    "were written by an earlier draftkit layout that stores state as pickles; they are not read. If "
-                    f"you trust where they came from, convert the newest once: python -m distill convert-checkpoint "
-                    f"{legacy[-1]} (reads the pickles as data only), then resume")
+                    f"train.resume=true but the checkpoints of train.output_dir={out} ({names}) were written by an "
+                    "earlier draftkit layout that stores state as pickles; they are not read. If you trust where they "
+                    f"came from, convert the newest once: python -m distill convert-checkpoint {legacy[-1]} (reads "
+                    "the pickles as data only), then resume")
             found = [p.name for p in list_checkpoints(out)]
             detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
                       else "it has no step_N checkpoint")

@@ -184,8 +184,8 @@ class ChatMessage(_Strict):
         for part in parts if isinstance(parts, list) else []:  # an image part read "unknown field ...image_url"
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content: only text parts are supported (this server serves a text model), got a part of "
-                                 f"type {kind!r}")
+                raise ValueError("content: only text parts are supported (this server serves a text model), got "
+                                 f"a part of type {kind!r}")
         return data
 
     def text(self) -> str:

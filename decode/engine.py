@@ -408,7 +408,10 @@ class SpeculativeDecoder:
         s = self._state
         for name in ("target", "draft"):
             cache = getattr(s, f"{name}_cache")
-            if cache is None:
+            if cache is None:  # no draft: its (B, 0) mask placeholder still needs a row per request
+                mask, o_mask = getattr(s, f"{name}_mask"), getattr(other, f"{name}_mask")
+                if mask is not None and o_mask is not None:
+                    setattr(s, f"{name}_mask", torch.cat([mask, o_mask]))
                 continue
             o_cache, o_mask = getattr(other, f"{name}_cache"), getattr(other, f"{name}_mask")
             if isinstance(cache, kv.StaticKV):

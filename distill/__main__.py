@@ -219,11 +219,17 @@ def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
     return tokenizer, target, draft
 
 
+def _main_process() -> bool:
+    from distill.checkpoint import is_main_process
+
+    return is_main_process()
+
+
 def run_train(cfg: Any, opts: dict) -> None:
     from distill.recipe import train
 
     summary = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _main_process():
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "best", "num_processes", "output_dir")},
                          indent=2))
 
@@ -370,11 +376,12 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
                 validate(cfg)
                 check_inputs(cfg, training=name == "train", generating=name == "generate-data")
                 if name == "train" and not cfg.train.overwrite:  # the run folder rule, for every job of a sweep
-                    from distill.checkpoint import prepare_run_folder  # (a pure check without train.overwrite)
+                    from distill.checkpoint import check_no_live_run, is_main_process, prepare_run_folder
 
                     out = Path(cfg.train.output_dir) / str(num) if multirun else Path(cfg.train.output_dir)
-                    prepare_run_folder(out, cfg.train.resume, overwrite=False,
-                                       main=int(os.environ.get("RANK", "0")) == 0)  # rank 0 may have made it
+                    check_no_live_run(out)  # its files are another run's work in progress: no advice about them
+                    prepare_run_folder(out, cfg.train.resume, overwrite=False,  # (a pure check without overwrite)
+                                       main=is_main_process())  # rank 0 may have made it
     except SetupError as e:
         where = f" (sweep job {jobs.index(job)}: {' '.join(job)})" if multirun and "job" in locals() else ""
         _fail(f"{e}{where}")
@@ -486,7 +493,7 @@ def run_cache_logits(cfg: Any, opts: dict) -> None:
     from distill.logit_cache import build_cache
 
     summary = build_cache(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _main_process():
         print(json.dumps(summary, indent=2))
 
 

@@ -747,17 +747,48 @@ def lock_folder(folder: str | Path, name: str):
     return f
 
 
+def is_main_process() -> bool:
+    """Whether this process writes the run's files: rank 0 of a launch, or a lone process (``WORLD_SIZE`` unset or
+    1: a ``RANK`` left in the environment by a cluster job must not turn a single run's folder checks off)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0
+
+
+def _busy(output_dir: str | Path, holder: str) -> CheckpointError:
+    return CheckpointError(f"another distill train is running into train.output_dir={output_dir} "
+                           f"({holder or 'its process is not named'}); nothing was changed. Wait for it to finish "
+                           "or stop it (Ctrl-C: it saves first), or choose another train.output_dir")
+
+
 def lock_run_folder(output_dir: str | Path):
     """:func:`lock_folder` for a training run's ``train.output_dir`` (``RUN_LOCK``): two runs into one folder
     would save over each other's checkpoints, and one's ``train.overwrite=true`` would delete the other's running
-    files. Raises CheckpointError naming the other run's process."""
+    files. Raises CheckpointError naming the other run's process, or a lock file that cannot be opened."""
     try:
         return lock_folder(output_dir, RUN_LOCK)
     except FolderBusy as err:
-        raise CheckpointError(f"another distill train is running into train.output_dir={output_dir} "
-                              f"({err.holder or 'its process is not named'}); nothing was changed. Wait for it to "
-                              "finish or stop it (Ctrl-C: it saves first), or choose another train.output_dir"
-                              ) from None
+        raise _busy(output_dir, err.holder) from None
+    except OSError as err:  # another user's lock file, a folder of that name, ...
+        raise CheckpointError(f"cannot take the run lock {Path(output_dir) / RUN_LOCK} ({err.strerror or err}); "
+                              "make it a file you can write (it holds only the running run's pid), or choose "
+                              "another train.output_dir") from None
+
+
+def check_no_live_run(output_dir: str | Path) -> None:
+    """Raise CheckpointError when a ``distill train`` holds ``output_dir``'s ``RUN_LOCK`` now, without taking the
+    lock or creating anything (the command line's checks before the run, whose advice about the folder's contents
+    would be wrong while another run writes them)."""
+    path = Path(output_dir) / RUN_LOCK
+    try:
+        import fcntl
+
+        f = open(path)
+    except (ImportError, OSError):  # no lock file (no run has been here), or one lock_run_folder will name
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(output_dir, f.read().strip()) from None
 
 
 def run_artifacts(folder: Path) -> list[Path]:
@@ -912,6 +943,12 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                     "earlier draftkit layout that stores state as pickles; they are not read. If you trust where they "
                     f"came from, convert the newest once: python -m distill convert-checkpoint {legacy[-1]} (reads "
                     "the pickles as data only), then resume")
+            if os.path.lexists(out / SET_ASIDE):  # "add train.overwrite=true" is refused while it is there
+                raise CheckpointError(
+                    f"train.resume=true but train.output_dir={out} has no checkpoint: an earlier "
+                    f"train.overwrite=true set its run aside in {out / SET_ASIDE} and was stopped before it could put "
+                    f"it back. Move its entries back into {out} to resume that run (or delete {SET_ASIDE} if it is "
+                    "not needed), then run again")
             found = [p.name for p in list_checkpoints(out)]
             detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
                       else "it has no step_N checkpoint")

@@ -597,6 +597,9 @@ def check_output_dir(path: str | os.PathLike, key: str) -> Path:
     parent = p
     while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
+    if parent.is_symlink() and not parent.exists():
+        raise SetupError(f"{key}={str(path)!r}: {str(parent)!r} is a symlink to {os.readlink(parent)!r}, which does "
+                         "not exist; create its target or choose another folder")
     if not parent.is_dir():
         raise SetupError(f"{key}={str(path)!r} lies under {str(parent)!r}, which is a file; choose a folder path")
     if not writable(parent):

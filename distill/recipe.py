@@ -538,7 +538,7 @@ def resolve_resume(cfg: DictConfig, log: Any = None) -> Path | None:
                                                           "target.tokenizer", "draft.tokenizer", "data.logit_cache",
                                                           "data.source.path")}
     return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
-                                   bool(cfg.train.get("overwrite", False)), main=int(os.environ.get("RANK", "0")) == 0,
+                                   bool(cfg.train.get("overwrite", False)), main=ckpt.is_main_process(),
                                    inputs=inputs, log=log)
 
 
@@ -600,7 +600,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     ``checkpoint.RUN_LOCK`` there while it runs).
     """
     normalized = normalize_config(cfg)
-    main = int(os.environ.get("RANK", "0")) == 0  # setup's lines are the same on every process: print them once
+    main = ckpt.is_main_process()  # setup's lines are the same on every process: print them once
     out, lock = Path(normalized.train.output_dir), None
     created = main and not os.path.lexists(out)
     if main:
@@ -608,6 +608,14 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
 
         check_output_dir(out, "train.output_dir")  # not under a file, writable
         lock = ckpt.lock_run_folder(out)
+    import signal
+    import threading
+
+    def interrupted(signum, frame):  # SIGTERM (timeout, schedulers) while loading: as Ctrl-C, so a run set aside
+        raise KeyboardInterrupt  # by train.overwrite=true goes back (the training loop saves on it instead)
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupted) if on_main_thread else None
     try:
         return _train(cfg, normalized, main, log)
     except BaseException:
@@ -616,6 +624,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             out.rmdir()
         raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if lock is not None:
             lock.close()
 
@@ -672,7 +682,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> dic
     if acc.is_main_process:  # the new run starts writing: the run it replaces goes
         ckpt.discard_set_aside(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        ckpt.replace_text(out / "config.yaml", OmegaConf.to_yaml(cfg))  # whole or not at all: it marks the run
     if resume_from is not None:
         if acc.is_main_process:
             ckpt.truncate_metrics(out, int(state["step"]))

@@ -65,6 +65,13 @@ def test_output_paths_under_a_file_are_refused_before_loading(pair, tmp_path):
                                       f"data.logit_cache={afile / 'cache'}")), log=lambda *_: None)
 
 
+def test_a_dangling_symlink_as_output_dir_is_named_as_one(pair, tmp_path):
+    """It read "'.../dang' lies under '.../dang', which is a file"."""
+    (tmp_path / "dang").symlink_to(tmp_path / "nowhere" / "x")
+    with pytest.raises(SetupError, match=r"dang' is a symlink to '.*nowhere/x', which does not exist"):
+        train(compose(overrides(pair, tmp_path / "dang")), log=lambda *_: None)
+
+
 def test_incompatible_tokenizer(pair, tmp_path):
     from transformers import AutoModelForCausalLM
 

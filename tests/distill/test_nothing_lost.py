@@ -104,6 +104,53 @@ def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_pat
     assert not (out / ckpt.SET_ASIDE).exists()  # the old run went when the new one started writing
 
 
+def test_a_rank_left_in_the_environment_does_not_turn_a_lone_run_s_folder_checks_off(pair, straight, tmp_path,
+                                                                                       monkeypatch):
+    """RANK=1 without a launch (a cluster job's environment) skipped the lock and the run-folder check, while
+    accelerate still wrote as the main process: a finished run's checkpoints were overwritten, exit 0."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = _contents(out)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SetupError, match="already holds a run"):
+        train(compose(overrides(pair, out, *FAST)), log=QUIET)
+    assert _contents(out) == before
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a real launch: rank 1 leaves the checks to rank 0
+    assert not ckpt.is_main_process()
+
+
+def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, straight, tmp_path, capsys):
+    """With a run training into the folder, `distill train` (fresh or train.resume=true) was told 'already holds a
+    run ... train.overwrite=true' or 'no complete checkpoint ... add train.overwrite=true' by the preflight, which
+    ran before the lock: advice that would delete the live run's files."""
+    from distill.__main__ import main
+
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    held = ckpt.lock_run_folder(out)
+    try:
+        for folder, extra in ((out, ()), (link, ()), (out, ("train.resume=true",))):
+            with pytest.raises(SystemExit) as e:
+                main(["train", *overrides(pair, folder, *FAST, *extra)])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"another distill train is running into train.output_dir={folder}" in err
+            assert f"pid {os.getpid()}" in err and "train.overwrite=true" not in err
+    finally:
+        held.close()
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
+    out = tmp_path / "run"
+    (out / ckpt.RUN_LOCK).mkdir(parents=True)  # (a lock file of another user reads the same: PermissionError)
+    with pytest.raises(SetupError, match=f"cannot take the run lock {out / ckpt.RUN_LOCK} .*make it a file you can "
+                                         "write"):
+        ckpt.lock_run_folder(out)
+
+
 def test_overwrite_removes_only_what_a_run_wrote_and_a_folder_without_a_run_is_not_called_one(straight, tmp_path):
     """train.overwrite=true deleted a user's step_000002_keep/step_000002.bak copies (glob step_*), and in a folder
     that never held a run the user's config.yaml and wandb/ (which the refusal had called "a run")."""
@@ -139,7 +186,7 @@ def test_overwrite_removes_only_what_a_run_wrote_and_a_folder_without_a_run_is_n
     assert (mine / ckpt.SET_ASIDE / "config.yaml").is_file() and not (mine / "config.yaml").exists()
 
 
-@pytest.mark.parametrize("late", ["empty_logit_cache", "vocab_keep_too_large", "interrupted"])
+@pytest.mark.parametrize("late", ["empty_logit_cache", "vocab_keep_too_large", "interrupted", "sigterm"])
 def test_an_overwrite_that_stops_before_the_new_run_writes_puts_the_old_run_back(pair, straight, tmp_path,
                                                                                  monkeypatch, late):
     """train.overwrite=true deleted the earlier run first, then a check that needs no model (an empty logit cache,
@@ -149,14 +196,16 @@ def test_an_overwrite_that_stops_before_the_new_run_writes_puts_the_old_run_back
     shutil.copytree(straight, out)
     before = _contents(out)
     extra = {"empty_logit_cache": (f"data.logit_cache={tmp_path / 'empty'}", "data.target_logits=cached"),
-             "vocab_keep_too_large": ("draft.vocab.keep=99999",), "interrupted": ()}[late]
+             "vocab_keep_too_large": ("draft.vocab.keep=99999",), "interrupted": (), "sigterm": ()}[late]
     (tmp_path / "empty").mkdir()
-    if late == "interrupted":
+    if late in ("interrupted", "sigterm"):  # SIGTERM (timeout, a scheduler) killed it with the run set aside
         def stop(*a, **k):
+            if late == "sigterm":
+                os.kill(os.getpid(), __import__("signal").SIGTERM)
             raise KeyboardInterrupt
 
         monkeypatch.setattr(recipe, "load_draft", stop)
-    with pytest.raises(KeyboardInterrupt if late == "interrupted" else SetupError):
+    with pytest.raises(KeyboardInterrupt if late in ("interrupted", "sigterm") else SetupError):
         train(compose(overrides(pair, out, "train.overwrite=true", *FAST, *extra)), log=QUIET)
     assert _contents(out) == before
 
@@ -168,6 +217,9 @@ def test_an_earlier_overwrite_s_set_aside_run_is_never_overwritten(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="holds the run an earlier train.overwrite=true set aside"):
         ckpt.prepare_run_folder(out, False, True)
     assert (out / ckpt.SET_ASIDE / "step_000002").is_dir() and (out / "metrics.jsonl").exists()
+    (out / "metrics.jsonl").unlink()  # resume said "no step_N checkpoint ... add train.overwrite=true": a circle
+    with pytest.raises(ckpt.CheckpointError, match="set its run aside in .*Move its entries back"):
+        ckpt.prepare_run_folder(out, True, False)
 
 
 def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straight, tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ def cmd_generate(argv: list[str]) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed, "--seed", none_ok=False)
-    if args.draft is None and args.num_draft_tokens not in (None, 0):  # the API refuses it too
+    if not args.draft and args.num_draft_tokens not in (None, 0):  # the API refuses it too (--draft= is none)
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} needs a draft: pass --draft PATH, or leave "
                          "-g out to decode with the target alone")
     device = check_device(args.device)

@@ -177,7 +177,8 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
         ) from err
     own = (getattr(model.config, "auto_map", None) or {}) if not trust_remote_code else {}
-    if own.get("AutoModelForCausalLM"):  # transformers built its own class: say so, the checkpoint may expect its code
+    own = {"AutoModelForCausalLM": own.get("AutoModelForCausalLM") or own.get("AutoModel")}
+    if own["AutoModelForCausalLM"]:  # transformers built its own class: say so, the checkpoint may expect its code
         import warnings
 
         warnings.warn(f"decode: the {role} {name_or_path!r} names its own code (auto_map: "

@@ -185,8 +185,8 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
                                             "owned_by": "draftkit"}]}
 
     async def read_body(request: Request) -> bytes:
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):  # a gzip body was read as JSON text: a misleading "not valid JSON"
+        encoding = ",".join(request.headers.getlist("content-encoding")).strip().lower()  # every header line
+        if set(e.strip() for e in encoding.split(",")) - {"", "identity"}:  # gzip read as text: "not valid JSON"
             raise APIError(415, f"Content-Encoding: {encoding} is not supported; send the request body uncompressed",
                            code="unsupported_content_encoding")
         size = request.headers.get("content-length")

@@ -51,6 +51,8 @@ def test_generate_without_a_draft_reports_no_acceptance_rate(saved_pair):
     # an explicit γ without a draft ran plain decoding silently (the Python API refuses it)
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "-g", "4")
     assert r.returncode == 2 and "--num-draft-tokens 4 needs a draft: pass --draft PATH" in r.stderr
+    r = run("generate", "--target", str(saved_pair / "target"), "--draft=", "--prompt", "w1 w2", "-g", "4")
+    assert r.returncode == 2 and "needs a draft" in r.stderr  # an empty --draft is no draft
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2", "-g", "0", "--max-new-tokens", "2")
     assert r.returncode == 0, r.stderr
 

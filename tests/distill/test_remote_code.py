@@ -70,6 +70,10 @@ def test_own_code_for_a_model_type_transformers_knows_is_not_run_and_is_named(cu
                                          r"run: it was built with transformers' LlamaForCausalLM .*--trust-remote-code"):
         model = load_causal_lm(str(path), "draft")
     assert type(model).__name__ == "LlamaForCausalLM" and not marker.exists()
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama",  # an AutoModel entry only
+                                                  "auto_map": {"AutoModel": "custom_llama.CustomModel"}}))
+    with pytest.warns(UserWarning, match=r"auto_map: custom_llama.CustomModel\), which is not run"):
+        load_causal_lm(str(path), "draft")
 
 
 def test_decode_generate_cli_flag(custom, capsys):

@@ -602,7 +602,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     normalized = normalize_config(cfg)
     main = ckpt.is_main_process()  # setup's lines are the same on every process: print them once
     out, lock = Path(normalized.train.output_dir), None
-    created = main and not os.path.lexists(out)
+    created = [d for d in (out, *out.parents) if not os.path.lexists(d)] if main else []  # the lock makes these
     if main:
         from distill.config import check_output_dir
 
@@ -621,7 +621,11 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     except BaseException:
         if created and [p.name for p in out.iterdir()] == [ckpt.RUN_LOCK]:  # refused before any write: as it was
             (out / ckpt.RUN_LOCK).unlink()
-            out.rmdir()
+            for folder in created:  # innermost first; one the run did not make stops it
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
         raise
     finally:
         if previous is not None:

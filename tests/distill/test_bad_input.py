@@ -65,6 +65,21 @@ def test_output_paths_under_a_file_are_refused_before_loading(pair, tmp_path):
                                       f"data.logit_cache={afile / 'cache'}")), log=lambda *_: None)
 
 
+def test_a_refused_run_removes_every_folder_it_created(pair, tmp_path, monkeypatch):
+    """Only the innermost folder went: nest/a stayed behind (a refusal while loading, after the run folder lock)."""
+    import distill.recipe as recipe
+
+    def refuse(*a, **k):
+        raise SetupError("refused while loading")
+
+    monkeypatch.setattr(recipe, "load_draft", refuse)
+    (tmp_path / "nest").mkdir()
+    out = tmp_path / "nest" / "a" / "b"
+    with pytest.raises(SetupError, match="refused while loading"):
+        train(compose(overrides(pair, out)), log=lambda *_: None)
+    assert (tmp_path / "nest").is_dir() and not (tmp_path / "nest" / "a").exists()  # not a folder it did not make
+
+
 def test_a_dangling_symlink_as_output_dir_is_named_as_one(pair, tmp_path):
     """It read "'.../dang' lies under '.../dang', which is a file"."""
     (tmp_path / "dang").symlink_to(tmp_path / "nowhere" / "x")

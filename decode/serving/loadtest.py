@@ -87,7 +87,7 @@ def rss_after_load(url: str, pid: int | None) -> int | None:
 async def _one(client, url: str, body: dict, headers: dict) -> dict:
     t0 = time.perf_counter()
     t_first = t_last = None
-    tokens, error = 0, None
+    tokens, error, detail = 0, None, ""
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:  # the server's message, to say why when every request fails
@@ -102,6 +102,7 @@ async def _one(client, url: str, body: dict, headers: dict) -> dict:
                 chunk = json.loads(data)
                 if "error" in chunk:
                     error = f"stream error: {chunk['error'].get('code')}"
+                    detail = str(chunk["error"].get("message", ""))[:300]  # the server's words, for the summary
                     continue
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
@@ -111,7 +112,7 @@ async def _one(client, url: str, body: dict, headers: dict) -> dict:
     except Exception as err:  # a failed connection is a result here, not a crash of the tool
         return {"error": err.__class__.__name__}
     if error:
-        return {"error": error}
+        return {"error": error, "detail": detail}
     out = {"tokens": tokens, "ttft_s": (t_first - t0) if t_first else None, "itl_s": None}
     if t_first is not None and tokens > 1:
         out["itl_s"] = (t_last - t_first) / (tokens - 1)

@@ -130,6 +130,22 @@ def test_loadtest_keeps_its_results_when_the_server_is_gone_after_the_load(tmp_p
     assert "could not be read after the load" in capsys.readouterr().err
 
 
+def test_a_stream_error_keeps_the_server_s_message():
+    """'every warm-up request failed (stream error: internal_error: '')': the message of the error event was lost."""
+    import httpx
+
+    event = {"error": {"message": "internal error while decoding: RuntimeError: boom", "code": "internal_error"}}
+    sse = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=sse))
+
+    async def one():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await loadtest._one(client, "http://127.0.0.1:1", {}, {})
+
+    assert asyncio.run(one()) == {"error": "stream error: internal_error",
+                                  "detail": "internal error while decoding: RuntimeError: boom"}
+
+
 def test_the_clients_stop_when_the_server_is_gone_instead_of_counting_refusals():
     """A server killed during the run: every client retried at once, 9149 "requests" (9136 ConnectError) in 2 s."""
     raw = asyncio.run(loadtest.run_load("http://127.0.0.1:1", MODEL, ["w5"], 4, 5.0, 100_000, 4, 0.0, None))

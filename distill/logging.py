@@ -215,6 +215,27 @@ class Progress:
                 cm.__exit__(None, None, None)
 
 
+@contextlib.contextmanager
+def sigterm_raises(exc_type: type[BaseException] = KeyboardInterrupt) -> Iterator[None]:
+    """Inside the block, SIGTERM (``kill PID``, ``timeout``, schedulers, ``docker stop``) raises ``exc_type`` where
+    the program is, as Ctrl-C raises KeyboardInterrupt, so the same cleanup runs for both; the earlier handler is
+    put back after. Off the main thread (where no handler can be set) it changes nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise exc_type()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class StopFlag:
     """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and exits cleanly."""
 

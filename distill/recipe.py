@@ -38,7 +38,7 @@ from distill.data import (accepts_logits_to_keep, as_examples, build_examples, c
                           collate_sequences, forward_kept_logits, generate_target_data, kept_positions,
                           micro_batch_indices)
 from distill.evaluate import acceptance_eval, resolve_costs
-from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag
+from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag, sigterm_raises
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
@@ -608,16 +608,11 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
 
         check_output_dir(out, "train.output_dir")  # not under a file, writable
         lock = ckpt.lock_run_folder(out)
-    import signal
-    import threading
-
-    def interrupted(signum, frame):  # SIGTERM (timeout, schedulers) while loading: as Ctrl-C, so a run set aside
-        raise KeyboardInterrupt  # by train.overwrite=true goes back (the training loop saves on it instead)
-
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, interrupted) if on_main_thread else None
     try:
-        return _train(cfg, normalized, main, log)
+        # SIGTERM while loading acts as Ctrl-C, so a run set aside by train.overwrite=true goes back (the training
+        # loop's StopFlag takes both signals over and saves instead)
+        with sigterm_raises(KeyboardInterrupt):
+            return _train(cfg, normalized, main, log)
     except BaseException:
         if created and [p.name for p in out.iterdir()] == [ckpt.RUN_LOCK]:  # refused before any write: as it was
             (out / ckpt.RUN_LOCK).unlink()
@@ -628,8 +623,6 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
                     break
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         if lock is not None:
             lock.close()
 

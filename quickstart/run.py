@@ -37,7 +37,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -120,10 +119,6 @@ def run_phase(name: str, cmd: list[str], phases: dict, console, in_process=None,
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, taken like Ctrl-C (``kill PID``, systemd and ``docker stop`` send it): the phase saves, then stop."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
 
 
 _held_lock = None  # the run's --out lock (lock_out_dir), which every phase's subprocess holds too while it lives
@@ -850,21 +845,18 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     for key, value in _env(qs.get("threads")).items():  # the in-process phases run offline too
         os.environ.setdefault(key, value)
-    import signal
+    from distill.logging import sigterm_raises
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # like Ctrl-C: save, exit 130
     global _held_lock
     _held_lock = lock
     try:
-        return _run_phases(qs, experiment, out, extra, console, phases, results, t_start)
+        with sigterm_raises(Terminated):  # like Ctrl-C: the phase saves, exit 130
+            return _run_phases(qs, experiment, out, extra, console, phases, results, t_start)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; nothing is lost: run the same command again to continue (finished "
                       f"phases under {out} are reused, an interrupted one resumes from its last save)")
         return INTERRUPTED_EXIT
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
         _held_lock = None
         if lock is not None:
             lock.close()

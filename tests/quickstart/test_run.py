@@ -323,16 +323,17 @@ def test_ctrl_c_or_sigterm_reaches_a_subprocess_phase_once_and_waits_for_it_to_s
             time_.sleep(0.05)
         os.kill(os.getpid(), sig)
 
+    from distill.logging import sigterm_raises
+
     quickstart.subprocess.Popen, phases = popen, {}
-    handler = signal.default_int_handler if signame == "SIGINT" else quickstart._on_sigterm  # as main() installs
-    previous = signal.signal(sig, handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as main() has them
     try:
         threading.Thread(target=send, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt) as stop:
+        with pytest.raises(KeyboardInterrupt) as stop, sigterm_raises(quickstart.Terminated):
             quickstart.run_phase("distill", [sys.executable, "-c", child], phases, Console(file=open(os.devnull, "w")))
     finally:
         quickstart.subprocess.Popen = real_popen
-        signal.signal(sig, previous)
+        signal.signal(signal.SIGINT, previous)
     assert stop.value.args == ()  # this process's own signal, not the phase's exit status 130
     assert saved.read_text() == signame and procs[0].returncode == 130  # the phase got it once, saved, exited
 

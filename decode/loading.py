@@ -176,13 +176,13 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
             f"could not load the {role} {name_or_path!r}: not a local checkpoint directory, and the hub is not "
             f"reachable or has no such model ({err.__class__.__name__}). Pass a local path written by save_pretrained."
         ) from err
-    own = (getattr(model.config, "auto_map", None) or {}) if not trust_remote_code else {}
-    own = {"AutoModelForCausalLM": own.get("AutoModelForCausalLM") or own.get("AutoModel")}
-    if own["AutoModelForCausalLM"]:  # transformers built its own class: say so, the checkpoint may expect its code
+    auto_map = {} if trust_remote_code else (getattr(model.config, "auto_map", None) or {})
+    own = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
+    if own:  # transformers built its own class: say so, the checkpoint may expect its code
         import warnings
 
         warnings.warn(f"decode: the {role} {name_or_path!r} names its own code (auto_map: "
-                      f"{own['AutoModelForCausalLM']}), which is not run: it was built with transformers' "
+                      f"{own}), which is not run: it was built with transformers' "
                       f"{type(model).__name__} (model_type {model.config.model_type!r}). Pass --trust-remote-code "
                       "(distill: *.trust_remote_code=true) to run its code instead, after reading it", stacklevel=2)
     model.eval().requires_grad_(False)

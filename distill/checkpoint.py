@@ -935,7 +935,8 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                     log(f"warning: resume skips {skipped.name}: {err}. The run saves over it when it reaches that "
                         "step; copy it elsewhere first if you need it")
         if path is None:
-            legacy = [p for p in list_checkpoints(out) if is_legacy(p)]
+            steps = list_checkpoints(out)
+            legacy = [p for p in steps if is_legacy(p)]
             if legacy:  # "incomplete ... add train.overwrite=true" would have sent the user to delete them
                 names = name_list([p.name for p in legacy])
                 raise CheckpointError(
@@ -949,7 +950,7 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                     f"train.overwrite=true set its run aside in {out / SET_ASIDE} and was stopped before it could put "
                     f"it back. Move its entries back into {out} to resume that run (or delete {SET_ASIDE} if it is "
                     "not needed), then run again")
-            found = [p.name for p in list_checkpoints(out)]
+            found = [p.name for p in steps]
             detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
                       else "it has no step_N checkpoint")
             raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: "

@@ -52,12 +52,20 @@ DEFAULTS = {"tail_samples": 0}
 
 # ------------------------------------------------------------------------------------------------ fingerprints
 
-def target_fingerprint(name_or_path: str, chunk: int = 1 << 20) -> str:
-    """A hash of a local checkpoint: config.json in full, and for every weight file (``*.safetensors``, ``*.bin``)
-    its name, size and first and last ``chunk`` bytes (safetensors headers hold every tensor's name, dtype, shape
-    and offsets; retrained weights change the bytes). Cheap for a 70B checkpoint. A hub id is hashed as the snapshot
-    its ``refs/main`` points to in the local Hugging Face cache (``decode.loading.local_folder``), so a downloaded
-    update of the target is a changed target; a hub id not in the cache hashes its name only.
+# Prefix of target_fingerprint's hashes since 2026-12-05 (every byte); a cache's hash without it is a legacy one.
+TARGET_HASH_PREFIX = "2:"
+
+
+def target_fingerprint(name_or_path: str, legacy: bool = False) -> str:
+    """A hash of a local checkpoint: ``config.json`` and ``generation_config.json`` in full, and every weight file
+    (``*.safetensors``, ``*.bin``) by name, size and every byte (sha256: about 1.5 GB/s on one core of this CPU, so
+    ~10 s for an 8B bf16 target, once per run). A hub id is hashed as the snapshot its ``refs/main`` points to in the
+    local Hugging Face cache (``decode.loading.local_folder``), so a downloaded update of the target is a changed
+    target; a hub id not in the cache hashes its name only. Returns ``"2:"`` + 16 hex digits.
+
+    ``legacy=True`` gives the hash draftkit recorded before 2026-12-05, which read only each weight file's first and
+    last MiB (a change confined to the middle of a file, e.g. a LoRA merged into a few layers, went unseen); it
+    checks caches that recorded that hash (no prefix).
     """
     from decode.loading import local_folder
 
@@ -65,19 +73,24 @@ def target_fingerprint(name_or_path: str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     if folder is None:
         h.update(str(name_or_path).encode())
-        return h.hexdigest()[:16]
+        return h.hexdigest()[:16] if legacy else TARGET_HASH_PREFIX + h.hexdigest()[:16]
     path = Path(folder)
     for name in ("config.json", "generation_config.json"):
         if (path / name).exists():
             h.update(name.encode() + (path / name).read_bytes())
+    chunk = 1 << 20
     for f in sorted(list(path.glob("*.safetensors")) + list(path.glob("*.bin"))):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:
-            h.update(fh.read(chunk))
-            fh.seek(max(0, size - chunk))
-            h.update(fh.read(chunk))
-    return h.hexdigest()[:16]
+            if legacy:
+                h.update(fh.read(chunk))
+                fh.seek(max(0, size - chunk))
+                h.update(fh.read(chunk))
+                continue
+            while block := fh.read(16 * chunk):
+                h.update(block)
+    return h.hexdigest()[:16] if legacy else TARGET_HASH_PREFIX + h.hexdigest()[:16]
 
 
 def data_fingerprint(examples: list[dict], cfg: Any) -> str:
@@ -112,10 +125,13 @@ def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | N
 
 def check_manifest(manifest: dict, expected: dict, path: str | Path, training: bool = False) -> None:
     """Raise SetupError naming every field of ``manifest`` that differs from ``expected`` and the setting to fix
-    (``training``: also that null k / tail samples take the cache's own, which only ``train`` does)."""
+    (``training``: also that null k / tail samples take the cache's own, which only ``train`` does). A cache made
+    before 2026-12-05 recorded the legacy target hash (:func:`target_fingerprint`); it is checked by that scheme."""
     if manifest.get("format") != FORMAT_VERSION:
         raise SetupError(f"logit cache {path} has format {manifest.get('format')!r}, this draftkit reads "
                          f"{FORMAT_VERSION}; rebuild it with python -m distill cache-logits")
+    if "target_hash" in expected and not str(manifest.get("target_hash")).startswith(TARGET_HASH_PREFIX):
+        expected = {**expected, "target_hash": target_fingerprint(expected["target"], legacy=True)}  # an older cache's
     diffs = [f"{key} (cache {manifest.get(key, DEFAULTS.get(key))!r}, config {expected[key]!r}; set by {CHECKED[key]})"
              for key in CHECKED if key in expected and manifest.get(key, DEFAULTS.get(key)) != expected[key]]
     if diffs:

@@ -36,7 +36,7 @@ from distill import checkpoint as ckpt
 from distill.config import check_inputs, eval_prompts_source, normalize_config
 from distill.data import (accepts_logits_to_keep, as_examples, build_examples, cache_key, check_lengths,
                           collate_sequences, forward_kept_logits, generate_target_data, kept_positions,
-                          micro_batch_indices)
+                          micro_batch_indices, target_data_settings)
 from distill.evaluate import acceptance_eval, resolve_costs
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag, sigterm_raises
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
@@ -125,8 +125,10 @@ def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
     """Target-generated completions for ``examples`` (cached, resumable; generated on the main process)."""
     tg = cfg.data.target_generated
     gen = {"temperature": float(tg.temperature), "max_new_tokens": int(cfg.data.max_new_tokens),
-           "seed": int(cfg.train.seed)}
-    key = cache_key(str(cfg.target.name_or_path), examples, gen)
+           "seed": int(cfg.train.seed), "shard_size": int(tg.shard_size)}
+    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+    settings = target_data_settings(str(cfg.target.name_or_path), dtype, examples, gen)
+    key = cache_key(settings)
     out_dir = target_data_dir(cfg)
     is_main = accelerator is None or accelerator.is_main_process
     if is_main:
@@ -135,7 +137,7 @@ def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
                              max_new_tokens=gen["max_new_tokens"], batch_size=int(tg.batch_size),
                              shard_size=int(tg.shard_size), seed=gen["seed"],
                              draft=draft if tg.get("use_draft", True) else None,
-                             progress=lambda i, n: log(f"  shard {i}/{n} done"))
+                             progress=lambda i, n: log(f"  shard {i}/{n} done"), settings=settings)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     import datasets

@@ -1,6 +1,7 @@
 """Data sources, field mapping, text windows, chat template, masks, deterministic order, target-data cache."""
 import gzip
 import json
+import os
 
 import pytest
 import torch
@@ -214,9 +215,49 @@ def test_target_generated_cache_is_resumable(pair, tok, tmp_path):
     spec = generate_target_data(target, tok, ex, tmp_path / "b", "k1", draft=draft, **{**kw, "temperature": 0.0})
     greedy = generate_target_data(target, tok, ex, tmp_path / "c", "k1", **{**kw, "temperature": 0.0})
     assert spec["completion_ids"] == greedy["completion_ids"]  # greedy: speculative output is token-identical
-    with pytest.raises(SetupError, match="other prompts"):
+    with pytest.raises(SetupError, match="made for other settings"):
         generate_target_data(target, tok, ex, tmp_path / "a", "other-key", **kw)
     assert torch.is_grad_enabled()
+
+
+def test_a_target_data_cache_made_with_other_settings_is_refused_naming_them(pair, tok, tmp_path):
+    """generate-data resumed with another data.target_generated.shard_size concatenated shards of both sizes (68 rows
+    for 56 prompts), marked the cache complete and trained on it; a cache made by a float32 target was reused by a
+    bf16 one; and every refusal said only "the target's path or weights, the prompts, ... changed"."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from distill.data import cache_key, target_data_settings
+
+    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
+    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, _data_cfg())
+    folder = tmp_path / "cache"
+
+    def run(shard_size=4, dtype="float32", max_new_tokens=4, name=str(pair["target"])):
+        gen = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": 3, "shard_size": shard_size}
+        settings = target_data_settings(name, dtype, ex, gen)
+        return generate_target_data(target, tok, ex, folder, cache_key(settings), temperature=1.0,
+                                    max_new_tokens=max_new_tokens, batch_size=2, shard_size=shard_size, seed=3,
+                                    settings=settings)
+
+    full = run()
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "complete": False}))  # interrupted after its first shard
+    shutil.rmtree(folder / "shards" / "00001")
+    shutil.rmtree(folder / "dataset")
+    with pytest.raises(SetupError, match=r"shard_size \(cache 4, config 2; set by data.target_generated.shard_size\)"):
+        run(shard_size=2)
+    assert sorted(p.name for p in (folder / "shards").iterdir()) == ["00000"]  # nothing written by the refused run
+    with pytest.raises(SetupError, match=r"target_dtype \(cache 'float32', config 'bfloat16'; set by target.dtype\)"):
+        run(dtype="bfloat16")
+    with pytest.raises(SetupError, match=r"max_new_tokens \(cache 4, config 5; set by data.max_new_tokens\)"):
+        run(max_new_tokens=5)
+    relative = os.path.relpath(pair["target"])  # the same target spelled relative to the working folder
+    assert run(name=relative)["completion_ids"] == full["completion_ids"]
+    (folder / "meta.json").write_text(json.dumps({"key": "0123", "complete": True, "num_prompts": 6}))
+    with pytest.raises(SetupError, match="records no settings"):  # a cache made before settings were stored
+        run()
 
 
 def test_a_damaged_target_data_cache_is_named_not_used(pair, tok, tmp_path):

@@ -3,10 +3,12 @@ target (refs/main moved to a new snapshot) must not reuse a logit cache or targe
 one. The cache layout and the hub_cache fixture are in tests/conftest.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from distill.data import cache_key
-from distill.logit_cache import target_fingerprint
+from distill.data import cache_key, target_data_settings
+from distill.logit_cache import FORMAT_VERSION, check_manifest, target_fingerprint
+from distill.models import SetupError
 from tests.conftest import put_snapshot, tiny_llama
 
 
@@ -14,9 +16,32 @@ def test_a_new_revision_of_a_hub_target_changes_its_fingerprint(hub_cache, tmp_p
     tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "v1")
     tiny_llama(seed=1, dtype=torch.float32).save_pretrained(tmp_path / "v2")
     snap = put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "v1")
-    old, old_key = target_fingerprint("org/target"), cache_key("org/target", [], {})
+    old, old_key = target_fingerprint("org/target"), cache_key(target_data_settings("org/target", "float32", [], {}))
     assert old == target_fingerprint(str(snap))  # the snapshot's files are hashed, as for a local folder
     put_snapshot(hub_cache, "org/target", "b" * 40, tmp_path / "v2")
     assert target_fingerprint("org/target") != old
-    assert cache_key("org/target", [], {}) != old_key  # the target-generated data cache too
+    assert cache_key(target_data_settings("org/target", "float32", [], {})) != old_key  # the target-generated data cache too
     assert target_fingerprint("org/not-cached") == target_fingerprint("org/not-cached")  # the name only
+
+
+def test_the_target_fingerprint_reads_every_byte_and_older_caches_keep_their_check(tmp_path):
+    """It hashed each weight file's first and last MiB only: a target changed in the middle of its weights (a LoRA
+    merged into q/k) kept its hash and reused a cache made from the old weights. Caches that recorded that hash are
+    still checked by it (not refused as another target after an upgrade)."""
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = bytearray(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
+    (folder / "model.safetensors").write_bytes(weights)
+    before, legacy = target_fingerprint(str(folder)), target_fingerprint(str(folder), legacy=True)
+    assert before.startswith("2:") and not legacy.startswith("2:")
+    weights[len(weights) // 2] ^= 1
+    (folder / "model.safetensors").write_bytes(weights)
+    assert target_fingerprint(str(folder)) != before
+    assert target_fingerprint(str(folder), legacy=True) == legacy  # what the old hash missed
+    expected = {"target": str(folder), "target_hash": target_fingerprint(str(folder))}
+    check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": legacy}, expected, "cache")
+    weights[0] ^= 1  # a change the old hash saw is still refused
+    (folder / "model.safetensors").write_bytes(weights)
+    with pytest.raises(SetupError, match="target_hash"):
+        check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": legacy}, expected, "cache")

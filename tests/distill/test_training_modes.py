@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from distill.data import build_examples, cache_key, generate_target_data
+from distill.data import build_examples, cache_key, generate_target_data, target_data_settings
 from distill.models import attach_lora, load_draft, load_target
 from distill_helpers import make_llama
 
@@ -50,12 +50,16 @@ def test_target_data_cache_key_follows_the_targets_weights(pair, tmp_path):
     path = tmp_path / "target"
     shutil.copytree(pair["target"], path)
     examples = [{"prompt_ids": [1, 5, 9], "completion_ids": []}]
-    gen = {"temperature": 0.0, "max_new_tokens": 4, "seed": 0}
-    before = cache_key(str(path), examples, gen)
-    assert cache_key(str(path), examples, gen) == before  # same files, same key: the cache is reused
+    gen = {"temperature": 0.0, "max_new_tokens": 4, "seed": 0, "shard_size": 2}
+
+    def key(name):
+        return cache_key(target_data_settings(name, "float32", examples, gen))
+
+    before = key(str(path))
+    assert key(str(path)) == before  # same files, same key: the cache is reused
     make_llama(path, pair["vocab"], layers=2, seed=7)  # new weights, same path and config
-    assert cache_key(str(path), examples, gen) != before
-    assert cache_key("org/hub-id", examples, gen) == cache_key("org/hub-id", examples, gen)
+    assert key(str(path)) != before
+    assert key("org/hub-id") == key("org/hub-id")
 
 
 def test_target_generation_drafts_in_eval_mode_and_restores_train_mode(pair, tok, tmp_path):

@@ -1,7 +1,9 @@
 """Load a target/draft pair and its tokenizer from local paths or hub ids, with clear errors."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,6 +132,42 @@ def check_cached(name_or_path: str, role: str) -> None:
         raise FileNotFoundError(_not_cached(str(name_or_path), role))
 
 
+def peft_adapter_base(folder: str | os.PathLike) -> str | None:
+    """The base a peft adapter folder names (``base_model_name_or_path`` of its ``adapter_config.json``; ``""``
+    when it names none), or None for a folder that is not an adapter (it has a ``config.json``, or no adapter
+    config)."""
+    path = Path(folder)
+    if (path / "config.json").exists() or not (path / "adapter_config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (ValueError, UnicodeDecodeError):
+        config = None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return str(base) if base else ""
+
+
+def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, dtype: Any, device: str | None,
+                         trust_remote_code: bool) -> Any:
+    """:func:`load_causal_lm` of a peft adapter folder: its base through the same loader, the adapter merged in."""
+    from peft import PeftModel
+
+    if not base:
+        raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose adapter_config.json names no "
+                                "base_model_name_or_path; set it to the model the adapter was trained on, or give a "
+                                "merged model (PeftModel.merge_and_unload, then save_pretrained)")
+    model = load_causal_lm(base, f"base of the {role} adapter {name_or_path!r}", dtype, None, trust_remote_code)
+    try:
+        model = PeftModel.from_pretrained(model, folder).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise FileNotFoundError(f"could not apply the {role} adapter {name_or_path!r} to its base {base!r} "
+                                f"(base_model_name_or_path): {err}") from err
+    model.eval().requires_grad_(False)
+    if device:
+        model.to(device)
+    return model
+
+
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",
                    device: str | None = None, trust_remote_code: bool = False) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode with frozen weights (``dtype=None``: the checkpoint's
@@ -143,11 +181,16 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     A checkpoint that names its own code but whose ``model_type`` transformers knows is built with transformers'
     own class (as ``from_pretrained`` does), with a UserWarning saying so.
 
+    A peft adapter folder (``adapter_config.json``, no ``config.json``: a LoRA run's ``best/draft``) is loaded as
+    its base (``base_model_name_or_path``, itself through this loader, so a vocabulary-pruned base keeps its head
+    and map) with the adapter merged in (``PeftModel.merge_and_unload``): what base + adapter compute, as one model.
+
     Raises:
         RemoteCodeError: (a ValueError) the checkpoint ships its own code, transformers has no class for its
             ``model_type``, and ``trust_remote_code`` is off.
         FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
-            loaded (not a checkpoint folder, or a hub id that is not cached while offline), naming the role.
+            loaded (not a checkpoint folder, or a hub id that is not cached while offline; an adapter that names no
+            base or does not fit it), naming the role.
     """
     from decode.vocab_map import load_pretrained, pruned_size
 
@@ -155,6 +198,9 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     check_cached(name_or_path, role)
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     folder = local_folder(name_or_path)  # a pruned draft's id map is read from its folder, a cached hub id's too
+    base = peft_adapter_base(folder) if folder else None
+    if base is not None:
+        return _load_merged_adapter(folder, base, name_or_path, role, dtype, device, trust_remote_code)
     try:
         source = folder if folder and pruned_size(folder) is not None else os.path.expanduser(name_or_path)
         model = load_pretrained(source, **kw, trust_remote_code=trust_remote_code)

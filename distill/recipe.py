@@ -249,6 +249,8 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
                 draft.save_pretrained(draft_base)
                 tokenizer.save_pretrained(draft_base)
         draft = attach_lora(draft, cfg.train.lora)
+        for adapter in draft.peft_config.values():  # the adapter names its real base (a pruned one is draft_base)
+            adapter.base_model_name_or_path = draft_base
     if cfg.eval.get("verify_costs") is not None:  # an explicit setting wins, also over a resumed run's own
         verify_costs = [float(v) for v in cfg.eval.verify_costs]
     if cost_ratio is None:

@@ -134,3 +134,33 @@ def test_a_distill_training_checkpoint_is_named_with_the_export_command(tmp_path
     (ckpt / "trainer_state.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"distill training checkpoint.*python -m distill export .*best OUT_DIR"):
         load_causal_lm(str(ckpt), "draft")
+
+
+def test_a_peft_adapter_folder_loads_merged_into_its_base_a_pruned_one_too(tmp_path):
+    """An adapter whose base is a vocabulary-pruned draft failed inside from_pretrained with a size-mismatch
+    RuntimeError (a traceback from generate, serve and certify); one that names no base was transformers' error."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    from decode.vocab_map import draft_vocab_map, prune_draft_head
+
+    draft = tiny_llama(seed=1, layers=1, dtype=torch.float32)
+    keep = torch.arange(0, draft.config.vocab_size, 2)
+    prune_draft_head(draft, keep).save_pretrained(tmp_path / "pruned")
+    base = load_causal_lm(str(tmp_path / "pruned"), "draft")
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tmp_path / "pruned")
+    model = load_causal_lm(str(tmp_path / "adapter"), "draft")
+    assert model.lm_head.weight.shape[0] == len(keep) and torch.equal(draft_vocab_map(model), keep)
+    assert not any("lora" in name for name, _ in model.named_parameters())  # merged: one plain model
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(FileNotFoundError, match="names no base_model_name_or_path"):
+        load_causal_lm(str(tmp_path / "adapter"), "draft")

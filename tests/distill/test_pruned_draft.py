@@ -130,6 +130,19 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
     torch.testing.assert_close(draft(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
     assert draft.get_output_embeddings().weight.shape[0] == KEEP
     assert torch.equal(draft_vocab_map(draft), draft_vocab_map(trained))
+    if extra:  # best/draft is the adapter: it named the full-vocabulary draft as its base, so every loader built
+        # the 8192-row head plus the adapter without a word; it names the pruned draft_base and loads merged
+        adapter = json.loads((run / "best" / "draft" / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == str((run / "draft_base").resolve())
+        merged = load_causal_lm(str(run / "best" / "draft"), "draft")
+        torch.testing.assert_close(merged(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(draft_vocab_map(merged), draft_vocab_map(trained))
+        # and it trains on as a draft: loaded as transformers' adapter integration, the first save failed
+        onward = tmp_path / "onward"
+        train(compose(overrides(pair, onward, f"draft.name_or_path={run / 'best' / 'draft'}", "train.max_steps=2")),
+              log=_quiet)
+        assert torch.equal(draft_vocab_map(load_causal_lm(str(onward / "step_000002" / "draft"), "draft")),
+                           draft_vocab_map(trained))
     from quickstart.run import _load_lm  # the quickstart's and compare_losses.sh's evaluation load it the same way
 
     assert torch.equal(draft_vocab_map(_load_lm(out)), draft_vocab_map(draft))

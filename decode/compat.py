@@ -68,6 +68,14 @@ def tokenizer_fingerprint(tokenizer: Any, special: dict | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def vocab_fingerprint(tokenizer: Any) -> str:
+    """``"v:"`` + a 16-hex-digit hash of the vocabulary alone (token -> id, added tokens included): what a pruned
+    draft's id map depends on, recorded in its config (``draft_vocab_tokenizer_hash``) since 2026-12-05. A chat
+    template or another pad token changes no id, so it changes no map (:func:`tokenizer_fingerprint`, which maps
+    recorded before, hashes those too)."""
+    return "v:" + hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+
+
 def _pad_variants(tokenizer: Any) -> set[str]:
     """Fingerprints of ``tokenizer`` with and without eos as its pad token (the same ids for every text).
 
@@ -88,7 +96,8 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
     """Check a vocabulary-pruned draft's id map (:mod:`decode.vocab_map`) against the pair; a full draft passes.
 
     The map must have one id per lm_head row, lie in the shared vocabulary ``[0, vocab_size)``, be sorted and
-    unique, and (when ``tokenizer`` is given and the draft recorded one) come from the same tokenizer (eos as pad
+    unique, and (when ``tokenizer`` is given and the draft recorded one) come from the same vocabulary
+    (:func:`vocab_fingerprint`; a map recorded before 2026-12-05 holds :func:`tokenizer_fingerprint`, where eos as pad
     or no pad token count as the same: :func:`_pad_variants`).
 
     Raises:
@@ -109,13 +118,22 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
         raise IncompatibleModelsError(f"{err}; the target's vocabulary has {vocab_size} ids. The draft was pruned "
                                       "for another target or tokenizer: prune it again for this one") from None
     stored = getattr(draft.config, HASH_FIELD, None)
-    if tokenizer is not None and stored:
-        current = tokenizer_fingerprint(tokenizer)
-        if stored not in _pad_variants(tokenizer):  # eos as pad or no pad: the same ids
+    if tokenizer is None or not stored:
+        return
+    current = vocab_fingerprint(tokenizer)
+    if str(stored).startswith("v:"):
+        if stored != current:
             raise IncompatibleModelsError(
                 f"the draft's vocabulary map was chosen with tokenizer {stored} but the target's tokenizer is "
-                f"{current}; its ids would name other tokens. Prune the draft again with this tokenizer "
-                "(draft.vocab.keep=N)")
+                f"{current} (another vocabulary); its ids would name other tokens. Prune the full-vocabulary draft "
+                "again with this tokenizer (draft.vocab.keep=N)")
+    elif stored not in _pad_variants(tokenizer):  # a map recorded before 2026-12-05: eos as pad or no pad are the same
+        raise IncompatibleModelsError(
+            f"the draft's vocabulary map was chosen with tokenizer {stored} but the target's tokenizer is "
+            f"{tokenizer_fingerprint(tokenizer)}; its ids would name other tokens. Prune the full-vocabulary draft "
+            "again with this tokenizer (draft.vocab.keep=N). This map was recorded before 2026-12-05, with a hash "
+            "that also covers the chat template and special tokens: if only those differ (same vocabulary), set "
+            f"{HASH_FIELD} in the draft's config.json to {current}")
 
 
 def _special_ids(tok: Any) -> dict[str, Any]:

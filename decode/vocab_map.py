@@ -8,7 +8,7 @@ training data (EAGLE-3's draft-to-target map, Li et al. 2025, applied to an inde
   the head), so the draft can still be fed any id;
 - the map is an int64 buffer ``draft_vocab_map`` (N,) of the model, sorted and unique, saved in its safetensors
   next to the weights, and ``config.draft_vocab_map_size`` / ``config.draft_vocab_tokenizer_hash`` say that the
-  checkpoint is pruned and for which tokenizer (:func:`decode.compat.tokenizer_fingerprint`);
+  checkpoint is pruned and for which vocabulary (:func:`decode.compat.vocab_fingerprint`);
 - the decoder stays lossless: the draft's N logits are placed into a V-wide row of -inf
   (:func:`scatter_to_vocab`), so q = 0 outside the map and the residual ``max(p − q, 0)`` gives the other ids
   exactly their target probability (:func:`decode.compat.check_compatibility` checks the map against the pair).
@@ -94,7 +94,7 @@ def prune_draft_head(model: Any, kept_ids: torch.Tensor, tokenizer_hash: str | N
     Args:
         model: a Hugging Face causal LM whose lm_head covers the target's vocabulary.
         kept_ids: ``(N,)`` int target ids, sorted and unique (:func:`select_kept_ids`).
-        tokenizer_hash: :func:`decode.compat.tokenizer_fingerprint` of the tokenizer, stored in the config.
+        tokenizer_hash: :func:`decode.compat.vocab_fingerprint` of the tokenizer, stored in the config.
 
     Raises:
         ValueError: the model is already pruned, or ``kept_ids`` is not sorted/unique or exceeds the head.

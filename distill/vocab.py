@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from decode.compat import IncompatibleModelsError, check_draft_vocab_map, tokenizer_fingerprint
+from decode.compat import IncompatibleModelsError, check_draft_vocab_map, vocab_fingerprint
 from decode.vocab_map import MAP_KEY, draft_vocab_map, prune_draft_head, select_kept_ids
 from distill.models import SetupError
 
@@ -164,7 +164,7 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
             covered = float(mass[ids].sum()) / max(float(total), 1e-30)
             log(f"draft.vocab.keep={keep}: the kept ids carry {covered:.1%} of the target's probability mass on "
                 f"the training data ({source})")
-        prune_draft_head(draft, ids, tokenizer_fingerprint(tokenizer))
+        prune_draft_head(draft, ids, vocab_fingerprint(tokenizer))
         pruned_here = True
     try:
         check_draft_vocab_map(draft, vocab, tokenizer)

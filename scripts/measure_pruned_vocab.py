@@ -121,7 +121,7 @@ def id_mass(cfg, tokenizer, target, max_examples: int) -> tuple[torch.Tensor, in
 
 def make_drafts(args, cfg, pair: dict, tokenizer, target, out: Path) -> list[dict]:
     """The pruned drafts (saved under ``out/drafts``), and, with ``--steps``, their equal-compute fine-tunes."""
-    from decode.compat import tokenizer_fingerprint
+    from decode.compat import vocab_fingerprint
     from decode.loading import load_causal_lm
     from decode.vocab_map import prune_draft_head, select_kept_ids
     from distill.vocab import special_ids
@@ -138,7 +138,7 @@ def make_drafts(args, cfg, pair: dict, tokenizer, target, out: Path) -> list[dic
             print(f"error: --keeps {keep}: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         draft = load_causal_lm(str(pair["draft"]), "draft", dtype="float32")
-        prune_draft_head(draft, ids, tokenizer_fingerprint(tokenizer))
+        prune_draft_head(draft, ids, vocab_fingerprint(tokenizer))
         path = out / "drafts" / f"keep_{keep}"
         draft.save_pretrained(path)
         tokenizer.save_pretrained(path)

@@ -217,6 +217,26 @@ def test_pair_check_takes_a_pad_less_tokenizer_and_its_eos_as_pad_copy_as_one():
         check_compatibility(target, draft, no_pad)
 
 
+def test_a_map_records_the_vocabulary_so_a_chat_template_or_another_pad_token_is_the_same_tokenizer():
+    """The map recorded a hash of the vocabulary, special tokens and chat template: adding a chat template (for
+    /v1/chat/completions) or another pad token refused the pruned draft, and the advice (prune again) was refused
+    on an already-pruned draft. A different vocabulary is still refused."""
+    from decode.compat import vocab_fingerprint
+
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0)
+    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), vocab_fingerprint(tok))
+    chat, unk_pad = make_tokenizer(), make_tokenizer(pad_token="<unk>")
+    chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for other in (chat, unk_pad):
+        assert check_compatibility(target, draft, other) == VOCAB
+    with pytest.raises(IncompatibleModelsError, match=r"another vocabulary.*Prune the full-vocabulary draft"):
+        check_compatibility(target, draft, make_tokenizer([f"x{i}" for i in range(VOCAB - 4)]))
+    legacy = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(tok))
+    with pytest.raises(IncompatibleModelsError, match=f"set draft_vocab_tokenizer_hash .* to {vocab_fingerprint(chat)}"):
+        check_compatibility(target, legacy, chat)  # recorded before: the fix names the value to record
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 
 @pytest.mark.parametrize("gamma", [1, 4])

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from decode import SpeculativeDecoder
-from decode.compat import tokenizer_fingerprint
+from decode.compat import vocab_fingerprint
 from decode.loading import load_causal_lm, load_tokenizer
 from decode.vocab_map import HASH_FIELD, MAP_KEY, draft_vocab_map, select_kept_ids
 from distill.export import export
@@ -44,7 +44,7 @@ def test_training_a_pruned_draft_keeps_the_heaviest_ids_and_saves_them(pair, tmp
     assert all(0.0 < x < float("inf") for x in losses)
     draft = load_causal_lm(str(out / "step_000004" / "draft"), "draft")
     assert torch.equal(draft_vocab_map(draft), expected)
-    assert getattr(draft.config, HASH_FIELD) == tokenizer_fingerprint(tok)
+    assert getattr(draft.config, HASH_FIELD) == vocab_fingerprint(tok)
     assert summary["last_eval"]["per_temperature"]["1.0"]["acceptance_rate"] > 0  # α measured through the decoder
 
 

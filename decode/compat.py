@@ -197,11 +197,19 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     V is ``len(target_tokenizer)`` when a tokenizer is given, else the target's lm_head size.
 
     Raises:
-        IncompatibleModelsError: tokenizers disagree (see :func:`check_tokenizers`); the target's lm_head or input
+        IncompatibleModelsError: the target is a vocabulary-pruned draft; tokenizers disagree (see
+            :func:`check_tokenizers`); the target's lm_head or input
             embedding has fewer rows than the shared vocabulary; with no tokenizer given, the draft's lm_head is larger than the
             target's (the extra draft ids have no target probability, so the pair is ambiguous); or a pruned
             draft's id map does not fit (see :func:`check_draft_vocab_map`).
     """
+    from decode.vocab_map import draft_vocab_map
+
+    if draft_vocab_map(target) is not None:
+        raise IncompatibleModelsError(
+            f"the target is a vocabulary-pruned draft (its lm_head scores {output_vocab_size(target)} ids, listed "
+            "in its draft_vocab_map): it cannot be a target. Give it as the draft, and the full model it was "
+            "pruned for as the target")
     check_tokenizers(target_tokenizer, draft_tokenizer)
     v_target = output_vocab_size(target)
     if target_tokenizer is not None:

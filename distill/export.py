@@ -61,7 +61,9 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
         if (checkpoint / "model.safetensors").is_file():  # not in a DeepSpeed/FSDP checkpoint (accelerate/)
             from distill.checkpoint import _load_weights, load_tensors
 
-            _load_weights(peft_model, load_tensors(checkpoint / "model.safetensors"), checkpoint)
+            tensors = load_tensors(checkpoint / "model.safetensors")
+            _check_base_head(tensors, base, base_path, checkpoint)
+            _load_weights(peft_model, tensors, checkpoint)
         untie_adapted_weights(peft_model)
         draft = peft_model.merge_and_unload()
     else:
@@ -69,6 +71,27 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     tokenizer = load_tokenizer(str(draft_dir), "draft tokenizer", trust_remote_code=trust_remote_code,
                                fix="save the tokenizer in the checkpoint's draft/ folder")
     return draft.eval(), tokenizer, state
+
+
+def _check_base_head(tensors: dict, base: Any, base_path: str, checkpoint: Path) -> None:
+    """A vocabulary-pruned checkpoint needs a base pruned to as many ids (the run's ``draft_base``); a full-head
+    base failed with the raw state-dict size mismatch.
+
+    Raises:
+        CheckpointError: naming both head sizes and ``--lora-base <output_dir>/draft_base``.
+    """
+    from decode.compat import output_vocab_size
+    from decode.vocab_map import MAP_KEY, draft_vocab_map
+    from distill.checkpoint import CheckpointError
+
+    maps = [t for key, t in tensors.items() if key.split(".")[-1] == MAP_KEY]
+    own = draft_vocab_map(base)
+    if maps and (own is None or own.numel() != maps[0].numel()):
+        head = "a full" if own is None else f"a {own.numel()}-id pruned"
+        raise CheckpointError(
+            f"{checkpoint} is a vocabulary-pruned draft ({maps[0].numel()} ids) but the LoRA base {base_path!r} has "
+            f"{head} head ({output_vocab_size(base)} rows): give the pruned base the run saved, "
+            f"python -m distill export {checkpoint} OUT_DIR --lora-base <output_dir>/draft_base")
 
 
 def untie_adapted_weights(peft_model: Any) -> bool:

@@ -198,8 +198,9 @@ def read_manifest(path: str | Path) -> dict:
                          "python -m distill cache-logits (same overrides as train)")
     manifest = _load_manifest(file)
     if not manifest.get("complete"):
-        raise SetupError(f"logit cache {path} is incomplete ({manifest.get('shards_done', '?')} of "
-                         f"{manifest.get('num_shards')} shards); rerun python -m distill cache-logits to finish it")
+        total = int(manifest.get("num_shards") or 0)
+        raise SetupError(f"logit cache {path} is incomplete ({total - len(missing_shards(path, manifest))} of "
+                         f"{total} shards); rerun python -m distill cache-logits to finish it")
     return manifest
 
 

@@ -11,6 +11,7 @@ from decode import SpeculativeDecoder
 from decode.compat import vocab_fingerprint
 from decode.loading import load_causal_lm, load_tokenizer
 from decode.vocab_map import HASH_FIELD, MAP_KEY, draft_vocab_map, select_kept_ids
+from distill.checkpoint import CheckpointError
 from distill.export import export
 from distill.logit_cache import build_cache
 from distill.models import SetupError
@@ -137,6 +138,9 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
         merged = load_causal_lm(str(run / "best" / "draft"), "draft")
         torch.testing.assert_close(merged(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(draft_vocab_map(merged), draft_vocab_map(trained))
+        with pytest.raises(CheckpointError, match=r"pruned draft \(60 ids\) but the LoRA base .* a full head"):
+            export(run / "best", tmp_path / "full-base", lora_base=pair["draft"])  # was the raw size mismatch
+        assert not (tmp_path / "full-base").exists()
         # and it trains on as a draft: loaded as transformers' adapter integration, the first save failed
         onward = tmp_path / "onward"
         train(compose(overrides(pair, onward, f"draft.name_or_path={run / 'best' / 'draft'}", "train.max_steps=2")),

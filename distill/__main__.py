@@ -140,8 +140,9 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
             f"the keys of {parent or 'the config'} are {', '.join(known)}"
         return f"unknown setting {key}: {hint} (`python -m distill train --help` lists every key)"
     if isinstance(cause, ValidationError) and key:
-        given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]),
-                     getattr(cause, "value", None))
+        values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]]
+        bad = getattr(cause, "value", None)  # a key given twice: the value that failed, not the first one
+        given = next((v for v in values if v == str(bad)), values[-1] if values else bad)
         text = str(cause).splitlines()[0]
         example = _schema_default(key.split("[")[0])
         kinds = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}

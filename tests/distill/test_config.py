@@ -161,10 +161,12 @@ def test_acceptance_loss_fits_the_loss_schema():
     ("eval.temperatures=[a]", "eval.temperatures=[a]: every item must be a number, e.g. eval.temperatures=[0.0,1.0]"),
     ("train.max_step=5", "unknown setting train.max_step: did you mean train.max_steps?"),
     ("optim=sgd", "optim=sgd: no such option in conf/optim/; choose one of adamw"),
+    # a key given twice (appended to a base command): the value that failed, not the first (valid) one
+    ("train.max_steps=4 train.max_steps=abc", "train.max_steps=abc: expected an integer"),
 ])
 def test_compose_errors_name_the_key_and_the_fix(override, message):
     with pytest.raises(SetupError) as e:
-        compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", override])
+        compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", *override.split()])
     assert message in str(e.value)
     assert "+train.max_step" not in str(e.value)  # Hydra's "use +KEY" hint would make a typo a new key
 

@@ -109,6 +109,11 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
 
     cause = err.__cause__ if err.__cause__ is not None else err
     msg = str(err)
+    launcher = next((o for o in overrides if o.lstrip("+").startswith("launcher=")), None)
+    if launcher:  # conf/launcher/ lists in --help's config groups, but its files are accelerate's
+        name = launcher.split("=", 1)[1]
+        return (f"{launcher}: conf/launcher/ holds accelerate configs, not a Hydra group; launch with them: "
+                f"accelerate launch --config_file conf/launcher/{name}.yaml -m distill train ...")
     m = re.search(r"Could not find '([\w\-/]+)/([^']+)'", msg)
     if m:  # an unknown group option, e.g. loss=kld or +experiment=nope
         group, option = m.group(1), m.group(2)

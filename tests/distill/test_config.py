@@ -163,6 +163,9 @@ def test_acceptance_loss_fits_the_loss_schema():
     ("optim=sgd", "optim=sgd: no such option in conf/optim/; choose one of adamw"),
     # a key given twice (appended to a base command): the value that failed, not the first (valid) one
     ("train.max_steps=4 train.max_steps=abc", "train.max_steps=abc: expected an integer"),
+    # listed among --help's config groups; the error was Hydra's (cut off: "ConfigKeyError raised while composing")
+    ("+launcher=cpu_2proc", "accelerate launch --config_file conf/launcher/cpu_2proc.yaml -m distill train"),
+    ("launcher=fsdp", "launcher=fsdp: conf/launcher/ holds accelerate configs, not a Hydra group"),
 ])
 def test_compose_errors_name_the_key_and_the_fix(override, message):
     with pytest.raises(SetupError) as e:

@@ -578,6 +578,25 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
     return [k for k in keys if OmegaConf.select(saved, k, default=absent) not in (absent, OmegaConf.select(cfg, k))]
 
 
+def _resume_warnings(checkpoint: Path, cfg: DictConfig, state: dict, world: int) -> list[str]:
+    """What a resume changes: each key of :func:`_changed_keys`, except ``train.batch_size`` where only the split
+    of the same global micro-batch over processes changed and λ = 0 (the data stream and the update are the same);
+    with λ > 0 a changed split is named: the λ coin is tossed per process micro-batch, so which rows are on-policy
+    changes from there on."""
+    split, now = (state.get("num_processes"), state.get("batch_size")), (world, int(cfg.train.batch_size))
+    same_global = None not in split and split[0] * split[1] == now[0] * now[1]
+    on_policy = float(cfg.data.on_policy_fraction) > 0
+    notes = [f"{key} differs from the checkpoint's config; the resumed run is not the same experiment"
+             for key in _changed_keys(checkpoint, cfg) if not (key == "train.batch_size" and same_global and
+                                                               not on_policy)]
+    if on_policy and None not in split and split != now:
+        notes.append(f"data.on_policy_fraction={cfg.data.on_policy_fraction}: the checkpoint's micro-batches were "
+                     f"{split[0]} process(es) x {split[1]} rows, this run's are {now[0]} x {now[1]}; the λ coin is "
+                     "tossed per micro-batch, so which rows are on-policy differs from a run that kept the split "
+                     "(the data order does not)")
+    return notes
+
+
 def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | None) -> None:
     """Settings a resume cannot honour, checked against the checkpoint's trainer_state.json (``saved``; empty for
     a fresh run) before any model loads. Raises SetupError naming the setting and the fix."""
@@ -689,8 +708,8 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> dic
             ckpt.truncate_metrics(out, int(state["step"]))
             if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
                 ckpt.mark_latest(out, resume_from)
-        for key in _changed_keys(resume_from, cfg):
-            log(f"warning: {key} differs from the checkpoint's config; the resumed run is not the same experiment")
+        for note in _resume_warnings(resume_from, cfg, state, world):
+            log(f"warning: {note}")
     logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
     state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)

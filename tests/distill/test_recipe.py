@@ -298,3 +298,27 @@ def test_a_run_folder_given_as_the_draft_names_its_newest_checkpoint(pair, tmp_p
     with pytest.raises(SetupError, match=rf"draft path: {re.escape(str(run))} is a run folder, not a checkpoint; .* "
                                          rf"newest: {re.escape(str(run / 'step_000002'))}.*; fix draft.name_or_path"):
         train(compose(ov), log=lambda *_: None)
+
+
+def test_a_resume_that_splits_the_global_batch_differently_warns_only_where_the_data_changes(pair, tmp_path):
+    """Trial L: a 2-process run (2 rows each) resumed with 1 process (4 rows) is exact at λ = 0, yet warned that
+    train.batch_size changed "the experiment"; at λ > 0 it puts other rows on-policy, and the same generic line was
+    all it said."""
+    from omegaconf import OmegaConf
+
+    from distill.recipe import _resume_warnings
+
+    def cfg(*extra):
+        return compose(overrides(pair, tmp_path / "run", *extra))
+
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    state = {"num_processes": 2, "batch_size": 2}
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2")))
+    assert _resume_warnings(ckpt, cfg("train.batch_size=4"), state, world=1) == []
+    assert _resume_warnings(ckpt, cfg("train.batch_size=3"), state, world=1) == [
+        "train.batch_size differs from the checkpoint's config; the resumed run is not the same experiment"]
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2", "data.on_policy_fraction=0.5")))
+    notes = _resume_warnings(ckpt, cfg("train.batch_size=4", "data.on_policy_fraction=0.5"), state, world=1)
+    assert notes[0].startswith("train.batch_size differs") and "2 process(es) x 2 rows, this run's are 1 x 4" in notes[1]
+    assert _resume_warnings(ckpt, cfg("train.batch_size=2", "data.on_policy_fraction=0.5"), state, world=2) == []

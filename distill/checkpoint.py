@@ -884,6 +884,11 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
         if not main:
             return None
         others = other_entries(out, REUSABLE) if out.is_dir() else []
+        if others and os.path.lexists(out / SET_ASIDE):  # before "holds no run ... pass train.overwrite=true"
+            raise CheckpointError(
+                f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
+                f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
+                "needed), then run again")
         doomed = run_artifacts(out) if others else []
         if others and not doomed:  # the user's own files: a run writes beside them only if asked, never over them
             clash = [name for name in others if name in RUN_SHARED]
@@ -899,12 +904,6 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                 "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
                 "checkpoints and metrics), or choose another train.output_dir")
         if others:
-            if os.path.lexists(out / SET_ASIDE):
-                raise CheckpointError(
-                    f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
-                    f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
-                    "needed), then run again")
-
             for setting, value in (inputs or {}).items():
                 if value in (None, ""):
                     continue

@@ -220,6 +220,9 @@ def test_an_earlier_overwrite_s_set_aside_run_is_never_overwritten(tmp_path):
     (out / "metrics.jsonl").unlink()  # resume said "no step_N checkpoint ... add train.overwrite=true": a circle
     with pytest.raises(ckpt.CheckpointError, match="set its run aside in .*Move its entries back"):
         ckpt.prepare_run_folder(out, True, False)
+    # a fresh run was told "holds no run (.overwritten) ... or pass train.overwrite=true", which is refused: a circle
+    with pytest.raises(ckpt.CheckpointError, match="holds the run an earlier train.overwrite=true set aside"):
+        ckpt.prepare_run_folder(out, False, False)
 
 
 def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straight, tmp_path, monkeypatch):

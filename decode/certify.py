@@ -623,9 +623,13 @@ def _run(args: argparse.Namespace) -> int:
     draft = load_causal_lm(args.draft, "draft", args.dtype, device)
     draft_tok = load_draft_tokenizer(args.draft, tok)
     limit, reason = max_prefix_length(target, draft, args.num_draft_tokens)
+    if limit is not None and limit < 1:  # no prefix fits: γ itself is too large for the models' context
+        print(f"error: --num-draft-tokens {args.num_draft_tokens} leaves no room for a prefix: {reason}; lower "
+              "--num-draft-tokens", file=sys.stderr)
+        return 2
     if limit is not None and args.prefix_tokens > limit:
-        fix = f"use --prefix-tokens <= {limit}" if limit >= 1 else "lower --num-draft-tokens"
-        print(f"error: --prefix-tokens {args.prefix_tokens} is more than {limit}: {reason}; {fix}", file=sys.stderr)
+        print(f"error: --prefix-tokens {args.prefix_tokens} is more than {limit}: {reason}; use --prefix-tokens "
+              f"<= {limit}", file=sys.stderr)
         return 2
     cert = certify(target, draft, prefixes, settings, samples=args.samples, num_draft_tokens=args.num_draft_tokens,
                    alpha=args.alpha, seed=args.seed, tokenizer=tok, draft_tokenizer=draft_tok,

@@ -149,16 +149,35 @@ def peft_adapter_base(folder: str | os.PathLike) -> str | None:
 
 def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, dtype: Any, device: str | None,
                          trust_remote_code: bool) -> Any:
-    """:func:`load_causal_lm` of a peft adapter folder: its base through the same loader, the adapter merged in."""
+    """:func:`load_causal_lm` of a peft adapter folder: its base through the same loader, the adapter merged in
+    (a tied embedding/head pair that the adapter touches is untied first: :func:`untie_adapted_weights`)."""
     from peft import PeftModel
 
+    config_file = os.path.join(folder, "adapter_config.json")
     if not base:
         raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose adapter_config.json names no "
                                 "base_model_name_or_path; set it to the model the adapter was trained on, or give a "
                                 "merged model (PeftModel.merge_and_unload, then save_pretrained)")
+    chain, step = [os.path.realpath(folder)], base
+    while (nxt := local_folder(step)) is not None and (after := peft_adapter_base(nxt)) is not None:
+        if os.path.realpath(nxt) in chain:  # each adapter names the next as its base: it would never end
+            raise FileNotFoundError(f"the {role} adapter {name_or_path!r}: its base_model_name_or_path chain "
+                                    f"{' -> '.join(chain + [os.path.realpath(nxt)])} returns to an adapter it "
+                                    f"passed; set base_model_name_or_path in {config_file} to the model it was "
+                                    "trained on")
+        chain.append(os.path.realpath(nxt))
+        step = after or ""
+    if looks_local(base) and not os.path.isdir(os.path.expanduser(base)):
+        sibling = Path(folder).resolve().parent.parent / "draft_base"  # a distill LoRA run's <run>/best/draft
+        hint = f" (the run's own {sibling} exists: a moved or copied run folder?)" if sibling.is_dir() else ""
+        raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose base_model_name_or_path "
+                                f"{base!r} is not a folder{hint}; set base_model_name_or_path in {config_file} to "
+                                "where the base is now (a relative path is read from the working folder)")
     model = load_causal_lm(base, f"base of the {role} adapter {name_or_path!r}", dtype, None, trust_remote_code)
     try:
-        model = PeftModel.from_pretrained(model, folder).merge_and_unload()
+        peft_model = PeftModel.from_pretrained(model, folder)
+        untie_adapted_weights(peft_model)
+        model = peft_model.merge_and_unload()
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise FileNotFoundError(f"could not apply the {role} adapter {name_or_path!r} to its base {base!r} "
                                 f"(base_model_name_or_path): {err}") from err
@@ -166,6 +185,34 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
     if device:
         model.to(device)
     return model
+
+
+def untie_adapted_weights(peft_model: Any) -> bool:
+    """Give the output head its own copy of a tied embedding matrix when a LoRA adapter sits on either of them.
+
+    Merging writes ``W + BA`` into the adapted weight; tied to the other, it would move the input embeddings too
+    (so the merged model would differ from the adapter model that was trained and evaluated). After untying, the
+    merged model computes the same function as base + adapter, and its config says the weights are untied.
+    Returns True when it untied something; a tied pair that no adapter touches stays tied (untying it would grow the
+    export by a vocabulary-sized matrix and change its architecture for nothing).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    model = peft_model.get_base_model()
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None:
+        return False
+    out_w = getattr(out, "base_layer", out).weight
+    in_w = getattr(inp, "base_layer", inp).weight
+    adapted = any(isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper)) for m in (out, inp))
+    if out_w.data_ptr() != in_w.data_ptr() or not adapted:
+        return False
+    head = getattr(out, "base_layer", out)
+    head.weight = torch.nn.Parameter(out_w.detach().clone(), requires_grad=out_w.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
 
 
 def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dtype | None = "float32",

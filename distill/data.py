@@ -588,9 +588,11 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
             raise SetupError(f"{meta_path} is not a JSON object: the target-data cache is damaged; delete {cache_dir} "
                              "to regenerate it, or set data.target_generated.path elsewhere")
         if meta.get("key") != key:
+            recorded = isinstance(meta.get("settings"), dict)  # (without them no config can match it again)
             raise SetupError(f"target-data cache {cache_dir} was made for other settings (key {meta.get('key')} != "
-                             f"{key}): {_settings_diff(meta.get('settings'), settings)}. Use the settings it was made "
-                             "with, delete it to regenerate, or set data.target_generated.path elsewhere")
+                             f"{key}): {_settings_diff(meta.get('settings'), settings)}. "
+                             f"{'Use the settings it was made with, d' if recorded else 'D'}elete it to regenerate, "
+                             "or set data.target_generated.path elsewhere")
         if meta.get("complete"):
             vocab = max(len(tokenizer), target.get_output_embeddings().weight.shape[0])
             return _check_target_data(datasets.load_from_disk(str(cache_dir / "dataset")), cache_dir,

@@ -41,7 +41,7 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     checkpoint's weights do not fit the base's architecture; ``decode.loading.RemoteCodeError`` (a ValueError) for
     a draft, base or tokenizer with its own code while ``trust_remote_code`` is off.
     """
-    from decode.loading import load_causal_lm, load_tokenizer
+    from decode.loading import load_causal_lm, load_tokenizer, untie_adapted_weights
 
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
@@ -92,36 +92,6 @@ def _check_base_head(tensors: dict, base: Any, base_path: str, checkpoint: Path)
             f"{checkpoint} is a vocabulary-pruned draft ({maps[0].numel()} ids) but the LoRA base {base_path!r} has "
             f"{head} head ({output_vocab_size(base)} rows): give the pruned base the run saved, "
             f"python -m distill export {checkpoint} OUT_DIR --lora-base <output_dir>/draft_base")
-
-
-def untie_adapted_weights(peft_model: Any) -> bool:
-    """Give the output head its own copy of a tied embedding matrix when a LoRA adapter sits on either of them.
-
-    Merging writes ``W + BA`` into the adapted weight; tied to the other, it would move the input embeddings too
-    (so the merged model would differ from the adapter model that was trained and evaluated). After untying, the
-    merged model computes the same function as base + adapter, and its config says the weights are untied.
-    Returns True when it untied something; a tied pair that no adapter touches stays tied (untying it would grow the
-    export by a vocabulary-sized matrix and change its architecture for nothing).
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils import ModulesToSaveWrapper
-
-    model = peft_model.get_base_model()
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is None or inp is None:
-        return False
-    out_w = getattr(out, "base_layer", out).weight
-    in_w = getattr(inp, "base_layer", inp).weight
-    adapted = any(isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper)) for m in (out, inp))
-    if out_w.data_ptr() != in_w.data_ptr() or not adapted:
-        return False
-    import torch
-
-    head = getattr(out, "base_layer", out)
-    head.weight = torch.nn.Parameter(out_w.detach().clone(), requires_grad=out_w.requires_grad)
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        config.tie_word_embeddings = False
-    return True
 
 
 # What an export written before the card listed its files could hold: save_pretrained's config, weights (one file

@@ -351,7 +351,8 @@ def test_cli_prefix_tokens_over_the_context_exits_2_before_sampling(saved, tmp_p
     err = capsys.readouterr().err
     assert "--prefix-tokens 254 is more than 253" in err and "use --prefix-tokens <= 253" in err
     assert certify_cli.main([*args, "--prefix-tokens", "40", "-g", "300"]) == 2
-    assert "lower --num-draft-tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err  # it said "--prefix-tokens 40 is more than -45"
+    assert "--num-draft-tokens 300 leaves no room for a prefix" in err and "lower --num-draft-tokens" in err
 
 
 def test_cli_overwrite_without_out_is_refused(saved, capsys, monkeypatch):

@@ -164,3 +164,34 @@ def test_a_peft_adapter_folder_loads_merged_into_its_base_a_pruned_one_too(tmp_p
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
     with pytest.raises(FileNotFoundError, match="names no base_model_name_or_path"):
         load_causal_lm(str(tmp_path / "adapter"), "draft")
+
+
+def test_an_adapter_on_a_tied_head_loads_as_trained_and_a_base_cycle_or_a_moved_run_is_named(tmp_path):
+    """Merging into a tied lm_head moved the input embeddings too (the loaded draft differed from base + adapter
+    by 18 in logits, 1 of 8 argmaxes the same); an adapter naming itself as its base recursed until Python's limit
+    (a RecursionError traceback); a moved LoRA run's adapter said only that its old base path does not exist."""
+    import json
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    tied = tiny_llama(seed=1, layers=1, dtype=torch.float32, tie_word_embeddings=True)
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    tied.save_pretrained(tmp_path / "run" / "draft_base")
+    peft_model = get_peft_model(load_causal_lm(str(tmp_path / "run" / "draft_base"), "draft"),
+                                LoraConfig(r=2, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
+    adapter = tmp_path / "run" / "best" / "draft"
+    peft_model.save_pretrained(adapter)
+    ids = torch.tensor([[1, 5, 9, 13, 40]])
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    torch.testing.assert_close(load_causal_lm(str(adapter), "draft")(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(adapter)}))
+    with pytest.raises(FileNotFoundError, match="returns to an adapter it passed; set base_model_name_or_path"):
+        load_causal_lm(str(adapter), "draft")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=r"is not a folder \(the run's own .*moved/draft_base exists"):
+        load_causal_lm(str(tmp_path / "moved" / "best" / "draft"), "draft")

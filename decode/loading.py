@@ -159,14 +159,14 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
                                 "base_model_name_or_path; set it to the model the adapter was trained on, or give a "
                                 "merged model (PeftModel.merge_and_unload, then save_pretrained)")
     chain, step = [os.path.realpath(folder)], base
-    while (nxt := local_folder(step)) is not None and (after := peft_adapter_base(nxt)) is not None:
+    while step and (nxt := local_folder(step)) is not None and (after := peft_adapter_base(nxt)) is not None:
         if os.path.realpath(nxt) in chain:  # each adapter names the next as its base: it would never end
             raise FileNotFoundError(f"the {role} adapter {name_or_path!r}: its base_model_name_or_path chain "
                                     f"{' -> '.join(chain + [os.path.realpath(nxt)])} returns to an adapter it "
                                     f"passed; set base_model_name_or_path in {config_file} to the model it was "
                                     "trained on")
         chain.append(os.path.realpath(nxt))
-        step = after or ""
+        step = after
     if looks_local(base) and not os.path.isdir(os.path.expanduser(base)):
         sibling = Path(folder).resolve().parent.parent / "draft_base"  # a distill LoRA run's <run>/best/draft
         hint = f" (the run's own {sibling} exists: a moved or copied run folder?)" if sibling.is_dir() else ""

@@ -537,8 +537,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             run_hydra_command(name, rest) if name in HYDRA_COMMANDS else COMMANDS[name](rest)
         except KeyboardInterrupt:  # (train saves a checkpoint first: its own handler; the others printed a traceback)
-            print(f"python -m distill {name}: interrupted (Ctrl-C). What was saved is kept: run the same command "
-                  "again to continue (cache-logits and generate-data resume from their last complete shard; an "
+            print(f"python -m distill {name}: interrupted (Ctrl-C or SIGTERM). What was saved is kept: run the "
+                  "same command again to continue (cache-logits and generate-data resume from their last complete shard; an "
                   "export leaves the earlier export as it was)", file=sys.stderr)
             raise SystemExit(130) from None
     elif name in ELSEWHERE:

@@ -579,6 +579,7 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
     cache_dir = Path(cache_dir)
     meta_path = cache_dir / "meta.json"
     check_target_data_dir(cache_dir)
+    vocab = max(len(tokenizer), target.get_output_embeddings().weight.shape[0])
     if meta_path.exists():
         try:
             meta = json.loads(meta_path.read_text())
@@ -589,12 +590,11 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
                              "to regenerate it, or set data.target_generated.path elsewhere")
         if meta.get("key") != key:
             recorded = isinstance(meta.get("settings"), dict)  # (without them no config can match it again)
+            fix = "Use the settings it was made with, delete it" if recorded else "Delete it"
             raise SetupError(f"target-data cache {cache_dir} was made for other settings (key {meta.get('key')} != "
-                             f"{key}): {_settings_diff(meta.get('settings'), settings)}. "
-                             f"{'Use the settings it was made with, d' if recorded else 'D'}elete it to regenerate, "
-                             "or set data.target_generated.path elsewhere")
+                             f"{key}): {_settings_diff(meta.get('settings'), settings)}. {fix} to regenerate, or set "
+                             "data.target_generated.path elsewhere")
         if meta.get("complete"):
-            vocab = max(len(tokenizer), target.get_output_embeddings().weight.shape[0])
             return _check_target_data(datasets.load_from_disk(str(cache_dir / "dataset")), cache_dir,
                                       len(examples), vocab)
     from distill.checkpoint import replace_text  # meta.json whole or not at all: a cut one reads as a damaged cache
@@ -611,7 +611,6 @@ def generate_target_data(target: Any, tokenizer: Any, examples: list[dict], cach
     finally:
         if was_training:
             draft.train()
-    vocab = max(len(tokenizer), target.get_output_embeddings().weight.shape[0])
     full = _check_target_data(full, cache_dir, len(examples), vocab)  # (shards of another run: refused, not marked)
     full.save_to_disk(str(cache_dir / "dataset"))
     replace_text(meta_path, json.dumps({**meta, "complete": True}))

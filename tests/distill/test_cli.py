@@ -294,7 +294,7 @@ def test_ctrl_c_in_a_command_is_a_resume_hint_not_a_traceback(monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         main(["export", "a", "b"])
     assert e.value.code == 130
-    assert "python -m distill export: interrupted (Ctrl-C). What was saved is kept" in capsys.readouterr().err
+    assert "python -m distill export: interrupted (Ctrl-C or SIGTERM). What was saved is kept" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["eval", "bench-step"])

@@ -20,7 +20,7 @@ def test_a_new_revision_of_a_hub_target_changes_its_fingerprint(hub_cache, tmp_p
     assert old == target_fingerprint(str(snap))  # the snapshot's files are hashed, as for a local folder
     put_snapshot(hub_cache, "org/target", "b" * 40, tmp_path / "v2")
     assert target_fingerprint("org/target") != old
-    assert cache_key(target_data_settings("org/target", "float32", [], {})) != old_key  # the target-generated data cache too
+    assert cache_key(target_data_settings("org/target", "float32", [], {})) != old_key  # the target-data cache too
     assert target_fingerprint("org/not-cached") == target_fingerprint("org/not-cached")  # the name only
 
 

@@ -320,5 +320,6 @@ def test_a_resume_that_splits_the_global_batch_differently_warns_only_where_the_
         "train.batch_size differs from the checkpoint's config; the resumed run is not the same experiment"]
     (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2", "data.on_policy_fraction=0.5")))
     notes = _resume_warnings(ckpt, cfg("train.batch_size=4", "data.on_policy_fraction=0.5"), state, world=1)
-    assert notes[0].startswith("train.batch_size differs") and "2 process(es) x 2 rows, this run's are 1 x 4" in notes[1]
+    assert notes[0].startswith("train.batch_size differs")
+    assert "2 process(es) x 2 rows, this run's are 1 x 4" in notes[1]
     assert _resume_warnings(ckpt, cfg("train.batch_size=2", "data.on_policy_fraction=0.5"), state, world=2) == []

@@ -189,6 +189,11 @@ def compose(overrides: list[str]):
     from distill.models import SetupError
 
     overrides = expand_target_shorthand(list(overrides))
+    for override in overrides:  # OmegaConf reads any integer as a bool (2 -> true): only 0 and 1 mean one
+        key, sep, value = override.lstrip("+").partition("=")
+        if sep and re.fullmatch(r"[+-]?\d+", value.strip()) and value.strip() not in ("0", "1") \
+                and isinstance(_schema_default(key), bool):
+            raise SetupError(f"{key}={value}: expected true or false, e.g. {key}={str(_schema_default(key)).lower()}")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):

@@ -166,6 +166,7 @@ def test_acceptance_loss_fits_the_loss_schema():
     # listed among --help's config groups; the error was Hydra's (cut off: "ConfigKeyError raised while composing")
     ("+launcher=cpu_2proc", "accelerate launch --config_file conf/launcher/cpu_2proc.yaml -m distill train"),
     ("launcher=fsdp", "launcher=fsdp: conf/launcher/ holds accelerate configs, not a Hydra group"),
+    ("loss.fused=2", "loss.fused=2: expected true or false, e.g. loss.fused=true"),  # (OmegaConf read 2 as true)
 ])
 def test_compose_errors_name_the_key_and_the_fix(override, message):
     with pytest.raises(SetupError) as e:

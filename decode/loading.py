@@ -173,6 +173,11 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
         raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose base_model_name_or_path "
                                 f"{base!r} is not a folder{hint}; set base_model_name_or_path in {config_file} to "
                                 "where the base is now (a relative path is read from the working folder)")
+    beside = Path(folder).resolve().parent / base
+    if not looks_local(base) and local_folder(base) is None and beside.is_dir():  # not a hub id: a relative path
+        raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose base_model_name_or_path "
+                                f"{base!r} is read from the working folder (as peft does), where it is not; {beside} "
+                                f"exists: set base_model_name_or_path in {config_file} to that absolute path")
     model = load_causal_lm(base, f"base of the {role} adapter {name_or_path!r}", dtype, None, trust_remote_code)
     try:
         peft_model = PeftModel.from_pretrained(model, folder)
@@ -284,9 +289,14 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     return model
 
 
+# Files a saved tokenizer has at least one of (fast, slow or sentencepiece); an adapter folder without any has none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False,
                    trust_remote_code: bool = False, fix: str = "pass --tokenizer PATH") -> Any:
-    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing. ``pad_from_eos``: a tokenizer
+    """``AutoTokenizer.from_pretrained`` with a clear error when it is missing (a peft adapter folder saved without
+    a tokenizer gives its base's, ``base_model_name_or_path``). ``pad_from_eos``: a tokenizer
     without a pad token gets eos as pad (batched generation and training pad their rows). ``trust_remote_code``:
     see :func:`load_causal_lm`. ``fix``: how the caller's user names another tokenizer (a CLI flag, a setting).
 
@@ -297,6 +307,11 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
     from transformers import AutoTokenizer
 
     check_cached(str(name_or_path), role)
+    folder = local_folder(str(name_or_path))
+    base = peft_adapter_base(folder) if folder else None
+    if base and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        name_or_path = base  # an adapter saved without a tokenizer (plain peft): its base's
+        check_cached(str(name_or_path), role)
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:

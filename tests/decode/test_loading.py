@@ -195,3 +195,24 @@ def test_an_adapter_on_a_tied_head_loads_as_trained_and_a_base_cycle_or_a_moved_
     shutil.move(tmp_path / "run", tmp_path / "moved")
     with pytest.raises(FileNotFoundError, match=r"is not a folder \(the run's own .*moved/draft_base exists"):
         load_causal_lm(str(tmp_path / "moved" / "best" / "draft"), "draft")
+
+
+def test_a_plain_peft_adapter_takes_its_base_s_tokenizer_and_a_relative_base_is_named(tmp_path, monkeypatch):
+    """An adapter saved by peft alone (no tokenizer files) as --target failed with the tokenizer library's
+    "sentencepiece or tiktoken" message; a base named relative to the adapter's folder was looked up as a hub id
+    ("hf download draft-distilled")."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    make_tokenizer().save_pretrained(tmp_path / "base")
+    tiny_llama(seed=1, layers=1, dtype=torch.float32).save_pretrained(tmp_path / "base")
+    model = load_causal_lm(str(tmp_path / "base"), "target")
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    assert load_tokenizer(str(tmp_path / "adapter"), "target tokenizer").get_vocab() == \
+        load_tokenizer(str(tmp_path / "base")).get_vocab()
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "base"}))
+    monkeypatch.chdir(tmp_path / "adapter")
+    with pytest.raises(FileNotFoundError, match=r"read from the working folder .*base exists: set base_model_name"):
+        load_causal_lm(str(tmp_path / "adapter"), "target")

@@ -390,9 +390,11 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
                     from distill.checkpoint import check_no_live_run, is_main_process, prepare_run_folder
 
                     out = Path(cfg.train.output_dir) / str(num) if multirun else Path(cfg.train.output_dir)
-                    check_no_live_run(out)  # its files are another run's work in progress: no advice about them
+                    main_process = is_main_process()
+                    if main_process:  # (another rank of this launch would see rank 0's own lock as a live run)
+                        check_no_live_run(out)  # its files are another run's work in progress: no advice about them
                     prepare_run_folder(out, cfg.train.resume, overwrite=False,  # (a pure check without overwrite)
-                                       main=is_main_process())  # rank 0 may have made it
+                                       main=main_process)  # rank 0 may have made it
     except SetupError as e:
         where = f" (sweep job {jobs.index(job)}: {' '.join(job)})" if multirun and "job" in locals() else ""
         _fail(f"{e}{where}")

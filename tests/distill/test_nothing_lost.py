@@ -121,7 +121,7 @@ def test_a_rank_left_in_the_environment_does_not_turn_a_lone_run_s_folder_checks
     assert not ckpt.is_main_process()
 
 
-def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, straight, tmp_path, capsys):
+def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, straight, tmp_path, capsys, monkeypatch):
     """With a run training into the folder, `distill train` (fresh or train.resume=true) was told 'already holds a
     run ... train.overwrite=true' or 'no complete checkpoint ... add train.overwrite=true' by the preflight, which
     ran before the lock: advice that would delete the live run's files."""
@@ -139,6 +139,13 @@ def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, strai
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"another distill train is running into train.output_dir={folder}" in err
             assert f"pid {os.getpid()}" in err and "train.overwrite=true" not in err
+        # Rank 1 of a launch whose rank 0 already holds the lock: its preflight refused its own run as "another
+        # distill train" (a race the 2-process tests lost once), so only the main process checks the lock.
+        from distill.__main__ import preflight
+
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+        assert len(preflight("train", overrides(pair, out, *FAST, "train.resume=true"), False, {})) == 1
     finally:
         held.close()
 

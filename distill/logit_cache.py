@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from decode.compat import tokenizer_fingerprint  # noqa: F401  (one hash for the cache and pruned drafts)
+from decode.compat import tokenizer_fingerprint  # the cache's tokenizer_hash (pruned drafts record vocab_fingerprint)
 from distill.models import SetupError
 
 FORMAT_VERSION = 1

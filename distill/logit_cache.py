@@ -369,7 +369,8 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
                              f"{old['shard_size']}; resume it with that value (shards would not line up)")
         # Shards already written keep their draws and precision: a resume must make the rest the same way.
         resumed = {"tail_seed": ("train.seed", int(cfg.train.seed) if expected["tail_samples"] else None),
-                   "mixed_precision": ("train.mixed_precision", str(acc.mixed_precision))}
+                   "mixed_precision": ("train.mixed_precision", str(acc.mixed_precision)),
+                   "target_dtype": ("target.dtype", str(cfg.target.get("dtype")))}  # (not in a cache before 12-05)
         for key, (setting, value) in resumed.items():
             if value is not None and old.get(key) is not None and old[key] != value:
                 raise SetupError(f"the unfinished logit cache {out} was started with {key}={old[key]!r} "
@@ -390,7 +391,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     manifest = {"format": FORMAT_VERSION, **expected, "vocab": int(vocab), "num_examples": len(examples),
                 "tail_seed": int(cfg.train.seed),
                 "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(acc.mixed_precision),
-                "complete": False}
+                "target_dtype": str(cfg.target.get("dtype")), "complete": False}
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _write_manifest(manifest_file, manifest)

@@ -183,6 +183,10 @@ def test_cache_logits_refuses_bad_builds_before_writing_and_damaged_caches_clear
     with pytest.raises(SetupError, match="train.seed"):
         build_cache(compose(ov(c, "data.logit_cache_k=4", "data.logit_cache_tail_samples=2", "train.seed=5")),
                     log=lambda *_: None)
+    # and the target's precision (the rest would be scored in another dtype than the shards already written)
+    with pytest.raises(SetupError, match=r"started with target_dtype='None' \(target.dtype\)"):
+        build_cache(compose(ov(c, "data.logit_cache_k=4", "data.logit_cache_tail_samples=2", "++target.dtype=bf16")),
+                    log=lambda *_: None)
     (c / "manifest.json").write_text('{"format": 1, "k"')  # a damaged manifest is named, not a traceback
     with pytest.raises(SetupError, match="not valid JSON"):
         LogitCache(c)

@@ -230,17 +230,12 @@ def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
     return tokenizer, target, draft
 
 
-def _main_process() -> bool:
-    from distill.checkpoint import is_main_process
-
-    return is_main_process()
-
-
 def run_train(cfg: Any, opts: dict) -> None:
+    from distill.checkpoint import is_main_process
     from distill.recipe import train
 
     summary = train(cfg)
-    if _main_process():
+    if is_main_process():
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "best", "num_processes", "output_dir")},
                          indent=2))
 
@@ -503,10 +498,11 @@ def cmd_convert_checkpoint(argv: list[str]) -> None:
 
 def run_cache_logits(cfg: Any, opts: dict) -> None:
     """``cache-logits`` on a composed config: build (or finish) ``data.logit_cache`` and print its summary."""
+    from distill.checkpoint import is_main_process
     from distill.logit_cache import build_cache
 
     summary = build_cache(cfg)
-    if _main_process():
+    if is_main_process():
         print(json.dumps(summary, indent=2))
 
 

@@ -124,18 +124,16 @@ def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
                         accelerator: Any = None, log: Any = print) -> list[dict]:
     """Target-generated completions for ``examples`` (cached, resumable; generated on the main process)."""
     tg = cfg.data.target_generated
-    gen = {"temperature": float(tg.temperature), "max_new_tokens": int(cfg.data.max_new_tokens),
-           "seed": int(cfg.train.seed), "shard_size": int(tg.shard_size)}
-    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
-    settings = target_data_settings(str(cfg.target.name_or_path), dtype, examples, gen)
-    key = cache_key(settings)
     out_dir = target_data_dir(cfg)
-    is_main = accelerator is None or accelerator.is_main_process
-    if is_main:
+    if accelerator is None or accelerator.is_main_process:  # (the settings hash every byte of the target: once)
+        gen = {"temperature": float(tg.temperature), "max_new_tokens": int(cfg.data.max_new_tokens),
+               "seed": int(cfg.train.seed), "shard_size": int(tg.shard_size)}
+        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+        settings = target_data_settings(str(cfg.target.name_or_path), dtype, examples, gen)
         log(f"target-generated data: {len(examples)} prompts -> {out_dir} (resumable)")
-        generate_target_data(target, tokenizer, examples, out_dir, key, temperature=gen["temperature"],
+        generate_target_data(target, tokenizer, examples, out_dir, cache_key(settings), temperature=gen["temperature"],
                              max_new_tokens=gen["max_new_tokens"], batch_size=int(tg.batch_size),
-                             shard_size=int(tg.shard_size), seed=gen["seed"],
+                             shard_size=gen["shard_size"], seed=gen["seed"],
                              draft=draft if tg.get("use_draft", True) else None,
                              progress=lambda i, n: log(f"  shard {i}/{n} done"), settings=settings)
     if accelerator is not None:

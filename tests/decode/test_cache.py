@@ -96,8 +96,6 @@ def test_batch1_cache_length_equals_committed_length():
 
 def test_compact_right_aligns_and_keeps_order():
     cache = kv.new_cache(tiny_llama())
-    from transformers import DynamicCache  # noqa: F401  (the real cache class is what compact edits)
-
     keys = torch.arange(2 * 1 * 5 * 1, dtype=torch.float64).view(2, 1, 5, 1)
     cache.update(keys.clone(), keys.clone() + 100, 0)
     mask = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0]])

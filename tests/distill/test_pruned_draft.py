@@ -212,7 +212,7 @@ def test_cached_mode_chooses_from_the_cache(pair, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("extra,match", [
-    ((f"draft.vocab.keep=100000",), r"draft.vocab.keep=100000 must be an integer in \[3, "),
+    (("draft.vocab.keep=100000",), r"draft.vocab.keep=100000 must be an integer in \[3, "),
     (("draft.vocab.keep=0",), "draft.vocab.keep=0 must be an integer >= 1"),
     (("draft.vocab.keep=50", "data.on_policy_fraction=0.5"), "on-policy rollouts"),
 ])

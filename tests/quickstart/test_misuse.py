@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from quickstart import pretrain as pt
 from quickstart import run as quickstart

@@ -6,10 +6,7 @@ import shutil
 import pytest
 import torch
 
-from distill import checkpoint as ckpt
-from tests.pickle_payload import Payload, fix_manifest as _fix_manifest, plant as _plant
-
-
+from tests.pickle_payload import fix_manifest as _fix_manifest, plant as _plant
 
 
 def test_the_payload_runs_when_unpickled(tmp_path):

@@ -365,17 +365,28 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
         ValueError: γ < 2, K < 1, alpha outside (0, 1), batch_size < 1, no prefixes or no settings, two settings
             with the same label, or a prefix too long for the models' contexts (:func:`max_prefix_length`).
     """
-    from decode.compat import check_compatibility
+    from decode.compat import check_argument_types, check_compatibility
 
+    if draft is None:
+        raise ValueError("certify needs a draft: it tests the speculative decoder of the target/draft pair")
+    check_argument_types(target, draft, tokenizer, draft_tokenizer)
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 2:
         raise ValueError(f"num_draft_tokens must be an integer >= 2 so the second token passes a draft, "
                          f"got {num_draft_tokens!r}")
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for name, value in (("samples", samples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+    if isinstance(prefixes, torch.Tensor) and prefixes.dim() == 2:
+        prefixes = prefixes.tolist()
+    if isinstance(settings, (str, Setting)) or not all(isinstance(s, Setting) for s in settings or []):
+        raise ValueError(f"settings must be a list of Setting (e.g. parse_settings('T=1; T=0.7,top_p=0.9')), got "
+                         f"{settings!r}"[:200])
+    if isinstance(prefixes, (str, torch.Tensor)) or not all(
+            isinstance(p, (list, tuple, torch.Tensor)) for p in prefixes or []):
+        raise ValueError("prefixes must be a list of token-id lists (one per prefix, e.g. [[5, 6, 7]]), got "
+                         f"{prefixes!r}"[:200])
     if not prefixes or not settings:
         raise ValueError("certify needs at least one prefix and one setting")
     labels = [s.label for s in settings]

@@ -191,12 +191,37 @@ def check_cache_support(model: Any, role: str) -> None:
             f"{role}.")
 
 
+def check_argument_types(target: Any, draft: Any = None, target_tokenizer: Any = None,
+                         draft_tokenizer: Any = None) -> None:
+    """Raise ``TypeError`` naming the argument when a model is not a loaded causal LM (e.g. a path given where the
+    model belongs) or a tokenizer is not a tokenizer object (a path string would otherwise pass ``len()`` and make
+    its length the vocabulary). ``draft`` and the tokenizers may be None."""
+    import os
+
+    for name, model in (("target", target), ("draft", draft)):
+        if (name == "draft" and model is None) or (callable(model) and hasattr(model, "get_output_embeddings")
+                                                   and hasattr(model, "config")):
+            continue
+        hint = (" Load it first: decode.loading.load_causal_lm(path)" if isinstance(model, (str, os.PathLike))
+                else "")
+        raise TypeError(f"{name} must be a loaded Hugging Face causal LM (e.g. AutoModelForCausalLM."
+                        f"from_pretrained(path)), got {type(model).__name__} {str(model)[:80]!r}.{hint}")
+    for name, tok in (("tokenizer", target_tokenizer), ("draft_tokenizer", draft_tokenizer)):
+        if tok is None or (hasattr(tok, "get_vocab") and hasattr(tok, "__len__") and not isinstance(tok, str)):
+            continue
+        hint = (" Load it first: decode.loading.load_tokenizer(path) or AutoTokenizer.from_pretrained(path)"
+                if isinstance(tok, (str, os.PathLike)) else "")
+        raise TypeError(f"{name} must be a tokenizer object (with get_vocab() and len()), got {type(tok).__name__} "
+                        f"{str(tok)[:80]!r}.{hint}")
+
+
 def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
     """Check that ``draft`` can propose tokens for ``target`` and return the shared vocabulary size V.
 
     V is ``len(target_tokenizer)`` when a tokenizer is given, else the target's lm_head size.
 
     Raises:
+        TypeError: a model or tokenizer of the wrong kind, e.g. a path (:func:`check_argument_types`).
         IncompatibleModelsError: the target is a vocabulary-pruned draft; tokenizers disagree (see
             :func:`check_tokenizers`); the target's lm_head or input
             embedding has fewer rows than the shared vocabulary; with no tokenizer given, the draft's lm_head is larger than the
@@ -205,6 +230,7 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     """
     from decode.vocab_map import draft_vocab_map
 
+    check_argument_types(target, draft, target_tokenizer, draft_tokenizer)
     if draft_vocab_map(target) is not None:
         raise IncompatibleModelsError(
             f"the target is a vocabulary-pruned draft (its lm_head scores {output_vocab_size(target)} ids, listed "

@@ -1013,6 +1013,10 @@ class SpeculativeDecoder:
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         gamma = self._check_gamma(num_draft_tokens) if num_draft_tokens is not None else None
         prompts = self._pack_prompts(input_ids, attention_mask)
+        if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                         and callable(getattr(streamer, "end", None))):
+            raise ValueError(f"streamer must have put(LongTensor) and end() (e.g. transformers.TextStreamer), got "
+                             f"{type(streamer).__name__}")
         if streamer is not None and len(prompts) != 1:
             raise ValueError("streamer needs batch size 1")
         if self.has_unfinished():

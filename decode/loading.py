@@ -240,6 +240,7 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     Raises:
         RemoteCodeError: (a ValueError) the checkpoint ships its own code, transformers has no class for its
             ``model_type``, and ``trust_remote_code`` is off.
+        ValueError: ``device`` is not a torch device, or a CUDA device this torch build or machine lacks.
         FileNotFoundError: ``name_or_path`` looks like a local path but is not a directory, or it could not be
             loaded (not a checkpoint folder, or a hub id that is not cached while offline; an adapter that names no
             base or does not fit it), naming the role.
@@ -247,6 +248,8 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     from decode.vocab_map import load_pretrained, pruned_size
 
     name_or_path = str(name_or_path)
+    if device:
+        device = check_device(device)  # before the weights load: a device this torch build lacks is a ValueError
     check_cached(name_or_path, role)
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
     folder = local_folder(name_or_path)  # a pruned draft's id map is read from its folder, a cached hub id's too

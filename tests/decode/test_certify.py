@@ -458,3 +458,25 @@ def test_cli_an_unexpected_error_is_not_reported_as_fail(saved, capsys, monkeypa
     assert "certify stopped before a verdict (RuntimeError: out of memory)" in err and "Traceback" in err
     monkeypatch.setattr(certify_cli, "certify", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad pair")))
     assert certify_cli.main(args) == 2 and "error: bad pair" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,error,needle", [
+    (dict(prefixes=[5, 6, 7]), ValueError, "prefixes must be a list of token-id lists"),
+    (dict(settings="T=1"), ValueError, r"settings must be a list of Setting \(e.g. parse_settings"),
+    (dict(settings=[{"temperature": 1.0}]), ValueError, "settings must be a list of Setting"),
+    (dict(samples="10"), ValueError, "samples must be an integer >= 1"),
+    (dict(draft=None), ValueError, "certify needs a draft"),
+    (dict(tokenizer="tok"), TypeError, "tokenizer must be a tokenizer object"),
+    (dict(target="/path/to/target"), TypeError, "target must be a loaded Hugging Face causal LM"),
+])
+def test_bad_arguments_are_refused_by_name(pair, kwargs, error, needle):
+    target, draft = pair
+    args = dict(target=target, draft=draft, prefixes=[[5, 6]], settings=parse_settings("T=1"), samples=10)
+    with pytest.raises(error, match=needle):
+        certify(**{**args, **kwargs})
+
+
+def test_a_2d_tensor_of_prefixes_is_one_prefix_per_row(pair):
+    target, draft = pair
+    out = certify(target, draft, torch.tensor([[5, 6], [7, 1]]), parse_settings("T=0"), samples=4)
+    assert out["settings"][0]["prefixes"] == 2

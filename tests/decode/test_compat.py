@@ -129,3 +129,30 @@ def test_target_with_a_smaller_input_embedding_is_an_error_naming_both_sizes():
     target.set_input_embeddings(torch.nn.Embedding(64, 32).to(torch.float64))
     with pytest.raises(IncompatibleModelsError, match=f"64 rows.*{VOCAB} ids"):
         SpeculativeDecoder(target, tiny_llama(seed=1), 2)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(tokenizer="/some/tokenizer/folder"), r"tokenizer must be a tokenizer object .*load_tokenizer"),
+    (dict(tokenizer=[0] * 50), "tokenizer must be a tokenizer object"),
+    (dict(tokenizer=100), "tokenizer must be a tokenizer object"),
+    (dict(draft_tokenizer="tok"), "draft_tokenizer must be a tokenizer object"),
+])
+def test_a_tokenizer_of_the_wrong_kind_is_refused_by_name(kwargs, needle):
+    """A path string has a len() too: taken as a tokenizer it made its length the vocabulary and the decoder sampled
+    from the first few ids only."""
+    with pytest.raises(TypeError, match=needle):
+        SpeculativeDecoder(tiny_llama(seed=0), tiny_llama(seed=1), 2, **kwargs)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_path_where_a_model_belongs_is_refused_by_name(role):
+    models = {"target": tiny_llama(seed=0), "draft": tiny_llama(seed=1), role: "/models/some-model"}
+    with pytest.raises(TypeError, match=rf"^{role} must be a loaded Hugging Face causal LM .*load_causal_lm"):
+        SpeculativeDecoder(models["target"], models["draft"], 2)
+
+
+def test_a_streamer_without_put_and_end_is_refused():
+    dec = SpeculativeDecoder(tiny_llama(seed=0), tiny_llama(seed=1), 2)
+    with pytest.raises(ValueError, match=r"streamer must have put\(LongTensor\) and end\(\)"):
+        dec.generate([5, 6], max_new_tokens=4, streamer=5)
+    assert len(dec.generate([5, 6], max_new_tokens=4).new_tokens[0]) == 4  # still usable

@@ -216,3 +216,12 @@ def test_a_plain_peft_adapter_takes_its_base_s_tokenizer_and_a_relative_base_is_
     monkeypatch.chdir(tmp_path / "adapter")
     with pytest.raises(FileNotFoundError, match=r"read from the working folder .*base exists: set base_model_name"):
         load_causal_lm(str(tmp_path / "adapter"), "target")
+
+
+def test_a_device_this_torch_lacks_is_a_value_error_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU build of torch
+    tiny_llama().save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"device 'cuda:7' asked for, but this torch build or machine has no CUDA"):
+        load_causal_lm(str(tmp_path / "m"), device="cuda:7")
+    with pytest.raises(ValueError, match="device 'tpu' is not a torch device"):
+        load_causal_lm(str(tmp_path / "m"), device="tpu")

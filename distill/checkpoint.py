@@ -976,19 +976,21 @@ def _step_of(path: Path) -> int:
 
 
 def truncate_metrics(output_dir: str | Path, step: int) -> int:
-    """Drop rows of ``metrics.jsonl`` logged after ``step`` (a resumed run logs them again); returns how many."""
+    """Drop rows of ``metrics.jsonl`` logged after ``step`` (a resumed run logs them again); returns the highest
+    step the file held before (``step`` when it held none later; the W&B run got the same rows)."""
     f = Path(output_dir) / "metrics.jsonl"
     if not f.is_file():
-        return 0
+        return step
     lines = f.read_text().splitlines(keepends=True)
-    keep = []
+    keep, last = [], step
     for line in lines:
         try:
             row_step = json.loads(line).get("step", 0)
         except json.JSONDecodeError:  # a row cut by a kill mid-write
             continue
+        last = max(last, row_step)
         if row_step <= step:
             keep.append(line if line.endswith("\n") else line + "\n")
     replace_text(f, "".join(keep))
-    return len(lines) - len(keep)
+    return last
 

@@ -45,9 +45,15 @@ class MetricsLogger:
     """metrics.jsonl always; W&B too with ``logger=wandb`` (offline without W&B credentials: :func:`wandb_mode`).
     Main process only."""
 
-    def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool, resumed: bool):
+    def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool, resumed: bool, resume_step: int = 0,
+                 logged_through: int = -1, log: Callable[[str], None] = print):
+        """``resume_step``: the step of the checkpoint a resumed run starts from; ``logged_through``: the last step
+        it logged before it stopped. Its rows after the checkpoint are in the W&B run already and W&B takes a step
+        once (it drops a step lower than its last), so the resumed run sends W&B only the later steps;
+        metrics.jsonl gets them all."""
         self.enabled = enabled
         self.run = None
+        self.wandb_from = 0  # the first step sent to W&B
         if not enabled:
             return
         self.file = open(output_dir / "metrics.jsonl", "a")
@@ -65,6 +71,12 @@ class MetricsLogger:
                                   config=OmegaConf.to_container(cfg, resolve=True),
                                   resume="allow" if run_id else None)
             id_file.write_text(self.run.id)
+            if run_id:  # online, W&B knows its last step; offline, the interrupted run's metrics.jsonl tells
+                self.wandb_from = max(logged_through + 1, int(getattr(self.run, "starting_step", 0) or 0))
+                if self.wandb_from > resume_step + 1:
+                    log(f"W&B: run {run_id} holds steps up to {self.wandb_from - 1}, logged after the checkpoint "
+                        f"(step {resume_step}) before the stop; W&B keeps those rows (it takes a step once) and "
+                        f"gets this run's from step {self.wandb_from}; metrics.jsonl gets all of this run's")
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -79,7 +91,7 @@ class MetricsLogger:
                 with contextlib.suppress(OSError):
                     self.file.close()
                 self.file = None
-        if self.run is not None:
+        if self.run is not None and step >= self.wandb_from:
             self.run.log({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, step=step)
 
     def log_eval(self, ev: dict, step: int) -> None:
@@ -89,7 +101,7 @@ class MetricsLogger:
             for k in ("acceptance_rate", "alpha", "mean_accepted_length", "predicted_speedup", "best_gamma"):
                 flat[f"eval/T{t}/{k}"] = m[k]
         self.log({**flat, "eval": ev}, step)
-        if self.enabled and self.run is not None:
+        if self.enabled and self.run is not None and step >= self.wandb_from:
             import numpy as np
             import wandb
 
@@ -99,14 +111,24 @@ class MetricsLogger:
                 self.run.log({f"eval/T{t}/accepted_length_hist": wandb.Histogram(np_histogram=(counts, edges))},
                              step=step)
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int | None = None) -> None:
+        """Close metrics.jsonl and finish the W&B run (``exit_code`` 1: W&B marks it failed); a second call does
+        nothing."""
         if not self.enabled:
             return
         if self.file is not None:
             with contextlib.suppress(OSError):  # (a full disk: the warning was given in log)
                 self.file.close()
+            self.file = None
         if self.run is not None:
-            self.run.finish()
+            run, self.run = self.run, None
+            run.finish(exit_code=exit_code)
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.finish(exit_code=None if exc_type is None else 1)
 
 
 class Bar:

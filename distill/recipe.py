@@ -632,8 +632,8 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     try:
         # SIGTERM while loading acts as Ctrl-C, so a run set aside by train.overwrite=true goes back (the training
         # loop's StopFlag takes both signals over and saves instead)
-        with sigterm_raises(KeyboardInterrupt):
-            return _train(cfg, normalized, main, log)
+        with sigterm_raises(KeyboardInterrupt), contextlib.ExitStack() as closing:  # closing: the W&B run
+            return _train(cfg, normalized, main, log, closing)
     except BaseException:
         if created and [p.name for p in out.iterdir()] == [ckpt.RUN_LOCK]:  # refused before any write: as it was
             (out / ckpt.RUN_LOCK).unlink()
@@ -648,8 +648,9 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
             lock.close()
 
 
-def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> dict:
-    """:func:`train` once the run folder is locked."""
+def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closing: contextlib.ExitStack) -> dict:
+    """:func:`train` once the run folder is locked; ``closing`` finishes the metrics logger (its W&B run) however
+    the run ends, so a failed call leaves no W&B run open for the next one in the process."""
     resume_from = resolve_resume(normalized, log=log or print)
     try:  # until the first write, a stop puts back the run that train.overwrite=true set aside
         saved = ckpt.read_state(resume_from) if resume_from is not None else {}
@@ -701,14 +702,17 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> dic
         ckpt.discard_set_aside(out)
         out.mkdir(parents=True, exist_ok=True)
         ckpt.replace_text(out / "config.yaml", OmegaConf.to_yaml(cfg))  # whole or not at all: it marks the run
+    logged_through = -1  # the last step the interrupted run logged (W&B holds it already)
     if resume_from is not None:
         if acc.is_main_process:
-            ckpt.truncate_metrics(out, int(state["step"]))
+            logged_through = ckpt.truncate_metrics(out, int(state["step"]))
             if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
                 ckpt.mark_latest(out, resume_from)
         for note in _resume_warnings(resume_from, cfg, state, world):
             log(f"warning: {note}")
-    logger = MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None)
+    logger = closing.enter_context(MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None,
+                                                 resume_step=int(state["step"]), logged_through=logged_through,
+                                                 log=log))
     state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
     if cfg.train.stop_at is not None and int(cfg.train.stop_at) > max_steps:

@@ -2,7 +2,9 @@
 accumulates gradients exactly, resumes exactly, rolls out on-policy, and writes an offline W&B run."""
 import glob
 import json
+import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +188,51 @@ def test_wandb_offline_run_dir_has_metrics(pair, tmp_path, monkeypatch):
     train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=3", "train.resume=true")),
           log=lambda *_: None)
     assert (out / "wandb_run_id").read_text() == run_id  # the resumed run logs into the same W&B run id
+
+
+def test_a_train_that_fails_finishes_its_wandb_run(pair, tmp_path, monkeypatch):
+    """Found by a new user's library trial: a train() that raised left its W&B run open, and the next train() in the
+    process logged into it (wandb.init returns the active run), so its wandb_run_id named the failed run's."""
+    import wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+    def fail_at_start(line):
+        if line.startswith("distill: "):  # logged once the W&B run is open, before the first step
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(compose(overrides(pair, tmp_path / "a", "logger=wandb", "train.max_steps=2")), log=fail_at_start)
+    assert wandb.run is None
+    train(compose(overrides(pair, tmp_path / "b", "logger=wandb", "train.max_steps=1")), log=lambda *_: None)
+    assert (tmp_path / "a" / "wandb_run_id").read_text() != (tmp_path / "b" / "wandb_run_id").read_text()
+
+
+def test_a_resumed_run_logs_each_step_to_wandb_once(pair, tmp_path, monkeypatch):
+    """Found by a new user's trial: a run killed after its checkpoint at step N had logged steps past N; resumed, it
+    logged them again into the same W&B run (W&B drops a step lower than its last, online). Now the resumed run sends
+    W&B only the steps after the last one logged, and metrics.jsonl holds the resumed run's rows."""
+    import wandb
+
+    from distill import checkpoint as ckpt
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=4", "train.save_every=2")), log=lambda *_: None)
+    shutil.rmtree(ckpt.step_dir(out, 4))  # as if killed after logging steps 3 and 4 but before saving step 4
+    ckpt.mark_latest(out, ckpt.step_dir(out, 2))
+    lines = []
+    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=4", "train.save_every=2", "train.resume=true")),
+          log=lines.append)
+    wandb.teardown()
+    assert any("holds steps up to 4, logged after the checkpoint (step 2)" in line for line in lines)
+    runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(runs) == 2 and len({Path(r).name for r in runs}) == 1  # two segments of one W&B run
+    steps = [row["_step"] for r in runs for row in _wandb_history(r) if "train/loss" in row]
+    assert steps == sorted(set(steps)) and steps[-1] == 4
+    assert sorted(_losses(out)) == [1, 2, 3, 4]  # metrics.jsonl: the resumed run's rows replace the dropped ones
 
 
 def test_logger_none_writes_no_wandb(pair, tmp_path):

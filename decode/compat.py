@@ -57,6 +57,17 @@ def draft_input_substitute(draft: Any, vocab_size: int, tokenizer: Any = None) -
     return limit, unk if isinstance(unk, int) and 0 <= unk < limit else 0
 
 
+def substitute_draft_inputs(ids: Any, substitute: tuple[int, int] | None) -> Any:
+    """``ids`` (a LongTensor of any shape) with every id ``>= limit`` replaced by the substitute id, for
+    ``substitute = (limit, id)`` from :func:`draft_input_substitute`; ``ids`` itself when it is None."""
+    if substitute is None:
+        return ids
+    import torch
+
+    limit, sub = substitute
+    return torch.where(ids < limit, ids, sub)
+
+
 def tokenizer_fingerprint(tokenizer: Any, special: dict | None = None) -> str:
     """A 16-hex-digit hash of the vocabulary (token -> id), the special tokens and the chat template: two
     tokenizers with the same fingerprint turn text into the same ids (the logit cache and pruned drafts store it).

@@ -37,7 +37,8 @@ import torch
 
 from decode import cache as kv
 from decode import kernels
-from decode.compat import check_cache_support, check_compatibility, draft_input_substitute
+from decode.compat import (check_cache_support, check_compatibility, draft_input_substitute,
+                           substitute_draft_inputs)
 from decode.compiling import check_compile, compiled_forward
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
@@ -457,7 +458,7 @@ class SpeculativeDecoder:
             masks[name] = pre_mask[:, :0]
             if T > 1:
                 ctx = self.context_length if name == "target" else self.draft_context_length
-                inp = pre_ids if name == "target" else self._draft_ids(pre_ids)
+                inp = pre_ids if name == "target" else self.draft_input_ids(pre_ids)
                 # Prefill runs eager: its shapes vary with every admission (compiling it only adds recompiles).
                 _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
                                             max_position=ctx - 1 if ctx else None)
@@ -572,7 +573,7 @@ class SpeculativeDecoder:
         # before the draft's substitution hides an id too large for the target
         check_context_ids(context_ids, {"target": self.target}, hint=" (calibrate() takes a list of ids)")
         with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps use
-            return measure_cost_ratio(self.target, self.draft, self._draft_ids(context_ids), repeats=repeats,
+            return measure_cost_ratio(self.target, self.draft, self.draft_input_ids(context_ids), repeats=repeats,
                                       verify_gammas=verify_gammas, progress=progress, static_cache=self._static,
                                       target_call=self._target_call, draft_call=self._draft_call)
 
@@ -665,12 +666,10 @@ class SpeculativeDecoder:
         buf = buf.to(self.target.device, non_blocking=True)
         return buf[:, :gamma], buf[:, gamma:2 * gamma], buf[:, 2 * gamma]
 
-    def _draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Ids the draft cannot embed replaced by the substitute id (a no-op for a draft that reads all ids)."""
-        if self._draft_input is None:
-            return ids
-        limit, substitute = self._draft_input
-        return torch.where(ids < limit, ids, substitute)
+    def draft_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` (LongTensor, any shape) as the draft reads them: ids its input embedding lacks replaced by the
+        substitute id (:mod:`decode.compat`); ``ids`` itself for a draft that reads every id."""
+        return substitute_draft_inputs(ids, self._draft_input)
 
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's ``(B, 1, N)`` logits as a row over the target's ids: a pruned draft's N logits go to the ids
@@ -715,10 +714,10 @@ class SpeculativeDecoder:
         pending tokens; ``holes``: whether it has a 0) appended to the draft's cache; returns logits ``(B, 1, N)``."""
         max_pos = self.draft_context_length - 1 if self.draft_context_length else None
         if isinstance(state.draft_cache, kv.StaticKV):
-            return state.draft_cache.forward(self.draft, self._draft_ids(inp), inp_mask if holes else None,
+            return state.draft_cache.forward(self.draft, self.draft_input_ids(inp), inp_mask if holes else None,
                                              logits_to_keep=1, max_position=max_pos, call=self._draft_call,
                                              holes=holes)
-        logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, self._draft_ids(inp),
+        logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, self.draft_input_ids(inp),
                                               inp_mask, logits_to_keep=1, max_position=max_pos,
                                               call=self._draft_call)
         return logits

@@ -36,6 +36,7 @@ def measure_costs(target: Any, draft: Any, prompts: list[list[int]], max_gamma: 
         ``(c, [v_0 = 1, v_1, .., v_max_gamma])``, smoothed as the decoder's own ``calibrate`` does
         (:func:`decode.speedup.smooth_verify_costs`).
     """
+    from decode.compat import draft_input_substitute, output_vocab_size, substitute_draft_inputs
     from decode.engine import context_length
     from decode.speedup import measure_cost_ratio as measure
     from decode.speedup import smooth_verify_costs
@@ -46,7 +47,10 @@ def measure_costs(target: Any, draft: Any, prompts: list[list[int]], max_gamma: 
     limit = min(x for x in (context_length(target), context_length(draft), context_tokens) if x) - max_gamma - 1
     ids = (ids * (max(2, limit) // len(ids) + 1))[: max(2, limit)]
     report = None if progress is None else lambda done, total: progress(COST_RATIO_PROGRESS, done, total, "rounds")
-    m = measure(target, draft, torch.tensor([ids], device=device), repeats=repeats,
+    # ids the draft cannot embed go to both models as its substitute id, as in the decoder's own measure_costs
+    context = substitute_draft_inputs(torch.tensor([ids], device=device),
+                                      draft_input_substitute(draft, output_vocab_size(target)))
+    m = measure(target, draft, context, repeats=repeats,
                 verify_gammas=range(1, max_gamma + 1), progress=report)
     verify = smooth_verify_costs([v["relative_cost"] for v in m["verify"]]) if max_gamma > 0 else None
     return float(m["cost_ratio"]), verify

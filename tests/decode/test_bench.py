@@ -980,3 +980,18 @@ def test_hub_ids_pass_the_path_check(saved_pair, tmp_path, monkeypatch):
 
     cfg = config_from_args(build_parser().parse_args(["--target", "org/target", "--draft", "org/draft"]))
     assert (cfg.target_revision, cfg.draft_revision) == ("a" * 40, "b" * 40)  # results.json's config names them
+
+
+def test_a_draft_with_a_smaller_input_embedding_is_benchmarked():
+    """Found by a new user's trial: the bare-forward reference fed the draft the target's ids, and a draft whose
+    embedding has fewer rows (lossless through the decoder's substitute id) ended the bench in an IndexError. Both
+    cost measurements now read the ids as the decoder feeds them."""
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    draft = tiny_llama(vocab_size=48, seed=1, layers=1).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[2], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=4,
+                      cost_repeats=3, warmup=False)
+    prompts = [[1, 70, 90, 5], [2, 95, 60]]  # ids the draft cannot embed
+    results = run_benchmark(target, draft, prompts, [None, None], cfg, pad_token_id=0, progress=False)
+    assert results["cost"]["bare"]["cost_ratio"] > 0
+    spec = [run for run in results["runs"] if run["method"] == "spec_g2"]
+    assert len(spec) == 1 and spec[0]["overall"]["matches_plain_greedy"] == 1.0

@@ -183,3 +183,15 @@ def test_a_full_disk_while_logging_metrics_warns_once_and_training_goes_on(tmp_p
     err = capsys.readouterr().err
     assert err.count("could not write /dev/full") == 1 and "No space left on device" in err
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == ['{"step": 1, "train/loss": 1.0}']
+
+
+def test_the_cost_measurement_reads_the_ids_as_the_decoder_feeds_the_draft():
+    """Found by a new user's trial: `distill eval` of a draft with a smaller input embedding than the target's
+    vocabulary (lossless in the decoder, which feeds it a substitute id) failed in the cost measurement."""
+    from distill.evaluate import measure_costs
+    from tests.conftest import tiny_llama
+
+    target, draft = tiny_llama(seed=0), tiny_llama(vocab_size=48, seed=1, layers=1)
+    c, verify = measure_costs(target, draft, [[1, 70, 90, 5], [2, 95, 60]], max_gamma=2, context_tokens=16,
+                              repeats=1)
+    assert c > 0 and len(verify) == 3

@@ -482,18 +482,22 @@ def cmd_export(argv: list[str]) -> None:
 
 
 def cmd_convert_checkpoint(argv: list[str]) -> None:
-    from distill.checkpoint import CheckpointError, convert_legacy
+    from distill.checkpoint import LEGACY_DIR, CheckpointError, convert_legacy
 
     p = argparse.ArgumentParser(prog="python -m distill convert-checkpoint", description=SUBCOMMANDS[
         "convert-checkpoint"] + ". The pickles are read with torch.load(weights_only=True): tensors and plain types "
-        "only, so a file holding anything else is refused. Convert only checkpoints you trust.")
-    p.add_argument("checkpoint", help="a step_N or best folder written by an earlier draftkit")
+        "only, so a file holding anything else is refused. Convert only checkpoints you trust. The originals are "
+        f"kept (a step_N folder's in its {LEGACY_DIR}/; resume.pt beside the new resume/); rerun it to finish an "
+        "interrupted conversion.")
+    p.add_argument("checkpoint", help="a step_N or best folder written by an earlier draftkit, or a pretrain "
+                                      "snapshot OUT/resume.pt")
     args = p.parse_args(argv)
     try:
         path = convert_legacy(args.checkpoint)
     except CheckpointError as e:
         _fail(e)
-    print(json.dumps({"converted": str(path)}))
+    kept = args.checkpoint if path.name == "resume" else str(path / LEGACY_DIR)
+    print(json.dumps({"converted": str(path), "originals_kept": kept}))
 
 
 def run_cache_logits(cfg: Any, opts: dict) -> None:

@@ -143,9 +143,11 @@ def _is_sharded(accelerator: Any) -> bool:
 
 
 def write_manifest(folder: Path, step: int) -> None:
-    """``folder/manifest.json`` listing every file's size; written last, it marks the folder complete."""
+    """``folder/manifest.json`` listing every file's size (but the originals a conversion kept in
+    ``LEGACY_DIR``); written last, it marks the folder complete."""
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)}
+             if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)
+             and p.relative_to(folder).parts[0] != LEGACY_DIR}
     write_json(folder / MANIFEST_FILE, {"format": FORMAT_VERSION, "complete": True, "step": step, "files": files})
 
 
@@ -616,30 +618,52 @@ def load_pickle_as_data(path: str | Path) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
         with torch.serialization.safe_globals(_numpy_allowlist()):
             return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} is missing") from e
     except Exception as e:  # noqa: BLE001  (UnpicklingError, RuntimeError, EOFError...: all mean "not plain data")
+        # (torch's own advice, to load with weights_only=False, is left out: that runs the pickle's code)
         raise CheckpointError(f"{path} holds more than tensors and plain types, or is damaged; it is not loaded "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
+LEGACY_DIR = "legacy-layout"  # where convert_legacy keeps a checkpoint's original pickles (never deleted)
+LEGACY_FILES = ("scheduler.pt", "accelerate")  # what the earlier layout has beside trainer_state.json
+
+
 def convert_legacy(path: str | Path) -> Path:
-    """Rewrite a checkpoint of the earlier pickle layout in place as the data layout above.
+    """Rewrite a checkpoint of the earlier pickle layout in place as the data layout above, keeping the originals.
 
     Reads ``scheduler.pt``, ``accelerate/optimizer.bin`` and ``accelerate/random_states_0.pkl`` with
-    :func:`load_pickle_as_data` and ``accelerate/model.safetensors`` as safetensors; writes the new files and the
-    manifest, then removes the pickles. Raises CheckpointError if a file holds anything but data.
+    :func:`load_pickle_as_data` and ``accelerate/model.safetensors`` as safetensors, all before anything moves;
+    then moves ``scheduler.pt`` and ``accelerate/`` (every file in it) into ``<path>/legacy-layout/``, writes the
+    new files and the manifest last. An interrupted conversion is finished by running it again (it reads the
+    originals from ``legacy-layout/``). A pretrain snapshot ``<out>/resume.pt`` becomes ``<out>/resume/`` and is
+    kept as it is.
+
+    Raises:
+        CheckpointError: the path is missing, already converted, not of the earlier layout (naming the
+            ``resume.pt`` form when the folder holds one), a file is missing or holds anything but data.
     """
     path = Path(path)
-    if path.is_file() and path.name == "resume.pt":
+    if path.is_file() and path.name.endswith(".pt"):
         return _convert_pretrain_resume(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; give the step_N folder of the earlier layout to convert")
     if (path / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{path} already has the data layout ({MANIFEST_FILE}); nothing to convert")
-    if not (path / STATE_FILE).is_file() or not (path / "scheduler.pt").is_file():
+    legacy = path / LEGACY_DIR
+    src = {name: legacy / name if (legacy / name).exists() else path / name for name in LEGACY_FILES}
+    if path.is_dir() and (path / "resume.pt").is_file() and not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"{path} holds a pretrain snapshot of the earlier layout: convert the file, "
+                              f"python -m distill convert-checkpoint {path / 'resume.pt'}")
+    if not (path / STATE_FILE).is_file() or not src["scheduler.pt"].is_file():
         raise CheckpointError(f"{path} is not a checkpoint of the earlier layout (needs {STATE_FILE} and "
                               "scheduler.pt)")
-    acc_dir = path / "accelerate"
-    scheduler = load_pickle_as_data(path / "scheduler.pt")
+    acc_dir = src["accelerate"]
+    for need in (acc_dir / "optimizer.bin", acc_dir / "random_states_0.pkl"):
+        if not need.is_file():
+            raise CheckpointError(f"{need} is missing: the checkpoint is incomplete and cannot be converted")
+    scheduler = load_pickle_as_data(src["scheduler.pt"])
     optimizer = load_pickle_as_data(acc_dir / "optimizer.bin")
     rng = load_pickle_as_data(acc_dir / "random_states_0.pkl")
     if (acc_dir / "model.safetensors").is_file():
@@ -647,8 +671,12 @@ def convert_legacy(path: str | Path) -> Path:
     else:
         weights = load_pickle_as_data(acc_dir / "pytorch_model.bin")
     state = read_json(path / STATE_FILE)
+    legacy.mkdir(exist_ok=True)
+    for name, source in src.items():  # the originals are kept, out of the loader's way (accelerate/ means DeepSpeed)
+        if source.parent != legacy:
+            source.rename(legacy / name)
     tmp = path / "convert.tmp"
-    if tmp.exists():
+    if tmp.exists():  # an interrupted conversion's own output
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_tensors(weights, tmp / "model.safetensors")
@@ -662,20 +690,22 @@ def convert_legacy(path: str | Path) -> Path:
     write_json(tmp / "rng_state_0.json", {"python": [version, list(internal), gauss],
                                            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]})
     for f in tmp.iterdir():
-        f.rename(path / f.name)
+        f.replace(path / f.name)
     tmp.rmdir()
-    shutil.rmtree(acc_dir)
-    (path / "scheduler.pt").unlink()
     write_manifest(path, int(state.get("step", -1)))
     return path
 
 
 def _convert_pretrain_resume(path: Path) -> Path:
-    """``<out>/resume.pt`` of ``python -m quickstart pretrain`` -> ``<out>/resume/`` (see quickstart/pretrain.py)."""
+    """``<out>/resume.pt`` of ``python -m quickstart pretrain`` -> ``<out>/resume/`` (see quickstart/pretrain.py);
+    ``resume.pt`` is kept, and a ``resume/`` that exists already is refused (it may be a newer snapshot)."""
+    out = path.with_name("resume")
+    if out.exists() or os.path.lexists(out):
+        raise CheckpointError(f"{out} exists already (a snapshot of the current layout, maybe newer than {path.name})"
+                              f"; nothing was changed. Move it away first if {path.name} is the one to resume from")
     snap = load_pickle_as_data(path)
     if not isinstance(snap, dict) or not {"model", "optimizer", "generator", "state"} <= set(snap):
         raise CheckpointError(f"{path} is not a pretrain resume snapshot (needs model, optimizer, generator, state)")
-    out = path.with_name("resume")
     tmp = path.with_name("resume.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -686,8 +716,7 @@ def _convert_pretrain_resume(path: Path) -> Path:
     save_tensors({"generator": snap["generator"]}, tmp / "generator.safetensors")
     write_json(tmp / "state.json", snap["state"])
     write_manifest(tmp, int(snap["state"].get("step", -1)))
-    replace_dir(tmp, out)
-    path.unlink()
+    tmp.rename(out)
     return out
 
 

@@ -376,7 +376,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     identity = {**{k: getattr(cfg, k) for k in PretrainConfig.IDENTITY}, "vocab": len(tokenizer)}
     state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "identity": identity}
     resume = out / RESUME_DIR
-    if (out / LEGACY_RESUME_FILE).is_file():
+    if (out / LEGACY_RESUME_FILE).is_file() and not resume.is_dir():  # (converted: resume/ beside it is read)
         raise ValueError(f"{out / LEGACY_RESUME_FILE} is a resume snapshot of an earlier version, stored as a pickle; "
                          "unpickling can run code, so it is not read. If you trust it, convert it once with "
                          f"python -m distill convert-checkpoint {out / LEGACY_RESUME_FILE} (tensors and plain types "

@@ -201,8 +201,13 @@ def test_converted_checkpoint_resumes_like_the_original(pair, run, legacy, tmp_p
 
     conv = tmp_path / "conv" / "step_000002"
     shutil.copytree(legacy, conv)
+    (conv / "accelerate" / "NOTES.txt").write_text("mine")  # a file the conversion does not read
     main(["convert-checkpoint", str(conv)])
     assert ckpt.is_complete(conv) and not (conv / "scheduler.pt").exists() and not (conv / "accelerate").exists()
+    kept = conv / ckpt.LEGACY_DIR  # the originals, every file, moved out of the loader's way and never deleted
+    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*") if p.is_file()) == sorted(
+        ["scheduler.pt"] + [f"accelerate/{p.relative_to(legacy / 'accelerate').as_posix()}"
+                            for p in (legacy / "accelerate").rglob("*") if p.is_file()] + ["accelerate/NOTES.txt"])
     a, b = tmp_path / "a", tmp_path / "b"
     for src, out in ((run / "step_000002", a), (conv, b)):
         train(compose(overrides(pair, out, f"train.resume={src}", "train.max_steps=4", "eval.temperatures=[0.0]")),
@@ -210,6 +215,39 @@ def test_converted_checkpoint_resumes_like_the_original(pair, run, legacy, tmp_p
     wa, wb = load_file(str(a / "step_000004" / "model.safetensors")), load_file(str(b / "step_000004" /
                                                                                    "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_interrupted_conversion_is_finished_by_running_it_again(legacy, tmp_path, monkeypatch):
+    """Found by a new user's trial: a conversion cut between deleting the pickles and writing the manifest left a
+    checkpoint that neither converted nor loaded (each command named the other)."""
+    from distill.__main__ import main
+
+    conv = tmp_path / "step_000002"
+    shutil.copytree(legacy, conv)
+    monkeypatch.setattr(ckpt, "write_manifest", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(SystemExit):  # main turns the interrupt into "run the same command again"
+        main(["convert-checkpoint", str(conv)])
+    assert not ckpt.is_complete(conv) and (conv / ckpt.LEGACY_DIR / "scheduler.pt").is_file()
+    monkeypatch.undo()
+    main(["convert-checkpoint", str(conv)])
+    assert ckpt.is_complete(conv) and (conv / ckpt.LEGACY_DIR / "accelerate" / "optimizer.bin").is_file()
+
+
+def test_convert_names_a_missing_file_and_the_resume_pt_form(legacy, tmp_path, capsys):
+    from distill.__main__ import main
+
+    bad = tmp_path / "step_000002"
+    shutil.copytree(legacy, bad)
+    (bad / "accelerate" / "optimizer.bin").unlink()
+    with pytest.raises(SystemExit) as e:
+        main(["convert-checkpoint", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "optimizer.bin is missing" in err and "tensors and plain types" not in err
+    (tmp_path / "pre").mkdir()
+    torch.save({"state": {}}, tmp_path / "pre" / "resume.pt")
+    with pytest.raises(SystemExit) as e:
+        main(["convert-checkpoint", str(tmp_path / "pre")])
+    assert e.value.code == 2 and f"convert-checkpoint {tmp_path / 'pre' / 'resume.pt'}" in capsys.readouterr().err
 
 
 def test_a_full_disk_during_a_save_is_named_and_the_run_resumes_from_the_previous_checkpoint(pair, tmp_path,

@@ -99,7 +99,14 @@ def test_pretrain_earlier_resume_pickle_of_plain_data_converts(snapshot, tmp_pat
                 "generator": torch.Generator().manual_seed(0).get_state(),
                 "state": {"step": 1, "elapsed_s": 0.1, "tokens_seen": 128}},
                tmp_path / "model" / pt.LEGACY_RESUME_FILE)
+    (tmp_path / "model" / "resume").mkdir()  # found by a new user's trial: a resume/ there was replaced
+    (tmp_path / "model" / "resume" / "mine.txt").write_text("newer")
+    with pytest.raises(SystemExit):
+        main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
+    assert (tmp_path / "model" / "resume" / "mine.txt").read_text() == "newer"
+    shutil.rmtree(tmp_path / "model" / "resume")
     main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
+    assert (tmp_path / "model" / pt.LEGACY_RESUME_FILE).is_file()  # the original is kept
     logs = []
     pt.pretrain(_pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok")), log=logs.append)
     assert any("resuming" in m for m in logs)

@@ -21,6 +21,7 @@ import difflib
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -317,6 +318,8 @@ HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {
     "train": run_train, "generate-data": run_generate_data, "eval": run_eval,
     "cache-logits": lambda cfg, opts: run_cache_logits(cfg, opts),
     "bench-step": lambda cfg, opts: run_bench_step(cfg, opts)}  # defined with the other commands below
+# Commands that write nothing into train.output_dir: a -m sweep of one gets no run folders (nor multirun.yaml) there
+NO_RUN_FOLDER = ("eval", "bench-step")
 
 
 def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]:
@@ -434,7 +437,9 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
         from omegaconf import open_dict
 
         hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:  # each job of a sweep in its own run folder
+        if hc.mode == RunMode.MULTIRUN and name in NO_RUN_FOLDER:
+            print(f"sweep job {hc.job.num}: {' '.join(hc.overrides.task)}", flush=True)
+        elif hc.mode == RunMode.MULTIRUN:  # each job of a sweep in its own run folder
             with open_dict(cfg):
                 cfg.train.output_dir = str(hc.runtime.output_dir)
             print(f"sweep job {hc.job.num}: {' '.join(hc.overrides.task)} -> {cfg.train.output_dir}", flush=True)
@@ -445,12 +450,20 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
 
     GlobalHydra.instance().clear()
     saved = sys.argv
+    scratch = None  # Hydra's sweep folder of a command that makes no run folders (its multirun.yaml, empty job dirs)
+    if multirun and name in NO_RUN_FOLDER and not helping:
+        import tempfile
+
+        scratch = tempfile.mkdtemp(prefix=f"distill-{name}-sweep-")
+        overrides = [*overrides, f"hydra.sweep.dir={scratch}"]
     sys.argv = [f"python -m distill {name}", *flags, *overrides, f"hydra.job.name={name}"]
     try:
         hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(task)()
     finally:
         sys.argv = saved
         GlobalHydra.instance().clear()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def cmd_export(argv: list[str]) -> None:

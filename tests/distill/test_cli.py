@@ -1,5 +1,6 @@
 """The `python -m distill` command line: help, subcommand dispatch, and a 2-process CPU (gloo) accelerate launch."""
 import json
+import re
 import subprocess
 
 import pytest
@@ -168,6 +169,20 @@ def test_multirun_sweep_runs_each_job_into_its_own_folder(pair, tmp_path, capsys
         assert OmegaConf.load(job / "config.yaml").loss.name == loss
         assert OmegaConf.load(job / "config.yaml").train.output_dir == str(job)
     assert (out / "multirun.yaml").exists()
+
+
+@pytest.mark.parametrize("command,extra", [("eval", ["eval.max_new_tokens=4"]), ("bench-step", ["--steps", "1",
+                                                                                      "--warmup", "0"])])
+def test_an_eval_or_bench_step_sweep_writes_nothing_into_the_run_folder(pair, tmp_path, capsys, command, extra):
+    """Found by a new user's trial: `eval -m` / `bench-step -m` made Hydra's sweep folder in train.output_dir (empty job
+    folders, and a multirun.yaml that replaced a training sweep's), and a train there was then refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "multirun.yaml").write_text("the training sweep's record")
+    main([command, *overrides(pair, out, "eval.temperatures=[0.0]"), *extra, "-m", "eval.num_draft_tokens=1,2"])
+    assert [p.name for p in out.iterdir()] == ["multirun.yaml"]
+    assert (out / "multirun.yaml").read_text() == "the training sweep's record"
+    assert re.search(r"^sweep job 1: .*eval\.num_draft_tokens=2$", capsys.readouterr().out, re.M)
 
 
 def test_multirun_checks_every_job_before_the_first_runs(pair, tmp_path, capsys):

@@ -126,12 +126,15 @@ def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | N
 def check_manifest(manifest: dict, expected: dict, path: str | Path, training: bool = False) -> None:
     """Raise SetupError naming every field of ``manifest`` that differs from ``expected`` and the setting to fix
     (``training``: also that null k / tail samples take the cache's own, which only ``train`` does). A cache made
-    before 2026-12-05 recorded the legacy target hash (:func:`target_fingerprint`); it is checked by that scheme."""
+    before 2026-12-05 recorded the legacy target hash (:func:`target_fingerprint`); it is checked by that scheme. A
+    target at another path whose hash (every byte, the current scheme) is the recorded one is the same target."""
     if manifest.get("format") != FORMAT_VERSION:
         raise SetupError(f"logit cache {path} has format {manifest.get('format')!r}, this draftkit reads "
                          f"{FORMAT_VERSION}; rebuild it with python -m distill cache-logits")
     if "target_hash" in expected and not str(manifest.get("target_hash")).startswith(TARGET_HASH_PREFIX):
         expected = {**expected, "target_hash": target_fingerprint(expected["target"], legacy=True)}  # an older cache's
+    elif "target_hash" in expected and manifest.get("target_hash") == expected["target_hash"]:
+        expected = {k: v for k, v in expected.items() if k != "target"}  # the same bytes, moved or copied elsewhere
     diffs = [f"{key} (cache {manifest.get(key, DEFAULTS.get(key))!r}, config {expected[key]!r}; set by {CHECKED[key]})"
              for key in CHECKED if key in expected and manifest.get(key, DEFAULTS.get(key)) != expected[key]]
     if diffs:

@@ -114,6 +114,24 @@ def test_cached_mode_bad_input_names_the_setting(pair, tmp_path):
         build_cache(compose(_cache_ov(pair, tmp_path / "c", cache_dir, 4, "loss.temperature=2.0")))
 
 
+def test_a_copy_of_the_target_at_another_path_uses_the_cache(pair, tmp_path):
+    """Found by a new user's trial: the cache records a hash of every byte of the target, yet a byte-identical copy
+    at another path was refused for its path alone. A changed copy is still refused."""
+    import shutil
+
+    cache_dir = tmp_path / "cache"
+    build_cache(compose(_cache_ov(pair, tmp_path / "c", cache_dir, 4)), log=lambda *_: None)
+    copy = tmp_path / "copied_target"
+    shutil.copytree(pair["target"], copy)
+    moved = {**pair, "target": str(copy)}
+    cached = ("data.target_logits=cached", "train.max_steps=1")
+    assert train(compose(_cache_ov(moved, tmp_path / "r1", cache_dir, 4, *cached)), log=lambda *_: None)["steps"] == 1
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    with pytest.raises(SetupError, match=r"target \(cache .*target_hash \(cache"):
+        train(compose(_cache_ov(moved, tmp_path / "r2", cache_dir, 4, *cached)), log=lambda *_: None)
+
+
 def test_cache_logits_cli_under_two_processes(pair, tmp_path):
     cache_dir = tmp_path / "cache"
     cmd = ["accelerate", "launch", "--config_file", str(REPO / "conf/launcher/cpu_2proc.yaml"), "-m", "distill",

@@ -50,13 +50,17 @@ MODES = ("plain", "baseline", "distilled")
 
 # ------------------------------------------------------------------------------------------------ config
 
+MAP_SETTINGS = ("eval.prompt_sets",)  # quickstart settings whose {name: value} override replaces the whole map
+
+
 def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     """The ``quickstart:`` section of ``conf/experiment/<experiment>.yaml`` with ``key=value`` overrides applied
     (keys relative to that section, e.g. ``eval.max_new_tokens=32``).
 
     Raises:
         FileNotFoundError: no such experiment file.
-        KeyError: the file has no ``quickstart:`` section, or an override names a key it does not have.
+        KeyError: the file has no ``quickstart:`` section, an override names a key it does not have, or gives a
+            section (e.g. ``target``) a value that is not a mapping.
     """
     from omegaconf import OmegaConf
 
@@ -70,12 +74,33 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
 
     base = raw.quickstart
     OmegaConf.set_struct(base, True)  # a misspelled override is an error, not a silently ignored new key
+    maps = [o for o in overrides if o.split("=", 1)[0] in MAP_SETTINGS]
+    given = OmegaConf.from_dotlist([o for o in overrides if o not in maps])
     try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, given)
     except ConfigKeyError as err:
         raise KeyError(f"unknown quickstart setting ({str(err).splitlines()[0]}); the settings are the keys of the "
                        f"'quickstart:' section of {path.relative_to(REPO)}") from err
     OmegaConf.set_struct(merged, False)
+    for override in maps:  # {set: n} replaces the sets (a merge kept the others), parsed as Hydra parses a dict
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+
+        key = override.split("=", 1)[0]
+        try:
+            value = OverridesParser.create().parse_overrides([override])[0].value()
+        except HydraException as err:
+            raise KeyError(f"quickstart setting {override!r}: {str(err).splitlines()[0]}") from None
+        if not isinstance(value, dict):
+            raise KeyError(f"quickstart setting {override!r}: {key} takes {{name: number}}, e.g. "
+                           f"{key}={{humaneval:10,mbpp_code:10}}")
+        OmegaConf.update(merged, key, value, merge=False)
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        was, now = OmegaConf.select(base, key), OmegaConf.select(given, key)
+        if OmegaConf.is_dict(was) and key not in MAP_SETTINGS and not OmegaConf.is_dict(now):
+            raise KeyError(f"quickstart setting {override!r}: {key} is a section ({', '.join(map(str, was))}); set "
+                           f"one of its keys, e.g. {key}.{next(iter(was), 'KEY')}=...")
     return merged
 
 
@@ -472,6 +497,16 @@ def check_pretrain_settings(qs) -> None:
         _check_number(f"{which}.val_tokens", p.val_tokens)
 
 
+# Recipe keys the quickstart sets for its distill phase, with what sets them: --distill-overrides may not (the phase
+# would train elsewhere and the export find nothing, or resume/overwrite against the quickstart's own rule).
+QUICKSTART_OWNS = {
+    "target.name_or_path": "its target, <--out>/quickstart.target.dir", "target": "its target, under --out",
+    "draft.name_or_path": "the baseline draft, <--out>/quickstart.draft.dir",
+    "train.output_dir": "<--out>/quickstart.distill.dir", "data.logit_cache": "<--out>/quickstart.distill.cache_dir",
+    "train.resume": "an interrupted run continues on the next quickstart run",
+    "train.overwrite": "a run killed before its first save starts over on the next quickstart run"}
+
+
 def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> None:
     """Compose the distill phase's config (``+experiment=``, the cache settings, ``--distill-overrides``) and check
     every value that needs no model, so a typo fails now and not after the pretraining phases. The target and
@@ -482,6 +517,11 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
     from distill.config import validate
     from distill.models import SetupError
 
+    for override in extra:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in QUICKSTART_OWNS:
+            raise ValueError(f"--distill-overrides {override!r}: the quickstart sets {key} itself ({QUICKSTART_OWNS[key]}"
+                             "); leave it out")
     overrides = _distill_cmd(qs, experiment, out, extra)[4:]  # after: python -m distill train
     try:
         validate(compose(overrides), model_paths=False)

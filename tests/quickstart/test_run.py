@@ -132,6 +132,14 @@ def test_misspelled_setting_is_an_error(capsys):
         assert key in capsys.readouterr().err
 
 
+def test_a_map_of_prompt_sets_replaces_the_default_sets():
+    """eval.prompt_sets={humaneval:2} merged into the defaults, so the other two sets still ran."""
+    assert dict(quickstart.load_settings("quickstart_smoke", ["eval.prompt_sets={humaneval:2}"]).eval.prompt_sets) == {
+        "humaneval": 2}
+    qs = quickstart.load_settings("quickstart_smoke", ["eval.prompt_sets.humaneval=3"])  # one key: the others stay
+    assert len(qs.eval.prompt_sets) == 3 and qs.eval.prompt_sets.humaneval == 3
+
+
 def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, capsys):
     """These failed only after the tokenizer/target/draft phases (about 10 minutes), some with exit 1."""
     out = tmp_path / "qs"
@@ -147,7 +155,17 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
              (["--distill-overrides", "data.on_policy_fraction=0.5"], "on-policy batches are draft samples"),
              (["--distill-overrides", "loss=tvd"], "data.logit_cache_tail_samples=4 (sampled tail ids) give"),
              (["eval.compile=both"], "quickstart.eval.compile='both': use false, draft"),
-             (["eval.compile=1"], "quickstart.eval.compile=1: use false, draft")]
+             (["eval.compile=1"], "quickstart.eval.compile=1: use false, draft"),
+             # found by a new user's trial: a section given a value was a traceback (AttributeError, exit 1) ...
+             (["target=5"], "target is a section (dir, size,"), (["eval"], "eval is a section"),
+             (["distill=null"], "distill is a section"),
+             # ... an empty map of prompt sets kept the default sets, and a run folder of the recipe's own trained
+             # all phases into it and then failed with no error shown (the export found no checkpoint)
+             (["eval.prompt_sets={}"], "quickstart.eval.prompt_sets={}: use {set: number of prompts >= 1}"),
+             (["eval.prompt_sets=5"], "eval.prompt_sets takes {name: number}"),
+             (["--distill-overrides", f"train.output_dir={tmp_path}/elsewhere"], "the quickstart sets train.output_dir"),
+             (["--distill-overrides", "train.resume=true"], "the quickstart sets train.resume itself"),
+             (["--distill-overrides", "++target.name_or_path=/x"], "the quickstart sets target.name_or_path")]
     for args, message in cases:
         assert quickstart.main(["--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args

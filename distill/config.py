@@ -632,3 +632,7 @@ def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = F
     if training:
         check_output_dir(cfg.train.output_dir, "train.output_dir")
         accelerator_precision(cfg.train)  # fp16 on a CPU is refused here, before any model loads
+        if str(cfg.draft.get("dtype")) in ("fp16", "float16"):
+            raise SetupError("draft.dtype=fp16 trains fp16 master weights, whose updates overflow and underflow (the "
+                             "loss goes to NaN within steps); keep draft.dtype=null (float32 weights) and set "
+                             "train.mixed_precision=bf16, or fp16 on a GPU, for half-precision compute")

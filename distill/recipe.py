@@ -206,6 +206,11 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
     target = load_target(cfg.target) if cache is None else None
     draft = load_draft(cfg.draft, target)
+    bad = nonfinite_weight(draft)
+    if bad is not None:
+        raise SetupError(f"draft.name_or_path={cfg.draft.name_or_path}: the draft's weight {bad} is not finite (NaN "
+                         "or inf); it can be neither trained nor evaluated. Give a draft with finite weights (an "
+                         "earlier checkpoint of its run, or the base draft)")
     if cache is None:
         vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
         ctx = [c for c in (context_length(target), context_length(draft)) if c]
@@ -525,6 +530,32 @@ def evaluate(run: Run) -> dict | None:
                                progress=report, verify_costs=run.verify_costs)
 
 
+class DivergedError(SetupError):
+    """The draft's weights are no longer finite (the training diverged); nothing of that state is saved."""
+
+
+def nonfinite_weight(model: Any) -> str | None:
+    """The name of the first parameter of ``model`` holding a NaN or an infinity (this process's shard), else None."""
+    return next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+
+
+def check_finite(run: Run, step: int, out: Path) -> None:
+    """Raise :class:`DivergedError` on every process when a weight of the draft is NaN or infinite after ``step``
+    (one pass over the weights, at checkpoint and evaluation steps only): a diverged draft is neither saved nor
+    evaluated. Under several processes the verdict is reduced, so all stop together (FSDP shards differ)."""
+    bad = nonfinite_weight(run.draft)
+    acc = run.accelerator
+    if acc.num_processes > 1:
+        flag = acc.reduce(torch.tensor(float(bad is not None), device=acc.device), reduction="sum")
+        bad = bad or ("(on another process)" if float(flag) > 0 else None)
+    if bad is not None:
+        raise DivergedError(
+            f"the training diverged: after step {step} the draft's weight {bad} is not finite (NaN or inf), so it was "
+            f"not saved; the checkpoints in {out} before it are kept (metrics.jsonl shows where the loss went). "
+            "Lower optim.lr, set optim.max_grad_norm, or use train.mixed_precision=bf16 rather than fp16, then "
+            "resume from the last good checkpoint (train.resume=PATH) or start over")
+
+
 def save(run: Run, state: dict, path: Path) -> Path:
     """A full checkpoint at ``path`` with the current trainer state."""
     return ckpt.save_checkpoint(run.accelerator, run.draft, run.tokenizer, run.scheduler, run.optimizer, state,
@@ -727,13 +758,17 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     def maybe_eval_and_save(step: int, force: bool) -> None:
         every, save_every = int(cfg.eval.every), int(cfg.train.save_every)
         path = None
-        if step > 0 and (force or (save_every and step % save_every == 0)):  # saved first: an eval error loses no step
+        saving = step > 0 and (force or bool(save_every and step % save_every == 0))
+        evaluating = force or bool(every and step % every == 0)
+        if saving or evaluating:  # a diverged draft is neither saved (it would prune good checkpoints) nor evaluated
+            check_finite(run, step, out)
+        if saving:  # saved first: an eval error loses no step
             path = save(run, state, ckpt.step_dir(out, step))
             ckpt.fault_point("pointer", step)
             if acc.is_main_process:
                 ckpt.mark_latest(out, path)
                 ckpt.prune(out, int(cfg.train.keep_last))
-        ev = evaluate(run) if force or (every and step % every == 0) else None  # None in cached mode
+        ev = evaluate(run) if evaluating else None  # None in cached mode
         if ev is not None:
             state["last_eval"] = {"step": step, **ev}
             logger.log_eval(ev, step)

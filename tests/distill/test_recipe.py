@@ -370,3 +370,47 @@ def test_a_resume_that_splits_the_global_batch_differently_warns_only_where_the_
     assert notes[0].startswith("train.batch_size differs")
     assert "2 process(es) x 2 rows, this run's are 1 x 4" in notes[1]
     assert _resume_warnings(ckpt, cfg("train.batch_size=2", "data.on_policy_fraction=0.5"), state, world=2) == []
+
+
+def test_a_diverged_draft_is_not_saved_and_the_good_checkpoints_stay(pair, tmp_path, monkeypatch):
+    """Found by a new user's trial: a run whose loss went to NaN went on, pruned its finite checkpoints for NaN ones
+    (keep_last), then ended in an IndexError inside the evaluation."""
+    import distill.recipe as recipe
+    from distill import checkpoint as ckpt
+
+    real = recipe.train_step
+
+    def step_then_diverge(run, step, *args):
+        out = real(run, step, *args)
+        if step == 2:  # the third step's update blows up
+            with torch.no_grad():
+                next(run.draft.parameters()).fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(recipe, "train_step", step_then_diverge)
+    out = tmp_path / "run"
+    with pytest.raises(recipe.DivergedError, match=r"after step 3 the draft's weight .* is not finite"):
+        train(compose(overrides(pair, out, "train.max_steps=5", "train.save_every=1", "train.keep_last=2")),
+              log=lambda *_: None)
+    kept = ckpt.list_checkpoints(out)
+    assert [p.name for p in kept] == ["step_000001", "step_000002"]
+    assert all(torch.isfinite(t).all() for p in kept for t in _weights(p).values())
+
+
+def test_a_draft_with_non_finite_weights_is_refused_at_setup(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(pair["draft"])
+    with torch.no_grad():
+        draft.lm_head.weight[0, 0] = float("inf")
+    draft.save_pretrained(tmp_path / "bad_draft")
+    with pytest.raises(SetupError, match=r"the draft's weight .* is not finite"):
+        train(compose(overrides({**pair, "draft": str(tmp_path / "bad_draft")}, tmp_path / "run")),
+              log=lambda *_: None)
+
+
+def test_fp16_master_weights_are_refused_before_loading(pair, tmp_path):
+    from distill.config import check_inputs
+
+    with pytest.raises(SetupError, match="draft.dtype=fp16 trains fp16 master weights"):
+        check_inputs(compose(overrides(pair, tmp_path / "run", "draft.dtype=fp16")))

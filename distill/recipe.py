@@ -115,6 +115,32 @@ def build_optimizer(draft: Any, cfg: DictConfig, clock: dict | None = None) -> t
     return opt, sched
 
 
+def apply_optim_settings(optimizer: Any, scheduler: Any, cfg: DictConfig) -> list[str]:
+    """Set ``optim.lr``, ``optim.weight_decay``, ``optim.betas`` and ``optim.eps`` of ``cfg`` on an optimizer and
+    LambdaLR schedule that a resume loaded from a checkpoint (their state dicts carry the values the run started
+    with, which a changed config would otherwise leave in force while config.yaml recorded the new ones). The
+    schedule keeps its step: the learning rate becomes ``optim.lr`` × the schedule's factor there. Returns one line
+    per value that changed."""
+    lr, betas, eps = float(cfg.optim.lr), tuple(float(b) for b in cfg.optim.betas), float(cfg.optim.eps)
+    notes = []
+    for i, group in enumerate(optimizer.param_groups):
+        decay = any(p.ndim >= 2 for p in group["params"])  # build_optimizer's groups: weights, then biases/norms
+        want = {"initial_lr": lr, "betas": betas, "eps": eps, "weight_decay": float(cfg.optim.weight_decay) if decay
+                else 0.0}
+        for key, value in want.items():
+            old = group.get(key)
+            if old is not None and (tuple(old) if key == "betas" else old) != value:
+                name = "lr" if key == "initial_lr" else key
+                note = f"optim.{name}={list(value) if key == 'betas' else value} (the checkpoint's {old}) applies from here"
+                if note not in notes:
+                    notes.append(note)
+            group[key] = value
+        scheduler.base_lrs[i] = lr
+        group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() and its state say
+    return notes
+
+
 def target_data_dir(cfg: DictConfig) -> Path:
     """Folder of the sequence-level KD cache (``data.target_generated.path`` or ``<output_dir>/target_data``)."""
     return Path(cfg.data.target_generated.get("path") or Path(cfg.train.output_dir) / "target_data")
@@ -634,6 +660,14 @@ def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | Non
         raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes stops "
                          f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
                          "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
+    best_by = (saved.get("best") or {}).get("metric")
+    same_folder = resume_from is not None and Path(resume_from).resolve().parent == Path(
+        cfg.train.output_dir).resolve()  # (a fork into another folder starts its best/ over)
+    if same_folder and best_by is not None and best_by != cfg.eval.select_by:
+        raise SetupError(f"eval.select_by={cfg.eval.select_by} differs from the run's {best_by}, by which its best/ "
+                         f"(step {saved['best'].get('step')}) was chosen: the two values are not comparable. Resume "
+                         f"with eval.select_by={best_by}, or fork into a new folder with train.resume={resume_from} "
+                         "train.output_dir=NEW (its best/ starts over)")
     if "lora" in saved and bool(saved["lora"]) != bool(cfg.train.lora.enabled):
         lora = bool(saved["lora"])
         raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume it "
@@ -704,6 +738,8 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
                  "num_processes": acc.num_processes, "examples_consumed": 0}
         if resume_from is not None:
             state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
+            for note in apply_optim_settings(run.optimizer, run.scheduler, cfg):  # the checkpoint's were loaded
+                log(f"resume: {note}")
             state["cost_ratio"], state["verify_costs"] = recorded_c, run.verify_costs  # the ones this run uses
             if state.get("target_revision") != revision:
                 log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
@@ -804,12 +840,17 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     with _StopFlag() as flag, run.progress.bar("distill", stop_at, state["step"], unit="steps") as bar:
         while state["step"] < stop_at:
             t0 = time.perf_counter()
+            lr = run.optimizer.param_groups[0]["lr"]  # the rate this step applies (train_step advances the schedule)
             out_step = train_step(run, state["step"], micro_position)
             state["step"] = step = state["step"] + 1
             state["tokens_seen"] += out_step["tokens"]
             micro_position += accum * world
             state["examples_consumed"] = micro_position * int(cfg.train.batch_size)  # the data position
-            log_now = step % int(cfg.train.log_every) == 0 or step == 1 or step == stop_at
+            out_of_time = bool(max_time_s) and clock["elapsed_s"] + (time.perf_counter() - t0) >= max_time_s
+            if max_time_s and acc.num_processes > 1:  # every process must stop at the same step
+                flag_t = torch.tensor(float(out_of_time), device=acc.device)
+                out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
+            log_now = step % int(cfg.train.log_every) == 0 or step == 1 or step == stop_at or out_of_time
             signalled = flag.stop
             if acc.num_processes > 1:  # a signal may reach one process only (kill -TERM of a rank) or the processes
                 # at different steps: all stop at the same step, or the others wait in the next collective forever
@@ -822,14 +863,10 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
             if log_now:
                 grad_norm = out_step["grad_norm"]
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
-                logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
+                logger.log({"train/loss": loss_value, "train/lr": lr,
                             "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s,
                             "train/tokens_seen": state["tokens_seen"], "train/elapsed_s": clock["elapsed_s"],
                             "train/on_policy_fraction_batch": out_step["on_policy_fraction"]}, step)
-            out_of_time = bool(max_time_s) and clock["elapsed_s"] + (time.perf_counter() - t0) >= max_time_s
-            if max_time_s and acc.num_processes > 1:  # every process must stop at the same step
-                flag_t = torch.tensor(float(out_of_time), device=acc.device)
-                out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
             stop_now = signalled or step == stop_at or out_of_time
             t1 = time.perf_counter()
             clock["elapsed_s"] += t1 - t0

@@ -414,3 +414,46 @@ def test_fp16_master_weights_are_refused_before_loading(pair, tmp_path):
 
     with pytest.raises(SetupError, match="draft.dtype=fp16 trains fp16 master weights"):
         check_inputs(compose(overrides(pair, tmp_path / "run", "draft.dtype=fp16")))
+
+
+def test_optimizer_settings_changed_on_resume_apply_and_select_by_may_not_change(pair, tmp_path):
+    """Found by a new user's trial: optim.lr/weight_decay/betas changed on resume were silently replaced by the
+    checkpoint's (config.yaml recorded the new ones), and a changed eval.select_by compared a speedup with an
+    acceptance rate to pick best/."""
+    import yaml
+
+    out = tmp_path / "run"
+    base = ("train.max_steps=4", "train.save_every=2", "eval.every=2", "optim.warmup_steps=0",
+            "optim.scheduler=constant")
+    train(compose(overrides(pair, out, *base, "train.stop_at=2", "optim.lr=1e-3")), log=lambda *_: None)
+    with pytest.raises(SetupError, match=r"eval.select_by=predicted_speedup differs from the run's acceptance_rate"):
+        train(compose(overrides(pair, out, *base, "train.resume=true", "eval.select_by=predicted_speedup")),
+              log=lambda *_: None)
+    lines = []
+    train(compose(overrides(pair, out, *base, "train.resume=true", "optim.lr=1e-2", "optim.betas=[0.5,0.6]")),
+          log=lines.append)
+    assert any("optim.lr=0.01 (the checkpoint's 0.001) applies from here" in x for x in lines)
+    assert any("optim.betas=[0.5, 0.6]" in x for x in lines)
+    rows = {m["step"]: m for m in _metrics(out) if "train/lr" in m}
+    assert rows[1]["train/lr"] == pytest.approx(1e-3) and rows[3]["train/lr"] == pytest.approx(1e-2)
+    assert json.loads((out / "step_000004" / "scheduler.json").read_text())["base_lrs"][0] == pytest.approx(1e-2)
+    assert yaml.safe_load((out / "step_000004" / "config.yaml").read_text())["optim"]["lr"] == pytest.approx(1e-2)
+
+
+def test_the_logged_lr_is_the_one_the_step_applied(pair, tmp_path):
+    """train/lr at step k was the rate of step k + 1 (read after the schedule advanced)."""
+    out = tmp_path / "run"
+    train(compose(overrides(pair, out, "train.max_steps=3", "optim.warmup_steps=2", "optim.scheduler=constant",
+                            "optim.lr=1e-3")), log=lambda *_: None)
+    lrs = [m["train/lr"] for m in _metrics(out) if "train/lr" in m]
+    assert lrs == pytest.approx([lr_lambda(s, 2, 3, "constant", 0.0) * 1e-3 for s in range(3)]) == [5e-4, 1e-3, 1e-3]
+
+
+def test_a_run_stopped_by_its_time_budget_logs_its_last_step(pair, tmp_path):
+    """The stopping step was logged only if it fell on train.log_every, so final_loss was an earlier step's."""
+    out = tmp_path / "run"
+    summary = train(compose(overrides(pair, out, "train.max_steps=100000", "train.max_time_s=1.5", "train.log_every=1000",
+                                      "train.save_every=0", "eval.at_start=false")), log=lambda *_: None)
+    logged = _losses(out)
+    assert summary["steps"] > 1 and max(logged) == summary["steps"]
+    assert summary["final_loss"] == pytest.approx(logged[summary["steps"]])

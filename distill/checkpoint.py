@@ -828,10 +828,18 @@ def run_artifacts(folder: Path) -> list[Path]:
     folder without those, ``config.yaml`` and ``wandb/`` are the user's (a user's ``step_3_keep`` or
     ``step_3.bak`` is never the run's either)."""
     entries = sorted(Path(folder).iterdir())
-    own = [p for p in entries if RUN_OWN.fullmatch(p.name)]
+    own = [p for p in entries if RUN_OWN.fullmatch(p.name) and not _foreign(p)]
     if own or _is_run_config(Path(folder) / "config.yaml"):
         own = sorted(own + [p for p in entries if p.name in RUN_SHARED])
     return own
+
+
+def _foreign(path: Path) -> bool:
+    """A ``step_N`` or ``best`` entry that is not a checkpoint (a file, or a folder with neither trainer_state.json
+    nor a manifest): named like the run's, but the user's. (``.tmp``/``.old`` ones are a save's own leftovers.)"""
+    if not re.fullmatch(r"step_\d+|best", path.name):
+        return False
+    return not (path.is_dir() and ((path / STATE_FILE).is_file() or (path / MANIFEST_FILE).is_file()))
 
 
 def _is_run_config(path: Path) -> bool:
@@ -909,6 +917,12 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
     """
     out = Path(output_dir)
     resume = None if resume in (None, False, "false", "") else resume
+    foreign = sorted(p.name for p in out.iterdir() if _foreign(p)) if main and out.is_dir() else []
+    if foreign:  # a save of that step (or best/) would replace it, fresh or resumed
+        raise CheckpointError(
+            f"train.output_dir={out} holds {name_list(foreign)}, named like a checkpoint of a run but not one (no "
+            f"{STATE_FILE}); a run saves folders of that name over what is there, so nothing was changed. Move or "
+            "rename it, or choose another train.output_dir")
     if resume is None:
         if not main:
             return None

@@ -684,3 +684,19 @@ def test_a_results_file_that_cannot_be_written_leaves_no_empty_file(tmp_path, mo
     out.write_text("theirs")  # made while the command ran: kept, the results go beside it
     ckpt.write_results('{"a": 3}', str(out), overwrite=False)
     assert out.read_text() == "theirs" and "appeared during the run and was kept" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["step_000003", "best"])
+def test_a_folder_named_like_a_checkpoint_but_not_one_is_never_replaced(pair, tmp_path, name):
+    """Found by a new user's trial: train.overwrite=true deleted a user's step_000003/ holding only notes.txt (it
+    went by the name), and a run saving step 3 would have replaced it too."""
+    out = tmp_path / "run"
+    train(compose(overrides(pair, out, "train.max_steps=2")), log=lambda *_: None)
+    if (out / name).exists():
+        shutil.rmtree(out / name)  # (best/ of the run: replaced by the user's folder of that name)
+    (out / name).mkdir()
+    (out / name / "notes.txt").write_text("mine")
+    for extra in (["train.overwrite=true"], ["train.resume=true", "train.max_steps=4"]):
+        with pytest.raises(ckpt.CheckpointError, match=rf"holds {name}, named like a checkpoint of a run but not one"):
+            train(compose(overrides(pair, out, *extra)), log=lambda *_: None)
+        assert (out / name / "notes.txt").read_text() == "mine"

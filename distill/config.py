@@ -443,6 +443,11 @@ def _check_sources(cfg: DictConfig) -> None:
             _choose(f"{key}.corpus", src.corpus, tuple(CORPORA))
         for sub in ("kind", "sample_by", "split"):
             _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
+        for sub in ("limit", "prompt_tokens", "completion_tokens", "windows_per_doc"):  # data.source's: AT_LEAST
+            value = src.get(sub)
+            if key != "data.source" and value is not None and value < AT_LEAST[f"data.source.{sub}"]:
+                raise SetupError(f"{key}.{sub}={value} must be an integer >= {AT_LEAST[f'data.source.{sub}']} "
+                                 f"(null: no limit), e.g. {key}.{sub}=32")
 
 
 def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = False) -> None:

@@ -168,6 +168,15 @@ def test_eval_rollout_and_optim_values_checked_up_front(pair, tmp_path, override
     _fails(pair, tmp_path, override, match=match)
 
 
+@pytest.mark.parametrize("limit", ["-3", "0"])
+def test_an_eval_prompts_limit_below_1_is_named(pair, tmp_path, limit, monkeypatch):
+    """Found by a new user's trial: -3 was "data source ... is empty; point data.source at a file", 0 meant no
+    limit; data.source.limit was checked, eval.prompts.limit not."""
+    _no_model_loading(monkeypatch)
+    _fails(pair, tmp_path, f"eval.prompts.path={pair['data']}", f"eval.prompts.limit={limit}",
+           match=rf"eval.prompts.limit={limit} must be an integer >= 1")
+
+
 def test_no_completions_without_on_policy(pair, tmp_path):
     _fails(pair, tmp_path, "data.source.completion_field=null",
            match="no completions.*on_policy_fraction=1.0.*completions=target")

@@ -61,6 +61,24 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
     return p
 
 
+def check_output_folder(path: str | os.PathLike, key: str = "--out") -> Path:
+    """A work folder a script makes (with its parents) and fills: it must not be a file, nor lie under one, and
+    must not hold a ``results.json`` already (results are never overwritten).
+
+    Raises:
+        ValueError: naming ``key`` and the fix.
+    """
+    p = Path(path).expanduser()
+    above = next((f for f in (p, *p.parents) if f.exists()), None)  # the nearest existing path
+    if above is not None and not above.is_dir():
+        where = "is a file" if above == p else f"lies under {str(above)!r}, which is a file"
+        raise ValueError(f"{key} {str(path)!r} {where}; give a folder")
+    if (p / "results.json").exists():
+        raise ValueError(f"{key} {str(path)!r}: {p / 'results.json'} exists; choose another {key} (results are "
+                         "never overwritten)")
+    return p
+
+
 def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
     """Write ``text`` to ``out`` through a uniquely named temporary file in its folder, so ``out`` appears whole or
     not at all and no other file is touched. Without ``overwrite`` an ``out`` that exists by then (made while the

@@ -135,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--pair {args.pair} lacks {', '.join(missing)}: give a quickstart output folder")
     if not (args.pair / args.draft).is_dir():
         p.error(f"--draft {args.draft}: no such folder in --pair {args.pair} (draft-distilled or draft-baseline)")
-    result_path = args.out / "results.json"
-    if result_path.exists():
-        p.error(f"{result_path} exists; give another --out (results are never overwritten)")
+    from decode.outputs import check_output_folder
+
+    try:
+        check_output_folder(args.out)
+    except ValueError as e:
+        p.error(str(e))
     try:
         batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", 2)
         gammas = parse_ints(args.gammas, "--gammas", 1)

@@ -207,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = [d for d in ("target", "draft-distilled", "tokenizer") if not (args.pair / d).is_dir()]
     if missing:
         p.error(f"--pair {args.pair} lacks {', '.join(missing)}: give a quickstart output folder")
-    result_path = args.out / "results.json"
-    if result_path.exists():
-        p.error(f"{result_path} exists; give another --out (results are never overwritten)")
+    from decode.outputs import check_output_folder
+
+    try:
+        check_output_folder(args.out)
+    except ValueError as e:
+        p.error(str(e))
     try:
         gammas = parse_gammas(args.gammas, args.pair)
         linear_rows = parse_rows(args.linear_rows)

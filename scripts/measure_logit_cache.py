@@ -84,10 +84,14 @@ def main() -> None:
         if not (Path(getattr(args, flag[2:])) / "config.json").is_file():
             p.error(f"{flag} {getattr(args, flag[2:])} is not a checkpoint folder (no config.json)")
     out = Path(args.out).resolve()
-    if (out / "results.json").exists():
-        p.error(f"--out: {out}/results.json exists; choose another --out (results are never overwritten)")
-    out.mkdir(parents=True, exist_ok=True)  # a rerun after Ctrl-C reuses what the interrupted one finished
     sys.path.insert(0, str(REPO))
+    from decode.outputs import check_output_folder
+
+    try:
+        check_output_folder(out)
+    except ValueError as e:
+        p.error(str(e))
+    out.mkdir(parents=True, exist_ok=True)  # a rerun after Ctrl-C reuses what the interrupted one finished
     py = sys.executable
     base = ["+experiment=quickstart", f"++target.name_or_path={Path(args.target).resolve()}",
             f"draft.name_or_path={Path(args.draft).resolve()}", f"train.max_steps={args.steps}", "train.log_every=1",

@@ -305,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             p.error(f"{flag}={getattr(args, flag[2:].replace('-', '_'))} is out of range (see --help)")
     out = Path(args.out).resolve()  # absolute: the exported cards record their target's path
-    if (out / "results.json").exists():
-        print(f"error: {out / 'results.json'} exists; choose another --out (nothing is overwritten)", file=sys.stderr)
+    from decode.outputs import check_output_folder
+
+    try:
+        check_output_folder(out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.tiny:
         args.keeps = sorted({min(k, TINY_VOCAB) for k in args.keeps})

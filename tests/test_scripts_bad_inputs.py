@@ -1,7 +1,13 @@
 """scripts/bad_inputs.py's own command line: --help and a misspelled flag run no case and write nothing."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import load_script
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--wirte"], 2)])
@@ -31,3 +37,23 @@ def test_write_runs_the_cases_and_writes_the_table(monkeypatch, capsys):
     monkeypatch.setattr(script, "write_docs", lambda table: wrote.append(table))
     assert script.main(["--write"]) == 0
     assert len(wrote) == 1 and "| a bad input | `python -m distill train x=1` | 2 | error: x=1 is named |" in wrote[0]
+
+
+@pytest.mark.parametrize("name", ["measure_auto_batch", "measure_few_row_linear", "measure_logit_cache",
+                                  "measure_pruned_vocab"])
+def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, name):
+    """Found by a new user's trial: these four scripts made their --out folder with mkdir and ended in a
+    FileExistsError/NotADirectoryError traceback when it was a file."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for d in ("target", "tokenizer", "draft-distilled"):  # the folders the scripts look for before --out
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text("{}")
+    model = str(tmp_path / "target")
+    pair = ["--pair", str(tmp_path)] if name in ("measure_auto_batch", "measure_few_row_linear") else (
+        ["--target", model, "--draft", model] if name == "measure_logit_cache" else ["--tiny"])
+    for out, message in ((afile, "is a file; give a folder"), (afile / "sub", "which is a file; give a folder")):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *pair, "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (out, r.stderr[-500:])
+    assert afile.read_text() == "mine"

@@ -18,6 +18,12 @@
 # Cost on 2 quiet cores: about 3 min per run (400 steps) plus the evaluation (~1 min per draft); run it when the
 # machine is otherwise idle, timings are part of the result.
 set -euo pipefail
+case "${1:-}" in  # settings are environment variables; arguments are --help or a mistake (they were ignored)
+  "") ;;
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  *) echo "error: compare_losses.sh takes no arguments (got '$1'); its settings are environment variables, e.g." \
+       "STEPS=400 SEEDS=\"0 1\" LOSSES=\"tvd fkl\" bash scripts/compare_losses.sh (--help lists them)" >&2; exit 2 ;;
+esac
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PAIR="$(realpath -m "${PAIR:-$REPO/checkpoints/quickstart}")"  # before the cd: relative to where the user is
 OUT="$(realpath -m "${OUT:-$REPO/checkpoints/compare_losses}")"

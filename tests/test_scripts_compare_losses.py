@@ -87,3 +87,13 @@ def test_bad_settings_stop_the_script_before_any_training(tmp_path):
         r, calls = run(tmp_path, tmp_path, PAIR=str(tmp_path / "pair"), OUT=str(tmp_path / "out"), **setting)
         assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, (setting, r.stderr)
         assert calls == [] and not (tmp_path / "out").exists(), setting
+
+
+def test_help_prints_the_settings_and_an_argument_is_refused(tmp_path):
+    """Found by a new user's trial: --help (like any argument) was ignored and the script went on to train."""
+    env = {**os.environ, "PAIR": str(tmp_path / "none"), "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(SCRIPT), "--help"], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "LOSSES=" in r.stdout and "OVERWRITE=1" in r.stdout and not r.stderr
+    r = subprocess.run(["bash", str(SCRIPT), "loss=tvd"], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "takes no arguments (got 'loss=tvd')" in r.stderr
+    assert not (tmp_path / "out").exists()

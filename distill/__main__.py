@@ -343,8 +343,8 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
                 opts["overwrite"] = True
             else:
                 opts["out"] = a.split("=", 1)[1] if "=" in a else next(it, None)
-                if not opts["out"]:
-                    _fail("--out needs a file name, e.g. --out results/eval.json")
+                if not opts["out"] or ("=" not in a and opts["out"].startswith("-")):  # --out --overwrite: a flag
+                    _fail(f"--out needs a file name, e.g. --out results/eval.json (got {opts['out']!r})")
         elif a in HYDRA_FLAGS_WITH_VALUE or any(a.startswith(f + "=") for f in HYDRA_FLAGS_WITH_VALUE if
                                                 f.startswith("--")):
             flags.append(a)

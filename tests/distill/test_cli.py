@@ -319,3 +319,14 @@ def test_overwrite_without_out_is_refused(command, capsys):
         main([command, "--overwrite", "draft.num_hidden_layers=1"])
     assert e.value.code == 2 and "no --out was given" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("command", ["eval", "bench-step"])
+def test_out_followed_by_a_flag_is_refused(command, capsys, tmp_path, monkeypatch):
+    """Found by a new user's trial: `--out --overwrite` took the flag as the file name (a file named --overwrite)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([command, "--out", "--overwrite", "draft.num_hidden_layers=1"])
+    assert e.value.code == 2 and "--out needs a file name, e.g. --out results/eval.json (got '--overwrite')" in \
+        capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

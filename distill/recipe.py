@@ -644,6 +644,12 @@ def _resume_warnings(checkpoint: Path, cfg: DictConfig, state: dict, world: int)
     notes = [f"{key} differs from the checkpoint's config; the resumed run is not the same experiment"
              for key in _changed_keys(checkpoint, cfg) if not (key == "train.batch_size" and same_global and
                                                                not on_policy)]
+    saved = ckpt.read_config(checkpoint) or {}
+    was = (saved.get("logger") or {}).get("project") or "draftkit"
+    project = cfg.logger.get("project") or "draftkit"
+    if cfg.logger.name == "wandb" and (saved.get("logger") or {}).get("name") == "wandb" and was != project:
+        notes.append(f"logger.project={project} differs from the checkpoint's {was}: W&B keeps run ids per project, "
+                     f"so the metrics go to a new W&B run in {project}, not on with the one in {was}")
     if on_policy and None not in split and split != now:
         notes.append(f"data.on_policy_fraction={cfg.data.on_policy_fraction}: the checkpoint's micro-batches were "
                      f"{split[0]} process(es) x {split[1]} rows, this run's are {now[0]} x {now[1]}; the λ coin is "

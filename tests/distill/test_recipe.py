@@ -457,3 +457,16 @@ def test_a_run_stopped_by_its_time_budget_logs_its_last_step(pair, tmp_path):
     logged = _losses(out)
     assert summary["steps"] > 1 and max(logged) == summary["steps"]
     assert summary["final_loss"] == pytest.approx(logged[summary["steps"]])
+
+
+def test_a_resume_into_another_wandb_project_says_so(pair, tmp_path, monkeypatch):
+    """Found by a new user's trial: the W&B run id is kept, but ids are per project: a changed logger.project went
+    on as a new run silently."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=2", "train.stop_at=1")), log=lambda *_: None)
+    lines = []
+    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=2", "train.resume=true",
+                            "logger.project=other")), log=lines.append)
+    assert any("logger.project=other differs from the checkpoint's draftkit" in x for x in lines)

@@ -133,7 +133,7 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not overwrite:
             raise CheckpointError(f"OUT_DIR {out_dir} is not empty; nothing was written. Choose a new folder, or pass "
-                                  "--overwrite to replace an earlier export there")
+                                  "--overwrite (overwrite=True from Python) to replace an earlier export there")
         if not (out_dir / CARD_JSON).is_file():
             raise CheckpointError(f"OUT_DIR {out_dir} holds files that are not a draftkit export (no {CARD_JSON}); "
                                   "--overwrite only replaces an earlier export. Choose a new folder")

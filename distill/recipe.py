@@ -684,7 +684,10 @@ def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | Non
 # ------------------------------------------------------------------------------------------------ train
 
 def train(cfg: DictConfig, log: Any = None) -> dict:
-    """Run the recipe for a composed config; returns the summary also written to ``<output_dir>/summary.json``.
+    """Run the recipe for a composed config (:func:`distill.compose`); returns the summary also written to
+    ``<output_dir>/summary.json``. ``log`` takes each progress line (default: print, on the main process only).
+    The config is checked as ``python -m distill train`` checks it (``distill.config.validate`` and
+    ``check_inputs``) before any model loads.
 
     Raises SetupError (a ValueError) for bad input before any training starts: missing target, incompatible
     tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...; CheckpointError

@@ -330,3 +330,19 @@ def test_out_followed_by_a_flag_is_refused(command, capsys, tmp_path, monkeypatc
     assert e.value.code == 2 and "--out needs a file name, e.g. --out results/eval.json (got '--overwrite')" in \
         capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_documented_python_entry_point_trains_and_exports(pair, tmp_path):
+    """docs/distill.md "From Python": distill.compose + recipe.train + export.export, as a library user calls them."""
+    import distill
+    from distill.export import export
+    from distill.recipe import train
+
+    out = tmp_path / "run"
+    cfg = distill.compose(overrides(pair, out, "train.max_steps=2", "eval.at_start=false", "eval.temperatures=[0.0]"))
+    summary = train(cfg, log=lambda *_: None)
+    assert summary["steps"] == 2 and summary["output_dir"] == str(out)
+    card = export(out / "best", tmp_path / "export")
+    assert (tmp_path / "export" / "config.json").is_file() and card["steps"] == 2
+    with pytest.raises(ValueError, match="overwrite=True from Python"):  # CheckpointError, a ValueError
+        export(out / "best", tmp_path / "export")

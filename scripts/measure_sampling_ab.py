@@ -64,24 +64,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--temperatures", default="1,0.7")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if out.exists():
-        print(f"error: --out {out} exists; choose another path", file=sys.stderr)
+    from decode.outputs import check_output_file
+
+    try:  # every argument before the models load and the measurement runs
+        check_output_file(args.out, "--out")
+        for name in ("limit", "max_new_tokens", "gamma", "rounds"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+        try:
+            temps = [float(t) for t in args.temperatures.split(",")]
+        except ValueError:
+            raise ValueError(f"--temperatures {args.temperatures!r}: give numbers >= 0, e.g. 1,0.7") from None
+        if any(not t >= 0 for t in temps):
+            raise ValueError(f"--temperatures {args.temperatures!r}: give numbers >= 0, e.g. 1,0.7")
+        pair = Path(args.pair)
+        missing = [d for d in ("target", "draft-distilled", "tokenizer") if not (pair / d).is_dir()]
+        if missing:
+            raise ValueError(f"--pair {pair} lacks {', '.join(missing)}: give a quickstart output folder")
+        try:
+            baseline = baseline_sampling(args.baseline_rev)
+        except subprocess.CalledProcessError:
+            raise ValueError(f"--baseline-rev {args.baseline_rev!r}: git show found no decode/sampling.py at that "
+                             "revision of this repository") from None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    out = Path(args.out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import decode.sampling as current
     from decode import SpeculativeDecoder
     from decode.prompts import encode_prompts, load_prompts
 
-    baseline = baseline_sampling(args.baseline_rev)
-    pair = Path(args.pair)
     tok = AutoTokenizer.from_pretrained(str(pair / "tokenizer"))
     target = AutoModelForCausalLM.from_pretrained(str(pair / "target")).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(pair / "draft-distilled")).eval()
     dec = SpeculativeDecoder(target, draft, args.gamma, tokenizer=tok)
     prompts = encode_prompts(load_prompts("humaneval", limit=args.limit), tok)
-    temps = [float(t) for t in args.temperatures.split(",")]
 
     def run(variant, temperature: float) -> tuple[float, list[list[int]]]:
         use(variant)

@@ -57,3 +57,19 @@ def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, name):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (out, r.stderr[-500:])
     assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rounds", "0"], "--rounds 0 must be >= 1"), (["--temperatures", "a"], "--temperatures 'a': give numbers"),
+    (["--baseline-rev", "no-such-rev"], "--baseline-rev 'no-such-rev': git show found no decode/sampling.py"),
+    (["--pair", "/no/such/pair"], "lacks target, draft-distilled, tokenizer"),
+])
+def test_measure_sampling_ab_refuses_bad_arguments_before_measuring(tmp_path, extra, message):
+    """Found by a new user's trial: these ended in tracebacks, --rounds 0 only after the whole measurement."""
+    for d in ("target", "tokenizer", "draft-distilled"):
+        (tmp_path / d).mkdir()
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_sampling_ab.py"), "--pair", str(tmp_path),
+                        "--baseline-rev", "HEAD", "--out", str(tmp_path / "ab.json"), *extra],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+    assert not (tmp_path / "ab.json").exists()

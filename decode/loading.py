@@ -172,7 +172,7 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
         hint = f" (the run's own {sibling} exists: a moved or copied run folder?)" if sibling.is_dir() else ""
         raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose base_model_name_or_path "
                                 f"{base!r} is not a folder{hint}; set base_model_name_or_path in {config_file} to "
-                                "where the base is now (a relative path is read from the working folder)")
+                                "where the base is now (a relative path is read from the working folder).")
     beside = Path(folder).resolve().parent / base
     if not looks_local(base) and local_folder(base) is None and beside.is_dir():  # not a hub id: a relative path
         raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose base_model_name_or_path "

@@ -316,7 +316,7 @@ def is_legacy(path: str | Path) -> bool:
     :func:`convert_legacy` converts."""
     path = Path(path)
     return (not (path / MANIFEST_FILE).is_file() and (path / STATE_FILE).is_file()
-            and any((path / f).exists() for f in LEGACY_FILES))
+            and any((path / f).exists() for f in (*LEGACY_FILES, LEGACY_DIR)))  # (LEGACY_DIR: a conversion cut short)
 
 
 def check_complete(path: str | Path) -> dict:
@@ -627,7 +627,7 @@ def load_pickle_as_data(path: str | Path) -> Any:
 
 
 LEGACY_DIR = "legacy-layout"  # where convert_legacy keeps a checkpoint's original pickles (never deleted)
-LEGACY_FILES = ("scheduler.pt", "accelerate")  # what the earlier layout has beside trainer_state.json
+LEGACY_ORIGINALS = ("scheduler.pt", "accelerate")  # what convert_legacy moves into LEGACY_DIR
 
 
 def convert_legacy(path: str | Path) -> Path:
@@ -652,7 +652,7 @@ def convert_legacy(path: str | Path) -> Path:
     if (path / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{path} already has the data layout ({MANIFEST_FILE}); nothing to convert")
     legacy = path / LEGACY_DIR
-    src = {name: legacy / name if (legacy / name).exists() else path / name for name in LEGACY_FILES}
+    src = {name: legacy / name if (legacy / name).exists() else path / name for name in LEGACY_ORIGINALS}
     if path.is_dir() and (path / "resume.pt").is_file() and not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} holds a pretrain snapshot of the earlier layout: convert the file, "
                               f"python -m distill convert-checkpoint {path / 'resume.pt'}")

@@ -228,6 +228,7 @@ def test_an_interrupted_conversion_is_finished_by_running_it_again(legacy, tmp_p
     with pytest.raises(SystemExit):  # main turns the interrupt into "run the same command again"
         main(["convert-checkpoint", str(conv)])
     assert not ckpt.is_complete(conv) and (conv / ckpt.LEGACY_DIR / "scheduler.pt").is_file()
+    assert ckpt.is_legacy(conv)  # so a resume from it names convert-checkpoint, which finishes it
     monkeypatch.undo()
     main(["convert-checkpoint", str(conv)])
     assert ckpt.is_complete(conv) and (conv / ckpt.LEGACY_DIR / "accelerate" / "optimizer.bin").is_file()

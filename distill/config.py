@@ -460,6 +460,12 @@ def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = Fals
     if not path.exists():
         raise SetupError(f"{role} path {name!r} does not exist; fix {fix}")
     if not path.is_dir():
+        from distill.checkpoint import LATEST_FILE
+
+        pointed = path.read_text(errors="replace").strip() if path.name == LATEST_FILE else ""
+        if pointed:  # a run's pointer file: name the checkpoint it points to
+            raise SetupError(f"{role} path {name!r} is the run's pointer to its newest checkpoint, not a folder; "
+                             f"give that checkpoint: {path.parent / Path(pointed).name} (fix {fix})")
         raise SetupError(f"{role} path {name!r} is a file, not a checkpoint folder; fix {fix} (the folder "
                          "save_pretrained wrote)")
     wanted = ("config.json", "trainer_state.json", "adapter_config.json")

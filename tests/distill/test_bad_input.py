@@ -40,6 +40,10 @@ def test_a_file_or_empty_folder_given_as_a_model_is_named_before_loading(pair, t
     _fails(pair, tmp_path, f"draft.name_or_path={afile}", match="draft path .* is a file, not a checkpoint folder")
     _fails(pair, tmp_path, f"++target.name_or_path={afile}", match="target path .* is a file")
     _fails(pair, tmp_path, f"draft.name_or_path={tmp_path / 'empty'}", match="has no config.json")
+    (tmp_path / "old_run").mkdir()  # found by a new user's trial: <run>/latest was "a file"; it names a checkpoint
+    (tmp_path / "old_run" / "latest").write_text("step_000004")
+    _fails(pair, tmp_path, f"draft.name_or_path={tmp_path / 'old_run' / 'latest'}",
+           match=r"pointer to its newest checkpoint, not a folder; give that checkpoint: .*old_run/step_000004")
     from distill.config import validate
 
     tok_only = tmp_path / "tok_only"  # in cached mode the target is never loaded: its tokenizer is enough

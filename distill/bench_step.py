@@ -188,8 +188,9 @@ def _bench(run: Any, steps: int, warmup: int, out: str | None, log: Any, overwri
              ("divergence forward+backward alone", med["divergence_forward_backward"])]
     log(f"bench-step: {result['target_logits']} target, loss={result['loss']}, batch {result['batch_size']}, "
         f"{result['mixed_precision']}, {result['threads']} thread(s), {steps} interleaved rounds (median ms)")
+    width = max(len(name) for name, _ in rows)  # one column of numbers
     for name, ms in rows:
-        log(f"  {name:<36} {ms:9.1f}")
+        log(f"  {name:<{width}} {ms:9.1f}")
     log(f"  bound / recipe step = {result['efficiency']:.2f}    peak memory {result['peak_memory_mb']:.0f} MiB")
     if other:
         log(f"  bound / recipe step with the {result['other_loss_form']} loss = "

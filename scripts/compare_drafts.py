@@ -50,6 +50,9 @@ def main() -> int:
 
     from quickstart.run import _fmt, check_eval_settings, evaluate, load_settings
 
+    bare = [s for s in args.set if "=" not in s]
+    if bare:
+        p.error(f"--set needs KEY=VALUE, e.g. --set eval.max_new_tokens=32 (got {bare[0]!r})")
     try:
         ecfg = load_settings("quickstart", args.set).eval
         check_eval_settings(ecfg)

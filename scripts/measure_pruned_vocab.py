@@ -297,13 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (TINY_DEFAULTS if args.tiny else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for flag, ok in (("--keeps", min(args.keeps) >= 1), ("--steps", args.steps >= 0),
-                     ("--mass-examples", args.mass_examples >= 1), ("--limit", args.limit >= 1),
-                     ("--max-new-tokens", args.max_new_tokens >= 2), ("--gamma", args.gamma >= 1),
-                     ("--rounds", args.rounds >= 1), ("--cost-repeats", args.cost_repeats >= 1),
-                     ("--temperatures", all(math.isfinite(t) and t >= 0 for t in args.temperatures))):
+    for flag, ok, need in (("--keeps", min(args.keeps) >= 1, ">= 1"), ("--steps", args.steps >= 0, ">= 0"),
+                           ("--mass-examples", args.mass_examples >= 1, ">= 1"), ("--limit", args.limit >= 1, ">= 1"),
+                           ("--max-new-tokens", args.max_new_tokens >= 2, ">= 2"), ("--gamma", args.gamma >= 1, ">= 1"),
+                           ("--rounds", args.rounds >= 1, ">= 1"), ("--cost-repeats", args.cost_repeats >= 1, ">= 1"),
+                           ("--temperatures", all(math.isfinite(t) and t >= 0 for t in args.temperatures),
+                            "finite and >= 0")):
         if not ok:
-            p.error(f"{flag}={getattr(args, flag[2:].replace('-', '_'))} is out of range (see --help)")
+            p.error(f"{flag}={getattr(args, flag[2:].replace('-', '_'))} is out of range: it must be {need}")
     out = Path(args.out).resolve()  # absolute: the exported cards record their target's path
     from decode.outputs import check_output_folder
 

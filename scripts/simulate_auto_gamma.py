@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--verify-costs must be positive numbers, got {args.verify_costs!r}")
     if not (math.isfinite(args.cost_ratio) and args.cost_ratio >= 0):
         p.error(f"--cost-ratio must be a number >= 0, got {args.cost_ratio}")
-    for flag, value, ok in (("--max-gamma", args.max_gamma, args.max_gamma >= 1), ("--runs", args.runs, args.runs >= 1),
-                            ("--max-new-tokens", args.max_new_tokens, min(args.max_new_tokens) >= 2)):
-        if not ok:
-            p.error(f"{flag}={value} is out of range (see --help)")
+    for flag, value, low in (("--max-gamma", args.max_gamma, 1), ("--runs", args.runs, 1),
+                             ("--max-new-tokens", min(args.max_new_tokens), 2)):
+        if value < low:
+            p.error(f"{flag}={value} is out of range: it must be >= {low}")
     if any(not 0 <= a <= 1 for a in args.alphas):
         p.error(f"--alphas must lie in [0, 1], got {args.alphas}")
     if args.out is not None and args.out.exists():

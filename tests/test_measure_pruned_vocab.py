@@ -59,7 +59,8 @@ def test_bad_numbers_and_an_incomplete_pair_are_refused_naming_the_fix(tmp_path,
                  ["--max-new-tokens", "1"], ["--keeps", "0"], ["--temperatures", "-1"], ["--steps", "-1"]):
         with pytest.raises(SystemExit) as stop:
             script.main(["--pair", str(tmp_path), "--out", str(tmp_path / "o"), *flag])
-        assert stop.value.code == 2 and flag[0] in capsys.readouterr().err, flag
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and flag[0] in err and "it must be" in err, flag
     for name in ("target", "draft-distilled", "tokenizer"):  # no distill/config.yaml: the training data is unknown
         (tmp_path / "pair" / name).mkdir(parents=True)
     assert script.main(["--pair", str(tmp_path / "pair"), "--out", str(tmp_path / "o")]) == 2

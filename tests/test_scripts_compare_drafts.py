@@ -21,3 +21,5 @@ def test_draft_names_must_be_unique_non_empty_and_not_plain(tmp_path):
         r = run("--pair", str(pair), "--out", str(tmp_path / "r.json"), *drafts)
         assert r.returncode == 2 and ("NAME=PATH" in r.stderr or "draft names" in r.stderr), (drafts, r.stderr)
         assert "Traceback" not in r.stderr and not (tmp_path / "r.json").exists()
+    r = run("--pair", str(pair), "--out", str(tmp_path / "r.json"), f"a={draft}", "--set", "eval.max_new_tokens")
+    assert r.returncode == 2 and "--set needs KEY=VALUE" in r.stderr

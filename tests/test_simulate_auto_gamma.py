@@ -33,6 +33,8 @@ def test_bad_settings_are_refused_naming_the_flag():
     assert r.returncode == 2 and "--verify-costs" in r.stderr
     r = run("--alphas", "1.5")
     assert r.returncode == 2 and "--alphas" in r.stderr
+    r = run("--runs", "0")  # the range is said, not "(see --help)"
+    assert r.returncode == 2 and "--runs=0 is out of range: it must be >= 1" in r.stderr
 
 
 def test_static_batch_simulation_compares_the_planner_with_the_pooled_choice(tmp_path):

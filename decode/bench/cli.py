@@ -202,6 +202,13 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     draft = load_causal_lm(args.draft, "draft", dtype, str(device), trust_remote_code=args.trust_remote_code)
     # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.
     check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    from decode.compat import input_vocab_size, output_vocab_size
+
+    sizes = {role: (output_vocab_size(m), input_vocab_size(m)) for role, m in (("target", target), ("draft", draft))}
+    if cfg.hf and sizes["draft"] != sizes["target"]:  # ours runs such a pair losslessly; HF's generate refuses it
+        raise ValueError(f"--draft {args.draft} has another vocabulary size than the target (lm_head, embedding rows: "
+                         f"draft {sizes['draft']}, target {sizes['target']}); Hugging Face assisted generation "
+                         "needs them equal: pass --no-hf to benchmark plain decoding against ours")
     prompt_ids = _encode(prompts, tokenizer, target, draft, cfg, args)
     pad = tokenizer.pad_token_id
     if pad is None:

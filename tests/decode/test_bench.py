@@ -995,3 +995,19 @@ def test_a_draft_with_a_smaller_input_embedding_is_benchmarked():
     assert results["cost"]["bare"]["cost_ratio"] > 0
     spec = [run for run in results["runs"] if run["method"] == "spec_g2"]
     assert len(spec) == 1 and spec[0]["overall"]["matches_plain_greedy"] == 1.0
+
+
+def test_a_draft_of_another_vocabulary_size_with_hf_assisted_says_no_hf(saved_pair, tmp_path, capsys):
+    """Found by a new user's trial: ours runs a draft with fewer embedding rows losslessly, but the bench's HF
+    assisted run ended the whole benchmark with HF's own tokenizer message."""
+    from decode.__main__ import main as decode_main
+
+    tiny_llama(vocab_size=48, seed=1, layers=1, dtype=torch.float32).save_pretrained(tmp_path / "small")
+    args = ["--target", str(saved_pair / "target"), "--draft", str(tmp_path / "small"), "--dtype", "float32",
+            "--prompts", "mt_bench", "--limit", "1", "--max-new-tokens", "4", "--gammas", "2", "--temperatures", "0",
+            "--batch-sizes", "1", "--cost-repeats", "3"]
+    assert decode_main(["bench", *args, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "another vocabulary size than the target" in err and "pass --no-hf" in err
+    assert not (tmp_path / "x.json").exists()
+    assert decode_main(["bench", *args, "--no-hf", "--no-auto", "--out", str(tmp_path / "y.json")]) == 0

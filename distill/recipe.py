@@ -244,6 +244,14 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     else:
         vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
                                                              context_length(draft))
+    from decode.compat import input_vocab_size
+
+    rows = input_vocab_size(draft)
+    if rows is not None and rows < vocab:  # the decoder feeds such a draft a substitute id; training reads every id
+        raise SetupError(f"draft.name_or_path={cfg.draft.name_or_path}: the draft's input embedding has {rows} rows "
+                         f"but the shared vocabulary has {vocab} ids, which the training data uses: resize it first "
+                         f"(draft.resize_token_embeddings({vocab}), then save_pretrained) or use a draft built for "
+                         "this tokenizer")
 
     if target is not None:
         target.to(accelerator.device)

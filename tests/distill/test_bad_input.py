@@ -334,3 +334,16 @@ def test_non_utf8_data_named_by_line_before_loading(tmp_path, name):
                             "completion_field": "completion"})
     with pytest.raises(SetupError, match=r"rows\.[a-z.]+:2: not UTF-8 .*data.source.path"):
         preflight_source(src, "data.source")
+
+
+def test_a_draft_that_cannot_embed_the_vocabulary_is_refused_naming_both_sizes(pair, tmp_path):
+    """Found by a new user's trial: the decoder runs such a draft (a substitute id), but training fed it the target's
+    ids and ended in an IndexError inside the draft's embedding."""
+    from distill_helpers import make_llama
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(pair["target"]))
+    make_llama(tmp_path / "small", vocab // 2, layers=1, seed=1)
+    with pytest.raises(SetupError, match=rf"input embedding has {vocab // 2} rows but the shared vocabulary has "
+                                         rf"{vocab} ids.*resize_token_embeddings\({vocab}\)"):
+        train(compose(overrides({**pair, "draft": str(tmp_path / "small")}, tmp_path / "run")), log=lambda *_: None)

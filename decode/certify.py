@@ -380,11 +380,10 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
     if isinstance(prefixes, torch.Tensor) and prefixes.dim() == 2:
         prefixes = prefixes.tolist()
-    if isinstance(settings, (str, Setting)) or not all(isinstance(s, Setting) for s in settings or []):
+    if not isinstance(settings, (list, tuple)) or not all(isinstance(s, Setting) for s in settings):
         raise ValueError(f"settings must be a list of Setting (e.g. parse_settings('T=1; T=0.7,top_p=0.9')), got "
                          f"{settings!r}"[:200])
-    if isinstance(prefixes, (str, torch.Tensor)) or not all(
-            isinstance(p, (list, tuple, torch.Tensor)) for p in prefixes or []):
+    if not isinstance(prefixes, (list, tuple)) or not all(isinstance(p, (list, tuple, torch.Tensor)) for p in prefixes):
         raise ValueError("prefixes must be a list of token-id lists (one per prefix, e.g. [[5, 6, 7]]), got "
                          f"{prefixes!r}"[:200])
     if not prefixes or not settings:

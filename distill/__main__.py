@@ -319,7 +319,7 @@ HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {
     "cache-logits": lambda cfg, opts: run_cache_logits(cfg, opts),
     "bench-step": lambda cfg, opts: run_bench_step(cfg, opts)}  # defined with the other commands below
 # Commands that write nothing into train.output_dir: a -m sweep of one gets no run folders (nor multirun.yaml) there
-NO_RUN_FOLDER = ("eval", "bench-step")
+NO_RUN_FOLDER = ("eval", "bench-step", "cache-logits")
 
 
 def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]:
@@ -343,8 +343,9 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
                 opts["overwrite"] = True
             else:
                 opts["out"] = a.split("=", 1)[1] if "=" in a else next(it, None)
-                if not opts["out"] or ("=" not in a and opts["out"].startswith("-")):  # --out --overwrite: a flag
-                    _fail(f"--out needs a file name, e.g. --out results/eval.json (got {opts['out']!r})")
+                if not opts["out"] or opts["out"].startswith("-"):  # --out --overwrite: a flag, not a file name
+                    got = f" (got {opts['out']!r})" if opts["out"] else ""
+                    _fail(f"--out needs a file name, e.g. --out results/{name}.json{got}")
         elif a in HYDRA_FLAGS_WITH_VALUE or any(a.startswith(f + "=") for f in HYDRA_FLAGS_WITH_VALUE if
                                                 f.startswith("--")):
             flags.append(a)

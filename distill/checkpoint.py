@@ -654,6 +654,8 @@ def convert_legacy(path: str | Path) -> Path:
     legacy = path / LEGACY_DIR
     src = {name: legacy / name if (legacy / name).exists() else path / name for name in LEGACY_ORIGINALS}
     if path.is_dir() and (path / "resume.pt").is_file() and not (path / STATE_FILE).is_file():
+        if (path / "resume").is_dir():
+            raise CheckpointError(f"{path} holds resume.pt and resume/, its conversion; nothing to convert")
         raise CheckpointError(f"{path} holds a pretrain snapshot of the earlier layout: convert the file, "
                               f"python -m distill convert-checkpoint {path / 'resume.pt'}")
     if not (path / STATE_FILE).is_file() or not src["scheduler.pt"].is_file():

@@ -74,9 +74,10 @@ class MetricsLogger:
             if run_id:  # online, W&B knows its last step; offline, the interrupted run's metrics.jsonl tells
                 self.wandb_from = max(logged_through + 1, int(getattr(self.run, "starting_step", 0) or 0))
                 if self.wandb_from > resume_step + 1:
-                    log(f"W&B: run {run_id} holds steps up to {self.wandb_from - 1}, logged after the checkpoint "
-                        f"(step {resume_step}) before the stop; W&B keeps those rows (it takes a step once) and "
-                        f"gets this run's from step {self.wandb_from}; metrics.jsonl gets all of this run's")
+                    log(f"W&B: the stopped run logged steps up to {self.wandb_from - 1}, after its checkpoint (step "
+                        f"{resume_step}); W&B takes a step once, so this run sends it steps from {self.wandb_from} "
+                        "(steps before keep what W&B received before the stop: a killed process may not have sent "
+                        "its last rows); metrics.jsonl gets all of this run's")
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

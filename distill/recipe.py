@@ -877,6 +877,8 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
             dt = time.perf_counter() - t0
             tokens_per_s = out_step["tokens"] / max(dt, 1e-9)
             bar.update(advance=1, info=f"loss {loss_value:.4f}  {tokens_per_s:,.0f} tok/s")
+            if log_now and not math.isfinite(loss_value):  # (the same on every process: it is reduced)
+                check_finite(run, step, out)  # diverged weights stop the run now, not at the next save
             if log_now:
                 grad_norm = out_step["grad_norm"]
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself

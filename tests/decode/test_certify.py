@@ -462,6 +462,8 @@ def test_cli_an_unexpected_error_is_not_reported_as_fail(saved, capsys, monkeypa
 
 @pytest.mark.parametrize("kwargs,error,needle", [
     (dict(prefixes=[5, 6, 7]), ValueError, "prefixes must be a list of token-id lists"),
+    (dict(prefixes=5), ValueError, "prefixes must be a list of token-id lists"),
+    (dict(settings=1.0), ValueError, "settings must be a list of Setting"),
     (dict(settings="T=1"), ValueError, r"settings must be a list of Setting \(e.g. parse_settings"),
     (dict(settings=[{"temperature": 1.0}]), ValueError, "settings must be a list of Setting"),
     (dict(samples="10"), ValueError, "samples must be an integer >= 1"),

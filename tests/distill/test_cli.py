@@ -172,10 +172,14 @@ def test_multirun_sweep_runs_each_job_into_its_own_folder(pair, tmp_path, capsys
 
 
 @pytest.mark.parametrize("command,extra", [("eval", ["eval.max_new_tokens=4"]), ("bench-step", ["--steps", "1",
-                                                                                      "--warmup", "0"])])
+                                                                                      "--warmup", "0"]),
+                                           ("cache-logits", ["data.logit_cache_k=4"])])
 def test_an_eval_or_bench_step_sweep_writes_nothing_into_the_run_folder(pair, tmp_path, capsys, command, extra):
-    """Found by a new user's trial: `eval -m` / `bench-step -m` made Hydra's sweep folder in train.output_dir (empty job
-    folders, and a multirun.yaml that replaced a training sweep's), and a train there was then refused."""
+    """Found by a new user's trial: `eval -m` / `bench-step -m` (and cache-logits -m) made Hydra's sweep folder in
+    train.output_dir (empty job folders, and a multirun.yaml that replaced a training sweep's), and a train there
+    was then refused."""
+    if command == "cache-logits":
+        extra = [*extra, f"data.logit_cache={tmp_path / 'cache'}"]
     out = tmp_path / "run"
     out.mkdir()
     (out / "multirun.yaml").write_text("the training sweep's record")
@@ -327,8 +331,11 @@ def test_out_followed_by_a_flag_is_refused(command, capsys, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         main([command, "--out", "--overwrite", "draft.num_hidden_layers=1"])
-    assert e.value.code == 2 and "--out needs a file name, e.g. --out results/eval.json (got '--overwrite')" in \
+    assert e.value.code == 2 and f"--out needs a file name, e.g. --out results/{command}.json (got '--overwrite')" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([command, "--out=--overwrite", "draft.num_hidden_layers=1"])
+    assert e.value.code == 2 and "(got '--overwrite')" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -227,7 +227,7 @@ def test_a_resumed_run_logs_each_step_to_wandb_once(pair, tmp_path, monkeypatch)
     train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=4", "train.save_every=2", "train.resume=true")),
           log=lines.append)
     wandb.teardown()
-    assert any("holds steps up to 4, logged after the checkpoint (step 2)" in line for line in lines)
+    assert any("the stopped run logged steps up to 4, after its checkpoint (step 2)" in line for line in lines)
     runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(runs) == 2 and len({Path(r).name for r in runs}) == 1  # two segments of one W&B run
     steps = [row["_step"] for r in runs for row in _wandb_history(r) if "train/loss" in row]
@@ -395,6 +395,10 @@ def test_a_diverged_draft_is_not_saved_and_the_good_checkpoints_stay(pair, tmp_p
     kept = ckpt.list_checkpoints(out)
     assert [p.name for p in kept] == ["step_000001", "step_000002"]
     assert all(torch.isfinite(t).all() for p in kept for t in _weights(p).values())
+    # between saves, the first logged non-finite loss stops it (the step after the weights went NaN)
+    with pytest.raises(recipe.DivergedError, match=r"after step 4 the draft's weight"):
+        train(compose(overrides(pair, tmp_path / "run2", "train.max_steps=8", "train.save_every=100")),
+              log=lambda *_: None)
 
 
 def test_a_draft_with_non_finite_weights_is_refused_at_setup(pair, tmp_path):

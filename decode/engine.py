@@ -717,7 +717,8 @@ class SpeculativeDecoder:
             return state.draft_cache.forward(self.draft, self.draft_input_ids(inp), inp_mask if holes else None,
                                              logits_to_keep=1, max_position=max_pos, call=self._draft_call,
                                              holes=holes)
-        logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask, self.draft_input_ids(inp),
+        logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
+                                              self.draft_input_ids(inp),
                                               inp_mask, logits_to_keep=1, max_position=max_pos,
                                               call=self._draft_call)
         return logits

@@ -131,7 +131,8 @@ def apply_optim_settings(optimizer: Any, scheduler: Any, cfg: DictConfig) -> lis
             old = group.get(key)
             if old is not None and (tuple(old) if key == "betas" else old) != value:
                 name = "lr" if key == "initial_lr" else key
-                note = f"optim.{name}={list(value) if key == 'betas' else value} (the checkpoint's {old}) applies from here"
+                shown = list(value) if key == "betas" else value
+                note = f"optim.{name}={shown} (the checkpoint's {old}) applies from here"
                 if note not in notes:
                     notes.append(note)
             group[key] = value
@@ -845,7 +846,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
         logger.log_eval(ev, 0)
         log(f"initial draft: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
 
-    draft, scheduler = run.draft, run.scheduler
+    draft = run.draft
     draft.train()
     loss_value = float("nan")
     max_time_s = float(cfg.train.get("max_time_s") or 0)

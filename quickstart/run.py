@@ -520,8 +520,8 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
     for override in extra:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in QUICKSTART_OWNS:
-            raise ValueError(f"--distill-overrides {override!r}: the quickstart sets {key} itself ({QUICKSTART_OWNS[key]}"
-                             "); leave it out")
+            raise ValueError(f"--distill-overrides {override!r}: the quickstart sets {key} itself "
+                             f"({QUICKSTART_OWNS[key]}); leave it out")
     overrides = _distill_cmd(qs, experiment, out, extra)[4:]  # after: python -m distill train
     try:
         validate(compose(overrides), model_paths=False)

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output_folder(args.out)
     except ValueError as e:
         p.error(str(e))
+    result_path = args.out / "results.json"
     try:
         batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", 2)
         gammas = parse_ints(args.gammas, "--gammas", 1)

@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output_folder(args.out)
     except ValueError as e:
         p.error(str(e))
+    result_path = args.out / "results.json"
     try:
         gammas = parse_gammas(args.gammas, args.pair)
         linear_rows = parse_rows(args.linear_rows)

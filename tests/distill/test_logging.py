@@ -160,7 +160,8 @@ def test_wandb_auto_mode_honours_wandb_mode(tmp_path, monkeypatch, env, netrc, e
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     seen = {}
-    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or types.SimpleNamespace(id="r1", finish=lambda **_: 0))
+    monkeypatch.setattr(wandb, "init",
+                        lambda **kw: seen.update(kw) or types.SimpleNamespace(id="r1", finish=lambda **_: 0))
     cfg = OmegaConf.create({"logger": {"name": "wandb", "mode": "auto", "project": "p", "tags": []}})
     MetricsLogger(cfg, tmp_path, enabled=True, resumed=False).finish()
     assert seen["mode"] == expect

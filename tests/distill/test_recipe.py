@@ -220,12 +220,12 @@ def test_a_resumed_run_logs_each_step_to_wandb_once(pair, tmp_path, monkeypatch)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
-    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=4", "train.save_every=2")), log=lambda *_: None)
+    run = ("logger=wandb", "train.max_steps=4", "train.save_every=2")
+    train(compose(overrides(pair, out, *run)), log=lambda *_: None)
     shutil.rmtree(ckpt.step_dir(out, 4))  # as if killed after logging steps 3 and 4 but before saving step 4
     ckpt.mark_latest(out, ckpt.step_dir(out, 2))
     lines = []
-    train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=4", "train.save_every=2", "train.resume=true")),
-          log=lines.append)
+    train(compose(overrides(pair, out, *run, "train.resume=true")), log=lines.append)
     wandb.teardown()
     assert any("the stopped run logged steps up to 4, after its checkpoint (step 2)" in line for line in lines)
     runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
@@ -456,8 +456,9 @@ def test_the_logged_lr_is_the_one_the_step_applied(pair, tmp_path):
 def test_a_run_stopped_by_its_time_budget_logs_its_last_step(pair, tmp_path):
     """The stopping step was logged only if it fell on train.log_every, so final_loss was an earlier step's."""
     out = tmp_path / "run"
-    summary = train(compose(overrides(pair, out, "train.max_steps=100000", "train.max_time_s=1.5", "train.log_every=1000",
-                                      "train.save_every=0", "eval.at_start=false")), log=lambda *_: None)
+    summary = train(compose(overrides(pair, out, "train.max_steps=100000", "train.max_time_s=1.5",
+                                      "train.log_every=1000", "train.save_every=0", "eval.at_start=false")),
+                    log=lambda *_: None)
     logged = _losses(out)
     assert summary["steps"] > 1 and max(logged) == summary["steps"]
     assert summary["final_loss"] == pytest.approx(logged[summary["steps"]])

@@ -163,7 +163,8 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
              # all phases into it and then failed with no error shown (the export found no checkpoint)
              (["eval.prompt_sets={}"], "quickstart.eval.prompt_sets={}: use {set: number of prompts >= 1}"),
              (["eval.prompt_sets=5"], "eval.prompt_sets takes {name: number}"),
-             (["--distill-overrides", f"train.output_dir={tmp_path}/elsewhere"], "the quickstart sets train.output_dir"),
+             (["--distill-overrides", f"train.output_dir={tmp_path}/elsewhere"],
+              "the quickstart sets train.output_dir"),
              (["--distill-overrides", "train.resume=true"], "the quickstart sets train.resume itself"),
              (["--distill-overrides", "++target.name_or_path=/x"], "the quickstart sets target.name_or_path")]
     for args, message in cases:

@@ -45,3 +45,19 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
         (["--pair", str(pair_dir), "--limit", "2", "--batch-sizes", "8"], "fewer than batch size 8"),
     ]
     script_refuses_before_writing(script.main, cases, pair_dir, tmp_path / "out", capsys)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("measure_auto_batch", ["--limit", "1", "--max-new-tokens", "6", "--rounds", "1", "--batch-sizes", "2",
+                            "--gammas", "2", "--temperatures", "0"]),
+    ("measure_few_row_linear", ["--limit", "1", "--rounds", "1"]),
+])
+def test_the_script_runs_end_to_end_and_writes_its_results(float32_pair, tmp_path, name, args):
+    """A check of --out once dropped the name of the results file that main() writes at the end (a NameError after
+    the whole measurement); main() is run through to its results.json here."""
+    target, draft, tok = float32_pair
+    pair = tmp_path / "pair"
+    for sub, obj in (("target", target), ("draft-distilled", draft), ("tokenizer", tok)):
+        obj.save_pretrained(pair / sub)
+    assert load_script(name).main(["--pair", str(pair), *args, "--out", str(tmp_path / "out")]) in (0, None)
+    assert (tmp_path / "out" / "results.json").is_file()

@@ -702,7 +702,7 @@ def _convert_pretrain_resume(path: Path) -> Path:
     """``<out>/resume.pt`` of ``python -m quickstart pretrain`` -> ``<out>/resume/`` (see quickstart/pretrain.py);
     ``resume.pt`` is kept, and a ``resume/`` that exists already is refused (it may be a newer snapshot)."""
     out = path.with_name("resume")
-    if out.exists() or os.path.lexists(out):
+    if os.path.lexists(out):  # (a dangling link too)
         raise CheckpointError(f"{out} exists already (a snapshot of the current layout, maybe newer than {path.name})"
                               f"; nothing was changed. Move it away first if {path.name} is the one to resume from")
     snap = load_pickle_as_data(path)

@@ -831,7 +831,10 @@ def run_artifacts(folder: Path) -> list[Path]:
     ``step_3.bak`` is never the run's either)."""
     entries = sorted(Path(folder).iterdir())
     own = [p for p in entries if RUN_OWN.fullmatch(p.name) and not _foreign(p)]
-    if own or _is_run_config(Path(folder) / "config.yaml"):
+    run_config = _is_run_config(Path(folder) / "config.yaml")
+    if own and not run_config and all(p.name in _BY_CONTENT for p in own) and not any(map(_run_file, own)):
+        own = []  # only a summary.json / metrics.jsonl a run did not write: the user's, not a run
+    if own or run_config:
         own = sorted(own + [p for p in entries if p.name in RUN_SHARED])
     return own
 
@@ -842,6 +845,26 @@ def _foreign(path: Path) -> bool:
     if not re.fullmatch(r"step_\d+|best", path.name):
         return False
     return not (path.is_dir() and ((path / STATE_FILE).is_file() or (path / MANIFEST_FILE).is_file()))
+
+
+_BY_CONTENT = ("summary.json", "metrics.jsonl")  # run names a user's own file may have: told apart by content
+
+
+def _run_file(path: Path) -> bool:
+    """Whether ``path`` (``summary.json`` or ``metrics.jsonl``) is one a run wrote: a link or anything but a regular
+    file counts as the run's; a summary is a JSON object with ``steps``, metrics are empty (killed before the first
+    row) or start with a JSON object row."""
+    if path.is_symlink() or not path.is_file():
+        return True
+    try:
+        text = path.read_text()
+        if path.name == "summary.json":
+            row = json.loads(text)
+            return isinstance(row, dict) and "steps" in row
+        first = next((line for line in text.splitlines() if line.strip()), None)
+        return first is None or isinstance(json.loads(first), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
 
 
 def _is_run_config(path: Path) -> bool:
@@ -936,7 +959,7 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
                 "needed), then run again")
         doomed = run_artifacts(out) if others else []
         if others and not doomed:  # the user's own files: a run writes beside them only if asked, never over them
-            clash = [name for name in others if name in RUN_SHARED]
+            clash = [name for name in others if name in RUN_SHARED or name in _BY_CONTENT]
             if clash or not overwrite:
                 fix = (f"move {', '.join(clash)} out of it (the run writes files of those names)" if clash else
                        "pass train.overwrite=true to train beside them (they are kept)")

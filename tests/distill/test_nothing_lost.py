@@ -700,3 +700,16 @@ def test_a_folder_named_like_a_checkpoint_but_not_one_is_never_replaced(pair, tm
         with pytest.raises(ckpt.CheckpointError, match=rf"holds {name}, named like a checkpoint of a run but not one"):
             train(compose(overrides(pair, out, *extra)), log=lambda *_: None)
         assert (out / name / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name, text", [("summary.json", '{"mine": 1}'), ("metrics.jsonl", "my notes\n")])
+def test_a_users_own_file_named_like_a_runs_is_never_deleted(pair, tmp_path, name, text):
+    """Found by a new user's re-test: train.overwrite=true deleted a user's own summary.json (or metrics.jsonl) in a
+    folder holding no run, since a run was recognised by those names alone; now their content tells."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).write_text(text)
+    for extra in ([], ["train.overwrite=true"]):
+        with pytest.raises(ckpt.CheckpointError, match=rf"holds no run \({name}\).*move {name} out of it"):
+            train(compose(overrides(pair, out, *extra)), log=lambda *_: None)
+        assert (out / name).read_text() == text

@@ -61,18 +61,37 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
     return p
 
 
-def check_output_folder(path: str | os.PathLike, key: str = "--out") -> Path:
-    """A work folder a script makes (with its parents) and fills: it must not be a file, nor lie under one, and
-    must not hold a ``results.json`` already (results are never overwritten).
+def check_output_dir(path: str | os.PathLike, key: str) -> Path:
+    """A folder the command creates (with its parents) or writes into: it must not be a file, nor lie under one or
+    under a dangling symlink, and its nearest existing parent must be writable.
 
     Raises:
         ValueError: naming ``key`` and the fix.
     """
     p = Path(path).expanduser()
-    above = next((f for f in (p, *p.parents) if f.exists()), None)  # the nearest existing path
-    if above is not None and not above.is_dir():
-        where = "is a file" if above == p else f"lies under {str(above)!r}, which is a file"
-        raise ValueError(f"{key} {str(path)!r} {where}; give a folder")
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{key}={str(path)!r} is a file, not a folder; choose a folder path")
+    parent = p
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent
+    if parent.is_symlink() and not parent.exists():
+        raise ValueError(f"{key}={str(path)!r}: {str(parent)!r} is a symlink to {os.readlink(parent)!r}, which does "
+                         "not exist; create its target or choose another folder")
+    if not parent.is_dir():
+        raise ValueError(f"{key}={str(path)!r} lies under {str(parent)!r}, which is a file; choose a folder path")
+    if not writable(parent):
+        raise ValueError(f"{key}={str(path)!r}: {str(parent)!r} is not writable; choose another folder")
+    return p
+
+
+def check_output_folder(path: str | os.PathLike, key: str = "--out") -> Path:
+    """A work folder a script makes (with its parents) and fills: :func:`check_output_dir`, and it must not hold a
+    ``results.json`` already (results are never overwritten).
+
+    Raises:
+        ValueError: naming ``key`` and the fix.
+    """
+    p = check_output_dir(path, key)
     if (p / "results.json").exists():
         raise ValueError(f"{key} {str(path)!r}: {p / 'results.json'} exists; choose another {key} (results are "
                          "never overwritten)")

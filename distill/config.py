@@ -598,24 +598,15 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
 
 
 def check_output_dir(path: str | os.PathLike, key: str) -> Path:
-    """A folder the run creates or writes into: it must not be a file, and its nearest existing parent must be
-    writable. (Whether an existing non-empty folder may be reused is the run folder's own rule.)"""
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_dir():
-        raise SetupError(f"{key}={str(path)!r} is a file, not a folder; choose a folder path")
-    from decode.outputs import writable
+    """:func:`decode.outputs.check_output_dir` (not a file, nor under one; its nearest existing parent writable)
+    with the problem as a SetupError. (Whether an existing non-empty folder may be reused is the run folder's own
+    rule.)"""
+    from decode.outputs import check_output_dir as check
 
-    parent = p
-    while not parent.exists() and not parent.is_symlink():
-        parent = parent.parent
-    if parent.is_symlink() and not parent.exists():
-        raise SetupError(f"{key}={str(path)!r}: {str(parent)!r} is a symlink to {os.readlink(parent)!r}, which does "
-                         "not exist; create its target or choose another folder")
-    if not parent.is_dir():
-        raise SetupError(f"{key}={str(path)!r} lies under {str(parent)!r}, which is a file; choose a folder path")
-    if not writable(parent):
-        raise SetupError(f"{key}={str(path)!r}: {str(parent)!r} is not writable; choose another folder")
-    return p
+    try:
+        return check(path, key)
+    except ValueError as err:
+        raise SetupError(str(err)) from err
 
 
 def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = False) -> None:

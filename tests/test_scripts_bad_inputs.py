@@ -52,7 +52,8 @@ def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, name):
     model = str(tmp_path / "target")
     pair = ["--pair", str(tmp_path)] if name in ("measure_auto_batch", "measure_few_row_linear") else (
         ["--target", model, "--draft", model] if name == "measure_logit_cache" else ["--tiny"])
-    for out, message in ((afile, "is a file; give a folder"), (afile / "sub", "which is a file; give a folder")):
+    for out, message in ((afile, "is a file, not a folder; choose a folder path"),
+                         (afile / "sub", "which is a file; choose a folder path")):
         r = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *pair, "--out", str(out)],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (out, r.stderr[-500:])

@@ -340,15 +340,25 @@ def default_device() -> str:
 
 def check_device(device: str | None) -> str:
     """The device to use (``default_device()`` when None); raises ValueError if it is not a torch device string
-    (``cpu``, ``cuda``, ``cuda:1``, ...) or a CUDA device that this torch build or machine does not have."""
+    (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ...) or a device that this torch build or machine does not have (no
+    CUDA, a CUDA index past the device count, no MPS/XPU backend; ``meta``)."""
     device = device or default_device()
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except (RuntimeError, ValueError) as err:
         raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N ({err})") from None
+    kind = parsed.type
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but this torch build or machine has no CUDA device; "
                          "use --device cpu (or install a CUDA build of torch on a GPU machine)")
+    if kind == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if kind not in ("cpu", "cuda"):  # mps, xpu, ...: the backend must be there (meta and others hold no weights)
+        backend = torch.backends.mps if kind == "mps" else getattr(torch, kind, None)
+        if not (kind != "meta" and callable(getattr(backend, "is_available", None)) and backend.is_available()):
+            raise ValueError(f"device {device!r} asked for, but this torch build or machine cannot run models on "
+                             f"{kind!r}; use --device cpu or cuda")
     return device
 
 

@@ -225,3 +225,12 @@ def test_a_device_this_torch_lacks_is_a_value_error_before_loading(tmp_path, mon
         load_causal_lm(str(tmp_path / "m"), device="cuda:7")
     with pytest.raises(ValueError, match="device 'tpu' is not a torch device"):
         load_causal_lm(str(tmp_path / "m"), device="tpu")
+    # found by a new user: mps on a machine without it failed in torch after the weights had loaded
+    for device in ("mps", "xpu", "meta"):
+        with pytest.raises(ValueError, match=rf"device '{device}' asked for, but this torch build or machine cannot"):
+            load_causal_lm(str(tmp_path / "m"), device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device 'cuda:7' asked for, but this machine has 2 CUDA device\(s\): use "
+                                         r"cuda:0 to cuda:1"):
+        load_causal_lm(str(tmp_path / "m"), device="cuda:7")

@@ -806,7 +806,9 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     if int(cfg.optim.warmup_steps) > max_steps:
         log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > train.max_steps={max_steps}: the learning rate "
             f"never reaches optim.lr={cfg.optim.lr} (it peaks at {max_steps / int(cfg.optim.warmup_steps):.0%} of it)")
-    log(f"distill: {len(run.examples)} examples, {len(run.eval_prompts)} eval prompts, loss={cfg.loss.name}, "
+    evals = (f"{len(run.eval_prompts)} eval prompts" if run.target is not None
+             else "no eval (cached mode)")
+    log(f"distill: {len(run.examples)} examples, {evals}, loss={cfg.loss.name}, "
         f"λ={cfg.data.on_policy_fraction}, {world} process(es), steps {state['step']}->{stop_at}/{max_steps}")
 
     def maybe_eval_and_save(step: int, force: bool) -> None:

@@ -74,8 +74,11 @@ def test_cached_training_without_target_equals_online_at_full_k(pair, tmp_path, 
         raise AssertionError("cached mode loaded the target")
 
     monkeypatch.setattr(recipe, "load_target", no_target)
+    lines = []
     cached = train(compose(_cache_ov(pair, tmp_path / "cached", cache_dir, V, "loss=fkl", "train.max_steps=3",
-                                     "data.target_logits=cached")), log=lambda *_: None)
+                                     "data.target_logits=cached")), log=lines.append)
+    start = next(line for line in lines if line.startswith("distill: "))
+    assert "no eval (cached mode)" in start and "eval prompts" not in start  # it used to count prompts never used
     assert cached["steps"] == 3 and cached["last_eval"] is None and cached["target_logits"] == "cached"
     assert cached["peak_memory_mb"] > 0
     # fp16 top-k storage is the only difference from the online fp32 loss

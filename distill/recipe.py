@@ -803,6 +803,9 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     if cfg.train.stop_at is not None and int(cfg.train.stop_at) > max_steps:
         log(f"warning: train.stop_at={cfg.train.stop_at} is past train.max_steps={max_steps}; the run ends at step "
             f"{max_steps}")
+    if int(cfg.train.batch_size) > len(run.examples):
+        log(f"warning: train.batch_size={cfg.train.batch_size} > the {len(run.examples)} training examples: each batch "
+            "holds some examples more than once (add data or lower train.batch_size)")
     if int(cfg.optim.warmup_steps) > max_steps:
         log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > train.max_steps={max_steps}: the learning rate "
             f"never reaches optim.lr={cfg.optim.lr} (it peaks at {max_steps / int(cfg.optim.warmup_steps):.0%} of it)")

@@ -551,7 +551,7 @@ def test_a_best_checkpoint_below_the_starting_draft_is_named_in_a_warning(pair, 
     assert any(m.startswith("warning: best/ (step") and "below the starting draft (0.9000)" in m for m in messages)
 
 
-def test_a_stop_at_past_max_steps_and_a_warmup_longer_than_the_run_are_named_in_warnings(pair, tmp_path):
+def test_stop_at_past_max_steps_a_long_warmup_and_a_batch_larger_than_the_data_are_warned(pair, tmp_path):
     messages = []
     s = train(compose(overrides(pair, tmp_path / "run", "train.max_steps=2", "train.stop_at=5",
                                 "optim.warmup_steps=4", *FAST)), log=messages.append)
@@ -559,6 +559,12 @@ def test_a_stop_at_past_max_steps_and_a_warmup_longer_than_the_run_are_named_in_
     assert "warning: train.stop_at=5 is past train.max_steps=2; the run ends at step 2" in messages
     assert any(m.startswith("warning: optim.warmup_steps=4 > train.max_steps=2") and "peaks at 50%" in m
                for m in messages)
+    assert not any("training examples: each batch" in m for m in messages)
+    n = int(next(m for m in messages if m.startswith("distill: ")).split()[1])  # "distill: N examples, ..."
+    messages.clear()
+    train(compose(overrides(pair, tmp_path / "big", "train.max_steps=1", f"train.batch_size={n + 1}", *FAST)),
+          log=messages.append)  # found by a new user: a batch larger than the data repeats examples silently
+    assert any(m.startswith(f"warning: train.batch_size={n + 1} > the {n} training examples") for m in messages)
 
 
 def test_eval_out_is_checked_before_the_run(pair, tmp_path, capsys, monkeypatch):

@@ -9,8 +9,12 @@ so the CPU's own flags decide. On CUDA, bf16 where the GPU supports it (Ampere a
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 # x86 CPU flags (as /proc/cpuinfo spells them) that mean bf16 matmuls run natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -99,3 +103,26 @@ def launcher_notes(precision: str, train_setting: str, distributed_type: str,
                          f"uses {engine} only on GPUs; on CPU it runs plain data parallelism over gloo, every "
                          "process holding the whole draft and optimizer state)")
     return notes
+
+
+@contextlib.contextmanager
+def plain_forward(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` with accelerate's mixed-precision wrapper taken off its ``forward`` for the ``with`` block.
+
+    ``Accelerator.prepare`` wraps a model's ``forward`` in autocast (``train.mixed_precision``) and keeps the
+    original as ``model._original_forward``; ``unwrap_model`` keeps the wrapper. The evaluation during training
+    measures the draft as it is saved and exported (its weights' own dtype, as ``distill eval`` and the decoder run
+    it), so it runs inside this block: under bf16 autocast the same checkpoint measured another acceptance rate
+    (0.364 against 0.289 at T = 1 in a new user's run) than the card promised. A model without the wrapper is
+    returned as it is; the wrapper is put back afterwards, also on an error.
+    """
+    original = model.__dict__.get("_original_forward")
+    wrapped = model.__dict__.get("forward")
+    if original is None or wrapped is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped

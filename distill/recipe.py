@@ -43,7 +43,7 @@ from distill.logit_cache import cached_training_data, open_for_training, peak_me
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
 from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
                             load_draft_tokenizer, load_target, load_tokenizer)
-from distill.precision import accelerator_precision, launcher_notes
+from distill.precision import accelerator_precision, launcher_notes, plain_forward
 from distill.rollout import rollout
 from distill.vocab import prune_for_training
 
@@ -557,9 +557,10 @@ def evaluate(run: Run) -> dict | None:
     cfg, acc = run.cfg, run.accelerator
     if run.target is None:
         return None
-    with run.progress.reporting() as report:
-        return acceptance_eval(run.target, acc.unwrap_model(run.draft), run.eval_prompts, run.tokenizer,
-                               list(cfg.eval.temperatures), num_draft_tokens=int(cfg.eval.num_draft_tokens),
+    # the draft as saved and exported (its own dtype), not under train.mixed_precision's autocast
+    with run.progress.reporting() as report, plain_forward(acc.unwrap_model(run.draft)) as draft:
+        return acceptance_eval(run.target, draft, run.eval_prompts, run.tokenizer, list(cfg.eval.temperatures),
+                               num_draft_tokens=int(cfg.eval.num_draft_tokens),
                                max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
                                seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio, max_gamma=int(cfg.eval.max_gamma),
                                progress=report, verify_costs=run.verify_costs)

@@ -134,6 +134,26 @@ def test_eval_and_continue_from_a_distill_checkpoint(pair, tmp_path, capsys):
     assert s["steps"] == 1
 
 
+def test_the_recipe_evaluates_a_mixed_precision_run_as_distill_eval_measures_its_checkpoint(pair, tmp_path):
+    """Found by a new user: under train.mixed_precision=bf16 the recipe's evaluation ran the draft inside
+    accelerate's autocast wrapper, so eval.json and the export card stated numbers (0.364 at T = 1) that the saved
+    draft, run as saved, does not reach (0.289)."""
+    from distill.recipe import train
+    from distill_helpers import compose
+
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.mixed_precision=bf16", "train.max_steps=2", "optim.lr=5e-2",
+                            "eval.num_prompts=4", "eval.max_new_tokens=16")), log=lambda *_: None)
+    best = json.loads((run / "best" / "trainer_state.json").read_text())["last_eval"]
+    out = tmp_path / "ev.json"
+    main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}",
+                             "eval.num_prompts=4", "eval.max_new_tokens=16"), "--out", str(out)])
+    ev = json.loads(out.read_text())
+    for t in ("0.0", "1.0"):
+        for key in ("acceptance_rate", "alpha", "mean_accepted_length"):
+            assert ev["per_temperature"][t][key] == best["per_temperature"][t][key], (t, key)
+
+
 def test_cfg_job_prints_the_typed_config(capsys):
     main(["train", "+target=org/t", "draft.num_hidden_layers=2", "loss=jsd", "--cfg", "job"])
     text = capsys.readouterr().out

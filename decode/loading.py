@@ -35,6 +35,14 @@ def looks_local(name_or_path: str) -> bool:
     return str(name_or_path).startswith((".", os.sep, "~")) or os.path.exists(name_or_path)
 
 
+def recorded_name(name_or_path: str) -> str:
+    """How a model's name is recorded for later (a checkpoint's state, an export's card): a local path made
+    absolute (``~`` expanded), since a relative one names nothing from another working folder; a hub id as is."""
+    if looks_local(name_or_path):
+        return str(Path(os.path.expanduser(str(name_or_path))).resolve())
+    return str(name_or_path)
+
+
 def local_folder(name_or_path: str) -> str | None:
     """The folder a model name stands for: a local path that is a directory (``~`` expanded), or for a hub id
     (``org/name``) the snapshot folder that ``refs/main`` of the local Hugging Face cache points to, found by

@@ -469,7 +469,7 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
 
 def cmd_export(argv: list[str]) -> None:
     from decode.loading import resolve_dtype
-    from distill.export import export, stopped_export_notes
+    from distill.export import export, slower_temperatures, stopped_export_notes
 
     p = argparse.ArgumentParser(prog="python -m distill export", description=SUBCOMMANDS["export"])
     p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
@@ -490,6 +490,13 @@ def cmd_export(argv: list[str]) -> None:
                       overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, lora_base=args.lora_base)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
+    if not card.get("target_found", True):
+        print(f"warning: the run's target {card['target']} is not there now; the card names that path (edit it in "
+              f"{args.out_dir}/README.md)", file=sys.stderr)
+    slower = slower_temperatures(card.get("evaluation"))
+    if slower:
+        print("warning: the checkpoint's evaluation predicts this draft slower than plain decoding at temperature "
+              + ", ".join(f"{t} ({v:.2f}x)" for t, v in slower.items()) + "; the card says so", file=sys.stderr)
     ev = card.get("evaluation") or {}
     print(json.dumps({"out_dir": args.out_dir, "target": card["target"],
                       "acceptance_rate": ev.get("acceptance_rate")}, indent=2))

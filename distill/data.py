@@ -509,10 +509,10 @@ def target_data_settings(target_name: str, target_dtype: str, examples: list[dic
     prompts (count and hash of their ids) and ``gen_cfg`` (``max_new_tokens``, ``temperature``, ``seed``,
     ``shard_size``: each shard's sampling generator is seeded from its index, so the shard size shapes sampled data).
     """
+    from decode.loading import recorded_name
     from distill.logit_cache import target_fingerprint
-    from distill.models import is_local_path
 
-    name = str(Path(target_name).expanduser().resolve()) if is_local_path(target_name) else str(target_name)
+    name = recorded_name(target_name)
     h = hashlib.sha256()
     for e in examples:
         h.update(json.dumps(e["prompt_ids"]).encode())

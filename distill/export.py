@@ -49,7 +49,7 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     if (draft_dir / "adapter_config.json").exists():
         from peft import PeftModel
 
-        base_path = str(lora_base) if lora_base is not None else state.get("draft_base")
+        base_path = str(lora_base) if lora_base is not None else moved_run_base(checkpoint, state.get("draft_base"))
         if not base_path or (base_path.startswith(("/", ".")) and not Path(base_path).exists()):
             raise FileNotFoundError(
                 f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft checkpoint the run "
@@ -71,6 +71,17 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     tokenizer = load_tokenizer(str(draft_dir), "draft tokenizer", trust_remote_code=trust_remote_code,
                                fix="save the tokenizer in the checkpoint's draft/ folder")
     return draft.eval(), tokenizer, state
+
+
+def moved_run_base(checkpoint: Path, recorded: str | None) -> str | None:
+    """The LoRA base to use for ``checkpoint``: the recorded one, or, when that was the run's own ``draft_base``
+    folder (a built or pruned draft) and is gone, the ``draft_base`` beside the checkpoint (the run folder was moved
+    or copied: the recorded path is absolute)."""
+    if recorded and Path(recorded).name == "draft_base" and not Path(recorded).exists():
+        here = Path(checkpoint).resolve().parent / "draft_base"
+        if (here / "config.json").is_file():
+            return str(here)
+    return recorded
 
 
 def _check_base_head(tensors: dict, base: Any, base_path: str, checkpoint: Path) -> None:
@@ -257,8 +268,26 @@ def _acceptance_markdown(ev: dict) -> str:
 {rows}
 
 Cost ratio c (draft / target forward time) used for the prediction: {c}.
-{_verify_markdown(ev)}
+{_verify_markdown(ev)}{_slower_markdown(ev)}
 """
+
+
+def slower_temperatures(ev: dict | None) -> dict[str, float]:
+    """``{temperature: predicted speedup}`` of the temperatures at which the evaluation predicts the draft, even at
+    its best γ, to be slower than plain decoding of the target (a predicted speedup below 1)."""
+    per_t = (ev or {}).get("per_temperature") or {}
+    return {t: float(m["predicted_speedup"]) for t, m in per_t.items()
+            if m.get("predicted_speedup") is not None and float(m["predicted_speedup"]) < 1}
+
+
+def _slower_markdown(ev: dict) -> str:
+    slower = slower_temperatures(ev)
+    if not slower:
+        return ""
+    shown = ", ".join(f"{t} ({v:.2f}×)" for t, v in slower.items())
+    return (f"\n**Predicted slower than plain decoding** at temperature {shown}: at this cost ratio the acceptance "
+            "does not pay for the draft's forwards. Measure on the serving hardware (`python -m decode bench`) "
+            "before serving it at these temperatures.\n")
 
 
 def _use_markdown(card: dict) -> str:
@@ -282,7 +311,7 @@ print(tokenizer.decode(out[0]))
 
 ## Serve
 
-With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}):
+With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}){_serve_caveat(card)}:
 
 ```bash
 {serving['vllm']}
@@ -309,7 +338,7 @@ print(tokenizer.decode(out.sequences[0]))
 
 ## Serve
 
-With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}), an OpenAI-compatible server:
+With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}){_serve_caveat(card)}, an OpenAI-compatible server:
 
 ```bash
 {serving['draftkit']}
@@ -317,22 +346,47 @@ With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}), an OpenAI-c
 """
 
 
+def _serve_caveat(card: dict) -> str:
+    slower = slower_temperatures(card.get("evaluation"))
+    return f"; predicted slower than plain decoding at temperature {', '.join(slower)}: see above" if slower else ""
+
+
 def _revision(card: dict) -> str:
     rev = card.get("target_revision")
     return f" (hub revision `{rev}`)" if rev else ""
 
 
+def _target_markdown(card: dict) -> str:
+    """A note when the recorded target was not found when the draft was exported (empty otherwise)."""
+    if card.get("target_found", True):
+        return ""
+    return (f"\n**The target was not found at `{card['target']}` when this draft was exported**: replace that path "
+            "below with the target's place.\n")
+
+
+def _dtype_markdown(card: dict) -> str:
+    """The weights' dtype, and whether the measured acceptance below is of another dtype."""
+    dtype, measured = card.get("dtype"), card.get("evaluated_dtype")
+    if not dtype:
+        return ""
+    if measured and measured != dtype:
+        return (f"Weights: {dtype} (converted at export from the checkpoint's {measured}, in which the acceptance "
+                "below was measured; measure this export with `python -m distill eval`).")
+    return f"Weights: {dtype}."
+
+
 def _card_markdown(card: dict) -> str:
+    # a vocabulary-pruned draft does not load with transformers alone (its head is smaller than its config says)
+    library = "" if card.get("draft_vocab") else "library_name: transformers\n"
     return f"""---
-library_name: transformers
-tags: [speculative-decoding, draft-model, distillation, draftkit]
+{library}tags: [speculative-decoding, draft-model, distillation, draftkit]
 ---
 # Draft model for `{card['target']}`
 
 A draft model for speculative decoding, distilled against the frozen target `{card['target']}`{_revision(card)} with
 draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
-LoRA merged: {card['lora_merged']}.
-{_pruned_markdown(card)}
+LoRA merged: {card['lora_merged']}. {_dtype_markdown(card)}
+{_target_markdown(card)}{_pruned_markdown(card)}
 {_acceptance_markdown(card.get('evaluation') or {})}
 {_use_markdown(card)}
 The full training config is in `{CARD_JSON}` (key `config`).
@@ -407,6 +461,21 @@ def _usual_permissions(folder: Path) -> None:
             path.chmod(mode)
 
 
+def _checkpoint_dtype(checkpoint: Path, state: dict) -> str | None:
+    """The dtype the checkpoint's draft was saved (and evaluated) in: its ``config.json``'s, or for a LoRA
+    checkpoint its base's; None when not recorded."""
+    for folder in (checkpoint / "draft", moved_run_base(checkpoint, state.get("draft_base"))):
+        path = Path(folder) / "config.json" if folder else None
+        if path is not None and path.is_file():
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+            dtype = config.get("dtype") or config.get("torch_dtype")
+            return str(dtype) if dtype else None
+    return None
+
+
 def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path,
                   final_dir: Path | None = None) -> dict:
     """Write the export into ``out_dir`` (the temporary folder); the card's serving lines name ``final_dir``."""
@@ -425,7 +494,12 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
-            "draft_vocab": pruned, "files": files}
+            "draft_vocab": pruned, "files": files, "dtype": str(draft.dtype).removeprefix("torch."),
+            "evaluated_dtype": _checkpoint_dtype(checkpoint, state)}
+    from decode.loading import local_folder, looks_local
+
+    target = str(card["target"])  # a hub id not in this machine's cache may still be on the hub
+    card["target_found"] = local_folder(target) is not None if looks_local(target) else True
     card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),
                                        card["evaluation"], config, pruned=pruned is not None)
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decode.loading import hub_revision
+from decode.loading import hub_revision, recorded_name
 from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt
 from distill.config import check_inputs, eval_prompts_source, normalize_config
@@ -751,7 +751,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
         # cached logits: no target to time, so no c (null in trainer_state.json, not NaN, which is not JSON)
         recorded_c = run.cost_ratio if math.isfinite(run.cost_ratio) else None
         state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
-                 "lora": bool(cfg.train.lora.enabled), "target": str(cfg.target.name_or_path),
+                 "lora": bool(cfg.train.lora.enabled), "target": recorded_name(str(cfg.target.name_or_path)),
                  "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": recorded_c,
                  "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
                  "num_processes": acc.num_processes, "examples_consumed": 0}
@@ -760,6 +760,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
             for note in apply_optim_settings(run.optimizer, run.scheduler, cfg):  # the checkpoint's were loaded
                 log(f"resume: {note}")
             state["cost_ratio"], state["verify_costs"] = recorded_c, run.verify_costs  # the ones this run uses
+            state["draft_base"] = run.draft_base  # in a moved run folder, its own draft_base (not the old path)
             if state.get("target_revision") != revision:
                 log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
                     f"checkpoint was trained against {state.get('target_revision')}: the run goes on against "

@@ -97,6 +97,8 @@ def test_export_of_built_full_finetune_draft(pair, tmp_path):
     assert card["serving"]["num_draft_tokens"] == gamma
     readme = (tmp_path / "out" / "README.md").read_text()
     assert card["serving"]["vllm"] in readme and card["serving"]["sglang"] in readme
+    assert "library_name: transformers" in readme and card["dtype"] == card["evaluated_dtype"] == "float32"
+    assert "Weights: float32." in readme and "converted at export" not in readme
     assert json.loads((tmp_path / "out" / "draftkit_card.json").read_text())["serving"] == card["serving"]
     umask = os.umask(0)
     os.umask(umask)
@@ -173,7 +175,7 @@ def test_lora_export_does_not_change_when_its_base_folder_changes_later(pair, tm
     assert w3.keys() == w1.keys() and all(torch.equal(w1[k], w3[k]) for k in w1)
 
 
-def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):
+def test_export_lora_on_built_draft_uses_saved_base_also_in_a_moved_run(pair, tmp_path):
     run = tmp_path / "run"
     train(compose(overrides(pair, run, "draft.name_or_path=null", "draft.num_hidden_layers=1",
                             "train.lora.enabled=true", "train.max_steps=1")), log=lambda *_: None)
@@ -181,6 +183,27 @@ def test_export_lora_on_built_draft_uses_saved_base(pair, tmp_path):
     assert state["draft_base"] == str((run / "draft_base").resolve())
     card = export(run / "step_000001", tmp_path / "out")
     assert card["lora_merged"] and (tmp_path / "out" / "model.safetensors").exists()
+    # found by a new user: a moved run folder could be resumed but neither exported nor evaluated (its recorded
+    # base was the old folder's draft_base), and the resumed checkpoints kept recording the old path
+    moved = tmp_path / "moved" / "run"
+    moved.parent.mkdir()
+    run.rename(moved)
+    again = export(moved / "step_000001", tmp_path / "out2")
+    assert again["lora_merged"]
+    from safetensors.torch import load_file
+
+    w1 = load_file(str(tmp_path / "out" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "out2" / "model.safetensors"))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    train(compose(overrides(pair, moved, "draft.name_or_path=null", "draft.num_hidden_layers=1",
+                            "train.lora.enabled=true", "train.max_steps=2", "train.resume=true")), log=lambda *_: None)
+    state = json.loads((moved / "step_000002" / "trainer_state.json").read_text())
+    assert state["draft_base"] == str((moved / "draft_base").resolve())
+    from distill.__main__ import main
+
+    main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={moved / 'step_000001'}",
+                             "eval.temperatures=[0.0]"), "--out", str(tmp_path / "ev.json")])
+    assert json.loads((tmp_path / "ev.json").read_text())["per_temperature"]["0.0"]["acceptance_rate"] >= 0
 
 
 def test_export_bad_checkpoint(tmp_path, capsys):
@@ -433,3 +456,42 @@ def test_a_full_disk_during_export_exits_2_and_keeps_the_earlier_export(pair, tm
     assert "the earlier export there is unchanged" in err and "run the same command again" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no .out.*.tmp left
+
+
+def test_card_names_dtype_conversion_slower_temperatures_and_a_missing_relative_target(pair, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Found by a new user: a bf16 export's card stated the fp32 checkpoint's acceptance without a word; a card
+    predicting a slowdown gave serving lines without one; a run given a relative target path exported a card whose
+    snippets named `from_pretrained('target')`, and a target no longer there was not noticed."""
+    import shutil
+
+    shutil.copytree(pair["target"], tmp_path / "tgt")
+    monkeypatch.chdir(tmp_path)
+    ov = [o for o in overrides(pair, tmp_path / "run", "train.max_steps=1", "eval.cost_ratio=5.0")
+          if not o.startswith("+target.name_or_path=")]
+    train(compose(["+target.name_or_path=tgt", *ov]), log=lambda *_: None)
+    state = json.loads((tmp_path / "run" / "best" / "trainer_state.json").read_text())
+    assert state["target"] == str((tmp_path / "tgt").resolve())
+    card = export(tmp_path / "run" / "best", tmp_path / "e_bf16", dtype=torch.bfloat16)
+    readme = (tmp_path / "e_bf16" / "README.md").read_text()
+    assert card["dtype"] == "bfloat16" and card["evaluated_dtype"] == "float32"
+    assert "Weights: bfloat16 (converted at export from the checkpoint's float32" in readme
+    assert card["target"] == str((tmp_path / "tgt").resolve()) and card["target_found"]
+    assert f"from_pretrained({str((tmp_path / 'tgt').resolve())!r})" in readme and "not found" not in readme
+    # c = 5: every temperature is predicted slower than plain decoding, and the card says so before serving
+    assert all(m["predicted_speedup"] < 1 for m in card["evaluation"]["per_temperature"].values())
+    assert "**Predicted slower than plain decoding** at temperature 0.0 (" in readme
+    assert "predicted slower than plain decoding at temperature 0.0, 1.0: see above" in readme
+    (tmp_path / "tgt").rename(tmp_path / "tgt_moved")
+    from distill.__main__ import main
+
+    capsys.readouterr()
+    main(["export", str(tmp_path / "run" / "best"), str(tmp_path / "e2")])
+    err = capsys.readouterr().err
+    assert f"warning: the run's target {(tmp_path / 'tgt').resolve()} is not there now" in err
+    assert "warning: the checkpoint's evaluation predicts this draft slower than plain decoding at temperature 0.0" \
+        in err
+    card = json.loads((tmp_path / "e2" / "draftkit_card.json").read_text())
+    assert card["target_found"] is False
+    assert f"**The target was not found at `{(tmp_path / 'tgt').resolve()}` when this draft was exported**" in (
+        tmp_path / "e2" / "README.md").read_text()

@@ -117,6 +117,7 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
     # The card's Use/Serve lines run where the map is read: no from_pretrained/assistant_model, vLLM or SGLang line
     # (the old card printed them, and the first fails on the N-row head); its Python snippet runs as written.
     assert "assistant_model" not in readme and "vllm serve" not in readme and "sglang" not in readme
+    assert "library_name: transformers" not in readme  # the hub's transformers snippet fails on the N-row head
     assert card["serving"]["vllm"] is None and card["serving"]["sglang"] is None
     assert card["serving"]["draftkit"] in readme and "python -m decode serve" in card["serving"]["draftkit"]
     snippet = readme.split("```python\n", 1)[1].split("```", 1)[0].replace("max_new_tokens=128", "max_new_tokens=4")

@@ -48,10 +48,11 @@ def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> s
             colors[t] = line.get_color()
         curve = s.get("predicted_curve") or []
         # The stored curve runs to γ=16; show it only around the tested γs and the predicted optimum.
-        top = max([g for g, _ in pts] + [s.get("best_gamma_predicted") or 0]) + 1
+        top = max([g for g, _ in pts] + [s.get("best_gamma_leviathan") or 0]) + 1
         curve = [c for c in curve if c["gamma"] <= top]
         if curve:
-            ax.plot([c["gamma"] for c in curve], [c["predicted_speedup"] for c in curve], "--", color=colors.get(t),
+            ax.plot([c["gamma"] for c in curve], [c["predicted_speedup_leviathan"] for c in curve], "--",
+                    color=colors.get(t),
                     alpha=0.8, label=f"predicted T={t:g} (α={s['alpha']:.2f})")
         hf_fixed = [(r["hf_num_assistant_tokens"], r["overall"]["speedup"]) for r in results["runs"]
                     if r["temperature"] == t and r["kind"] == "hf" and r.get("hf_num_assistant_tokens")
@@ -82,11 +83,12 @@ def plot_predicted_vs_measured(results: dict[str, Any], path: str | os.PathLike)
     values = []
     for s in results["summary"]:
         t = s["temperature"]
-        runs = [r for r in results["runs"] if r["temperature"] == t and r["overall"]["predicted_speedup"] is not None
+        runs = [r for r in results["runs"]
+                if r["temperature"] == t and r["overall"]["predicted_speedup_leviathan"] is not None
                 and r["overall"]["speedup"] is not None]
         if not runs:
             continue
-        xs = [r["overall"]["predicted_speedup"] for r in runs]
+        xs = [r["overall"]["predicted_speedup_leviathan"] for r in runs]
         ys = [r["overall"]["speedup"] for r in runs]
         points = ax.scatter(xs, ys, label=f"T={t:g} (Leviathan)")
         for r, x, y in zip(runs, xs, ys):

@@ -48,7 +48,7 @@ def stats_counts(stats: DecodeStats | None) -> dict[str, int] | None:
 
 _EMPTY = ("decode_latency_s", "ttft_s", "peak_memory_bytes", "speedup", "decode_speedup", "alpha", "acceptance_rate",
           "mean_accepted_length", "acceptance_by_position", "accepted_per_position", "accepted_length_histogram",
-          "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup",
+          "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup_leviathan",
           "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
 
 
@@ -90,7 +90,7 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
             g = (best_gamma(m["alpha"], cost_ratio, max_gamma=auto_max_gamma, min_gamma=1) if gamma == "auto"
                  else int(gamma))
             m["predicted_gamma"] = int(g)
-            m["predicted_speedup"] = float(predicted_speedup(m["alpha"], g, cost_ratio))
+            m["predicted_speedup_leviathan"] = float(predicted_speedup(m["alpha"], g, cost_ratio))
             if verify_cost and g in verify_cost:
                 m["predicted_speedup_verify_aware"] = predicted_speedup(m["alpha"], g, cost_ratio,
                                                                         verify_cost=verify_cost[g])
@@ -171,13 +171,13 @@ def _summarise(t: float, runs: list[dict], records, methods: list[Method], cfg: 
         curve = {g: float(predicted_speedup(alpha, g, c)) for g in range(0, top + 1)}
         tested = {g: curve[g] for g in cfg.gammas}
         aware = {g: predicted_speedup(alpha, g, c, verify_cost=v[g]) for g in cfg.gammas if g in v}
-        entry.update(best_gamma_predicted=bg, predicted_speedup_at_best=curve[bg],
-                     best_gamma_predicted_tested=max(tested, key=tested.get) if tested else None,
+        entry.update(best_gamma_leviathan=bg, predicted_speedup_leviathan_at_best=curve[bg],
+                     best_gamma_leviathan_tested=max(tested, key=tested.get) if tested else None,
                      best_gamma_verify_aware_tested=max(aware, key=aware.get) if aware else None,
-                     predicted_curve=[{"gamma": g, "predicted_speedup": s} for g, s in curve.items()])
+                     predicted_curve=[{"gamma": g, "predicted_speedup_leviathan": s} for g, s in curve.items()])
     else:
-        entry.update(best_gamma_predicted=None, predicted_speedup_at_best=None, best_gamma_predicted_tested=None,
-                     best_gamma_verify_aware_tested=None, predicted_curve=[])
+        entry.update(best_gamma_leviathan=None, predicted_speedup_leviathan_at_best=None,
+                     best_gamma_leviathan_tested=None, best_gamma_verify_aware_tested=None, predicted_curve=[])
     for name in ("spec_auto", "hf_target", "hf_assisted"):
         hit = [r for r in here if r["method"] == name]
         entry[f"{name}_speedup"] = hit[0]["overall"]["speedup"] if hit else None

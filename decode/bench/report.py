@@ -140,10 +140,10 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
 RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s", "decode_latency_s",
                "ttft_s", "peak_memory_bytes", "speedup", "decode_speedup", "alpha", "acceptance_rate", "mean_accepted_length",
                "acceptance_by_position", "accepted_per_position", "accepted_length_histogram", "num_verify_steps",
-               "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup", "predicted_speedup_verify_aware",
-               "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
+               "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup_leviathan",
+               "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
 SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "measured_speedup_at_best",
-                "best_gamma_predicted", "predicted_speedup_at_best", "best_gamma_predicted_tested",
+                "best_gamma_leviathan", "predicted_speedup_leviathan_at_best", "best_gamma_leviathan_tested",
                 "best_gamma_verify_aware_tested", "predicted_curve", "spec_auto_speedup", "hf_target_speedup",
                 "hf_assisted_speedup", "auto_vs_best_fixed", "hf_assisted_fixed_speedup")
 BATCH_KEYS = ("temperature", "method", "num_draft_tokens", "compiled", "batch_size", "num_batches", "num_new_tokens",
@@ -345,8 +345,8 @@ def _render_methods(results, s, console) -> None:
     if s["best_gamma_measured"] is None:  # --gammas auto: nothing to rank
         best = "no fixed γ measured"
     else:
-        best = (f"best γ: measured {s['best_gamma_measured']}, predicted {s['best_gamma_predicted']} (among tested "
-                f"{s['best_gamma_predicted_tested']}, verify-aware {s['best_gamma_verify_aware_tested']})")
+        best = (f"best γ: measured {s['best_gamma_measured']}, predicted {s['best_gamma_leviathan']} (among tested "
+                f"{s['best_gamma_leviathan_tested']}, verify-aware {s['best_gamma_verify_aware_tested']})")
     table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  {best}")
     for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "pred. v-aware",
                 "=greedy", "peak MiB"):
@@ -359,7 +359,7 @@ def _render_methods(results, s, console) -> None:
         table.add_row(run["method"], "-" if g is None else str(g), _fmt(m["alpha"], ".3f"),
                       _fmt(m["mean_accepted_length"]), _fmt(m["ttft_s"], ".1f", 1e3),
                       _fmt(m["per_token_latency_s"], ".2f", 1e3), _fmt(m["tokens_per_s"], ".1f"), _x(m["speedup"]),
-                      _x(m["predicted_speedup"]), _x(m["predicted_speedup_verify_aware"]),
+                      _x(m["predicted_speedup_leviathan"]), _x(m["predicted_speedup_verify_aware"]),
                       _fmt(m["matches_plain_greedy"], ".0%"), _fmt(m["peak_memory_bytes"], ".0f", 2 ** -20))
     console.print(table)
 
@@ -381,8 +381,8 @@ def _render_summary(results, console) -> None:
         hf = _x(s["hf_assisted_speedup"]) + "".join(f", γ={g}: {_x(v)}"
                                                     for g, v in s["hf_assisted_fixed_speedup"].items())
         row = [f"{s['temperature']:g}", _fmt(s["alpha"], ".3f"), _fmt(s["best_gamma_measured"], "g"),
-               _x(s["measured_speedup_at_best"]), _fmt(s["best_gamma_predicted"], "g"),
-               _x(s["predicted_speedup_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"])]
+               _x(s["measured_speedup_at_best"]), _fmt(s["best_gamma_leviathan"], "g"),
+               _x(s["predicted_speedup_leviathan_at_best"]), _x(s["spec_auto_speedup"]), _fmt(s["auto_vs_best_fixed"])]
         if compiled is not None:  # the compiled decoder at the same best γ, against its own (compiled-c) prediction
             runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == s["temperature"]}
             method = f"spec_g{s['best_gamma_measured']}_compiled"

@@ -145,7 +145,7 @@ def test_reported_predictions_follow_the_formula(bench_run):
         m = run["overall"]
         if isinstance(run["num_draft_tokens"], int) and run["num_draft_tokens"] > 0:
             g = run["num_draft_tokens"]
-            assert m["predicted_speedup"] == pytest.approx(predicted_speedup(m["alpha"], g, c))
+            assert m["predicted_speedup_leviathan"] == pytest.approx(predicted_speedup(m["alpha"], g, c))
             v = {e["gamma"]: e["relative_cost"] for e in results["cost"]["verify"]}[g]
             assert v > 0
             assert m["predicted_speedup_verify_aware"] == pytest.approx(
@@ -154,10 +154,10 @@ def test_reported_predictions_follow_the_formula(bench_run):
             # roughly, but it can never exceed γ + 1.
             assert 1.0 <= m["mean_accepted_length"] <= run["num_draft_tokens"] + 1
     for s in results["summary"]:
-        assert s["best_gamma_predicted"] == best_gamma(s["alpha"], c, max_gamma=16)
+        assert s["best_gamma_leviathan"] == best_gamma(s["alpha"], c, max_gamma=16)
         assert s["best_gamma_measured"] in cfg.gammas
-        curve = {p["gamma"]: p["predicted_speedup"] for p in s["predicted_curve"]}
-        assert curve[0] == 1.0 and max(curve.values()) == pytest.approx(s["predicted_speedup_at_best"])
+        curve = {p["gamma"]: p["predicted_speedup_leviathan"] for p in s["predicted_curve"]}
+        assert curve[0] == 1.0 and max(curve.values()) == pytest.approx(s["predicted_speedup_leviathan_at_best"])
 
 
 def test_batch_pass_has_every_size(bench_run):
@@ -605,7 +605,7 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
     assert cost["compiled"]["cost_ratio"] == 0.01 and cost["cost_ratio"] != 0.01
     for name, c in (("spec_g2", cost["cost_ratio"]), ("spec_g2_compiled", 0.01)):
         m = runs[name]["overall"]
-        assert m["predicted_speedup"] == pytest.approx(predicted_speedup(m["alpha"], 2, c))
+        assert m["predicted_speedup_leviathan"] == pytest.approx(predicted_speedup(m["alpha"], 2, c))
     assert {(b["method"], b["batch_size"]) for b in results["batch"]} == {
         (m, bs) for m in ("plain", "spec_g2", "plain_compiled", "spec_g2_compiled") for bs in (1, 2)}
     paths = write_outputs(results, tmp_path / "compiled.json")

@@ -229,7 +229,10 @@ def check_argument_types(target: Any, draft: Any = None, target_tokenizer: Any =
 def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
     """Check that ``draft`` can propose tokens for ``target`` and return the shared vocabulary size V.
 
-    V is ``len(target_tokenizer)`` when a tokenizer is given, else the target's lm_head size.
+    V is ``len(target_tokenizer)`` when a tokenizer is given (grown to the draft tokenizer's size where the target's
+    lm_head has rows for those ids), else the target's lm_head size. Ids beyond V that only a draft's tokenizer has
+    (special tokens added to the draft after training) are left out of q, which stays lossless: the target gives
+    them no probability.
 
     Raises:
         TypeError: a model or tokenizer of the wrong kind, e.g. a path (:func:`check_argument_types`).
@@ -251,8 +254,8 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     v_target = output_vocab_size(target)
     if target_tokenizer is not None:
         vocab = len(target_tokenizer)
-        if draft_tokenizer is not None:
-            vocab = max(vocab, len(draft_tokenizer))
+        if draft_tokenizer is not None:  # ids only the draft's tokenizer has count as far as the target scores them
+            vocab = max(vocab, min(len(draft_tokenizer), v_target))
         if v_target < vocab:
             raise IncompatibleModelsError(
                 f"the target's lm_head has {v_target} rows but the tokenizer has {vocab} tokens; the target could "

@@ -53,6 +53,26 @@ def test_target_smaller_than_tokenizer_is_an_error():
         check_compatibility(tiny_llama(vocab_size=64), tiny_llama(), make_tokenizer())
 
 
+def test_a_draft_tokenizer_with_tokens_the_target_cannot_score_is_accepted():
+    """Found by a new user: special tokens added to the draft's tokenizer (not the target's) were refused with
+    "the target's lm_head has 96 rows but the tokenizer has 98 tokens ... use its own tokenizer", though the target's
+    own tokenizer was in use and the extra ids have no target probability."""
+    tok, dtok = make_tokenizer(), make_tokenizer()
+    dtok.add_special_tokens({"additional_special_tokens": ["<|a|>", "<|b|>"]})
+    assert len(dtok) == VOCAB + 2
+    target = tiny_llama(seed=0)
+    for draft in (perturbed_copy(target, 0.5), tiny_llama(vocab_size=VOCAB + 2, seed=1)):  # a head that has them too
+        assert check_compatibility(target, draft, tok, dtok) == VOCAB
+        dec = SpeculativeDecoder(target, draft, 3, tokenizer=tok, draft_tokenizer=dtok)
+        out = dec.generate([[1, 5, 9]], max_new_tokens=12, temperature=0.0)
+        ids = torch.tensor([[1, 5, 9]])
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                              min_new_tokens=12, pad_token_id=0, eos_token_id=None)[0, 3:]
+        assert torch.equal(out.new_tokens[0], ref)
+    # a target whose head has rows for them: the shared vocabulary grows to include them
+    assert check_compatibility(tiny_llama(vocab_size=VOCAB + 32), tiny_llama(seed=1), tok, dtok) == VOCAB + 2
+
+
 def test_different_special_ids():
     a = make_tokenizer()
     b = make_tokenizer(eos_token="w0")

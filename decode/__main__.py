@@ -52,7 +52,7 @@ def cmd_generate(argv: list[str]) -> int:
 
     from decode import SpeculativeDecoder
     from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
-                                load_tokenizer)
+                                load_target_tokenizer)
     from decode.requests import check_seed
     from decode.sampling import validate_sampling_args
     from decode.stops import stop_token_ids
@@ -71,7 +71,7 @@ def cmd_generate(argv: list[str]) -> int:
             check_cached(getattr(args, option), f"--{option}")
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust)
-    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
+    tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma = (4 if args.num_draft_tokens is None else args.num_draft_tokens) if draft is not None else 0

@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """:func:`main` after argument parsing."""
-    from decode.loading import check_device, hub_revision, load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import check_device, hub_revision, load_causal_lm, load_draft_tokenizer, load_target_tokenizer
     from decode.prompts import encode_prompts, load_prompts
     from decode.requests import check_seed
 
@@ -627,7 +627,7 @@ def _run(args: argparse.Namespace) -> int:
     if len(prompts) < args.num_prefixes:  # said before the run, not only in the certificate's num_prefixes
         print(f"note: --prompts {args.prompts} has {len(prompts)} prompt(s), fewer than --num-prefixes "
               f"{args.num_prefixes}; certifying {len(prompts)} prefix(es)", file=sys.stderr)
-    tok = load_tokenizer(args.tokenizer or args.target)
+    tok = load_target_tokenizer(args.tokenizer, args.target)
     prefixes = encode_prompts(prompts, tok, chat_template=False, max_prompt_tokens=args.prefix_tokens)
     target = load_causal_lm(args.target, "target", args.dtype, device)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device)

@@ -151,29 +151,32 @@ def _special_ids(tok: Any) -> dict[str, Any]:
     return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "unk")}
 
 
-def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
+def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any, names: tuple[str, str] = ("target", "draft"),
+                     fix: str = "Use the target's tokenizer for the draft (train or convert the draft with the same "
+                                "tokenizer).") -> None:
     """Raise :class:`IncompatibleModelsError` if the two tokenizers map any shared id to a different token or
     disagree on bos/eos/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ), and so are
     different pad tokens (none, eos as pad, or a ``<pad>`` of its own): pad only fills batch rows, which the
-    attention mask and the loss leave out, so it changes no token either model sees."""
+    attention mask and the loss leave out, so it changes no token either model sees. ``names`` and ``fix`` word the
+    message for other pairs of tokenizers (a ``--tokenizer`` against the target's own)."""
     if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
         return
+    a, b = names
     t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
     for name in t_special:
         if t_special[name] != d_special[name]:
             raise IncompatibleModelsError(
-                f"target and draft tokenizers disagree on the {name} token id: target {t_special[name]!r}, "
-                f"draft {d_special[name]!r}. Use the target's tokenizer for the draft (train or convert the draft "
-                "with the same tokenizer)."
+                f"{a} and {b} tokenizers disagree on the {name} token id: {a} {t_special[name]!r}, "
+                f"{b} {d_special[name]!r}. {fix}"
             )
     t_vocab = {i: t for t, i in target_tokenizer.get_vocab().items()}
     d_vocab = {i: t for t, i in draft_tokenizer.get_vocab().items()}
     diffs = [i for i in sorted(t_vocab.keys() & d_vocab.keys()) if t_vocab[i] != d_vocab[i]]
     if diffs:
-        shown = ", ".join(f"id {i}: target {t_vocab[i]!r} vs draft {d_vocab[i]!r}" for i in diffs[:3])
+        shown = ", ".join(f"id {i}: {a} {t_vocab[i]!r} vs {b} {d_vocab[i]!r}" for i in diffs[:3])
         raise IncompatibleModelsError(
-            f"target and draft tokenizers map {len(diffs)} shared ids to different tokens ({shown}). "
-            "Speculative decoding needs one tokenizer: use the target's tokenizer for the draft."
+            f"{a} and {b} tokenizers map {len(diffs)} shared ids to different tokens ({shown}). "
+            f"Speculative decoding needs one tokenizer: {fix[0].lower()}{fix[1:]}"
         )
 
 

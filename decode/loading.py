@@ -370,6 +370,33 @@ def check_device(device: str | None) -> str:
     return device
 
 
+def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer a CLI decodes ``target`` with: ``tokenizer`` (its ``--tokenizer``) or else the target's own.
+
+    A ``--tokenizer`` is checked against the target's own tokenizer when the target's folder (or cached snapshot)
+    has one (:func:`decode.compat.check_tokenizers`: every shared id the same token, the same bos/eos/unk), so
+    another chat template or extra added tokens pass, and a tokenizer of another vocabulary does not: the target
+    would silently read and write ids of the wrong tokens.
+
+    Raises:
+        decode.compat.IncompatibleModelsError: naming ``--tokenizer``, the ids or special tokens that differ.
+        FileNotFoundError, RemoteCodeError: as :func:`load_tokenizer`.
+    """
+    from decode.compat import IncompatibleModelsError, check_tokenizers
+
+    tok = load_tokenizer(tokenizer or target, trust_remote_code=trust_remote_code)
+    folder = local_folder(str(target)) if tokenizer else None
+    if folder and any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        own = load_tokenizer(folder, "target's tokenizer", trust_remote_code=trust_remote_code)
+        try:
+            check_tokenizers(own, tok, names=("the target's own", "--tokenizer"),
+                             fix=f"leave --tokenizer out to use the target's own ({folder}), or give one of its "
+                                 "vocabulary.")
+        except IncompatibleModelsError as err:
+            raise IncompatibleModelsError(f"--tokenizer {tokenizer} does not fit the target: {err}") from None
+    return tok
+
+
 def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False) -> Any:
     """The draft's own tokenizer if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`) has
     one (so the pair can be checked), else the target's."""

@@ -190,8 +190,12 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
-    tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer else [args.target, args.draft],
-                                args.trust_remote_code)
+    if args.tokenizer:
+        from decode.loading import load_target_tokenizer
+
+        tokenizer = load_target_tokenizer(args.tokenizer, args.target, args.trust_remote_code)
+    else:
+        tokenizer = _load_tokenizer([args.target, args.draft], args.trust_remote_code)
     draft_tokenizer = None
     if not args.tokenizer and draft_folder and (Path(draft_folder) / "tokenizer_config.json").exists():
         draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)

@@ -137,11 +137,11 @@ def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | st
     """Load the pair and tokenizer, build the decoder and warm it up (compiled graphs, auto γ's cost model) before
     the server listens, so no request waits for either. Returns ``(decoder, tokenizer)``."""
     from decode.engine import SpeculativeDecoder
-    from decode.loading import load_causal_lm, load_draft_tokenizer, load_tokenizer
+    from decode.loading import load_causal_lm, load_draft_tokenizer, load_target_tokenizer
 
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
-    tok = load_tokenizer(args.tokenizer or args.target, trust_remote_code=trust)
+    tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma = args.num_draft_tokens if draft is not None else 0

@@ -116,6 +116,37 @@ def test_bad_device_seed_threads_and_prompt_field_exit_2_naming_the_option(saved
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_tokenizer_of_another_vocabulary_than_the_target_s_own_is_refused(saved_pair, tmp_path):
+    """Found by a new user: --tokenizer with two ids swapped decoded the target with it, silently."""
+    from tests.conftest import VOCAB
+
+    words = [f"w{i}" for i in range(VOCAB - 4)]
+    words[5], words[6] = words[6], words[5]
+    make_tokenizer(words).save_pretrained(tmp_path / "swapped")
+    templated = make_tokenizer()
+    templated.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    templated.save_pretrained(tmp_path / "templated")  # another template over the same vocabulary: fine
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    common = {"generate": ["--prompt", "w1", "--max-new-tokens", "2"],
+              "bench": ["--prompts", str(prompts), "--out", str(tmp_path / "b.json")],
+              "certify": ["--prompts", str(prompts)]}
+    for command, extra in common.items():
+        r = run(command, "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                "--tokenizer", str(tmp_path / "swapped"), *extra)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (command, r.stderr)
+        assert f"--tokenizer {tmp_path / 'swapped'} does not fit the target: the target's own and --tokenizer " \
+               "tokenizers map 2 shared ids to different tokens (id 9: the target's own 'w5' vs --tokenizer 'w6'" \
+               in r.stderr, (command, r.stderr)
+        assert "leave --tokenizer out to use the target's own" in r.stderr
+    r = run("generate", "--target", str(saved_pair / "target"), "--tokenizer", str(tmp_path / "swapped"), "--prompt",
+            "w1", "--max-new-tokens", "2")  # no draft: this decoded with the swapped ids, exit 0
+    assert r.returncode == 2 and "does not fit the target" in r.stderr
+    r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+            "--tokenizer", str(tmp_path / "templated"), "--prompt", "w1", "--max-new-tokens", "2", "--chat")
+    assert r.returncode == 0, r.stderr
+
+
 def test_a_checkpoint_file_instead_of_its_folder_is_named_as_such(saved_pair):
     r = run("generate", "--target", str(saved_pair / "target" / "config.json"), "--prompt", "w1")
     assert r.returncode == 2 and "is a file, not a checkpoint folder" in r.stderr

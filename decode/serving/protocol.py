@@ -11,7 +11,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_SEED = 2**63 - 1
 
@@ -88,6 +88,17 @@ class _Strict(BaseModel):
     # strict: no "1" -> 1 or true -> 1 coercion; forbid: unknown fields are errors; no NaN/inf anywhere.
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # OpenAI's API takes null for every optional field (the openai client sends it for temperature=None,
+        # echo=None, ...): the field's default applies, whatever its type
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -113,13 +124,6 @@ class SamplingFields(_Strict):
     n: int = Field(1, ge=1)
     user: str | None = None  # accepted: it does not change the output
     logit_bias: dict[str, float] | None = None
-
-    @field_validator("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "stream",
-                     mode="before")
-    @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        # OpenAI's API takes null for these (the openai client sends it for temperature=None): the default applies
-        return cls.model_fields[info.field_name].default if value is None else value
 
     @model_validator(mode="after")
     def _unsupported(self):

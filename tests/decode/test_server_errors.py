@@ -100,11 +100,13 @@ def test_null_sampling_fields_take_their_defaults(server):
     temperature=None): the request runs as if the field were left out."""
     url, _ = server
     nulls = dict(temperature=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None, n=None,
-                 stream=None)
+                 stream=None, echo=None)  # echo=None was a 400 "echo: Input should be a valid boolean" (a new user)
     got, ref = post(url, ok(seed=7, max_tokens=6, **nulls)), post(url, ok(seed=7, max_tokens=6))
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
     assert post(url, chat(temperature=None), path="/v1/chat/completions").status_code == 200
+    streamed = post(url, ok(max_tokens=2, stream=True, stream_options={"include_usage": None}))
+    assert streamed.status_code == 200, streamed.text
 
 
 @pytest.mark.parametrize("content,needle", [(b"{not json", "not valid JSON"),

@@ -204,13 +204,17 @@ class Scheduler:
         with self._lock:
             aborts, self._aborts = self._aborts, []
             gone = set(aborts)
-            if gone:
+            dropped = [live for live in self._waiting if live.request_id in gone]
+            if dropped:  # queued, never admitted: they end here, and count as aborted like running ones
                 self._waiting = deque(live for live in self._waiting if live.request_id not in gone)
             admit = []
             while self._waiting and len(self._running) + len(admit) < self.max_batch_size:
                 admit.append(self._waiting.popleft())
             self._admitting = len(admit)
             self.metrics.queue_depth.set(len(self._waiting))
+        for live in dropped:
+            live.done = True
+            self.metrics.requests.labels(live.req.endpoint, "abort").inc()
         for rid in aborts:
             live = self._running.pop(rid, None)
             if live is not None:

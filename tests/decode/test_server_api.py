@@ -180,6 +180,32 @@ def test_dropped_non_streaming_request_is_aborted_while_it_decodes():
         assert (metric(url, "draftkit_requests_total", {"finish_reason": "length"}) or 0.0) == before["length"]
 
 
+def test_a_request_dropped_while_queued_counts_as_aborted():
+    """Found by a new user: a request whose client left while it waited in the queue left requests_total
+    untouched (it was in no finish_reason), while a running one counted as abort."""
+    dec, tok = tiny_pair()
+    step = dec.step
+    dec.step = lambda: time.sleep(0.02) or step()
+    with running_server(dec, tok, max_batch_size=1, max_queue=2) as (url, app, _):
+        body = {"model": MODEL, "prompt": "w5", "max_tokens": 240, "temperature": 0}
+        first = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60))
+        first.start()  # holds the only row for about 5 s
+        deadline = time.time() + 20
+        while time.time() < deadline and not httpx.get(url + "/health").json()["running"]:
+            time.sleep(0.02)
+        before = metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) or 0.0
+        with pytest.raises(httpx.ReadTimeout):  # waits in the queue behind the first, then gives up
+            httpx.post(url + "/v1/completions", json={**body, "max_tokens": 4},
+                       timeout=httpx.Timeout(10, read=0.5))
+        deadline = time.time() + 20
+        while time.time() < deadline and metric(url, "draftkit_queue_depth", {}):
+            time.sleep(0.02)
+        assert metric(url, "draftkit_queue_depth", {}) == 0.0
+        assert metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) == before + 1
+        first.join(60)
+        assert metric(url, "draftkit_requests_total", {"finish_reason": "abort"}) == before + 1
+
+
 def test_a_slow_tokenization_does_not_hold_up_other_requests():
     """Prompts were tokenized on the event loop: a 1 MB prompt (~1.4 s to tokenize) froze every stream and
     /health meanwhile. Here the tokenizer holds one prompt until /health has answered; on the event loop /health

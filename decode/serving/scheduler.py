@@ -115,9 +115,10 @@ class Scheduler:
             running = len(self._running) + self._admitting
             free = max(self.max_batch_size - running, 0)  # rows the next step admits from the queue
             if len(self._waiting) >= self.max_queue + free:
-                raise APIError(429, f"the server is busy: {running} requests running (--max-batch-size "
-                               f"{self.max_batch_size}) and {len(self._waiting)} waiting (--max-queue "
-                               f"{self.max_queue}); retry later",
+                taken = running + min(len(self._waiting), free)  # queued requests the next step admits hold rows
+                raise APIError(429, f"the server is busy: {taken} of {self.max_batch_size} batch rows taken "
+                               f"(--max-batch-size) and {len(self._waiting) - min(len(self._waiting), free)} "
+                               f"requests waiting (--max-queue {self.max_queue}); retry later",
                                type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             self._waiting.append(live)
             self.metrics.queue_depth.set(len(self._waiting))

@@ -264,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         if failed and len(failed) == len(warm["results"]):  # the settings are refused: do not hammer the server
             raise ValueError(f"every warm-up request failed ({failed[0]['error']}: {failed[0].get('detail', '')!r}); "
                              "check --max-tokens, --temperature and --prompt against the server's limits")
-    rss_before = server_rss(url, args.server_pid)
+    try:
+        rss_before = server_rss(url, args.server_pid)
+    except (OSError, httpx.HTTPError) as err:  # stopped during or right after the warm-up
+        raise ValueError(f"the server at {url} stopped answering after the warm-up ({type(err).__name__}: {err}); "
+                         "no load was run and nothing was written: start it again") from None
     raw = asyncio.run(run_load(url, model, args.prompt or DEFAULT_PROMPTS, args.concurrency, args.duration,
                                args.max_requests, args.max_tokens, args.temperature, args.api_key))
     summary = summarize(raw, args.concurrency, rss_before, rss_after_load(url, args.server_pid))

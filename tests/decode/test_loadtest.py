@@ -130,6 +130,26 @@ def test_loadtest_keeps_its_results_when_the_server_is_gone_after_the_load(tmp_p
     assert "could not be read after the load" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("pid", [False, True])
+def test_a_server_gone_after_the_warm_up_is_a_clear_error(tmp_path, monkeypatch, pid):
+    """Found by a new user: a server stopped during the warm-up made the first memory reading raise (a ConnectError
+    traceback, exit 1)."""
+    import httpx
+
+    def gone(url, server_pid):
+        raise FileNotFoundError(f"/proc/{server_pid}/status") if pid else httpx.ConnectError("Connection refused")
+
+    monkeypatch.setattr(loadtest, "server_rss", gone)
+    out = tmp_path / "load.json"
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):
+        with pytest.raises(ValueError, match=r"stopped answering after the warm-up \((FileNotFoundError|ConnectError)"
+                                             r".*no load was run and nothing was written"):
+            loadtest.main(["--url", url, "--duration", "0.5", "--concurrency", "1", "--max-tokens", "2",
+                           "--output", str(out), *(["--server-pid", str(os.getpid())] if pid else [])])
+    assert not out.exists()
+
+
 def test_a_stream_error_keeps_the_server_s_message():
     """'every warm-up request failed (stream error: internal_error: '')': the message of the error event was lost."""
     import httpx

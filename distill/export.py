@@ -353,7 +353,9 @@ def _serve_caveat(card: dict) -> str:
 
 def _revision(card: dict) -> str:
     rev = card.get("target_revision")
-    return f" (hub revision `{rev}`)" if rev else ""
+    earlier = "".join(f"; through step {e['through_step']} against revision `{e['target_revision']}`"
+                      for e in card.get("earlier_target_revisions") or [])
+    return f" (hub revision `{rev}`{earlier})" if rev else ""
 
 
 def _target_markdown(card: dict) -> str:
@@ -490,6 +492,7 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
     pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": state.get("vocab_size"),
                                               "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0])}
     card = {"target": state.get("target"), "target_revision": state.get("target_revision"),
+            "earlier_target_revisions": state.get("earlier_target_revisions") or [],
             "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
             "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),

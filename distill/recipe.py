@@ -762,9 +762,12 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
             state["cost_ratio"], state["verify_costs"] = recorded_c, run.verify_costs  # the ones this run uses
             state["draft_base"] = run.draft_base  # in a moved run folder, its own draft_base (not the old path)
             if state.get("target_revision") != revision:
-                log(f"target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); the "
-                    f"checkpoint was trained against {state.get('target_revision')}: the run goes on against "
-                    f"{revision}")
+                log(f"warning: target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); "
+                    f"the checkpoint was trained against {state.get('target_revision')}: the run goes on against "
+                    f"{revision} (trainer_state.json and the export card list both)")
+                earlier = list(state.get("earlier_target_revisions") or [])
+                state["earlier_target_revisions"] = [*earlier, {"target_revision": state.get("target_revision"),
+                                                                "through_step": int(state["step"])}]
             state["target_revision"] = revision
             log(f"resumed from {resume_from} at step {state['step']}")
             if state.get("best") and Path(resume_from).resolve().parent != out.resolve():

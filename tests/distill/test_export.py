@@ -122,7 +122,11 @@ def test_a_hub_target_s_revision_is_recorded_in_the_run_and_the_card(pair, hub_c
     assert any("revision " + "b" * 40 in line and "a" * 40 in line for line in lines)
     card = export(run / "step_000003", tmp_path / "out")
     assert card["target"] == "org/target" and card["target_revision"] == "b" * 40
-    assert f"(hub revision `{'b' * 40}`)" in (tmp_path / "out" / "README.md").read_text()
+    # found by a new user: the card named only the new revision, though steps 1-2 trained against the old one
+    assert card["earlier_target_revisions"] == [{"target_revision": "a" * 40, "through_step": 2}]
+    assert (f"(hub revision `{'b' * 40}`; through step 2 against revision `{'a' * 40}`)"
+            in (tmp_path / "out" / "README.md").read_text())
+    assert any(line.startswith("warning: target org/target is at revision") for line in lines)
     assert export(run / "step_000002", tmp_path / "out2")["target_revision"] == "a" * 40  # what step 2 trained on
 
 

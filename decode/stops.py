@@ -45,8 +45,13 @@ class StopStringFilter:
     push or :meth:`flush`. So a stop string that spans tokens, or falls inside one step's accepted draft window,
     is cut exactly where it starts. Ids in ``stop_ids`` end the completion and are not part of its text.
 
+    :attr:`num_tokens` counts the pushed ids that belong to the completion: all of them until a stop string is
+    found, then only up to the id that completed it. A step's accepted window can run a few ids past a stop
+    string, and how far depends on γ and on the batch (auto γ), so counting them would make the same seeded
+    completion's ``usage.completion_tokens`` depend on the server's load.
+
     Cost: one decode of the whole completion per push (O(n) per step), fine for completions of a few thousand
-    tokens.
+    tokens; at a stop string, one more decode per id of that push.
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), stop_ids: Iterable[int] = ()):
@@ -59,6 +64,7 @@ class StopStringFilter:
         self.text = ""               # decoded text so far, cut at a stop string once one is found
         self.emitted = 0             # characters of self.text already returned
         self.stopped = False         # a stop string was found
+        self.num_tokens = 0          # pushed ids that belong to the completion (none past a stop string)
         self._longest = max((len(s) for s in self.stop_strings), default=0)
 
     def push(self, ids: Sequence[int]) -> str:
@@ -66,18 +72,38 @@ class StopStringFilter:
         is found, :attr:`stopped` is True and later pushes return ``""``."""
         if self.stopped:
             return ""
-        self.ids.extend(int(i) for i in ids if int(i) not in self.stop_ids)
-        # Without the tokenizer's space cleanup (" 's" -> "'s", " ," -> ","): with it, more ids can rewrite text
-        # already shown ("it '" + "s" -> "it's"), and a stream cannot take back what it sent.
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        new = [int(i) for i in ids]
+        before = len(self.ids)
+        self.ids.extend(i for i in new if i not in self.stop_ids)
+        self.text = self._decode(self.ids)
         if self.stop_strings:
             start = max(0, self.emitted - self._longest)
             hits = [h for h in (self.text.find(s, start) for s in self.stop_strings) if h >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
+                self.num_tokens += self._ids_to_stop(new, before, start)
                 return self._take(len(self.text))
+        self.num_tokens += len(new)
         return self._take(len(self.text) - self._held_back())
+
+    def _decode(self, ids: list[int]) -> str:
+        # Without the tokenizer's space cleanup (" 's" -> "'s", " ," -> ","): with it, more ids can rewrite text
+        # already shown ("it '" + "s" -> "it's"), and a stream cannot take back what it sent.
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _ids_to_stop(self, new: list[int], before: int, start: int) -> int:
+        """How many of the pushed ids ``new`` it took to complete a stop string (the text ids before them are
+        ``self.ids[:before]``); the rest ran past it."""
+        text_ids = self.ids[:before]
+        for k, i in enumerate(new, 1):
+            if i in self.stop_ids:
+                continue
+            text_ids.append(i)
+            text = self._decode(text_ids)
+            if any(text.find(s, start) >= 0 for s in self.stop_strings):
+                return k
+        return len(new)
 
     def flush(self) -> str:
         """The completion ended: return everything not yet shown (up to a stop string when one was found)."""

@@ -266,9 +266,11 @@ class Scheduler:
             for _ in tokens:
                 self.metrics.itl.observe(gap)
         live.t_last = now
-        live.n_tokens += len(tokens)
-        self.metrics.generation_tokens.inc(len(tokens))
+        counted = live.filter.num_tokens
         text = live.filter.push(tokens)
+        counted = live.filter.num_tokens - counted  # ids a step ran past a stop string are not the completion's
+        live.n_tokens += counted
+        self.metrics.generation_tokens.inc(counted)
         if text:
             live.emit(("delta", text))
         if live.filter.stopped:

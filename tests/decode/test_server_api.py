@@ -116,6 +116,12 @@ def test_stop_string_spanning_tokens_never_leaks(server):
     assert free.find(stop) >= free.find(window) - 1  # the first occurrence is in that window
     r = client.completions.create(model=MODEL, prompt="w5", max_tokens=24, temperature=0, stop=[stop, "zzz"])
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    # usage counts the tokens up to the one that completed the stop string, not the rest of that step's window
+    # (found by a new user: under auto γ the count depended on the server's load)
+    greedy = offline_greedy(dec, tok, tok("w5")["input_ids"], 24)
+    needed = next(k for k in range(1, 25) if stop in tok.decode(greedy[:k], skip_special_tokens=True,
+                                                                 clean_up_tokenization_spaces=False))
+    assert r.usage.completion_tokens == needed
     chunks = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="w5", max_tokens=24,
                                                                    temperature=0, stop=stop, stream=True)
               if c.choices]

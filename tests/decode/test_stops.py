@@ -29,6 +29,8 @@ def test_stop_string_spanning_tokens_is_cut_where_it_starts(step):
     deltas = stream(filt, ids, step)
     assert "".join(deltas) == "w10 w1"
     assert filt.stopped
+    # the completion's ids end with the one that completed the stop string, however many a push ran past it
+    assert filt.num_tokens == ids.index(tok.convert_tokens_to_ids("w12")) + 1
 
 
 @pytest.mark.parametrize("step", [1, 3])

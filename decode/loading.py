@@ -155,6 +155,18 @@ def peft_adapter_base(folder: str | os.PathLike) -> str | None:
     return str(base) if base else ""
 
 
+def run_draft_base(run_folder: str | Path, recorded: str | None) -> str | None:
+    """The LoRA base of a checkpoint in ``run_folder``: when ``recorded`` names a distill run's ``draft_base``
+    folder (a built or pruned draft, saved inside its run) and ``run_folder`` has its own, that one. The recorded
+    path is absolute, so after the run folder is moved or copied it names the old place, which may be gone or
+    hold another run's ``draft_base``. Anything else is returned as it is."""
+    if recorded and Path(str(recorded)).name == "draft_base":
+        own = Path(run_folder).resolve() / "draft_base"
+        if (own / "config.json").is_file():
+            return str(own)
+    return recorded
+
+
 def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, dtype: Any, device: str | None,
                          trust_remote_code: bool) -> Any:
     """:func:`load_causal_lm` of a peft adapter folder: its base through the same loader, the adapter merged in
@@ -166,6 +178,7 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
         raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose adapter_config.json names no "
                                 "base_model_name_or_path; set it to the model the adapter was trained on, or give a "
                                 "merged model (PeftModel.merge_and_unload, then save_pretrained)")
+    base = run_draft_base(Path(folder).resolve().parent.parent, base)  # a distill run's <run>/<checkpoint>/draft
     chain, step = [os.path.realpath(folder)], base
     while step and (nxt := local_folder(step)) is not None and (after := peft_adapter_base(nxt)) is not None:
         if os.path.realpath(nxt) in chain:  # each adapter names the next as its base: it would never end
@@ -176,10 +189,8 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
         chain.append(os.path.realpath(nxt))
         step = after
     if looks_local(base) and not os.path.isdir(os.path.expanduser(base)):
-        sibling = Path(folder).resolve().parent.parent / "draft_base"  # a distill LoRA run's <run>/best/draft
-        hint = f" (the run's own {sibling} exists: a moved or copied run folder?)" if sibling.is_dir() else ""
         raise FileNotFoundError(f"the {role} {name_or_path!r} is a peft adapter whose base_model_name_or_path "
-                                f"{base!r} is not a folder{hint}; set base_model_name_or_path in {config_file} to "
+                                f"{base!r} is not a folder; set base_model_name_or_path in {config_file} to "
                                 "where the base is now (a relative path is read from the working folder).")
     beside = Path(folder).resolve().parent / base
     if not looks_local(base) and local_folder(base) is None and beside.is_dir():  # not a hub id: a relative path

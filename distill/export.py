@@ -41,7 +41,7 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     checkpoint's weights do not fit the base's architecture; ``decode.loading.RemoteCodeError`` (a ValueError) for
     a draft, base or tokenizer with its own code while ``trust_remote_code`` is off.
     """
-    from decode.loading import load_causal_lm, load_tokenizer, untie_adapted_weights
+    from decode.loading import load_causal_lm, load_tokenizer, run_draft_base, untie_adapted_weights
 
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
@@ -49,7 +49,8 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     if (draft_dir / "adapter_config.json").exists():
         from peft import PeftModel
 
-        base_path = str(lora_base) if lora_base is not None else moved_run_base(checkpoint, state.get("draft_base"))
+        run = checkpoint.resolve().parent  # a moved or copied run's own draft_base, not the recorded old place
+        base_path = str(lora_base) if lora_base is not None else run_draft_base(run, state.get("draft_base"))
         if not base_path or (base_path.startswith(("/", ".")) and not Path(base_path).exists()):
             raise FileNotFoundError(
                 f"the LoRA base of {checkpoint} ({base_path!r}) is missing; it is the draft checkpoint the run "
@@ -71,17 +72,6 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     tokenizer = load_tokenizer(str(draft_dir), "draft tokenizer", trust_remote_code=trust_remote_code,
                                fix="save the tokenizer in the checkpoint's draft/ folder")
     return draft.eval(), tokenizer, state
-
-
-def moved_run_base(checkpoint: Path, recorded: str | None) -> str | None:
-    """The LoRA base to use for ``checkpoint``: the recorded one, or, when that was the run's own ``draft_base``
-    folder (a built or pruned draft) and is gone, the ``draft_base`` beside the checkpoint (the run folder was moved
-    or copied: the recorded path is absolute)."""
-    if recorded and Path(recorded).name == "draft_base" and not Path(recorded).exists():
-        here = Path(checkpoint).resolve().parent / "draft_base"
-        if (here / "config.json").is_file():
-            return str(here)
-    return recorded
 
 
 def _check_base_head(tensors: dict, base: Any, base_path: str, checkpoint: Path) -> None:
@@ -373,7 +363,10 @@ def _dtype_markdown(card: dict) -> str:
         return ""
     if measured and measured != dtype:
         return (f"Weights: {dtype} (converted at export from the checkpoint's {measured}, in which the acceptance "
-                "below was measured; measure this export with `python -m distill eval`).")
+                f"below was measured; measure this export with `python -m distill eval ... draft.dtype={dtype}`).")
+    if measured and dtype != "float32":  # distill eval loads a draft as float32 unless told
+        return (f"Weights: {dtype}, in which the acceptance below was measured (`python -m distill eval` reproduces "
+                f"it with `draft.dtype={dtype}`).")
     return f"Weights: {dtype}."
 
 
@@ -465,8 +458,12 @@ def _usual_permissions(folder: Path) -> None:
 
 def _checkpoint_dtype(checkpoint: Path, state: dict) -> str | None:
     """The dtype the checkpoint's draft was saved (and evaluated) in: its ``config.json``'s, or for a LoRA
-    checkpoint its base's; None when not recorded."""
-    for folder in (checkpoint / "draft", moved_run_base(checkpoint, state.get("draft_base"))):
+    checkpoint its base's; None when not recorded or when the checkpoint has no evaluation."""
+    from decode.loading import run_draft_base
+
+    if not state.get("last_eval"):
+        return None
+    for folder in (checkpoint / "draft", run_draft_base(checkpoint.resolve().parent, state.get("draft_base"))):
         path = Path(folder) / "config.json" if folder else None
         if path is not None and path.is_file():
             try:

@@ -87,9 +87,9 @@ def checkpoint_vocab_map(checkpoint: str | Path) -> torch.Tensor | None:
     folders = [checkpoint / "draft"]
     if (checkpoint / "draft" / "adapter_config.json").is_file() and (checkpoint / STATE_FILE).is_file():
         state = read_json(checkpoint / STATE_FILE)
-        from distill.export import moved_run_base
+        from decode.loading import run_draft_base
 
-        base = moved_run_base(checkpoint, state.get("draft_base") if isinstance(state, dict) else None)
+        base = run_draft_base(checkpoint.resolve().parent, state.get("draft_base") if isinstance(state, dict) else None)
         folders = [Path(base)] if base else []
     for folder in folders:
         ids = _read_tensors(folder, [MAP_KEY]).get(MAP_KEY) if folder.is_dir() else None

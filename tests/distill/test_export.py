@@ -192,6 +192,13 @@ def test_export_lora_on_built_draft_uses_saved_base_also_in_a_moved_run(pair, tm
     moved = tmp_path / "moved" / "run"
     moved.parent.mkdir()
     run.rename(moved)
+    # another run now at the old place, with another draft_base: the moved run still uses its own (re-test trial)
+    train(compose(overrides(pair, run, "draft.name_or_path=null", "draft.num_hidden_layers=2",
+                            "train.lora.enabled=true", "train.max_steps=1")), log=lambda *_: None)
+    from decode.loading import load_causal_lm
+
+    adapter = load_causal_lm(str(moved / "step_000001" / "draft"), "draft")  # the adapter folder, merged on load
+    assert adapter.config.num_hidden_layers == 1
     again = export(moved / "step_000001", tmp_path / "out2")
     assert again["lora_merged"]
     from safetensors.torch import load_file
@@ -471,7 +478,7 @@ def test_card_names_dtype_conversion_slower_temperatures_and_a_missing_relative_
 
     shutil.copytree(pair["target"], tmp_path / "tgt")
     monkeypatch.chdir(tmp_path)
-    ov = [o for o in overrides(pair, tmp_path / "run", "train.max_steps=1", "eval.cost_ratio=5.0")
+    ov = [o for o in overrides(pair, tmp_path / "run", "train.max_steps=2", "train.save_every=1", "eval.cost_ratio=5.0")
           if not o.startswith("+target.name_or_path=")]
     train(compose(["+target.name_or_path=tgt", *ov]), log=lambda *_: None)
     state = json.loads((tmp_path / "run" / "best" / "trainer_state.json").read_text())
@@ -480,12 +487,17 @@ def test_card_names_dtype_conversion_slower_temperatures_and_a_missing_relative_
     readme = (tmp_path / "e_bf16" / "README.md").read_text()
     assert card["dtype"] == "bfloat16" and card["evaluated_dtype"] == "float32"
     assert "Weights: bfloat16 (converted at export from the checkpoint's float32" in readme
+    assert "`python -m distill eval ... draft.dtype=bfloat16`" in readme
     assert card["target"] == str((tmp_path / "tgt").resolve()) and card["target_found"]
     assert f"from_pretrained({str((tmp_path / 'tgt').resolve())!r})" in readme and "not found" not in readme
     # c = 5: every temperature is predicted slower than plain decoding, and the card says so before serving
     assert all(m["predicted_speedup"] < 1 for m in card["evaluation"]["per_temperature"].values())
     assert "**Predicted slower than plain decoding** at temperature 0.0 (" in readme
     assert "predicted slower than plain decoding at temperature 0.0, 1.0: see above" in readme
+    # a checkpoint without an evaluation claims no evaluated dtype (found by the re-test trial)
+    card = export(tmp_path / "run" / "step_000001", tmp_path / "e_none", dtype=torch.bfloat16)
+    assert card["evaluation"] is None and card["evaluated_dtype"] is None
+    assert "Weights: bfloat16." in (tmp_path / "e_none" / "README.md").read_text()
     (tmp_path / "tgt").rename(tmp_path / "tgt_moved")
     from distill.__main__ import main
 

@@ -166,7 +166,7 @@ def test_a_peft_adapter_folder_loads_merged_into_its_base_a_pruned_one_too(tmp_p
         load_causal_lm(str(tmp_path / "adapter"), "draft")
 
 
-def test_an_adapter_on_a_tied_head_loads_as_trained_and_a_base_cycle_or_a_moved_run_is_named(tmp_path):
+def test_an_adapter_on_a_tied_head_loads_as_trained_a_base_cycle_is_named_and_a_moved_run_loads(tmp_path):
     """Merging into a tied lm_head moved the input embeddings too (the loaded draft differed from base + adapter
     by 18 in logits, 1 of 8 argmaxes the same); an adapter naming itself as its base recursed until Python's limit
     (a RecursionError traceback); a moved LoRA run's adapter said only that its old base path does not exist."""
@@ -192,8 +192,11 @@ def test_an_adapter_on_a_tied_head_loads_as_trained_and_a_base_cycle_or_a_moved_
     with pytest.raises(FileNotFoundError, match="returns to an adapter it passed; set base_model_name_or_path"):
         load_causal_lm(str(adapter), "draft")
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    shutil.move(tmp_path / "run", tmp_path / "moved")
-    with pytest.raises(FileNotFoundError, match=r"is not a folder \(the run's own .*moved/draft_base exists"):
+    shutil.move(tmp_path / "run", tmp_path / "moved")  # a moved run's adapter takes the run's own draft_base
+    moved = load_causal_lm(str(tmp_path / "moved" / "best" / "draft"), "draft")
+    torch.testing.assert_close(moved(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    shutil.rmtree(tmp_path / "moved" / "draft_base")  # gone from both places: named
+    with pytest.raises(FileNotFoundError, match=r"base_model_name_or_path .*run/draft_base' is not a folder"):
         load_causal_lm(str(tmp_path / "moved" / "best" / "draft"), "draft")
 
 

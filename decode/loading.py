@@ -206,7 +206,7 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
         raise FileNotFoundError(f"could not apply the {role} adapter {name_or_path!r} to its base {base!r} "
                                 f"(base_model_name_or_path): {err}") from err
     model.eval().requires_grad_(False)
-    if device:
+    if device is not None:
         model.to(device)
     return model
 
@@ -267,7 +267,7 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     from decode.vocab_map import load_pretrained, pruned_size
 
     name_or_path = str(name_or_path)
-    if device:
+    if device is not None:  # (0 is a device: cuda:0)
         device = check_device(device)  # before the weights load: a device this torch build lacks is a ValueError
     check_cached(name_or_path, role)
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
@@ -306,7 +306,7 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
                       f"{type(model).__name__} (model_type {model.config.model_type!r}). Pass --trust-remote-code "
                       "(distill: *.trust_remote_code=true) to run its code instead, after reading it", stacklevel=2)
     model.eval().requires_grad_(False)
-    if device:
+    if device is not None:
         model.to(device)
     return model
 
@@ -361,10 +361,11 @@ def check_device(device: str | None) -> str:
     """The device to use (``default_device()`` when None); raises ValueError if it is not a torch device string
     (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ...) or a device that this torch build or machine does not have (no
     CUDA, a CUDA index past the device count, no MPS/XPU backend; ``meta``)."""
-    device = device or default_device()
+    device = default_device() if device is None or device == "" else device
     try:
         parsed = torch.device(device)
-    except (RuntimeError, ValueError) as err:
+        device = str(device) if isinstance(device, str) else str(parsed)  # 0 and torch.device("xpu") by name
+    except (RuntimeError, ValueError, TypeError) as err:
         raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N ({err})") from None
     kind = parsed.type
     if kind == "cuda" and not torch.cuda.is_available():

@@ -57,11 +57,8 @@ def loopback_url(url: str) -> str:
 def server_rss(url: str, pid: int | None) -> int | None:
     """The server's resident memory in bytes, from ``/proc/PID/status`` or the server's ``/metrics``."""
     if pid is not None:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return None
+        rss = _proc_status(pid).get("VmRSS")
+        return int(rss.split()[0]) * 1024 if rss else None
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -69,6 +66,25 @@ def server_rss(url: str, pid: int | None) -> int | None:
         if line.startswith("process_resident_memory_bytes "):
             return int(float(line.split()[1]))
     return None
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    """``/proc/PID/status`` as ``{field: value}``; ProcessLookupError for a process that has exited but is not yet
+    reaped by its parent (a zombie still has the file), FileNotFoundError for none."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    if fields.get("State", "").split()[:1] in (["Z"], ["X"]):
+        raise ProcessLookupError(f"process {pid} has exited (state {fields['State'].strip()})")
+    return fields
+
+
+def _running(pid: int) -> bool:
+    """True if process ``pid`` exists and has not exited."""
+    try:
+        _proc_status(pid)
+    except OSError:  # FileNotFoundError, ProcessLookupError
+        return False
+    return True
 
 
 def rss_after_load(url: str, pid: int | None) -> int | None:
@@ -219,8 +235,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.warmup_requests is not None and args.warmup_requests < 0:
         raise ValueError(f"--warmup-requests must be >= 0 (0: no warm-up), got {args.warmup_requests}")
-    if args.server_pid is not None and not os.path.exists(f"/proc/{args.server_pid}/status"):
-        raise ValueError(f"--server-pid {args.server_pid}: no such process on this machine; pass the server's pid "
+    if args.server_pid is not None and not _running(args.server_pid):
+        raise ValueError(f"--server-pid {args.server_pid}: no running process on this machine; pass the server's pid "
                          "or omit it to read the RSS from /metrics")
 
 

@@ -3,6 +3,7 @@ tokens/s and the server's RSS, writes JSON without overwriting."""
 import asyncio
 import json
 import os
+import time
 
 import pytest
 
@@ -65,7 +66,7 @@ def test_summary_counts_errors_by_kind():
     (["--temperature", "nan"], "--temperature must be a finite number"),  # was: every request failed, NaN in the JSON
     (["--temperature", "-1"], "--temperature must be a finite number"),
     (["--warmup-requests", "-3"], "--warmup-requests must be >= 0"),
-    (["--server-pid", "999999999"], "--server-pid 999999999: no such process"),  # was: an OSError after the warm-up
+    (["--server-pid", "999999999"], "--server-pid 999999999: no running process"),  # was: an OSError after warm-up
 ])
 def test_loadtest_refuses_bad_settings_before_contacting_the_server(argv, message):
     """Port 1 has no server: a check made after contacting it would say 'no server answers' instead."""
@@ -75,6 +76,26 @@ def test_loadtest_refuses_bad_settings_before_contacting_the_server(argv, messag
         loadtest.main(["--url", "127.0.0.1:8000"])
     with pytest.raises(ValueError, match="speaks http .*not ftp"):  # was: "is not a full URL"
         loadtest.main(["--url", "ftp://127.0.0.1:8000"])
+
+
+def test_an_exited_server_pid_not_yet_reaped_is_not_running():
+    """Found by the re-test trial: a server that had exited but was not yet reaped (a zombie) still has
+    /proc/PID/status, so it passed as running and its memory read as null."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while time.time() < deadline and "Z" not in open(f"/proc/{child.pid}/status").read().split("State:")[1][:4]:
+        time.sleep(0.05)
+    try:
+        with pytest.raises(ValueError, match=f"--server-pid {child.pid}: no running process"):
+            loadtest.main(["--url", "http://127.0.0.1:1", "--duration", "1", "--server-pid", str(child.pid)])
+        with pytest.raises(ProcessLookupError, match="has exited"):
+            loadtest.server_rss("", child.pid)
+    finally:
+        child.wait()
+    assert loadtest.server_rss("", os.getpid()) > 0
 
 
 def test_loadtest_stops_when_the_server_refuses_the_settings():

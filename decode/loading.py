@@ -388,7 +388,8 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
     A ``--tokenizer`` is checked against the target's own tokenizer when the target's folder (or cached snapshot)
     has one (:func:`decode.compat.check_tokenizers`: every shared id the same token, the same bos/eos/unk), so
     another chat template or extra added tokens pass, and a tokenizer of another vocabulary does not: the target
-    would silently read and write ids of the wrong tokens.
+    would silently read and write ids of the wrong tokens. Its size must be the target's own tokenizer's too (the
+    size sets which lm_head rows may be sampled; a token added to it alone is refused).
 
     Raises:
         decode.compat.IncompatibleModelsError: naming ``--tokenizer``, the ids or special tokens that differ.
@@ -406,6 +407,11 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
                                  "vocabulary.")
         except IncompatibleModelsError as err:
             raise IncompatibleModelsError(f"--tokenizer {tokenizer} does not fit the target: {err}") from None
+        if len(own) != len(tok):  # the vocabulary size sets which lm_head rows the target may sample
+            raise IncompatibleModelsError(
+                f"--tokenizer {tokenizer} does not fit the target: it has {len(tok)} tokens, the target's own "
+                f"tokenizer ({folder}) {len(own)}; leave --tokenizer out to use the target's own, or save the "
+                "tokenizer the target was trained with next to it")
     return tok
 
 

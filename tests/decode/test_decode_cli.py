@@ -139,6 +139,13 @@ def test_a_tokenizer_of_another_vocabulary_than_the_target_s_own_is_refused(save
                "tokenizers map 2 shared ids to different tokens (id 9: the target's own 'w5' vs --tokenizer 'w6'" \
                in r.stderr, (command, r.stderr)
         assert "leave --tokenizer out to use the target's own" in r.stderr
+    extra = make_tokenizer()
+    extra.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    extra.save_pretrained(tmp_path / "extra")  # one token more: refused naming --tokenizer (re-test trial)
+    r = run("generate", "--target", str(saved_pair / "target"), "--tokenizer", str(tmp_path / "extra"), "--prompt",
+            "w1", "--max-new-tokens", "2")
+    assert r.returncode == 2 and f"--tokenizer {tmp_path / 'extra'} does not fit the target: it has {VOCAB + 1} " \
+                                 f"tokens, the target's own tokenizer" in r.stderr, r.stderr
     r = run("generate", "--target", str(saved_pair / "target"), "--tokenizer", str(tmp_path / "swapped"), "--prompt",
             "w1", "--max-new-tokens", "2")  # no draft: this decoded with the swapped ids, exit 0
     assert r.returncode == 2 and "does not fit the target" in r.stderr

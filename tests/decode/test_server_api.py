@@ -303,7 +303,7 @@ def test_full_queue_is_429_with_retry_after_and_shutdown_drains():
         assert codes == [200, 429, 429]  # one waits its turn, two find the queue full
         assert rejected[0].headers["retry-after"] == "1" and rejected[0].json()["error"]["code"] == "queue_full"
         assert rejected[0].json()["error"]["message"] == ("the server is busy: 1 of 1 batch rows taken "
-                                                          "(--max-batch-size) and 1 requests waiting (--max-queue 1); "
+                                                          "(--max-batch-size) and 1 of 1 queue places (--max-queue); "
                                                           "retry later")
         server.should_exit = True  # graceful: the running stream still finishes
         t.join(timeout=60)

@@ -304,9 +304,10 @@ def _x(v) -> str:
 
 def render_tables(results: dict[str, Any], console=None) -> None:
     """Print the cost line, the per-temperature method tables, the summary, the category tables, the batch table
-    and the must-show report with rich."""
+    and the must-show report with rich. Raises ValueError for results that fail :func:`validate_results`."""
     from rich.console import Console
 
+    validate_results(results)  # a file of another schema version is named, not a KeyError half-way
     # Not a terminal (logs, CI): wide enough that no column is cut.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     c = results["cost"]

@@ -86,6 +86,9 @@ def test_schema_and_json_round_trip(bench_run):
     bad = dict(loaded, schema_version=SCHEMA_VERSION + 1)
     with pytest.raises(ValueError, match="schema_version"):
         validate_results(bad)
+    # a version-2 file (before the *_leviathan names) is named by its version, not a KeyError half-way (re-test trial)
+    with pytest.raises(ValueError, match=f"schema_version 2, this code reads {SCHEMA_VERSION}"):
+        render_tables(dict(loaded, schema_version=2))
 
 
 def test_every_method_ran_on_every_prompt(bench_run):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the callers; config checks import this module before any model loads
+    import torch
 
 # x86 CPU flags (as /proc/cpuinfo spells them) that mean bf16 matmuls run natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")

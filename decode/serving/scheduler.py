@@ -115,10 +115,10 @@ class Scheduler:
             running = len(self._running) + self._admitting
             free = max(self.max_batch_size - running, 0)  # rows the next step admits from the queue
             if len(self._waiting) >= self.max_queue + free:
-                taken = running + min(len(self._waiting), free)  # queued requests the next step admits hold rows
-                raise APIError(429, f"the server is busy: {taken} of {self.max_batch_size} batch rows taken "
-                               f"(--max-batch-size) and {len(self._waiting) - min(len(self._waiting), free)} of "
-                               f"{self.max_queue} queue places (--max-queue); retry later",
+                admitted = min(len(self._waiting), free)  # queued requests the next step admits hold rows
+                raise APIError(429, f"the server is busy: {running + admitted} of {self.max_batch_size} batch rows "
+                               f"taken (--max-batch-size) and {len(self._waiting) - admitted} of {self.max_queue} "
+                               "queue places (--max-queue); retry later",
                                type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             self._waiting.append(live)
             self.metrics.queue_depth.set(len(self._waiting))

@@ -949,94 +949,114 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
             f"{STATE_FILE}); a run saves folders of that name over what is there, so nothing was changed. Move or "
             "rename it, or choose another train.output_dir")
     if resume is None:
-        if not main:
-            return None
-        others = other_entries(out, REUSABLE) if out.is_dir() else []
-        if others and os.path.lexists(out / SET_ASIDE):  # before "holds no run ... pass train.overwrite=true"
-            raise CheckpointError(
-                f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
-                f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
-                "needed), then run again")
-        doomed = run_artifacts(out) if others else []
-        if others and not doomed:  # the user's own files: a run writes beside them only if asked, never over them
-            clash = [name for name in others if name in RUN_SHARED or name in _BY_CONTENT]
-            if clash or not overwrite:
-                fix = (f"move {', '.join(clash)} out of it (the run writes files of those names)" if clash else
-                       "pass train.overwrite=true to train beside them (they are kept)")
-                raise CheckpointError(
-                    f"train.output_dir={out} is not empty and holds no run ({name_list(others)}); nothing was "
-                    f"changed. Choose an empty or new train.output_dir, or {fix}")
-        if doomed and not overwrite:
-            raise CheckpointError(
-                f"train.output_dir={out} already holds a run ({name_list(others)}); nothing was changed. "
-                "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
-                "checkpoints and metrics), or choose another train.output_dir")
-        if others:
-            for setting, value in (inputs or {}).items():
-                if value in (None, ""):
-                    continue
-                path = Path(str(value)).expanduser().resolve()
-                hit = next((d for d in doomed if path == d.resolve() or d.resolve() in path.parents), None)
-                if hit is not None:
-                    raise CheckpointError(
-                        f"train.overwrite=true would delete {hit}, which holds {setting}={value}; nothing was "
-                        "changed. Copy it out of train.output_dir first, or choose another train.output_dir")
-            if doomed:
-                (out / SET_ASIDE).mkdir()
-                for p in doomed:  # renames in one folder: a symlink moves as itself
-                    p.rename(out / SET_ASIDE / p.name)
+        if main:
+            _prepare_fresh(out, overwrite, inputs or {})
         return None
     own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
     source = recover_replaced_dir(out / "best") if main and own_run else None
     if source is not None and log is not None:
         log(f"best/ was missing after a save interrupted between two renames; restored it from {source.name}/")
     if resume is True or resume == "true":
-        path = find_latest(out)
-        if main and log is not None and path is not None:  # (with none complete, the error below lists them)
-            for skipped in list_checkpoints(out):
-                if int(skipped.name[5:]) <= int(path.name[5:]):
-                    continue
-                try:
-                    check_complete(skipped)
-                except CheckpointError as err:
-                    log(f"warning: resume skips {skipped.name}: {err}. The run saves over it when it reaches that "
-                        "step; copy it elsewhere first if you need it")
-        if path is None:
-            steps = list_checkpoints(out)
-            legacy = [p for p in steps if is_legacy(p)]
-            if legacy:  # "incomplete ... add train.overwrite=true" would have sent the user to delete them
-                names = name_list([p.name for p in legacy])
-                raise CheckpointError(
-                    f"train.resume=true but the checkpoints of train.output_dir={out} ({names}) were written by an "
-                    "earlier draftkit layout that stores state as pickles; they are not read. If you trust where they "
-                    f"came from, convert the newest once: python -m distill convert-checkpoint {legacy[-1]} (reads "
-                    "the pickles as data only), then resume")
-            if os.path.lexists(out / SET_ASIDE):  # "add train.overwrite=true" is refused while it is there
-                raise CheckpointError(
-                    f"train.resume=true but train.output_dir={out} has no checkpoint: an earlier "
-                    f"train.overwrite=true set its run aside in {out / SET_ASIDE} and was stopped before it could put "
-                    f"it back. Move its entries back into {out} to resume that run (or delete {SET_ASIDE} if it is "
-                    "not needed), then run again")
-            found = [p.name for p in steps]
-            detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
-                      else "it has no step_N checkpoint")
-            raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: "
-                                  f"{detail}. Start a new run with train.resume=false (add train.overwrite=true to "
-                                  "replace this folder's run), or give train.resume=PATH")
-        return path
+        return _latest_to_resume(out, log if main else None)
     path = Path(str(resume))
     check_complete(path)
-    if not main:
+    if main:
+        _check_resume_into(out, path, overwrite)
+    return path
+
+
+def _prepare_fresh(out: Path, overwrite: bool, inputs: dict[str, Any]) -> None:
+    """The fresh-run part of :func:`prepare_run_folder`: refuse a folder holding a run (unless ``overwrite``) or
+    the user's own files, and move an overwritten run's files into ``SET_ASIDE``."""
+    others = other_entries(out, REUSABLE) if out.is_dir() else []
+    if not others:
+        return
+    if os.path.lexists(out / SET_ASIDE):  # before "holds no run ... pass train.overwrite=true"
+        raise CheckpointError(
+            f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
+            f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
+            "needed), then run again")
+    doomed = run_artifacts(out)
+    if not doomed:  # the user's own files: a run writes beside them only if asked, never over them
+        clash = [name for name in others if name in RUN_SHARED or name in _BY_CONTENT]
+        if clash or not overwrite:
+            fix = (f"move {', '.join(clash)} out of it (the run writes files of those names)" if clash else
+                   "pass train.overwrite=true to train beside them (they are kept)")
+            raise CheckpointError(
+                f"train.output_dir={out} is not empty and holds no run ({name_list(others)}); nothing was "
+                f"changed. Choose an empty or new train.output_dir, or {fix}")
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"train.output_dir={out} already holds a run ({name_list(others)}); nothing was changed. "
+            "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
+            "checkpoints and metrics), or choose another train.output_dir")
+    for setting, value in inputs.items():
+        if value in (None, ""):
+            continue
+        path = Path(str(value)).expanduser().resolve()
+        hit = next((d for d in doomed if path == d.resolve() or d.resolve() in path.parents), None)
+        if hit is not None:
+            raise CheckpointError(
+                f"train.overwrite=true would delete {hit}, which holds {setting}={value}; nothing was "
+                "changed. Copy it out of train.output_dir first, or choose another train.output_dir")
+    (out / SET_ASIDE).mkdir()
+    for p in doomed:  # renames in one folder: a symlink moves as itself
+        p.rename(out / SET_ASIDE / p.name)
+
+
+def _latest_to_resume(out: Path, log: Any) -> Path:
+    """``train.resume=true``: the newest complete checkpoint of ``out``; newer incomplete ones are named to ``log``.
+
+    Raises:
+        CheckpointError: none is complete; the message says why (old pickle layout, a run set aside, damage).
+    """
+    path = find_latest(out)
+    if log is not None and path is not None:  # (with none complete, the error below lists them)
+        for skipped in list_checkpoints(out):
+            if int(skipped.name[5:]) <= int(path.name[5:]):
+                continue
+            try:
+                check_complete(skipped)
+            except CheckpointError as err:
+                log(f"warning: resume skips {skipped.name}: {err}. The run saves over it when it reaches that "
+                    "step; copy it elsewhere first if you need it")
+    if path is not None:
         return path
+    steps = list_checkpoints(out)
+    legacy = [p for p in steps if is_legacy(p)]
+    if legacy:  # "incomplete ... add train.overwrite=true" would have sent the user to delete them
+        names = name_list([p.name for p in legacy])
+        raise CheckpointError(
+            f"train.resume=true but the checkpoints of train.output_dir={out} ({names}) were written by an "
+            "earlier draftkit layout that stores state as pickles; they are not read. If you trust where they "
+            f"came from, convert the newest once: python -m distill convert-checkpoint {legacy[-1]} (reads "
+            "the pickles as data only), then resume")
+    if os.path.lexists(out / SET_ASIDE):  # "add train.overwrite=true" is refused while it is there
+        raise CheckpointError(
+            f"train.resume=true but train.output_dir={out} has no checkpoint: an earlier "
+            f"train.overwrite=true set its run aside in {out / SET_ASIDE} and was stopped before it could put "
+            f"it back. Move its entries back into {out} to resume that run (or delete {SET_ASIDE} if it is "
+            "not needed), then run again")
+    found = [p.name for p in steps]
+    detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
+              else "it has no step_N checkpoint")
+    raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: "
+                          f"{detail}. Start a new run with train.resume=false (add train.overwrite=true to "
+                          "replace this folder's run), or give train.resume=PATH")
+
+
+def _check_resume_into(out: Path, path: Path, overwrite: bool) -> None:
+    """``train.resume=PATH``: refuse an ``out`` whose newer checkpoints the resumed run would overwrite, or that
+    holds another run (unless ``overwrite``)."""
     newer = [p.name for p in list_checkpoints(out) if is_complete(p) and int(p.name[5:]) > _step_of(path)]
-    same_run = out.resolve() == path.resolve().parent
     if newer:
         raise CheckpointError(f"resuming from {path} into train.output_dir={out} would overwrite its newer "
                               f"checkpoints {newer}; resume into another train.output_dir")
+    same_run = out.resolve() == path.resolve().parent
     if not same_run and out.is_dir() and any(p.name not in REUSABLE for p in out.iterdir()) and not overwrite:
         raise CheckpointError(f"train.output_dir={out} already holds another run; resume from {path} into an empty "
                               "train.output_dir, or pass train.overwrite=true")
-    return path
 
 
 def _step_of(path: Path) -> int:

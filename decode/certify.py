@@ -365,7 +365,45 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
         ValueError: γ < 2, K < 1, alpha outside (0, 1), batch_size < 1, no prefixes or no settings, two settings
             with the same label, or a prefix too long for the models' contexts (:func:`max_prefix_length`).
     """
-    from decode.compat import check_argument_types, check_compatibility
+    from decode.compat import check_compatibility
+
+    prefixes = _check_arguments(target, draft, prefixes, settings, samples, num_draft_tokens, alpha, batch_size,
+                                tokenizer, draft_tokenizer)
+    if decoder is None:
+        from decode.engine import SpeculativeDecoder
+
+        decoder = SpeculativeDecoder(target, draft, num_draft_tokens, tokenizer=tokenizer,
+                                     draft_tokenizer=draft_tokenizer)
+    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    start = time.perf_counter()
+    per_prefix: list[tuple[TestResult, np.ndarray, np.ndarray, np.ndarray]] = []
+    for setting in settings:
+        for m, prefix in enumerate(prefixes):
+            draws = draw_two_tokens(decoder, prefix, samples, setting, num_draft_tokens, generator, device,
+                                    batch_size)
+            p1, support, p2 = exact_distributions(target, prefix, setting, vocab_size, max_enumerate)
+            tests = _tests_at_prefix(draws, p1, support, p2, samples)
+            for name, ((cp, cn, resolved, impossible), exact) in tests.items():
+                stat, df, pv = chi_square_test(cp, cn, impossible)
+                res = TestResult(setting.label, m, name, samples, len(cp), df, stat, pv, impossible, exact=exact)
+                per_prefix.append((res, cp, cn, resolved))
+            if log is not None:
+                log(f"{setting.label}  prefix {m + 1}/{len(prefixes)}  ({time.perf_counter() - start:.0f} s)")
+    results = [r for r, *_ in per_prefix] + _combined_tests([r for r, *_ in per_prefix], settings, samples)
+    _add_tv_bounds(results, per_prefix, samples, alpha)
+    for res, adj in zip(results, holm([r.p_value for r in results])):
+        res.p_holm = float(adj)
+        res.rejected = bool(adj <= alpha)
+    return _summarise(results, settings, prefixes, samples, num_draft_tokens, alpha, seed, max_enumerate,
+                      time.perf_counter() - start)
+
+
+def _check_arguments(target: Any, draft: Any, prefixes: Any, settings: Any, samples: Any, num_draft_tokens: Any,
+                     alpha: Any, batch_size: Any, tokenizer: Any, draft_tokenizer: Any) -> Sequence[Sequence[int]]:
+    """:func:`certify`'s argument checks, before any draw; returns the prefixes as lists (a 2-D tensor is split)."""
+    from decode.compat import check_argument_types
 
     if draft is None:
         raise ValueError("certify needs a draft: it tests the speculative decoder of the target/draft pair")
@@ -395,40 +433,29 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
     for m, prefix in enumerate(prefixes):
         if limit is not None and len(prefix) > limit:
             raise ValueError(f"prefix {m} has {len(prefix)} tokens, more than {limit}: {reason}")
-    if decoder is None:
-        from decode.engine import SpeculativeDecoder
+    return prefixes
 
-        decoder = SpeculativeDecoder(target, draft, num_draft_tokens, tokenizer=tokenizer,
-                                     draft_tokenizer=draft_tokenizer)
-    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
-    device = next(target.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    start = time.perf_counter()
-    per_prefix: list[tuple[TestResult, np.ndarray, np.ndarray, np.ndarray]] = []
-    for setting in settings:
-        for m, prefix in enumerate(prefixes):
-            draws = draw_two_tokens(decoder, prefix, samples, setting, num_draft_tokens, generator, device,
-                                    batch_size)
-            p1, support, p2 = exact_distributions(target, prefix, setting, vocab_size, max_enumerate)
-            tests = _tests_at_prefix(draws, p1, support, p2, samples)
-            for name, ((cp, cn, resolved, impossible), exact) in tests.items():
-                stat, df, pv = chi_square_test(cp, cn, impossible)
-                res = TestResult(setting.label, m, name, samples, len(cp), df, stat, pv, impossible, exact=exact)
-                per_prefix.append((res, cp, cn, resolved))
-            if log is not None:
-                log(f"{setting.label}  prefix {m + 1}/{len(prefixes)}  ({time.perf_counter() - start:.0f} s)")
-    results = [r for r, *_ in per_prefix]
+
+def _combined_tests(per_prefix: list[TestResult], settings: Sequence[Setting], samples: int) -> list[TestResult]:
+    """One combined test per setting and kind: the sum of the prefixes' independent chi-square statistics."""
     from scipy.stats import chi2
 
-    for setting in settings:  # one combined test per setting and kind: the sum of independent statistics
+    combined = []
+    for setting in settings:
         for name in TESTS:
-            group = [r for r in results if r.setting == setting.label and r.test == name and r.prefix is not None]
+            group = [r for r in per_prefix if r.setting == setting.label and r.test == name]
             stat, df = sum(r.statistic for r in group), sum(r.df for r in group)
             bad = any(r.p_value == 0.0 and r.impossible > 0 for r in group)
             pv = 0.0 if bad else (float(chi2.sf(stat, df)) if df > 0 else 1.0)
-            results.append(TestResult(setting.label, None, name, samples * len(group), sum(r.cells for r in group),
-                                      df, stat, pv, sum(r.impossible for r in group),
-                                      exact=all(r.exact for r in group)))
+            combined.append(TestResult(setting.label, None, name, samples * len(group), sum(r.cells for r in group),
+                                       df, stat, pv, sum(r.impossible for r in group),
+                                       exact=all(r.exact for r in group)))
+    return combined
+
+
+def _add_tv_bounds(results: list[TestResult], per_prefix: list, samples: int, alpha: float) -> None:
+    """Fill each test's observed TV, its upper confidence bound (simultaneous over the per-prefix tests) and the
+    smallest TV it could detect at Holm's first-step level."""
     level = alpha / len(results)  # Bonferroni level of Holm's first step
     delta = alpha / len(per_prefix)  # simultaneous confidence of the TV bounds
     for res, cp, cn, resolved in per_prefix:
@@ -444,11 +471,6 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
                 comb.detectable_tv = detectable_tv(comb.df, samples * len(chi2_part), level)
             elif exact_part:
                 comb.detectable_tv = detectable_tv(0, samples * len(exact_part), level, exact=True)
-    for res, adj in zip(results, holm([r.p_value for r in results])):
-        res.p_holm = float(adj)
-        res.rejected = bool(adj <= alpha)
-    return _summarise(results, settings, prefixes, samples, num_draft_tokens, alpha, seed, max_enumerate,
-                      time.perf_counter() - start)
 
 
 def _summarise(results: list[TestResult], settings, prefixes, samples, gamma, alpha, seed, max_enumerate,

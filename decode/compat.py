@@ -19,6 +19,7 @@ tokenizer is an error (it could never produce them).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from typing import Any
 
@@ -183,14 +184,24 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any, names: tuple[s
 def check_cache_support(model: Any, role: str) -> None:
     """Raise :class:`IncompatibleModelsError` if ``model`` (the ``role``: "target" or "draft") keeps state the decoder
     cannot roll back: a recurrent or convolution state (Mamba and hybrids, transformers' linear-attention cache
-    layers) or a sparse-attention indexer cache. The decoder undoes a rejected draft by masking and dropping KV
-    slots, which needs every cached layer to be a plain per-token key/value cache (full or sliding-window)."""
+    layers, a cache class of the model's own as in RWKV and xLSTM) or a sparse-attention indexer cache. The decoder
+    undoes a rejected draft by masking and dropping KV slots, which needs every cached layer to be a plain per-token
+    key/value cache (full or sliding-window)."""
     try:
         from transformers import DynamicCache
         from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
     except ImportError:  # older transformers: no per-layer cache kinds to inspect
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    default_cache = getattr(type(base), "_supports_default_dynamic_cache", None)  # transformers' own test
+    takes_cache = {"cache", "past_key_values"} & set(params) or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not takes_cache or (callable(default_cache) and not default_cache()):
+        raise IncompatibleModelsError(
+            f"the {role} ({type(base).__name__}) keeps its state in a cache of its own (a recurrent state, as in "
+            "RWKV or xLSTM), not a per-token key/value cache, so the speculative decoder cannot roll back a "
+            f"rejected draft; only attention models with a per-token KV cache are supported. Use an attention-only "
+            f"model as the {role}.")
     try:
         layers = DynamicCache(config=base.config).layers
     except Exception:  # noqa: BLE001 - a config the cache cannot read: leave the decision to the forward

@@ -1,6 +1,7 @@
 """Architectures other than Llama/GPT-2: exact greedy equality with Hugging Face's own greedy decoding (sliding
-window shorter than the sequence, logit softcapping, ALiBi, a pair of different architectures), which ones take
-the static cache path, and a clear error for models whose state cannot be rolled back (Mamba)."""
+window shorter than the sequence, logit softcapping, ALiBi, ALiBi by slot index, a pair of different
+architectures), which ones take the static cache path, and a clear error for models whose state cannot be rolled
+back (Mamba, RWKV, xLSTM)."""
 import copy
 import warnings
 
@@ -96,6 +97,31 @@ def test_bloom_alibi_static_path():
     _check(target, _draft_of(target), static_expected=True)
 
 
+def test_mpt_alibi_by_slot_falls_back_exactly():
+    """MPT slices its ALiBi bias by key length, so the static cache's masked holes would move every bias: the slot
+    probe (decode.cache.slots_do_not_matter) sends it to the DynamicCache path, where greedy output is exact."""
+    from transformers import MptConfig
+
+    from decode.cache import slots_do_not_matter
+
+    target = _tiny(MptConfig, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)
+    assert not slots_do_not_matter(target) and not slots_do_not_matter(target.to(torch.bfloat16))
+    target.float()
+    _check(target, _draft_of(target), static_expected=False)
+
+
+def test_slot_probe_passes_models_that_read_positions_and_mask():
+    from transformers import BloomConfig, GPT2Config, LlamaConfig
+
+    from decode.cache import slots_do_not_matter
+
+    for model in (_tiny(LlamaConfig, **_llama_kw()), _tiny(BloomConfig, hidden_size=32, n_layer=2, n_head=4),
+                  _tiny(GPT2Config, n_embd=32, n_layer=2, n_head=4)):
+        model.train()  # the probe runs in eval mode and gives the mode back
+        assert slots_do_not_matter(model) and model.training
+        assert slots_do_not_matter(model.eval().to(torch.bfloat16))
+
+
 def test_different_architectures_share_a_vocabulary():
     from transformers import GPTNeoXConfig, LlamaConfig
 
@@ -113,4 +139,20 @@ def test_recurrent_model_is_rejected_with_a_clear_error(role):
     llama = _tiny(LlamaConfig, **_llama_kw())
     target, draft = (mamba, llama) if role == "target" else (llama, mamba)
     with pytest.raises(IncompatibleModelsError, match=f"the {role} \\(MambaForCausalLM\\).*cannot roll back"):
+        SpeculativeDecoder(target, draft, num_draft_tokens=3)
+
+
+@pytest.mark.parametrize("kind", ["rwkv", "xlstm"])
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_model_with_its_own_state_cache_is_rejected(kind, role):
+    """RWKV and xLSTM keep a recurrent state in a cache class of their own: before the check, RWKV decoded garbage
+    silently (its forward ignored the KV cache) and xLSTM raised an AttributeError inside its forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    other = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=V, hidden_size=64,
+                                                                  num_hidden_layers=2)).eval()
+    llama = _tiny(LlamaConfig, **_llama_kw())
+    target, draft = (other, llama) if role == "target" else (llama, other)
+    with pytest.raises(IncompatibleModelsError, match=f"the {role} \\({type(other).__name__}\\).*cache of its own"):
         SpeculativeDecoder(target, draft, num_draft_tokens=3)

@@ -216,6 +216,30 @@ def check_cache_support(model: Any, role: str) -> None:
             f"{role}.")
 
 
+CHUNK_DEPENDENT_ROPE = ("dynamic", "longrope")  # rope types whose frequencies follow the largest position in a forward
+
+
+def chunk_dependent_rope(model: Any) -> tuple[str, int | None] | None:
+    """``(rope_type, position)`` when ``model``'s rotary frequencies are chosen per forward from its largest position
+    id (transformers' ``dynamic`` NTK scaling past ``max_position_embeddings``; ``longrope``, as in Phi-3 128k, past
+    ``original_max_position_embeddings``), else None. Past that position such a model's logits depend on how many
+    tokens one forward holds (a verify of γ + 1 tokens, a padded batch), so no decoder that verifies several tokens
+    at once can equal one-token-at-a-time decoding there exactly; the engine says so once at construction."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict) or not params:
+        return None
+    groups = list(params.values()) if all(isinstance(v, dict) for v in params.values()) else [params]
+    for group in groups:  # per layer type (Gemma3's sliding/full attention) or one for all layers
+        kind = group.get("rope_type", group.get("type"))
+        if kind in CHUNK_DEPENDENT_ROPE:
+            name = "original_max_position_embeddings" if kind == "longrope" else "max_position_embeddings"
+            start = group.get(name, getattr(cfg, name, None))
+            return kind, start if isinstance(start, int) else None
+    return None
+
+
 def check_argument_types(target: Any, draft: Any = None, target_tokenizer: Any = None,
                          draft_tokenizer: Any = None) -> None:
     """Raise ``TypeError`` naming the argument when a model is not a loaded causal LM (e.g. a path given where the

@@ -37,7 +37,7 @@ import torch
 
 from decode import cache as kv
 from decode import kernels
-from decode.compat import (check_cache_support, check_compatibility, draft_input_substitute,
+from decode.compat import (check_cache_support, check_compatibility, chunk_dependent_rope, draft_input_substitute,
                            substitute_draft_inputs)
 from decode.compiling import check_compile, compiled_forward
 from decode.metrics import DecodeStats, peak_memory_bytes
@@ -173,6 +173,12 @@ class SpeculativeDecoder:
         # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
         self._draft_map = draft_vocab_map(draft) if draft is not None else None
         self.compile = check_compile(compile, draft is not None)
+        rope = chunk_dependent_rope(target)
+        if rope is not None:
+            warnings.warn(f"decode: the target's rope_type {rope[0]!r} picks its rotary frequencies from the largest "
+                          f"position in each forward, so past position {rope[1]} its logits depend on how many tokens "
+                          "a forward holds and outputs there can differ from one-token-at-a-time decoding (plain "
+                          "decoding through this engine too; docs/decode.md, Limits)", stacklevel=2)
         # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
         self._static = {}
         for name, model in (("target", target), ("draft", draft)):

@@ -122,6 +122,31 @@ def test_slot_probe_passes_models_that_read_positions_and_mask():
         assert slots_do_not_matter(model.eval().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rope", ["longrope", "dynamic"])
+def test_chunk_dependent_rope_is_named_and_exact_before_its_switch(rope):
+    """Phi-3's longrope and dynamic NTK choose their frequencies from the largest position in each forward: past
+    the switch the logits depend on the forward's length (no multi-token verify can match one-token decoding), so
+    the engine names it once; before the switch the output is exactly Hugging Face's greedy decoding."""
+    from transformers import LlamaConfig, Phi3Config
+
+    if rope == "longrope":
+        target = _tiny(Phi3Config, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=40,
+                       rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4})
+    else:
+        target = _tiny(LlamaConfig, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=40,
+                       rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    switch = 40
+    with pytest.warns(UserWarning, match=f"rope_type '{rope}' picks .* past position {switch} "):
+        dec = SpeculativeDecoder(target, _draft_of(target), num_draft_tokens=3)
+    prompt = torch.randint(3, V, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    n = switch - len(prompt)  # the last token generated sits at position switch - 1
+    for gamma in (1, 3, 8):
+        out = dec.generate([prompt], max_new_tokens=n, temperature=0, num_draft_tokens=gamma)
+        assert out.new_tokens[0].tolist() == _hf_greedy(target, prompt, n), f"gamma={gamma}"
+
+
 def test_different_architectures_share_a_vocabulary():
     from transformers import GPTNeoXConfig, LlamaConfig
 

@@ -8,8 +8,9 @@
     while dec.has_unfinished():
         for finished in dec.step(): ...
 """
-from decode.engine import DecodeState, GenerationOutput, SpeculativeDecoder
+from decode.engine import DecodeState, GenerationOutput, NonFiniteLogitsError, SpeculativeDecoder
 from decode.metrics import DecodeStats
 from decode.requests import RequestOutput
 
-__all__ = ["SpeculativeDecoder", "GenerationOutput", "DecodeStats", "DecodeState", "RequestOutput"]
+__all__ = ["SpeculativeDecoder", "GenerationOutput", "DecodeStats", "DecodeState", "RequestOutput",
+           "NonFiniteLogitsError"]

@@ -320,13 +320,19 @@ class SpeculativeDecoder:
         remaining callbacks of that step are skipped); the requests that finished in that step are returned by the
         next call, before its own. A callback may add or abort requests but not step: a nested ``step()`` (or
         ``generate()``) raises RuntimeError (it would deliver tokens out of order and return the inner step's
-        finished requests to the callback)."""
+        finished requests to the callback). :class:`NonFiniteLogitsError` (a RuntimeError) when a model's logits
+        were NaN/inf at a sampled step (greedy steps take the argmax of whatever the model returned, as Hugging Face's
+        greedy decoding does); the step's requests stay in flight until aborted."""
         if self._in_step:
             raise RuntimeError("step() was called while a step is running (from an on_tokens callback?); a "
                                "callback may add_request() or abort(), and the caller's loop runs the next step")
         self._in_step = True
         try:
             return self._step()
+        except IndexError as err:  # a NaN-drawn id (= V) reached an embedding before the step's host sync
+            if "index out of range" not in str(err):
+                raise
+            raise NonFiniteLogitsError(NON_FINITE) from err
         finally:
             self._in_step = False
 
@@ -774,6 +780,8 @@ class SpeculativeDecoder:
             p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
             n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
         host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
+        if any(row[gamma + 1] >= self.vocab_size or max(row[:gamma], default=0) >= self.vocab_size for row in host):
+            raise NonFiniteLogitsError(NON_FINITE)  # inverse-CDF sampling of NaN probabilities returns id V
         n_list = [row[gamma] for row in host]
         self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)
         self.num_target_forwards += 1
@@ -1063,6 +1071,17 @@ class SpeculativeDecoder:
         new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in ordered]
         sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, ordered)]
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """A model's logits were not finite (NaN or inf) during decoding, so no token could be drawn from them."""
+
+
+NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, so the sampled id fell outside the "
+              "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
+              "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
+              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'. The requests of this step are not "
+              "finished: abort them before reusing the decoder")
 
 
 PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})

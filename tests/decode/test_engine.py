@@ -441,3 +441,22 @@ def test_compiled_forwards_keep_greedy_equality(pair, references):
     out = dec.generate([prompts[1]], max_new_tokens=MAX_NEW)
     assert out.new_tokens[0].tolist() == refs[1]
     assert 0 < out.stats.acceptance_rate < 1  # rejections and rollbacks happened under compilation
+
+
+@pytest.mark.parametrize("broken", ["target", "draft"])
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_non_finite_logits_raise_a_clear_error(broken, gamma):
+    """NaN logits (fp16 overflow, NaN weights, a NaN-producing attention path) make inverse-CDF sampling return the
+    id V; it used to reach an embedding as ``IndexError: index out of range in self`` deep inside a forward."""
+    import copy
+
+    from decode.engine import NonFiniteLogitsError
+
+    target = tiny_llama(seed=0, layers=2)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        (target if broken == "target" else draft).get_output_embeddings().weight[:, 0] = float("nan")
+    dec = SpeculativeDecoder(target, draft, num_draft_tokens=gamma)
+    with pytest.raises(NonFiniteLogitsError, match="logits were not finite"):
+        dec.generate([[5, 6, 7]], max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert not dec.has_unfinished()  # generate() aborts what the failed step left

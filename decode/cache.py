@@ -216,42 +216,48 @@ def _static_cache(model: Any, max_cache_len: int) -> Any:
     return cache
 
 
-def slots_do_not_matter(model: Any, holes: int = 16) -> bool:
+def slot_probe(model: Any, holes: int = 16) -> tuple[bool, bool]:
     """Whether ``model``'s logits depend only on its tokens, their position ids and the attention mask, not on the
-    slots the tokens sit in. The static cache (:class:`StaticKV`) leaves masked holes between a row's tokens
-    (rejected drafts in a ragged batch, rows of other lengths), which is exact only for such models; a position
-    bias taken from the slot index (MPT's ALiBi, which slices its bias by key length) is not.
+    cache slots the tokens sit in: ``(holes_ok, padding_ok)``.
 
-    A probe, not a list of architectures: two eager forwards of 4 tokens, the second with ``holes`` masked slots
-    after the first token and the same position ids; the last position's logits must agree within the dtype's
-    rounding (float32: 1e-3, lower precision: 2e-2, of the largest logit or 1). The model runs in eval mode for the
-    probe (its mode is restored). True when the probe cannot run (the forward decides then).
+    - ``holes_ok``: masked slots between a row's tokens change nothing. The static cache (:class:`StaticKV`)
+      leaves such holes (rejected drafts in a ragged batch, rows of other lengths); a position bias taken from the
+      slot index (MPT's ALiBi, sliced by key length) is not exact there, so such models take the dynamic path.
+    - ``padding_ok``: masked slots before a row's first token (left padding) change nothing. False for models that
+      number positions by slot and take no position ids (BART's, Marian's or TrOCR's decoder as a causal LM); the
+      engine then decodes one request at a time.
+
+    A probe, not a list of architectures: three eager forwards of at most ``4 + holes`` tokens (plain, with the
+    masked slots after the first token, and before it), same position ids; the last position's logits must agree
+    within the dtype's rounding (float32/64: 1e-3, lower precision: 2e-2, of the largest logit or 1). The model runs
+    in eval mode for the probe (its mode is restored). ``(True, True)`` when the probe cannot run (the forward
+    decides then).
     """
     try:
         param = next(model.parameters())
         rows = model.get_input_embeddings().weight.shape[0]
     except Exception:  # noqa: BLE001 - no parameters or no input embedding: nothing to probe
-        return True
+        return True, True
     dev = param.device
     real = torch.tensor([[3, 5, 7, 11]], device=dev) % rows
-    ids = torch.cat([real[:, :1], torch.ones(1, holes, dtype=torch.long, device=dev), real[:, 1:]], 1)
-    mask = torch.ones_like(ids)
-    mask[:, 1:1 + holes] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    fill = torch.ones(1, holes, dtype=torch.long, device=dev)
+    inside = torch.cat([real[:, :1], fill, real[:, 1:]], 1), torch.tensor([1] + [0] * holes + [1] * 3, device=dev)
+    left = torch.cat([fill, real], 1), torch.tensor([0] * holes + [1] * 4, device=dev)
     was_training = model.training
     try:
         model.eval()
         with torch.no_grad():
-            a = model(input_ids=real, attention_mask=torch.ones_like(real), position_ids=pos[:, mask[0] > 0],
-                      use_cache=False).logits[0, -1].float()
-            b = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[0, -1].float()
+            outs = []
+            for ids, mask in ((real, torch.ones(4, dtype=torch.long, device=dev)), inside, left):
+                pos = (mask.cumsum(-1) - 1).clamp(min=0)[None]
+                outs.append(model(input_ids=ids, attention_mask=mask[None], position_ids=pos,
+                                  use_cache=False).logits[0, -1].float())
     except Exception:  # noqa: BLE001 - the real forward will raise its own error
-        return True
+        return True, True
     finally:
         model.train(was_training)
-    tol = (1e-3 if param.dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, float(a.abs().max()))
-    return bool((a - b).abs().max() <= tol)
-
+    tol = (1e-3 if param.dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, float(outs[0].abs().max()))
+    return bool((outs[0] - outs[1]).abs().max() <= tol), bool((outs[0] - outs[2]).abs().max() <= tol)
 
 class StaticKV:
     """A preallocated Hugging Face ``StaticCache`` of physical width L for B rows, written by column.
@@ -283,8 +289,9 @@ class StaticKV:
         self._pos = torch.tensor(self.lens, dtype=torch.long, device=self.device)
 
     @staticmethod
-    def supported(model: Any) -> str | None:
-        """None if ``model`` can use a static cache, else the reason (one line)."""
+    def supported(model: Any, probe: tuple[bool, bool] | None = None) -> str | None:
+        """None if ``model`` can use a static cache, else the reason (one line). ``probe``: :func:`slot_probe`'s
+        result for ``model`` if already run."""
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
@@ -301,7 +308,7 @@ class StaticKV:
             return f"layers of kind {sorted(kinds)} (sliding-window/linear/other)"
         if _cache_kwarg(model) != "cache" and "past_key_values" not in inspect.signature(type(base).forward).parameters:
             return "forward takes no cache argument"
-        if not slots_do_not_matter(model):
+        if not (probe or slot_probe(model))[0]:
             return ("its attention depends on where tokens sit in the cache, not only on their positions and the "
                     "mask, e.g. an ALiBi bias by slot index as in MPT; the static cache leaves masked holes")
         return None

@@ -195,8 +195,12 @@ def check_cache_support(model: Any, role: str) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(type(base).forward).parameters
     default_cache = getattr(type(base), "_supports_default_dynamic_cache", None)  # transformers' own test
-    takes_cache = {"cache", "past_key_values"} & set(params) or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if not takes_cache or (callable(default_cache) and not default_cache()):
+    if not {"cache", "past_key_values"} & set(params):  # e.g. OpenAI GPT: every forward recomputes the prefix
+        raise IncompatibleModelsError(
+            f"the {role} ({type(base).__name__}) takes no key/value cache (its forward has no cache argument), so it "
+            f"cannot continue from a cached prefix; only models with a per-token KV cache are supported. Use "
+            f"another model as the {role}.")
+    if callable(default_cache) and not default_cache():
         raise IncompatibleModelsError(
             f"the {role} ({type(base).__name__}) keeps its state in a cache of its own (a recurrent state, as in "
             "RWKV or xLSTM), not a per-token key/value cache, so the speculative decoder cannot roll back a "

@@ -94,7 +94,8 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device: Any = None)
 def context_length(model: Any) -> int | None:
     """Max positions of a causal LM from its (text) config; None when the architecture states no limit."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
+                 "n_ctx"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -181,11 +182,18 @@ class SpeculativeDecoder:
                           "decoding through this engine too; docs/decode.md, Limits)", stacklevel=2)
         # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
         self._static = {}
+        self._max_rows = None  # 1 when a model numbers positions by slot: left padding would shift them
         for name, model in (("target", target), ("draft", draft)):
+            probe = kv.slot_probe(model) if model is not None else (True, True)
+            if not probe[1]:
+                warnings.warn(f"decode: the {name} ({type(model).__name__}) numbers positions by cache slot (it takes "
+                              "no position ids), so left padding in a shared batch would shift them; this decoder "
+                              "runs one request at a time", stacklevel=2)
+                self._max_rows = 1
             if model is None or static_cache is False:
                 self._static[name] = False
                 continue
-            reason = kv.StaticKV.supported(model)
+            reason = kv.StaticKV.supported(model, probe)
             if reason is not None:
                 warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
                               f"({reason}); using the DynamicCache path", stacklevel=2)
@@ -330,7 +338,7 @@ class SpeculativeDecoder:
         try:
             return self._step()
         except IndexError as err:  # a NaN-drawn id (= V) reached an embedding before the step's host sync
-            if "index out of range" not in str(err):
+            if "index out of range in self" not in str(err):  # torch's embedding message, not a list index
                 raise
             raise NonFiniteLogitsError(NON_FINITE) from err
         finally:
@@ -384,7 +392,10 @@ class SpeculativeDecoder:
         return self.num_draft_tokens if self._gamma_override is None else self._gamma_override
 
     def _admit(self) -> None:
-        new, self._waiting = self._waiting, []
+        room = len(self._waiting) if self._max_rows is None else self._max_rows - len(self._rows)
+        if room <= 0:
+            return
+        new, self._waiting = self._waiting[:room], self._waiting[room:]
         if self._state is None:
             for name, model, harm in (("target", self.target, "the output is not the target's"),
                                       ("draft", self.draft, "its proposals are noisier (still lossless)")):

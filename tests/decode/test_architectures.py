@@ -49,6 +49,14 @@ def _hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@torch.no_grad()
+def _no_cache_greedy(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
 def _check(target, draft, static_expected, n=24, lengths=(3, 11, 20), draft_is_close=True):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, V, (L,), generator=g).tolist() for L in lengths]
@@ -99,13 +107,14 @@ def test_bloom_alibi_static_path():
 
 def test_mpt_alibi_by_slot_falls_back_exactly():
     """MPT slices its ALiBi bias by key length, so the static cache's masked holes would move every bias: the slot
-    probe (decode.cache.slots_do_not_matter) sends it to the DynamicCache path, where greedy output is exact."""
+    probe (decode.cache.slot_probe) sends it to the DynamicCache path, where greedy output is exact."""
     from transformers import MptConfig
 
-    from decode.cache import slots_do_not_matter
+    from decode.cache import slot_probe
 
     target = _tiny(MptConfig, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)
-    assert not slots_do_not_matter(target) and not slots_do_not_matter(target.to(torch.bfloat16))
+    assert slot_probe(target) == (False, True)  # relative ALiBi: left padding is fine, holes are not
+    assert slot_probe(target.to(torch.bfloat16)) == (False, True)
     target.float()
     _check(target, _draft_of(target), static_expected=False)
 
@@ -113,13 +122,13 @@ def test_mpt_alibi_by_slot_falls_back_exactly():
 def test_slot_probe_passes_models_that_read_positions_and_mask():
     from transformers import BloomConfig, GPT2Config, LlamaConfig
 
-    from decode.cache import slots_do_not_matter
+    from decode.cache import slot_probe
 
     for model in (_tiny(LlamaConfig, **_llama_kw()), _tiny(BloomConfig, hidden_size=32, n_layer=2, n_head=4),
                   _tiny(GPT2Config, n_embd=32, n_layer=2, n_head=4)):
         model.train()  # the probe runs in eval mode and gives the mode back
-        assert slots_do_not_matter(model) and model.training
-        assert slots_do_not_matter(model.eval().to(torch.bfloat16))
+        assert slot_probe(model) == (True, True) and model.training
+        assert slot_probe(model.eval().to(torch.bfloat16)) == (True, True)
 
 
 @pytest.mark.parametrize("rope", ["longrope", "dynamic"])
@@ -167,17 +176,58 @@ def test_recurrent_model_is_rejected_with_a_clear_error(role):
         SpeculativeDecoder(target, draft, num_draft_tokens=3)
 
 
-@pytest.mark.parametrize("kind", ["rwkv", "xlstm"])
+@pytest.mark.parametrize("kind", ["rwkv", "xlstm", "openai-gpt"])
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_model_with_its_own_state_cache_is_rejected(kind, role):
-    """RWKV and xLSTM keep a recurrent state in a cache class of their own: before the check, RWKV decoded garbage
-    silently (its forward ignored the KV cache) and xLSTM raised an AttributeError inside its forward."""
+def test_model_without_a_per_token_kv_cache_is_rejected(kind, role):
+    """RWKV and xLSTM keep a recurrent state in a cache class of their own, OpenAI GPT keeps no cache: before the
+    check, RWKV decoded garbage silently (its forward ignored the KV cache), xLSTM raised an AttributeError and OpenAI
+    GPT a shape error inside their forwards."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    other = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=V, hidden_size=64,
-                                                                  num_hidden_layers=2)).eval()
+    size = dict(n_embd=64, n_layer=2, n_head=4) if kind == "openai-gpt" else dict(hidden_size=64, num_hidden_layers=2)
+    other = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=V, **size)).eval()
     llama = _tiny(LlamaConfig, **_llama_kw())
     target, draft = (other, llama) if role == "target" else (llama, other)
-    with pytest.raises(IncompatibleModelsError, match=f"the {role} \\({type(other).__name__}\\).*cache of its own"):
+    reason = "keeps its state in a cache of its own" if kind == "xlstm" else "takes no key/value cache"
+    with pytest.raises(IncompatibleModelsError, match=f"the {role} \\({type(other).__name__}\\) {reason}"):
         SpeculativeDecoder(target, draft, num_draft_tokens=3)
+
+
+def test_decoder_that_numbers_positions_by_slot_runs_one_request_at_a_time():
+    """BART's decoder as a causal LM takes no position ids: left padding in a shared batch shifted its positions
+    (padded rows decoded wrongly, plain decoding too). The padding probe (decode.cache.slot_probe) finds it and the
+    engine admits one request at a time, so every row equals its own greedy decoding."""
+    from transformers import BartConfig
+
+    target = _tiny(BartConfig, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256)
+    with pytest.warns(UserWarning, match=r"the target \(BartForCausalLM\) numbers positions by cache slot"):
+        dec = SpeculativeDecoder(target, _draft_of(target), num_draft_tokens=3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 11, 8)]
+    refs = [_no_cache_greedy(target, p, 12) for p in prompts]  # (HF's generate adds BART's forced eos)
+    for gamma in (0, 3):
+        out = dec.generate(prompts, max_new_tokens=12, num_draft_tokens=gamma)
+        assert [t.tolist() for t in out.new_tokens] == refs, f"gamma={gamma}"
+    first = dec.add_request(prompts[0], max_new_tokens=12)
+    second = dec.add_request(prompts[1], max_new_tokens=12)
+    dec.step()
+    assert len(dec._rows) == 1 and len(dec._waiting) == 1
+    outs = {}
+    while dec.has_unfinished():
+        outs.update({o.request_id: o.new_tokens for o in dec.step()})
+    assert [outs[first], outs[second]] == refs[:2]
+
+
+def test_draft_context_read_from_mpt_max_seq_len():
+    """MPT states its context as ``max_seq_len``: a draft of 48 positions under a target of 256 raised a shape error
+    in MPT's ALiBi once a prompt and its drafts passed 48; now the draft stops drafting there, output exact."""
+    from transformers import MptConfig
+
+    target = _tiny(MptConfig, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)
+    draft = _tiny(MptConfig, seed=1, d_model=32, n_layers=2, n_heads=4, max_seq_len=48)
+    dec = SpeculativeDecoder(target, draft, num_draft_tokens=4)
+    assert (dec.context_length, dec.draft_context_length) == (256, 48)
+    prompt = list(range(3, 43))
+    assert dec.generate([prompt], max_new_tokens=30).new_tokens[0].tolist() == _hf_greedy(target, prompt, 30)

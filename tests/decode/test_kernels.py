@@ -250,9 +250,9 @@ def test_engine_runs_its_forwards_under_the_switch_and_keeps_greedy_equality(pai
     plain = [SpeculativeDecoder(target, None).generate([p], max_new_tokens=20).new_tokens[0].tolist()
              for p in prompts]
     seen = []
+    dec = SpeculativeDecoder(target, draft, 4, few_row_linear=enabled)  # (its construction probes run eager)
     hook = target.register_forward_hook(lambda m, a, out: seen.append(F.linear is kernels.linear))
     try:
-        dec = SpeculativeDecoder(target, draft, 4, few_row_linear=enabled)
         out = dec.generate(prompts, max_new_tokens=20)  # batch 4: verify forwards of 20 rows
         dec.calibrate(prompts[0], batch_sizes=(1,), repeats=1)
     finally:

@@ -819,10 +819,12 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     log(f"distill: {len(run.examples)} examples, {evals}, loss={cfg.loss.name}, "
         f"λ={cfg.data.on_policy_fraction}, {world} process(es), steps {state['step']}->{stop_at}/{max_steps}")
 
-    def maybe_eval_and_save(step: int, force: bool) -> None:
+    def maybe_eval_and_save(step: int, force: bool, signalled: bool = False) -> None:
+        """Save and evaluate at the scheduled steps, and both at the end (``force``). A signal saves but evaluates
+        only on schedule: an extra eval would make a candidate for best/ that the same run uninterrupted never has."""
         every, save_every = int(cfg.eval.every), int(cfg.train.save_every)
         path = None
-        saving = step > 0 and (force or bool(save_every and step % save_every == 0))
+        saving = step > 0 and (force or signalled or bool(save_every and step % save_every == 0))
         evaluating = force or bool(every and step % every == 0)
         if saving or evaluating:  # a diverged draft is neither saved (it would prune good checkpoints) nor evaluated
             check_finite(run, step, out)
@@ -897,11 +899,10 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
                             "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s,
                             "train/tokens_seen": state["tokens_seen"], "train/elapsed_s": clock["elapsed_s"],
                             "train/on_policy_fraction_batch": out_step["on_policy_fraction"]}, step)
-            stop_now = signalled or step == stop_at or out_of_time
             t1 = time.perf_counter()
             clock["elapsed_s"] += t1 - t0
             state["elapsed_s"] = clock["elapsed_s"]  # saved with the checkpoint: a resumed run keeps its schedule
-            maybe_eval_and_save(step, force=stop_now)
+            maybe_eval_and_save(step, force=step == stop_at or out_of_time, signalled=signalled)
             clock["elapsed_s"] += time.perf_counter() - t1  # eval and checkpoint time count against the budget
             state["elapsed_s"] = clock["elapsed_s"]
             if signalled:

@@ -273,6 +273,13 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(pair, tmp_pat
     assert _losses(straight) == _losses(interrupted)
     ws, wi = _weights(straight / "step_000004"), _weights(interrupted / "step_000004")
     assert all(torch.equal(ws[k], wi[k]) for k in ws)
+    # the signal saved without an unscheduled eval: best/ is the one the straight run chose (a trial found best/ at
+    # the signal's step after resuming, so the export shipped an earlier draft than the uninterrupted run's)
+    best = [json.loads((run / "step_000004" / "eval.json").read_text())["best"] for run in (straight, interrupted)]
+    assert best[0] == best[1] and best[0]["step"] == 4
+    evals = [[r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if any(k.startswith("eval/") for k in r)] for run in (straight, interrupted)]
+    assert evals[0] == evals[1]
 
 
 def test_bf16_mixed_precision_and_bf16_target(pair, tmp_path):

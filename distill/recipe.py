@@ -638,7 +638,7 @@ def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
             "data.completions", "data.target_logits", "data.logit_cache", "data.logit_cache_k",
             "data.logit_cache_tail_samples", "data.on_policy_fraction", "data.rollout_temperature", "loss.name",
             "loss.beta", "loss.temperature", "loss.ce_weight", "loss.ce_labels", "loss.gamma", "optim",
-            "target.name_or_path"]  # not loss.fused: same update
+            "target.name_or_path", "train.lora.dropout"]  # not loss.fused: same update
     absent = object()  # a key the checkpoint's config predates is not a change
     return [k for k in keys if OmegaConf.select(saved, k, default=absent) not in (absent, OmegaConf.select(cfg, k))]
 
@@ -689,6 +689,34 @@ def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | Non
         raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume it "
                          f"with train.lora.enabled={str(lora).lower()}"
                          + (" and the run's other train.lora settings" if lora else ""))
+    old_lora = ((resume_from and ckpt.read_config(resume_from)) or {}).get("train", {}).get("lora") or {}
+    if saved.get("lora") and cfg.train.lora.enabled:  # these shape the adapter the checkpoint's weights belong to
+        for key in ("r", "alpha", "target_modules", "modules_to_save"):
+            was, now = old_lora.get(key, LORA_ABSENT), OmegaConf.to_container(cfg.train.lora)[key]
+            if was is not LORA_ABSENT and _lora_value(was) != _lora_value(now):
+                was, now = _override_form(was), _override_form(now)
+                raise SetupError(
+                    f"train.lora.{key}={now} differs from the checkpoint's {was} ({resume_from}): its adapter weights "
+                    f"were trained {'at the scale alpha / r' if key in ('r', 'alpha') else 'on those modules'} and "
+                    f"would be restored into another adapter. Resume with train.lora.{key}={was}, or start a new run "
+                    "from an export of this one")
+
+
+LORA_ABSENT = object()
+
+
+def _override_form(value: Any) -> str:
+    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj]."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _lora_value(value: Any) -> Any:
+    """A train.lora value in a comparable form: module lists as sets, numbers as floats (alpha 32 == 32.0)."""
+    if isinstance(value, (list, tuple)):
+        return frozenset(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 # ------------------------------------------------------------------------------------------------ train

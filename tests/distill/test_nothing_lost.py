@@ -3,6 +3,7 @@ resume needs, metrics have one row per step, a kill -9 at any point resumes to t
 never overwrites a folder it was not asked to, and evaluation errors come after the save."""
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -437,6 +438,27 @@ def test_a_resume_that_drops_or_adds_lora_is_refused_before_any_model_loads(pair
     monkeypatch.setattr(recipe, "setup", lambda *a, **k: pytest.fail("models were loaded"))
     with pytest.raises(SetupError, match="was trained without LoRA; resume it with train.lora.enabled=false$"):
         train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true", *FAST)), log=QUIET)
+
+
+def test_a_resume_that_changes_the_adapter_is_refused_before_any_model_loads(pair, tmp_path, monkeypatch):
+    """A trial resumed a LoRA run with train.lora.alpha=64 (trained at 32): accepted with no warning, and the
+    restored adapter's scale doubled at the resume point; a changed r was refused only after loading, with 16 lines of
+    size mismatches and no word of train.lora.r. A changed dropout is a warning (the same adapter, another
+    regularisation)."""
+    out, messages = tmp_path / "run", []
+    train(compose(overrides(pair, out, "train.lora.enabled=true", "train.stop_at=2", *FAST)), log=QUIET)
+    real_setup = recipe.setup
+    monkeypatch.setattr(recipe, "setup", lambda *a, **k: pytest.fail("models were loaded"))
+    for change, was in (("train.lora.alpha=64", "32"), ("train.lora.r=8", "16"),
+                        ("train.lora.target_modules=[q_proj,v_proj]", "all-linear")):
+        with pytest.raises(SetupError, match=rf"{re.escape(change)} differs from the checkpoint's {was} .*Resume with "
+                                             rf"{re.escape(change.split('=')[0])}={was}"):
+            train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true", change, *FAST)),
+                  log=QUIET)
+    monkeypatch.setattr(recipe, "setup", real_setup)
+    train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true", "train.lora.alpha=32.0",
+                            "train.lora.dropout=0.3", *FAST)), log=messages.append)
+    assert any("train.lora.dropout differs from the checkpoint's config" in m for m in messages)
 
 
 def test_the_latest_pointer_given_as_a_checkpoint_names_the_folder_it_points_to(straight):

@@ -220,6 +220,51 @@ def check_cache_support(model: Any, role: str) -> None:
             f"{role}.")
 
 
+class NotCausalError(ValueError):
+    """A model's logits at a position depend on later tokens: it is not a causal (left-to-right) language model."""
+
+
+def check_causal(model: Any, role: str) -> None:
+    """Raise :class:`NotCausalError` if ``model`` (the ``role``) is not causal: a masked LM loaded as a causal-LM
+    class (BERT's ``BertLMHeadModel`` without ``is_decoder=True``) attends to the tokens it should predict, so its
+    "next-token" distributions, every acceptance measured against them and every draft trained on them mean nothing.
+
+    A probe, not a config flag (``is_decoder`` is False for Llama too): two eager forwards of 4 tokens that differ in
+    the last one; the logits of the first three positions must agree within the dtype's rounding (float32/64: 1e-5,
+    lower precision: 2e-2, of the largest logit or 1; the shapes are equal, so only an MoE's routing moves them). The model runs in eval mode for the probe (its mode is
+    restored). Nothing is raised when the probe cannot run (the real forward raises its own error)."""
+    try:
+        param = next(model.parameters())
+        rows = model.get_input_embeddings().weight.shape[0]
+    except Exception:  # noqa: BLE001 - no parameters or no input embedding: nothing to probe
+        return
+    import torch
+
+    dev = param.device
+    a = torch.tensor([[3, 5, 7, 11]], device=dev) % rows
+    b = a.clone()
+    b[0, -1] = 13 % rows
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            kw = dict(attention_mask=torch.ones_like(a), position_ids=torch.arange(4, device=dev)[None], use_cache=False)
+            la, lb = (model(input_ids=x, **kw).logits[0, :3].float() for x in (a, b))
+    except Exception:  # noqa: BLE001 - the real forward will raise its own error
+        return
+    finally:
+        model.train(was_training)
+    # same shapes: a causal model gives the same bits there, an MoE's routing differs by float32 summation order
+    tol = (1e-5 if param.dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, float(la.abs().max()))
+    if float((la - lb).abs().max()) > tol:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        raise NotCausalError(
+            f"the {role} ({type(base).__name__}) is not a causal language model: its logits at a position change "
+            "when a later token changes (a masked LM such as BERT loaded as a causal LM; for BERT-style decoders set "
+            f"is_decoder=True in its config). Speculative decoding and distillation need a left-to-right model as "
+            f"the {role}.")
+
+
 CHUNK_DEPENDENT_ROPE = ("dynamic", "longrope")  # rope types whose frequencies follow the largest position in a forward
 
 

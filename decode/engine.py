@@ -37,8 +37,8 @@ import torch
 
 from decode import cache as kv
 from decode import kernels
-from decode.compat import (check_cache_support, check_compatibility, chunk_dependent_rope, draft_input_substitute,
-                           substitute_draft_inputs)
+from decode.compat import (check_cache_support, check_causal, check_compatibility, chunk_dependent_rope,
+                           draft_input_substitute, substitute_draft_inputs)
 from decode.compiling import check_compile, compiled_forward
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
@@ -157,9 +157,10 @@ class SpeculativeDecoder:
         self.draft = draft
         self.tokenizer = tokenizer
         self.vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
-        check_cache_support(target, "target")
-        if draft is not None:
-            check_cache_support(draft, "draft")
+        for name, model in (("target", target), ("draft", draft)):
+            if model is not None:
+                check_cache_support(model, name)
+                check_causal(model, name)
         if isinstance(max_auto_draft_tokens, bool) or not isinstance(max_auto_draft_tokens, int) \
                 or max_auto_draft_tokens < 1:
             raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="

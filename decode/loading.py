@@ -208,6 +208,9 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
+    from decode.compat import check_causal
+
+    check_causal(model, role)  # a masked LM loads as a causal-LM class with only a transformers warning
     return model
 
 
@@ -308,6 +311,9 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
+    from decode.compat import check_causal
+
+    check_causal(model, role)  # a masked LM loads as a causal-LM class with only a transformers warning
     return model
 
 

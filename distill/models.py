@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from decode import loading
+from decode.compat import NotCausalError
 from decode.engine import context_length  # noqa: F401  (the recipe imports it from here)
 
 
@@ -35,6 +36,8 @@ def _loaded(load: Any, what: str, key: str) -> Any:
     except FileNotFoundError as e:
         raise SetupError(f"cannot load the {what}: {e} Set {key}=/path/to/checkpoint (a save_pretrained "
                          "directory) or a cached hub id (HF_HUB_OFFLINE may be set).") from e
+    except NotCausalError as e:
+        raise SetupError(f"{e} Set {key} to a causal LM checkpoint.") from e
 
 
 def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +target.tokenizer)",

@@ -4,8 +4,10 @@ The command-line cases are the table of docs/distill.md (scripts/bad_inputs.py, 
 here each runs in-process: exit code 2, the expected named error, no model or tokenizer loaded, no run folder.
 """
 import json
+import re
 
 import pytest
+import torch
 
 from distill.__main__ import main
 from distill.models import SetupError
@@ -347,3 +349,25 @@ def test_a_draft_that_cannot_embed_the_vocabulary_is_refused_naming_both_sizes(p
     with pytest.raises(SetupError, match=rf"input embedding has {vocab // 2} rows but the shared vocabulary has "
                                          rf"{vocab} ids.*resize_token_embeddings\({vocab}\)"):
         train(compose(overrides({**pair, "draft": str(tmp_path / "small")}, tmp_path / "run")), log=lambda *_: None)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_masked_lm_is_refused_as_target_or_draft(pair, tmp_path, role):
+    """A trial trained against a BERT masked LM (AutoModelForCausalLM gives BertLMHeadModel with is_decoder=False,
+    which attends to the tokens it should predict) with only transformers' own warning: α and the training signal
+    meant nothing. The causal probe refuses it, naming the setting."""
+    from transformers import AutoModelForCausalLM, BertConfig
+
+    torch.manual_seed(0)
+    from transformers import AutoConfig
+
+    ids = {k: getattr(AutoConfig.from_pretrained(str(pair["target"])), k) for k in ("bos_token_id", "eos_token_id",
+                                                                                   "pad_token_id")}
+    bert = AutoModelForCausalLM.from_config(BertConfig(vocab_size=pair["vocab"], hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=2, num_attention_heads=4, **ids))
+    bert.save_pretrained(str(tmp_path / "bert"))
+    make_tokenizer(tmp_path / "bert")  # the pair's tokenizer (the same deterministic build)
+    key = "++target.name_or_path" if role == "target" else "draft.name_or_path"
+    _fails(pair, tmp_path, f"{key}={tmp_path / 'bert'}",
+           match=rf"the {role} \(BertLMHeadModel\) is not a causal language model.*Set \+?"
+                 rf"{re.escape(key.lstrip('+'))}")

@@ -53,6 +53,19 @@ def _cache_kwarg_for(cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+@functools.lru_cache(maxsize=None)
+def _off_for(cls: type) -> tuple[tuple[str, bool], ...]:
+    params = inspect.signature(cls.forward).parameters
+    return tuple((name, False) for name in ("output_router_logits",) if name in params)
+
+
+def _off(model: Any) -> dict[str, bool]:
+    """Forward outputs the decoder never reads, switched off: an MoE's router logits (``output_router_logits=True``
+    in a Mixtral/Qwen3-MoE config also computes the load-balancing loss, which fails on a padded batch's mask)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return dict(_off_for(type(base)))
+
+
 def _cache_kwarg(model: Any) -> str:
     # transformers 5.x renamed past_key_values to cache; peft wrappers forward **kwargs to the base model.
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -86,7 +99,7 @@ def forward(model: Any, cache: Any, mask: torch.Tensor, input_ids: torch.Tensor,
     full_mask = torch.cat([mask, input_mask], dim=-1)
     positions = (mask.sum(-1, keepdim=True) + input_mask.cumsum(-1) - 1).clamp(0, max_position)
     # Always the same keyword set (0 keeps every position), so a compiled forward sees one signature.
-    kwargs = {_cache_kwarg(model): cache, "logits_to_keep": logits_to_keep or 0}
+    kwargs = {_cache_kwarg(model): cache, "logits_to_keep": logits_to_keep or 0, **_off(model)}
     out = (call or model)(input_ids=input_ids, attention_mask=full_mask, position_ids=positions, use_cache=True,
                           **kwargs)
     return out.logits, full_mask
@@ -460,7 +473,7 @@ class StaticKV:
         attn = self.mask[:, : W + k] if self.holey else None
         for layer in self.cache.layers:
             layer.used = W + k
-        kwargs = {_cache_kwarg(model): self.cache, "logits_to_keep": logits_to_keep or 0}
+        kwargs = {_cache_kwarg(model): self.cache, "logits_to_keep": logits_to_keep or 0, **_off(model)}
         # The first write into a cache no prefill filled (1-token prompts only) allocates its buffers inside the
         # forward: run it eagerly, so a compiled call never traces that (one more graph, rare in serving).
         if call is None or not self.cache.layers[0].is_initialized:

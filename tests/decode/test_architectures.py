@@ -220,6 +220,39 @@ def test_decoder_that_numbers_positions_by_slot_runs_one_request_at_a_time():
     assert [outs[first], outs[second]] == refs[:2]
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_masked_lm_is_refused_by_the_causal_probe(role, tmp_path):
+    """BERT loaded through AutoModelForCausalLM without is_decoder=True attends to later tokens; it decoded and
+    trained with only transformers' own warning. With is_decoder=True (a BERT-style decoder) it is causal and passes."""
+    from transformers import AutoModelForCausalLM, BertConfig, LlamaConfig
+
+    from decode.compat import NotCausalError, check_causal
+    from decode.loading import load_causal_lm
+
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    bert = AutoModelForCausalLM.from_config(BertConfig(**kw)).eval()
+    llama = _tiny(LlamaConfig, **_llama_kw())
+    target, draft = (bert, llama) if role == "target" else (llama, bert)
+    with pytest.raises(NotCausalError, match=f"the {role} \\(BertLMHeadModel\\) is not a causal language model"):
+        SpeculativeDecoder(target, draft, num_draft_tokens=3)
+    bert.save_pretrained(str(tmp_path / "bert"))
+    with pytest.raises(NotCausalError, match="the draft \\(BertLMHeadModel\\) is not a causal"):
+        load_causal_lm(str(tmp_path / "bert"), "draft")
+    check_causal(AutoModelForCausalLM.from_config(BertConfig(is_decoder=True, **kw)), "draft")  # passes
+    check_causal(llama, "target")
+
+
+def test_moe_with_router_logits_in_its_config_decodes_a_padded_batch():
+    """Mixtral with output_router_logits=True in its config computed the load-balancing loss in every forward, which
+    failed on a padded batch's mask (a shape error; Hugging Face's own batched generate too): the decoder now asks
+    for no router logits, and greedy output is exact."""
+    from transformers import MixtralConfig
+
+    target = _tiny(MixtralConfig, **_llama_kw(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True))
+    _check(target, _draft_of(target), static_expected=True)
+
+
 def test_draft_context_read_from_mpt_max_seq_len():
     """MPT states its context as ``max_seq_len``: a draft of 48 positions under a target of 256 raised a shape error
     in MPT's ALiBi once a prompt and its drafts passed 48; now the draft stops drafting there, output exact."""

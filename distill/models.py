@@ -98,6 +98,31 @@ def draft_config_from_target(target_config: Any, cfg: Any) -> Any:
     return dcfg
 
 
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_key_value_heads")
+
+
+def check_overrides_took(draft: Any, target_config: Any, cfg: Any) -> None:
+    """Raise SetupError when a ``draft.<key>`` override that changes weight shapes left the built draft's shapes as
+    they would be without it: the config class keeps the value but its model reads another field (FalconConfig
+    stores ``num_key_value_heads``, FalconForCausalLM reads ``num_kv_heads``). The comparison builds on the meta
+    device (no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+    for key in SHAPE_KEYS:
+        value = cfg.get(key)
+        if value is None or int(value) == getattr(target_config, key, None):
+            continue
+        without = draft_config_from_target(target_config, {k: cfg.get(k) for k in ARCH_KEYS if k != key})
+        with torch.device("meta"):
+            other = AutoModelForCausalLM.from_config(without)
+        if {k: tuple(v.shape) for k, v in other.state_dict().items()} == shapes:
+            raise SetupError(f"draft.{key}={value} changes nothing in the {type(draft).__name__} built from the "
+                             f"target's config ({type(target_config).__name__} keeps {key} but its model reads "
+                             "another field); remove the override, or build the draft yourself and give "
+                             "draft.name_or_path")
+
+
 def init_from_target(draft: Any, target: Any) -> list[str]:
     """Copy every target tensor whose name and shape match the draft's (embeddings, first layers, norms, head).
 
@@ -138,6 +163,7 @@ def load_draft(cfg: Any, target: Any) -> Any:
         dcfg = draft_config_from_target(target.config, cfg)
         torch.manual_seed(int(cfg.get("seed", 0)))  # the init is part of the experiment: make it repeatable
         draft = AutoModelForCausalLM.from_config(dcfg)
+        check_overrides_took(draft, target.config, cfg)
         draft = draft.to(target.dtype if dtype == "auto" else dtype)
         if cfg.get("init_from_target", True):
             init_from_target(draft, target)

@@ -97,3 +97,19 @@ def test_lora_target_modules_partly_missing_in_a_fused_qkv_architecture():
     lora = attach_lora(draft, OmegaConf.create({**cfg, "target_modules": ["qkv_proj", "self_attn.o_proj"]}))
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in lora.named_parameters() if p.requires_grad} \
         == {"qkv_proj", "o_proj"}
+
+
+def test_an_override_the_built_model_ignores_is_refused():
+    """FalconConfig keeps draft.num_key_value_heads=2 but FalconForCausalLM reads num_kv_heads: a trial got a draft
+    with 4 KV heads and a config saying 2, silently. Shape-changing overrides must change the built shapes."""
+    from transformers import AutoModelForCausalLM, FalconConfig, LlamaConfig
+
+    falcon = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, new_decoder_architecture=True, hidden_size=64,
+                                                           num_attention_heads=4, num_kv_heads=4, num_hidden_layers=2))
+    with pytest.raises(SetupError, match=r"draft.num_key_value_heads=2 changes nothing in the FalconForCausalLM"):
+        load_draft(_draft_cfg(num_hidden_layers=1, num_key_value_heads=2), falcon)
+    assert load_draft(_draft_cfg(num_hidden_layers=1, hidden_size=32), falcon).config.hidden_size == 32
+    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                         num_hidden_layers=2, num_attention_heads=4))
+    draft = load_draft(_draft_cfg(num_hidden_layers=1, num_key_value_heads=2), llama)
+    assert draft.model.layers[0].self_attn.k_proj.weight.shape[0] == 2 * 8

@@ -318,7 +318,8 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
 
 
 # Files a saved tokenizer has at least one of (fast, slow or sentencepiece); an adapter folder without any has none.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "merges.txt")
 
 
 def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False,
@@ -340,6 +341,11 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
     if base and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
         name_or_path = base  # an adapter saved without a tokenizer (plain peft): its base's
         check_cached(str(name_or_path), role)
+    elif folder and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        # transformers 5 builds a tokenizer of the model type's class with no vocabulary instead of failing
+        raise FileNotFoundError(f"the {role} folder {folder} has no tokenizer files (none of "
+                                f"{', '.join(TOKENIZER_FILES[:4])}, ...). Save the tokenizer next to the model "
+                                f"(tokenizer.save_pretrained) or {fix}.")
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(str(name_or_path)), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:

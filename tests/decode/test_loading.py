@@ -241,3 +241,16 @@ def test_a_device_this_torch_lacks_is_a_value_error_before_loading(tmp_path, mon
     with pytest.raises(ValueError, match=r"device 'cuda:7' asked for, but this machine has 2 CUDA device\(s\): use "
                                          r"cuda:0 to cuda:1"):
         load_causal_lm(str(tmp_path / "m"), device="cuda:7")
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(tmp_path):
+    """transformers 5 builds a Qwen2Tokenizer with one token for a qwen2/qwen3 folder that has no tokenizer files,
+    so a trial's prompts came out 'empty' and the tokenizers 'disagreed on bos': the folder is named instead."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=8)).save_pretrained(str(tmp_path / "qwen3"))
+    with pytest.raises(FileNotFoundError, match=r"the tokenizer folder .*qwen3 has no tokenizer files .* pass "
+                                                r"--tokenizer PATH"):
+        load_tokenizer(str(tmp_path / "qwen3"))

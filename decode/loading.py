@@ -356,12 +356,40 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
                                 f"the model (tokenizer.save_pretrained) or {fix}.{_shadow_hint(str(name_or_path))}"
                                 ) from err
+    tok = _as_saved(tok, str(name_or_path))
     if pad_from_eos and tok.pad_token_id is None:
         if tok.eos_token is None:
             raise FileNotFoundError(f"the {role} {name_or_path!r} has neither a pad nor an eos token; add a pad token "
                                     "(tokenizer.add_special_tokens) and save it again")
         tok.pad_token = tok.eos_token
     return tok
+
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _as_saved(tok: Any, name_or_path: str) -> Any:
+    """The tokenizer as its files were saved. A tokenizer saved with a generic class (``TokenizersBackend``, e.g. one
+    trained with the tokenizers library) into a folder whose config.json names a model type that has its own class
+    (qwen2) comes back from transformers 5's ``AutoTokenizer`` as that class, which may add tokens: a Llama-vocabulary
+    tokenizer in a Qwen2 draft's folder gained ``<|endoftext|>`` as its unk token (8193 ids, refused against the
+    target's). Then the saved generic class is loaded instead."""
+    import json
+
+    folder = local_folder(name_or_path)
+    if folder is None:
+        return tok
+    config = os.path.join(folder, "tokenizer_config.json")
+    try:
+        with open(config) as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return tok
+    if named not in GENERIC_TOKENIZER_CLASSES or type(tok).__name__ == named:
+        return tok
+    import transformers
+
+    return getattr(transformers, named).from_pretrained(folder)
 
 
 def default_device() -> str:

@@ -254,3 +254,23 @@ def test_a_model_folder_without_tokenizer_files_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"the tokenizer folder .*qwen3 has no tokenizer files .* pass "
                                                 r"--tokenizer PATH"):
         load_tokenizer(str(tmp_path / "qwen3"))
+
+
+def test_a_generic_tokenizer_saved_in_a_qwen2_folder_loads_as_saved(tmp_path):
+    """transformers 5's AutoTokenizer loads a tokenizer saved with a generic class (TokenizersBackend) from a folder
+    whose config.json says qwen2 as Qwen2Tokenizer, which adds <|endoftext|> as unk: a trial's distilled Qwen2-type
+    draft (Llama-vocabulary tokenizer) was then refused by its own run's eval and export. The saved class is used."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tok = make_tokenizer()
+    tok.save_pretrained(str(tmp_path / "tok"))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))  # as a run saves it: a generic class
+    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=len(saved), hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+                                     ).save_pretrained(str(tmp_path / "qwen2"))
+    saved.save_pretrained(str(tmp_path / "qwen2"))
+    # what transformers does (with no unk token in the vocabulary, as the quickstart's, it also adds one)
+    assert type(AutoTokenizer.from_pretrained(str(tmp_path / "qwen2"))).__name__ == "Qwen2Tokenizer"
+    loaded = load_tokenizer(str(tmp_path / "qwen2"))
+    assert type(loaded) is type(saved) and len(loaded) == len(saved) and loaded.unk_token == saved.unk_token
+    assert loaded("a b c").input_ids == saved("a b c").input_ids

@@ -240,37 +240,22 @@ def slot_probe(model: Any, holes: int = 16) -> tuple[bool, bool]:
       number positions by slot and take no position ids (BART's, Marian's or TrOCR's decoder as a causal LM); the
       engine then decodes one request at a time.
 
-    A probe, not a list of architectures: three eager forwards of at most ``4 + holes`` tokens (plain, with the
-    masked slots after the first token, and before it), same position ids; the last position's logits must agree
-    within the dtype's rounding (float32/64: 1e-3, lower precision: 2e-2, of the largest logit or 1). The model runs
-    in eval mode for the probe (its mode is restored). ``(True, True)`` when the probe cannot run (the forward
-    decides then).
+    A probe, not a list of architectures: three forwards of at most ``4 + holes`` tokens (plain, with the masked
+    slots after the first token, and before it; :func:`decode.compat.probe_logits`), same position ids; the last
+    position's logits must agree within the dtype's rounding (float32/64: 1e-3, lower precision: 2e-2, of the largest
+    logit or 1). ``(True, True)`` when the probe cannot run (the forward decides then).
     """
-    try:
-        param = next(model.parameters())
-        rows = model.get_input_embeddings().weight.shape[0]
-    except Exception:  # noqa: BLE001 - no parameters or no input embedding: nothing to probe
+    from decode.compat import probe_logits, probe_tolerance
+
+    real = [3, 5, 7, 11]
+    probe = probe_logits(model, [(real, [1] * 4), (real[:1] + [1] * holes + real[1:], [1] + [0] * holes + [1] * 3),
+                                 ([1] * holes + real, [0] * holes + [1] * 4)])
+    if probe is None:
         return True, True
-    dev = param.device
-    real = torch.tensor([[3, 5, 7, 11]], device=dev) % rows
-    fill = torch.ones(1, holes, dtype=torch.long, device=dev)
-    inside = torch.cat([real[:, :1], fill, real[:, 1:]], 1), torch.tensor([1] + [0] * holes + [1] * 3, device=dev)
-    left = torch.cat([fill, real], 1), torch.tensor([0] * holes + [1] * 4, device=dev)
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            outs = []
-            for ids, mask in ((real, torch.ones(4, dtype=torch.long, device=dev)), inside, left):
-                pos = (mask.cumsum(-1) - 1).clamp(min=0)[None]
-                outs.append(model(input_ids=ids, attention_mask=mask[None], position_ids=pos,
-                                  use_cache=False).logits[0, -1].float())
-    except Exception:  # noqa: BLE001 - the real forward will raise its own error
-        return True, True
-    finally:
-        model.train(was_training)
-    tol = (1e-3 if param.dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, float(outs[0].abs().max()))
-    return bool((outs[0] - outs[1]).abs().max() <= tol), bool((outs[0] - outs[2]).abs().max() <= tol)
+    (plain, inside, left), dtype = probe
+    tol = probe_tolerance(dtype, plain[-1])
+    return bool((plain[-1] - inside[-1]).abs().max() <= tol), bool((plain[-1] - left[-1]).abs().max() <= tol)
+
 
 class StaticKV:
     """A preallocated Hugging Face ``StaticCache`` of physical width L for B rows, written by column.

@@ -224,39 +224,59 @@ class NotCausalError(ValueError):
     """A model's logits at a position depend on later tokens: it is not a causal (left-to-right) language model."""
 
 
+def probe_logits(model: Any, runs: list[tuple[list[int], list[int]]]) -> tuple[list[Any], Any] | None:
+    """Eager forwards for the behavioural probes (:func:`check_causal`, :func:`decode.cache.slot_probe`): ``model``
+    runs on each ``(ids, mask)`` of ``runs`` (one row each; ids modulo the input embedding's rows; position ids from
+    the mask as the decoder computes them, ``cumsum(mask) - 1``), in eval mode (its mode is restored), without a
+    cache. Returns the float32 logits ``(T, V)`` of each run and the parameters' dtype; None when the model cannot
+    be probed (no parameters or input embedding, or the forward raises: the real forward will raise its own)."""
+    import torch
+
+    try:
+        param = next(model.parameters())
+        rows = model.get_input_embeddings().weight.shape[0]
+    except Exception:  # noqa: BLE001 - nothing to probe
+        return None
+    was_training = model.training
+    try:
+        model.eval()
+        logits = []
+        with torch.no_grad():
+            for ids, mask in runs:
+                ids = torch.tensor([ids], device=param.device) % rows
+                mask = torch.tensor([mask], device=param.device)
+                out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                            use_cache=False)
+                logits.append(out.logits[0].float())
+    except Exception:  # noqa: BLE001 - the real forward will raise its own error
+        return None
+    finally:
+        model.train(was_training)
+    return logits, param.dtype
+
+
+def probe_tolerance(dtype: Any, reference: Any, full: float = 1e-3, low: float = 2e-2) -> float:
+    """How far two probe logits may differ by rounding: ``full`` (float32/64) or ``low`` (lower precision) times the
+    largest reference logit, or 1 when that is smaller."""
+    import torch
+
+    return (full if dtype in (torch.float32, torch.float64) else low) * max(1.0, float(reference.abs().max()))
+
+
 def check_causal(model: Any, role: str) -> None:
     """Raise :class:`NotCausalError` if ``model`` (the ``role``) is not causal: a masked LM loaded as a causal-LM
     class (BERT's ``BertLMHeadModel`` without ``is_decoder=True``) attends to the tokens it should predict, so its
     "next-token" distributions, every acceptance measured against them and every draft trained on them mean nothing.
 
-    A probe, not a config flag (``is_decoder`` is False for Llama too): two eager forwards of 4 tokens that differ in
-    the last one; the logits of the first three positions must agree within the dtype's rounding (float32/64: 1e-5,
-    lower precision: 2e-2, of the largest logit or 1; the shapes are equal, so only an MoE's routing moves them). The model runs in eval mode for the probe (its mode is
-    restored). Nothing is raised when the probe cannot run (the real forward raises its own error)."""
-    try:
-        param = next(model.parameters())
-        rows = model.get_input_embeddings().weight.shape[0]
-    except Exception:  # noqa: BLE001 - no parameters or no input embedding: nothing to probe
+    A probe, not a config flag (``is_decoder`` is False for Llama too): two forwards of 4 tokens that differ in the
+    last one (:func:`probe_logits`); the logits of the first three positions must agree within 1e-5 (float32/64) or
+    2e-2 (lower precision) of the largest logit (the shapes are equal, so only an MoE's routing moves them, by
+    float32 summation order). Nothing is raised when the probe cannot run."""
+    probe = probe_logits(model, [([3, 5, 7, 11], [1] * 4), ([3, 5, 7, 13], [1] * 4)])
+    if probe is None:
         return
-    import torch
-
-    dev = param.device
-    a = torch.tensor([[3, 5, 7, 11]], device=dev) % rows
-    b = a.clone()
-    b[0, -1] = 13 % rows
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            kw = dict(attention_mask=torch.ones_like(a), position_ids=torch.arange(4, device=dev)[None], use_cache=False)
-            la, lb = (model(input_ids=x, **kw).logits[0, :3].float() for x in (a, b))
-    except Exception:  # noqa: BLE001 - the real forward will raise its own error
-        return
-    finally:
-        model.train(was_training)
-    # same shapes: a causal model gives the same bits there, an MoE's routing differs by float32 summation order
-    tol = (1e-5 if param.dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, float(la.abs().max()))
-    if float((la - lb).abs().max()) > tol:
+    (a, b), dtype = probe
+    if float((a[:3] - b[:3]).abs().max()) > probe_tolerance(dtype, a[:3], full=1e-5):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         raise NotCausalError(
             f"the {role} ({type(base).__name__}) is not a causal language model: its logits at a position change "

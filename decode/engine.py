@@ -185,11 +185,14 @@ class SpeculativeDecoder:
         self._static = {}
         self._max_rows = None  # 1 when a model numbers positions by slot: left padding would shift them
         for name, model in (("target", target), ("draft", draft)):
-            probe = kv.slot_probe(model) if model is not None else (True, True)
-            if not probe[1]:
-                warnings.warn(f"decode: the {name} ({type(model).__name__}) numbers positions by cache slot (it takes "
-                              "no position ids), so left padding in a shared batch would shift them; this decoder "
-                              "runs one request at a time", stacklevel=2)
+            probe = kv.slot_probe(model) if model is not None else kv.SlotProbe(True, True)
+            if not probe.padding_ok:
+                why = (f"returns NaN for left-padded rows in {next(model.parameters()).dtype} (transformers' eager "
+                       "attention; attn_implementation='sdpa' batches)" if probe.padding_nan else
+                       "numbers positions by cache slot (it takes no position ids), so left padding in a shared batch "
+                       "would shift them")
+                warnings.warn(f"decode: the {name} ({type(model).__name__}) {why}; this decoder runs one request at "
+                              "a time", stacklevel=2)
                 self._max_rows = 1
             if model is None or static_cache is False:
                 self._static[name] = False

@@ -193,19 +193,20 @@ def check_cache_support(model: Any, role: str) -> None:
     except ImportError:  # older transformers: no per-layer cache kinds to inspect
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(type(base).forward).parameters
     default_cache = getattr(type(base), "_supports_default_dynamic_cache", None)  # transformers' own test
-    if not {"cache", "past_key_values"} & set(params):  # e.g. OpenAI GPT: every forward recomputes the prefix
-        raise IncompatibleModelsError(
-            f"the {role} ({type(base).__name__}) takes no key/value cache (its forward has no cache argument), so it "
-            f"cannot continue from a cached prefix; only models with a per-token KV cache are supported. Use "
-            f"another model as the {role}.")
     if callable(default_cache) and not default_cache():
         raise IncompatibleModelsError(
             f"the {role} ({type(base).__name__}) keeps its state in a cache of its own (a recurrent state, as in "
             "RWKV or xLSTM), not a per-token key/value cache, so the speculative decoder cannot roll back a "
             f"rejected draft; only attention models with a per-token KV cache are supported. Use an attention-only "
             f"model as the {role}.")
+    params = inspect.signature(type(base).forward).parameters
+    named = bool({"cache", "past_key_values"} & set(params))
+    if not named and not (any(p.kind is p.VAR_KEYWORD for p in params.values()) and _fills_a_cache(model)):
+        raise IncompatibleModelsError(  # e.g. OpenAI GPT: every forward recomputes the prefix
+            f"the {role} ({type(base).__name__}) takes no key/value cache (its forward has no cache argument, or "
+            "leaves the cache it is given empty), so it cannot continue from a cached prefix; only models with a "
+            f"per-token KV cache are supported. Use another model as the {role}.")
     try:
         layers = DynamicCache(config=base.config).layers
     except Exception:  # noqa: BLE001 - a config the cache cannot read: leave the decision to the forward
@@ -307,6 +308,23 @@ def chunk_dependent_rope(model: Any) -> tuple[str, int | None] | None:
             start = group.get(name, getattr(cfg, name, None))
             return kind, start if isinstance(start, int) else None
     return None
+
+
+def _fills_a_cache(model: Any) -> bool:
+    """Whether a forward through ``**kwargs`` (a subclass's ``forward(*args, **kwargs)``) writes the DynamicCache it
+    is given, as ``past_key_values``: one 2-token eager forward. True when the probe cannot run."""
+    import torch
+    from transformers import DynamicCache
+
+    try:
+        param = next(model.parameters())
+        ids = torch.tensor([[3, 5]], device=param.device) % model.get_input_embeddings().weight.shape[0]
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    except Exception:  # noqa: BLE001 - the real forward will raise its own error
+        return True
+    return cache.get_seq_length() > 0
 
 
 def check_argument_types(target: Any, draft: Any = None, target_tokenizer: Any = None,

@@ -706,16 +706,19 @@ LORA_ABSENT = object()
 
 
 def _override_form(value: Any) -> str:
-    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj]."""
+    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj], None -> null."""
+    if value is None:
+        return "null"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(map(str, value)) + "]"
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def _lora_value(value: Any) -> Any:
-    """A train.lora value in a comparable form: module lists as sets, numbers as floats (alpha 32 == 32.0)."""
-    if isinstance(value, (list, tuple)):
-        return frozenset(value)
+    """A train.lora value in a comparable form: module lists as sets (null as none), numbers as floats (alpha 32 ==
+    32.0)."""
+    if value is None or isinstance(value, (list, tuple)):  # modules_to_save: null and [] both save none
+        return frozenset(value or ())
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 

@@ -455,9 +455,14 @@ def test_a_resume_that_changes_the_adapter_is_refused_before_any_model_loads(pai
                                              rf"{re.escape(change.split('=')[0])}={was}"):
             train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true", change, *FAST)),
                   log=QUIET)
+    with pytest.raises(SetupError, match=r"modules_to_save=\[lm_head\] differs from the checkpoint's null .*"
+                                         r"Resume with train.lora.modules_to_save=null"):
+        train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true",
+                                "train.lora.modules_to_save=[lm_head]", *FAST)), log=QUIET)
     monkeypatch.setattr(recipe, "setup", real_setup)
+    # the same adapter written another way: alpha 32.0, modules_to_save [] for null (a re-test found [] refused)
     train(compose(overrides(pair, out, "train.resume=true", "train.lora.enabled=true", "train.lora.alpha=32.0",
-                            "train.lora.dropout=0.3", *FAST)), log=messages.append)
+                            "train.lora.modules_to_save=[]", "train.lora.dropout=0.3", *FAST)), log=messages.append)
     assert any("train.lora.dropout differs from the checkpoint's config" in m for m in messages)
 
 

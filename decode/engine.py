@@ -409,10 +409,16 @@ class SpeculativeDecoder:
             self._use_draft = self.draft is not None and self._gamma_config() != 0
             self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
             self._costs_bucket = None
-            self._state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
-            self._to_static(self._state)
-        else:
-            self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
+        try:
+            if self._state is None:
+                state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
+                self._to_static(state)
+                self._state = state
+            else:
+                self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
+        except BaseException:  # (out of memory, Ctrl-C): they wait again, so abort() and generate()'s cleanup see them
+            self._waiting = new + self._waiting
+            raise
         self._rows += new
         self._rebatch()
 
@@ -1095,8 +1101,7 @@ class NonFiniteLogitsError(RuntimeError):
 NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, so the sampled id fell outside the "
               "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
               "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
-              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'. The requests of this step are not "
-              "finished: abort them before reusing the decoder")
+              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")  # (its requests stay: see step())
 
 
 PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})

@@ -460,3 +460,22 @@ def test_non_finite_logits_raise_a_clear_error(broken, gamma):
     with pytest.raises(NonFiniteLogitsError, match="logits were not finite"):
         dec.generate([[5, 6, 7]], max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert not dec.has_unfinished()  # generate() aborts what the failed step left
+
+
+def test_a_failed_prefill_leaves_the_decoder_usable():
+    """A prefill that raised (out of memory, Ctrl-C) took its requests out of the queue before failing: generate()'s
+    cleanup could not abort them, and every later generate() raised 'request_id 0 is already queued or active'."""
+    target = tiny_llama(seed=0, layers=2)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.5), num_draft_tokens=3)
+    real = target.model.forward
+
+    def fail(*a, **k):
+        raise RuntimeError("out of memory (simulated)")
+
+    target.model.forward = fail
+    with pytest.raises(RuntimeError, match="simulated"):
+        dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
+    target.model.forward = real
+    assert not dec.has_unfinished()
+    out = dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
+    assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, 4) for p in ([5, 6, 7], [8, 9])]

@@ -1038,6 +1038,10 @@ def _latest_to_resume(out: Path, log: Any) -> Path:
             f"train.overwrite=true set its run aside in {out / SET_ASIDE} and was stopped before it could put "
             f"it back. Move its entries back into {out} to resume that run (or delete {SET_ASIDE} if it is "
             "not needed), then run again")
+    if not out.is_dir() or not other_entries(out, REUSABLE):  # a run stopped before its first save left nothing
+        raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: it holds no "
+                              "run at all (nothing was saved there). Start the run with train.resume=false, or give "
+                              "train.resume=PATH")
     found = [p.name for p in steps]
     detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
               else "it has no step_N checkpoint")

@@ -397,8 +397,10 @@ def test_resume_takes_the_newest_complete_checkpoint(pair, straight, tmp_path, d
 
 
 def test_explicit_resume_without_a_complete_checkpoint_is_an_error(pair, straight, tmp_path):
-    with pytest.raises(SetupError, match="no complete checkpoint.*no step_N"):
-        train(compose(overrides(pair, tmp_path / "empty", "train.resume=true", *FAST)), log=QUIET)
+    # (a re-test: the message told to 'add train.overwrite=true to replace this folder's run' of an empty folder)
+    with pytest.raises(SetupError, match=r"nowhere has no complete checkpoint: it holds no run at all .*"
+                                         r"train.resume=false, or give train.resume=PATH$"):
+        train(compose(overrides(pair, tmp_path / "nowhere", "train.resume=true", *FAST)), log=QUIET)
     out = tmp_path / "run"
     shutil.copytree(straight, out)
     for p in ckpt.list_checkpoints(out):

@@ -225,12 +225,13 @@ class NotCausalError(ValueError):
     """A model's logits at a position depend on later tokens: it is not a causal (left-to-right) language model."""
 
 
-def probe_logits(model: Any, runs: list[tuple[list[int], list[int]]]) -> tuple[list[Any], Any] | None:
-    """Eager forwards for the behavioural probes (:func:`check_causal`, :func:`decode.cache.slot_probe`): ``model``
-    runs on each ``(ids, mask)`` of ``runs`` (one row each; ids modulo the input embedding's rows; position ids from
-    the mask as the decoder computes them, ``cumsum(mask) - 1``), in eval mode (its mode is restored), without a
-    cache. Returns the float32 logits ``(T, V)`` of each run and the parameters' dtype; None when the model cannot
-    be probed (no parameters or input embedding, or the forward raises: the real forward will raise its own)."""
+def probe_logits(model: Any, runs: list[tuple[list[int], list[int]]], **kwargs: Any) -> tuple[list[Any], Any] | None:
+    """Eager forwards for the behavioural probes (:func:`check_causal`, :func:`decode.cache.slot_probe`,
+    :func:`check_cache_support`): ``model`` runs on each ``(ids, mask)`` of ``runs`` (one row each; ids modulo the
+    input embedding's rows; position ids from the mask as the decoder computes them, ``cumsum(mask) - 1``), in eval
+    mode (its mode is restored), without a cache unless ``kwargs`` (passed to the forward) give one. Returns the
+    float32 logits ``(T, V)`` of each run and the parameters' dtype; None when the model cannot be probed (no
+    parameters or input embedding, or the forward raises: the real forward will raise its own)."""
     import torch
 
     try:
@@ -247,7 +248,7 @@ def probe_logits(model: Any, runs: list[tuple[list[int], list[int]]]) -> tuple[l
                 ids = torch.tensor([ids], device=param.device) % rows
                 mask = torch.tensor([mask], device=param.device)
                 out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            use_cache=False)
+                            **{"use_cache": False, **kwargs})
                 logits.append(out.logits[0].float())
     except Exception:  # noqa: BLE001 - the real forward will raise its own error
         return None
@@ -312,19 +313,12 @@ def chunk_dependent_rope(model: Any) -> tuple[str, int | None] | None:
 
 def _fills_a_cache(model: Any) -> bool:
     """Whether a forward through ``**kwargs`` (a subclass's ``forward(*args, **kwargs)``) writes the DynamicCache it
-    is given, as ``past_key_values``: one 2-token eager forward. True when the probe cannot run."""
-    import torch
+    is given, as ``past_key_values``: one 2-token probe forward. True when the probe cannot run."""
     from transformers import DynamicCache
 
-    try:
-        param = next(model.parameters())
-        ids = torch.tensor([[3, 5]], device=param.device) % model.get_input_embeddings().weight.shape[0]
-        cache = DynamicCache()
-        with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-    except Exception:  # noqa: BLE001 - the real forward will raise its own error
-        return True
-    return cache.get_seq_length() > 0
+    cache = DynamicCache()
+    return probe_logits(model, [([3, 5], [1, 1])], past_key_values=cache, use_cache=True) is None \
+        or cache.get_seq_length() > 0
 
 
 def check_argument_types(target: Any, draft: Any = None, target_tokenizer: Any = None,

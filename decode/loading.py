@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from decode.compat import check_causal
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
 
@@ -208,8 +210,6 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
-    from decode.compat import check_causal
-
     check_causal(model, role)  # a masked LM loads as a causal-LM class with only a transformers warning
     return model
 
@@ -311,8 +311,6 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
-    from decode.compat import check_causal
-
     check_causal(model, role)  # a masked LM loads as a causal-LM class with only a transformers warning
     return model
 

@@ -706,7 +706,8 @@ LORA_ABSENT = object()
 
 
 def _override_form(value: Any) -> str:
-    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj], None -> null."""
+    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj],
+    None -> null."""
     if value is None:
         return "null"
     if isinstance(value, (list, tuple)):

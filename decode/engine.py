@@ -400,7 +400,8 @@ class SpeculativeDecoder:
         if room <= 0:
             return
         new, self._waiting = self._waiting[:room], self._waiting[room:]
-        if self._state is None:
+        fresh = self._state is None
+        if fresh:
             for name, model, harm in (("target", self.target, "the output is not the target's"),
                                       ("draft", self.draft, "its proposals are noisier (still lossless)")):
                 if model is not None and model.training:  # dropout, if any, makes every forward random
@@ -410,7 +411,7 @@ class SpeculativeDecoder:
             self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
             self._costs_bucket = None
         try:
-            if self._state is None:
+            if fresh:
                 state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
                 self._to_static(state)
                 self._state = state

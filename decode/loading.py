@@ -320,6 +320,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model", "merges.txt")
 
 
+def has_tokenizer_files(folder: str | None, files: tuple[str, ...] = TOKENIZER_FILES) -> bool:
+    """Whether ``folder`` (None: no folder) holds at least one of ``files``."""
+    return bool(folder) and any(os.path.exists(os.path.join(folder, f)) for f in files)
+
+
 def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False,
                    trust_remote_code: bool = False, fix: str = "pass --tokenizer PATH") -> Any:
     """``AutoTokenizer.from_pretrained`` with a clear error when it is missing (a peft adapter folder saved without
@@ -336,10 +341,11 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
     check_cached(str(name_or_path), role)
     folder = local_folder(str(name_or_path))
     base = peft_adapter_base(folder) if folder else None
-    if base and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+    own_files = has_tokenizer_files(folder)
+    if base and not own_files:
         name_or_path = base  # an adapter saved without a tokenizer (plain peft): its base's
         check_cached(str(name_or_path), role)
-    elif folder and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+    elif folder and not own_files:
         # transformers 5 builds a tokenizer of the model type's class with no vocabulary instead of failing
         raise FileNotFoundError(f"the {role} folder {folder} has no tokenizer files (none of "
                                 f"{', '.join(TOKENIZER_FILES[:4])}, ...). Save the tokenizer next to the model "
@@ -437,7 +443,7 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
 
     tok = load_tokenizer(tokenizer or target, trust_remote_code=trust_remote_code)
     folder = local_folder(str(target)) if tokenizer else None
-    if folder and any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+    if has_tokenizer_files(folder):
         own = load_tokenizer(folder, "target's tokenizer", trust_remote_code=trust_remote_code)
         try:
             check_tokenizers(own, tok, names=("the target's own", "--tokenizer"),
@@ -457,8 +463,7 @@ def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_co
     """The draft's own tokenizer if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`) has
     one (so the pair can be checked), else the target's."""
     folder = local_folder(draft_path)
-    if folder and any(os.path.exists(os.path.join(folder, f))
-                      for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if has_tokenizer_files(folder, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return load_tokenizer(folder, "draft tokenizer", trust_remote_code=trust_remote_code)
     return target_tokenizer
 

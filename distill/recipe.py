@@ -689,20 +689,17 @@ def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | Non
         raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume it "
                          f"with train.lora.enabled={str(lora).lower()}"
                          + (" and the run's other train.lora settings" if lora else ""))
-    old_lora = ((resume_from and ckpt.read_config(resume_from)) or {}).get("train", {}).get("lora") or {}
     if saved.get("lora") and cfg.train.lora.enabled:  # these shape the adapter the checkpoint's weights belong to
+        old_lora = ((resume_from and ckpt.read_config(resume_from)) or {}).get("train", {}).get("lora") or {}
+        lora = OmegaConf.to_container(cfg.train.lora)
         for key in ("r", "alpha", "target_modules", "modules_to_save"):
-            was, now = old_lora.get(key, LORA_ABSENT), OmegaConf.to_container(cfg.train.lora)[key]
-            if was is not LORA_ABSENT and _lora_value(was) != _lora_value(now):
-                was, now = _override_form(was), _override_form(now)
+            if key in old_lora and _lora_value(old_lora[key]) != _lora_value(lora[key]):
+                was, now = _override_form(old_lora[key]), _override_form(lora[key])
                 raise SetupError(
                     f"train.lora.{key}={now} differs from the checkpoint's {was} ({resume_from}): its adapter weights "
                     f"were trained {'at the scale alpha / r' if key in ('r', 'alpha') else 'on those modules'} and "
                     f"would be restored into another adapter. Resume with train.lora.{key}={was}, or start a new run "
                     "from an export of this one")
-
-
-LORA_ABSENT = object()
 
 
 def _override_form(value: Any) -> str:

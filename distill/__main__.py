@@ -47,8 +47,14 @@ HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--resolve", "--mult
 
 
 def conf_dir() -> Path:
-    """The Hydra config folder: ``$DRAFTKIT_CONF`` or ``<repo>/conf``."""
-    return Path(os.environ.get(CONF_ENV) or Path(__file__).resolve().parents[1] / "conf").resolve()
+    """The Hydra config folder: ``$DRAFTKIT_CONF``; else the copy of ``conf/`` that a wheel or ``pip install .``
+    puts inside the package (``distill/conf``, pyproject.toml); else the repository's ``conf/`` (a checkout, an
+    editable install)."""
+    if os.environ.get(CONF_ENV):
+        return Path(os.environ[CONF_ENV]).resolve()
+    here = Path(__file__).resolve().parent
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
 
 
 def _fail(e: Exception | str) -> None:

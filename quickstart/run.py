@@ -43,7 +43,7 @@ from typing import Any
 
 from quickstart import INTERRUPTED_EXIT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the repository (a checkout) or site-packages (an installed wheel)
 RESULTS_FILE = "results.json"
 MODES = ("plain", "baseline", "distilled")
 
@@ -51,6 +51,11 @@ MODES = ("plain", "baseline", "distilled")
 # ------------------------------------------------------------------------------------------------ config
 
 MAP_SETTINGS = ("eval.prompt_sets",)  # quickstart settings whose {name: value} override replaces the whole map
+
+
+def in_checkout() -> bool:
+    """Whether the package runs from the repository (a checkout or an editable install), not from site-packages."""
+    return (REPO / "conf" / "config.yaml").is_file()
 
 
 def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
@@ -64,7 +69,9 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     """
     from omegaconf import OmegaConf
 
-    path = REPO / "conf" / "experiment" / f"{experiment}.yaml"
+    from distill.__main__ import conf_dir
+
+    path = conf_dir() / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --experiment names a file in conf/experiment/")
     raw = OmegaConf.load(path)
@@ -80,7 +87,7 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
         merged = OmegaConf.merge(base, given)
     except ConfigKeyError as err:
         raise KeyError(f"unknown quickstart setting ({str(err).splitlines()[0]}); the settings are the keys of the "
-                       f"'quickstart:' section of {path.relative_to(REPO)}") from err
+                       f"'quickstart:' section of {path}") from err
     OmegaConf.set_struct(merged, False)
     for override in maps:  # {set: n} replaces the sets (a merge kept the others), parsed as Hydra parses a dict
         from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -188,7 +195,8 @@ def _run_child(cmd: list[str], env: dict, console) -> int:
     import signal
 
     lock = [_held_lock.fileno()] if _held_lock is not None else []
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=_phase_process_setup(), pass_fds=lock)
+    proc = subprocess.Popen(cmd, cwd=REPO if in_checkout() else None, env=env, preexec_fn=_phase_process_setup(),
+                            pass_fds=lock)  # an installed package's phases run where the quickstart was started
     try:
         return proc.wait()
     except KeyboardInterrupt as stop:
@@ -860,7 +868,8 @@ def main(argv: list[str] | None = None) -> int:
         qs = load_settings(experiment, args.overrides)
         # --out as any command takes a path: from where it was typed (scripts/quickstart.sh runs from the repository
         # and passes that folder as QUICKSTART_CWD); the experiment's own out_dir is a folder of the repository
-        base = Path(os.environ.get("QUICKSTART_CWD") or os.getcwd()) if args.out else REPO
+        # (a checkout's; an installed package's is relative to the current folder, not to site-packages)
+        base = REPO if not args.out and in_checkout() else Path(os.environ.get("QUICKSTART_CWD") or os.getcwd())
         out = Path(args.out or qs.out_dir).expanduser()
         out = (out if out.is_absolute() else base / out).resolve()
         try:

@@ -22,7 +22,7 @@ from decode.loading import chat_prompt_ids
 from decode.serving.metrics import ServerMetrics
 from decode.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body, parse_json,
                                      usage_chunk, validate)
-from decode.serving.scheduler import GenerationRequest, Live, Scheduler
+from decode.serving.scheduler import GenerationRequest, Live, Scheduler, shutting_down_error
 from decode.stops import stop_token_ids
 
 log = logging.getLogger("decode.serving")
@@ -35,12 +35,14 @@ class ServerLimits:
 
     max_body_bytes: request body size (413 beyond it). max_tokens: the largest ``max_tokens`` a request may ask
     for (None: the target's context). max_prompt_tokens: the longest prompt after tokenization (None: the
-    target's context - 1).
+    target's context - 1). body_timeout_s: seconds from the headers to the body's last byte (408 after: a
+    client that stalls mid-body holds no connection and no graceful shutdown forever).
     """
 
     max_body_bytes: int = 1 << 20
     max_tokens: int | None = None
     max_prompt_tokens: int | None = None
+    body_timeout_s: float = 30.0
 
 
 class BearerAuth:
@@ -82,6 +84,7 @@ def make_server(app: Any, host: str, port: int, graceful_shutdown_s: float = 30.
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None):
             margin = min(1.0, graceful_shutdown_s / 2)  # time for the 503s to reach their clients
+            app.state.draining.set()  # bodies still arriving end now with a 503, not at the grace period's end
             scheduler = app.state.scheduler
             drain = asyncio.ensure_future(asyncio.to_thread(scheduler.shutdown, True, graceful_shutdown_s - margin))
             try:
@@ -149,6 +152,7 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
 
     app = FastAPI(title="draftkit speculative decoder", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.state.draining = asyncio.Event()  # set when the graceful shutdown starts (make_server)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key,
                            on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
@@ -194,13 +198,29 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_k
                            code="request_too_large")
         if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
             raise too_big
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limits.max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+        async def receive() -> bytes:
+            chunks, n = [], 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limits.max_body_bytes:
+                    raise too_big
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        body, draining = asyncio.ensure_future(receive()), asyncio.ensure_future(app.state.draining.wait())
+        try:
+            done, _ = await asyncio.wait({body, draining}, timeout=limits.body_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (body, draining):
+                task.cancel()
+        if body in done:
+            return body.result()
+        if draining in done:
+            raise shutting_down_error()
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s of the headers "
+                       "(--body-timeout-s); send the whole body at once", code="request_timeout")
 
     def prompt_ids_of(req: Any, chat: bool) -> list[int]:
         if chat:

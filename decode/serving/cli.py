@@ -34,14 +34,14 @@ def _positive(name: str, allow_zero: bool = False):
     return parse
 
 
-def _seconds(name: str):
+def _seconds(name: str, zero: bool = True):
     def parse(value: str) -> float:
         try:
             x = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {value!r}")
-        if not math.isfinite(x) or x < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not math.isfinite(x) or x < 0 or (x == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
         return x
     return parse
 
@@ -81,6 +81,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_positive("--max-queue", True), default=64,
                    help="waiting requests before answering 429 (default 64)")
     p.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=1 << 20)
+    p.add_argument("--body-timeout-s", type=_seconds("--body-timeout-s", zero=False), default=30.0,
+                   help="seconds from a request's headers to its body's last byte; 408 after (default 30)")
     p.add_argument("--max-tokens-limit", type=_positive("--max-tokens-limit"), default=None,
                    help="largest max_tokens a request may ask for (default: the target's context)")
     p.add_argument("--max-prompt-tokens", type=_positive("--max-prompt-tokens"), default=None,
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted before the server listened (loading or warm-up); nothing was served", file=sys.stderr)
         return 130
     name = served_model_name(args.target, args.served_model_name)
-    limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens)
+    limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens, args.body_timeout_s)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
                      info={"target": args.target, "draft": args.draft, "compile": args.compile or False})
     server = make_server(app, args.host, args.port, args.graceful_shutdown_s)

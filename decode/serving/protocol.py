@@ -44,10 +44,18 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a valid JSON number; send a finite number")
 
 
+def _parse_int(text: str) -> int:
+    # Python refuses to convert integers of more than 4300 digits, with advice for the server's code
+    # (sys.set_int_max_str_digits); no field takes a number that large.
+    if len(text) > 400:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits is out of range for every field")
+    return int(text)
+
+
 def parse_json(body: bytes) -> Any:
     """Parse a request body; malformed JSON and NaN/Infinity literals raise a 400 :class:`APIError`."""
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        return json.loads(body, parse_constant=_reject_constant, parse_int=_parse_int)
     except ValueError as err:  # JSONDecodeError and the NaN/Infinity rejection
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
     except RecursionError as err:  # [[[[...]]]] deeper than the interpreter's recursion limit

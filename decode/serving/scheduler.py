@@ -110,8 +110,7 @@ class Scheduler:
         live = Live(req, loop, self.tokenizer)
         with self._lock:
             if not self._accepting:
-                raise APIError(503, "the server is shutting down; retry on another replica",
-                               code="shutting_down", headers={"Retry-After": "5"})
+                raise shutting_down_error()
             running = len(self._running) + self._admitting
             free = max(self.max_batch_size - running, 0)  # rows the next step admits from the queue
             if len(self._waiting) >= self.max_queue + free:
@@ -322,6 +321,12 @@ class Scheduler:
         self._running.clear()
         self._stop_hits.clear()
         self.metrics.running.set(0)
+
+
+def shutting_down_error() -> APIError:
+    """The 503 for a request that arrives while the server shuts down."""
+    return APIError(503, "the server is shutting down; retry on another replica", code="shutting_down",
+                    headers={"Retry-After": "5"})
 
 
 def _shutdown_error() -> APIError:

@@ -49,6 +49,7 @@ def test_bind_warning_only_off_loopback_without_key():
                                          (["--graceful-shutdown-s", "nan"], "--graceful-shutdown-s must be a finite"),
                                          (["--graceful-shutdown-s", "-5"], "--graceful-shutdown-s must be a finite"),
                                          (["--graceful-shutdown-s", "soon"], "number of seconds"),
+                                         (["--body-timeout-s", "0"], "--body-timeout-s must be a finite number > 0"),
                                          (["--api-key", " "], "API key is empty")])
 def test_bad_settings_exit_2_before_loading(args, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -119,6 +119,16 @@ def test_malformed_json_and_nan_are_400(server, content, needle):
     assert_error(post(url, content=content), 400, needle)
 
 
+def test_a_huge_integer_is_a_400_that_names_it_not_pythons_advice():
+    """Python refuses integers of more than 4300 digits with advice for the server's code (call
+    sys.set_int_max_str_digits()), which the 400 passed on."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok) as (url, _, _):
+        r = post(url, content=b'{"model": "tiny", "prompt": "w1", "seed": ' + b"9" * 5001 + b"}", key=None)
+    assert_error(r, 400, "an integer of 5001 digits is out of range")
+    assert "sys." not in r.text
+
+
 def test_a_compressed_body_is_415_not_a_json_error(server):
     """A gzip body (Content-Encoding: gzip) was read as JSON text: 400 'not valid JSON', which sends a user looking
     at the JSON. Uncompressed bodies with an explicit identity encoding still work."""
@@ -498,3 +508,56 @@ def test_a_second_ctrl_c_ends_running_requests_at_once_with_503(caplog):
     assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
     assert not dec.has_unfinished()
     assert "CancelledError" not in caplog.text
+
+
+def _half_sent_body(url: str):
+    """A raw socket that sent a completions request's headers (Content-Length: 100) and 8 bytes of its body, then
+    stalls."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\"")
+    return sock
+
+
+def _response(sock) -> tuple[int, dict]:
+    import json
+
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_the_server_keeps_serving():
+    """A client that sent its headers and part of its body held its connection (and the handler) forever."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, limits=ServerLimits(body_timeout_s=0.5)) as (url, _, _):
+        sock = _half_sent_body(url)
+        status, body = _response(sock)
+        sock.close()
+        assert status == 408 and body["error"]["code"] == "request_timeout", body
+        assert "--body-timeout-s" in body["error"]["message"]
+        assert post(url, ok(), key=None).status_code == 200
+
+
+def test_a_shutdown_ends_bodies_still_arriving_with_503_at_once_not_after_the_grace_period():
+    """With a half-sent body open, Ctrl-C waited out the whole --graceful-shutdown-s, then cancelled the handler
+    (a CancelledError traceback in the log per connection) and the client got no answer."""
+    dec, tok = tiny_pair()
+    with running_server(dec, tok, graceful_shutdown_s=60.0) as (url, app, server):
+        sock = _half_sent_body(url)
+        time.sleep(0.3)  # the handler is reading the body
+        started = time.perf_counter()
+        server.should_exit = True
+        status, body = _response(sock)
+        sock.close()
+    stopped = time.perf_counter() - started  # running_server has joined the server's thread
+    assert status == 503 and body["error"]["code"] == "shutting_down", body
+    assert stopped < 30, f"the server took {stopped:.1f} s to stop: it waited for the body (grace period 60 s)"

@@ -34,6 +34,9 @@ def _positive(name: str, allow_zero: bool = False):
     return parse
 
 
+MAX_SECONDS = 1e6  # about 11.6 days: any longer wait is a typo
+
+
 def _seconds(name: str, zero: bool = True):
     def parse(value: str) -> float:
         try:
@@ -42,6 +45,8 @@ def _seconds(name: str, zero: bool = True):
             raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {value!r}")
         if not math.isfinite(x) or x < 0 or (x == 0 and not zero):
             raise argparse.ArgumentTypeError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
+        if x > MAX_SECONDS:  # beyond threading.TIMEOUT_MAX, a thread join overflows
+            raise argparse.ArgumentTypeError(f"{name} must be at most {MAX_SECONDS:g} seconds, got {value!r}")
         return x
     return parse
 

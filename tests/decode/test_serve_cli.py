@@ -50,6 +50,8 @@ def test_bind_warning_only_off_loopback_without_key():
                                          (["--graceful-shutdown-s", "-5"], "--graceful-shutdown-s must be a finite"),
                                          (["--graceful-shutdown-s", "soon"], "number of seconds"),
                                          (["--body-timeout-s", "0"], "--body-timeout-s must be a finite number > 0"),
+                                         # 1e10 s overflowed the thread join of the shutdown (OverflowError)
+                                         (["--graceful-shutdown-s", "1e10"], "must be at most 1e+06 seconds"),
                                          (["--api-key", " "], "API key is empty")])
 def test_bad_settings_exit_2_before_loading(args, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -33,8 +33,10 @@ class RemoteCodeError(ValueError):
 
 
 def looks_local(name_or_path: str) -> bool:
-    """True for a filesystem path (starts with ``.``, ``/`` or ``~``, or exists) rather than a hub id ``org/name``."""
-    return str(name_or_path).startswith((".", os.sep, "~")) or os.path.exists(name_or_path)
+    """True for a filesystem path (starts with ``.``, ``/`` or ``~``, exists, or has more than one ``/`` before an
+    ``@revision``) rather than a hub id ``name`` or ``org/name``."""
+    name = str(name_or_path)
+    return name.startswith((".", os.sep, "~")) or os.path.exists(name) or name.partition("@")[0].count("/") > 1
 
 
 def recorded_name(name_or_path: str) -> str:
@@ -130,7 +132,9 @@ def check_model_path(name_or_path: str, role: str) -> None:
     if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
             "does not exist"
-        raise FileNotFoundError(f"{role} path {name_or_path!r} {what}; pass a directory written by "
+        where = os.path.abspath(os.path.expanduser(name_or_path))
+        shown = repr(name_or_path) + ("" if where == str(name_or_path) else f" ({where})")
+        raise FileNotFoundError(f"{role} path {shown} {what}; pass a directory written by "
                                 "save_pretrained (or a hub id when online)")
 
 

@@ -274,3 +274,17 @@ def test_a_generic_tokenizer_saved_in_a_qwen2_folder_loads_as_saved(tmp_path):
     loaded = load_tokenizer(str(tmp_path / "qwen2"))
     assert type(loaded) is type(saved) and len(loaded) == len(saved) and loaded.unk_token == saved.unk_token
     assert loaded("a b c").input_ids == saved("a b c").input_ids
+
+
+def test_a_path_with_two_slashes_is_a_missing_folder_not_an_uncached_hub_id(tmp_path, monkeypatch):
+    """A relative path that did not exist (checkpoints/quickstart/target) was read as a hub id: 'not in the local
+    Hugging Face cache ... hf download checkpoints/quickstart/target'. Hub ids have at most one '/'."""
+    from decode.loading import check_model_path, looks_local
+
+    assert looks_local("checkpoints/quickstart/target") and looks_local("./x")
+    assert not looks_local("org/name") and not looks_local("gpt2") and not looks_local("org/name@refs/pr/1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        check_model_path("checkpoints/quickstart/target", "--target")
+    assert f"--target path 'checkpoints/quickstart/target' ({tmp_path / 'checkpoints/quickstart/target'}) does " \
+           "not exist" in str(err.value)

@@ -1,6 +1,7 @@
 """Prompt sets for benchmarking the speculative decoder.
 
-Named sets are read from the shared data folder (``<repo>/../shared/data``, or ``$DRAFTKIT_SHARED_DATA``); never
+Named sets are read from the shared data folder (:func:`shared_data_dir`: ``$DRAFTKIT_SHARED_DATA``, else beside
+the repository); never
 copied into the repository. Any local ``.jsonl`` / ``.jsonl.gz`` file works too, with a configurable text field.
 
 | name        | file                          | text field  | category |
@@ -70,20 +71,24 @@ class Prompt:
     category: str | None = None
 
 
-def shared_data_dir(must_exist: bool = False) -> Path:
-    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set, else ``<repo>/../shared/data``. The one resolver
-    of that folder: prompt sets, corpora and ``../shared/data/...`` paths in configs all go through it.
-
-    Raises:
-        FileNotFoundError: ``must_exist`` and the folder does not exist; names both ways to point at it.
+def shared_data_dir() -> Path:
+    """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set; else ``shared/data`` beside the repository when
+    the package runs from a checkout; else ``../shared/data`` taken from the current folder, as the literal path
+    reads (an installed package has no repository). The one resolver of that folder: prompt sets, corpora and
+    ``../shared/data/...`` paths in configs all go through it (:data:`SHARED_DATA_HINT` says how to point at it).
     """
     env = os.environ.get(SHARED_DATA_ENV)
-    path = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    if must_exist and not path.is_dir():
-        raise FileNotFoundError(
-            f"shared data folder {path} not found: set {SHARED_DATA_ENV} to the folder holding humaneval/, "
-            "mbpp/, tinystories/ and tinyshakespeare/ (it sits beside the repository as shared/data in CI)")
-    return path
+    repo = Path(__file__).resolve().parents[1]
+    if env:
+        return Path(env)
+    if (repo / "conf" / "config.yaml").is_file():  # a checkout (or an editable install)
+        return repo.parent / "shared" / "data"
+    return Path("../shared/data").resolve()
+
+
+SHARED_DATA_HINT = (f"set {SHARED_DATA_ENV} to the folder holding humaneval/, mbpp/, tinystories/ and "
+                    "tinyshakespeare/ (without it: shared/data beside the repository in a checkout, ../shared/data "
+                    "from the current folder for an installed package)")
 
 
 def mbpp_to_prompt(text: str, code: str, test_list: list[str] | None = None) -> str:
@@ -196,8 +201,7 @@ def load_prompts(
         path = shared_data_dir() / spec.relpath
         if not path.exists():
             raise FileNotFoundError(
-                f"prompt set {name!r} expects {path}; put the shared data beside the repo (../shared/data) "
-                f"or set {SHARED_DATA_ENV} to its folder")
+                f"prompt set {name!r} expects {path}; {SHARED_DATA_HINT}")
         text_field, id_field, cat_field = field or spec.field, spec.id_field, spec.category_field
     else:
         path = Path(name)

@@ -119,8 +119,13 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
     launcher = next((o for o in overrides if o.lstrip("+").startswith("launcher=")), None)
     if launcher:  # conf/launcher/ lists in --help's config groups, but its files are accelerate's
         name = launcher.split("=", 1)[1]
-        return (f"{launcher}: conf/launcher/ holds accelerate configs, not a Hydra group; launch with them: "
-                f"accelerate launch --config_file conf/launcher/{name}.yaml -m distill train ...")
+        folder = conf_dir() / "launcher"
+        try:  # as typed from here: conf/launcher in a checkout, the package's folder for an installed one
+            folder = folder.relative_to(Path.cwd())
+        except ValueError:
+            pass
+        return (f"{launcher}: {folder}/ holds accelerate configs, not a Hydra group; launch with them: "
+                f"accelerate launch --config_file {folder / (name + '.yaml')} -m distill train ...")
     m = re.search(r"Could not find '([\w\-/]+)/([^']+)'", msg)
     if m:  # an unknown group option, e.g. loss=kld or +experiment=nope
         group, option = m.group(1), m.group(2)
@@ -301,7 +306,7 @@ def run_eval(cfg: Any, opts: dict) -> None:
     _check_eval_keep(cfg)
     tokenizer, target, draft = _load_pair(cfg)
     ctx = [c for c in (context_length(target), context_length(draft)) if c]
-    _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None, training=False)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
     with Progress(str(cfg.train.progress)).reporting() as report:
@@ -373,6 +378,18 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
     return flags, overrides, opts
 
 
+def _search_path(flags: list[str]) -> list[str]:
+    """Hydra's ``--config-dir DIR`` / ``-cd DIR`` flags as a ``hydra.searchpath`` override for :func:`compose`."""
+    dirs, it = [], iter(flags)
+    for flag in it:
+        if flag in ("--config-dir", "-cd"):
+            dirs.append(next(it, ""))
+        elif flag.startswith("--config-dir="):
+            dirs.append(flag.split("=", 1)[1])
+    paths = ",".join(f"'file://{Path(d).expanduser().resolve()}'" for d in dirs if d)
+    return [f"hydra.searchpath=[{paths}]"] if paths else []
+
+
 def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full: bool = True) -> list[list[str]]:
     """Compose and check every job before Hydra runs any: exits 2 with the first problem. Returns the jobs."""
     from distill.config import check_inputs, check_output_file, validate
@@ -390,7 +407,8 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
             cfg = compose(job)
             if full:
                 validate(cfg)
-                check_inputs(cfg, training=name == "train", generating=name == "generate-data")
+                check_inputs(cfg, training=name == "train", generating=name == "generate-data",
+                             evaluating=name == "eval")
                 if name == "train" and not cfg.train.overwrite:  # the run folder rule, for every job of a sweep
                     from distill.checkpoint import check_no_live_run, is_main_process, prepare_run_folder
 
@@ -420,6 +438,11 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
     import distill.config  # noqa: F401  (registers the schema)
     from distill.models import SetupError
 
+    conf = conf_dir()
+    if os.environ.get(CONF_ENV) and not (conf / "config.yaml").is_file():
+        _fail(f"{CONF_ENV}={os.environ.get(CONF_ENV)}: {conf} has no config.yaml; {CONF_ENV} replaces the whole "
+              f"conf/ folder, so start from a copy of the package's ({Path(__file__).resolve().parent / 'conf'} "
+              "when installed, conf/ in a checkout) and edit it")
     flags, overrides, opts = _split_argv(name, argv)
     multirun = any(f in ("-m", "--multirun") for f in flags)
     helping = any(f in ("--help", "-h", "--hydra-help", "--version", "--info", "-sc", "--shell-completion")
@@ -433,8 +456,8 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
               "its second job hangs while setting up the processes; launch one run per sweep value instead, e.g. "
               "for loss in fkl tvd; do accelerate launch ... -m distill train ... loss=$loss "
               "train.output_dir=checkpoints/run-$loss; done")
-    if not helping:
-        preflight(name, overrides, multirun, opts, full=not showing)
+    if not helping:  # with Hydra's --config-dir as a search path of the checks' compose, as Hydra's run has it
+        preflight(name, overrides + _search_path(flags), multirun, opts, full=not showing)
     overrides = [o for o in expand_target_shorthand(overrides)] if not helping else overrides
     command = HYDRA_COMMANDS[name]
 

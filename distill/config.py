@@ -427,7 +427,7 @@ def eval_prompts_source(cfg: DictConfig) -> Any:
 
 
 def _check_sources(cfg: DictConfig) -> None:
-    from distill.corpus import CORPORA
+    from distill.corpus import CORPORA, check_corpus
 
     ev = eval_prompts_source(cfg)
     sources = [("data.source", cfg.data.source)] + ([("eval.prompts", ev)] if ev is not None else [])
@@ -441,6 +441,10 @@ def _check_sources(cfg: DictConfig) -> None:
                              f"{key}.corpus=NAME ({', '.join(CORPORA)})")
         if src.corpus:
             _choose(f"{key}.corpus", src.corpus, tuple(CORPORA))
+            try:
+                check_corpus(src.corpus)
+            except FileNotFoundError as err:
+                raise SetupError(f"{key}.corpus={src.corpus}: {err}") from None
         for sub in ("kind", "sample_by", "split"):
             _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
         for sub in ("limit", "prompt_tokens", "completion_tokens", "windows_per_doc"):  # data.source's: AT_LEAST
@@ -609,11 +613,13 @@ def check_output_dir(path: str | os.PathLike, key: str) -> Path:
         raise SetupError(str(err)) from err
 
 
-def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = False) -> None:
+def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = False,
+                 evaluating: bool = False) -> None:
     """Checks against the disk and the machine, run at start before any model loads: the data files (exist, not
     empty, every JSON line parses, the configured fields are present and not null), the output folder, and a
     precision the device supports. ``generating`` (``generate-data``, which writes the target-data cache whatever
-    ``data.completions`` says): the cache folder is checked too.
+    ``data.completions`` says): the cache folder is checked too. ``evaluating`` (``eval``): ``data.source`` only
+    when the prompts come from it (``eval.prompts`` names no file or corpus).
 
     Raises:
         SetupError: naming the setting (or the file, line and field) and the fix.
@@ -621,7 +627,8 @@ def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = F
     from distill.data import preflight_source
     from distill.precision import accelerator_precision
 
-    preflight_source(cfg.data.source, "data.source", cfg.data)
+    if not evaluating or eval_prompts_source(cfg) is None:
+        preflight_source(cfg.data.source, "data.source", cfg.data)
     if eval_prompts_source(cfg) is not None:
         preflight_source(OmegaConf.merge({"completion_field": None}, cfg.eval.prompts), "eval.prompts", cfg.data)
     if generating or cfg.data.get("completions") in ("target", "both"):  # the KD cache is written into this folder

@@ -5,8 +5,8 @@ so every machine with the same inputs gets the same split and no file is in two 
 
 - ``stdlib``: the ``.py`` files of the running interpreter's standard library (key: path relative to the stdlib
   root). Tests, site-packages and generated tables (``encodings``, ``pydoc_data``) are left out.
-- ``tinystories``, ``tinyshakespeare``: text files under the shared data folder (``<repo>/../shared/data``, or
-  ``$DRAFTKIT_SHARED_DATA``), cut into blank-line separated chunks (key: the chunk's text).
+- ``tinystories``, ``tinyshakespeare``: text files under the shared data folder (``$DRAFTKIT_SHARED_DATA``, else
+  ``<repo>/../shared/data``: :func:`decode.prompts.shared_data_dir`), cut into blank-line separated chunks (key: the chunk's text).
 
 Prompt sets (``load_prompts``) for measuring acceptance on held-out real prompts: every named set of
 ``decode.prompts`` (the one registry: ``humaneval``, ``mbpp``, ``mbpp_code``, ...; a name means the same prompts in
@@ -91,11 +91,18 @@ def _stdlib_rows(split: str, fractions, root=None, max_files: int | None = None)
     return rows
 
 
+def check_corpus(name: str) -> None:
+    """Raise FileNotFoundError (naming the file and how to point at it) when corpus ``name`` reads a file of the
+    shared data folder that is not there; the stdlib corpus needs none."""
+    if name in _TEXT_FILES:
+        path = dprompts.shared_data_dir() / _TEXT_FILES[name]
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus {name!r} reads {path}, which does not exist: {dprompts.SHARED_DATA_HINT}")
+
+
 def _text_rows(name: str, split: str, fractions, max_chunks: int | None = None) -> dict[str, list[str]]:
-    path = dprompts.shared_data_dir(must_exist=True) / _TEXT_FILES[name]
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: corpus {name!r} reads it from the shared data folder "
-                                "(see SOURCES.md there)")
+    check_corpus(name)
+    path = dprompts.shared_data_dir() / _TEXT_FILES[name]
     chunks = [c.strip() for c in re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))]
     texts = [c for c in chunks if c and split_of(c, fractions) == split]
     return {"text": texts[:max_chunks] if max_chunks is not None else texts}

@@ -170,10 +170,15 @@ def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
     return as_examples(datasets.load_from_disk(str(out_dir / "dataset")))
 
 
-def load_data(cfg: DictConfig, tokenizer: Any, context: int | None) -> tuple[list[dict], list[list[int]]]:
+def load_data(cfg: DictConfig, tokenizer: Any, context: int | None,
+              training: bool = True) -> tuple[list[dict], list[list[int]]]:
     """Training examples and eval prompts (held out of training when ``eval.prompts`` names no file or corpus),
-    length-checked."""
-    examples = build_examples(cfg.data.source, tokenizer, cfg.data)
+    length-checked. ``training=False`` (``distill eval``): no training examples when ``eval.prompts`` gives the
+    prompts, so ``data.source`` is not read."""
+    if not training and eval_prompts_source(cfg) is not None:
+        examples = []
+    else:
+        examples = build_examples(cfg.data.source, tokenizer, cfg.data)
     if eval_prompts_source(cfg) is not None:
         ev_src = OmegaConf.merge({"kind": "auto", "completion_field": None}, cfg.eval.prompts)
         eval_examples = build_examples(ev_src, tokenizer, cfg.data)

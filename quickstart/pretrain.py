@@ -280,12 +280,16 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _check_config(cfg: PretrainConfig) -> None:
-    from distill.corpus import CORPORA
+    from distill.corpus import CORPORA, check_corpus
 
     if cfg.size not in SIZES:
         raise ValueError(f"unknown size {cfg.size!r}: use one of {', '.join(SIZES)}")
     if cfg.corpus not in CORPORA:
         raise ValueError(f"unknown corpus {cfg.corpus!r}: use one of {', '.join(CORPORA)}")
+    try:
+        check_corpus(cfg.corpus)
+    except FileNotFoundError as err:
+        raise ValueError(f"--corpus {cfg.corpus}: {err}") from None
     if not math.isfinite(cfg.budget_s) or (cfg.budget_s <= 0 and not cfg.max_steps):
         raise ValueError(f"budget_s={cfg.budget_s}: give a positive time budget (--budget-s) or --max-steps")
     for name, value, low in (("vocab_size", cfg.vocab_size, 256 + len(SPECIAL_TOKENS)), ("seq_len", cfg.seq_len, 1),

@@ -43,6 +43,29 @@ def test_print_config(capsys):
     assert "name: jsd" in text and "name_or_path: org/t" in text
 
 
+def test_eval_with_its_own_prompts_does_not_need_the_training_data(pair, tmp_path):
+    """eval with eval.prompts.path still checked (and read) data.source: a missing training file (an installed
+    package's default mbpp path) refused an evaluation that never uses it."""
+    ov = overrides(pair, tmp_path / "run", f"eval.prompts.path={pair['data']}",
+                   f"data.source.path={tmp_path / 'missing.jsonl'}")
+    main(["eval", *ov, "--out", str(tmp_path / "ev.json")])
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    assert set(ev["per_temperature"]) == {"0.0", "1.0"}
+    with pytest.raises(SystemExit) as e:  # training reads it: still refused before any model loads
+        main(["train", *ov])
+    assert e.value.code == 2
+
+
+def test_hydra_config_dir_adds_experiments_that_the_checks_find_too(tmp_path, capsys):
+    """--config-dir (listed in --help) was refused by the checks before Hydra ran: '+experiment=mine: no such
+    option in conf/experiment/'."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ntrain:\n  max_steps: 7\n")
+    main(["train", "--config-dir", str(tmp_path), "+target.name_or_path=org/t", "draft.num_hidden_layers=2",
+          "+experiment=mine", "--print-config"])
+    assert "max_steps: 7" in capsys.readouterr().out
+
+
 def test_eval_and_generate_data_subcommands(pair, tmp_path, capsys):
     ov = overrides(pair, tmp_path / "run")
     main(["eval", *ov, "--out", str(tmp_path / "ev.json")])

@@ -213,3 +213,32 @@ def test_a_loss_chosen_on_the_command_line_keeps_its_own_values(name):
         for key, value in own.items():
             assert cfg.loss[key] == value, f"+experiment={name} loss={option}: loss.{key} is {cfg.loss[key]}, " \
                                            f"conf/loss/{option}.yaml says {value}"
+
+
+def test_a_corpus_whose_file_is_missing_is_named_before_anything_loads(tmp_path, monkeypatch):
+    """data.source.corpus=tinystories without the shared data folder failed inside the run with a traceback
+    (exit 1) that pointed at <repo>/../shared/data even for an installed package."""
+    monkeypatch.setenv("DRAFTKIT_SHARED_DATA", str(tmp_path))
+    cfg = compose(["+target.name_or_path=org/model", "data=corpus", "data.source.corpus=tinystories",
+                   "draft.num_hidden_layers=2"])
+    with pytest.raises(SetupError, match=r"data.source.corpus=tinystories: corpus 'tinystories' reads "
+                                         r".*tinystories_val.txt, which does not exist: set DRAFTKIT_SHARED_DATA"):
+        normalize_config(cfg)
+    (tmp_path / "tinystories").mkdir()
+    (tmp_path / "tinystories" / "tinystories_val.txt").write_text("Once upon a time.\n")
+    assert normalize_config(cfg).data.source.corpus == "tinystories"
+
+
+def test_a_conf_folder_without_config_yaml_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    """DRAFTKIT_CONF at a folder holding only experiment/mine.yaml gave Hydra's "Cannot find primary config
+    'config'" without naming the variable."""
+    from distill.__main__ import main
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n")
+    monkeypatch.setenv("DRAFTKIT_CONF", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "+experiment=mine"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"DRAFTKIT_CONF={tmp_path}: {tmp_path} has no config.yaml" in err and "copy of the package's" in err

@@ -151,6 +151,16 @@ def test_cli_tokenizer_only(tmp_path, capsys):
         pt.main(["--tokenizer", str(tmp_path / "tok")])  # --out missing
 
 
+def test_a_corpus_file_that_is_missing_exits_2_before_the_out_folder_is_made(tmp_path, monkeypatch, capsys):
+    """It was a traceback (exit 1) that left an empty --out folder."""
+    monkeypatch.setenv("DRAFTKIT_SHARED_DATA", str(tmp_path / "nothing"))
+    with pytest.raises(SystemExit) as exit_:
+        pt.main(["--tokenizer", str(tmp_path / "tok"), "--corpus", "tinystories", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert "--corpus tinystories: corpus 'tinystories' reads" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "tok").exists()
+
+
 def test_python_m_quickstart_pretrain_dispatches(monkeypatch):
     """``python -m quickstart pretrain ARGS`` runs quickstart.pretrain.main(ARGS); anything else is the quickstart."""
     from quickstart.__main__ import main

@@ -73,7 +73,9 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
 
     path = conf_dir() / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --experiment names a file in conf/experiment/")
+        names = sorted(f.stem for f in path.parent.glob("*.yaml") if "\nquickstart:" in f.read_text())
+        raise FileNotFoundError(f"{path} not found: --experiment names a file of {path.parent} with a "
+                                f"'quickstart:' section: {', '.join(names) or 'none there'}")
     raw = OmegaConf.load(path)
     if "quickstart" not in raw:
         raise KeyError(f"{path} has no 'quickstart:' section; it is not a quickstart experiment")

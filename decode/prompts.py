@@ -71,6 +71,13 @@ class Prompt:
     category: str | None = None
 
 
+def checkout_root() -> Path | None:
+    """The repository's folder when the packages run from a checkout (or an editable install), None when they are
+    installed (a wheel, ``pip install .``): the one test of which it is."""
+    repo = Path(__file__).resolve().parents[1]
+    return repo if (repo / "conf" / "config.yaml").is_file() else None
+
+
 def shared_data_dir() -> Path:
     """The shared data folder: ``$DRAFTKIT_SHARED_DATA`` if set; else ``shared/data`` beside the repository when
     the package runs from a checkout; else ``../shared/data`` taken from the current folder, as the literal path
@@ -78,12 +85,10 @@ def shared_data_dir() -> Path:
     ``../shared/data/...`` paths in configs all go through it (:data:`SHARED_DATA_HINT` says how to point at it).
     """
     env = os.environ.get(SHARED_DATA_ENV)
-    repo = Path(__file__).resolve().parents[1]
     if env:
         return Path(env)
-    if (repo / "conf" / "config.yaml").is_file():  # a checkout (or an editable install)
-        return repo.parent / "shared" / "data"
-    return Path("../shared/data").resolve()
+    repo = checkout_root()
+    return repo.parent / "shared" / "data" if repo is not None else Path("../shared/data").resolve()
 
 
 SHARED_DATA_HINT = (f"set {SHARED_DATA_ENV} to the folder holding humaneval/, mbpp/, tinystories/ and "

@@ -6,7 +6,8 @@ so every machine with the same inputs gets the same split and no file is in two 
 - ``stdlib``: the ``.py`` files of the running interpreter's standard library (key: path relative to the stdlib
   root). Tests, site-packages and generated tables (``encodings``, ``pydoc_data``) are left out.
 - ``tinystories``, ``tinyshakespeare``: text files under the shared data folder (``$DRAFTKIT_SHARED_DATA``, else
-  ``<repo>/../shared/data``: :func:`decode.prompts.shared_data_dir`), cut into blank-line separated chunks (key: the chunk's text).
+  ``<repo>/../shared/data``: :func:`decode.prompts.shared_data_dir`), cut into blank-line separated chunks (key:
+  the chunk's text).
 
 Prompt sets (``load_prompts``) for measuring acceptance on held-out real prompts: every named set of
 ``decode.prompts`` (the one registry: ``humaneval``, ``mbpp``, ``mbpp_code``, ...; a name means the same prompts in

@@ -4,7 +4,8 @@ A source (``data.source``, or ``eval.prompts``) is one of
 
 - a local file through ``datasets``: ``.jsonl``/``.jsonl.gz``/``.json`` (json builder), ``.parquet``, ``.txt``
   (text builder, ``sample_by`` line/paragraph/document). Paths starting with ``../shared/data/`` resolve against
-  :func:`decode.prompts.shared_data_dir` (``$DRAFTKIT_SHARED_DATA``, else ``<repo>/../shared/data``); other relative paths against the working directory.
+  :func:`decode.prompts.shared_data_dir` (``$DRAFTKIT_SHARED_DATA``, else ``<repo>/../shared/data``); other
+  relative paths against the working directory.
 - a text corpus by name (``corpus: stdlib``), loaded with ``distill.corpus.load_corpus(name, split)``.
 
 ``kind: prompts`` rows give a prompt (``prompt_field``) and optionally a fixed completion (``completion_field``);

@@ -55,7 +55,9 @@ MAP_SETTINGS = ("eval.prompt_sets",)  # quickstart settings whose {name: value} 
 
 def in_checkout() -> bool:
     """Whether the package runs from the repository (a checkout or an editable install), not from site-packages."""
-    return (REPO / "conf" / "config.yaml").is_file()
+    from decode.prompts import checkout_root
+
+    return checkout_root() is not None
 
 
 def load_settings(experiment: str, overrides: list[str] = ()) -> Any:

@@ -51,15 +51,17 @@ def test_an_installed_wheel_has_the_configs_and_its_commands_find_them(tmp_path)
     assert r.returncode == 0, r.stderr
     work = tmp_path / "work"  # not the repository: nothing may come from it
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DRAFTKIT_CONF")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DRAFTKIT_CONF", "DRAFTKIT_SHARED_DATA")}
     env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     probe = ("import distill, quickstart.run as q; from distill.__main__ import conf_dir; "
-             "print(distill.__file__, conf_dir(), q.in_checkout(), q.load_settings('quickstart').target.budget_s)")
+             "from decode.prompts import shared_data_dir; print(distill.__file__, conf_dir(), q.in_checkout(), "
+             "q.load_settings('quickstart').target.budget_s, shared_data_dir())")
     r = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    module, conf, in_checkout, budget = r.stdout.split()
+    module, conf, in_checkout, budget, shared = r.stdout.split()
     assert Path(module).is_relative_to(site) and Path(conf) == site / "distill" / "conf"
     assert in_checkout == "False" and float(budget) > 0
+    assert Path(shared) == tmp_path / "shared" / "data"  # ../shared/data from the current folder, not site-packages
     r = subprocess.run([sys.executable, "-m", "distill", "train", "+experiment=quickstart", "--cfg", "job"], cwd=work,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "max_time_s: 300" in r.stdout, r.stdout + r.stderr

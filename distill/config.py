@@ -427,7 +427,7 @@ def eval_prompts_source(cfg: DictConfig) -> Any:
 
 
 def _check_sources(cfg: DictConfig) -> None:
-    from distill.corpus import CORPORA, check_corpus
+    from distill.corpus import CORPORA
 
     ev = eval_prompts_source(cfg)
     sources = [("data.source", cfg.data.source)] + ([("eval.prompts", ev)] if ev is not None else [])
@@ -441,10 +441,6 @@ def _check_sources(cfg: DictConfig) -> None:
                              f"{key}.corpus=NAME ({', '.join(CORPORA)})")
         if src.corpus:
             _choose(f"{key}.corpus", src.corpus, tuple(CORPORA))
-            try:
-                check_corpus(src.corpus)
-            except FileNotFoundError as err:
-                raise SetupError(f"{key}.corpus={src.corpus}: {err}") from None
         for sub in ("kind", "sample_by", "split"):
             _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
         for sub in ("limit", "prompt_tokens", "completion_tokens", "windows_per_doc"):  # data.source's: AT_LEAST

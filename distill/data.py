@@ -203,12 +203,21 @@ def _json_rows(path: Path, key: str):
 def preflight_source(src: Any, key: str, data_cfg: Any = None) -> None:
     """Check a source on disk before any model loads (the tokenizer is not needed): the file exists, is not
     empty, has a known format; for JSON files every line parses, and every row used (``limit``) has the configured
-    prompt/completion (or text) field, not null. A corpus name was already checked by the config.
+    prompt/completion (or text) field, not null. A corpus (its name was checked by the config): the file it reads
+    from the shared data folder exists.
 
     Raises:
         SetupError: naming ``key`` (``data.source`` or ``eval.prompts``), the file, the line and the field.
     """
-    if src.get("corpus") or not src.get("path"):
+    if src.get("corpus"):
+        from distill.corpus import check_corpus
+
+        try:
+            check_corpus(src.corpus)
+        except FileNotFoundError as err:
+            raise SetupError(f"{key}.corpus={src.corpus}: {err}") from None
+        return
+    if not src.get("path"):
         return
     path = resolve_path(src.path)
     if not path.exists():

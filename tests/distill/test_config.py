@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from distill.__main__ import compose, conf_dir
-from distill.config import Config, GROUPS as SCHEMA_GROUPS, LossConfig, unknown_keys, validate, validate_config, normalize_config
+from distill.config import Config, GROUPS as SCHEMA_GROUPS, check_inputs, LossConfig, unknown_keys, validate, validate_config, normalize_config
 from distill.models import SetupError
 
 CONF = conf_dir()
@@ -223,10 +223,10 @@ def test_a_corpus_whose_file_is_missing_is_named_before_anything_loads(tmp_path,
                    "draft.num_hidden_layers=2"])
     with pytest.raises(SetupError, match=r"data.source.corpus=tinystories: corpus 'tinystories' reads "
                                          r".*tinystories_val.txt, which does not exist: set DRAFTKIT_SHARED_DATA"):
-        normalize_config(cfg)
+        check_inputs(normalize_config(cfg), training=False)
     (tmp_path / "tinystories").mkdir()
     (tmp_path / "tinystories" / "tinystories_val.txt").write_text("Once upon a time.\n")
-    assert normalize_config(cfg).data.source.corpus == "tinystories"
+    check_inputs(normalize_config(cfg), training=False)
 
 
 def test_a_conf_folder_without_config_yaml_is_named_with_the_fix(tmp_path, monkeypatch, capsys):

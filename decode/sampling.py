@@ -23,8 +23,14 @@ TINY = 1e-30  # smallest temperature / repetition penalty used as such (float32'
 
 
 def _finite(x) -> bool:
-    """A finite real number: Python and NumPy ints and floats (``numbers.Real``), not bools, strings or tensors."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+    """A finite real number: Python and NumPy ints and floats (``numbers.Real``), not bools, strings or tensors;
+    not an int beyond float's range (~1.8e308: it could not be compared as one)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def validate_sampling_args(temperature: float, top_k: int | None = None, top_p: float | None = None,

@@ -75,7 +75,10 @@ def test_temperatures_of_one_and_above_handle_logits_near_the_float32_limit(temp
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1, top_k=None, top_p=None), dict(temperature=1, top_k=0, top_p=None),
-                                dict(temperature=1, top_k=None, top_p=0.0), dict(temperature=1, top_k=None, top_p=1.5)])
+                                dict(temperature=1, top_k=None, top_p=0.0), dict(temperature=1, top_k=None, top_p=1.5),
+                                # ints beyond float's range raised OverflowError (a server 500, a CLI traceback)
+                                dict(temperature=1, top_k=10 ** 400), dict(temperature=10 ** 400),
+                                dict(temperature=1, presence_penalty=-(10 ** 400))])
 def test_bad_sampling_args(kw):
     with pytest.raises(ValueError, match="must be"):
         validate_sampling_args(**kw)

@@ -379,15 +379,15 @@ def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]
 
 
 def _search_path(flags: list[str]) -> list[str]:
-    """Hydra's ``--config-dir DIR`` / ``-cd DIR`` flags as a ``hydra.searchpath`` override for :func:`compose`."""
-    dirs, it = [], iter(flags)
+    """Hydra's ``--config-dir DIR`` / ``-cd DIR`` flag as a ``hydra.searchpath`` override for :func:`compose`; of
+    several, the last, as Hydra takes it."""
+    folder, it = None, iter(flags)
     for flag in it:
         if flag in ("--config-dir", "-cd"):
-            dirs.append(next(it, ""))
+            folder = next(it, None)
         elif flag.startswith("--config-dir="):
-            dirs.append(flag.split("=", 1)[1])
-    paths = ",".join(f"'file://{Path(d).expanduser().resolve()}'" for d in dirs if d)
-    return [f"hydra.searchpath=[{paths}]"] if paths else []
+            folder = flag.split("=", 1)[1]
+    return [f"hydra.searchpath=['file://{Path(folder).expanduser().resolve()}']"] if folder else []
 
 
 def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full: bool = True) -> list[list[str]]:

@@ -458,7 +458,8 @@ def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = Fals
         return
     path = Path(name).expanduser()
     if not path.exists():
-        raise SetupError(f"{role} path {name!r} does not exist; fix {fix}")
+        where = "" if path.is_absolute() else f" ({path.resolve()})"  # relative paths are taken from here
+        raise SetupError(f"{role} path {name!r}{where} does not exist; fix {fix}")
     if not path.is_dir():
         from distill.checkpoint import LATEST_FILE
 

@@ -76,8 +76,10 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     path = conf_dir() / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
         names = sorted(f.stem for f in path.parent.glob("*.yaml") if "\nquickstart:" in f.read_text())
+        conf = os.environ.get("DRAFTKIT_CONF")
         raise FileNotFoundError(f"{path} not found: --experiment names a file of {path.parent} with a "
-                                f"'quickstart:' section: {', '.join(names) or 'none there'}")
+                                f"'quickstart:' section: {', '.join(names) or 'none there'}"
+                                + (f" (DRAFTKIT_CONF={conf} replaces the package's conf/)" if conf else ""))
     raw = OmegaConf.load(path)
     if "quickstart" not in raw:
         raise KeyError(f"{path} has no 'quickstart:' section; it is not a quickstart experiment")
@@ -480,11 +482,15 @@ def _check_number(key: str, value, kind=int, low: int = 1) -> None:
 def check_pretrain_settings(qs) -> None:
     """Check the pretraining settings (``quickstart.corpus``, ``vocab_size``, ``threads``, ``target.*`` and
     ``draft.*``) before any phase runs. Raises ValueError naming the setting and what it takes."""
-    from distill.corpus import CORPORA
+    from distill.corpus import CORPORA, check_corpus
     from quickstart.pretrain import SIZES
 
     if qs.corpus not in CORPORA:
         raise ValueError(f"quickstart.corpus={qs.corpus!r} is not a corpus; choose one of {', '.join(CORPORA)}")
+    try:
+        check_corpus(qs.corpus)
+    except FileNotFoundError as err:
+        raise ValueError(f"quickstart.corpus={qs.corpus}: {err}") from None
     _check_number("vocab_size", qs.vocab_size, low=259)
     if qs.get("threads") is not None:
         _check_number("threads", qs.threads, low=0)  # 0 or null: torch's default

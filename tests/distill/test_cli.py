@@ -64,6 +64,12 @@ def test_hydra_config_dir_adds_experiments_that_the_checks_find_too(tmp_path, ca
     main(["train", "--config-dir", str(tmp_path), "+target.name_or_path=org/t", "draft.num_hidden_layers=2",
           "+experiment=mine", "--print-config"])
     assert "max_steps: 7" in capsys.readouterr().out
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(SystemExit) as e:  # Hydra takes the last --config-dir only: so do the checks
+        main(["train", "-cd", str(tmp_path), "-cd", str(other), "+target.name_or_path=org/t", "+experiment=mine",
+              "--print-config"])
+    assert e.value.code == 2 and "+experiment=mine: no such option" in capsys.readouterr().err
 
 
 def test_eval_and_generate_data_subcommands(pair, tmp_path, capsys):

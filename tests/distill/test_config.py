@@ -242,3 +242,10 @@ def test_a_conf_folder_without_config_yaml_is_named_with_the_fix(tmp_path, monke
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"DRAFTKIT_CONF={tmp_path}: {tmp_path} has no config.yaml" in err and "copy of the package's" in err
+
+
+def test_a_relative_model_path_that_is_missing_shows_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SetupError, match=re.escape(f"'checkpoints/q/target' ({tmp_path}/checkpoints/q/target) does "
+                                                   "not exist")):
+        normalize_config(compose(["+target.name_or_path=checkpoints/q/target", "draft.num_hidden_layers=2"]))

@@ -171,3 +171,12 @@ def test_a_resume_snapshot_of_other_settings_is_named_not_continued(tmp_path, mo
     assert exc.value.code == 2 and "resume snapshot of a model of another shape" in capsys.readouterr().err
     assert snap.is_dir()  # kept: it may be continued with its own settings
     assert pt.pretrain(_cfg(tmp_path), log=lambda *_: None)["steps"] == 4
+
+
+def test_a_corpus_whose_file_is_missing_is_refused_before_the_out_folder_is_made(tmp_path, monkeypatch, capsys):
+    """corpus=tinystories without its file made --out, ran the tokenizer phase into a usage text and an empty
+    results table, and exited 1."""
+    monkeypatch.setenv("DRAFTKIT_SHARED_DATA", str(tmp_path / "shared"))
+    err = _refused(["--smoke", "corpus=tinystories", "--out", str(tmp_path / "o")], capsys)
+    assert "quickstart.corpus=tinystories: corpus 'tinystories' reads" in err and "DRAFTKIT_SHARED_DATA" in err
+    assert not (tmp_path / "o").exists()

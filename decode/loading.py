@@ -132,10 +132,15 @@ def check_model_path(name_or_path: str, role: str) -> None:
     if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
             "does not exist"
-        where = os.path.abspath(os.path.expanduser(name_or_path))
-        shown = repr(name_or_path) + ("" if where == str(name_or_path) else f" ({where})")
-        raise FileNotFoundError(f"{role} path {shown} {what}; pass a directory written by "
+        raise FileNotFoundError(f"{role} path {shown_path(name_or_path)} {what}; pass a directory written by "
                                 "save_pretrained (or a hub id when online)")
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A path as an error message shows it: as given, and where it points when that differs (a relative path is
+    taken from the current folder, ``~`` expanded)."""
+    where = os.path.abspath(os.path.expanduser(str(path)))
+    return repr(str(path)) + ("" if where == str(path) else f" ({where})")
 
 
 def check_cached(name_or_path: str, role: str) -> None:

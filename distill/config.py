@@ -458,8 +458,9 @@ def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = Fals
         return
     path = Path(name).expanduser()
     if not path.exists():
-        where = "" if path.is_absolute() else f" ({path.resolve()})"  # relative paths are taken from here
-        raise SetupError(f"{role} path {name!r}{where} does not exist; fix {fix}")
+        from decode.loading import shown_path
+
+        raise SetupError(f"{role} path {shown_path(name)} does not exist; fix {fix}")
     if not path.is_dir():
         from distill.checkpoint import LATEST_FILE
 

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from decode.compat import base_model
+
 
 def _layers(cache: Any) -> list[Any]:
     layers = getattr(cache, "layers", None)
@@ -62,13 +64,13 @@ def _off_for(cls: type) -> tuple[tuple[str, bool], ...]:
 def _off(model: Any) -> dict[str, bool]:
     """Forward outputs the decoder never reads, switched off: an MoE's router logits (``output_router_logits=True``
     in a Mixtral/Qwen3-MoE config also computes the load-balancing loss, which fails on a padded batch's mask)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return dict(_off_for(type(base)))
 
 
 def _cache_kwarg(model: Any) -> str:
     # transformers 5.x renamed past_key_values to cache; peft wrappers forward **kwargs to the base model.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return _cache_kwarg_for(type(base))
 
 
@@ -222,7 +224,7 @@ def _static_cache(model: Any, max_cache_len: int) -> Any:
     """A transformers ``StaticCache`` for ``model`` whose layers attend over the used columns only."""
     from transformers import StaticCache
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     cache = StaticCache(config=base.config, max_cache_len=max_cache_len)
     for layer in cache.layers:
         layer.__class__ = _used_width_layer_class()  # same state, narrower view (one class, built on first use)
@@ -308,7 +310,7 @@ class StaticKV:
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         cfg = base.config
         if getattr(cfg, "is_encoder_decoder", False):
             return "encoder-decoder model"

@@ -192,7 +192,7 @@ def check_cache_support(model: Any, role: str) -> None:
         from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
     except ImportError:  # older transformers: no per-layer cache kinds to inspect
         return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     default_cache = getattr(type(base), "_supports_default_dynamic_cache", None)  # transformers' own test
     if callable(default_cache) and not default_cache():
         raise IncompatibleModelsError(
@@ -219,6 +219,11 @@ def check_cache_support(model: Any, role: str) -> None:
             f"rejected draft (cache layers {bad}: a recurrent/convolution state or an indexer cache); only "
             "attention models with a per-token KV cache are supported. Use an attention-only model as the "
             f"{role}.")
+
+
+def base_model(model: Any) -> Any:
+    """The model a peft wrapper (``get_base_model``) holds, or ``model`` itself: whose class and config to inspect."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 class NotCausalError(ValueError):
@@ -279,7 +284,7 @@ def check_causal(model: Any, role: str) -> None:
         return
     (a, b), dtype = probe
     if float((a[:3] - b[:3]).abs().max()) > probe_tolerance(dtype, a[:3], full=1e-5):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         raise NotCausalError(
             f"the {role} ({type(base).__name__}) is not a causal language model: its logits at a position change "
             "when a later token changes (a masked LM such as BERT loaded as a causal LM; for BERT-style decoders set "
@@ -296,7 +301,7 @@ def chunk_dependent_rope(model: Any) -> tuple[str, int | None] | None:
     ``original_max_position_embeddings``), else None. Past that position such a model's logits depend on how many
     tokens one forward holds (a verify of γ + 1 tokens, a padded batch), so no decoder that verifies several tokens
     at once can equal one-token-at-a-time decoding there exactly; the engine says so once at construction."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if not isinstance(params, dict) or not params:

@@ -31,7 +31,7 @@ import operator
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from decode import kernels
 from decode.compat import (check_cache_support, check_causal, check_compatibility, chunk_dependent_rope,
                            draft_input_substitute, substitute_draft_inputs)
 from decode.compiling import check_compile, compiled_forward
+from decode.lookup import NgramLookup, check_prompt_lookup
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
@@ -77,6 +78,14 @@ class DecodeState:
     target_len: list[int] = field(default_factory=list)     # valid target-cache slots per row
     draft_len: list[int] = field(default_factory=list)      # valid draft-cache slots per row
     draft_pending: list[int] = field(default_factory=list)  # real tokens in draft_in per row (right-aligned)
+
+
+class LookupDrafts(NamedTuple):
+    """One step's prompt-lookup proposals (:meth:`SpeculativeDecoder._lookup_drafts`)."""
+
+    ids: torch.Tensor  # (B, γ) int64: the proposals (0 where unused)
+    use: torch.Tensor  # (B, γ) bool: the draft at this position is the proposal (a prefix of a greedy row's γ_r)
+    covered: int       # leading positions where no row needs the draft's guess (a proposal, or past the row's γ_r)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,17 +148,23 @@ class SpeculativeDecoder:
             GEMM; same function up to float32 round-off). None (default): on when the target (and the draft, if
             any) has float32 weights on the CPU and the target is not compiled (``compile`` is not True;
             ``"draft"`` keeps them); True/False: force.
+        prompt_lookup_ngram: n > 0: greedy requests draft by prompt lookup (:mod:`decode.lookup`) where it has a
+            match: while the last n tokens (prompt, output and the step's drafts so far) occurred earlier, a step's
+            next draft is the token that followed their most recent occurrence instead of the draft's argmax (the
+            draft still reads it). 0 (default): off. Sampled requests always draft from the draft model. Pays where
+            the target repeats its context and a small draft fails to copy it (docs/decode.md, "Prompt lookup").
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
             cannot be rolled back (Mamba and other recurrent/hybrid models: :func:`decode.compat.check_cache_support`).
-        ValueError: a bad ``num_draft_tokens`` or ``compile``.
+        ValueError: a bad ``num_draft_tokens``, ``compile`` or ``prompt_lookup_ngram``.
     """
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str | None = None,
                  tokenizer: Any = None, draft_tokenizer: Any = None, max_auto_draft_tokens: int = 8,
                  auto_costs: dict[int, dict] | None = None, compile: bool | str = False,
-                 static_cache: bool | None = None, few_row_linear: bool | None = None):
+                 static_cache: bool | None = None, few_row_linear: bool | None = None,
+                 prompt_lookup_ngram: int = 0):
         for name, value in (("static_cache", static_cache), ("few_row_linear", few_row_linear)):
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
@@ -168,6 +183,7 @@ class SpeculativeDecoder:
         self.max_auto_draft_tokens = max_auto_draft_tokens
         self.num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
                                                   else num_draft_tokens)
+        self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram, draft is not None)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
@@ -713,9 +729,40 @@ class SpeculativeDecoder:
             return logits
         return scatter_to_vocab(logits, self._draft_map.to(logits.device), self.vocab_size)
 
-    def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lookup_drafts(self, gammas: list[int], gamma: int) -> LookupDrafts | None:
+        """Prompt-lookup proposals of the greedy rows (:class:`decode.lookup.NgramLookup`, host-side, from each
+        row's committed tokens); None when prompt lookup is off or no row has a match."""
+        if not self.prompt_lookup_ngram:
+            return None
+        chains = []
+        for row, seq, g in zip(self._rows, self._state.committed, gammas):
+            if row.params.greedy and g > 0:
+                if row.lookup is None:
+                    row.lookup = NgramLookup(self.prompt_lookup_ngram)
+                chains.append(row.lookup.propose(seq, g))
+            else:
+                chains.append([])
+        if not any(chains):
+            return None
+        covered = min(gamma if len(chain) >= g else len(chain) for chain, g in zip(chains, gammas))
+        ids = torch.zeros(len(chains), gamma, dtype=torch.long)
+        use = torch.zeros(len(chains), gamma, dtype=torch.bool)
+        for i, chain in enumerate(chains):
+            ids[i, :len(chain)] = torch.tensor(chain, dtype=torch.long)
+            use[i, :len(chain)] = True
+        device = self.target.device
+        return LookupDrafts(ids.to(device, non_blocking=True), use.to(device, non_blocking=True), covered)
+
+    def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor,
+               lookup: LookupDrafts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``
-        (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy` needs no q)."""
+        (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy` needs no q).
+
+        ``lookup`` (:meth:`_lookup_drafts`): proposals that replace the draft's where marked (q one-hot on them).
+        Its first ``covered`` positions need no guess from the draft, so they run no draft forward: their tokens
+        join the next forward's input (one forward of several tokens costs about one of a single token here), and
+        when every position is covered one forward feeds them at the end, so the draft's cache holds the same
+        tokens as after γ one-token forwards (the roll-back is unchanged)."""
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
         width = max(state.draft_pending)
         inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
@@ -725,22 +772,39 @@ class SpeculativeDecoder:
             state.draft_cache.ensure_room(width + gamma)
             self._draft_start = state.draft_cache.W
         holes = min(state.draft_pending) < width
+        covered = lookup.covered if lookup is not None else 0
         for i in range(gamma):
-            logits = self._draft_forward(state, inp, inp_mask, holes)
-            holes = False
-            args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
-                    counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
-            if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
-                tok = greedy_ids(*args)[:, 0]
+            if i < covered:  # every row's draft here is its proposal (or unused): no draft forward
+                tok = lookup.ids[:, i]
+                q = None if self._sampling.all_greedy else \
+                    torch.nn.functional.one_hot(tok, self.vocab_size).float()  # as probs_from_logits' rows
             else:
-                q = probs_from_logits(*args)[:, 0]
-                tok = sample(q, u=draft_u[:, i])
+                logits = self._draft_forward(state, inp, inp_mask, holes)
+                holes = False
+                args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
+                        counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
+                if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
+                    tok, q = greedy_ids(*args)[:, 0], None
+                else:
+                    q = probs_from_logits(*args)[:, 0]
+                    tok = sample(q, u=draft_u[:, i])
+                if lookup is not None:  # greedy rows only: their q is one-hot wherever their draft comes from
+                    tok = torch.where(lookup.use[:, i], lookup.ids[:, i], tok)
+                    if q is not None:
+                        hot = torch.nn.functional.one_hot(tok, self.vocab_size).float()
+                        q = torch.where(lookup.use[:, i, None], hot, q)
+            if q is not None:
                 probs.append(q)
             tokens.append(tok)
             if counts is not None and i + 1 < gamma:  # the next position's prefix includes this draft
                 counts = counts.scatter_add(-1, tok[:, None], torch.ones_like(counts[:, :1]))
                 seen = seen.scatter(-1, tok[:, None], True)
-            inp, inp_mask = tok[:, None], torch.ones_like(tok)[:, None]
+            new, new_mask = tok[:, None], torch.ones_like(tok)[:, None]
+            if i < covered:  # not fed yet: it joins the pending input of the next forward
+                new, new_mask = torch.cat([inp, new], dim=1), torch.cat([inp_mask, new_mask], dim=1)
+            inp, inp_mask = new, new_mask
+        if covered == gamma:  # no forward ran: feed what the γ forwards would have (all but the γ-th draft)
+            self._draft_forward(state, inp[:, :-1], inp_mask[:, :-1], holes)
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
@@ -787,7 +851,7 @@ class SpeculativeDecoder:
         B = len(gammas)
         draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
         if gamma > 0:
-            drafts, q = self._draft(state, gamma, draft_u)
+            drafts, q = self._draft(state, gamma, draft_u, self._lookup_drafts(gammas, gamma))
         else:
             drafts = state.last.new_zeros(B, 0)
             q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)

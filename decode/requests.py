@@ -51,6 +51,7 @@ class Request:
     added_at: float = field(default_factory=time.perf_counter)
     aborted: bool = False  # set by SpeculativeDecoder.abort (its on_tokens is not called after that)
     acceptance: AlphaEstimate = field(default_factory=AlphaEstimate)  # this row's acceptance counts (auto γ, static batch)
+    lookup: Any = None  # decode.lookup.NgramLookup of prompt + committed tokens (prompt lookup), made at first use
 
     def output(self, finish_reason: str) -> RequestOutput:
         self.stats.num_new_tokens = len(self.new_tokens)

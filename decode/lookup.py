@@ -1,0 +1,78 @@
+"""Prompt lookup: propose the tokens that followed the last n tokens the most recent time they occurred before.
+
+Prompt lookup decoding (Saxena, 2023, github.com/apoorvumang/prompt-lookup-decoding; in transformers as
+``prompt_lookup_num_tokens``, in vLLM as the ``ngram`` proposer) drafts without a model: when the last n tokens of
+a sequence occurred earlier in it, the tokens that followed that occurrence are a free guess for what comes next.
+The decoder uses it beside the draft model, for greedy requests (``SpeculativeDecoder(prompt_lookup_ngram=n)``):
+while the lookup has a match, a step's drafts are its tokens instead of the draft's argmaxes (docs/decode.md,
+"Prompt lookup"). It pays where the target repeats what is already in its context (loops, repeated code, quoted
+text), which a small draft often fails to copy.
+
+Losslessness does not depend on it: a proposal is a function of the prefix only, and a greedy request keeps a
+proposal exactly when it equals the target's argmax.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class NgramLookup:
+    """An index of one growing token sequence: for every n-gram, where the token after its most recent occurrence
+    (that has a next token) is.
+
+    :meth:`update` reads the tokens appended since the last call (the sequence only grows: a request's prompt and
+    committed tokens), :meth:`propose` chains lookups: each proposed token extends the sequence for the next lookup,
+    as if it had been accepted. Host-side Python, O(1) per token.
+
+    Args:
+        n: the n-gram length, >= 1.
+
+    Raises:
+        ValueError: ``n`` is not an integer >= 1.
+    """
+
+    def __init__(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"prompt_lookup_ngram must be an integer >= 1 (0 turns prompt lookup off), got {n!r}")
+        self.n = n
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+        self._seen = 0  # tokens of the sequence read so far
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Index ``tokens[self._seen:]``; ``tokens`` is the whole sequence so far (the same list, grown)."""
+        n = self.n
+        for j in range(max(self._seen, n), len(tokens)):
+            self._next[tuple(tokens[j - n:j])] = j
+        self._seen = len(tokens)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` proposed next tokens of ``tokens`` (which :meth:`update` has read): the token after the most
+        recent earlier occurrence of the last n tokens, then the same for the sequence with that token appended,
+        and so on until an n-gram has no earlier occurrence. Returns ``[]`` when the first has none."""
+        self.update(tokens)
+        n, base = self.n, len(tokens)
+        if base < n or k < 1:
+            return []
+        chain: list[int] = []
+        pending: dict[tuple[int, ...], int] = {}  # occurrences that end inside the chain: newer than the index's
+        at = lambda j: tokens[j] if j < base else chain[j - base]  # noqa: E731
+        for _ in range(k):
+            end = base + len(chain)
+            key = tuple(at(j) for j in range(end - n, end))
+            j = pending.get(key, self._next.get(key))
+            if j is None:
+                break
+            pending[key] = end  # the suffix is now followed by the token proposed below
+            chain.append(at(j))
+        return chain
+
+
+def check_prompt_lookup(value: object, has_draft: bool = True, name: str = "prompt_lookup_ngram") -> int:
+    """``prompt_lookup_ngram`` checked: an integer >= 0 (0: off). Raises ``ValueError`` naming ``name`` (the
+    argument, or a CLI's option) for anything else, and for n > 0 without a draft model (the decoder drafts by
+    lookup only beside one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (the n-gram length of prompt lookup; 0: off), got {value!r}")
+    if value and not has_draft:
+        raise ValueError(f"{name}={value} needs a draft model (prompt lookup drafts beside it); pass a draft or 0")
+    return value

@@ -32,6 +32,9 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
+                   help="at --temperature 0, while the last N tokens occurred earlier, draft the tokens that followed "
+                   "them instead of the draft's guesses (prompt lookup, decode.lookup; 0: off, the default)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
@@ -53,6 +56,7 @@ def cmd_generate(argv: list[str]) -> int:
     from decode import SpeculativeDecoder
     from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
                                 load_target_tokenizer)
+    from decode.lookup import check_prompt_lookup
     from decode.requests import check_seed
     from decode.sampling import validate_sampling_args
     from decode.stops import stop_token_ids
@@ -62,6 +66,7 @@ def cmd_generate(argv: list[str]) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed, "--seed", none_ok=False)
+    check_prompt_lookup(args.prompt_lookup_ngram, bool(args.draft), "--prompt-lookup-ngram")
     if not args.draft and args.num_draft_tokens not in (None, 0):  # the API refuses it too (--draft= is none)
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} needs a draft: pass --draft PATH, or leave "
                          "-g out to decode with the target alone")
@@ -75,7 +80,8 @@ def cmd_generate(argv: list[str]) -> int:
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma = (4 if args.num_draft_tokens is None else args.num_draft_tokens) if draft is not None else 0
-    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok)
+    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok,
+                             prompt_lookup_ngram=args.prompt_lookup_ngram)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])

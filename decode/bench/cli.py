@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--few-row-linear", choices=["auto", "on", "off"], default="auto",
                    help="our decoder's few-row linear kernels (decode.kernels; auto: on for float32 CPU models unless "
                         "the target is compiled, --compile both)")
+    p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
+                   help="our speculative methods draft by prompt lookup in greedy runs while the last N tokens "
+                        "occurred earlier (decode.lookup; 0: off, the default; scripts/measure_prompt_lookup.py "
+                        "compares with and without side by side)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
     p.add_argument("--max-prompt-tokens", type=int,
@@ -120,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed,
         compile=compile_setting(args.compile),
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
+        prompt_lookup_ngram=args.prompt_lookup_ngram,
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
     cfg.validate()
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:

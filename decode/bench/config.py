@@ -32,6 +32,8 @@ class BenchConfig:
     compile: bool | str = False
     # SpeculativeDecoder(few_row_linear=...) for our decoder: None = its default (on for float32 CPU models).
     few_row_linear: bool | None = None
+    # SpeculativeDecoder(prompt_lookup_ngram=...) for our speculative methods: prompt lookup for greedy runs (0: off).
+    prompt_lookup_ngram: int = 0
     # Descriptive, filled by the CLI.
     target: str | None = None
     draft: str | None = None
@@ -45,9 +47,11 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
-        from decode.compiling import check_compile  # the decoder's own check of the setting, before any model loads
+        from decode.compiling import check_compile  # the decoder's own checks of the settings, before any model loads
+        from decode.lookup import check_prompt_lookup
 
         check_compile(self.compile)
+        check_prompt_lookup(self.prompt_lookup_ngram, name="--prompt-lookup-ngram (prompt_lookup_ngram)")
         if not self.gammas and not self.auto:
             raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")
         if any((not isinstance(g, int)) or g < 1 for g in self.gammas):

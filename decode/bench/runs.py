@@ -108,7 +108,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     _check_cost_context_fits(context.shape[1], cfg, target, draft)
     eos = None if cfg.ignore_eos else eos_token_id
     kw = dict(num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-              max_auto_draft_tokens=cfg.auto_max_gamma, few_row_linear=cfg.few_row_linear)
+              max_auto_draft_tokens=cfg.auto_max_gamma, few_row_linear=cfg.few_row_linear,
+              prompt_lookup_ngram=cfg.prompt_lookup_ngram)
     decoders = {False: SpeculativeDecoder(target, draft, **kw)}
     if cfg.compile:
         decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)

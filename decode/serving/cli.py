@@ -96,6 +96,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="run the forwards through torch.compile: --compile draft (the draft's only, the fastest "
                    "measured setting on CPU) or --compile / --compile both (both models); the graphs are compiled "
                    "before the server listens (about a minute per model on a CPU)")
+    p.add_argument("--prompt-lookup-ngram", type=_positive("--prompt-lookup-ngram", True), default=0, metavar="N",
+                   help="for greedy requests (temperature 0), while the last N tokens occurred earlier, draft the "
+                   "tokens that followed them instead of the draft's guesses (prompt lookup, decode.lookup; 0: off, "
+                   "the default)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoints to run their own Python modeling/tokenizer code (off by default; read it first)")
     p.add_argument("--graceful-shutdown-s", type=_seconds("--graceful-shutdown-s"), default=30.0,
@@ -152,7 +156,8 @@ def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | st
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
     gamma = args.num_draft_tokens if draft is not None else 0
-    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok, compile=compile_)
+    dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok, compile=compile_,
+                             prompt_lookup_ngram=args.prompt_lookup_ngram)
     if compile_ or gamma == "auto":
         work = " and ".join(w for w, on in (("compiling the forwards' graphs", compile_),
                                             ("measuring auto γ's cost model", gamma == "auto")) if on)
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(warning, file=sys.stderr)
     from decode.compiling import check_cpu_compiler, compile_setting
     from decode.loading import check_cached, check_device
+    from decode.lookup import check_prompt_lookup
     from decode.serving.app import ServerLimits, create_app, make_server
 
     device = check_device(args.device)
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                          "use --compile both to compile the target")
     if compile_ and str(device).startswith("cpu"):
         check_cpu_compiler("--compile", "drop --compile")
+    check_prompt_lookup(args.prompt_lookup_ngram, bool(args.draft), "--prompt-lookup-ngram")
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
             check_cached(getattr(args, option), f"--{option}")
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     name = served_model_name(args.target, args.served_model_name)
     limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens, args.body_timeout_s)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
-                     info={"target": args.target, "draft": args.draft, "compile": args.compile or False})
+                     info={"target": args.target, "draft": args.draft, "compile": args.compile or False,
+                           "prompt_lookup_ngram": args.prompt_lookup_ngram})
     server = make_server(app, args.host, args.port, args.graceful_shutdown_s)
     try:
         server.run()

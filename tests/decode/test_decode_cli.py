@@ -25,6 +25,16 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", "decode", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+def test_generate_with_prompt_lookup_gives_the_same_greedy_text(saved_pair):
+    outs = []
+    for extra in ([], ["--prompt-lookup-ngram", "1"]):
+        r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                "--prompt", "w1 w2 w1 w2 w1", "--max-new-tokens", "16", "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) >= 1
+
+
 def test_generate_streams_text_and_prints_metrics(saved_pair):
     r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
             "--prompt", "w1 w2 w3", "--num-draft-tokens", "3", "--max-new-tokens", "12", "--json")
@@ -97,6 +107,9 @@ def test_unknown_command_and_bad_gamma(saved_pair):
     ("generate", ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     ("generate", ["--top-k", "0"], "--top-k must be an integer >= 1"),
     ("generate", ["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    ("generate", ["--prompt-lookup-ngram", "-1"], "--prompt-lookup-ngram must be an integer >= 0"),
+    ("generate", ["--prompt-lookup-ngram", "3"], "--prompt-lookup-ngram=3 needs a draft model"),
+    ("bench", ["--prompt-lookup-ngram", "-2"], "--prompt-lookup-ngram (prompt_lookup_ngram) must be an integer >= 0"),
     ("bench", ["--device", "tpu"], "device 'tpu' is not a torch device"),
     ("bench", ["--threads", "-1"], "--threads must be >= 1"),
     ("bench", ["--prompt-field", "nosuch", "--limit", "1"], "no field 'nosuch'"),

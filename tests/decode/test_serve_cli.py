@@ -52,11 +52,17 @@ def test_bind_warning_only_off_loopback_without_key():
                                          (["--body-timeout-s", "0"], "--body-timeout-s must be a finite number > 0"),
                                          # 1e10 s overflowed the thread join of the shutdown (OverflowError)
                                          (["--graceful-shutdown-s", "1e10"], "must be at most 1e+06 seconds"),
+                                         (["--prompt-lookup-ngram", "-1"], "--prompt-lookup-ngram must be >= 0"),
                                          (["--api-key", " "], "API key is empty")])
 def test_bad_settings_exit_2_before_loading(args, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--target", "/nonexistent", *args])
     assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_prompt_lookup_without_a_draft_is_refused_before_loading():
+    with pytest.raises(ValueError, match="--prompt-lookup-ngram=2 needs a draft model"):  # python -m decode: exit 2
+        main(["--target", "/nonexistent", "--prompt-lookup-ngram", "2"])
 
 
 def test_port_in_use_is_a_clear_error():

@@ -332,7 +332,8 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
             every draft and temperature, or ``best``: chosen per draft and temperature by :func:`choose_gammas`
             on ``calibration_prompts`` further prompts of each set, up to ``max_draft_tokens``), max_new_tokens,
             max_prompt_tokens, seed, compile (the drafts' ``SpeculativeDecoder(compile=...)``: false, ``draft`` or
-            true; plain decoding is compiled only with true, the one setting that compiles the target).
+            true; plain decoding is compiled only with true, the one setting that compiles the target),
+            prompt_lookup_ngram (the drafts' decoders' prompt lookup for greedy runs, :mod:`decode.lookup`; 0: off).
         console: rich console for the progress bar (None: a new one).
 
     Returns:
@@ -359,12 +360,12 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     target = _load_lm(target_dir, "target")
     models = {name: _load_lm(path) for name, path in drafts.items()}
     max_gamma = int(ecfg.get("max_draft_tokens", 8)) if setting == "best" else setting
-    compile = eval_compile(ecfg)
+    compile, lookup = eval_compile(ecfg), eval_prompt_lookup(ecfg)
     decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0, compile=compile is True)}
     for name, model in models.items():
         decoders[name] = SpeculativeDecoder(target, model, num_draft_tokens=PROBE_GAMMA, tokenizer=tokenizer,
                                             draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma,
-                                            compile=compile)
+                                            compile=compile, prompt_lookup_ngram=lookup)
     prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), int(ecfg.max_prompt_tokens))
     temps = [float(t) for t in ecfg.temperatures]
     new = int(ecfg.max_new_tokens)
@@ -424,7 +425,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
             "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": setting,
             "gammas": {n: {str(t): g for t, g in per.items()} for n, per in gammas.items()},
             "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens),
-            "temperatures": temps, "compile": compile}
+            "temperatures": temps, "compile": compile, "prompt_lookup_ngram": lookup}
 
 
 PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chosen
@@ -551,6 +552,14 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
         raise ValueError(f"the distill phase's config: {err}{hint}") from None
 
 
+def eval_prompt_lookup(ecfg) -> int:
+    """``quickstart.eval.prompt_lookup_ngram`` checked: the drafts' decoders' ``prompt_lookup_ngram`` (an integer
+    >= 0; 0 or absent: off). Raises ValueError naming the setting."""
+    from decode.lookup import check_prompt_lookup
+
+    return check_prompt_lookup(ecfg.get("prompt_lookup_ngram", 0), name="quickstart.eval.prompt_lookup_ngram")
+
+
 def check_eval_settings(ecfg) -> int | str:
     """Check every ``quickstart.eval`` setting the evaluation reads, so a bad one stops the run before any
     training (not 25 minutes later). Returns the γ setting (:func:`gamma_setting`). Raises ValueError naming the
@@ -563,6 +572,7 @@ def check_eval_settings(ecfg) -> int | str:
         _check_number(f"eval.{key}", ecfg.get(key, default), low=low)
 
     eval_compile(ecfg)
+    eval_prompt_lookup(ecfg)
     count("max_new_tokens", 64, low=2)  # the first token comes from the prefill: one more is the least that drafts
     count("max_prompt_tokens", 192)
     count("seed", 0, low=0)
@@ -807,6 +817,8 @@ def render_table(results: dict, console) -> None:
     chosen = ("γ chosen per draft and temperature on further prompts" if ev["num_draft_tokens"] == "best"
               else f"γ={ev['num_draft_tokens']}")
     chosen += {"draft": ", drafts compiled", True: ", both models compiled"}.get(ev.get("compile"), "")
+    if ev.get("prompt_lookup_ngram"):
+        chosen += f", prompt lookup (n = {ev['prompt_lookup_ngram']}) beside the drafts at T = 0"
     table = Table(title=f"speculative decoding vs plain target decoding ({chosen}, "
                         f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
     for col in ("T", "prompts", "draft", "γ", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup",

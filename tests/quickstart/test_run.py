@@ -78,8 +78,9 @@ def test_smoke_quickstart_end_to_end(tmp_path):
     assert "speculative decoding vs plain target decoding" in proc.stdout
     # the drafts ran compiled (the default, as in the full quickstart); the rerun measures the eager engine
     assert ev["compile"] == "draft" and "drafts compiled" in " ".join(proc.stdout.split())  # the title may wrap
+    assert ev["prompt_lookup_ngram"] == 3 and "prompt lookup (n = 3)" in " ".join(proc.stdout.split())
 
-    again = _run(out, "eval.compile=false")
+    again = _run(out, "eval.compile=false", "eval.prompt_lookup_ngram=0")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     res2 = json.loads((out / "results.json").read_text())
     kept = list(out.glob("results-*.json"))  # the first run's results are renamed, not overwritten
@@ -88,6 +89,7 @@ def test_smoke_quickstart_end_to_end(tmp_path):
                                                                             "distill+export"))
     assert res2["target"]["val_loss"] == target["val_loss"]
     assert res2["eval"]["compile"] is False and res2["eval"]["greedy_lossless"]["equal"] == 6
+    assert res2["eval"]["prompt_lookup_ngram"] == 0
 
 
 def test_settings_load_with_overrides_and_fail_clearly():
@@ -157,6 +159,8 @@ def test_pretrain_and_distill_settings_are_refused_before_any_phase(tmp_path, ca
              (["--distill-overrides", "loss=tvd"], "data.logit_cache_tail_samples=4 (sampled tail ids) give"),
              (["eval.compile=both"], "quickstart.eval.compile='both': use false, draft"),
              (["eval.compile=1"], "quickstart.eval.compile=1: use false, draft"),
+             (["eval.prompt_lookup_ngram=-1"], "quickstart.eval.prompt_lookup_ngram must be an integer >= 0"),
+             (["eval.prompt_lookup_ngram=two"], "quickstart.eval.prompt_lookup_ngram must be an integer >= 0"),
              # found by a new user's trial: a section given a value was a traceback (AttributeError, exit 1) ...
              (["target=5"], "target is a section (dir, size,"), (["eval"], "eval is a section"),
              (["distill=null"], "distill is a section"),

@@ -225,6 +225,7 @@ class SpeculativeDecoder:
         self._draft_call = compiled_forward(draft) if self.compile and draft is not None else None
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
+        self._step_draft_forwards = 0
         self._waiting: list[Request] = []
         self._rows: list[Request] = []  # active requests, in the batch's row order
         self._state: DecodeState | None = None
@@ -780,6 +781,7 @@ class SpeculativeDecoder:
                     torch.nn.functional.one_hot(tok, self.vocab_size).float()  # as probs_from_logits' rows
             else:
                 logits = self._draft_forward(state, inp, inp_mask, holes)
+                self._step_draft_forwards += 1
                 holes = False
                 args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
                         counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
@@ -805,6 +807,7 @@ class SpeculativeDecoder:
             inp, inp_mask = new, new_mask
         if covered == gamma:  # no forward ran: feed what the γ forwards would have (all but the γ-th draft)
             self._draft_forward(state, inp[:, :-1], inp_mask[:, :-1], holes)
+            self._step_draft_forwards = 1
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
@@ -850,6 +853,7 @@ class SpeculativeDecoder:
         state = self._state
         B = len(gammas)
         draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
+        self._step_draft_forwards = 0  # draft forwards this step (set by _draft: fewer than γ with prompt lookup)
         if gamma > 0:
             drafts, q = self._draft(state, gamma, draft_u, self._lookup_drafts(gammas, gamma))
         else:
@@ -871,7 +875,7 @@ class SpeculativeDecoder:
         n_list = [row[gamma] for row in host]
         self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)
         self.num_target_forwards += 1
-        self.num_draft_forwards += gamma
+        self.num_draft_forwards += self._step_draft_forwards
         return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
 
     def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
@@ -962,7 +966,7 @@ class SpeculativeDecoder:
             if g > 0:
                 row.stats.record_row_step(g, n, len(tokens))
             row.stats.num_target_forwards += 1
-            row.stats.num_draft_forwards += g
+            row.stats.num_draft_forwards += min(g, self._step_draft_forwards)
             if not row.new_tokens:
                 row.stats.ttft_s = now - row.added_at
                 row.stats.num_first_step_tokens = len(tokens)

@@ -169,5 +169,6 @@ def test_positions_every_row_takes_from_lookup_run_no_draft_forward(looping_pair
         assert out.new_tokens[0].tolist() == ref
         assert out.stats.accepted_length_histogram == replay_histogram(target, draft, prompt, ref, 5, 2)
         assert len(calls) < out.stats.num_drafted and max(calls) > 2  # skipped, and fed several tokens at once
+        assert out.stats.num_draft_forwards == len(calls)
     out = dec.generate(prompts, max_new_tokens=40)  # ragged rows: a position is skipped only if every row is covered
     assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, 40) for p in prompts]

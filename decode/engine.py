@@ -639,7 +639,8 @@ class SpeculativeDecoder:
         attention mask is passed and, through the few-row kernels, on whether rows × new tokens is at most 2. So a
         step's forward falls into one of 12 shape classes per compiled model: 1, 2 or more rows; 1, 2 or more new
         tokens (the draft's pending input is usually 1 or 2 tokens, more after auto γ chose 0; the verify window is
-        γ + 1); without or with a mask (rows of unequal length). Each class compiles the first time a step meets
+        γ + 1; with prompt lookup the draft's input is 3 or more tokens wherever a step's leading drafts came from
+        it); without or with a mask (rows of unequal length). Each class compiles the first time a step meets
         it (seconds to tens of seconds on CPU). This runs each class once: for 1, 2 and 3 rows, a prefill of
         equal-length dummy prompts, then the forward helpers the steps use (:meth:`_draft_forward`,
         :meth:`_verify_forward`) with 1, 2 and 3 new tokens (3 stands for more), first without and then with a

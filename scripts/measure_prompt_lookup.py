@@ -51,6 +51,43 @@ def table(pooled: dict) -> str:
     return "\n".join(lines)
 
 
+def check_args(args: argparse.Namespace) -> tuple[list[int], dict]:
+    """Everything the run needs, checked before any model loads: returns the γ list and the run's ``eval`` results.
+    Raises ValueError naming the option or file and the fix."""
+    from decode.compiling import check_cpu_compiler
+    from decode.outputs import check_output_file
+
+    try:
+        gammas = sorted({int(g) for g in args.gammas.split(",") if g.strip()})
+    except ValueError:
+        gammas = []
+    if not gammas or min(gammas) < 1:
+        raise ValueError(f"--gammas {args.gammas!r}: give integers >= 1, e.g. --gammas 4,5")
+    for option, value in (("--ngram", args.ngram), ("--rounds", args.rounds)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if args.out is not None:
+        if args.out.exists():
+            raise ValueError(f"--out {args.out} exists; choose a new file")
+        check_output_file(args.out, "--out")
+    if args.compile == "draft":
+        check_cpu_compiler("--compile draft", "pass --compile false")
+    results = args.run / "results.json"
+    if not results.is_file():
+        raise ValueError(f"{args.run} has no results.json; give a finished quickstart run folder")
+    try:
+        res = json.loads(results.read_text()).get("eval")
+    except (ValueError, AttributeError):
+        res = None
+    if not isinstance(res, dict) or any(k not in res for k in ("num_prompts", "max_prompt_tokens", "max_new_tokens")):
+        raise ValueError(f"{results} holds no finished evaluation (eval.num_prompts, max_prompt_tokens, "
+                         "max_new_tokens); give a finished quickstart run folder")
+    missing = [d for d in ("target", "draft-distilled", "tokenizer") if not (args.run / d).is_dir()]
+    if missing:
+        raise ValueError(f"{args.run} has no {', '.join(missing)} folder; give a finished quickstart run folder")
+    return gammas, res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", type=Path, help="a quickstart output folder (target, draft-distilled, results.json)")
@@ -62,20 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     try:
-        gammas = sorted({int(g) for g in args.gammas.split(",") if g.strip()})
-    except ValueError:
-        gammas = []
-    if not gammas or min(gammas) < 1:
-        print(f"error: --gammas {args.gammas!r}: give integers >= 1, e.g. --gammas 4,5", file=sys.stderr)
-        return 2
-    if args.ngram < 1 or args.rounds < 1:
-        print("error: --ngram and --rounds must be >= 1", file=sys.stderr)
-        return 2
-    if args.out is not None and args.out.exists():
-        print(f"error: --out {args.out} exists; choose a new file", file=sys.stderr)
-        return 2
-    if not (args.run / "results.json").is_file():
-        print(f"error: {args.run} has no results.json; give a finished quickstart run folder", file=sys.stderr)
+        gammas, res = check_args(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     import torch
     from transformers import AutoTokenizer
@@ -83,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     from decode import SpeculativeDecoder
     from quickstart.run import _load_lm, encode_prompt_sets
 
-    res = json.loads((args.run / "results.json").read_text())["eval"]
     tok = AutoTokenizer.from_pretrained(str(args.run / "tokenizer"))
     target, draft = _load_lm(args.run / "target", "target"), _load_lm(args.run / "draft-distilled")
     compile_ = "draft" if args.compile == "draft" else False
@@ -111,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 outs[name] = out.new_tokens[0]
                 s = out.stats
                 records.append({"method": name, "seconds": seconds, "new_tokens": s.num_new_tokens,
-                                "steps": s.num_verify_steps if name != "plain" else s.num_new_tokens,
+                                "steps": s.num_target_forwards,  # every step, also a last one with γ = 0
                                 "drafted": s.num_drafted, "accepted": s.num_accepted})
             for rec in records[-len(methods):]:
                 rec["equal"] = int(torch.equal(outs[rec["method"]], outs["plain"]))

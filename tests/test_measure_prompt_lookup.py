@@ -1,4 +1,5 @@
 """scripts/measure_prompt_lookup.py: the pooled table by hand, and bad input refused before any model loads."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,11 @@ def test_pool_sums_over_prompts_before_dividing():
 
 
 @pytest.mark.parametrize("args,message", [([], "has no results.json"), (["--gammas", "0"], "--gammas '0'"),
-                                          (["--gammas", "x"], "--gammas 'x'"), (["--ngram", "0"], "--ngram")])
+                                          (["--gammas", "x"], "--gammas 'x'"), (["--ngram", "0"], "--ngram must be"),
+                                          (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+                                          # found by a trial: these failed after the whole measurement
+                                          (["--out", "/proc/x.json"], "--out '/proc/x.json'"),
+                                          (["--out", "/etc/passwd/x.json"], "is a file, not a folder")])
 def test_bad_input_exits_2(tmp_path, args, message):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_prompt_lookup.py"), str(tmp_path), *args],
                        capture_output=True, text=True, timeout=120)
@@ -38,3 +43,22 @@ def test_an_existing_out_is_refused_and_kept(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_prompt_lookup.py"), str(tmp_path), "--out",
                         str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "exists" in r.stderr and (tmp_path / "out.json").read_text() == "{}"
+
+
+def test_a_folder_that_is_not_a_finished_run_exits_2_naming_what_is_missing(tmp_path):
+    script = str(REPO / "scripts" / "measure_prompt_lookup.py")
+    (tmp_path / "results.json").write_text("{}")
+    r = subprocess.run([sys.executable, script, str(tmp_path), "--compile", "false"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "holds no finished evaluation" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "results.json").write_text('{"eval": {"num_prompts": {}, "max_prompt_tokens": 8, "max_new_tokens": 8}}')
+    r = subprocess.run([sys.executable, script, str(tmp_path), "--compile", "false"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "has no target, draft-distilled, tokenizer folder" in r.stderr
+
+
+def test_compiling_without_a_cpp_compiler_exits_2_before_loading(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_prompt_lookup.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--compile draft: torch.compile needs a working C++ compiler" in r.stderr

@@ -365,6 +365,15 @@ def _render_methods(results, s, console) -> None:
     console.print(table)
 
 
+def _lookup_note(results, brackets: bool = False) -> str:
+    """Names prompt lookup in a table title when our speculative runs used it (greedy runs only)."""
+    n = (results.get("config") or {}).get("prompt_lookup_ngram")
+    if not n:
+        return ""
+    note = f"ours with prompt lookup (n = {n}) at T = 0, HF assisted without; its prediction counts γ draft forwards"
+    return f" ({note})" if brackets else f"; {note}"
+
+
 def _render_summary(results, console) -> None:
     """One row per temperature: ours (best fixed γ, auto) vs HF assisted, measured vs predicted."""
     from rich.table import Table
@@ -372,7 +381,8 @@ def _render_summary(results, console) -> None:
     compiled = (results["cost"].get("compiled") or {}).get("cost_ratio")
     compile_ = (results.get("config") or {}).get("compile")
     title = f"summary: speedup over plain decoding (c = {results['cost']['cost_ratio']:.3f}"
-    table = Table(title=title + (f"; compiled c = {compiled:.3f})" if compiled is not None else ")"))
+    title += f"; compiled c = {compiled:.3f}" if compiled is not None else ""
+    table = Table(title=title + _lookup_note(results) + ")")
     cols = ("T", "α", "best γ meas.", "speedup", "best γ pred.", "predicted", "auto", "auto/best")
     own = "compiled" if compile_ == "draft" else "compiled over plain_compiled"
     for col in cols + ((f"{own}, best γ (pred. v-aware)",) if compiled is not None else ()) + ("HF assisted",
@@ -463,7 +473,7 @@ def _render_must_show(results, console) -> None:
     """Issue #8's comparisons, one row each: ours, the reference, their ratio, the goal and whether it is met."""
     from rich.table import Table
 
-    table = Table(title="must-show (issue #8): ours / reference")
+    table = Table(title="must-show (issue #8): ours / reference" + _lookup_note(results, brackets=True))
     for col in ("T", "comparison", "ours", "reference", "ratio", "goal", "met"):
         table.add_column(col, justify="left" if col == "comparison" else "right")
     for entry in results["report"]:

@@ -325,6 +325,12 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
     assert "decoding: 12/12 (" in captured.err  # progress shows in a log too (stderr is not a terminal here)
     assert "must-show (issue #8)" in printed and "ours / HF assisted speedup, γ=2" in printed
+    assert results["config"]["prompt_lookup_ngram"] == 0 and "prompt lookup" not in printed
+    from decode.bench.report import render_tables
+
+    render_tables(dict(results, config=dict(results["config"], prompt_lookup_ngram=2)))  # a trial: said nowhere
+    shown = " ".join(capsys.readouterr().out.split())
+    assert shown.count("ours with prompt lookup (n = 2) at T = 0, HF assisted without") == 2  # summary, must-show
     # Bad input through the dispatcher: exit status 2 and the message, no traceback.
     assert decode_main(["bench", *_pair_args(saved_pair), "--prompts", "humaneva", "--out",
                         str(tmp_path / "other.json")]) == 2

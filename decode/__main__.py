@@ -67,6 +67,10 @@ def cmd_generate(argv: list[str]) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed, "--seed", none_ok=False)
     check_prompt_lookup(args.prompt_lookup_ngram, bool(args.draft), "--prompt-lookup-ngram")
+    if args.prompt_lookup_ngram and (args.temperature > 0 or args.num_draft_tokens == 0):
+        print(f"note: --prompt-lookup-ngram does nothing here: it drafts for greedy decoding (--temperature 0) with "
+              f"γ > 0 only (this run: --temperature {args.temperature:g}, -g "
+              f"{4 if args.num_draft_tokens is None else args.num_draft_tokens})", file=sys.stderr)
     if not args.draft and args.num_draft_tokens not in (None, 0):  # the API refuses it too (--draft= is none)
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} needs a draft: pass --draft PATH, or leave "
                          "-g out to decode with the target alone")

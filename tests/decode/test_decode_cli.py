@@ -33,6 +33,9 @@ def test_generate_with_prompt_lookup_gives_the_same_greedy_text(saved_pair):
         assert r.returncode == 0, r.stderr
         outs.append(json.loads(r.stdout)["token_ids"])
     assert outs[0] == outs[1] and len(outs[0]) >= 1
+    r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--prompt", "w1",
+            "--max-new-tokens", "2", "--temperature", "0.5", "--prompt-lookup-ngram", "1")
+    assert r.returncode == 0 and "note: --prompt-lookup-ngram does nothing here" in r.stderr  # said, not silent
 
 
 def test_generate_streams_text_and_prints_metrics(saved_pair):

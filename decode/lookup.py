@@ -46,7 +46,7 @@ class NgramLookup:
         self._seen = len(tokens)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` proposed next tokens of ``tokens`` (which :meth:`update` has read): the token after the most
+        """Up to ``k`` proposed next tokens of ``tokens`` (read into the index first): the token after the most
         recent earlier occurrence of the last n tokens, then the same for the sequence with that token appended,
         and so on until an n-gram has no earlier occurrence. Returns ``[]`` when the first has none."""
         self.update(tokens)

@@ -385,7 +385,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
         for mode in modes:
             if mode != "plain" or compile is True:
                 # every shape class at batch 1 (a step's draft input is 3+ tokens only where the prompt lookup
-                # covered its leading drafts, which one run may never meet: a graph built in a timed run costs s)
+                # covered its leading drafts, which one run may never meet: a graph built in a timed run costs seconds)
                 decoders[mode].warm_up(1)
                 for temperature in temps:
                     generate(mode, prompts[0][1], temperature, 0, PROBE_GAMMA)

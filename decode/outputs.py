@@ -29,6 +29,15 @@ def writable(folder: str | os.PathLike) -> bool:
     return True
 
 
+def expanded(path: str | os.PathLike, key: str) -> Path:
+    """``path`` with ``~`` expanded; ValueError naming ``key`` where it cannot be (``~name`` of no user, no home)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{key} {str(path)!r}: '~' cannot be expanded here (no such user, or no home folder); "
+                         "give the full path") from None
+
+
 def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False) -> Path:
     """A results file the command will write at the end: its folder must exist and be writable, and an existing
     file is kept unless ``overwrite``.
@@ -44,7 +53,7 @@ def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False
     Raises:
         ValueError: naming ``key`` and the fix (a folder given, a missing or read-only folder, an existing file).
     """
-    p = Path(path).expanduser()
+    p = expanded(path, key)
     if p.is_dir():
         raise ValueError(f"{key} {str(path)!r} is a folder; give a file name, e.g. {key} {p / 'results.json'}")
     if not p.parent.is_dir():
@@ -68,7 +77,7 @@ def check_output_dir(path: str | os.PathLike, key: str) -> Path:
     Raises:
         ValueError: naming ``key`` and the fix.
     """
-    p = Path(path).expanduser()
+    p = expanded(path, key)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{key}={str(path)!r} is a file, not a folder; choose a folder path")
     parent = p

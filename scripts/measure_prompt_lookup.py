@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,9 +68,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], dict]:
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
     if args.out is not None:
-        if args.out.exists():
+        args.out = check_output_file(args.out, "--out", overwrite=True)  # its folder; '~' expanded
+        if os.path.lexists(args.out):  # a file, or a link to one (also a dangling one)
             raise ValueError(f"--out {args.out} exists; choose a new file")
-        check_output_file(args.out, "--out")
     if args.compile == "draft":
         check_cpu_compiler("--compile draft", "pass --compile false")
     results = args.run / "results.json"
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from decode import SpeculativeDecoder
+    from decode.outputs import write_results
     from quickstart.run import _load_lm, encode_prompt_sets
 
     tok = AutoTokenizer.from_pretrained(str(args.run / "tokenizer"))
@@ -145,11 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     pooled = pool([rec for records in rounds for rec in records])
     print(f"\npooled over {args.rounds} rounds\n" + table(pooled))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"run": str(args.run), "gammas": gammas, "ngram": args.ngram,
-                                        "compile": compile_, "num_prompts": len(prompts), "max_new_tokens": new,
-                                        "rounds": [pool(records) for records in rounds], "pooled": pooled},
-                                       indent=1))
+        write_results(json.dumps({"run": str(args.run), "gammas": gammas, "ngram": args.ngram, "compile": compile_,
+                                  "num_prompts": len(prompts), "max_new_tokens": new,
+                                  "rounds": [pool(records) for records in rounds], "pooled": pooled}, indent=1),
+                      args.out)
     return 0
 
 

@@ -38,6 +38,17 @@ def test_bad_input_exits_2(tmp_path, args, message):
     assert r.returncode == 2 and message in r.stderr
 
 
+@pytest.mark.parametrize("out", ["dangling", "~nosuchuser_xyz/x.json"])
+def test_an_out_that_cannot_be_written_as_checked_exits_2_before_loading(tmp_path, out):
+    """A re-test found a dangling --out link and '~user' paths passed the check (then a traceback after the run)."""
+    if out == "dangling":
+        (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x.json")
+        out = str(tmp_path / "dangling")
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_prompt_lookup.py"), str(tmp_path), "--out",
+                        out, "--compile", "false"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_an_existing_out_is_refused_and_kept(tmp_path):
     (tmp_path / "out.json").write_text("{}")
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_prompt_lookup.py"), str(tmp_path), "--out",

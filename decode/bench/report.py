@@ -367,8 +367,9 @@ def _render_methods(results, s, console) -> None:
 
 def _lookup_note(results, brackets: bool = False) -> str:
     """Names prompt lookup in a table title when our speculative runs used it (greedy runs only)."""
-    n = (results.get("config") or {}).get("prompt_lookup_ngram")
-    if not n:
+    config = results.get("config") or {}
+    n = config.get("prompt_lookup_ngram")
+    if not n or 0.0 not in (config.get("temperatures") or []):  # it drafts for greedy runs only
         return ""
     note = f"ours with prompt lookup (n = {n}) at T = 0, HF assisted without; its prediction counts γ draft forwards"
     return f" ({note})" if brackets else f"; {note}"

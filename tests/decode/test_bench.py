@@ -331,6 +331,8 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     render_tables(dict(results, config=dict(results["config"], prompt_lookup_ngram=2)))  # a trial: said nowhere
     shown = " ".join(capsys.readouterr().out.split())
     assert shown.count("ours with prompt lookup (n = 2) at T = 0, HF assisted without") == 2  # summary, must-show
+    render_tables(dict(results, config=dict(results["config"], prompt_lookup_ngram=2, temperatures=[1.0])))
+    assert "prompt lookup" not in capsys.readouterr().out  # no greedy run: it did nothing, so nothing is claimed
     # Bad input through the dispatcher: exit status 2 and the message, no traceback.
     assert decode_main(["bench", *_pair_args(saved_pair), "--prompts", "humaneva", "--out",
                         str(tmp_path / "other.json")]) == 2

@@ -782,7 +782,6 @@ class SpeculativeDecoder:
                     torch.nn.functional.one_hot(tok, self.vocab_size).float()  # as probs_from_logits' rows
             else:
                 logits = self._draft_forward(state, inp, inp_mask, holes)
-                self._step_draft_forwards += 1
                 holes = False
                 args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
                         counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
@@ -808,7 +807,6 @@ class SpeculativeDecoder:
             inp, inp_mask = new, new_mask
         if covered == gamma:  # no forward ran: feed what the γ forwards would have (all but the γ-th draft)
             self._draft_forward(state, inp[:, :-1], inp_mask[:, :-1], holes)
-            self._step_draft_forwards = 1
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
@@ -854,10 +852,14 @@ class SpeculativeDecoder:
         state = self._state
         B = len(gammas)
         draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
-        self._step_draft_forwards = 0  # draft forwards this step (set by _draft: fewer than γ with prompt lookup)
         if gamma > 0:
-            drafts, q = self._draft(state, gamma, draft_u, self._lookup_drafts(gammas, gamma))
+            lookup = self._lookup_drafts(gammas, gamma)
+            drafts, q = self._draft(state, gamma, draft_u, lookup)
+            covered = lookup.covered if lookup is not None else 0
+            # the forwards _draft ran: one per position after the covered ones, or one when all were covered
+            self._step_draft_forwards = 1 if covered == gamma else gamma - covered
         else:
+            self._step_draft_forwards = 0
             drafts = state.last.new_zeros(B, 0)
             q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
         target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)

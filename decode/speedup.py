@@ -52,6 +52,35 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: 
     return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + (verify_cost if gamma else 1.0))
 
 
+def end_to_end_speedup(decode_speedup: float, prefill_share: float, prefill_cost_ratio: float) -> float:
+    """A per-step speedup prediction extended to whole requests: ``1 / (f (1 + r) + (1 − f) / S)``.
+
+    Leviathan et al.'s model (:func:`predicted_speedup`) is per decode step; a request also pays a prefill, which
+    speculative decoding does not shorten and to which it adds the draft's own. With plain decoding spending a share
+    f of its wall time on the prefill and the rest on the decode phase, a decoder whose decode phase runs S times
+    faster and whose prefill costs 1 + r times plain decoding's takes ``f (1 + r) + (1 − f) / S`` of plain
+    decoding's time. As f → 0 (long generations) this tends to S.
+
+    Args:
+        decode_speedup: S > 0, the per-step (decode-phase) speedup, e.g. :func:`predicted_speedup`.
+        prefill_share: f in [0, 1], plain decoding's prefill seconds / its total seconds for the same requests.
+        prefill_cost_ratio: r >= 0, the draft's prefill time / the target's over the same prompt (0: free).
+
+    Returns:
+        the predicted end-to-end speedup over plain decoding.
+
+    Raises:
+        ValueError: S <= 0 or NaN, f outside [0, 1] or NaN, r < 0 or NaN, each naming the argument.
+    """
+    if not decode_speedup > 0:
+        raise ValueError(f"decode_speedup must be > 0, got {decode_speedup}")
+    if not 0.0 <= prefill_share <= 1.0:
+        raise ValueError(f"prefill_share must be in [0, 1], got {prefill_share}")
+    if not prefill_cost_ratio >= 0:
+        raise ValueError(f"prefill_cost_ratio must be >= 0, got {prefill_cost_ratio}")
+    return 1.0 / (prefill_share * (1.0 + prefill_cost_ratio) + (1.0 - prefill_share) / decode_speedup)
+
+
 def verify_cost_at(verify_costs: Sequence[float] | None, gamma: int) -> float:
     """v_γ from a list indexed by γ: None is Leviathan et al.'s v = 1; γ beyond the list's end takes its last
     value (verify costs do not fall as γ grows, :func:`monotone_costs`), so a short list never makes a longer γ

@@ -30,7 +30,7 @@ from decode.bench.timing import peak_bytes, reset_peak, sync
 from decode.engine import left_pad
 from decode.speedup import cost_buckets
 
-SCHEMA_VERSION = 3  # 3: Leviathan's prediction keys named *_leviathan (2026-12-06)
+SCHEMA_VERSION = 4  # 3: Leviathan's prediction keys named *_leviathan; 4: prefill_s, bare prefills (2026-12-06)
 
 
 def compile_supported() -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from decode.bench import (SCHEMA_VERSION, BenchConfig, OutputPaths, alpha_from_steps, build_methods, must_show,
                           parse_gammas, render_tables, run_benchmark, run_cli, validate_results, write_outputs)
-from decode.speedup import best_gamma, expected_tokens_per_step, predicted_speedup
+from decode.speedup import best_gamma, end_to_end_speedup, expected_tokens_per_step, predicted_speedup
 from tests.conftest import TEST_DEVICE, perturbed_copy, tiny_llama
 from tests.decode.test_prompts import char_tokenizer
 
@@ -43,6 +43,19 @@ def test_alpha_estimator_is_the_bernoulli_mle():
     # Plain steps (γ_s=0) carry no information about α.
     assert alpha_from_steps([(0, [0]), (3, [3])]) == 1.0
     assert alpha_from_steps([(0, [0])]) is None
+
+
+def test_prefill_seconds_leave_out_the_first_steps_tokens():
+    """Three calls of plain decoding, each 0.2 s of prefill, then 11 tokens at 0.1 s (the first one in the first
+    step): pooled, 0.6 s of prefill."""
+    from decode.bench.pool import prefill_seconds
+    from decode.metrics import DecodeStats
+
+    calls = [DecodeStats(num_new_tokens=11, num_sequences=1, num_first_step_tokens=1, ttft_s=0.3, total_s=1.3)
+             for _ in range(3)]
+    assert prefill_seconds(DecodeStats.merge(calls)) == pytest.approx(0.6)
+    spec = DecodeStats(num_new_tokens=11, num_sequences=1, num_first_step_tokens=3, ttft_s=0.5, total_s=1.3)
+    assert prefill_seconds(spec) == pytest.approx(0.2)  # a first step of 3 tokens at 0.1 s per token
 
 
 def test_alpha_estimator_recovers_alpha_on_simulated_steps():
@@ -216,7 +229,7 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
                   for c in entry["checks"]}
         g = s["best_gamma_measured"]
         assert set(checks) == {("cost_ratio_vs_bare", None, None), ("measured_vs_verify_aware", None, None),
-                               ("decode_vs_verify_aware", None, None), ("ours_vs_hf_assisted", None, None),
+                               ("measured_vs_end_to_end", None, None), ("decode_vs_verify_aware", None, None), ("ours_vs_hf_assisted", None, None),
                                ("batch_speedup", 2, g), ("batch_speedup", 2, "auto"),
                                ("auto_vs_best_fixed", None, None)}
         checks = {(name, bs): c for (name, bs, gamma), c in checks.items() if gamma != "auto"}
@@ -228,6 +241,12 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
         assert best["gamma"] == s["best_gamma_measured"]
         assert best["ours"] == runs[f"spec_g{best['gamma']}"]["speedup"]
         assert best["reference"] == runs[f"spec_g{best['gamma']}"]["predicted_speedup_verify_aware"]
+        whole = checks[("measured_vs_end_to_end", None)]  # the same prediction with plain decoding's prefill share
+        plain = runs["plain"]
+        assert 0 <= plain["prefill_s"] < plain["ttft_s"] * plain["num_prompts"]  # an estimate (clamped at 0)
+        assert (whole["gamma"], whole["ours"], whole["goal"]) == (best["gamma"], best["ours"], ">= 0.95")
+        assert whole["reference"] == pytest.approx(end_to_end_speedup(
+            best["reference"], plain["prefill_s"] / plain["total_s"], cost["bare"]["prefill_cost_ratio"]))
         decode = checks[("decode_vs_verify_aware", None)]
         assert (decode["gamma"], decode["reference"]) == (best["gamma"], best["reference"])
         assert decode["ours"] == runs[f"spec_g{best['gamma']}"]["decode_speedup"] is not None
@@ -251,6 +270,9 @@ def test_must_show_goals_are_issue_8s(bench_run):
         results["cost"]["bare"]["cost_ratio"] = bare
         check = must_show(results)[0]["checks"][0]
         assert (check["name"], check["goal"], check["met"]) == ("cost_ratio_vs_bare", "<= 1.25", met)
+    del results["cost"]["bare"]["prefill_cost_ratio"]  # a results.json from before the bare prefills (schema 3)
+    whole = [c for c in must_show(results)[0]["checks"] if c["name"] == "measured_vs_end_to_end"]
+    assert [(c["reference"], c["ratio"], c["met"]) for c in whole] == [(None, None, None)]
     for b in results["batch"]:
         b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
     goals = {e["temperature"]: [c["goal"] for c in e["checks"] if c["name"] == "batch_speedup"]
@@ -280,6 +302,8 @@ def test_bare_forwards_are_timed_on_the_same_context():
     bare = measure_bare_forwards(target, perturbed_copy(target), ctx, repeats=3)
     assert bare["context_tokens"] == 6 and bare["target_forward_s"] > 0 and bare["draft_forward_s"] > 0
     assert bare["cost_ratio"] == bare["draft_forward_s"] / bare["target_forward_s"]
+    assert bare["target_prefill_s"] > 0 and bare["draft_prefill_s"] > 0
+    assert bare["prefill_cost_ratio"] == bare["draft_prefill_s"] / bare["target_prefill_s"]
     with pytest.raises(ValueError, match="L >= 2"):
         measure_bare_forwards(target, target, ctx[:, :1])
 
@@ -318,11 +342,12 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
                                                       "hf_assisted_g2"}
     assert results["config"]["target"] == str(saved_pair / "target")
     assert [c["name"] for c in results["report"][0]["checks"]] == [
-        "cost_ratio_vs_bare", "measured_vs_verify_aware", "decode_vs_verify_aware", "ours_vs_hf_assisted",
-        "batch_speedup", "batch_speedup", "auto_vs_best_fixed"]  # batch 2: γ=2 and auto
+        "cost_ratio_vs_bare", "measured_vs_verify_aware", "measured_vs_end_to_end", "decode_vs_verify_aware",
+        "ours_vs_hf_assisted", "batch_speedup", "batch_speedup", "auto_vs_best_fixed"]  # batch 2: γ=2 and auto
     captured = capsys.readouterr()
     printed = captured.out
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
+    assert "bare HF prefills of" in printed
     assert "decoding: 12/12 (" in captured.err  # progress shows in a log too (stderr is not a terminal here)
     assert "must-show (issue #8)" in printed and "ours / HF assisted speedup, γ=2" in printed
     assert results["config"]["prompt_lookup_ngram"] == 0 and "prompt lookup" not in printed
@@ -724,8 +749,8 @@ def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_predicti
                                                               for s in results["summary"]} | {"spec_g3", "plain"}]:
         twin = json.loads(json.dumps(run))
         twin["method"], twin["compiled"] = f"{run['method']}_compiled", True
-        factors = plain_factor if run["method"] == "plain" else {"speedup": 1.25, "decode_speedup": 1.5,
-                                                                 "predicted_speedup_verify_aware": 1.4}
+        factors = ({**plain_factor, "prefill_s": 0.5} if run["method"] == "plain" else
+                   {"speedup": 1.25, "decode_speedup": 1.5, "predicted_speedup_verify_aware": 1.4})
         for key, factor in factors.items():
             twin["overall"][key] = run["overall"][key] * factor
         results["runs"].append(twin)
@@ -747,6 +772,13 @@ def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_predicti
             assert ck["ours"] == pytest.approx(runs[f"spec_g{g}_compiled"][key] / runs["plain_compiled"][key])
             assert ck["reference"] == runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"]
             assert ck["ratio"] == pytest.approx(factor / plain_factor[key] * checks[f"{name}_vs_verify_aware"]["ratio"])
+        ck = checks["measured_compiled_vs_end_to_end"]  # the prefill share of the plain decoding it is over
+        own = runs["plain" if compile == "draft" else "plain_compiled"]
+        assert (ck["gamma"], ck["goal"], ck["compile"]) == (g, ">= 0.95", compile)
+        assert ck["ours"] == checks["measured_compiled_vs_verify_aware"]["ours"]
+        assert ck["reference"] == pytest.approx(end_to_end_speedup(
+            runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"], own["prefill_s"] / own["total_s"],
+            results["cost"]["bare"]["prefill_cost_ratio"]))
     from rich.console import Console
 
     buf = io.StringIO()

@@ -1,7 +1,7 @@
 """Leviathan et al. (2023) speedup formulas and the adaptive γ controller."""
 import pytest
 
-from decode.speedup import (AdaptiveGamma, AlphaEstimate, best_gamma, cost_bucket, cost_buckets,
+from decode.speedup import (AdaptiveGamma, AlphaEstimate, best_gamma, cost_bucket, cost_buckets, end_to_end_speedup,
                             expected_tokens_per_step, makespan_gamma, monotone_costs, predicted_speedup,
                             simulate_batch_speedup, simulate_speedup, verify_cost_at)
 
@@ -18,6 +18,21 @@ def test_predicted_speedup_values():
     assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
     assert predicted_speedup(0.5, 0, 0.1) == 1.0
     assert predicted_speedup(0.0, 3, 0.1) < 1.0  # a useless draft only costs
+
+
+def test_end_to_end_speedup_adds_the_prefill_to_both_sides():
+    # plain: 75 ms prefill + 1029 ms decode; ours: the prefill and the draft's (12 ms), the decode 2.385x faster
+    plain, ours = 75 + 1029, 75 + 12 + 1029 / 2.385
+    assert end_to_end_speedup(2.385, 75 / plain, 12 / 75) == pytest.approx(plain / ours)
+    assert end_to_end_speedup(2.385, 0.0, 0.5) == pytest.approx(2.385)  # no prefill: the per-step speedup
+    assert end_to_end_speedup(2.385, 1.0, 0.25) == pytest.approx(1 / 1.25)  # all prefill: the draft's only costs
+    assert end_to_end_speedup(0.8, 0.3, 0.0) > 0.8  # a losing decode phase loses less with a prefill beside it
+    for bad, match in (((0.0, 0.1, 0.1), "decode_speedup"), ((float("nan"), 0.1, 0.1), "decode_speedup"),
+                       ((2.0, 1.5, 0.1), "prefill_share"), ((2.0, -0.1, 0.1), "prefill_share"),
+                       ((2.0, float("nan"), 0.1), "prefill_share"), ((2.0, 0.1, -1.0), "prefill_cost_ratio"),
+                       ((2.0, 0.1, float("nan")), "prefill_cost_ratio")):
+        with pytest.raises(ValueError, match=match):
+            end_to_end_speedup(*bad)
 
 
 def test_best_gamma():

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from decode import kernels
 from decode.bench.bare_forward import measure_bare_forwards
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
@@ -121,8 +122,11 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.compile:  # compiles the one-token shapes now, before any timed run
         cost["compiled"] = decoders[True].measure_costs(context, cfg.cost_repeats, verify_gammas=cfg.gammas)
     cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
-    # both models read the ids the draft can embed, as in measure_costs (only the shapes matter for the timing)
-    cost["bare"] = measure_bare_forwards(target, draft, decoders[False].draft_input_ids(context), cfg.cost_repeats)
+    # both models read the ids the draft can embed, as in measure_costs (only the shapes matter for the timing);
+    # under the same matmul kernels as the engine's forwards, so c / bare is the work the engine adds around them
+    with kernels.few_row_linear(decoders[False].few_row_linear):
+        cost["bare"] = measure_bare_forwards(target, draft, decoders[False].draft_input_ids(context), cfg.cost_repeats)
+    cost["bare"]["few_row_linear"] = decoders[False].few_row_linear
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):
         # every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1)
         for dec in decoders.values():

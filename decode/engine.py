@@ -617,16 +617,32 @@ class SpeculativeDecoder:
             ValueError: this decoder has no draft, or a bad argument (as :func:`decode.speedup.measure_cost_ratio`
                 raises; ids are checked against the target before the draft's substitution).
         """
-        from decode.speedup import check_context_ids, measure_cost_ratio
+        from decode.speedup import measure_cost_ratio
+
+        return measure_cost_ratio(self.target, self.draft, self._cost_context(context_ids, "measure_costs"),
+                                  repeats=repeats, verify_gammas=verify_gammas, progress=progress,
+                                  static_cache=self._static, target_call=self._target_call,
+                                  draft_call=self._draft_call, few_row_linear=self.few_row_linear)
+
+    def cost_timer(self, context_ids: torch.Tensor, verify_gammas: Sequence[int] = ()):
+        """:meth:`measure_costs` one round at a time: a :class:`decode.speedup.CostTimer` on this decoder's forward
+        path (call ``round()`` as often as wanted, then ``result()``), e.g. to spread the timing over a benchmark's
+        run. Arguments and errors as :meth:`measure_costs`."""
+        from decode.speedup import CostTimer
+
+        return CostTimer(self.target, self.draft, self._cost_context(context_ids, "cost_timer"), verify_gammas,
+                         static_cache=self._static, target_call=self._target_call, draft_call=self._draft_call,
+                         few_row_linear=self.few_row_linear)
+
+    def _cost_context(self, context_ids: torch.Tensor, caller: str) -> torch.Tensor:
+        """The cost measurement's context as the models read it, checked against the target first (the draft's
+        substitution would hide an id too large for it)."""
+        from decode.speedup import check_context_ids
 
         if self.draft is None:
-            raise ValueError("measure_costs() times the draft against the target; this decoder has no draft")
-        # before the draft's substitution hides an id too large for the target
+            raise ValueError(f"{caller}() times the draft against the target; this decoder has no draft")
         check_context_ids(context_ids, {"target": self.target}, hint=" (calibrate() takes a list of ids)")
-        with kernels.few_row_linear(self.few_row_linear):  # the kernels the steps use
-            return measure_cost_ratio(self.target, self.draft, self.draft_input_ids(context_ids), repeats=repeats,
-                                      verify_gammas=verify_gammas, progress=progress, static_cache=self._static,
-                                      target_call=self._target_call, draft_call=self._draft_call)
+        return self.draft_input_ids(context_ids)
 
     @torch.no_grad()
     def warm_up(self, max_batch_size: int = 16) -> float:

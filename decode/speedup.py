@@ -526,16 +526,14 @@ def check_context_ids(context_ids: Any, models: Mapping[str, Any], hint: str = "
             raise ValueError(f"context_ids holds ids {lo}..{hi}, outside the {role}'s embedding of {rows} rows")
 
 
-def _check_cost_inputs(target, draft, context_ids: Any, repeats: Any, verify_gammas: Sequence[int],
-                       static_cache: Any, calls: dict[str, Any]) -> list[int]:
-    """The arguments of :func:`measure_cost_ratio` checked before any forward; returns the sorted γ values."""
+def _check_cost_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[int], static_cache: Any,
+                       calls: dict[str, Any]) -> list[int]:
+    """The arguments of :class:`CostTimer` checked before any forward; returns the sorted γ values."""
     from decode.engine import context_length
 
     if draft is None or target is None:
         raise ValueError("measure_cost_ratio times a draft against a target: both are needed (got None)")
     check_context_ids(context_ids, {"target": target, "draft": draft})
-    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1 (timed forwards per measurement), got {repeats!r}")
     gammas = sorted(set(verify_gammas))
     if any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in gammas):
         raise ValueError(f"verify_gammas must be integers >= 1 (γ of each verify forward timed), got {gammas!r}")
@@ -554,12 +552,98 @@ def _check_cost_inputs(target, draft, context_ids: Any, repeats: Any, verify_gam
     return gammas
 
 
-@torch.no_grad()
+class CostTimer:
+    """The timing behind :func:`measure_cost_ratio`, one round at a time, so a caller can spread its rounds over a
+    longer run (the benchmark times rounds between its prompts, so the machine's drift hits the costs as it hits
+    the runs they predict).
+
+    Construction checks the arguments and prefills both models once (no timing); each :meth:`round` times one
+    forward of every kind (target, draft, each verify γ), the first ``warmup_rounds`` untimed; :meth:`result` gives
+    the medians. Arguments as in :func:`measure_cost_ratio`; ``few_row_linear`` runs each round under
+    :func:`decode.kernels.few_row_linear` (the engine's kernels for its steps).
+
+    Raises:
+        ValueError: as :func:`measure_cost_ratio` (``repeats`` aside); :meth:`result` before a timed round.
+    """
+
+    @torch.no_grad()
+    def __init__(self, target, draft, context_ids: torch.Tensor, verify_gammas: Sequence[int] = (),
+                 static_cache: bool | Mapping[str, bool] = False, target_call: Callable | None = None,
+                 draft_call: Callable | None = None, few_row_linear: bool = False, warmup_rounds: int = 2):
+        from decode import cache as kv
+
+        self._calls = {"target": target_call, "draft": draft_call}
+        self.verify_gammas = _check_cost_inputs(target, draft, context_ids, verify_gammas, static_cache, self._calls)
+        self.context_tokens, self.few_row_linear = int(context_ids.shape[1]), few_row_linear
+        self._device, self._warmup, self.rounds = context_ids.device, warmup_rounds, 0
+        prefix, self._last = context_ids[:, :-1], context_ids[:, -1:]
+        B, self._width = prefix.shape
+        # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
+        self._jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
+        self._jobs += [(f"verify{g}", target, "target", g + 1, None) for g in self.verify_gammas]
+        self._base = {}
+        for name, model in (("target", target), ("draft", draft)):
+            cache = kv.new_cache(model)
+            _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
+            static = static_cache.get(name, False) if isinstance(static_cache, Mapping) else bool(static_cache)
+            if static and kv.StaticKV.supported(model) is None:
+                skv = kv.StaticKV(model, self._device)
+                skv.merge(cache, mask, [self._width] * B,
+                          room=max(k for _, _, n, k, _ in self._jobs if n == name) + 1)
+                cache, mask = skv, None
+            self._base[name] = (cache, mask)
+        self._samples: dict[str, list[float]] = {label: [] for label, *_ in self._jobs}
+
+    @torch.no_grad()
+    def round(self) -> None:
+        """One forward of each kind on the prefilled context, target and draft alternating; timed after the
+        warm-up rounds (the first calls pay for lazy initialisation and compilation)."""
+        from decode import cache as kv
+        from decode import kernels
+
+        B = self._last.shape[0]
+        with kernels.few_row_linear(self.few_row_linear):
+            for label, model, name, k, keep in self._jobs:
+                cache, mask = self._base[name]
+                ids = self._last.expand(B, k).contiguous()
+                static = isinstance(cache, kv.StaticKV)
+                cache = cache if static else copy.deepcopy(cache)
+                _sync(self._device)
+                t0 = time.perf_counter()
+                if static:
+                    cache.forward(model, ids, None, logits_to_keep=keep, call=self._calls[name])
+                else:
+                    kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep,
+                               call=self._calls[name])
+                _sync(self._device)
+                elapsed = time.perf_counter() - t0
+                if static:  # the write column goes back: the next call sees the same context
+                    cache.roll_back(self._width, ids.new_zeros(B, k, dtype=torch.bool), self._width,
+                                    [self._width] * B, holes=False)
+                if self.rounds >= self._warmup:
+                    self._samples[label].append(elapsed)
+        self.rounds += 1
+
+    def result(self) -> dict[str, Any]:
+        """The medians over the timed rounds, as :func:`measure_cost_ratio` returns them (``repeats``: timed
+        rounds)."""
+        if not self._samples["target"]:
+            raise ValueError(f"no timed round yet: call round() more than {self._warmup} times (the first are "
+                             "untimed)")
+        s = self._samples
+        t, d = statistics.median(s["target"]), statistics.median(s["draft"])
+        verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(s[f"verify{g}"]),
+                   "relative_cost": statistics.median(s[f"verify{g}"]) / t} for g in self.verify_gammas]
+        return {"context_tokens": self.context_tokens, "repeats": len(s["target"]), "target_forward_s": t,
+                "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": list(s["target"]),
+                "draft_forward_samples_s": list(s["draft"]), "verify": verify}
+
+
 def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 21,
                        verify_gammas: Sequence[int] = (),
                        progress: Callable[[int, int], None] | None = None,
                        static_cache: bool | Mapping[str, bool] = False, target_call: Callable | None = None,
-                       draft_call: Callable | None = None) -> dict[str, Any]:
+                       draft_call: Callable | None = None, few_row_linear: bool = False) -> dict[str, Any]:
     """Measure c = draft forward time / target forward time on this hardware, and the cost of verify forwards.
 
     Both models are prefilled with all but the last token of ``context_ids``; each timed call is then one decode
@@ -586,6 +670,8 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
         target_call, draft_call: what runs each model's forward (default: the model itself), e.g. the
             ``torch.compile``-d forwards of a ``SpeculativeDecoder(compile=...)``, so c is the compiled one. A
             compiled call compiles in the untimed first calls.
+        few_row_linear: time the forwards under :func:`decode.kernels.few_row_linear` (the decoder's steps do
+            when its ``few_row_linear`` is on).
 
     Returns:
         dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
@@ -596,53 +682,14 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
             embedding, or too long for either model's positions with the largest γ; ``repeats`` < 1; a γ < 1; a
             ``static_cache`` key other than target/draft; a call that is not callable.
     """
-    from decode import cache as kv
-
-    calls = {"target": target_call, "draft": draft_call}
-    verify_gammas = _check_cost_inputs(target, draft, context_ids, repeats, verify_gammas, static_cache, calls)
-    device = context_ids.device
-    prefix, last = context_ids[:, :-1], context_ids[:, -1:]
-    B, width = prefix.shape
-    # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
-    jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
-    jobs += [(f"verify{g}", target, "target", g + 1, None) for g in verify_gammas]
-    base = {}
-    for name, model in (("target", target), ("draft", draft)):
-        cache = kv.new_cache(model)
-        _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
-        static = static_cache.get(name, False) if isinstance(static_cache, Mapping) else bool(static_cache)
-        if static and kv.StaticKV.supported(model) is None:
-            skv = kv.StaticKV(model, device)
-            skv.merge(cache, mask, [width] * B, room=max(k for _, _, n, k, _ in jobs if n == name) + 1)
-            cache, mask = skv, None
-        base[name] = (cache, mask)
-    samples: dict[str, list[float]] = {label: [] for label, *_ in jobs}
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1 (timed forwards per measurement), got {repeats!r}")
+    timer = CostTimer(target, draft, context_ids, verify_gammas, static_cache, target_call, draft_call, few_row_linear)
     for i in range(repeats + 2):
-        for label, model, name, k, keep in jobs:
-            cache, mask = base[name]
-            ids = last.expand(B, k).contiguous()
-            static = isinstance(cache, kv.StaticKV)
-            cache = cache if static else copy.deepcopy(cache)
-            _sync(device)
-            t0 = time.perf_counter()
-            if static:
-                cache.forward(model, ids, None, logits_to_keep=keep, call=calls[name])
-            else:
-                kv.forward(model, cache, mask, ids, torch.ones_like(ids), logits_to_keep=keep, call=calls[name])
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if static:  # the write column goes back: the next call sees the same context
-                cache.roll_back(width, ids.new_zeros(B, k, dtype=torch.bool), width, [width] * B, holes=False)
-            if i >= 2:  # the first calls pay for lazy initialisation (and compilation)
-                samples[label].append(elapsed)
+        timer.round()
         if progress is not None:
             progress(i + 1, repeats + 2)
-    t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
-    verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(samples[f"verify{g}"]),
-               "relative_cost": statistics.median(samples[f"verify{g}"]) / t} for g in sorted(set(verify_gammas))]
-    return {"context_tokens": int(context_ids.shape[1]), "repeats": repeats, "target_forward_s": t,
-            "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": samples["target"],
-            "draft_forward_samples_s": samples["draft"], "verify": verify}
+    return timer.result()
 
 
 def simulate_speedup(gamma: int | Callable[[], AdaptiveGamma], alpha: float, cost_ratio: float,

@@ -19,59 +19,93 @@ import torch
 from decode.bench.timing import sync
 
 
-@torch.no_grad()
-def measure_bare_forwards(target, draft, context_ids: torch.Tensor, repeats: int = 21) -> dict[str, Any]:
+class BareTimer:
+    """The timing behind :func:`measure_bare_forwards`, one round at a time (the benchmark spreads its rounds over
+    its run, next to the engine's :class:`decode.speedup.CostTimer`).
+
+    Each :meth:`round` prefills the context's prefix with each model (timed), then feeds the last token on a copy
+    of that prefill's cache (copied outside the timing), target and draft alternating; the first
+    ``warmup_rounds`` are untimed. ``few_row_linear`` runs the rounds under :func:`decode.kernels.few_row_linear`
+    (the engine's matmul kernels, so the engine's c and this ratio differ only in the work around the models).
+
+    Raises:
+        ValueError: ``context_ids`` not of shape (1, L >= 2); :meth:`result` before a timed round.
+    """
+
+    def __init__(self, target, draft, context_ids: torch.Tensor, few_row_linear: bool = False,
+                 warmup_rounds: int = 2):
+        if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] < 2:
+            raise ValueError(f"context_ids must have shape (1, L) with L >= 2, got {tuple(context_ids.shape)}")
+        self._models = (("target", target), ("draft", draft))
+        self._context, self.few_row_linear, self._warmup, self.rounds = context_ids, few_row_linear, warmup_rounds, 0
+        self._samples: dict[str, list[float]] = {k: [] for k in ("target", "draft", "target_prefill",
+                                                                  "draft_prefill")}
+
+    @torch.no_grad()
+    def round(self) -> None:
+        """One timed prefill and one timed cached decode forward of each model."""
+        from decode import kernels
+
+        device, prefix, last = self._context.device, self._context[:, :-1], self._context[:, -1:]
+        timed = self.rounds >= self._warmup  # the first calls pay for lazy initialisation
+        with kernels.few_row_linear(self.few_row_linear):
+            caches = {}
+            for name, model in self._models:
+                sync(device)
+                t0 = time.perf_counter()
+                caches[name] = _cache_of(model(input_ids=prefix, use_cache=True))
+                sync(device)
+                if timed:
+                    self._samples[f"{name}_prefill"].append(time.perf_counter() - t0)
+            for name, model in self._models:
+                cache = copy.deepcopy(caches[name])
+                sync(device)
+                t0 = time.perf_counter()
+                model(input_ids=last, use_cache=True, **{_cache_kwarg(model): cache})
+                sync(device)
+                if timed:
+                    self._samples[name].append(time.perf_counter() - t0)
+        self.rounds += 1
+
+    def result(self) -> dict[str, Any]:
+        """The medians over the timed rounds, as :func:`measure_bare_forwards` returns them."""
+        if not self._samples["target"]:
+            raise ValueError(f"no timed round yet: call round() more than {self._warmup} times (the first are "
+                             "untimed)")
+        t, d, pt, pd = (statistics.median(self._samples[k]) for k in ("target", "draft", "target_prefill",
+                                                                       "draft_prefill"))
+        return {"context_tokens": int(self._context.shape[1]), "repeats": len(self._samples["target"]),
+                "target_forward_s": t, "draft_forward_s": d, "cost_ratio": d / t, "target_prefill_s": pt,
+                "draft_prefill_s": pd, "prefill_cost_ratio": pd / pt, "few_row_linear": self.few_row_linear}
+
+
+def measure_bare_forwards(target, draft, context_ids: torch.Tensor, repeats: int = 21,
+                          few_row_linear: bool = False) -> dict[str, Any]:
     """Median seconds of one cached single-token HF decode forward of each model, and their ratio; also of each
     model's prefill of the context's prefix, and their ratio.
 
     Args:
         target, draft: causal LMs on the device of ``context_ids``.
-        context_ids: (1, L) LongTensor, L >= 2: the prefix (all but the last token) is prefilled per model, timed
-            ``repeats`` times; each timed decode call then feeds the last token on a fresh copy of that prefill's
-            cache (copied outside the timing), so every call sees the same context. Target and draft alternate so
-            drift hits both.
-        repeats: timed calls per model and kind after 2 untimed ones.
+        context_ids: (1, L) LongTensor, L >= 2: each round prefills the prefix (all but the last token) with each
+            model, then feeds the last token on a fresh copy of that prefill's cache (copied outside the timing),
+            so every call sees the same context. Target and draft alternate so drift hits both.
+        repeats: timed rounds after 2 untimed ones.
+        few_row_linear: time under the engine's matmul kernels (:class:`BareTimer`).
 
     Returns:
         {"context_tokens", "repeats", "target_forward_s", "draft_forward_s" (medians, seconds), "cost_ratio"
         (draft / target), "target_prefill_s", "draft_prefill_s" (medians over L - 1 tokens, seconds),
-        "prefill_cost_ratio" (draft / target: r of ``decode.speedup.end_to_end_speedup``)}.
+        "prefill_cost_ratio" (draft / target: r of ``decode.speedup.end_to_end_speedup``), "few_row_linear"}.
 
     Raises:
         ValueError: fewer than 2 context tokens or repeats < 1.
     """
-    if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] < 2:
-        raise ValueError(f"context_ids must have shape (1, L) with L >= 2, got {tuple(context_ids.shape)}")
+    timer = BareTimer(target, draft, context_ids, few_row_linear)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    device = context_ids.device
-    prefix, last = context_ids[:, :-1], context_ids[:, -1:]
-    models = (("target", target), ("draft", draft))
-    prefills: dict[str, list[float]] = {"target": [], "draft": []}
-    caches = {}
-    for i in range(repeats + 2):
-        for name, model in models:
-            sync(device)
-            t0 = time.perf_counter()
-            caches[name] = _cache_of(model(input_ids=prefix, use_cache=True))
-            sync(device)
-            if i >= 2:
-                prefills[name].append(time.perf_counter() - t0)
-    samples: dict[str, list[float]] = {"target": [], "draft": []}
-    for i in range(repeats + 2):
-        for name, model in models:
-            cache = copy.deepcopy(caches[name])
-            sync(device)
-            t0 = time.perf_counter()
-            model(input_ids=last, use_cache=True, **{_cache_kwarg(model): cache})
-            sync(device)
-            if i >= 2:  # the first calls pay for lazy initialisation
-                samples[name].append(time.perf_counter() - t0)
-    t, d = statistics.median(samples["target"]), statistics.median(samples["draft"])
-    pt, pd = statistics.median(prefills["target"]), statistics.median(prefills["draft"])
-    return {"context_tokens": int(context_ids.shape[1]), "repeats": repeats, "target_forward_s": t,
-            "draft_forward_s": d, "cost_ratio": d / t, "target_prefill_s": pt, "draft_prefill_s": pd,
-            "prefill_cost_ratio": pd / pt}
+    for _ in range(repeats + 2):
+        timer.round()
+    return timer.result()
 
 
 def _cache_of(output) -> Any:

@@ -3,9 +3,9 @@
 - Interleaved: for each prompt, every temperature and every method runs before the next prompt (method order
   rotated per prompt), so machine drift and thermal state hit all methods alike.
 - Throughput is wall-clock around each generate call (device synchronised), identical for our engine and for HF.
-- c is measured once by ``SpeculativeDecoder.measure_costs`` (the engine's forward path; a second time through
-  the compiled forwards for compiled methods) and next to it the bare HF forwards (``decode.bench.bare_forward``)
-  on the same context.
+- c is timed by ``SpeculativeDecoder.cost_timer`` (the engine's forward path; a second time through the compiled
+  forwards for compiled methods) and next to it the bare HF forwards (``decode.bench.bare_forward``) on the same
+  context, in rounds spread over the main pass (before each prompt's block).
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from decode import kernels
-from decode.bench.bare_forward import measure_bare_forwards
+from decode.bench.bare_forward import BareTimer
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
 from decode.bench.pool import batch_row, pool, stats_counts
@@ -117,22 +116,26 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         if cfg.warmup:  # every shape class the compiled forwards meet, so no timed run builds a graph
             decoders[True].warm_up(max(cfg.batch_sizes, default=1))
     methods = build_methods(cfg)
-    # c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own
-    cost = decoders[False].measure_costs(context, cfg.cost_repeats, verify_gammas=cfg.gammas)
-    if cfg.compile:  # compiles the one-token shapes now, before any timed run
-        cost["compiled"] = decoders[True].measure_costs(context, cfg.cost_repeats, verify_gammas=cfg.gammas)
-    cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
-    # both models read the ids the draft can embed, as in measure_costs (only the shapes matter for the timing);
-    # under the same matmul kernels as the engine's forwards, so c / bare is the work the engine adds around them
-    with kernels.few_row_linear(decoders[False].few_row_linear):
-        cost["bare"] = measure_bare_forwards(target, draft, decoders[False].draft_input_ids(context), cfg.cost_repeats)
-    cost["bare"]["few_row_linear"] = decoders[False].few_row_linear
+    # c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own; next
+    # to them the bare HF forwards, both models reading the ids the draft can embed (only the shapes matter) under
+    # the engine's matmul kernels, so c / bare is the work the engine adds around the models. All are timed in
+    # rounds spread over the main pass, so the machine's drift hits them as it hits the runs they predict; their
+    # untimed first rounds run now (compiling the one-token shapes before any timed run).
+    timers = {"eager": decoders[False].cost_timer(context, cfg.gammas),
+              "bare": BareTimer(target, draft, decoders[False].draft_input_ids(context),
+                                few_row_linear=decoders[False].few_row_linear)}
+    if cfg.compile:
+        timers["compiled"] = decoders[True].cost_timer(context, cfg.gammas)
+    for timer in timers.values():
+        for _ in range(2):
+            timer.round()
+    auto_costs = None
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):
         # every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1)
         for dec in decoders.values():
             dec.calibrate(prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)))
         # the eager decoder's model, as measured before any timed run (simulate_auto_gamma.py --auto-costs reads it)
-        cost["auto_costs"] = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
+        auto_costs = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
 
     compiled_graphs = [0]  # graphs compiled inside timed runs (their wall time includes the compilation)
 
@@ -150,7 +153,21 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         for method in methods:
             for t in cfg.temperatures:
                 run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
-    records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress)
+    per_prompt = math.ceil(cfg.cost_repeats / len(prompt_ids))  # cost rounds before each prompt's runs
+
+    def cost_rounds():
+        for timer in timers.values():
+            for _ in range(per_prompt):
+                timer.round()
+
+    records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress, cost_rounds)
+    cost = timers["eager"].result()
+    cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
+    cost["bare"] = timers["bare"].result()
+    if cfg.compile:
+        cost["compiled"] = timers["compiled"].result()
+    if auto_costs is not None:
+        cost["auto_costs"] = auto_costs
     runs, summary = pool(records, methods, cfg, cost, categories)
     batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress)
     return {
@@ -167,14 +184,17 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     }
 
 
-def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool):
+def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,
+               before_block=lambda: None):
     """Batch-1 runs, interleaved: prompt i's runs (every temperature, every method) form one block, and the method
-    that opens the block rotates from prompt to prompt. Returns {(temperature, method name): [record per prompt]}."""
+    that opens the block rotates from prompt to prompt; ``before_block()`` runs before each block (the cost
+    rounds). Returns {(temperature, method name): [record per prompt]}."""
     records: dict[tuple[float, str], list[dict]] = {(t, m.name): [] for t in cfg.temperatures for m in methods}
     names = prompt_names or [str(i) for i in range(len(prompt_ids))]
     with _progress(progress, len(prompt_ids) * len(cfg.temperatures) * len(methods), "decoding") as tick:
         order = 0
         for i, row in enumerate(prompt_ids):
+            before_block()
             for t in cfg.temperatures:
                 k = i % len(methods)  # rotate so no method is always first after a prompt switch
                 for method in methods[k:] + methods[:k]:

@@ -614,11 +614,12 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
             graphs[0] += bool(self.compile)  # as if each compiled call built a graph
             return super().generate(*args, **kwargs)
 
-        def measure_costs(self, *args, **kwargs):
-            m = super().measure_costs(*args, **kwargs)
+        def cost_timer(self, *args, **kwargs):
+            timer = super().cost_timer(*args, **kwargs)
             if self.compile:
-                m["cost_ratio"] = 0.01  # tells the compiled decoder's costs apart
-            return m
+                result = timer.result
+                timer.result = lambda: {**result(), "cost_ratio": 0.01}  # tells the compiled decoder's costs apart
+            return timer
 
     graphs = [0]
     monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
@@ -719,26 +720,45 @@ def test_bare_forwards_run_on_the_engines_matmul_kernels(monkeypatch, few_row_li
     """c / bare compares the engine's forwards with the bare HF calls on the same kernels: on the AVX-512 machine the
     few-row kernels made the target a third faster than its bare F.linear forward and c / bare read 1.37 with the
     engine's draft forward below its bare one."""
-    import torch.nn.functional as F
-
     from decode import kernels
-    from decode.bench import runs
+    from decode.bench.bare_forward import BareTimer
 
-    seen = []
-
-    def spy(*args, **kw):
-        seen.append(F.linear is kernels.linear)
-        return measure(*args, **kw)
-
-    measure = runs.measure_bare_forwards
-    monkeypatch.setattr(runs, "measure_bare_forwards", spy)
+    calls = []
+    linear = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *a, **kw: calls.append(1) or linear(*a, **kw))
     target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    timer = BareTimer(target, perturbed_copy(target), torch.tensor([[1, 5, 6, 7]]), few_row_linear=few_row_linear)
+    for _ in range(3):
+        timer.round()
+    assert bool(calls) is few_row_linear
+    assert timer.result()["few_row_linear"] is few_row_linear and timer.result()["repeats"] == 1
     cfg = BenchConfig(gammas=[1], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=2,
                       cost_repeats=3, few_row_linear=few_row_linear, warmup=False)
     results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6, 7]], [None], cfg, pad_token_id=0,
                             progress=False)
-    assert seen == [few_row_linear]
     assert results["cost"]["bare"]["few_row_linear"] is results["cost"]["few_row_linear"] is few_row_linear
+
+
+def test_cost_rounds_are_spread_over_the_main_pass(monkeypatch):
+    """c, v_γ and the bare reference are timed before each prompt's runs, not once before them all: on pair X the
+    ratio of measured to predicted speedup moved by ±0.1 between runs with a cost measured at one moment."""
+    from decode.bench import bare_forward, runs
+    from decode.speedup import CostTimer
+
+    events = []
+    for cls, name in ((CostTimer, "cost"), (bare_forward.BareTimer, "bare")):
+        monkeypatch.setattr(cls, "round", lambda self, _f=cls.round, _n=name: events.append(_n) or _f(self))
+    monkeypatch.setattr(runs, "run_ours", lambda *a, _f=runs.run_ours, **kw: events.append("run") or _f(*a, **kw))
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    cfg = BenchConfig(gammas=[1], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=2,
+                      cost_repeats=5, warmup=False)
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6, 7], [1, 8, 9], [1, 4]], [None] * 3, cfg,
+                            pad_token_id=0, progress=False)
+    assert events[:4] == ["cost", "cost", "bare", "bare"]  # the untimed rounds, before any run
+    blocks = "".join("c" if e == "cost" else "b" if e == "bare" else "r" for e in events[4:])
+    assert blocks == "ccbbrr" * 3  # 2 timed rounds (ceil(5 / 3)) before each prompt's 2 runs (plain, γ = 1)
+    assert results["cost"]["repeats"] == results["cost"]["bare"]["repeats"] == 6
+    assert len(results["cost"]["target_forward_samples_s"]) == 6
 
 
 def test_few_row_linear_option_maps_to_the_decoder_setting():
@@ -853,7 +873,7 @@ def test_cost_context_must_fit_the_models_positions_before_any_timing(monkeypatc
         seen.append(context.shape[1])
         raise InterruptedError("the timed work starts here")
 
-    monkeypatch.setattr(decode.speedup, "measure_cost_ratio", stop)
+    monkeypatch.setattr(decode.speedup, "CostTimer", stop)
     target = tiny_llama(seed=0, layers=1)  # 256 positions
     cfg = BenchConfig(gammas=[2], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=4,
                       cost_repeats=3, warmup=False, cost_context_tokens=255)

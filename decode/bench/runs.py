@@ -133,7 +133,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):
         # every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1)
         for dec in decoders.values():
-            dec.calibrate(prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)))
+            dec.calibrate(prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)),
+                          repeats=cfg.cost_repeats)
         # the eager decoder's model, as measured before any timed run (simulate_auto_gamma.py --auto-costs reads it)
         auto_costs = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
 

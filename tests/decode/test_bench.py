@@ -909,15 +909,24 @@ def test_auto_only_runs_auto_in_the_batch_pass_and_prints_no_none(tmp_path):
     assert "batch 2 tok/s, γ=auto / plain" in printed
 
 
-def test_auto_costs_cover_every_batch_size_a_batch_passes_through_before_timing():
+def test_auto_costs_cover_every_batch_size_a_batch_passes_through_before_timing(monkeypatch):
     """A batch of 3 runs at 3 rows (costs of 4), then 2, then 1 as rows finish: all three were calibrated up front
-    (batch 2 used to be measured lazily, inside a timed run: the bench's auto row at batch 4 paid ~1.8 s for it)."""
+    (batch 2 used to be measured lazily, inside a timed run: the bench's auto row at batch 4 paid ~1.8 s for it),
+    with --cost-repeats timed forwards each (the decoder's default of 5 left v_2..v_8 at one noisy 1.38 on pair X,
+    and auto at T = 1 drafted γ 3.1 on average where 4 ran 1.12x faster)."""
+    import decode
+
+    repeats = []
+    calibrate = decode.SpeculativeDecoder.calibrate
+    monkeypatch.setattr(decode.SpeculativeDecoder, "calibrate",
+                        lambda self, *a, **kw: repeats.append(kw.get("repeats")) or calibrate(self, *a, **kw))
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     cfg = BenchConfig(gammas=[2], auto=True, hf=False, temperatures=[1.0], batch_sizes=[3], max_new_tokens=4,
                       cost_repeats=3, warmup=False)
     results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7], [2, 9, 4]], [None] * 3, cfg,
                             pad_token_id=0, progress=False)
     assert sorted(results["cost"]["auto_costs"], key=int) == ["1", "2", "4"]
+    assert repeats == [3]  # one call for the three batch sizes, with the run's cost repeats
     assert all(v["target_forward_s"] > 0 for v in results["cost"]["auto_costs"].values())
 
 

@@ -575,7 +575,7 @@ class CostTimer:
         self._calls = {"target": target_call, "draft": draft_call}
         self.verify_gammas = _check_cost_inputs(target, draft, context_ids, verify_gammas, static_cache, self._calls)
         self.context_tokens, self.few_row_linear = int(context_ids.shape[1]), few_row_linear
-        self._device, self._warmup, self.rounds = context_ids.device, warmup_rounds, 0
+        self._device, self.warmup_rounds, self.rounds = context_ids.device, warmup_rounds, 0
         prefix, self._last = context_ids[:, :-1], context_ids[:, -1:]
         B, self._width = prefix.shape
         # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
@@ -620,7 +620,7 @@ class CostTimer:
                 if static:  # the write column goes back: the next call sees the same context
                     cache.roll_back(self._width, ids.new_zeros(B, k, dtype=torch.bool), self._width,
                                     [self._width] * B, holes=False)
-                if self.rounds >= self._warmup:
+                if self.rounds >= self.warmup_rounds:
                     self._samples[label].append(elapsed)
         self.rounds += 1
 
@@ -628,7 +628,7 @@ class CostTimer:
         """The medians over the timed rounds, as :func:`measure_cost_ratio` returns them (``repeats``: timed
         rounds)."""
         if not self._samples["target"]:
-            raise ValueError(f"no timed round yet: call round() more than {self._warmup} times (the first are "
+            raise ValueError(f"no timed round yet: call round() more than {self.warmup_rounds} times (the first are "
                              "untimed)")
         s = self._samples
         t, d = statistics.median(s["target"]), statistics.median(s["draft"])

@@ -37,7 +37,8 @@ class BareTimer:
         if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] < 2:
             raise ValueError(f"context_ids must have shape (1, L) with L >= 2, got {tuple(context_ids.shape)}")
         self._models = (("target", target), ("draft", draft))
-        self._context, self.few_row_linear, self._warmup, self.rounds = context_ids, few_row_linear, warmup_rounds, 0
+        self._context, self.few_row_linear = context_ids, few_row_linear
+        self.warmup_rounds, self.rounds = warmup_rounds, 0
         self._samples: dict[str, list[float]] = {k: [] for k in ("target", "draft", "target_prefill",
                                                                   "draft_prefill")}
 
@@ -47,7 +48,7 @@ class BareTimer:
         from decode import kernels
 
         device, prefix, last = self._context.device, self._context[:, :-1], self._context[:, -1:]
-        timed = self.rounds >= self._warmup  # the first calls pay for lazy initialisation
+        timed = self.rounds >= self.warmup_rounds  # the first calls pay for lazy initialisation
         with kernels.few_row_linear(self.few_row_linear):
             caches = {}
             for name, model in self._models:
@@ -70,7 +71,7 @@ class BareTimer:
     def result(self) -> dict[str, Any]:
         """The medians over the timed rounds, as :func:`measure_bare_forwards` returns them."""
         if not self._samples["target"]:
-            raise ValueError(f"no timed round yet: call round() more than {self._warmup} times (the first are "
+            raise ValueError(f"no timed round yet: call round() more than {self.warmup_rounds} times (the first are "
                              "untimed)")
         t, d, pt, pd = (statistics.median(self._samples[k]) for k in ("target", "draft", "target_prefill",
                                                                        "draft_prefill"))

@@ -47,9 +47,10 @@ def stats_counts(stats: DecodeStats | None) -> dict[str, int] | None:
 
 
 _EMPTY = ("decode_latency_s", "ttft_s", "prefill_s", "peak_memory_bytes", "speedup", "decode_speedup", "alpha",
-          "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "accepted_per_position", "accepted_length_histogram",
-          "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup_leviathan",
-          "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
+          "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "accepted_per_position",
+          "accepted_length_histogram", "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma",
+          "predicted_speedup_leviathan", "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy",
+          "num_matching_plain_greedy")
 
 
 def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma, temperature: float,

@@ -341,8 +341,9 @@ def render_tables(results: dict[str, Any], console=None) -> None:
         console.print(f"bare HF forwards: draft {b['draft_forward_s'] * 1e3:.2f} ms / target "
                       f"{b['target_forward_s'] * 1e3:.2f} ms = {b['cost_ratio']:.3f}")
         if b.get("prefill_cost_ratio") is not None:
-            console.print(f"bare HF prefills of {c['context_tokens'] - 1} tokens: draft {b['draft_prefill_s'] * 1e3:.2f}"
-                          f" ms / target {b['target_prefill_s'] * 1e3:.2f} ms = {b['prefill_cost_ratio']:.3f}")
+            console.print(f"bare HF prefills of {c['context_tokens'] - 1} tokens: draft "
+                          f"{b['draft_prefill_s'] * 1e3:.2f} ms / target {b['target_prefill_s'] * 1e3:.2f} ms = "
+                          f"{b['prefill_cost_ratio']:.3f}")
     if c.get("verify"):
         console.print("verify cost v_γ = t(γ+1 tokens) / t(1 token): "
                       + ", ".join(f"γ={e['gamma']}: {e['relative_cost']:.2f}" for e in c["verify"]))

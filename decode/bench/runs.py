@@ -127,7 +127,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.compile:
         timers["compiled"] = decoders[True].cost_timer(context, cfg.gammas)
     for timer in timers.values():
-        for _ in range(2):
+        for _ in range(timer.warmup_rounds):
             timer.round()
     auto_costs = None
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):

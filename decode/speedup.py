@@ -12,7 +12,7 @@ import math
 import numbers
 import statistics
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -70,14 +70,14 @@ def end_to_end_speedup(decode_speedup: float, prefill_share: float, prefill_cost
         the predicted end-to-end speedup over plain decoding.
 
     Raises:
-        ValueError: S <= 0 or NaN, f outside [0, 1] or NaN, r < 0 or NaN, each naming the argument.
+        ValueError: an argument that is not a finite real number (NaN, inf, a bool, a string), S <= 0, f outside
+            [0, 1], r < 0, each naming the argument.
     """
-    if not decode_speedup > 0:
-        raise ValueError(f"decode_speedup must be > 0, got {decode_speedup}")
-    if not 0.0 <= prefill_share <= 1.0:
-        raise ValueError(f"prefill_share must be in [0, 1], got {prefill_share}")
-    if not prefill_cost_ratio >= 0:
-        raise ValueError(f"prefill_cost_ratio must be >= 0, got {prefill_cost_ratio}")
+    for name, x, ok, want in (("decode_speedup", decode_speedup, lambda v: v > 0, "> 0"),
+                              ("prefill_share", prefill_share, lambda v: 0 <= v <= 1, "in [0, 1]"),
+                              ("prefill_cost_ratio", prefill_cost_ratio, lambda v: v >= 0, ">= 0")):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not ok(x):
+            raise ValueError(f"{name} must be a finite number {want}, got {x!r}")
     return 1.0 / (prefill_share * (1.0 + prefill_cost_ratio) + (1.0 - prefill_share) / decode_speedup)
 
 
@@ -526,20 +526,36 @@ def check_context_ids(context_ids: Any, models: Mapping[str, Any], hint: str = "
             raise ValueError(f"context_ids holds ids {lo}..{hi}, outside the {role}'s embedding of {rows} rows")
 
 
-def _check_cost_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[int], static_cache: Any,
-                       calls: dict[str, Any]) -> list[int]:
-    """The arguments of :class:`CostTimer` checked before any forward; returns the sorted γ values."""
+def check_timer_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[int] = (), static_cache: Any = False,
+                       calls: Mapping[str, Any] | None = None, warmup_rounds: Any = 2,
+                       few_row_linear: Any = False) -> list[int]:
+    """The arguments of a cost timer (:class:`CostTimer`, ``decode.bench.bare_forward.BareTimer``) checked before
+    any forward: both models given, ``context_ids`` a (B, L >= 2) integer tensor of ids both embed, fitting both
+    models' positions with the largest verify γ; γ values integers >= 1; ``warmup_rounds`` an integer >= 0;
+    ``few_row_linear`` a bool. Returns the sorted γ values.
+
+    Raises:
+        ValueError: naming the first argument that fails.
+    """
     from decode.engine import context_length
 
     if draft is None or target is None:
-        raise ValueError("measure_cost_ratio times a draft against a target: both are needed (got None)")
+        raise ValueError("a cost measurement times a draft against a target: both are needed (got None)")
     check_context_ids(context_ids, {"target": target, "draft": draft})
-    gammas = sorted(set(verify_gammas))
+    if isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, numbers.Integral) or warmup_rounds < 0:
+        raise ValueError(f"warmup_rounds must be an integer >= 0 (untimed first rounds), got {warmup_rounds!r}")
+    if not isinstance(few_row_linear, bool):
+        raise ValueError(f"few_row_linear must be True or False, got {few_row_linear!r}")
+    if isinstance(verify_gammas, (str, bytes)) or not isinstance(verify_gammas, Iterable):
+        raise ValueError(f"verify_gammas must be a sequence of integers >= 1 (e.g. [2, 4] or []), got "
+                         f"{verify_gammas!r}")
+    gammas = list(verify_gammas)
     if any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in gammas):
         raise ValueError(f"verify_gammas must be integers >= 1 (γ of each verify forward timed), got {gammas!r}")
+    gammas = sorted(set(gammas))
     if isinstance(static_cache, Mapping) and not set(static_cache) <= {"target", "draft"}:
         raise ValueError(f"static_cache keys must be 'target' and/or 'draft', got {sorted(static_cache)!r}")
-    for name, call in calls.items():
+    for name, call in (calls or {}).items():
         if call is not None and not callable(call):
             raise ValueError(f"{name}_call must be callable (a model's forward, e.g. compiled) or None, got "
                              f"{type(call).__name__}")
@@ -547,9 +563,16 @@ def _check_cost_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[
     for role, model in (("target", target), ("draft", draft)):
         limit = context_length(model)
         if limit is not None and need > limit:
-            raise ValueError(f"context_ids of {context_ids.shape[1]} tokens plus the largest verify γ "
-                             f"{max(gammas, default=0)} need {need} positions, more than the {role}'s {limit}")
+            plus = f" plus the largest verify γ {max(gammas)}" if gammas else ""
+            raise ValueError(f"context_ids of {context_ids.shape[1]} tokens{plus} need {need} positions, more than the "
+                             f"{role}'s {limit}")
     return gammas
+
+
+def check_repeats(repeats: Any) -> None:
+    """``repeats`` of a cost measurement: an integer >= 1 (timed rounds), else ValueError naming it."""
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1 (timed forwards per measurement), got {repeats!r}")
 
 
 class CostTimer:
@@ -573,7 +596,8 @@ class CostTimer:
         from decode import cache as kv
 
         self._calls = {"target": target_call, "draft": draft_call}
-        self.verify_gammas = _check_cost_inputs(target, draft, context_ids, verify_gammas, static_cache, self._calls)
+        self.verify_gammas = check_timer_inputs(target, draft, context_ids, verify_gammas, static_cache, self._calls,
+                                                warmup_rounds, few_row_linear)
         self.context_tokens, self.few_row_linear = int(context_ids.shape[1]), few_row_linear
         self._device, self.warmup_rounds, self.rounds = context_ids.device, warmup_rounds, 0
         prefix, self._last = context_ids[:, :-1], context_ids[:, -1:]
@@ -682,8 +706,7 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
             embedding, or too long for either model's positions with the largest γ; ``repeats`` < 1; a γ < 1; a
             ``static_cache`` key other than target/draft; a call that is not callable.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1 (timed forwards per measurement), got {repeats!r}")
+    check_repeats(repeats)
     timer = CostTimer(target, draft, context_ids, verify_gammas, static_cache, target_call, draft_call, few_row_linear)
     for i in range(repeats + 2):
         timer.round()

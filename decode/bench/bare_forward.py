@@ -29,12 +29,17 @@ class BareTimer:
     (the engine's matmul kernels, so the engine's c and this ratio differ only in the work around the models).
 
     Raises:
-        ValueError: ``context_ids`` not of shape (1, L >= 2); :meth:`result` before a timed round.
+        ValueError: as ``decode.speedup.check_timer_inputs`` (no draft, a context that is not a (1, L >= 2)
+            integer tensor of ids both models embed and whose positions they hold, a bad ``warmup_rounds`` or
+            ``few_row_linear``); :meth:`result` before a timed round.
     """
 
     def __init__(self, target, draft, context_ids: torch.Tensor, few_row_linear: bool = False,
                  warmup_rounds: int = 2):
-        if context_ids.dim() != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] < 2:
+        from decode.speedup import check_timer_inputs
+
+        check_timer_inputs(target, draft, context_ids, warmup_rounds=warmup_rounds, few_row_linear=few_row_linear)
+        if context_ids.shape[0] != 1:
             raise ValueError(f"context_ids must have shape (1, L) with L >= 2, got {tuple(context_ids.shape)}")
         self._models = (("target", target), ("draft", draft))
         self._context, self.few_row_linear = context_ids, few_row_linear
@@ -99,11 +104,12 @@ def measure_bare_forwards(target, draft, context_ids: torch.Tensor, repeats: int
         "prefill_cost_ratio" (draft / target: r of ``decode.speedup.end_to_end_speedup``), "few_row_linear"}.
 
     Raises:
-        ValueError: fewer than 2 context tokens or repeats < 1.
+        ValueError: as :class:`BareTimer`, or ``repeats`` not an integer >= 1.
     """
+    from decode.speedup import check_repeats
+
+    check_repeats(repeats)
     timer = BareTimer(target, draft, context_ids, few_row_linear)
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(repeats + 2):
         timer.round()
     return timer.result()

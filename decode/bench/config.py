@@ -62,8 +62,9 @@ class BenchConfig:
             raise ValueError(f"--batch-sizes (batch_sizes) must each be >= 1 (got {self.batch_sizes})")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens (max_new_tokens) must be >= 1 (got {self.max_new_tokens})")
-        if self.cost_repeats < 3:
-            raise ValueError(f"--cost-repeats (cost_repeats) must be >= 3 for a meaningful median (got {self.cost_repeats})")
+        if isinstance(self.cost_repeats, bool) or not isinstance(self.cost_repeats, int) or self.cost_repeats < 3:
+            raise ValueError(f"--cost-repeats (cost_repeats) must be an integer >= 3 for a meaningful median "
+                             f"(got {self.cost_repeats!r})")
         if self.auto_max_gamma < 1:  # the decoder refuses max_auto_draft_tokens < 1 whether or not auto runs
             raise ValueError(f"--auto-max-gamma (auto_max_gamma) must be >= 1 (got {self.auto_max_gamma})")
         if any(g < 1 for g in self.hf_gammas):

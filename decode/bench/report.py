@@ -65,14 +65,24 @@ def end_to_end_prediction(runs: dict[str, dict], method: str, plain: str, prefil
                           ) -> float | None:
     """``runs[method]``'s verify-aware prediction extended over the prefill (``decode.speedup.end_to_end_speedup``):
     the prefill share f is ``runs[plain]``'s (``prefill_s / total_s``, same prompts), r the bare prefill ratio
-    (``cost.bare.prefill_cost_ratio``). None where a value is missing (e.g. a results.json of schema < 4)."""
+    (``cost.bare.prefill_cost_ratio``, measured on the cost context's prefix by the eager bare forwards, also for
+    compiled methods). None where a value is missing (e.g. a results.json of schema < 4).
+
+    Raises:
+        ValueError: a value present but out of its range (an edited file), naming the fields.
+    """
     from decode.speedup import end_to_end_speedup
 
     predicted = (runs.get(method) or {}).get("predicted_speedup_verify_aware")
     ref = runs.get(plain) or {}
     if predicted is None or prefill_cost_ratio is None or ref.get("prefill_s") is None or not ref.get("total_s"):
         return None
-    return end_to_end_speedup(predicted, min(1.0, ref["prefill_s"] / ref["total_s"]), prefill_cost_ratio)
+    try:
+        return end_to_end_speedup(predicted, ref["prefill_s"] / ref["total_s"], prefill_cost_ratio)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"results: no end-to-end prediction for {method} from runs[{plain}].overall.prefill_s / "
+                         f"total_s, runs[{method}].overall.predicted_speedup_verify_aware and "
+                         f"cost.bare.prefill_cost_ratio: {e}") from None
 
 
 def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -123,7 +133,7 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
                              _ratio(at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware")),
                              at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware"),
                              GOALS["decode_vs_verify_aware"], gamma=best))
-        if cost.get("compiled"):  # --compile: the same three for the compiled decoder, against its own costs
+        if cost.get("compiled"):  # --compile: the same four for the compiled decoder, against its own costs
             cc = cost["compiled"]["cost_ratio"]
             checks.append(_check("cost_ratio_compiled_vs_bare", _ratio(cc, bare), cc, bare,
                                  GOALS["cost_ratio_vs_bare"], compile=compile_))
@@ -194,7 +204,8 @@ def validate_results(results: dict[str, Any]) -> None:
     need(results, TOP_KEYS, "results")
     need(results["cost"], ("context_tokens", "target_forward_s", "draft_forward_s", "cost_ratio", "verify", "bare"),
          "cost")
-    need(results["cost"]["bare"], ("target_forward_s", "draft_forward_s", "cost_ratio"), "cost.bare")
+    need(results["cost"]["bare"], ("target_forward_s", "draft_forward_s", "cost_ratio", "target_prefill_s",
+                                   "draft_prefill_s", "prefill_cost_ratio", "few_row_linear"), "cost.bare")
     if not isinstance(results["runs"], list) or not results["runs"]:
         raise ValueError("results.runs: expected a non-empty list")
     for i, run in enumerate(results["runs"]):

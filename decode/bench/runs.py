@@ -169,6 +169,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         cost["compiled"] = timers["compiled"].result()
     if auto_costs is not None:
         cost["auto_costs"] = auto_costs
+    timers.clear()  # their prefilled caches are not held through the batch pass (peak memory)
     runs, summary = pool(records, methods, cfg, cost, categories)
     batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress)
     return {

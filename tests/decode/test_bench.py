@@ -270,9 +270,16 @@ def test_must_show_goals_are_issue_8s(bench_run):
         results["cost"]["bare"]["cost_ratio"] = bare
         check = must_show(results)[0]["checks"][0]
         assert (check["name"], check["goal"], check["met"]) == ("cost_ratio_vs_bare", "<= 1.25", met)
+    edited = json.loads(json.dumps(results))
+    for run in edited["runs"]:
+        run["overall"]["prefill_s"] = -1.0  # an edited file: named, not a bare error from the formula
+    with pytest.raises(ValueError, match=r"runs\[plain\]\.overall\.prefill_s / total_s.*prefill_share must be"):
+        must_show(edited)
     del results["cost"]["bare"]["prefill_cost_ratio"]  # a results.json from before the bare prefills (schema 3)
     whole = [c for c in must_show(results)[0]["checks"] if c["name"] == "measured_vs_end_to_end"]
     assert [(c["reference"], c["ratio"], c["met"]) for c in whole] == [(None, None, None)]
+    with pytest.raises(ValueError, match=r"cost\.bare: missing keys \['prefill_cost_ratio'\]"):
+        validate_results(results)  # a schema-4 file needs it (render_tables prints it)
     for b in results["batch"]:
         b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
     goals = {e["temperature"]: [c["goal"] for c in e["checks"] if c["name"] == "batch_speedup"]
@@ -933,6 +940,9 @@ def test_auto_costs_cover_every_batch_size_a_batch_passes_through_before_timing(
 def test_config_validation_messages():
     with pytest.raises(ValueError, match=r"\(max_new_tokens\) must be >= 1"):
         BenchConfig(max_new_tokens=0).validate()
+    for repeats in (3.5, "5", math.nan, True, 2):  # 3.5 used to fail after the models loaded, nan in math.ceil
+        with pytest.raises(ValueError, match=r"--cost-repeats \(cost_repeats\) must be an integer >= 3"):
+            BenchConfig(cost_repeats=repeats).validate()
     with pytest.raises(ValueError, match="no speculative method"):
         BenchConfig(gammas=[], auto=False).validate()
     with pytest.raises(ValueError, match="temperatures"):

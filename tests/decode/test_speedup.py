@@ -28,6 +28,9 @@ def test_end_to_end_speedup_adds_the_prefill_to_both_sides():
     assert end_to_end_speedup(2.385, 1.0, 0.25) == pytest.approx(1 / 1.25)  # all prefill: the draft's only costs
     assert end_to_end_speedup(0.8, 0.3, 0.0) > 0.8  # a losing decode phase loses less with a prefill beside it
     for bad, match in (((0.0, 0.1, 0.1), "decode_speedup"), ((float("nan"), 0.1, 0.1), "decode_speedup"),
+                       ((float("inf"), 0.0, 0.1), "decode_speedup"), ((True, 0.5, 0.0), "decode_speedup"),
+                       (("2", 0.5, 0.0), "decode_speedup"), ((1.5, None, 0.0), "prefill_share"),
+                       ((1.5, 0.2, float("inf")), "prefill_cost_ratio"),
                        ((2.0, 1.5, 0.1), "prefill_share"), ((2.0, -0.1, 0.1), "prefill_share"),
                        ((2.0, float("nan"), 0.1), "prefill_share"), ((2.0, 0.1, -1.0), "prefill_cost_ratio"),
                        ((2.0, 0.1, float("nan")), "prefill_cost_ratio")):
@@ -398,3 +401,41 @@ def test_measure_cost_ratio_names_a_bad_argument_before_any_forward():
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             measure_cost_ratio(*args, **kwargs)
+
+
+def test_cost_timers_name_a_bad_argument_before_any_forward():
+    """A new user's trial: BareTimer took no draft, lists, ids outside the embedding and contexts longer than the
+    positions to torch (TypeError/AttributeError/IndexError or a silent run), and CostTimer took warmup_rounds=-1,
+    verify_gammas=None and few_row_linear="yes"; all are named ValueErrors now, before any forward."""
+    import torch
+
+    from decode.bench.bare_forward import BareTimer, measure_bare_forwards
+    from decode.speedup import CostTimer
+    from tests.conftest import perturbed_copy, tiny_llama
+
+    target = tiny_llama(seed=0, layers=1)  # 256 positions
+    draft = perturbed_copy(target, 0.5)
+    ok = torch.tensor([[5, 6, 7]])
+    for make in (CostTimer, BareTimer):
+        for args, kwargs, message in (
+                ((target, None, ok), {}, "both are needed"), ((target, draft, [[5, 6, 7]]), {}, "got list"),
+                ((target, draft, torch.tensor([[5, 500]])), {}, "outside the target's embedding"),
+                ((target, draft, torch.ones(1, 257, dtype=torch.long)), {},
+                 "need 257 positions, more than the target's"),
+                ((target, draft, ok), {"warmup_rounds": -1}, "warmup_rounds must be an integer >= 0"),
+                ((target, draft, ok), {"warmup_rounds": 2.5}, "warmup_rounds"),
+                ((target, draft, ok), {"few_row_linear": "yes"}, "few_row_linear must be True or False")):
+            with pytest.raises(ValueError, match=message):
+                make(*args, **kwargs)
+    for gammas in (None, 2, "24"):
+        with pytest.raises(ValueError, match="verify_gammas must be a sequence"):
+            CostTimer(target, draft, ok, verify_gammas=gammas)
+    with pytest.raises(ValueError, match=r"shape \(1, L\)"):
+        BareTimer(target, draft, torch.cat([ok, ok]))
+    for repeats in (True, 2.5, "3", None, 0):
+        with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+            measure_bare_forwards(target, draft, ok, repeats=repeats)
+    for timer in (CostTimer(target, draft, ok), BareTimer(target, draft, ok)):
+        timer.round()
+        with pytest.raises(ValueError, match="no timed round yet"):
+            timer.result()

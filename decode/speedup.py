@@ -552,7 +552,7 @@ def check_timer_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[
     gammas = list(verify_gammas)
     if any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in gammas):
         raise ValueError(f"verify_gammas must be integers >= 1 (γ of each verify forward timed), got {gammas!r}")
-    gammas = sorted(set(gammas))
+    gammas = sorted({int(g) for g in gammas})  # numpy integers too (the static cache's sizes need ints)
     if isinstance(static_cache, Mapping) and not set(static_cache) <= {"target", "draft"}:
         raise ValueError(f"static_cache keys must be 'target' and/or 'draft', got {sorted(static_cache)!r}")
     for name, call in (calls or {}).items():

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "positions (default: mean prompt + N/2)")
     p.add_argument("--cost-repeats", type=int, default=21,
                    help="timed rounds for c, v_γ and the bare reference (>= 3; spread over the main pass, a whole "
-                        "number before each prompt), and forwards per median of the auto-γ calibration")
+                        "number before each prompt), and forwards per median of the auto-γ calibration (default 21)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")

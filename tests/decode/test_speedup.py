@@ -435,6 +435,10 @@ def test_cost_timers_name_a_bad_argument_before_any_forward():
     for repeats in (True, 2.5, "3", None, 0):
         with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
             measure_bare_forwards(target, draft, ok, repeats=repeats)
+    import numpy as np
+
+    timer = CostTimer(target, draft, ok, verify_gammas=np.array([2, 1]), static_cache=True)  # used to be an
+    assert timer.verify_gammas == [1, 2] and all(type(g) is int for g in timer.verify_gammas)  # AttributeError
     for timer in (CostTimer(target, draft, ok), BareTimer(target, draft, ok)):
         timer.round()
         with pytest.raises(ValueError, match="no timed round yet"):

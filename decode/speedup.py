@@ -594,6 +594,7 @@ class CostTimer:
                  static_cache: bool | Mapping[str, bool] = False, target_call: Callable | None = None,
                  draft_call: Callable | None = None, few_row_linear: bool = False, warmup_rounds: int = 2):
         from decode import cache as kv
+        from decode import kernels
 
         self._calls = {"target": target_call, "draft": draft_call}
         self.verify_gammas = check_timer_inputs(target, draft, context_ids, verify_gammas, static_cache, self._calls,
@@ -606,16 +607,17 @@ class CostTimer:
         self._jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
         self._jobs += [(f"verify{g}", target, "target", g + 1, None) for g in self.verify_gammas]
         self._base = {}
-        for name, model in (("target", target), ("draft", draft)):
-            cache = kv.new_cache(model)
-            _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
-            static = static_cache.get(name, False) if isinstance(static_cache, Mapping) else bool(static_cache)
-            if static and kv.StaticKV.supported(model) is None:
-                skv = kv.StaticKV(model, self._device)
-                skv.merge(cache, mask, [self._width] * B,
-                          room=max(k for _, _, n, k, _ in self._jobs if n == name) + 1)
-                cache, mask = skv, None
-            self._base[name] = (cache, mask)
+        with kernels.few_row_linear(few_row_linear):  # every forward of a decoder's measurement on its kernels
+            for name, model in (("target", target), ("draft", draft)):
+                cache = kv.new_cache(model)
+                _, mask = kv.forward(model, cache, prefix[:, :0], prefix, torch.ones_like(prefix), logits_to_keep=1)
+                static = static_cache.get(name, False) if isinstance(static_cache, Mapping) else bool(static_cache)
+                if static and kv.StaticKV.supported(model) is None:
+                    skv = kv.StaticKV(model, self._device)
+                    skv.merge(cache, mask, [self._width] * B,
+                              room=max(k for _, _, n, k, _ in self._jobs if n == name) + 1)
+                    cache, mask = skv, None
+                self._base[name] = (cache, mask)
         self._samples: dict[str, list[float]] = {label: [] for label, *_ in self._jobs}
 
     @torch.no_grad()

@@ -51,6 +51,9 @@ _EMPTY = ("decode_latency_s", "ttft_s", "prefill_s", "peak_memory_bytes", "speed
           "accepted_length_histogram", "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma",
           "predicted_speedup_leviathan", "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy",
           "num_matching_plain_greedy")
+# Every metric of a run in results.json (validated by decode.bench.report.validate_results): the counts and
+# timings every method has, then those left null where they do not apply.
+RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s") + _EMPTY
 
 
 def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma, temperature: float,

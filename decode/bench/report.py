@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from decode.bench.config import OURS
+from decode.bench.pool import RUN_METRICS
 from decode.bench.runs import SCHEMA_VERSION
 from decode.outputs import writable
 
@@ -170,11 +171,6 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------- schema
-RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_token_latency_s", "decode_latency_s",
-               "ttft_s", "prefill_s", "peak_memory_bytes", "speedup", "decode_speedup", "alpha", "acceptance_rate",
-               "mean_accepted_length", "acceptance_by_position", "accepted_per_position", "accepted_length_histogram",
-               "num_verify_steps", "num_drafted", "num_accepted", "mean_gamma", "predicted_speedup_leviathan",
-               "predicted_speedup_verify_aware", "predicted_gamma", "matches_plain_greedy", "num_matching_plain_greedy")
 SUMMARY_KEYS = ("temperature", "alpha", "cost_ratio", "best_gamma_measured", "measured_speedup_at_best",
                 "best_gamma_leviathan", "predicted_speedup_leviathan_at_best", "best_gamma_leviathan_tested",
                 "best_gamma_verify_aware_tested", "predicted_curve", "spec_auto_speedup", "hf_target_speedup",

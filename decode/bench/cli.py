@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-repeats", type=int, default=21,
                    help="timed rounds for c, v_γ and the bare reference (>= 3; spread over the main pass, a whole "
                         "number before each prompt), and forwards per median of the auto-γ calibration (default 21)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each method on each prompt (and each batch), one after another in rotated "
+                        "order; the run with the median wall time is recorded (default 1; 3 damps single-call "
+                        "timing noise, at 3x the time)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -123,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         batch_sizes=parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
         hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
-        cost_repeats=args.cost_repeats, warmup=not args.no_warmup, seed=args.seed,
+        cost_repeats=args.cost_repeats, repeats=args.repeats, warmup=not args.no_warmup, seed=args.seed,
         compile=compile_setting(args.compile),
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
         prompt_lookup_ngram=args.prompt_lookup_ngram,

@@ -25,6 +25,8 @@ class BenchConfig:
     batch_gamma: int | None = None  # γ for the batch pass; None: best measured fixed γ at that temperature
     cost_context_tokens: int | None = None  # None: mean prompt length + max_new_tokens // 2
     cost_repeats: int = 21
+    # Timed runs of each method on each prompt (and batch); the run with the median wall time is the one recorded.
+    repeats: int = 1
     warmup: bool = True
     seed: int = 0
     # Also run our decoder built with SpeculativeDecoder(..., compile=compile) (True: both models' forwards;
@@ -65,6 +67,9 @@ class BenchConfig:
         if isinstance(self.cost_repeats, bool) or not isinstance(self.cost_repeats, int) or self.cost_repeats < 3:
             raise ValueError(f"--cost-repeats (cost_repeats) must be an integer >= 3 for a meaningful median "
                              f"(got {self.cost_repeats!r})")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"--repeats (repeats) must be an integer >= 1: timed runs per prompt and method, the "
+                             f"median kept (got {self.repeats!r})")
         if self.auto_max_gamma < 1:  # the decoder refuses max_auto_draft_tokens < 1 whether or not auto runs
             raise ValueError(f"--auto-max-gamma (auto_max_gamma) must be >= 1 (got {self.auto_max_gamma})")
         if any(g < 1 for g in self.hf_gammas):

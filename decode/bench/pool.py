@@ -104,6 +104,17 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
     return m
 
 
+def median_run(repeats: Sequence[dict]) -> dict:
+    """The record of one method on one prompt (or batch) from its ``--repeats`` timed runs: the run with the median
+    wall time (the lower median for an even count), whole, so its stats and timings stay one call's; with
+    ``wall_s_repeats``, every run's wall seconds in run order. Raises ValueError for no runs."""
+    if not repeats:
+        raise ValueError("median_run: no timed runs")
+    walls = [r["wall_s"] for r in repeats]
+    chosen = repeats[walls.index(statistics.median_low(walls))]
+    return {**chosen, "wall_s_repeats": walls}
+
+
 def decode_speedup(records: list[dict], plain_records: list[dict]) -> float | None:
     """Speedup of the decode phase: plain decoding's seconds per token after the first step over the method's,
     pooled (``DecodeStats.per_token_latency_s`` of the merged stats). Prefill and the first step are left out on

@@ -1,7 +1,9 @@
 """Running the benchmark: every method on every prompt, interleaved, then the batch pass; returns the results dict.
 
 - Interleaved: for each prompt, every temperature and every method runs before the next prompt (method order
-  rotated per prompt), so machine drift and thermal state hit all methods alike.
+  rotated per prompt), so machine drift and thermal state hit all methods alike. With ``repeats`` > 1 the block
+  runs that many times (rotation continuing) and each method keeps its median-wall run (``pool.median_run``): a
+  call slowed by a burst of other load on a shared machine no longer moves the pooled ratio.
 - Throughput is wall-clock around each generate call (device synchronised), identical for our engine and for HF.
 - c is timed by ``SpeculativeDecoder.cost_timer`` (the engine's forward path; a second time through the compiled
   forwards for compiled methods) and next to it the bare HF forwards (``decode.bench.bare_forward``) on the same
@@ -25,7 +27,7 @@ import torch
 from decode.bench.bare_forward import BareTimer
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
-from decode.bench.pool import batch_row, pool, stats_counts
+from decode.bench.pool import batch_row, median_run, pool, stats_counts
 from decode.bench.timing import peak_bytes, reset_peak, sync
 from decode.engine import left_pad
 from decode.speedup import cost_buckets
@@ -188,26 +190,33 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
 
 def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,
                before_block=lambda: None):
-    """Batch-1 runs, interleaved: prompt i's runs (every temperature, every method) form one block, and the method
-    that opens the block rotates from prompt to prompt; ``before_block()`` runs before each block (the cost
-    rounds). Returns {(temperature, method name): [record per prompt]}."""
+    """Batch-1 runs, interleaved: prompt i's runs (every temperature, every method, ``cfg.repeats`` times) form one
+    block, and the method that opens each round of the block rotates; ``before_block()`` runs before each block
+    (the cost rounds). Returns {(temperature, method name): [record per prompt]}, each the median of its repeats
+    (``median_run``)."""
     records: dict[tuple[float, str], list[dict]] = {(t, m.name): [] for t in cfg.temperatures for m in methods}
     names = prompt_names or [str(i) for i in range(len(prompt_ids))]
-    with _progress(progress, len(prompt_ids) * len(cfg.temperatures) * len(methods), "decoding") as tick:
+    total = len(prompt_ids) * cfg.repeats * len(cfg.temperatures) * len(methods)
+    with _progress(progress, total, "decoding") as tick:
         order = 0
         for i, row in enumerate(prompt_ids):
             before_block()
-            for t in cfg.temperatures:
-                k = i % len(methods)  # rotate so no method is always first after a prompt switch
-                for method in methods[k:] + methods[:k]:
-                    new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
-                    records[(t, method.name)].append({
-                        "key": i, "order": order, "prompt": names[i], "category": categories[i],
-                        "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
-                        "stats": stats if method.kind == OURS else None, "ttft_s": getattr(stats, "ttft_s", None),
-                    })
-                    order += 1
-                    tick()
+            block: dict[tuple[float, str], list[dict]] = {key: [] for key in records}
+            for rep in range(cfg.repeats):
+                for t in cfg.temperatures:
+                    k = (i * cfg.repeats + rep) % len(methods)  # rotate so no method is always first
+                    for method in methods[k:] + methods[:k]:
+                        new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
+                        block[(t, method.name)].append({
+                            "key": i, "order": order, "prompt": names[i], "category": categories[i],
+                            "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall,
+                            "peak_memory_bytes": peak, "stats": stats if method.kind == OURS else None,
+                            "ttft_s": getattr(stats, "ttft_s", None),
+                        })
+                        order += 1
+                        tick()
+            for key, repeats in block.items():
+                records[key].append(median_run(repeats))
     return records
 
 
@@ -219,7 +228,8 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
     reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts so every batch
     is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size. A
     ``cfg.batch_gamma`` that the main pass did not run is measured at batch size 1 here too.
-    With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch.
+    With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch. Each batch runs
+    ``cfg.repeats`` times (order reversed every other time) and keeps each method's median-wall run.
     """
     out, jobs = [], []
     for entry in summary:
@@ -236,7 +246,7 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
                 out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
             else:  # also batch 1 when the main pass did not run that γ (--batch-gamma not in --gammas)
                 jobs.append((t, group, bs))
-    total = sum(math.ceil(len(prompt_ids) / bs) * len(group) for _, group, bs in jobs)
+    total = sum(math.ceil(len(prompt_ids) / bs) * len(group) for _, group, bs in jobs) * cfg.repeats
     with _progress(progress, total, "batches") as tick:
         for t, group, bs in jobs:
             n_batches = math.ceil(len(prompt_ids) / bs)
@@ -247,11 +257,15 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
             recs: dict[str, list[dict]] = {m.name: [] for m in group}
             for b in range(n_batches):
                 chunk = rows[b * bs:(b + 1) * bs]
-                for m in (group if b % 2 == 0 else group[::-1]):
-                    new, wall, _, peak = run(m, chunk, t, seed_for(cfg, b, batch=bs))
-                    recs[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
-                                         "peak_memory_bytes": peak})
-                    tick()
+                repeats: dict[str, list[dict]] = {m.name: [] for m in group}
+                for rep in range(cfg.repeats):
+                    for m in (group if (b + rep) % 2 == 0 else group[::-1]):
+                        new, wall, _, peak = run(m, chunk, t, seed_for(cfg, b, batch=bs))
+                        repeats[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
+                                                "peak_memory_bytes": peak})
+                        tick()
+                for name, runs_of_m in repeats.items():
+                    recs[name].append(median_run(runs_of_m))
             out += [batch_row(t, m, bs, recs[m.name], reused=False) for m in group]
     for row in out:  # over plain decoding (the eager engine) at the same temperature and batch size
         plain = [r for r in out if r["temperature"] == row["temperature"] and r["batch_size"] == row["batch_size"]

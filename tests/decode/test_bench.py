@@ -709,7 +709,7 @@ def test_cli_bad_input_fails_before_loading_models(saved_pair, tmp_path):
     with pytest.raises(ValueError, match="--batch-sizes .* must each be >= 1"):
         run_cli(pair + ["--batch-sizes", "0"])
     for flag, value in (("--auto-max-gamma", "0"), ("--batch-gamma", "0"), ("--cost-repeats", "2"),
-                        ("--max-new-tokens", "0")):
+                        ("--max-new-tokens", "0"), ("--repeats", "0")):
         with pytest.raises(ValueError, match=f"^{flag} "):
             run_cli(pair + [flag, value])
     assert not (tmp_path / "results.json").exists()
@@ -766,6 +766,52 @@ def test_cost_rounds_are_spread_over_the_main_pass(monkeypatch):
     assert blocks == "ccbbrr" * 3  # 2 timed rounds (ceil(5 / 3)) before each prompt's 2 runs (plain, γ = 1)
     assert results["cost"]["repeats"] == results["cost"]["bare"]["repeats"] == 6
     assert len(results["cost"]["target_forward_samples_s"]) == 6
+
+
+def test_median_run_keeps_the_median_call_whole():
+    from decode.bench.pool import median_run
+
+    runs = [{"wall_s": w, "stats": f"call {i}"} for i, w in enumerate((0.3, 0.1, 0.2))]
+    assert median_run(runs) == {"wall_s": 0.2, "stats": "call 2", "wall_s_repeats": [0.3, 0.1, 0.2]}
+    even = [{"wall_s": w, "stats": i} for i, w in enumerate((0.4, 0.1, 0.2, 0.3))]
+    assert median_run(even)["stats"] == 2  # the lower median: a real call, not an average of two
+    assert median_run(runs[:1])["wall_s_repeats"] == [0.3]
+    with pytest.raises(ValueError, match="no timed runs"):
+        median_run([])
+
+
+def test_repeats_time_each_block_and_batch_several_times_and_keep_the_median(monkeypatch):
+    """--repeats 3: prompt i's block holds three rounds of every method (rotation going on), and every record, in the
+    main and the batch pass, is the median-wall call of its three; the pooled speedup is built from those."""
+    from decode.bench import runs
+
+    walls = iter([0.5, 0.1, 0.3, 0.9, 0.2, 0.4] * 10)  # one per call, in call order
+
+    def scripted(*a, **kw):
+        new, _, stats, peak = real(*a, **kw)
+        return new, next(walls), stats, peak
+
+    real = runs.run_ours
+    monkeypatch.setattr(runs, "run_ours", scripted)
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    cfg = BenchConfig(gammas=[1], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1, 2], max_new_tokens=3,
+                      cost_repeats=3, repeats=3, warmup=False)
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6, 7], [1, 8, 9]], [None] * 2, cfg,
+                            pad_token_id=0, progress=False)
+    plain, spec = results["records"]["0.0/plain"], results["records"]["0.0/spec_g1"]
+    # prompt 0: plain opens its rounds 0 and 2, spec_g1 round 1: calls plain .5 spec .1 | spec .3 plain .9 | plain .2
+    # spec .4; prompt 1 starts at round 3 (spec first): spec .5 plain .1 | plain .3 spec .9 | spec .2 plain .4
+    assert [r["wall_s_repeats"] for r in plain] == [[0.5, 0.9, 0.2], [0.1, 0.3, 0.4]]
+    assert [r["wall_s_repeats"] for r in spec] == [[0.1, 0.3, 0.4], [0.5, 0.9, 0.2]]
+    assert [r["wall_s"] for r in plain] == [0.5, 0.3] and [r["wall_s"] for r in spec] == [0.3, 0.5]
+    assert sorted(r["order"] for r in plain + spec) == [0, 2, 6, 8]  # the kept calls' own places in the run
+    speedup = next(r for r in results["runs"] if r["method"] == "spec_g1")["overall"]["speedup"]
+    assert speedup == pytest.approx((0.5 + 0.3) / (0.3 + 0.5))
+    two = {b["method"]: b for b in results["batch"] if b["batch_size"] == 2}
+    # one batch of 2, three rounds, order reversed every other round: plain .1 spec .3 | spec .4 plain .5 | ...
+    assert {m: b["num_batches"] for m, b in two.items()} == {"plain": 1, "spec_g1": 1}
+    assert two["plain"]["total_s"] == pytest.approx(0.5) and two["spec_g1"]["total_s"] == pytest.approx(0.3)
+    assert two["spec_g1"]["num_new_tokens"] == 2 * cfg.max_new_tokens
 
 
 def test_few_row_linear_option_maps_to_the_decoder_setting():
@@ -943,6 +989,10 @@ def test_config_validation_messages():
     for repeats in (3.5, "5", math.nan, True, 2):  # 3.5 used to fail after the models loaded, nan in math.ceil
         with pytest.raises(ValueError, match=r"--cost-repeats \(cost_repeats\) must be an integer >= 3"):
             BenchConfig(cost_repeats=repeats).validate()
+    for repeats in (0, 1.5, "3", True):
+        with pytest.raises(ValueError, match=r"--repeats \(repeats\) must be an integer >= 1"):
+            BenchConfig(repeats=repeats).validate()
+    assert _config("--repeats", "3").repeats == 3 and _config().repeats == 1
     with pytest.raises(ValueError, match="no speculative method"):
         BenchConfig(gammas=[], auto=False).validate()
     with pytest.raises(ValueError, match="temperatures"):

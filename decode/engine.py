@@ -181,8 +181,8 @@ class SpeculativeDecoder:
             raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
                              f"'auto'), got {max_auto_draft_tokens!r}")
         self.max_auto_draft_tokens = max_auto_draft_tokens
-        self.num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
-                                                  else num_draft_tokens)
+        self._num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
+                                                   else num_draft_tokens)
         self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram, draft is not None)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
@@ -244,6 +244,22 @@ class SpeculativeDecoder:
         self._ids: set = set()  # ids of queued and active requests
         self._undelivered: list[RequestOutput] = []  # finished in a step whose on_tokens callback raised
         self._in_step = False  # a step is running (its on_tokens callbacks may not step again)
+
+    @property
+    def num_draft_tokens(self) -> int | str:
+        """γ of the requests :meth:`add_request` queues (``generate(num_draft_tokens=...)`` overrides it per call):
+        an int >= 0 (0 = plain decoding) or ``"auto"``. Settable between requests (``dec.num_draft_tokens = 2``);
+        raises ValueError for a bad γ (as the constructor does) and RuntimeError while requests are in flight (the
+        running batch's caches and γ controller were sized for the old value)."""
+        return self._num_draft_tokens
+
+    @num_draft_tokens.setter
+    def num_draft_tokens(self, gamma: int | str) -> None:
+        gamma = self._check_gamma(gamma)
+        if self.has_unfinished():
+            raise RuntimeError("num_draft_tokens can change only between requests: finish or abort the queued and "
+                               "active ones first (generate(num_draft_tokens=...) sets it for one call)")
+        self._num_draft_tokens = gamma
 
     def _check_gamma(self, gamma: int | str) -> int | str:
         if gamma == "auto":

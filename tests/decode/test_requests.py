@@ -338,3 +338,29 @@ def test_ids_that_are_bools_and_masks_other_than_0_1_are_refused(pair):
             dec.generate(ids, max_new_tokens=2)
     with pytest.raises(ValueError, match="only 0 .padding. and 1"):
         dec.generate(torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[0.5, 1.0, 1.0]]), max_new_tokens=2)
+
+
+def test_num_draft_tokens_can_change_between_requests_only(pair):
+    """The bench's continuous-batching runs set γ on one decoder between streams: the next requests draft that many
+    tokens; a bad γ is refused as by the constructor, and a change while requests are in flight is refused."""
+    target, draft = pair
+    prompt = prompts_of([6], seed=3)[0]
+    dec = SpeculativeDecoder(target, draft, 4)
+    for gamma, drafted_per_step in ((2, 2), (0, 0), ("auto", None)):
+        dec.num_draft_tokens = gamma
+        assert dec.num_draft_tokens == gamma
+        dec.add_request(prompt, max_new_tokens=9, request_id="r")
+        out = run_all(dec)["r"]
+        assert out.new_tokens == reference_greedy(target, prompt, 9)
+        if drafted_per_step is not None:  # the last step may draft fewer (the budget's end)
+            assert out.stats.num_drafted <= drafted_per_step * out.stats.num_verify_steps
+            assert out.stats.num_drafted >= drafted_per_step * (out.stats.num_verify_steps - 1)
+    for bad in (-1, 1.5, "best", True):
+        with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0 or 'auto'"):
+            dec.num_draft_tokens = bad
+    dec.add_request(prompt, max_new_tokens=9)
+    with pytest.raises(RuntimeError, match="only between requests"):
+        dec.num_draft_tokens = 2
+    assert dec.num_draft_tokens == "auto"
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpeculativeDecoder(target, None, 0).num_draft_tokens = 2

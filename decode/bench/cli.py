@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-max-gamma", type=int, default=8, help="largest γ the adaptive controller may pick")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; duplicates dropped (0 and 0.0 are one)")
     p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated; duplicates dropped")
+    p.add_argument("--batching", default="static,continuous",
+                   help="how the batch pass batches, comma-separated: static (generate() calls of --batch-sizes "
+                        "rows; a batch ends with its slowest row) and/or continuous (a stream of requests, that many "
+                        "at a time, each joining as another finishes, as the server runs them)")
     p.add_argument("--batch-gamma", type=int, help="γ for the batch pass (default: best measured γ)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (plain and assisted)")
     p.add_argument("--hf-gammas", default="",
@@ -124,7 +128,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg = BenchConfig(
         gammas=gammas, auto=auto or not args.no_auto, auto_max_gamma=args.auto_max_gamma,
         temperatures=parse_list(args.temperatures, float, "temperature"),
-        batch_sizes=parse_list(args.batch_sizes, int, "batch size"), max_new_tokens=args.max_new_tokens,
+        batch_sizes=parse_list(args.batch_sizes, int, "batch size"),
+        batching=parse_list(args.batching, str, "batching"), max_new_tokens=args.max_new_tokens,
         hf=not args.no_hf, hf_gammas=hf_gammas,
         ignore_eos=args.ignore_eos, batch_gamma=args.batch_gamma, cost_context_tokens=args.cost_context,
         cost_repeats=args.cost_repeats, repeats=args.repeats, warmup=not args.no_warmup, seed=args.seed,

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 OURS, HF = "ours", "hf"
+BATCHING = ("static", "continuous")  # the batch pass's two ways to batch (BenchConfig.batching)
 
 
 @dataclass
@@ -17,6 +18,9 @@ class BenchConfig:
     auto_max_gamma: int = 8  # upper bound of the adaptive γ controller
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    # How the batch pass batches: "static" (generate() calls of batch_size rows: a batch ends with its slowest row)
+    # and/or "continuous" (a stream of requests, batch_size at a time, joining as others finish: the server's way).
+    batching: list[str] = field(default_factory=lambda: ["static", "continuous"])
     max_new_tokens: int = 64
     hf: bool = True  # run HF generate (target alone, and with assistant_model=draft)
     # Extra HF assisted runs at fixed γ (constant schedule, no confidence stop), next to HF's defaults.
@@ -62,6 +66,9 @@ class BenchConfig:
             raise ValueError(f"--temperatures (temperatures) must be >= 0 and finite, at least one (got {self.temperatures})")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"--batch-sizes (batch_sizes) must each be >= 1 (got {self.batch_sizes})")
+        if not self.batching or any(b not in BATCHING for b in self.batching):
+            raise ValueError(f"--batching (batching) takes one or both of {', '.join(BATCHING)} (got "
+                             f"{self.batching})")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens (max_new_tokens) must be >= 1 (got {self.max_new_tokens})")
         if isinstance(self.cost_repeats, bool) or not isinstance(self.cost_repeats, int) or self.cost_repeats < 3:
@@ -80,7 +87,8 @@ class BenchConfig:
             raise ValueError(f"--cost-context (cost_context_tokens) must be >= 2: one prefilled token and the one "
                              f"timed (got {self.cost_context_tokens}); omit it for mean prompt + max_new_tokens // 2")
         for name, values in (("gammas", self.gammas), ("temperatures", self.temperatures),
-                             ("batch_sizes", self.batch_sizes), ("hf_gammas", self.hf_gammas)):
+                             ("batch_sizes", self.batch_sizes), ("hf_gammas", self.hf_gammas),
+                             ("batching", self.batching)):
             if len(set(values)) != len(values):  # each would run, and be pooled, twice
                 raise ValueError(f"--{name.replace('_', '-')} ({name}) lists a value twice ({values}); give each once")
 
@@ -113,7 +121,7 @@ def parse_list(text: str, kind: type, what: str) -> list:
     """Parse a comma-separated list of ``kind`` (``"0,1"`` -> [0.0, 1.0]) in the order given, each value once
     (``"0,0.0,1"`` -> [0.0, 1.0]: duplicates are compared as parsed values); ValueError names ``what``."""
     try:
-        out = [kind(s) for s in str(text).split(",") if s.strip()]
+        out = [kind(s.strip()) for s in str(text).split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"bad {what} list {text!r}: use comma-separated numbers, e.g. 0,1") from None
     if not out:

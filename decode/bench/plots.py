@@ -13,6 +13,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from decode.bench.pool import batching_of
+
 
 def _figure(width: float = 6.4, height: float = 4.2) -> Figure:
     fig = Figure(figsize=(width, height), dpi=110)
@@ -141,16 +143,18 @@ def plot_acceptance_by_position(results: dict[str, Any], path: str | os.PathLike
 
 
 def plot_batch_throughput(results: dict[str, Any], path: str | os.PathLike) -> str:
-    """Tokens/s against batch size for plain and speculative decoding, per temperature."""
+    """Tokens/s against batch size for plain and speculative decoding, per temperature and batching (continuous
+    lines dotted)."""
     fig = _figure()
     ax = fig.add_subplot()
-    keys = sorted({(b["temperature"], b["method"]) for b in results["batch"]})
-    for t, method in keys:
-        rows = sorted((b for b in results["batch"] if b["temperature"] == t and b["method"] == method),
-                      key=lambda b: b["batch_size"])
+    keys = sorted({(b["temperature"], b["method"], batching_of(b)) for b in results["batch"]})
+    for t, method, batching in keys:
+        rows = sorted((b for b in results["batch"] if b["temperature"] == t and b["method"] == method
+                       and batching_of(b) == batching), key=lambda b: b["batch_size"])
         pts = [(b["batch_size"], b["tokens_per_s"]) for b in rows if b["tokens_per_s"]]
+        style = ("o" if method == "plain" else "s") + ("-" if batching == "static" else ":")
         if pts:
-            ax.plot(*zip(*pts), "o-" if method == "plain" else "s--", label=f"{method} T={t:g}")
+            ax.plot(*zip(*pts), style, label=f"{method} T={t:g}" + ("" if batching == "static" else " continuous"))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s (all rows)")

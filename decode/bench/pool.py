@@ -216,12 +216,19 @@ def _summarise(t: float, runs: list[dict], records, methods: list[Method], cfg: 
     return entry
 
 
-def batch_row(t: float, m: Method, bs: int, recs: list[dict], reused: bool) -> dict[str, Any]:
-    """One row of ``results.json["batch"]``: pooled tokens/s of one method at one batch size (speedup added later)."""
+def batching_of(row: dict[str, Any]) -> str:
+    """A ``batch`` row's batching: "static" or "continuous" (rows written before the key existed are static)."""
+    return row.get("batching", "static")
+
+
+def batch_row(t: float, m: Method, bs: int, recs: list[dict], reused: bool,
+              batching: str = "static") -> dict[str, Any]:
+    """One row of ``results.json["batch"]``: pooled tokens/s of one method at one batch size, batched ``"static"``
+    (``recs``: one per batch) or ``"continuous"`` (one per stream); the speedup is added later."""
     n = sum(len(r["new_tokens"]) for r in recs)
     wall = sum(r["wall_s"] for r in recs)
     peaks = [r["peak_memory_bytes"] for r in recs if r.get("peak_memory_bytes")]
     return {"temperature": t, "method": m.name, "num_draft_tokens": m.gamma, "compiled": m.compiled,
-            "batch_size": bs, "num_batches": len(recs), "num_new_tokens": n, "total_s": wall,
+            "batch_size": bs, "batching": batching, "num_batches": len(recs), "num_new_tokens": n, "total_s": wall,
             "tokens_per_s": n / wall if wall > 0 else None, "peak_memory_bytes": max(peaks) if peaks else None,
             "reused_main_pass": reused}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from decode.bench.config import OURS
-from decode.bench.pool import RUN_METRICS
+from decode.bench.pool import RUN_METRICS, batching_of
 from decode.bench.runs import SCHEMA_VERSION
 from decode.outputs import writable
 
@@ -109,7 +109,9 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
       too, the predictions and ``ours`` are over ``plain_compiled``: :func:`compiled_over_own_plain`);
     - ``ours_compiled_vs_hf_assisted`` (with ``--compile``): the same for ``spec_g{γ}_compiled`` (its speedup is over
       the eager plain run, like every speedup here);
-    - ``batch_speedup`` (one per batch size > 1): speculative over plain tokens/s, our eager engine, same batch;
+    - ``batch_speedup`` (one per batch size > 1 and speculative method): speculative over plain tokens/s, our eager
+      engine, same static batches (``generate()`` calls); ``batch_continuous_speedup``: the same for the
+      continuous-batching streams (``batching`` "continuous"), under the same goals;
     - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
     """
     cost = results["cost"]
@@ -159,11 +161,14 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
                 checks.append(_check("ours_compiled_vs_hf_assisted", _ratio(ours, hf), ours, hf,
                                      GOALS["ours_vs_hf_assisted"], gamma=g, compile=compile_))
         batch = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] > 1 and not b["compiled"]]
-        for b in sorted((b for b in batch if b["method"] != "plain"), key=lambda b: b["batch_size"]):
-            plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]]
-            checks.append(_check("batch_speedup", b["speedup"], b["tokens_per_s"],
-                                 plain[0]["tokens_per_s"] if plain else None, _batch_goal(b["batch_size"], t),
-                                 gamma=b["num_draft_tokens"], batch_size=b["batch_size"]))
+        for b in sorted((b for b in batch if b["method"] != "plain"),
+                        key=lambda b: (batching_of(b) != "static", b["batch_size"])):
+            plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]
+                     and batching_of(p) == batching_of(b)]
+            checks.append(_check("batch_speedup" if batching_of(b) == "static" else "batch_continuous_speedup",
+                                 b["speedup"], b["tokens_per_s"], plain[0]["tokens_per_s"] if plain else None,
+                                 _batch_goal(b["batch_size"], t), gamma=b["num_draft_tokens"],
+                                 batch_size=b["batch_size"]))
         checks.append(_check("auto_vs_best_fixed", s["auto_vs_best_fixed"], s["spec_auto_speedup"],
                              s["measured_speedup_at_best"], GOALS["auto_vs_best_fixed"], gamma=best))
         out.append({"temperature": t, "checks": checks})
@@ -469,12 +474,13 @@ def _render_batch(results, console) -> None:
 
     if not results["batch"]:
         return
-    table = Table(title="batch throughput (our engine; speedup over plain at the same batch size)")
-    for col in ("T", "method", "batch", "tok/s", "speedup"):
+    table = Table(title="batch throughput (our engine; speedup over plain at the same batch size and batching)")
+    for col in ("T", "method", "batching", "batch", "tok/s", "speedup"):
         table.add_column(col, justify="right")
-    for b in sorted(results["batch"], key=lambda b: (b["temperature"], b["batch_size"], b["method"] != "plain")):
-        table.add_row(f"{b['temperature']:g}", b["method"], str(b["batch_size"]), _fmt(b["tokens_per_s"], ".1f"),
-                      _fmt(b["speedup"]))
+    for b in sorted(results["batch"], key=lambda b: (b["temperature"], batching_of(b) != "static", b["batch_size"],
+                                                     b["method"] != "plain")):
+        table.add_row(f"{b['temperature']:g}", b["method"], batching_of(b), str(b["batch_size"]),
+                      _fmt(b["tokens_per_s"], ".1f"), _fmt(b["speedup"]))
     console.print(table)
 
 
@@ -502,6 +508,8 @@ _LABELS = {
                                        f"{_fmt(ck.get('analytic_bound'))})"),
     "ours_compiled_vs_hf_assisted": lambda ck: f"ours compiled ({_compiled(ck)}) / HF assisted speedup, γ={ck['gamma']}",
     "batch_speedup": lambda ck: f"batch {ck['batch_size']} tok/s, γ={ck['gamma']} / plain",
+    "batch_continuous_speedup": lambda ck: (f"continuous batching, {ck['batch_size']} at a time, tok/s, "
+                                            f"γ={ck['gamma']} / plain"),
     "auto_vs_best_fixed": lambda ck: (f"auto γ / best fixed γ={ck['gamma']} speedup" if ck["gamma"] is not None
                                       else "auto γ / best fixed γ speedup: no fixed γ measured"),
 }

@@ -64,6 +64,51 @@ def run_ours(decoder, method: Method, ids: torch.Tensor, mask: torch.Tensor, tem
     return [t.tolist() for t in out.new_tokens], wall, out.stats, peak_bytes(device)
 
 
+def run_ours_stream(decoder, method: Method, rows: list[list[int]], concurrency: int, temperature: float,
+                    cfg: BenchConfig, eos, seed: int, device: torch.device):
+    """One timed continuous-batching run at γ = ``method.gamma``: the rows as requests through the decoder's request
+    API, at most ``concurrency`` running at once, each later one joining at the step after one finishes (as
+    ``decode.serving.scheduler`` admits them, in one few-row-kernel block like its busy periods).
+
+    Args:
+        rows: unpadded prompts (token id lists), queued in this order; request i is seeded ``seed + i``.
+        concurrency: the most requests in the running batch (the server's ``--max-batch-size``), >= 1.
+
+    Returns:
+        (new tokens per row as lists, wall seconds from the first request queued to the last finished, the
+        requests' merged ``DecodeStats``, peak memory bytes).
+
+    Raises:
+        RuntimeError: the decoder has requests in flight (the run sets its ``num_draft_tokens`` and restores it).
+    """
+    from decode import kernels
+    from decode.metrics import DecodeStats
+
+    before, decoder.num_draft_tokens = decoder.num_draft_tokens, method.gamma
+    outputs: dict[int, Any] = {}
+    queued = 0
+    try:
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        with kernels.few_row_linear(decoder.few_row_linear):
+            while queued < len(rows) or decoder.has_unfinished():
+                while queued < len(rows) and queued - len(outputs) < concurrency:
+                    decoder.add_request(rows[queued], cfg.max_new_tokens, temperature, eos_token_id=eos,
+                                        seed=seed + queued, request_id=queued)
+                    queued += 1
+                outputs.update((o.request_id, o) for o in decoder.step())
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        for rid in decoder.active_ids + [i for i in range(queued) if i not in outputs]:
+            decoder.abort(rid)
+        decoder.num_draft_tokens = before
+    ordered = [outputs[i] for i in range(len(rows))]
+    return ([o.new_tokens for o in ordered], wall, DecodeStats.merge([o.stats for o in ordered]),
+            peak_bytes(device))
+
+
 def seed_for(cfg: BenchConfig, prompt_index: int, batch: int = 0) -> int:
     """Same seed for every method on a prompt: common random numbers make method differences less noisy."""
     return cfg.seed * 1_000_003 + prompt_index * 101 + batch
@@ -142,12 +187,15 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
 
     compiled_graphs = [0]  # graphs compiled inside timed runs (their wall time includes the compilation)
 
-    def run(method, rows, temperature, seed, max_new_tokens=None, timed=True):
+    def run(method, rows, temperature, seed, max_new_tokens=None, timed=True, concurrency=None):
+        """A generate() call of ``rows`` as one static batch, or (``concurrency``, our engine) a continuous run."""
         ids, mask = left_pad(rows, pad_token_id, device)
         c = cfg if max_new_tokens is None else BenchConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
         if method.kind == OURS:
             before = _compiled_graphs()
-            out = run_ours(decoders[method.compiled], method, ids, mask, temperature, c, eos, seed, device)
+            dec = decoders[method.compiled]
+            out = (run_ours(dec, method, ids, mask, temperature, c, eos, seed, device) if concurrency is None else
+                   run_ours_stream(dec, method, rows, concurrency, temperature, c, eos, seed, device))
             compiled_graphs[0] += (_compiled_graphs() - before) if timed else 0
             return out
         return run_hf(target, draft, method, ids, mask, temperature, c, eos, pad_token_id, seed, device)
@@ -221,15 +269,24 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
 
 
 def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool) -> list[dict]:
-    """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch.
+    """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch, batched
+    the ways ``cfg.batching`` names.
 
     The speculative methods are ``cfg.batch_gamma``, else the best measured fixed γ, else γ="auto" when no fixed γ
-    ran; and γ="auto" too when ``cfg.auto`` (it re-plans γ from costs measured at each batch size). Batch size 1
-    reuses the main pass (same prompts, same measurement). Larger batches cycle through the prompts so every batch
-    is full, with ceil(n / batch_size) batches: roughly the same number of prompts per size. A
-    ``cfg.batch_gamma`` that the main pass did not run is measured at batch size 1 here too.
-    With ``cfg.compile`` the compiled decoder's plain and speculative runs join each batch. Each batch runs
-    ``cfg.repeats`` times (order reversed every other time) and keeps each method's median-wall run.
+    ran; and γ="auto" too when ``cfg.auto`` (it re-plans γ from costs measured at each batch size). With
+    ``cfg.compile`` the compiled decoder's plain and speculative runs join each group.
+
+    - static: ``generate()`` calls of batch_size rows (a batch ends with its slowest row). Batch size 1 reuses the
+      main pass (same prompts, same measurement). Larger batches cycle through the prompts so every batch is full,
+      with ceil(n / batch_size) batches: roughly the same number of prompts per size. A ``cfg.batch_gamma`` that the
+      main pass did not run is measured at batch size 1 here too.
+    - continuous (batch sizes > 1): one stream of max(n, 2 × batch_size) requests (the prompts, cycled), at most
+      batch_size running at once, each joining as another finishes (``run_ours_stream``, the server's way), so a
+      row the draft does not help holds back no other.
+
+    Each batch (each stream) runs ``cfg.repeats`` times (order reversed every other time) and keeps each method's
+    median-wall run. Every row's speedup is over eager plain decoding at the same temperature, batch size and
+    batching.
     """
     out, jobs = [], []
     for entry in summary:
@@ -242,34 +299,42 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
         if cfg.compile:
             group += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in group]
         for bs in cfg.batch_sizes:
-            if bs == 1 and all(records.get((t, m.name)) for m in group):
-                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
-            else:  # also batch 1 when the main pass did not run that γ (--batch-gamma not in --gammas)
-                jobs.append((t, group, bs))
-    total = sum(math.ceil(len(prompt_ids) / bs) * len(group) for _, group, bs in jobs) * cfg.repeats
+            if "static" in cfg.batching:
+                if bs == 1 and all(records.get((t, m.name)) for m in group):
+                    out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
+                else:  # also batch 1 when the main pass did not run that γ (--batch-gamma not in --gammas)
+                    n_batches = math.ceil(len(prompt_ids) / bs)
+                    rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
+                    jobs.append((t, group, bs, "static", [rows[b * bs:(b + 1) * bs] for b in range(n_batches)]))
+            if "continuous" in cfg.batching and bs > 1:
+                rows = [prompt_ids[i % len(prompt_ids)] for i in range(max(len(prompt_ids), 2 * bs))]
+                jobs.append((t, group, bs, "continuous", [rows]))
+    total = sum(len(units) * len(group) for _, group, _, _, units in jobs) * cfg.repeats
     with _progress(progress, total, "batches") as tick:
-        for t, group, bs in jobs:
-            n_batches = math.ceil(len(prompt_ids) / bs)
-            rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
+        for t, group, bs, batching, units in jobs:
+            concurrency = bs if batching == "continuous" else None
             if cfg.warmup:
                 for m in group:
-                    run(m, rows[:bs], t, 0, timed=False)
+                    if concurrency is None:
+                        run(m, units[0], t, 0, timed=False)
+                    else:  # a short stream in which one request joins the running batch
+                        run(m, units[0][:bs + 1], t, 0, max_new_tokens=min(8, cfg.max_new_tokens), timed=False,
+                            concurrency=concurrency)
             recs: dict[str, list[dict]] = {m.name: [] for m in group}
-            for b in range(n_batches):
-                chunk = rows[b * bs:(b + 1) * bs]
+            for b, unit in enumerate(units):
                 repeats: dict[str, list[dict]] = {m.name: [] for m in group}
                 for rep in range(cfg.repeats):
                     for m in (group if (b + rep) % 2 == 0 else group[::-1]):
-                        new, wall, _, peak = run(m, chunk, t, seed_for(cfg, b, batch=bs))
+                        new, wall, _, peak = run(m, unit, t, seed_for(cfg, b, batch=bs), concurrency=concurrency)
                         repeats[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
                                                 "peak_memory_bytes": peak})
                         tick()
                 for name, runs_of_m in repeats.items():
                     recs[name].append(median_run(runs_of_m))
-            out += [batch_row(t, m, bs, recs[m.name], reused=False) for m in group]
-    for row in out:  # over plain decoding (the eager engine) at the same temperature and batch size
-        plain = [r for r in out if r["temperature"] == row["temperature"] and r["batch_size"] == row["batch_size"]
-                 and r["method"] == "plain"]
+            out += [batch_row(t, m, bs, recs[m.name], reused=False, batching=batching) for m in group]
+    for row in out:  # over plain decoding (the eager engine) at the same temperature, batch size and batching
+        plain = [r for r in out if (r["temperature"], r["batch_size"], r["batching"], r["method"])
+                 == (row["temperature"], row["batch_size"], row["batching"], "plain")]
         row["speedup"] = (row["tokens_per_s"] / plain[0]["tokens_per_s"]
                           if plain and plain[0]["tokens_per_s"] and row["tokens_per_s"] else None)
     return out

@@ -6,6 +6,7 @@ Timings are never asserted (they live in the benchmark output); only structure, 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.bench import (SCHEMA_VERSION, BenchConfig, OutputPaths, alpha_from_steps, build_methods, must_show,
-                          parse_gammas, render_tables, run_benchmark, run_cli, validate_results, write_outputs)
+from decode.bench import (OURS, SCHEMA_VERSION, BenchConfig, Method, OutputPaths, alpha_from_steps, build_methods,
+                          must_show, parse_gammas, render_tables, run_benchmark, run_cli, validate_results,
+                          write_outputs)
 from decode.speedup import best_gamma, end_to_end_speedup, expected_tokens_per_step, predicted_speedup
 from tests.conftest import TEST_DEVICE, perturbed_copy, tiny_llama
 from tests.decode.test_prompts import char_tokenizer
@@ -181,13 +183,22 @@ def test_batch_pass_has_every_size(bench_run):
     for t in cfg.temperatures:
         rows = [b for b in results["batch"] if b["temperature"] == t]
         best = next(s["best_gamma_measured"] for s in results["summary"] if s["temperature"] == t)
-        # plain, the best fixed γ and (cfg.auto) γ="auto", which re-plans from costs measured at each batch size
-        assert sorted((b["batch_size"], str(b["num_draft_tokens"])) for b in rows) == sorted(
-            (bs, str(g)) for bs in (1, 2) for g in (0, best, "auto"))
+        # plain, the best fixed γ and (cfg.auto) γ="auto", which re-plans from costs measured at each batch size;
+        # static batches at every size, continuous batching at sizes > 1 (size 1 is the main pass either way)
+        assert sorted((b["batching"], b["batch_size"], str(b["num_draft_tokens"])) for b in rows) == sorted(
+            [("static", bs, str(g)) for bs in (1, 2) for g in (0, best, "auto")]
+            + [("continuous", 2, str(g)) for g in (0, best, "auto")])
         assert {b["method"] for b in rows} == {"plain", f"spec_g{best}", "spec_auto"}
         assert all(b["tokens_per_s"] > 0 for b in rows)
-        two = [b for b in rows if b["batch_size"] == 2]
-        assert all(b["num_new_tokens"] == 2 * 2 * cfg.max_new_tokens for b in two)  # 2 batches of 2 rows
+        two = [b for b in rows if b["batch_size"] == 2 and b["batching"] == "static"]
+        assert all(b["num_new_tokens"] == 2 * 2 * cfg.max_new_tokens and b["num_batches"] == 2 for b in two)
+        # one stream of max(3 prompts, 2 × 2) = 4 requests, two at a time
+        streams = [b for b in rows if b["batching"] == "continuous"]
+        assert all(b["num_new_tokens"] == 4 * cfg.max_new_tokens and b["num_batches"] == 1 for b in streams)
+        for b in rows:  # each over plain with the same batching and size
+            plain = [p for p in rows if (p["method"], p["batch_size"], p["batching"]) == (
+                "plain", b["batch_size"], b["batching"])][0]
+            assert b["speedup"] == pytest.approx(b["tokens_per_s"] / plain["tokens_per_s"])
 
 
 def test_plots_are_written(bench_run):
@@ -225,13 +236,14 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
     for entry, s in zip(results["report"], results["summary"]):
         t = entry["temperature"]
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == t}
-        checks = {(c["name"], c.get("batch_size"), c.get("gamma") if c["name"] == "batch_speedup" else None): c
+        checks = {(c["name"], c.get("batch_size"), c.get("gamma") if c["name"].startswith("batch_") else None): c
                   for c in entry["checks"]}
         g = s["best_gamma_measured"]
         assert set(checks) == {("cost_ratio_vs_bare", None, None), ("measured_vs_verify_aware", None, None),
                                ("measured_vs_end_to_end", None, None), ("decode_vs_verify_aware", None, None),
                                ("ours_vs_hf_assisted", None, None), ("batch_speedup", 2, g),
-                               ("batch_speedup", 2, "auto"), ("auto_vs_best_fixed", None, None)}
+                               ("batch_speedup", 2, "auto"), ("batch_continuous_speedup", 2, g),
+                               ("batch_continuous_speedup", 2, "auto"), ("auto_vs_best_fixed", None, None)}
         checks = {(name, bs): c for (name, bs, gamma), c in checks.items() if gamma != "auto"}
         for c in entry["checks"]:
             assert c["ratio"] == pytest.approx(c["ours"] / c["reference"]), c["name"]
@@ -255,10 +267,11 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
                                                               runs["hf_assisted_g3"]["speedup"])
         assert hf["analytic_bound"] == pytest.approx(runs["spec_g3"]["predicted_speedup_verify_aware"]
                                                      / runs["hf_assisted_g3"]["speedup"])
-        for gamma in (g, "auto"):
-            batch = [c for c in entry["checks"] if c["name"] == "batch_speedup" and c["gamma"] == gamma][0]
+        for (name, batching), gamma in itertools.product((("batch_speedup", "static"),
+                                                           ("batch_continuous_speedup", "continuous")), (g, "auto")):
+            batch = [c for c in entry["checks"] if c["name"] == name and c["gamma"] == gamma][0]
             row = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] == 2
-                   and b["num_draft_tokens"] == gamma][0]
+                   and b["num_draft_tokens"] == gamma and b["batching"] == batching][0]
             assert batch["ratio"] == pytest.approx(row["speedup"]) and batch["goal"] is None and batch["met"] is None
         assert checks[("auto_vs_best_fixed", None)]["ratio"] == s["auto_vs_best_fixed"]
 
@@ -282,9 +295,13 @@ def test_must_show_goals_are_issue_8s(bench_run):
         validate_results(results)  # a schema-4 file needs it (render_tables prints it)
     for b in results["batch"]:
         b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
-    goals = {e["temperature"]: [c["goal"] for c in e["checks"] if c["name"] == "batch_speedup"]
+    goals = {e["temperature"]: [(c["name"], c["goal"]) for c in e["checks"] if c["name"].startswith("batch_")]
              for e in must_show(results)}
-    assert goals == {0.0: [">= 1", ">= 1"], 1.0: [">= 1.15", ">= 1.15"]}  # the fixed γ and auto
+    assert goals == {t: [("batch_speedup", goal)] * 2 + [("batch_continuous_speedup", goal)] * 2  # fixed γ, auto
+                     for t, goal in ((0.0, ">= 1"), (1.0, ">= 1.15"))}
+    for b in results["batch"]:  # a file from before continuous batching: every row static
+        del b["batching"]
+    assert {c["name"] for e in must_show(results) for c in e["checks"]} & {"batch_continuous_speedup"} == set()
 
 
 def test_the_must_show_table_prints_a_missed_ratio_so_that_it_reads_missed():
@@ -350,7 +367,8 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert results["config"]["target"] == str(saved_pair / "target")
     assert [c["name"] for c in results["report"][0]["checks"]] == [
         "cost_ratio_vs_bare", "measured_vs_verify_aware", "measured_vs_end_to_end", "decode_vs_verify_aware",
-        "ours_vs_hf_assisted", "batch_speedup", "batch_speedup", "auto_vs_best_fixed"]  # batch 2: γ=2 and auto
+        "ours_vs_hf_assisted", "batch_speedup", "batch_speedup", "batch_continuous_speedup",
+        "batch_continuous_speedup", "auto_vs_best_fixed"]  # batch 2: γ=2 and auto, static then continuous
     captured = capsys.readouterr()
     printed = captured.out
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
@@ -525,7 +543,7 @@ def test_progress_shows_in_a_log_too(capsys):
                       cost_repeats=3, warmup=False)
     run_benchmark(target, target, [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0, progress=True)
     err = capsys.readouterr().err  # not a terminal under pytest: plain lines
-    assert "decoding: 4/4 (" in err and "batches: 2/2 (" in err
+    assert "decoding: 4/4 (" in err and "batches: 4/4 (" in err  # 2 static batches and a stream, 2 methods
 
 
 def test_out_expands_home(tmp_path, monkeypatch):
@@ -795,7 +813,7 @@ def test_repeats_time_each_block_and_batch_several_times_and_keep_the_median(mon
     monkeypatch.setattr(runs, "run_ours", scripted)
     target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
     cfg = BenchConfig(gammas=[1], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1, 2], max_new_tokens=3,
-                      cost_repeats=3, repeats=3, warmup=False)
+                      cost_repeats=3, repeats=3, warmup=False, batching=["static"])
     results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6, 7], [1, 8, 9]], [None] * 2, cfg,
                             pad_token_id=0, progress=False)
     plain, spec = results["records"]["0.0/plain"], results["records"]["0.0/spec_g1"]
@@ -812,6 +830,44 @@ def test_repeats_time_each_block_and_batch_several_times_and_keep_the_median(mon
     assert {m: b["num_batches"] for m, b in two.items()} == {"plain": 1, "spec_g1": 1}
     assert two["plain"]["total_s"] == pytest.approx(0.5) and two["spec_g1"]["total_s"] == pytest.approx(0.3)
     assert two["spec_g1"]["num_new_tokens"] == 2 * cfg.max_new_tokens
+
+
+def test_continuous_run_streams_requests_at_most_concurrency_at_a_time(monkeypatch):
+    """run_ours_stream: every row's output is the target's greedy output (or, sampled, that request's output alone
+    with the same seed), no step runs more than `concurrency` rows, later requests join while others still run, and
+    the decoder is left idle with its own γ, also when a step fails."""
+    from decode import SpeculativeDecoder
+    from decode.bench.runs import run_ours_stream
+    from tests.decode.test_engine import reference_greedy
+
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.6)
+    rows = [[1, 5, 6, 7], [1, 8], [1, 9, 4, 4, 2, 3], [1, 2, 3], [1, 7, 7]]
+    dec = SpeculativeDecoder(target, draft, num_draft_tokens=3)
+    cfg = BenchConfig(max_new_tokens=12)
+    widths, step = [], SpeculativeDecoder.step
+    monkeypatch.setattr(SpeculativeDecoder, "step", lambda self: widths.append(self.num_active()) or step(self))
+    new, wall, stats, _ = run_ours_stream(dec, Method("spec_g2", OURS, 2), rows, 2, 0.0, cfg, None, 7,
+                                          torch.device("cpu"))
+    assert new == [reference_greedy(target, r, 12) for r in rows] and wall > 0
+    assert stats.num_sequences == 5 and stats.num_drafted <= 2 * stats.num_verify_steps
+    # rows running as each step starts (a queued request joins inside it): never more than 2, and a request joined
+    # a row still running (1 then 2), not only a fresh batch
+    assert max(widths) == 2 and (1, 2) in set(zip(widths, widths[1:]))
+    assert dec.num_draft_tokens == 3 and not dec.has_unfinished()
+    sampled, _, _, _ = run_ours_stream(dec, Method("spec_g2", OURS, 2), rows, 3, 1.0, cfg, None, 7,
+                                       torch.device("cpu"))
+    dec.num_draft_tokens = 2  # a seeded request's draws follow its γ schedule (docs/decode.md)
+    for i in (0, 4):  # request i was seeded 7 + i
+        dec.add_request(rows[i], 12, 1.0, seed=7 + i, request_id="alone")
+        while dec.has_unfinished():
+            out = dec.step()
+        assert out[0].new_tokens == sampled[i]
+    dec.num_draft_tokens = 3
+    monkeypatch.setattr(SpeculativeDecoder, "step", lambda self: (_ for _ in ()).throw(MemoryError("boom")))
+    with pytest.raises(MemoryError):
+        run_ours_stream(dec, Method("plain", OURS, 0), rows, 2, 0.0, cfg, None, 7, torch.device("cpu"))
+    assert dec.num_draft_tokens == 3 and not dec.has_unfinished()
 
 
 def test_few_row_linear_option_maps_to_the_decoder_setting():

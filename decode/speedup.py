@@ -629,6 +629,8 @@ class CostTimer:
 
         B = self._last.shape[0]
         with kernels.few_row_linear(self.few_row_linear):
+            # a decoder's steps run inside one block, its copies checked once: the timed forwards must not pay it
+            kernels.check_packed(*{id(m): m for _, m, *_ in self._jobs}.values())
             for label, model, name, k, keep in self._jobs:
                 cache, mask = self._base[name]
                 ids = self._last.expand(B, k).contiguous()

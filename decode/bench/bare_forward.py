@@ -55,6 +55,7 @@ class BareTimer:
         device, prefix, last = self._context.device, self._context[:, :-1], self._context[:, -1:]
         timed = self.rounds >= self.warmup_rounds  # the first calls pay for lazy initialisation
         with kernels.few_row_linear(self.few_row_linear):
+            kernels.check_packed(*(model for _, model in self._models))  # as CostTimer.round: not in the timings
             caches = {}
             for name, model in self._models:
                 sync(device)

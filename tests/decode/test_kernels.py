@@ -136,6 +136,44 @@ def test_packed_copy_follows_the_weight():
     assert not kernels._packed
 
 
+def test_check_packed_does_the_first_use_check_before_a_timed_forward(monkeypatch):
+    """In a fresh block, check_packed makes each kept copy ready (checked against its weight, re-packed after a
+    ``.data`` edit), so the forward after it neither samples nor packs; weights with no copy stay without one, and
+    outside a block it does nothing. CostTimer rounds and the bare forwards call it before timing (a first forward
+    timed in a fresh block paid the checks: 5.5 ms on pair X's target at batch 8)."""
+    assert kernels.onednn_available()
+    used, unused = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 8, bias=False)
+    model = torch.nn.Sequential(used, unused).requires_grad_(False)
+    x = torch.randn(5, 16)
+    with kernels.few_row_linear():
+        kernels.linear(x, used.weight)
+    samples, made = [], []
+    equal, reorder = torch.equal, kernels._reorder
+    monkeypatch.setattr(torch, "equal", lambda a, b: samples.append(1) or equal(a, b))
+    monkeypatch.setattr(kernels, "_reorder", lambda w: made.append(w.data_ptr()) or reorder(w))
+    kernels.check_packed(model)  # outside a block: nothing
+    assert samples == [] and made == []
+    used.weight.data.mul_(2.0)  # unseen by the version counter: found by the sample check
+    with kernels.few_row_linear():
+        kernels.check_packed(model)
+        assert len(samples) == 1 and made == [used.weight.data_ptr()] and id(unused.weight) not in kernels._packed
+        samples.clear(), made.clear()
+        torch.testing.assert_close(kernels.linear(x, used.weight), ORIGINAL(x, used.weight), rtol=1e-5, atol=1e-5)
+        assert samples == [] and made == []  # the forward paid nothing more
+    calls = []
+    monkeypatch.setattr(kernels, "check_packed", lambda *models: calls.append(len(models)))
+    from decode.bench.bare_forward import BareTimer
+    from decode.speedup import CostTimer
+
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    ctx = torch.tensor([[1, 5, 6, 7, 8]])
+    for timer in (CostTimer(target, perturbed_copy(target), ctx, [2], static_cache=True, few_row_linear=True),
+                  BareTimer(target, perturbed_copy(target), ctx, few_row_linear=True)):
+        calls.clear()
+        timer.round()
+        assert calls == [2]  # target and draft, once per round
+
+
 def _ineligible_cases():
     w = torch.randn(24, 16)
     yield "prefill-sized", torch.randn(1, kernels.MAX_ROWS + 1, 16), w

@@ -79,11 +79,14 @@ def run_ours_stream(decoder, method: Method, rows: list[list[int]], concurrency:
         requests' merged ``DecodeStats``, peak memory bytes).
 
     Raises:
+        ValueError: ``concurrency`` is not an integer >= 1.
         RuntimeError: the decoder has requests in flight (the run sets its ``num_draft_tokens`` and restores it).
     """
     from decode import kernels
     from decode.metrics import DecodeStats
 
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an integer >= 1 (requests running at once), got {concurrency!r}")
     before, decoder.num_draft_tokens = decoder.num_draft_tokens, method.gamma
     outputs: dict[int, Any] = {}
     queued = 0

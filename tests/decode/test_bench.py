@@ -864,6 +864,9 @@ def test_continuous_run_streams_requests_at_most_concurrency_at_a_time(monkeypat
             out = dec.step()
         assert out[0].new_tokens == sampled[i]
     dec.num_draft_tokens = 3
+    for bad in (0, 1.5, True):  # 0 looped for ever: no request was ever queued
+        with pytest.raises(ValueError, match="concurrency must be an integer >= 1"):
+            run_ours_stream(dec, Method("plain", OURS, 0), rows, bad, 0.0, cfg, None, 7, torch.device("cpu"))
     monkeypatch.setattr(SpeculativeDecoder, "step", lambda self: (_ for _ in ()).throw(MemoryError("boom")))
     with pytest.raises(MemoryError):
         run_ours_stream(dec, Method("plain", OURS, 0), rows, 2, 0.0, cfg, None, 7, torch.device("cpu"))

@@ -257,8 +257,9 @@ class SpeculativeDecoder:
     def num_draft_tokens(self, gamma: int | str) -> None:
         gamma = self._check_gamma(gamma)
         if self.has_unfinished():
-            raise RuntimeError("num_draft_tokens can change only between requests: finish or abort the queued and "
-                               "active ones first (generate(num_draft_tokens=...) sets it for one call)")
+            raise RuntimeError("num_draft_tokens can change only between requests: step() until has_unfinished() "
+                               "is False, or abort() the queued and active ones, first (generate(num_draft_tokens="
+                               "...) sets it for one call)")
         self._num_draft_tokens = gamma
 
     def _check_gamma(self, gamma: int | str) -> int | str:

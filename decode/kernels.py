@@ -105,7 +105,7 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
         return packed
     with _lock:
         ref = entry.ref if entry is not None and entry.ref() is weight else \
-            weakref.ref(weight, lambda _, k=key: _packed.pop(k, None))
+            weakref.ref(weight, lambda _, k=key, kept=_packed: kept.pop(k, None))  # kept: still there at exit
         _packed[key] = _Packed(ref, weight, packed)
     return packed
 
@@ -210,8 +210,17 @@ def check_packed(*models: Any) -> None:
     """Inside a :func:`few_row_linear` block, check the kept packed copies of the models' weights now: the check
     (or re-pack) each copy otherwise gets at its first use in the block (:func:`_packed_weight`), so that a forward
     timed after this call pays only its own work. Weights with no kept copy are left alone; outside a block this
-    does nothing. (A timed first forward in a fresh block paid 5.5 ms more on pair X's target at batch 8, a third of
-    its one-token forward: the auto-γ cost model read the verify forwards as that much cheaper.)"""
+    does nothing. Copies already checked in this block are not checked again (an edit through ``.data`` inside an
+    open block stays unseen, as :func:`few_row_linear` says). (A timed first forward in a fresh block paid 5.5 ms
+    more on pair X's target at batch 8, a third of its one-token forward: the auto-γ cost model read the verify
+    forwards as that much cheaper.)
+
+    Raises:
+        TypeError: an argument that is neither a ``torch.nn.Module`` nor None.
+    """
+    bad = [m for m in models if m is not None and not isinstance(m, torch.nn.Module)]
+    if bad:
+        raise TypeError(f"check_packed takes models (torch.nn.Module) or None, got {type(bad[0]).__name__}")
     if getattr(_thread, "depth", 0) == 0:
         return
     for model in models:

@@ -69,6 +69,9 @@ class BenchConfig:
         if not self.batching or any(b not in BATCHING for b in self.batching):
             raise ValueError(f"--batching (batching) takes one or both of {', '.join(BATCHING)} (got "
                              f"{self.batching})")
+        if self.batching == ["continuous"] and max(self.batch_sizes, default=1) < 2:
+            raise ValueError(f"--batching continuous runs streams at batch sizes > 1 (at 1 a stream is the main pass), "
+                             f"but --batch-sizes (batch_sizes) is {self.batch_sizes}: add a size > 1 or static")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens (max_new_tokens) must be >= 1 (got {self.max_new_tokens})")
         if isinstance(self.cost_repeats, bool) or not isinstance(self.cost_repeats, int) or self.cost_repeats < 3:

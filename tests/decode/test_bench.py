@@ -1052,6 +1052,11 @@ def test_config_validation_messages():
         with pytest.raises(ValueError, match=r"--repeats \(repeats\) must be an integer >= 1"):
             BenchConfig(repeats=repeats).validate()
     assert _config("--repeats", "3").repeats == 3 and _config().repeats == 1
+    assert _config("--batching", "static, continuous,static").batching == ["static", "continuous"]
+    with pytest.raises(ValueError, match=r"--batching continuous runs streams at batch sizes > 1"):
+        _config("--batching", "continuous", "--batch-sizes", "1")  # was an empty batch pass and a blank plot
+    with pytest.raises(ValueError, match=r"--batching \(batching\) takes one or both of static, continuous"):
+        _config("--batching", "dynamic")
     with pytest.raises(ValueError, match="no speculative method"):
         BenchConfig(gammas=[], auto=False).validate()
     with pytest.raises(ValueError, match="temperatures"):

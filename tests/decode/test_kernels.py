@@ -151,8 +151,11 @@ def test_check_packed_does_the_first_use_check_before_a_timed_forward(monkeypatc
     equal, reorder = torch.equal, kernels._reorder
     monkeypatch.setattr(torch, "equal", lambda a, b: samples.append(1) or equal(a, b))
     monkeypatch.setattr(kernels, "_reorder", lambda w: made.append(w.data_ptr()) or reorder(w))
-    kernels.check_packed(model)  # outside a block: nothing
+    kernels.check_packed(model, None)  # outside a block: nothing
     assert samples == [] and made == []
+    for bad in ("x", [model], used.weight):  # a clear error, in and outside a block (was AttributeError inside)
+        with pytest.raises(TypeError, match="check_packed takes models"):
+            kernels.check_packed(bad)
     used.weight.data.mul_(2.0)  # unseen by the version counter: found by the sample check
     with kernels.few_row_linear():
         kernels.check_packed(model)

@@ -280,7 +280,7 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
     ``cfg.compile`` the compiled decoder's plain and speculative runs join each group.
 
     - static: ``generate()`` calls of batch_size rows (a batch ends with its slowest row). Batch size 1 reuses the
-      main pass (same prompts, same measurement). Larger batches cycle through the prompts so every batch is full,
+      main pass (same prompts, same measurement; also with continuous batching alone). Larger batches cycle through the prompts so every batch is full,
       with ceil(n / batch_size) batches: roughly the same number of prompts per size. A ``cfg.batch_gamma`` that the
       main pass did not run is measured at batch size 1 here too.
     - continuous (batch sizes > 1): one stream of max(n, 2 × batch_size) requests (the prompts, cycled), at most
@@ -302,13 +302,12 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
         if cfg.compile:
             group += [Method(f"{m.name}_compiled", OURS, m.gamma, compiled=True) for m in group]
         for bs in cfg.batch_sizes:
-            if "static" in cfg.batching:
-                if bs == 1 and all(records.get((t, m.name)) for m in group):
-                    out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
-                else:  # also batch 1 when the main pass did not run that γ (--batch-gamma not in --gammas)
-                    n_batches = math.ceil(len(prompt_ids) / bs)
-                    rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
-                    jobs.append((t, group, bs, "static", [rows[b * bs:(b + 1) * bs] for b in range(n_batches)]))
+            if bs == 1 and all(records.get((t, m.name)) for m in group):  # whichever batching: one row at a time
+                out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
+            elif "static" in cfg.batching:  # also batch 1 when the main pass did not run that γ (--batch-gamma)
+                n_batches = math.ceil(len(prompt_ids) / bs)
+                rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
+                jobs.append((t, group, bs, "static", [rows[b * bs:(b + 1) * bs] for b in range(n_batches)]))
             if "continuous" in cfg.batching and bs > 1:
                 rows = [prompt_ids[i % len(prompt_ids)] for i in range(max(len(prompt_ids), 2 * bs))]
                 jobs.append((t, group, bs, "continuous", [rows]))

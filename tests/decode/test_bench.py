@@ -535,6 +535,19 @@ def test_batch_gamma_not_in_gammas_is_measured_at_batch_size_1():
     assert rows[("spec_g2", 1)]["speedup"] is not None
 
 
+def test_continuous_batching_alone_keeps_the_batch_1_rows_of_the_main_pass():
+    """--batching continuous --batch-sizes 1,2: batch size 1 is the main pass (reused, as with static batching; it
+    was dropped), batch size 2 a stream; no static batches run."""
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    cfg = BenchConfig(gammas=[1], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1, 2], max_new_tokens=2,
+                      cost_repeats=3, warmup=False, batching=["continuous"])
+    results = run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7]], [None, None], cfg, pad_token_id=0,
+                            progress=False)
+    assert sorted((b["batch_size"], b["batching"], b["method"], b["reused_main_pass"]) for b in results["batch"]) == [
+        (1, "static", "plain", True), (1, "static", "spec_g1", True), (2, "continuous", "plain", False),
+        (2, "continuous", "spec_g1", False)]
+
+
 def test_progress_shows_in_a_log_too(capsys):
     """Progress was a rich bar only, and the CLI enabled it only on a terminal: a run redirected to a log (nohup,
     CI) showed nothing for its whole length (the CLI side: test_cli_end_to_end_on_saved_checkpoints)."""

@@ -38,6 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gammas", default="4,auto")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--batching", default="static",
+                   help="static and/or continuous (decode bench --batching); static by default, so the run keeps its "
+                        "8-minute budget (a continuous stream of 32 requests at batch 16 would about triple the batch "
+                        "pass; written before any GPU run, unmeasured)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     small = {"prompts": 2, "prompt_tokens": 8, "max_new_tokens": 8}
@@ -98,6 +102,8 @@ def main(argv=None) -> int:
         gammas, auto = parse_gammas(args.gammas)
         temperatures = parse_list(args.temperatures, float, "temperature")
         batch_sizes = parse_list(args.batch_sizes, int, "batch size")
+        batching = parse_list(args.batching, str, "batching")
+        BenchConfig(batch_sizes=batch_sizes, batching=batching).validate()  # named errors before the pair is built
         out = Path(args.out) if args.out else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +129,7 @@ def main(argv=None) -> int:
           f"(first {pair.draft_layers} layer(s)), {dtype}, on {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
           + f"; teacher-forced greedy agreement {agree:.2f}; built in {time.perf_counter() - t0:.0f} s", flush=True)
-    common = dict(gammas=gammas, auto=auto, temperatures=temperatures, batch_sizes=batch_sizes,
+    common = dict(gammas=gammas, auto=auto, temperatures=temperatures, batch_sizes=batch_sizes, batching=batching,
                   max_new_tokens=args.max_new_tokens, ignore_eos=True, cost_repeats=11, seed=args.seed,
                   target="synthetic", draft="synthetic", prompts="random", limit=args.prompts, device=str(device),
                   dtype=str(dtype).replace("torch.", ""))

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", default="static,continuous",
                    help="how the batch pass batches, comma-separated: static (generate() calls of --batch-sizes "
                         "rows; a batch ends with its slowest row) and/or continuous (a stream of requests, that many "
-                        "at a time, each joining as another finishes, as the server runs them; batch sizes > 1); duplicates "
-                        "dropped")
+                        "at a time, each joining as another finishes, as the server runs them; batch sizes > 1); "
+                        "duplicates dropped")
     p.add_argument("--batch-gamma", type=int, help="γ for the batch pass (default: best measured γ)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (plain and assisted)")
     p.add_argument("--hf-gammas", default="",

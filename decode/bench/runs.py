@@ -280,9 +280,9 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
     ``cfg.compile`` the compiled decoder's plain and speculative runs join each group.
 
     - static: ``generate()`` calls of batch_size rows (a batch ends with its slowest row). Batch size 1 reuses the
-      main pass (same prompts, same measurement; also with continuous batching alone). Larger batches cycle through the prompts so every batch is full,
-      with ceil(n / batch_size) batches: roughly the same number of prompts per size. A ``cfg.batch_gamma`` that the
-      main pass did not run is measured at batch size 1 here too.
+      main pass (same prompts, same measurement; also with continuous batching alone). Larger batches cycle through
+      the prompts so every batch is full, with ceil(n / batch_size) batches: roughly the same number of prompts per
+      size. A ``cfg.batch_gamma`` that the main pass did not run is measured at batch size 1 here too.
     - continuous (batch sizes > 1): one stream of max(n, 2 × batch_size) requests (the prompts, cycled), at most
       batch_size running at once, each joining as another finishes (``run_ours_stream``, the server's way), so a
       row the draft does not help holds back no other.

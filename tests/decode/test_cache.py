@@ -207,6 +207,32 @@ def test_static_rows_joining_and_leaving_mid_flight_keep_caches_exact():
     check_static_state(dec, target, draft)
 
 
+def test_static_rows_leave_and_join_in_place_without_a_relayout():
+    """A continuous batch at its peak: a row leaves (from the middle: the rows after it move one place down) and a
+    request joins into the freed buffer row, with no new buffers (every layer still views the same storage) and
+    caches that stay exact; a free row's stale values, even non-finite ones, never reach the row written there."""
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.4)
+    dec = SpeculativeDecoder(target, draft, 3)
+    long_prompt = [4, 8, 15, 16, 23, 42, 3, 3, 9] * 2  # wider than every later prompt: a join never widens W
+    for i in range(4):
+        dec.add_request(long_prompt[i:], max_new_tokens=100)
+    dec.step()
+    caches = (dec.state.target_cache, dec.state.draft_cache)
+    storage = [[layer.keys.data_ptr() for layer in c.cache.layers] for c in caches]
+    for joined, prompt in enumerate([[5], [6, 7], [9, 10, 11]]):
+        assert dec.abort(dec.active_ids[1])
+        for c in caches:
+            assert c.capacity == 4 and c.batch_size == 3
+            for k, v in zip(*c._buffers):
+                k[3:], v[3:] = float("nan"), float("inf")  # what a non-finite request could leave behind
+        dec.add_request(prompt, max_new_tokens=100)
+        dec.step()
+        check_static_state(dec, target, draft)
+        assert [[layer.keys.data_ptr() for layer in c.cache.layers] for c in caches] == storage
+        assert all(c.batch_size == 4 and c.cache.layers[0].keys.shape[0] == 4 for c in caches)
+
+
 def test_unsupported_architecture_falls_back_with_a_notice():
     """A model with sliding-window layers cannot use the static path: one warning line, then the DynamicCache
     path, still exactly greedy past the window (the DynamicCache keeps every slot; the model's own mask applies

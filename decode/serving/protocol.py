@@ -211,11 +211,28 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Tool calling and structured output are not served: these are accepted only with the value that means
+    # "none" (null, or what clients send as the default), and refused otherwise, naming the field.
+    tools: list[dict] | None = None
+    functions: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # only says how tools may be called: nothing to honour without tools
+    response_format: dict | None = None
 
     @model_validator(mode="after")
     def _chat_unsupported(self):
         if self.logprobs or self.top_logprobs is not None:
             raise ValueError("logprobs: logprobs and top_logprobs are not supported; leave them out")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: tool calling is not supported (this server returns text); leave it out")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise ValueError(f"{name}: tool calling is not supported; leave it out or send \"none\"")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: only {\"type\": \"text\"} is supported (no JSON or schema-constrained "
+                             "output); leave it out")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None:
                 raise ValueError("max_completion_tokens: give max_tokens or max_completion_tokens, not both")

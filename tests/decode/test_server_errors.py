@@ -84,6 +84,12 @@ BAD = [
     (chat(messages=[{"role": "wizard", "content": "w1"}]), "messages.0.role"),
     (chat(max_tokens=3, max_completion_tokens=3), "max_completion_tokens"),
     (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (chat(tool_choice="auto"), "tool_choice"),
+    (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (chat(function_call="auto"), "function_call"),
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(parallel_tool_calls="yes"), "parallel_tool_calls"),
 ]
 
 
@@ -107,6 +113,20 @@ def test_null_sampling_fields_take_their_defaults(server):
     assert post(url, chat(temperature=None), path="/v1/chat/completions").status_code == 200
     streamed = post(url, ok(max_tokens=2, stream=True, stream_options={"include_usage": None}))
     assert streamed.status_code == 200, streamed.text
+
+
+def test_tool_and_format_fields_that_mean_none_are_accepted(server):
+    """Clients send tools, tool_choice, response_format ... as null or as their "none" value (an OpenAI-style
+    client with tools=None); the request then runs as if they were left out (they were a 400 "unknown field")."""
+    url, _ = server
+    nones = dict(tools=None, functions=None, tool_choice="none", function_call=None, parallel_tool_calls=False,
+                 response_format={"type": "text"})
+    path = "/v1/chat/completions"
+    got = post(url, chat(seed=7, max_tokens=6, **nones), path=path)
+    ref = post(url, chat(seed=7, max_tokens=6), path=path)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
+    assert post(url, chat(tools=[], tool_choice=None, response_format=None), path=path).status_code == 200
 
 
 @pytest.mark.parametrize("content,needle", [(b"{not json", "not valid JSON"),

@@ -409,8 +409,8 @@ class StaticKV:
                 values[i][:B1, :, sh:newW] = self.cache.layers[i].values[:, :, : self.W]
             lo = olayers[i]
             if W2 and getattr(lo, "keys", None) is not None and lo.keys.numel():
-                keys[i][B1:, :, newW - W2:newW] = lo.keys
-                values[i][B1:, :, newW - W2:newW] = lo.values
+                keys[i][B1:B1 + B2, :, newW - W2:newW] = lo.keys
+                values[i][B1:B1 + B2, :, newW - W2:newW] = lo.values
         mask = torch.zeros(B1 + B2, L, dtype=torch.bool, device=self.device)
         if B1 and self.W:
             mask[:B1, sh:newW] = self.mask[:, : self.W]

@@ -475,18 +475,15 @@ class SpeculativeDecoder:
 
     def _merge(self, other: DecodeState) -> None:
         s = self._state
-        for name in ("target", "draft"):
-            cache = getattr(s, f"{name}_cache")
-            if cache is None:  # no draft: its (B, 0) mask placeholder still needs a row per request
-                mask, o_mask = getattr(s, f"{name}_mask"), getattr(other, f"{name}_mask")
-                if mask is not None and o_mask is not None:
-                    setattr(s, f"{name}_mask", torch.cat([mask, o_mask]))
-                continue
-            o_cache, o_mask = getattr(other, f"{name}_cache"), getattr(other, f"{name}_mask")
-            if isinstance(cache, kv.StaticKV):
-                cache.merge(o_cache, o_mask, getattr(other, f"{name}_len"), self._room())
-            else:
-                setattr(s, f"{name}_mask", kv.concat_rows(cache, getattr(s, f"{name}_mask"), o_cache, o_mask))
+        rows, merged = len(s.committed), []
+        try:
+            for name in ("target", "draft"):
+                self._merge_cache(s, other, name)
+                merged.append(name)
+        except BaseException:  # (out of memory, Ctrl-C) in the draft's merge: the target's gave back its new rows
+            for name in merged:
+                self._keep_cache_rows(s, name, list(range(rows)))
+            raise
         s.last = torch.cat([s.last, other.last])
         width = max(s.draft_in.shape[1], other.draft_in.shape[1])
         pad = lambda x: torch.cat([x.new_zeros(x.shape[0], width - x.shape[1]), x], dim=1)  # noqa: E731
@@ -494,6 +491,32 @@ class SpeculativeDecoder:
         s.draft_in_mask = torch.cat([pad(s.draft_in_mask), pad(other.draft_in_mask)])
         for name in ("committed", "target_len", "draft_len", "draft_pending"):
             getattr(s, name).extend(getattr(other, name))
+
+    def _merge_cache(self, s: DecodeState, other: DecodeState, name: str) -> None:
+        """Append ``other``'s rows to the ``name`` ("target" or "draft") cache and mask of ``s``."""
+        cache = getattr(s, f"{name}_cache")
+        if cache is None:  # no draft: its (B, 0) mask placeholder still needs a row per request
+            mask, o_mask = getattr(s, f"{name}_mask"), getattr(other, f"{name}_mask")
+            if mask is not None and o_mask is not None:
+                setattr(s, f"{name}_mask", torch.cat([mask, o_mask]))
+            return
+        o_cache, o_mask = getattr(other, f"{name}_cache"), getattr(other, f"{name}_mask")
+        if isinstance(cache, kv.StaticKV):
+            cache.merge(o_cache, o_mask, getattr(other, f"{name}_len"), self._room())
+        else:
+            setattr(s, f"{name}_mask", kv.concat_rows(cache, getattr(s, f"{name}_mask"), o_cache, o_mask))
+
+    @staticmethod
+    def _keep_cache_rows(s: DecodeState, name: str, keep: list[int]) -> None:
+        """Keep rows ``keep`` of the ``name`` cache and mask of ``s`` only."""
+        cache, mask = getattr(s, f"{name}_cache"), getattr(s, f"{name}_mask")
+        idx = torch.tensor(keep, device=s.last.device)
+        if isinstance(cache, kv.StaticKV):
+            cache.select_rows(keep)
+        elif cache is not None:
+            kv.select_rows(cache, idx)
+        if mask is not None:
+            setattr(s, f"{name}_mask", mask.index_select(0, idx))
 
     def _rebatch(self) -> None:
         """Per-row sampling tensors (and penalty counts) for the current rows."""
@@ -1037,14 +1060,10 @@ class SpeculativeDecoder:
             return
         state = self._state
         idx = torch.tensor(keep, device=state.last.device)
-        for name in ("target_mask", "draft_mask", "last", "draft_in", "draft_in_mask"):
-            if getattr(state, name) is not None:
-                setattr(state, name, getattr(state, name).index_select(0, idx))
-        for cache in (state.target_cache, state.draft_cache):
-            if isinstance(cache, kv.StaticKV):
-                cache.select_rows(keep)
-            elif cache is not None:
-                kv.select_rows(cache, idx)
+        for name in ("last", "draft_in", "draft_in_mask"):
+            setattr(state, name, getattr(state, name).index_select(0, idx))
+        for name in ("target", "draft"):
+            self._keep_cache_rows(state, name, keep)
         self._rows = [self._rows[i] for i in keep]
         for name in ("committed", "target_len", "draft_len", "draft_pending"):
             setattr(state, name, [getattr(state, name)[i] for i in keep])

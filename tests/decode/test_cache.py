@@ -233,6 +233,53 @@ def test_static_rows_leave_and_join_in_place_without_a_relayout():
         assert all(c.batch_size == 4 and c.cache.layers[0].keys.shape[0] == 4 for c in caches)
 
 
+def test_static_rows_joining_by_a_relayout_below_the_peak_keep_caches_exact():
+    """Two requests with prompts wider than the write column join a batch that shrank below its peak: the
+    re-layout keeps the peak's capacity and puts the new rows right after the old ones (a trial's case: it raised
+    a shape error once the buffers held more rows than the new batch)."""
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.4)
+    dec = SpeculativeDecoder(target, draft, 3)
+    ids = [dec.add_request([1, 2, 3, 4, 5], max_new_tokens=40) for _ in range(6)]
+    dec.step()
+    for rid in ids[:4]:
+        dec.abort(rid)
+    dec.add_request(list(range(1, 31)), max_new_tokens=40)
+    dec.add_request(list(range(2, 32)), max_new_tokens=40)
+    dec.step()
+    assert all(c.capacity == 6 and c.batch_size == 4 for c in (dec.state.target_cache, dec.state.draft_cache))
+    check_static_state(dec, target, draft)
+
+
+def test_a_join_that_fails_in_the_draft_cache_leaves_both_caches_as_they_were(monkeypatch):
+    """The draft's merge raising (out of memory, Ctrl-C) after the target's took the new rows: the target's gives
+    them back, the requests wait again, and the next step admits them with both caches exact (the trial's case:
+    the caches disagreed on their rows and every later step raised)."""
+    target = tiny_llama(seed=0, layers=2)
+    draft = perturbed_copy(target, 0.4)
+    dec = SpeculativeDecoder(target, draft, 3)
+    for i in range(3):
+        dec.add_request([4, 8, 15, 16, 23][i:], max_new_tokens=40)
+    dec.step()
+    draft_cache, merge = dec.state.draft_cache, kv.StaticKV.merge
+
+    def failing(self, *args, **kwargs):
+        if self is draft_cache:
+            raise MemoryError("out of memory (test)")
+        return merge(self, *args, **kwargs)
+
+    monkeypatch.setattr(kv.StaticKV, "merge", failing)
+    late = dec.add_request([9, 10], max_new_tokens=40)
+    with pytest.raises(MemoryError):
+        dec.step()
+    assert dec.state.target_cache.batch_size == dec.state.draft_cache.batch_size == dec.num_active() == 3
+    check_static_state(dec, target, draft)
+    monkeypatch.setattr(kv.StaticKV, "merge", merge)
+    dec.step()
+    assert late in dec.active_ids and dec.num_active() == 4
+    check_static_state(dec, target, draft)
+
+
 def test_unsupported_architecture_falls_back_with_a_notice():
     """A model with sliding-window layers cannot use the static path: one warning line, then the DynamicCache
     path, still exactly greedy past the window (the DynamicCache keeps every slot; the model's own mask applies

@@ -431,12 +431,9 @@ class StaticKV:
         for k, v, lo in zip(*self._buffers, olayers):
             k[B1:B1 + B2, :, : W - W2].zero_()
             v[B1:B1 + B2, :, : W - W2].zero_()
-            if W2 and getattr(lo, "keys", None) is not None and lo.keys.numel():
+            if W2:  # (1-token prompts: nothing cached, all W columns zeroed above)
                 k[B1:B1 + B2, :, W - W2:W] = lo.keys
                 v[B1:B1 + B2, :, W - W2:W] = lo.values
-            else:  # nothing cached in this layer for the new rows (W2 == 0)
-                k[B1:B1 + B2, :, W - W2:W].zero_()
-                v[B1:B1 + B2, :, W - W2:W].zero_()
         mask = torch.zeros(B2, self.L, dtype=torch.bool, device=self.device)
         if W2:
             mask[:, W - W2:W] = other_mask.bool()

@@ -393,7 +393,8 @@ class SpeculativeDecoder:
             n_acc, new = self._speculative_step(max(gammas), gammas)
         if self._adaptive is not None and max(gammas) > 0:
             self._adaptive.update(sum(gammas), sum(n_acc),
-                                  num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g))
+                                  num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g),
+                                  num_draft_forwards=self._step_draft_forwards, step_gamma=max(gammas))
             for row, g, n in zip(self._rows, gammas, n_acc):
                 row.acceptance.update(g, n)
         return self._commit(gammas, n_acc, new)

@@ -248,6 +248,14 @@ class AdaptiveGamma:
     estimate): α can only be learnt by drafting, and where the prior is below the break-even α (a compute-bound
     batch) the controller would otherwise stay at γ = 0 with rare 1-token probes.
 
+    With prompt lookup (:mod:`decode.lookup`) a step's leading drafts can come from the text itself and run no
+    draft forward, so a step at γ costs ``f·γ·c + v_γ``: ``f`` (:attr:`draft_forward_share`) is the share of drafted
+    positions that ran a draft forward, estimated from the forward counts the decoder passes to :meth:`update` with
+    the same forgetting (prior 1, the same weight as α's: every position a forward). It only moves where a lookup
+    covers positions (without one every position is a forward and the choices are the same as before), and it is a
+    count, not a clock, so the schedule stays repeatable. Linear in γ, it overstates a longer γ where the lookup
+    covers whole steps (one forward then feeds them all), so it errs toward the shorter γ.
+
     The prior matters on short generations: the decoder starts a fresh controller whenever it goes idle (each
     ``generate()`` call; requests that join a running batch share its estimate), and 64 new tokens are only about
     8-15 steps.
@@ -296,6 +304,7 @@ class AdaptiveGamma:
         self.prior_alpha = prior_alpha
         self._accepted = prior_alpha * prior_weight
         self._drafted = prior_weight
+        self._forwards = self._positions = prior_weight  # draft forwards / drafted positions (prompt lookup)
         self._draft_s = initial_cost_ratio
         self._target_s = 1.0
         self._timed = False
@@ -313,6 +322,16 @@ class AdaptiveGamma:
         """Current c = draft forward time / target forward time."""
         return self._draft_s / self._target_s
 
+    @property
+    def draft_forward_share(self) -> float:
+        """f = draft forwards per drafted position (1 without prompt lookup; lower where it covers positions)."""
+        return self._forwards / self._positions if self._positions > 0 else 1.0
+
+    @property
+    def drafting_cost_ratio(self) -> float:
+        """c·f: what one drafted position costs in target forwards, as the γ choice counts it."""
+        return self.cost_ratio * self.draft_forward_share
+
     def set_costs(self, cost_ratio: float, verify_costs: Sequence[float] | None = None) -> None:
         """Fix the cost model: c >= 0, and ``verify_costs[γ]`` = v_γ for γ = 0..max_gamma (None: all 1.0; a shorter
         list extends with its last value, :func:`verify_cost_at`). Raises ValueError for c < 0 or a v_γ <= 0."""
@@ -326,7 +345,7 @@ class AdaptiveGamma:
 
     def _choose(self) -> None:
         a = min(max(self.alpha, 0.0), 1.0)
-        self.gamma = best_gamma(a, self.cost_ratio, self.max_gamma, self.min_gamma, verify_costs=self._verify)
+        self.gamma = best_gamma(a, self.drafting_cost_ratio, self.max_gamma, self.min_gamma, verify_costs=self._verify)
 
     def plan_batch(self, rows: Sequence[AlphaEstimate], remaining: Sequence[int]) -> int:
         """Replace the pooled choice by :func:`makespan_gamma` for a static batch (all rows wait for the last):
@@ -336,7 +355,7 @@ class AdaptiveGamma:
         choice. Returns the planned γ. Raises ValueError as :func:`makespan_gamma`."""
         pooled = min(max(self.alpha, 0.0), 1.0)
         alphas = [row.alpha(pooled, self.ROW_PRIOR_WEIGHT) for row in rows]
-        self.gamma = makespan_gamma(alphas, remaining, self.cost_ratio, self.max_gamma, self.min_gamma,
+        self.gamma = makespan_gamma(alphas, remaining, self.drafting_cost_ratio, self.max_gamma, self.min_gamma,
                                     verify_costs=self._verify)
         return self.gamma
 
@@ -354,7 +373,8 @@ class AdaptiveGamma:
         return 0
 
     def update(self, num_drafted: int, num_accepted: int, draft_s_per_forward: float | None = None,
-               target_s_per_forward: float | None = None, num_rejected: int | None = None) -> int:
+               target_s_per_forward: float | None = None, num_rejected: int | None = None,
+               num_draft_forwards: int | None = None, step_gamma: int | None = None) -> int:
         """Fold in one verify step (pooled over rows) and return the γ to use next.
 
         Args:
@@ -364,19 +384,29 @@ class AdaptiveGamma:
                 with no information about where rejections fell).
             draft_s_per_forward, target_s_per_forward: timings, if given, update c (for callers that want a
                 clock-driven estimate; the decoder passes none).
+            num_draft_forwards, step_gamma: the draft forwards the step ran and its γ (the positions they could
+                have drafted; the largest row's γ), both or neither: they update :attr:`draft_forward_share`.
 
         Raises:
-            ValueError: negative counts, more accepted than drafted, or more rejections than accepted could leave.
+            ValueError: negative counts, more accepted than drafted, more rejections than accepted could leave,
+                or only one of num_draft_forwards / step_gamma, or not 0 <= num_draft_forwards <= step_gamma.
         """
         if not 0 <= num_accepted <= num_drafted or (num_rejected is not None
                                                     and not 0 <= num_rejected <= num_drafted - num_accepted):
             raise ValueError(f"need 0 <= num_accepted <= num_drafted and 0 <= num_rejected <= num_drafted - "
                              f"num_accepted, got drafted={num_drafted}, accepted={num_accepted}, "
                              f"rejected={num_rejected}")
+        if (num_draft_forwards is None) != (step_gamma is None) or (
+                step_gamma is not None and not 0 <= num_draft_forwards <= step_gamma):
+            raise ValueError(f"give both num_draft_forwards and step_gamma (0 <= forwards <= γ) or neither, got "
+                             f"num_draft_forwards={num_draft_forwards}, step_gamma={step_gamma}")
         trials = num_drafted if num_rejected is None else num_accepted + num_rejected
         self._steps_seen += 1
         self._accepted = self.decay * self._accepted + num_accepted
         self._drafted = self.decay * self._drafted + trials
+        if step_gamma is not None:
+            self._forwards = self.decay * self._forwards + num_draft_forwards
+            self._positions = self.decay * self._positions + step_gamma
         if draft_s_per_forward is not None and target_s_per_forward is not None and target_s_per_forward > 0:
             if not self._timed:  # replace the guess on the first measurement
                 self._draft_s, self._target_s, self._timed = draft_s_per_forward, target_s_per_forward, True

@@ -172,3 +172,30 @@ def test_positions_every_row_takes_from_lookup_run_no_draft_forward(looping_pair
         assert out.stats.num_draft_forwards == len(calls)
     out = dec.generate(prompts, max_new_tokens=40)  # ragged rows: a position is skipped only if every row is covered
     assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, 40) for p in prompts]
+
+
+def test_auto_gamma_is_told_the_draft_forwards_each_step_ran(looping_pair, monkeypatch):
+    """γ = "auto" with prompt lookup: the controller gets each step's draft forwards and γ (so it prices the
+    positions the lookup covers at no forward, :attr:`AdaptiveGamma.draft_forward_share`), and they add up to the
+    forwards the stats count; the output stays the target's greedy text."""
+    from decode.speedup import AdaptiveGamma
+
+    target, draft = looping_pair
+    seen = []
+    real = AdaptiveGamma.update
+
+    def update(self, *args, **kw):
+        seen.append((kw.get("num_draft_forwards"), kw.get("step_gamma")))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(AdaptiveGamma, "update", update)
+    prompt = [5, 17, 33, 5, 17, 40, 8]
+    dec = SpeculativeDecoder(target, draft, num_draft_tokens="auto", prompt_lookup_ngram=2)
+    dec.calibrate(prompt, batch_sizes=[1], repeats=1)
+    dec.auto_costs[1] = {**dec.auto_costs[1], "cost_ratio": 0.2, "verify": [1.0] * 9}  # fixed: the test's schedule
+    out = dec.generate([prompt], max_new_tokens=48)
+    assert out.new_tokens[0].tolist() == reference_greedy(target, prompt, 48)
+    assert seen and all(f is not None and 0 <= f <= g for f, g in seen)
+    assert sum(f for f, _ in seen) == out.stats.num_draft_forwards
+    assert any(f < g for f, g in seen)  # the lookup covered positions
+    assert dec._adaptive.draft_forward_share < 1.0

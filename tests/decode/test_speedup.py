@@ -122,6 +122,31 @@ def test_a_short_verify_cost_list_extends_with_its_last_value():
     assert ctl.gamma <= 8
 
 
+def test_adaptive_gamma_prices_a_drafted_position_by_the_draft_forwards_it_ran():
+    """With prompt lookup a covered position runs no draft forward: the choice counts c·f per drafted position (f =
+    forwards / positions), so it drafts longer where the lookup covers; where every position is a forward (no
+    lookup) f stays exactly 1 and every choice is the one made without the counts."""
+    plain, counted, covered = (AdaptiveGamma(max_gamma=16) for _ in range(3))
+    for ctl in (plain, counted, covered):
+        ctl.set_costs(0.5, [1.0] + [1.1] * 16)
+    for _ in range(20):  # the same counts for all three: γ = 4, 3 accepted, one rejection
+        plain.update(4, 3, num_rejected=1)
+        counted.update(4, 3, num_rejected=1, num_draft_forwards=4, step_gamma=4)
+        covered.update(4, 3, num_rejected=1, num_draft_forwards=1, step_gamma=4)  # 3 of 4 positions from lookup
+        assert counted.gamma == plain.gamma and counted.draft_forward_share == 1.0
+    assert covered.alpha == plain.alpha and covered.draft_forward_share == pytest.approx(0.25, abs=0.05)
+    assert covered.drafting_cost_ratio == pytest.approx(0.5 * covered.draft_forward_share)
+    assert plain.gamma == best_gamma(plain.alpha, 0.5, 16, verify_costs=[1.0] + [1.1] * 16)
+    assert covered.gamma == best_gamma(plain.alpha, covered.drafting_cost_ratio, 16, verify_costs=[1.0] + [1.1] * 16)
+    assert covered.gamma > plain.gamma
+
+
+@pytest.mark.parametrize("forwards,gamma", [(5, 4), (-1, 4), (1, None), (None, 4)])
+def test_adaptive_gamma_refuses_impossible_forward_counts(forwards, gamma):
+    with pytest.raises(ValueError, match="num_draft_forwards"):
+        AdaptiveGamma(max_gamma=8).update(4, 3, num_rejected=1, num_draft_forwards=forwards, step_gamma=gamma)
+
+
 @pytest.mark.parametrize("kwargs,name", [
     ({"max_gamma": 0}, "max_gamma"), ({"min_gamma": -1}, "min_gamma"), ({"min_gamma": 9}, "min_gamma"),
     ({"decay": 0.0}, "decay"), ({"decay": 1.5}, "decay"), ({"prior_alpha": 1.5}, "prior_alpha"),

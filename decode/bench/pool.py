@@ -224,11 +224,86 @@ def batching_of(row: dict[str, Any]) -> str:
 def batch_row(t: float, m: Method, bs: int, recs: list[dict], reused: bool,
               batching: str = "static") -> dict[str, Any]:
     """One row of ``results.json["batch"]``: pooled tokens/s of one method at one batch size, batched ``"static"``
-    (``recs``: one per batch) or ``"continuous"`` (one per stream); the speedup is added later."""
+    (``recs``: one per batch) or ``"continuous"`` (one per stream); the speedup and the prediction
+    (:func:`predicted_batch_speedup`) are added later."""
     n = sum(len(r["new_tokens"]) for r in recs)
     wall = sum(r["wall_s"] for r in recs)
     peaks = [r["peak_memory_bytes"] for r in recs if r.get("peak_memory_bytes")]
     return {"temperature": t, "method": m.name, "num_draft_tokens": m.gamma, "compiled": m.compiled,
             "batch_size": bs, "batching": batching, "num_batches": len(recs), "num_new_tokens": n, "total_s": wall,
             "tokens_per_s": n / wall if wall > 0 else None, "peak_memory_bytes": max(peaks) if peaks else None,
-            "reused_main_pass": reused}
+            "reused_main_pass": reused, "predicted_speedup": None}
+
+
+def prompt_alphas(records: dict[tuple[float, str], list[dict]], temperature: float, methods: Sequence[Method],
+                  num_prompts: int) -> list[float | None]:
+    """Each prompt's α at ``temperature`` (Leviathan et al.'s per-token acceptance, :func:`alpha_of`), pooled over
+    the main pass's speculative runs of our eager engine (fixed γ and ``auto``: α per token does not depend on γ);
+    None for a prompt with no trial.
+
+    Args:
+        records: the main pass's ``{(temperature, method name): [record per prompt]}`` with their ``DecodeStats``.
+        methods: the bench's methods (:func:`decode.bench.config.build_methods`).
+        num_prompts: the length of the returned list.
+    """
+    spec = [m.name for m in methods if m.kind == OURS and not m.compiled and m.gamma != 0]
+    per_method = [records.get((temperature, name)) or [] for name in spec]
+    out: list[float | None] = []
+    for i in range(num_prompts):
+        stats = [recs[i]["stats"] for recs in per_method if i < len(recs) and recs[i].get("stats") is not None]
+        out.append(alpha_of(DecodeStats.merge(stats)) if stats else None)
+    return out
+
+
+def predicted_batch_speedup(gamma: int | str, alphas: Sequence[Sequence[float]], plain_s: Sequence[float],
+                            plain_prefill_s: Sequence[float], auto_costs: dict, max_new_tokens: int,
+                            prefill_cost_ratio: float, max_auto_gamma: int = 8, runs: int = 200) -> float:
+    """The speedup of static batches of speculative decoding over plain decoding that a decoder with no cost beyond
+    its forwards would reach: the limit the batch pass's measured speedup is read against.
+
+    Per batch: :func:`decode.speedup.simulate_batch_speedup` (each row's own α, i.i.d. acceptance; a step over B
+    rows costs ``t_B (γ c_B + v_B(γ))`` from the costs calibrated at each batch size; rows leave as they finish and
+    the batch ends with its last row), extended over the prefill by :func:`decode.speedup.end_to_end_speedup` with
+    plain decoding's measured prefill share of that batch and the draft's prefill at ``prefill_cost_ratio`` of the
+    target's. Pooled as the measured batch speedups are: Σ plain seconds / Σ predicted seconds. Like the batch-1
+    prediction it counts γ draft forwards per step (with prompt lookup it understates) and every row makes
+    ``max_new_tokens`` tokens (the bench computes it only where no eos stops a row: ``--ignore-eos``).
+
+    Args:
+        gamma: a fixed γ >= 1, or ``"auto"``: an ``AdaptiveGamma(max_auto_gamma)`` planning each step of the batch
+            as the decoder's ``generate()`` does.
+        alphas: per batch, each row's α in [0, 1] (e.g. its prompt's α at batch 1, :func:`prompt_alphas`).
+        plain_s, plain_prefill_s: per batch, plain decoding's seconds and its prefill seconds
+            (:func:`prefill_seconds`).
+        auto_costs: ``{batch_size: {"cost_ratio", "verify", "target_forward_s"}}`` for every power of two up to the
+            batch size (the decoder's ``calibrate``; results.json's ``cost.auto_costs``).
+        max_new_tokens: tokens per row (>= 2); prefill_cost_ratio: the draft's prefill time / the target's (>= 0).
+        runs: simulated batches per batch (fixed seed: the prediction is repeatable).
+
+    Returns:
+        the predicted speedup (> 0).
+
+    Raises:
+        ValueError: lists of different lengths or no batch, a γ that is neither an integer >= 1 nor "auto", a
+            prefill longer than its batch, or a value :func:`decode.speedup.simulate_batch_speedup` /
+            :func:`decode.speedup.end_to_end_speedup` refuse.
+    """
+    from decode.speedup import AdaptiveGamma, end_to_end_speedup, simulate_batch_speedup
+
+    if not alphas or not len(alphas) == len(plain_s) == len(plain_prefill_s):
+        raise ValueError(f"need one entry per batch in alphas, plain_s and plain_prefill_s, got {len(alphas)}, "
+                         f"{len(plain_s)} and {len(plain_prefill_s)}")
+    if gamma == "auto":
+        schedule = lambda: AdaptiveGamma(max_auto_gamma)  # noqa: E731  (a fresh controller per simulated batch)
+    elif isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1:
+        schedule = gamma
+    else:
+        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+    plain_total = predicted_total = 0.0
+    for rows, wall, prefill in zip(alphas, plain_s, plain_prefill_s):
+        if not 0 <= prefill <= wall:
+            raise ValueError(f"a plain batch's prefill ({prefill} s) must be within its seconds ({wall} s)")
+        decode = simulate_batch_speedup(schedule, rows, auto_costs, max_new_tokens, runs=runs)
+        plain_total += wall
+        predicted_total += wall / end_to_end_speedup(decode, prefill / wall, prefill_cost_ratio)
+    return plain_total / predicted_total

@@ -27,9 +27,11 @@ import torch
 from decode.bench.bare_forward import BareTimer
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
-from decode.bench.pool import batch_row, median_run, pool, stats_counts
+from decode.bench.pool import (batch_row, median_run, pool, predicted_batch_speedup, prefill_seconds, prompt_alphas,
+                               stats_counts)
 from decode.bench.timing import peak_bytes, reset_peak, sync
 from decode.engine import left_pad
+from decode.metrics import DecodeStats
 from decode.speedup import cost_buckets
 
 SCHEMA_VERSION = 4  # 3: Leviathan's prediction keys named *_leviathan; 4: prefill_s, bare prefills (2026-12-06)
@@ -83,7 +85,6 @@ def run_ours_stream(decoder, method: Method, rows: list[list[int]], concurrency:
         RuntimeError: the decoder has requests in flight (the run sets its ``num_draft_tokens`` and restores it).
     """
     from decode import kernels
-    from decode.metrics import DecodeStats
 
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an integer >= 1 (requests running at once), got {concurrency!r}")
@@ -224,7 +225,21 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         cost["auto_costs"] = auto_costs
     timers.clear()  # their prefilled caches are not held through the batch pass (peak memory)
     runs, summary = pool(records, methods, cfg, cost, categories)
-    batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress)
+    prefill_ratio = cost["bare"].get("prefill_cost_ratio")
+
+    def predict(t: float, gamma, batches: list[list[int]], plain_recs: list[dict]) -> float | None:
+        """The batch pass's limit for static batches of these prompt indices (``predicted_batch_speedup``); None
+        without the costs per batch size (``--no-auto``), with an eos (rows of free length) or without an α."""
+        alphas = prompt_alphas(records, t, methods, len(prompt_ids))
+        rows = [[alphas[i] for i in b] for b in batches]
+        if (auto_costs is None or prefill_ratio is None or eos is not None
+                or any(a is None for r in rows for a in r) or any(r.get("prefill_s") is None for r in plain_recs)):
+            return None
+        return predicted_batch_speedup(gamma, rows, [r["wall_s"] for r in plain_recs],
+                                       [r["prefill_s"] for r in plain_recs], auto_costs, cfg.max_new_tokens,
+                                       prefill_ratio, cfg.auto_max_gamma)
+
+    batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress, predict)
     return {
         "schema_version": SCHEMA_VERSION, "kind": "draftkit.bench",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -271,7 +286,7 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
     return records
 
 
-def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool) -> list[dict]:
+def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool, predict=None) -> list[dict]:
     """Tokens/s of plain and speculative decoding (our engine) at each batch size, interleaved per batch, batched
     the ways ``cfg.batching`` names.
 
@@ -289,7 +304,9 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
 
     Each batch (each stream) runs ``cfg.repeats`` times (order reversed every other time) and keeps each method's
     median-wall run. Every row's speedup is over eager plain decoding at the same temperature, batch size and
-    batching.
+    batching. ``predict(t, γ, batches as prompt indices, plain's records)`` gives the eager speculative static rows
+    their ``predicted_speedup`` (the limit, see ``decode.bench.pool.predicted_batch_speedup``); the other rows keep
+    None.
     """
     out, jobs = [], []
     for entry in summary:
@@ -306,14 +323,14 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
                 out += [batch_row(t, m, 1, records[(t, m.name)], reused=True) for m in group]
             elif "static" in cfg.batching:  # also batch 1 when the main pass did not run that γ (--batch-gamma)
                 n_batches = math.ceil(len(prompt_ids) / bs)
-                rows = [prompt_ids[i % len(prompt_ids)] for i in range(n_batches * bs)]
-                jobs.append((t, group, bs, "static", [rows[b * bs:(b + 1) * bs] for b in range(n_batches)]))
+                index = [[i % len(prompt_ids) for i in range(b * bs, (b + 1) * bs)] for b in range(n_batches)]
+                jobs.append((t, group, bs, "static", [[prompt_ids[i] for i in b] for b in index], index))
             if "continuous" in cfg.batching and bs > 1:
                 rows = [prompt_ids[i % len(prompt_ids)] for i in range(max(len(prompt_ids), 2 * bs))]
-                jobs.append((t, group, bs, "continuous", [rows]))
-    total = sum(len(units) * len(group) for _, group, _, _, units in jobs) * cfg.repeats
+                jobs.append((t, group, bs, "continuous", [rows], None))
+    total = sum(len(units) * len(group) for _, group, _, _, units, _ in jobs) * cfg.repeats
     with _progress(progress, total, "batches") as tick:
-        for t, group, bs, batching, units in jobs:
+        for t, group, bs, batching, units, index in jobs:
             concurrency = bs if batching == "continuous" else None
             if cfg.warmup:
                 for m in group:
@@ -327,13 +344,20 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
                 repeats: dict[str, list[dict]] = {m.name: [] for m in group}
                 for rep in range(cfg.repeats):
                     for m in (group if (b + rep) % 2 == 0 else group[::-1]):
-                        new, wall, _, peak = run(m, unit, t, seed_for(cfg, b, batch=bs), concurrency=concurrency)
+                        new, wall, stats, peak = run(m, unit, t, seed_for(cfg, b, batch=bs), concurrency=concurrency)
                         repeats[m.name].append({"new_tokens": [x for r in new for x in r], "wall_s": wall,
-                                                "peak_memory_bytes": peak})
+                                                "peak_memory_bytes": peak,
+                                                "prefill_s": prefill_seconds(stats) if isinstance(stats, DecodeStats)
+                                                else None})
                         tick()
                 for name, runs_of_m in repeats.items():
                     recs[name].append(median_run(runs_of_m))
-            out += [batch_row(t, m, bs, recs[m.name], reused=False, batching=batching) for m in group]
+            rows = [batch_row(t, m, bs, recs[m.name], reused=False, batching=batching) for m in group]
+            if predict is not None and index is not None:  # static batches: the limit of each speculative row
+                for row, m in zip(rows, group):
+                    if m.gamma != 0 and not m.compiled:
+                        row["predicted_speedup"] = predict(t, m.gamma, index, recs["plain"])
+            out += rows
     for row in out:  # over plain decoding (the eager engine) at the same temperature, batch size and batching
         plain = [r for r in out if (r["temperature"], r["batch_size"], r["batching"], r["method"])
                  == (row["temperature"], row["batch_size"], row["batching"], "plain")]

@@ -201,6 +201,81 @@ def test_batch_pass_has_every_size(bench_run):
             assert b["speedup"] == pytest.approx(b["tokens_per_s"] / plain["tokens_per_s"])
 
 
+def test_static_speculative_batch_rows_carry_their_limit(bench_run):
+    """Every eager speculative row of a static batch gets the limit it is read against (a decoder with no cost
+    beyond its forwards, ``predicted_batch_speedup``), shown in the batch table and the must-show label; plain rows,
+    streams and the reused batch-1 rows have none."""
+    results, _, cfg, _ = bench_run
+    for b in results["batch"]:
+        static_spec = b["batching"] == "static" and b["batch_size"] > 1 and b["method"] != "plain"
+        if static_spec:
+            assert isinstance(b["predicted_speedup"], float) and 0 < b["predicted_speedup"] < cfg.max_new_tokens
+        else:
+            assert b["predicted_speedup"] is None
+    checks = [ck for e in must_show(results) for ck in e["checks"] if ck["name"] == "batch_speedup"]
+    assert checks and all(ck["predicted"] is not None for ck in checks)
+    from rich.console import Console
+
+    out = io.StringIO()
+    render_tables(results, Console(file=out, width=220))
+    assert "limit" in out.getvalue() and f"(limit {checks[0]['predicted']:.2f})" in out.getvalue()
+
+
+def test_predicted_batch_speedup_is_the_simulated_batch_over_the_measured_prefill():
+    from decode.bench.pool import predicted_batch_speedup
+    from decode.speedup import AdaptiveGamma, simulate_batch_speedup
+    from tests.decode.test_speedup import _batch_costs
+
+    costs = _batch_costs()
+    rows = [[0.9, 0.5, 0.8, 1.0], [0.3, 0.7, 0.6, 0.95]]
+    sims = [simulate_batch_speedup(4, r, costs, 32, runs=50) for r in rows]
+    # no prefill: one batch is the simulation itself
+    assert predicted_batch_speedup(4, rows[:1], [1.0], [0.0], costs, 32, 0.1, runs=50) == pytest.approx(sims[0])
+    # with a prefill: the simulation extended over plain decoding's prefill share, the draft's prefill costing r
+    one = predicted_batch_speedup(4, rows[:1], [2.0], [0.5], costs, 32, 0.1, runs=50)
+    assert one == pytest.approx(end_to_end_speedup(sims[0], 0.25, 0.1)) and one < sims[0]
+    # two batches pool as the measured speedups do: plain seconds over predicted seconds
+    both = predicted_batch_speedup(4, rows, [2.0, 3.0], [0.5, 0.3], costs, 32, 0.1, runs=50)
+    expected = 5.0 / (2.0 / end_to_end_speedup(sims[0], 0.25, 0.1) + 3.0 / end_to_end_speedup(sims[1], 0.1, 0.1))
+    assert both == pytest.approx(expected)
+    # "auto": the decoder's controller, planning the batch
+    auto = predicted_batch_speedup("auto", rows[:1], [1.0], [0.0], costs, 32, 0.1, max_auto_gamma=6, runs=50)
+    assert auto == pytest.approx(simulate_batch_speedup(lambda: AdaptiveGamma(6), rows[0], costs, 32, runs=50))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gamma=0), "gamma"), (dict(gamma=True), "gamma"), (dict(gamma="fast"), "gamma"),
+    (dict(plain_s=[1.0, 2.0]), "one entry per batch"), (dict(alphas=[]), "one entry per batch"),
+    (dict(plain_prefill_s=[1.5]), "prefill"), (dict(alphas=[[1.2]]), "alphas"), (dict(prefill_cost_ratio=-1), "prefill_cost_ratio"),
+])
+def test_predicted_batch_speedup_refuses_bad_input_naming_it(kwargs, message):
+    from decode.bench.pool import predicted_batch_speedup
+    from tests.decode.test_speedup import _batch_costs
+
+    args = dict(gamma=2, alphas=[[0.5, 0.6]], plain_s=[1.0], plain_prefill_s=[0.2], auto_costs=_batch_costs(),
+                max_new_tokens=16, prefill_cost_ratio=0.1, runs=2)
+    with pytest.raises(ValueError, match=message):
+        predicted_batch_speedup(**{**args, **kwargs})
+
+
+def test_prompt_alphas_pool_each_prompts_speculative_runs_of_the_eager_engine():
+    from decode.bench.pool import prompt_alphas
+    from decode.metrics import DecodeStats
+
+    def rec(accepted, rejections):
+        return {"stats": DecodeStats(num_drafted=accepted + rejections, num_accepted=accepted,
+                                     num_rejections=rejections)}
+
+    methods = [Method("plain", OURS, 0), Method("spec_g2", OURS, 2), Method("spec_g4", OURS, 4),
+               Method("spec_auto", OURS, "auto"), Method("spec_g4_compiled", OURS, 4, compiled=True),
+               Method("hf_assisted_g4", "hf", 4)]
+    records = {(0.0, "plain"): [{"stats": DecodeStats()}] * 2, (0.0, "spec_g2"): [rec(6, 2), rec(0, 0)],
+               (0.0, "spec_g4"): [rec(3, 1), rec(0, 0)], (0.0, "spec_auto"): [rec(5, 2), rec(0, 0)],
+               (0.0, "spec_g4_compiled"): [rec(0, 9)] * 2, (0.0, "hf_assisted_g4"): [{"stats": None}] * 2}
+    assert prompt_alphas(records, 0.0, methods, 2) == [pytest.approx(14 / 19), None]  # not the compiled twin's
+    assert prompt_alphas(records, 1.0, methods, 2) == [None, None]
+
+
 def test_plots_are_written(bench_run):
     results, paths, _, _ = bench_run
     assert set(results["plots"]) == {"speedup_vs_gamma", "predicted_vs_measured", "acceptance_by_position",

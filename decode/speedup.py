@@ -389,17 +389,21 @@ class AdaptiveGamma:
 
         Raises:
             ValueError: negative counts, more accepted than drafted, more rejections than accepted could leave,
-                or only one of num_draft_forwards / step_gamma, or not 0 <= num_draft_forwards <= step_gamma.
+                or only one of num_draft_forwards / step_gamma, or they are not integers with
+                0 <= num_draft_forwards <= step_gamma and 1 <= step_gamma <= num_drafted (checked before any state
+                changes).
         """
         if not 0 <= num_accepted <= num_drafted or (num_rejected is not None
                                                     and not 0 <= num_rejected <= num_drafted - num_accepted):
             raise ValueError(f"need 0 <= num_accepted <= num_drafted and 0 <= num_rejected <= num_drafted - "
                              f"num_accepted, got drafted={num_drafted}, accepted={num_accepted}, "
                              f"rejected={num_rejected}")
-        if (num_draft_forwards is None) != (step_gamma is None) or (
-                step_gamma is not None and not 0 <= num_draft_forwards <= step_gamma):
-            raise ValueError(f"give both num_draft_forwards and step_gamma (0 <= forwards <= γ) or neither, got "
-                             f"num_draft_forwards={num_draft_forwards}, step_gamma={step_gamma}")
+        if (num_draft_forwards is None) != (step_gamma is None) or (step_gamma is not None and not (
+                _is_count(num_draft_forwards) and _is_count(step_gamma)
+                and 0 <= num_draft_forwards <= step_gamma and 1 <= step_gamma <= num_drafted)):
+            raise ValueError(f"give both num_draft_forwards and step_gamma (integers, 0 <= forwards <= γ and 1 <= γ "
+                             f"<= num_drafted) or neither, got num_draft_forwards={num_draft_forwards!r}, "
+                             f"step_gamma={step_gamma!r}, num_drafted={num_drafted}")
         trials = num_drafted if num_rejected is None else num_accepted + num_rejected
         self._steps_seen += 1
         self._accepted = self.decay * self._accepted + num_accepted

@@ -110,9 +110,8 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
     - ``ours_compiled_vs_hf_assisted`` (with ``--compile``): the same for ``spec_g{γ}_compiled`` (its speedup is over
       the eager plain run, like every speedup here);
     - ``batch_speedup`` (one per batch size > 1 and speculative method): speculative over plain tokens/s, our eager
-      engine, same static batches (``generate()`` calls), with ``predicted``: the row's ``predicted_speedup`` (the
-      limit with no cost beyond the forwards, ``decode.bench.pool.predicted_batch_speedup``; None where it was not
-      computed); ``batch_continuous_speedup``: the same for the
+      engine, same static batches (``generate()`` calls), with ``predicted``: the row's ``predicted_speedup`` (with
+      no cost beyond the forwards, ``decode.bench.pool.predicted_batch_speedup``; None where it was not computed); ``batch_continuous_speedup``: the same for the
       continuous-batching streams (``batching`` "continuous"), under the same goals;
     - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
     """
@@ -476,14 +475,16 @@ def _render_batch(results, console) -> None:
 
     if not results["batch"]:
         return
-    table = Table(title="batch throughput (our engine; speedup over plain at the same batch size and batching; "
-                        "limit: with no cost beyond the forwards, static batches)")
-    for col in ("T", "method", "batching", "batch", "tok/s", "speedup", "limit"):
+    predicted = any(b.get("predicted_speedup") is not None for b in results["batch"])
+    table = Table(title="batch throughput (our engine; speedup over plain at the same batch size and batching"
+                        + ("; predicted: with no cost beyond the forwards, static batches)" if predicted else ")"))
+    for col in ("T", "method", "batching", "batch", "tok/s", "speedup") + (("predicted",) if predicted else ()):
         table.add_column(col, justify="right")
     for b in sorted(results["batch"], key=lambda b: (b["temperature"], batching_of(b) != "static", b["batch_size"],
                                                      b["method"] != "plain")):
         table.add_row(f"{b['temperature']:g}", b["method"], batching_of(b), str(b["batch_size"]),
-                      _fmt(b["tokens_per_s"], ".1f"), _fmt(b["speedup"]), _fmt(b.get("predicted_speedup")))
+                      _fmt(b["tokens_per_s"], ".1f"), _fmt(b["speedup"]),
+                      *((_fmt(b.get("predicted_speedup")),) if predicted else ()))
     console.print(table)
 
 
@@ -511,7 +512,8 @@ _LABELS = {
                                        f"{_fmt(ck.get('analytic_bound'))})"),
     "ours_compiled_vs_hf_assisted": lambda ck: f"ours compiled ({_compiled(ck)}) / HF assisted speedup, γ={ck['gamma']}",
     "batch_speedup": lambda ck: (f"batch {ck['batch_size']} tok/s, γ={ck['gamma']} / plain"
-                                 + (f" (limit {_fmt(ck['predicted'])})" if ck.get("predicted") is not None else "")),
+                                 + (f" (predicted {_fmt(ck['predicted'])})" if ck.get("predicted") is not None
+                                    else "")),
     "batch_continuous_speedup": lambda ck: (f"continuous batching, {ck['batch_size']} at a time, tok/s, "
                                             f"γ={ck['gamma']} / plain"),
     "auto_vs_best_fixed": lambda ck: (f"auto γ / best fixed γ={ck['gamma']} speedup" if ck["gamma"] is not None

@@ -228,7 +228,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     prefill_ratio = cost["bare"].get("prefill_cost_ratio")
 
     def predict(t: float, gamma, batches: list[list[int]], plain_recs: list[dict]) -> float | None:
-        """The batch pass's limit for static batches of these prompt indices (``predicted_batch_speedup``); None
+        """The batch pass's prediction for static batches of these prompt indices (``predicted_batch_speedup``); None
         without the costs per batch size (``--no-auto``), with an eos (rows of free length) or without an α."""
         alphas = prompt_alphas(records, t, methods, len(prompt_ids))
         rows = [[alphas[i] for i in b] for b in batches]
@@ -305,8 +305,8 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
     Each batch (each stream) runs ``cfg.repeats`` times (order reversed every other time) and keeps each method's
     median-wall run. Every row's speedup is over eager plain decoding at the same temperature, batch size and
     batching. ``predict(t, γ, batches as prompt indices, plain's records)`` gives the eager speculative static rows
-    their ``predicted_speedup`` (the limit, see ``decode.bench.pool.predicted_batch_speedup``); the other rows keep
-    None.
+    of batch size > 1 their ``predicted_speedup`` (with no cost beyond the forwards, see
+    ``decode.bench.pool.predicted_batch_speedup``); the other rows keep None.
     """
     out, jobs = [], []
     for entry in summary:
@@ -353,7 +353,7 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
                 for name, runs_of_m in repeats.items():
                     recs[name].append(median_run(runs_of_m))
             rows = [batch_row(t, m, bs, recs[m.name], reused=False, batching=batching) for m in group]
-            if predict is not None and index is not None:  # static batches: the limit of each speculative row
+            if predict is not None and index is not None:  # static batches: each speculative row's prediction
                 for row, m in zip(rows, group):
                     if m.gamma != 0 and not m.compiled:
                         row["predicted_speedup"] = predict(t, m.gamma, index, recs["plain"])

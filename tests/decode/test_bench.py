@@ -201,10 +201,10 @@ def test_batch_pass_has_every_size(bench_run):
             assert b["speedup"] == pytest.approx(b["tokens_per_s"] / plain["tokens_per_s"])
 
 
-def test_static_speculative_batch_rows_carry_their_limit(bench_run):
-    """Every eager speculative row of a static batch gets the limit it is read against (a decoder with no cost
+def test_static_speculative_batch_rows_carry_their_prediction(bench_run):
+    """Every eager speculative row of a static batch gets the prediction it is read against (a decoder with no cost
     beyond its forwards, ``predicted_batch_speedup``), shown in the batch table and the must-show label; plain rows,
-    streams and the reused batch-1 rows have none."""
+    streams and the reused batch-1 rows have none, and a table with none shows no such column."""
     results, _, cfg, _ = bench_run
     for b in results["batch"]:
         static_spec = b["batching"] == "static" and b["batch_size"] > 1 and b["method"] != "plain"
@@ -218,7 +218,12 @@ def test_static_speculative_batch_rows_carry_their_limit(bench_run):
 
     out = io.StringIO()
     render_tables(results, Console(file=out, width=220))
-    assert "limit" in out.getvalue() and f"(limit {checks[0]['predicted']:.2f})" in out.getvalue()
+    assert "predicted: with no cost beyond" in out.getvalue()
+    assert f"(predicted {checks[0]['predicted']:.2f})" in out.getvalue()
+    none = dict(results, batch=[dict(b, predicted_speedup=None) for b in results["batch"]])
+    out = io.StringIO()
+    render_tables(none, Console(file=out, width=220))
+    assert "batch throughput" in out.getvalue() and "predicted: with no cost beyond" not in out.getvalue()
 
 
 def test_predicted_batch_speedup_is_the_simulated_batch_over_the_measured_prefill():
@@ -246,7 +251,14 @@ def test_predicted_batch_speedup_is_the_simulated_batch_over_the_measured_prefil
 @pytest.mark.parametrize("kwargs,message", [
     (dict(gamma=0), "gamma"), (dict(gamma=True), "gamma"), (dict(gamma="fast"), "gamma"),
     (dict(plain_s=[1.0, 2.0]), "one entry per batch"), (dict(alphas=[]), "one entry per batch"),
-    (dict(plain_prefill_s=[1.5]), "prefill"), (dict(alphas=[[1.2]]), "alphas"), (dict(prefill_cost_ratio=-1), "prefill_cost_ratio"),
+    (dict(plain_prefill_s=[1.5]), "prefill"), (dict(alphas=[[1.2]]), "alphas"),
+    (dict(prefill_cost_ratio=-1), "prefill_cost_ratio"),
+    # found by a trial: these reached the caller as ZeroDivisionError / TypeError / NaN from deep inside
+    (dict(plain_s=[0.0], plain_prefill_s=[0.0]), "plain_s"), (dict(plain_s=[float("inf")]), "plain_s"),
+    (dict(plain_s=["1.0"]), "plain_s"), (dict(plain_prefill_s=[None]), "plain_prefill_s"),
+    (dict(alphas=[["0.5", 0.6]]), "alphas"), (dict(alphas=[0.5]), "alphas"), (dict(alphas=None), "alphas"),
+    (dict(alphas="ab"), "alphas"), (dict(max_new_tokens=2.5), "max_new_tokens"), (dict(runs=1.5), "runs"),
+    (dict(max_auto_gamma="8", gamma="auto"), "max_auto_gamma"),
 ])
 def test_predicted_batch_speedup_refuses_bad_input_naming_it(kwargs, message):
     from decode.bench.pool import predicted_batch_speedup

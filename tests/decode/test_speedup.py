@@ -141,10 +141,13 @@ def test_adaptive_gamma_prices_a_drafted_position_by_the_draft_forwards_it_ran()
     assert covered.gamma > plain.gamma
 
 
-@pytest.mark.parametrize("forwards,gamma", [(5, 4), (-1, 4), (1, None), (None, 4)])
+@pytest.mark.parametrize("forwards,gamma", [(5, 4), (-1, 4), (1, None), (None, 4), (float("inf"), float("inf")),
+                                            (1.5, 4), (True, 4), ("2", "4"), (2, 5), (0, 0)])
 def test_adaptive_gamma_refuses_impossible_forward_counts(forwards, gamma):
     with pytest.raises(ValueError, match="num_draft_forwards"):
-        AdaptiveGamma(max_gamma=8).update(4, 3, num_rejected=1, num_draft_forwards=forwards, step_gamma=gamma)
+        ctl = AdaptiveGamma(max_gamma=8)  # γ 5 > num_drafted 4 and γ 0 are impossible for a step that drafted 4
+        ctl.update(4, 3, num_rejected=1, num_draft_forwards=forwards, step_gamma=gamma)
+    assert ctl.draft_forward_share == 1.0 and ctl.update(4, 3, num_rejected=1, num_draft_forwards=2, step_gamma=4) >= 0
 
 
 @pytest.mark.parametrize("kwargs,name", [

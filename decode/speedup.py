@@ -76,7 +76,7 @@ def end_to_end_speedup(decode_speedup: float, prefill_share: float, prefill_cost
     for name, x, ok, want in (("decode_speedup", decode_speedup, lambda v: v > 0, "> 0"),
                               ("prefill_share", prefill_share, lambda v: 0 <= v <= 1, "in [0, 1]"),
                               ("prefill_cost_ratio", prefill_cost_ratio, lambda v: v >= 0, ">= 0")):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not ok(x):
+        if not is_finite_number(x) or not ok(x):
             raise ValueError(f"{name} must be a finite number {want}, got {x!r}")
     return 1.0 / (prefill_share * (1.0 + prefill_cost_ratio) + (1.0 - prefill_share) / decode_speedup)
 
@@ -114,9 +114,14 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
     return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
 
-def _is_count(x: Any) -> bool:
-    """An integer (Python or NumPy, not bool): a number of tokens or drafts."""
+def is_count(x: Any) -> bool:
+    """An integer (Python or NumPy, not bool): a number of tokens, drafts or runs."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_finite_number(x: Any) -> bool:
+    """A finite real number (Python or NumPy, not bool): a time, a ratio, a probability."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
@@ -178,7 +183,7 @@ def makespan_gamma(alphas: Sequence[float], remaining: Sequence[int], cost_ratio
     if not alphas or len(alphas) != len(remaining):
         raise ValueError(f"alphas and remaining must be non-empty and of equal length, got {len(alphas)} and "
                          f"{len(remaining)}")
-    if not all(_is_count(r) and r >= 1 for r in remaining):
+    if not all(is_count(r) and r >= 1 for r in remaining):
         raise ValueError(f"remaining must be integers >= 1 (tokens per row), got {list(remaining)}")
     if max_gamma < min_gamma:
         raise ValueError(f"max_gamma ({max_gamma}) must be >= min_gamma ({min_gamma})")
@@ -222,7 +227,7 @@ class AlphaEstimate:
         """Fold in one step: ``num_accepted`` of ``num_drafted`` drafts kept (a rejection ended the run if fewer;
         nothing is learnt from a step that drafted nothing). Raises ValueError unless
         ``0 <= num_accepted <= num_drafted`` (integers)."""
-        if not (_is_count(num_drafted) and _is_count(num_accepted) and 0 <= num_accepted <= num_drafted):
+        if not (is_count(num_drafted) and is_count(num_accepted) and 0 <= num_accepted <= num_drafted):
             raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}")
         if num_drafted == 0:
             return
@@ -399,7 +404,7 @@ class AdaptiveGamma:
                              f"num_accepted, got drafted={num_drafted}, accepted={num_accepted}, "
                              f"rejected={num_rejected}")
         if (num_draft_forwards is None) != (step_gamma is None) or (step_gamma is not None and not (
-                _is_count(num_draft_forwards) and _is_count(step_gamma)
+                is_count(num_draft_forwards) and is_count(step_gamma)
                 and 0 <= num_draft_forwards <= step_gamma and 1 <= step_gamma <= num_drafted)):
             raise ValueError(f"give both num_draft_forwards and step_gamma (integers, 0 <= forwards <= γ and 1 <= γ "
                              f"<= num_drafted) or neither, got num_draft_forwards={num_draft_forwards!r}, "
@@ -465,7 +470,7 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
         if "target_forward_s" not in costs[b]:
             raise ValueError(f"auto_costs[{b}] lacks target_forward_s (calibrate() of this version records it)")
         t = costs[b]["target_forward_s"]
-        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0):
+        if not (is_finite_number(t) and t > 0):
             raise ValueError(f"auto_costs[{b}] needs target_forward_s > 0 (seconds), got {t!r}")
     rng = random.Random(seed)
     plain = spec = 0.0
@@ -576,7 +581,7 @@ def check_timer_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[
     if draft is None or target is None:
         raise ValueError("a cost measurement times a draft against a target: both are needed (got None)")
     check_context_ids(context_ids, {"target": target, "draft": draft})
-    if isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, numbers.Integral) or warmup_rounds < 0:
+    if not is_count(warmup_rounds) or warmup_rounds < 0:
         raise ValueError(f"warmup_rounds must be an integer >= 0 (untimed first rounds), got {warmup_rounds!r}")
     if not isinstance(few_row_linear, bool):
         raise ValueError(f"few_row_linear must be True or False, got {few_row_linear!r}")
@@ -584,7 +589,7 @@ def check_timer_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[
         raise ValueError(f"verify_gammas must be a sequence of integers >= 1 (e.g. [2, 4] or []), got "
                          f"{verify_gammas!r}")
     gammas = list(verify_gammas)
-    if any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in gammas):
+    if any(not is_count(g) or g < 1 for g in gammas):
         raise ValueError(f"verify_gammas must be integers >= 1 (γ of each verify forward timed), got {gammas!r}")
     gammas = sorted({int(g) for g in gammas})  # numpy integers too (the static cache's sizes need ints)
     if isinstance(static_cache, Mapping) and not set(static_cache) <= {"target", "draft"}:
@@ -605,7 +610,7 @@ def check_timer_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[
 
 def check_repeats(repeats: Any) -> None:
     """``repeats`` of a cost measurement: an integer >= 1 (timed rounds), else ValueError naming it."""
-    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+    if not is_count(repeats) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1 (timed forwards per measurement), got {repeats!r}")
 
 

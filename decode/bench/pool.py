@@ -294,13 +294,7 @@ def predicted_batch_speedup(gamma: int | str, alphas: Sequence[Sequence[float]],
             or a value :func:`decode.speedup.simulate_batch_speedup` / :func:`decode.speedup.end_to_end_speedup`
             refuse; each naming the argument.
     """
-    import math
-    import numbers
-
-    from decode.speedup import AdaptiveGamma, end_to_end_speedup, simulate_batch_speedup
-
-    def number(x) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    from decode.speedup import AdaptiveGamma, end_to_end_speedup, is_count, is_finite_number, simulate_batch_speedup
 
     lists = {"alphas": alphas, "plain_s": plain_s, "plain_prefill_s": plain_prefill_s}
     if any(isinstance(v, (str, bytes)) or not isinstance(v, Sequence) for v in lists.values()) or not alphas \
@@ -308,20 +302,20 @@ def predicted_batch_speedup(gamma: int | str, alphas: Sequence[Sequence[float]],
         raise ValueError("need one entry per batch in alphas, plain_s and plain_prefill_s (lists), got "
                          + ", ".join(f"{k}={v!r:.60}" for k, v in lists.items()))
     for name, value in (("max_new_tokens", max_new_tokens), ("runs", runs), ("max_auto_gamma", max_auto_gamma)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        if not is_count(value):
             raise ValueError(f"{name} must be an integer, got {value!r}")
     for rows, wall, prefill in zip(alphas, plain_s, plain_prefill_s):
         if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not rows \
-                or not all(number(a) for a in rows):
+                or not all(is_finite_number(a) for a in rows):
             raise ValueError(f"alphas: each batch needs a non-empty list of α per row (numbers), got {rows!r:.60}")
-        if not (number(wall) and wall > 0):
+        if not (is_finite_number(wall) and wall > 0):
             raise ValueError(f"plain_s: each batch's plain seconds must be a finite number > 0, got {wall!r}")
-        if not (number(prefill) and 0 <= prefill <= wall):
+        if not (is_finite_number(prefill) and 0 <= prefill <= wall):
             raise ValueError(f"plain_prefill_s: a batch's prefill must be within [0, its plain seconds {wall}], got "
                              f"{prefill!r}")
     if gamma == "auto":
         schedule = lambda: AdaptiveGamma(max_auto_gamma)  # noqa: E731  (a fresh controller per simulated batch)
-    elif isinstance(gamma, numbers.Integral) and not isinstance(gamma, bool) and gamma >= 1:
+    elif is_count(gamma) and gamma >= 1:
         schedule = int(gamma)
     else:
         raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")

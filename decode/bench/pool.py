@@ -270,7 +270,7 @@ def predicted_batch_speedup(gamma: int | str, alphas: Sequence[Sequence[float]],
     the batch ends with its last row), extended over the prefill by :func:`decode.speedup.end_to_end_speedup` with
     plain decoding's measured prefill share of that batch and the draft's prefill at ``prefill_cost_ratio`` of the
     target's. Pooled as the measured batch speedups are: Σ plain seconds / Σ predicted seconds. Like the batch-1
-    prediction it counts γ draft forwards per step (with prompt lookup it understates) and every row makes
+    prediction it counts γ draft forwards per step (the forwards prompt lookup saves are not in it) and every row makes
     ``max_new_tokens`` tokens (the bench computes it only where no eos stops a row: ``--ignore-eos``).
 
     Args:

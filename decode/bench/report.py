@@ -111,8 +111,9 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
       the eager plain run, like every speedup here);
     - ``batch_speedup`` (one per batch size > 1 and speculative method): speculative over plain tokens/s, our eager
       engine, same static batches (``generate()`` calls), with ``predicted``: the row's ``predicted_speedup`` (with
-      no cost beyond the forwards, ``decode.bench.pool.predicted_batch_speedup``; None where it was not computed); ``batch_continuous_speedup``: the same for the
-      continuous-batching streams (``batching`` "continuous"), under the same goals;
+      no cost beyond the forwards, ``decode.bench.pool.predicted_batch_speedup``; None where it was not computed);
+      ``batch_continuous_speedup``: the same for the continuous-batching streams (``batching`` "continuous"), under
+      the same goals;
     - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
     """
     cost = results["cost"]

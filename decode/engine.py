@@ -132,7 +132,7 @@ class SpeculativeDecoder:
         auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
             (batch-size keys may be strings, as after a JSON round trip; a bad entry raises ValueError)
             for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
-            entries are measured once, at first use, by timed forwards (:func:`decode.speedup.measure_cost_ratio`)
+            entries are measured once, at first use, by timed forwards (:func:`decode.costs.measure_cost_ratio`)
             and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
         compile: False (default), True: run both models' draft and verify forwards through
             ``torch.compile(model.forward, dynamic=True)`` (applied from outside, the models are not modified);
@@ -643,22 +643,22 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def measure_costs(self, context_ids: torch.Tensor, repeats: int = 21, verify_gammas: Sequence[int] = (),
                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """:func:`decode.speedup.measure_cost_ratio` on this decoder's own forward path: its few-row kernels
+        """:func:`decode.costs.measure_cost_ratio` on this decoder's own forward path: its few-row kernels
         setting, each model's cache kind (static or dynamic) and, with ``compile``, the compiled forwards; ids the
         draft cannot embed are replaced by its substitute id in both models' input (only the shapes matter).
 
         Args:
             context_ids: ``(B, L)`` LongTensor of target ids on the models' device (B rows: costs at batch size B).
-            repeats, verify_gammas, progress: as in :func:`decode.speedup.measure_cost_ratio`.
+            repeats, verify_gammas, progress: as in :func:`decode.costs.measure_cost_ratio`.
 
         Returns:
-            the dict of :func:`decode.speedup.measure_cost_ratio` (seconds; ``cost_ratio`` = c).
+            the dict of :func:`decode.costs.measure_cost_ratio` (seconds; ``cost_ratio`` = c).
 
         Raises:
-            ValueError: this decoder has no draft, or a bad argument (as :func:`decode.speedup.measure_cost_ratio`
+            ValueError: this decoder has no draft, or a bad argument (as :func:`decode.costs.measure_cost_ratio`
                 raises; ids are checked against the target before the draft's substitution).
         """
-        from decode.speedup import measure_cost_ratio
+        from decode.costs import measure_cost_ratio
 
         return measure_cost_ratio(self.target, self.draft, self._cost_context(context_ids, "measure_costs"),
                                   repeats=repeats, verify_gammas=verify_gammas, progress=progress,
@@ -666,10 +666,10 @@ class SpeculativeDecoder:
                                   draft_call=self._draft_call, few_row_linear=self.few_row_linear)
 
     def cost_timer(self, context_ids: torch.Tensor, verify_gammas: Sequence[int] = ()):
-        """:meth:`measure_costs` one round at a time: a :class:`decode.speedup.CostTimer` on this decoder's forward
+        """:meth:`measure_costs` one round at a time: a :class:`decode.costs.CostTimer` on this decoder's forward
         path (call ``round()`` as often as wanted, then ``result()``), e.g. to spread the timing over a benchmark's
         run. Arguments and errors as :meth:`measure_costs`."""
-        from decode.speedup import CostTimer
+        from decode.costs import CostTimer
 
         return CostTimer(self.target, self.draft, self._cost_context(context_ids, "cost_timer"), verify_gammas,
                          static_cache=self._static, target_call=self._target_call, draft_call=self._draft_call,
@@ -678,7 +678,7 @@ class SpeculativeDecoder:
     def _cost_context(self, context_ids: torch.Tensor, caller: str) -> torch.Tensor:
         """The cost measurement's context as the models read it, checked against the target first (the draft's
         substitution would hide an id too large for it)."""
-        from decode.speedup import check_context_ids
+        from decode.costs import check_context_ids
 
         if self.draft is None:
             raise ValueError(f"{caller}() times the draft against the target; this decoder has no draft")

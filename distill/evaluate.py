@@ -24,7 +24,7 @@ def measure_costs(target: Any, draft: Any, prompts: list[list[int]], max_gamma: 
                   repeats: int = 7, progress: ProgressFn | None = None) -> tuple[float, list[float] | None]:
     """The cost model on this hardware: c = draft / target time of one single-token decode forward with a KV
     cache, and the verify costs v_γ = t(target forward over γ+1 tokens) / t(one token), at a context built from
-    the held-out prompts (:func:`decode.speedup.measure_cost_ratio`, the benchmark's measurement).
+    the held-out prompts (:func:`decode.costs.measure_cost_ratio`, the benchmark's measurement).
 
     Args:
         max_gamma: v_γ is measured for γ = 1..max_gamma (0: not measured, None returned for it).
@@ -38,7 +38,7 @@ def measure_costs(target: Any, draft: Any, prompts: list[list[int]], max_gamma: 
     """
     from decode.compat import draft_input_substitute, output_vocab_size, substitute_draft_inputs
     from decode.engine import context_length
-    from decode.speedup import measure_cost_ratio as measure
+    from decode.costs import measure_cost_ratio as measure
     from decode.speedup import smooth_verify_costs
 
     device = next(target.parameters()).device

@@ -7,7 +7,7 @@
    forward) with ``--linear-rows`` rows, for each form the kernels choose between (``F.linear``,
    :func:`decode.kernels.transposed_linear`, :func:`decode.kernels.packed_linear` where oneDNN is present),
    alternating forms, median of ``--linear-repeats`` passes.
-1. Forward costs through the engine's forward path (:func:`decode.speedup.measure_cost_ratio`, the function the
+1. Forward costs through the engine's forward path (:func:`decode.costs.measure_cost_ratio`, the function the
    recipe, the quickstart and the bench use): target and draft single-token forwards and the target's verify
    forwards of γ+1 tokens (v_γ), with the kernels on and off, alternating rounds.
 2. End to end: for each prompt of the quickstart's held-out sets (``--limit`` per set) and each temperature, plain
@@ -111,7 +111,7 @@ def linear_forms(model, rows: list[int], repeats: int) -> dict:
 def forward_costs(target, draft, context: torch.Tensor, repeats: int, max_gamma: int, rounds: int) -> dict:
     """Engine-path forward costs with the kernels on and off, ``rounds`` alternating measurements each."""
     from decode import kernels
-    from decode.speedup import measure_cost_ratio
+    from decode.costs import measure_cost_ratio
 
     out: dict[str, list] = {"on": [], "off": []}
     for _ in range(rounds):

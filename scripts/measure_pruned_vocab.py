@@ -11,7 +11,7 @@ sequences, one target pass shared by every N, :mod:`distill.vocab`). With ``--st
 included, is then fine-tuned for S steps of the quickstart recipe (equal compute) and exported.
 
 Then, in one interleaved run (plain decoding and every draft per prompt, same seeds): the draft's bare forward ms
-(:func:`decode.bench.bare_forward.measure_bare_forwards`), the engine's c (:func:`decode.speedup.measure_cost_ratio`),
+(:func:`decode.bench.bare_forward.measure_bare_forwards`), the engine's c (:func:`decode.costs.measure_cost_ratio`),
 α per token and τ at each temperature, and the measured speedup over plain decoding (Σ plain wall / Σ speculative
 wall over the same prompts), using :func:`decode.bench.runs.run_ours`. At T = 0 every draft's output must equal
 plain greedy decoding (``greedy_equal``). Prints a table and writes ``<out>/results.json`` (refused if it exists).
@@ -193,7 +193,7 @@ def measure(args, target, drafts: list[dict], prompts: list[list[int]], tokenize
     from decode.engine import left_pad
     from decode.loading import load_causal_lm
     from decode.metrics import DecodeStats
-    from decode.speedup import measure_cost_ratio
+    from decode.costs import measure_cost_ratio
 
     device = next(target.parameters()).device
     cfg = BenchConfig(gammas=[args.gamma], auto=False, temperatures=args.temperatures,

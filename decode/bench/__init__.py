@@ -15,7 +15,7 @@ One job per module (see docs/bench.md):
   ``scripts/gpu_bench.sh``.
 
 α is Leviathan et al.'s per-token acceptance (``alpha``); ``acceptance_rate`` is Σaccepted/Σdrafted; c comes from
-``decode.speedup.measure_cost_ratio``; the prediction is (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (Leviathan et al.
+``decode.costs.measure_cost_ratio``; the prediction is (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (Leviathan et al.
 2023, Sec. 3) and its verify-aware variant.
 """
 from decode.bench.cli import build_parser, main, run_cli
@@ -24,7 +24,7 @@ from decode.bench.hf_assisted import hf_generation_config, run_hf
 from decode.bench.pool import alpha_from_steps
 from decode.bench.report import OutputPaths, must_show, render_tables, validate_results, write_outputs
 from decode.bench.runs import SCHEMA_VERSION, compile_supported, run_benchmark, run_ours
-from decode.speedup import measure_cost_ratio
+from decode.costs import measure_cost_ratio
 
 __all__ = ["BenchConfig", "Method", "OURS", "HF", "SCHEMA_VERSION", "OutputPaths", "alpha_from_steps",
            "build_methods", "build_parser", "compile_supported", "hf_generation_config", "main", "measure_cost_ratio",

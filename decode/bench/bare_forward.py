@@ -1,7 +1,7 @@
 """The reference point for the engine's cost ratio: the two models' bare Hugging Face decode forwards (and, for
 the end-to-end prediction, their bare prefills).
 
-``decode.speedup.measure_cost_ratio`` gives c as the engine pays it (its own forward path). Here each model is
+``decode.costs.measure_cost_ratio`` gives c as the engine pays it (its own forward path). Here each model is
 called the plainest way HF allows, ``model(input_ids=(1, 1), cache=...)`` on its own prefilled
 ``DynamicCache`` with no mask and no positions, so ``c / bare_cost_ratio`` is the share of the draft's cost that the
 engine adds on top of the models themselves (issue #8 asks for at most 1.25).
@@ -21,7 +21,7 @@ from decode.bench.timing import sync
 
 class BareTimer:
     """The timing behind :func:`measure_bare_forwards`, one round at a time (the benchmark spreads its rounds over
-    its run, next to the engine's :class:`decode.speedup.CostTimer`).
+    its run, next to the engine's :class:`decode.costs.CostTimer`).
 
     Each :meth:`round` prefills the context's prefix with each model (timed), then feeds the last token on a copy
     of that prefill's cache (copied outside the timing), target and draft alternating; the first
@@ -29,14 +29,14 @@ class BareTimer:
     (the engine's matmul kernels, so the engine's c and this ratio differ only in the work around the models).
 
     Raises:
-        ValueError: as ``decode.speedup.check_timer_inputs`` (no draft, a context that is not a (1, L >= 2)
+        ValueError: as ``decode.costs.check_timer_inputs`` (no draft, a context that is not a (1, L >= 2)
             integer tensor of ids both models embed and whose positions they hold, a bad ``warmup_rounds`` or
             ``few_row_linear``); :meth:`result` before a timed round.
     """
 
     def __init__(self, target, draft, context_ids: torch.Tensor, few_row_linear: bool = False,
                  warmup_rounds: int = 2):
-        from decode.speedup import check_timer_inputs
+        from decode.costs import check_timer_inputs
 
         check_timer_inputs(target, draft, context_ids, warmup_rounds=warmup_rounds, few_row_linear=few_row_linear)
         if context_ids.shape[0] != 1:
@@ -107,7 +107,7 @@ def measure_bare_forwards(target, draft, context_ids: torch.Tensor, repeats: int
     Raises:
         ValueError: as :class:`BareTimer`, or ``repeats`` not an integer >= 1.
     """
-    from decode.speedup import check_repeats
+    from decode.costs import check_repeats
 
     check_repeats(repeats)
     timer = BareTimer(target, draft, context_ids, few_row_linear)

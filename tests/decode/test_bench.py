@@ -868,7 +868,7 @@ def test_cost_rounds_are_spread_over_the_main_pass(monkeypatch):
     """c, v_γ and the bare reference are timed before each prompt's runs, not once before them all: on pair X the
     ratio of measured to predicted speedup moved by ±0.1 between runs with a cost measured at one moment."""
     from decode.bench import bare_forward, runs
-    from decode.speedup import CostTimer
+    from decode.costs import CostTimer
 
     events = []
     for cls, name in ((CostTimer, "cost"), (bare_forward.BareTimer, "bare")):

@@ -265,20 +265,20 @@ def test_calibrate_times_the_forwards_the_steps_run(pair, monkeypatch):
     """The auto-γ cost model is measured through the decoder's own forward calls (the compiled ones with
     ``compile``; a counting call stands in for them here) on its cache kind; it used to time the eager models on
     a DynamicCache, so a compiled draft's lower c never reached the γ choice."""
-    import decode.speedup
+    import decode.costs
 
     target, drafts = pair
     dec = SpeculativeDecoder(target, drafts["copy"], "auto", max_auto_draft_tokens=2)
     calls = []
     dec._draft_call = lambda **kw: calls.append(kw["input_ids"].shape) or dec.draft(**kw)
     seen = {}
-    real = decode.speedup.measure_cost_ratio
+    real = decode.costs.measure_cost_ratio
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decode.speedup, "measure_cost_ratio", spy)
+    monkeypatch.setattr(decode.costs, "measure_cost_ratio", spy)
     costs = dec.calibrate([5, 6, 7, 8], (1,), repeats=2)
     assert calls == [torch.Size([1, 1])] * 4  # 2 timed + 2 untimed one-token draft forwards
     assert seen["static_cache"] == dec._static and seen["target_call"] is None

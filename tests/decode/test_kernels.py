@@ -166,7 +166,7 @@ def test_check_packed_does_the_first_use_check_before_a_timed_forward(monkeypatc
     calls = []
     monkeypatch.setattr(kernels, "check_packed", lambda *models: calls.append(len(models)))
     from decode.bench.bare_forward import BareTimer
-    from decode.speedup import CostTimer
+    from decode.costs import CostTimer
 
     target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
     ctx = torch.tensor([[1, 5, 6, 7, 8]])

@@ -375,7 +375,7 @@ def test_measure_cost_ratio_times_the_given_calls_on_the_same_context_each_time(
     import torch
 
     from decode import cache as kv
-    from decode.speedup import measure_cost_ratio
+    from decode.costs import measure_cost_ratio
     from tests.conftest import perturbed_copy, tiny_llama
 
     target = tiny_llama(seed=0, layers=1)
@@ -408,7 +408,7 @@ def test_measure_cost_ratio_names_a_bad_argument_before_any_forward():
     """These raised IndexError/RuntimeError/StatisticsError from inside the models or the median."""
     import torch
 
-    from decode.speedup import measure_cost_ratio
+    from decode.costs import measure_cost_ratio
     from tests.conftest import perturbed_copy, tiny_llama
 
     target = tiny_llama(seed=0, layers=1)  # 256 positions
@@ -438,7 +438,7 @@ def test_cost_timers_name_a_bad_argument_before_any_forward():
     import torch
 
     from decode.bench.bare_forward import BareTimer, measure_bare_forwards
-    from decode.speedup import CostTimer
+    from decode.costs import CostTimer
     from tests.conftest import perturbed_copy, tiny_llama
 
     target = tiny_llama(seed=0, layers=1)  # 256 positions

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's decode/, also when not installed
 
-from decode.bench import (BenchConfig, OutputPaths, compile_supported, must_show, render_tables,  # noqa: E402
+from decode.bench import (BenchConfig, OutputPaths, compile_supported, highlights, render_tables,  # noqa: E402
                           run_benchmark, write_outputs)
 from decode.bench.config import parse_gammas, parse_list  # noqa: E402
 from decode.bench.synthetic_pair import build_pair, greedy_agreement  # noqa: E402
@@ -81,7 +81,7 @@ def stage(name: str, pair, prompts, cfg: BenchConfig, paths: OutputPaths | None,
     if paths is not None:
         written = write_outputs(results, paths)
     else:
-        results["report"] = must_show(results)
+        results["report"] = highlights(results)
     print(f"\n=== {name}: {results['wall_s']:.0f} s ===", flush=True)
     render_tables(results)
     if paths is not None:

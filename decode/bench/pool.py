@@ -132,7 +132,7 @@ def prefill_seconds(stats: DecodeStats) -> float:
     """Seconds spent before the first step, estimated from pooled stats: the time to the first step's tokens
     (``ttft_s``) less those tokens at the decode phase's per-token latency. For plain decoding the first step is one
     target forward, so this is the prefill; for a speculative decoder, the prefill of both models (the draft's
-    included). The end-to-end prediction of the must-show report takes plain decoding's share of it."""
+    included). The end-to-end prediction of the highlights takes plain decoding's share of it."""
     first = stats.num_first_step_tokens or stats.num_sequences
     return max(0.0, stats.ttft_s - first * stats.per_token_latency_s)
 

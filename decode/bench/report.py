@@ -1,5 +1,5 @@
-"""What a benchmark run reports: the must-show summary of issue #8, the ``results.json`` schema, where outputs go
-(checked before the run), and the rich tables on the terminal."""
+"""What a benchmark run reports: the highlights (headline comparisons, each with its goal), the ``results.json``
+schema, where outputs go (checked before the run), and the rich tables on the terminal."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -17,8 +17,8 @@ from decode.bench.pool import RUN_METRICS, batching_of
 from decode.bench.runs import SCHEMA_VERSION
 from decode.outputs import writable
 
-# ----------------------------------------------------------------------------------------------- must-show report
-# Issue #8's goals for the engine on the quickstart pair: (comparison, bound). Batch goals depend on the batch size
+# ----------------------------------------------------------------------------------------------- highlights
+# The engine's goals on the quickstart pair: (comparison, bound). Batch goals depend on the batch size
 # and, for batch 8, on the temperature (1.0 at T=0, 1.15 at T>0); other batch sizes have none.
 GOALS = {"cost_ratio_vs_bare": ("<=", 1.25), "measured_vs_verify_aware": (">=", 0.95),
          "measured_vs_end_to_end": (">=", 0.95), "decode_vs_verify_aware": (">=", 0.95),
@@ -86,8 +86,8 @@ def end_to_end_prediction(runs: dict[str, dict], method: str, plain: str, prefil
                          f"cost.bare.prefill_cost_ratio: {e}") from None
 
 
-def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The comparisons issue #8 asks for, per temperature, computed from a results dict (or loaded JSON).
+def highlights(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The headline comparisons of a run, per temperature, computed from a results dict (or loaded JSON).
 
     Each temperature gets ``checks``: {name, ours, reference, ratio = ours / reference, goal, met (None without a
     goal or a value)}:
@@ -116,65 +116,95 @@ def must_show(results: dict[str, Any]) -> list[dict[str, Any]]:
       the same goals;
     - ``auto_vs_best_fixed``: γ="auto" speedup over the best fixed γ's.
     """
-    cost = results["cost"]
-    c, bare = cost["cost_ratio"], (cost.get("bare") or {}).get("cost_ratio")
-    prefill_ratio = (cost.get("bare") or {}).get("prefill_cost_ratio")
-    compile_ = (results.get("config") or {}).get("compile")
     out = []
     for s in results["summary"]:
-        t = s["temperature"]
+        t, best = s["temperature"], s["best_gamma_measured"]
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == t}
-        best = s["best_gamma_measured"]
-        checks = [_check("cost_ratio_vs_bare", _ratio(c, bare), c, bare, GOALS["cost_ratio_vs_bare"])]
-        at_best = runs.get(f"spec_g{best}", {}) if best else {}
-        checks.append(_check("measured_vs_verify_aware",
-                             _ratio(at_best.get("speedup"), at_best.get("predicted_speedup_verify_aware")),
-                             at_best.get("speedup"), at_best.get("predicted_speedup_verify_aware"),
-                             GOALS["measured_vs_verify_aware"], gamma=best))
-        whole = end_to_end_prediction(runs, f"spec_g{best}", "plain", prefill_ratio) if best else None
-        checks.append(_check("measured_vs_end_to_end", _ratio(at_best.get("speedup"), whole), at_best.get("speedup"),
-                             whole, GOALS["measured_vs_end_to_end"], gamma=best))
-        checks.append(_check("decode_vs_verify_aware",
-                             _ratio(at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware")),
-                             at_best.get("decode_speedup"), at_best.get("predicted_speedup_verify_aware"),
-                             GOALS["decode_vs_verify_aware"], gamma=best))
-        if cost.get("compiled"):  # --compile: the same four for the compiled decoder, against its own costs
-            cc = cost["compiled"]["cost_ratio"]
-            checks.append(_check("cost_ratio_compiled_vs_bare", _ratio(cc, bare), cc, bare,
-                                 GOALS["cost_ratio_vs_bare"], compile=compile_))
-            method = f"spec_g{best}_compiled"
-            predicted = (runs.get(method) or {}).get("predicted_speedup_verify_aware")
-            plain = "plain" if compile_ == "draft" else "plain_compiled"
-            whole = end_to_end_prediction(runs, method, plain, prefill_ratio) if best else None
-            for name, key, reference in (("measured_compiled_vs_verify_aware", "speedup", predicted),
-                                         ("measured_compiled_vs_end_to_end", "speedup", whole),
-                                         ("decode_compiled_vs_verify_aware", "decode_speedup", predicted)):
-                ours = compiled_over_own_plain(runs, method, key, compile_) if best else None
-                checks.append(_check(name, _ratio(ours, reference), ours, reference,
-                                     GOALS[name.replace("_compiled", "")], gamma=best, compile=compile_))
-        for g in sorted(int(k) for k in s["hf_assisted_fixed_speedup"]):
-            if f"spec_g{g}" in runs:
-                ours, hf = runs[f"spec_g{g}"]["speedup"], s["hf_assisted_fixed_speedup"][str(g)]
-                checks.append(_check("ours_vs_hf_assisted", _ratio(ours, hf), ours, hf, GOALS["ours_vs_hf_assisted"],
-                                     gamma=g, analytic_bound=_ratio(
-                                         runs[f"spec_g{g}"].get("predicted_speedup_verify_aware"), hf)))
-            if f"spec_g{g}_compiled" in runs:  # --compile: the compiled decoder against the same HF runs
-                ours = runs[f"spec_g{g}_compiled"]["speedup"]
-                checks.append(_check("ours_compiled_vs_hf_assisted", _ratio(ours, hf), ours, hf,
-                                     GOALS["ours_vs_hf_assisted"], gamma=g, compile=compile_))
-        batch = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] > 1 and not b["compiled"]]
-        for b in sorted((b for b in batch if b["method"] != "plain"),
-                        key=lambda b: (batching_of(b) != "static", b["batch_size"])):
-            plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]
-                     and batching_of(p) == batching_of(b)]
-            checks.append(_check("batch_speedup" if batching_of(b) == "static" else "batch_continuous_speedup",
-                                 b["speedup"], b["tokens_per_s"], plain[0]["tokens_per_s"] if plain else None,
-                                 _batch_goal(b["batch_size"], t), gamma=b["num_draft_tokens"],
-                                 batch_size=b["batch_size"], predicted=b.get("predicted_speedup")))
+        checks = (_eager_checks(results, runs, best) + _compiled_checks(results, runs, best)
+                  + _hf_checks(results, runs, s) + _batch_checks(results, t))
         checks.append(_check("auto_vs_best_fixed", s["auto_vs_best_fixed"], s["spec_auto_speedup"],
                              s["measured_speedup_at_best"], GOALS["auto_vs_best_fixed"], gamma=best))
         out.append({"temperature": t, "checks": checks})
     return out
+
+
+def _costs(results: dict[str, Any]) -> tuple[float, float | None, float | None]:
+    """(engine c, bare HF forward ratio, bare prefill ratio) of a results dict."""
+    cost = results["cost"]
+    bare = cost.get("bare") or {}
+    return cost["cost_ratio"], bare.get("cost_ratio"), bare.get("prefill_cost_ratio")
+
+
+def _eager_checks(results: dict[str, Any], runs: dict[str, dict], best: int | None) -> list[dict[str, Any]]:
+    """c against the bare forwards, and the best fixed γ's speedups against their predictions."""
+    c, bare, prefill_ratio = _costs(results)
+    at_best = runs.get(f"spec_g{best}", {}) if best else {}
+    speedup, decode, predicted = (at_best.get("speedup"), at_best.get("decode_speedup"),
+                                  at_best.get("predicted_speedup_verify_aware"))
+    whole = end_to_end_prediction(runs, f"spec_g{best}", "plain", prefill_ratio) if best else None
+    return [_check("cost_ratio_vs_bare", _ratio(c, bare), c, bare, GOALS["cost_ratio_vs_bare"]),
+            _check("measured_vs_verify_aware", _ratio(speedup, predicted), speedup, predicted,
+                   GOALS["measured_vs_verify_aware"], gamma=best),
+            _check("measured_vs_end_to_end", _ratio(speedup, whole), speedup, whole, GOALS["measured_vs_end_to_end"],
+                   gamma=best),
+            _check("decode_vs_verify_aware", _ratio(decode, predicted), decode, predicted,
+                   GOALS["decode_vs_verify_aware"], gamma=best)]
+
+
+def _compiled_checks(results: dict[str, Any], runs: dict[str, dict], best: int | None) -> list[dict[str, Any]]:
+    """With ``--compile``: the eager checks for the compiled decoder, against its own costs (none without)."""
+    cost = results["cost"]
+    if not cost.get("compiled"):
+        return []
+    _, bare, prefill_ratio = _costs(results)
+    compile_ = (results.get("config") or {}).get("compile")
+    cc = cost["compiled"]["cost_ratio"]
+    checks = [_check("cost_ratio_compiled_vs_bare", _ratio(cc, bare), cc, bare, GOALS["cost_ratio_vs_bare"],
+                     compile=compile_)]
+    method = f"spec_g{best}_compiled"
+    predicted = (runs.get(method) or {}).get("predicted_speedup_verify_aware")
+    plain = "plain" if compile_ == "draft" else "plain_compiled"
+    whole = end_to_end_prediction(runs, method, plain, prefill_ratio) if best else None
+    for name, key, reference in (("measured_compiled_vs_verify_aware", "speedup", predicted),
+                                 ("measured_compiled_vs_end_to_end", "speedup", whole),
+                                 ("decode_compiled_vs_verify_aware", "decode_speedup", predicted)):
+        ours = compiled_over_own_plain(runs, method, key, compile_) if best else None
+        checks.append(_check(name, _ratio(ours, reference), ours, reference, GOALS[name.replace("_compiled", "")],
+                             gamma=best, compile=compile_))
+    return checks
+
+
+def _hf_checks(results: dict[str, Any], runs: dict[str, dict], s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Ours (eager, and compiled with ``--compile``) against HF assisted generation at each fixed γ both ran."""
+    compile_ = (results.get("config") or {}).get("compile")
+    checks = []
+    for g in sorted(int(k) for k in s["hf_assisted_fixed_speedup"]):
+        hf = s["hf_assisted_fixed_speedup"][str(g)]
+        if f"spec_g{g}" in runs:
+            ours = runs[f"spec_g{g}"]["speedup"]
+            checks.append(_check("ours_vs_hf_assisted", _ratio(ours, hf), ours, hf, GOALS["ours_vs_hf_assisted"],
+                                 gamma=g, analytic_bound=_ratio(
+                                     runs[f"spec_g{g}"].get("predicted_speedup_verify_aware"), hf)))
+        if f"spec_g{g}_compiled" in runs:  # --compile: the compiled decoder against the same HF runs
+            ours = runs[f"spec_g{g}_compiled"]["speedup"]
+            checks.append(_check("ours_compiled_vs_hf_assisted", _ratio(ours, hf), ours, hf,
+                                 GOALS["ours_vs_hf_assisted"], gamma=g, compile=compile_))
+    return checks
+
+
+def _batch_checks(results: dict[str, Any], t: float) -> list[dict[str, Any]]:
+    """Speculative over plain tokens/s of each eager batch row of size > 1 at temperature ``t``."""
+    batch = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] > 1 and not b["compiled"]]
+    checks = []
+    for b in sorted((b for b in batch if b["method"] != "plain"),
+                    key=lambda b: (batching_of(b) != "static", b["batch_size"])):
+        plain = [p for p in batch if p["method"] == "plain" and p["batch_size"] == b["batch_size"]
+                 and batching_of(p) == batching_of(b)]
+        checks.append(_check("batch_speedup" if batching_of(b) == "static" else "batch_continuous_speedup",
+                             b["speedup"], b["tokens_per_s"], plain[0]["tokens_per_s"] if plain else None,
+                             _batch_goal(b["batch_size"], t), gamma=b["num_draft_tokens"],
+                             batch_size=b["batch_size"], predicted=b.get("predicted_speedup")))
+    return checks
 
 
 # ----------------------------------------------------------------------------------------------- schema
@@ -273,7 +303,7 @@ class OutputPaths:
 
 def write_outputs(results: dict[str, Any], out: str | os.PathLike | OutputPaths,
                   overwrite: bool = False) -> dict[str, str]:
-    """Add the must-show ``report``, write the JSON first (the run's value), then the PNG plots.
+    """Add the highlights as ``report``, write the JSON first (the run's value), then the PNG plots.
 
     Args:
         out: an ``OutputPaths`` planned before the run, or a path planned here (see ``OutputPaths.plan``).
@@ -295,7 +325,7 @@ def write_outputs(results: dict[str, Any], out: str | os.PathLike | OutputPaths,
         plots = {name: _stamped(p, stamp) for name, p in plots.items()}
         print(f"warning: {', '.join(map(str, taken))} appeared during the run and were kept; this run's outputs "
               "get a timestamped name", file=sys.stderr)
-    results["report"] = must_show(results)
+    results["report"] = highlights(results)
     results["plots"] = {name: str(p) for name, p in plots.items()}
     validate_results(results)
     paths.results.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +371,7 @@ def _x(v) -> str:
 
 def render_tables(results: dict[str, Any], console=None) -> None:
     """Print the cost line, the per-temperature method tables, the summary, the category tables, the batch table
-    and the must-show report with rich. Raises ValueError for results that fail :func:`validate_results`."""
+    and the highlights with rich. Raises ValueError for results that fail :func:`validate_results`."""
     from rich.console import Console
 
     validate_results(results)  # a file of another schema version is named, not a KeyError half-way
@@ -374,7 +404,7 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     _render_categories(results, console)
     _render_batch(results, console)
     if results.get("report"):
-        _render_must_show(results, console)
+        _render_highlights(results, console)
     if results.get("compiled_graphs_during_timing"):
         console.print(f"[bold]note:[/] torch.compile built {results['compiled_graphs_during_timing']} graph(s) inside "
                       "timed runs: the *_compiled timings include compilation (shapes the warm-up did not meet)")
@@ -522,11 +552,11 @@ _LABELS = {
 }
 
 
-def _render_must_show(results, console) -> None:
-    """Issue #8's comparisons, one row each: ours, the reference, their ratio, the goal and whether it is met."""
+def _render_highlights(results, console) -> None:
+    """The highlights, one row each: ours, the reference, their ratio, the goal and whether it is met."""
     from rich.table import Table
 
-    table = Table(title="must-show (issue #8): ours / reference" + _lookup_note(results, brackets=True))
+    table = Table(title="highlights: ours / reference" + _lookup_note(results, brackets=True))
     for col in ("T", "comparison", "ours", "reference", "ratio", "goal", "met"):
         table.add_column(col, justify="left" if col == "comparison" else "right")
     for entry in results["report"]:

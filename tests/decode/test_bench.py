@@ -1,4 +1,4 @@
-"""The benchmark: formulas it reports, the JSON schema, that every method ran, the must-show report, plots, CLI,
+"""The benchmark: formulas it reports, the JSON schema, that every method ran, the highlights, plots, CLI,
 output paths, and bad input. Models go to ``DRAFTKIT_TEST_DEVICE`` (default cpu; see tests/conftest.py).
 
 Timings are never asserted (they live in the benchmark output); only structure, counts and exact relations.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from decode.bench import (OURS, SCHEMA_VERSION, BenchConfig, Method, OutputPaths, alpha_from_steps, build_methods,
-                          must_show, parse_gammas, render_tables, run_benchmark, run_cli, validate_results,
+                          highlights, parse_gammas, render_tables, run_benchmark, run_cli, validate_results,
                           write_outputs)
 from decode.speedup import best_gamma, end_to_end_speedup, expected_tokens_per_step, predicted_speedup
 from tests.conftest import TEST_DEVICE, perturbed_copy, tiny_llama
@@ -203,7 +203,7 @@ def test_batch_pass_has_every_size(bench_run):
 
 def test_static_speculative_batch_rows_carry_their_prediction(bench_run):
     """Every eager speculative row of a static batch gets the prediction it is read against (a decoder with no cost
-    beyond its forwards, ``predicted_batch_speedup``), shown in the batch table and the must-show label; plain rows,
+    beyond its forwards, ``predicted_batch_speedup``), shown in the batch table and the highlights label; plain rows,
     streams and the reused batch-1 rows have none, and a table with none shows no such column."""
     results, _, cfg, _ = bench_run
     for b in results["batch"]:
@@ -212,7 +212,7 @@ def test_static_speculative_batch_rows_carry_their_prediction(bench_run):
             assert isinstance(b["predicted_speedup"], float) and 0 < b["predicted_speedup"] < cfg.max_new_tokens
         else:
             assert b["predicted_speedup"] is None
-    checks = [ck for e in must_show(results) for ck in e["checks"] if ck["name"] == "batch_speedup"]
+    checks = [ck for e in highlights(results) for ck in e["checks"] if ck["name"] == "batch_speedup"]
     assert checks and all(ck["predicted"] is not None for ck in checks)
     from rich.console import Console
 
@@ -314,7 +314,7 @@ def test_records_re_pool_to_the_runs_alpha(bench_run):
         assert all(r["stats"] is None for r in results["records"][f"{t}/hf_assisted"])
 
 
-def test_must_show_report_relates_the_reported_numbers(bench_run):
+def test_highlights_relate_the_reported_numbers(bench_run):
     results, _, cfg, _ = bench_run
     cost = results["cost"]
     assert cost["bare"]["cost_ratio"] == pytest.approx(cost["bare"]["draft_forward_s"]
@@ -363,44 +363,44 @@ def test_must_show_report_relates_the_reported_numbers(bench_run):
         assert checks[("auto_vs_best_fixed", None)]["ratio"] == s["auto_vs_best_fixed"]
 
 
-def test_must_show_goals_are_issue_8s(bench_run):
+def test_highlights_goals(bench_run):
     results = json.loads(json.dumps(bench_run[0]))
     results["cost"]["cost_ratio"] = 0.12
     for bare, met in ((0.1, True), (0.09, False)):  # c / bare = 1.2 meets "<= 1.25"; 1.33 does not
         results["cost"]["bare"]["cost_ratio"] = bare
-        check = must_show(results)[0]["checks"][0]
+        check = highlights(results)[0]["checks"][0]
         assert (check["name"], check["goal"], check["met"]) == ("cost_ratio_vs_bare", "<= 1.25", met)
     edited = json.loads(json.dumps(results))
     for run in edited["runs"]:
         run["overall"]["prefill_s"] = -1.0  # an edited file: named, not a bare error from the formula
     with pytest.raises(ValueError, match=r"runs\[plain\]\.overall\.prefill_s / total_s.*prefill_share must be"):
-        must_show(edited)
+        highlights(edited)
     del results["cost"]["bare"]["prefill_cost_ratio"]  # a results.json from before the bare prefills (schema 3)
-    whole = [c for c in must_show(results)[0]["checks"] if c["name"] == "measured_vs_end_to_end"]
+    whole = [c for c in highlights(results)[0]["checks"] if c["name"] == "measured_vs_end_to_end"]
     assert [(c["reference"], c["ratio"], c["met"]) for c in whole] == [(None, None, None)]
     with pytest.raises(ValueError, match=r"cost\.bare: missing keys \['prefill_cost_ratio'\]"):
         validate_results(results)  # a schema-4 file needs it (render_tables prints it)
     for b in results["batch"]:
         b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
     goals = {e["temperature"]: [(c["name"], c["goal"]) for c in e["checks"] if c["name"].startswith("batch_")]
-             for e in must_show(results)}
+             for e in highlights(results)}
     assert goals == {t: [("batch_speedup", goal)] * 2 + [("batch_continuous_speedup", goal)] * 2  # fixed γ, auto
                      for t, goal in ((0.0, ">= 1"), (1.0, ">= 1.15"))}
     for b in results["batch"]:  # a file from before continuous batching: every row static
         del b["batching"]
-    assert {c["name"] for e in must_show(results) for c in e["checks"]} & {"batch_continuous_speedup"} == set()
+    assert {c["name"] for e in highlights(results) for c in e["checks"]} & {"batch_continuous_speedup"} == set()
 
 
-def test_the_must_show_table_prints_a_missed_ratio_so_that_it_reads_missed():
+def test_the_highlights_table_prints_a_missed_ratio_so_that_it_reads_missed():
     """0.9469 against ">= 0.95" printed as "0.95 ... no"."""
     from rich.console import Console
 
-    from decode.bench.report import _render_must_show
+    from decode.bench.report import _render_highlights
 
     ck = {"name": "cost_ratio_vs_bare", "ours": 0.2, "reference": 0.2112, "ratio": 0.9469, "goal": ">= 0.95",
           "met": False}
     console = Console(record=True, width=200)
-    _render_must_show({"report": [{"temperature": 0.0, "checks": [ck]}]}, console)
+    _render_highlights({"report": [{"temperature": 0.0, "checks": [ck]}]}, console)
     row = next(line for line in console.export_text().splitlines() if "engine c" in line)
     assert "0.947" in row and "0.95 " not in row.replace(">= 0.95", "") and row.rstrip(" │").endswith("no")
 
@@ -461,13 +461,13 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
     assert "bare HF prefills of" in printed
     assert "decoding: 12/12 (" in captured.err  # progress shows in a log too (stderr is not a terminal here)
-    assert "must-show (issue #8)" in printed and "ours / HF assisted speedup, γ=2" in printed
+    assert "highlights: ours / reference" in printed and "ours / HF assisted speedup, γ=2" in printed
     assert results["config"]["prompt_lookup_ngram"] == 0 and "prompt lookup" not in printed
     from decode.bench.report import render_tables
 
     render_tables(dict(results, config=dict(results["config"], prompt_lookup_ngram=2)))  # a trial: said nowhere
     shown = " ".join(capsys.readouterr().out.split())
-    assert shown.count("ours with prompt lookup (n = 2) at T = 0, HF assisted without") == 2  # summary, must-show
+    assert shown.count("ours with prompt lookup (n = 2) at T = 0, HF assisted without") == 2  # summary, highlights
     render_tables(dict(results, config=dict(results["config"], prompt_lookup_ngram=2, temperatures=[1.0])))
     assert "prompt lookup" not in capsys.readouterr().out  # no greedy run: it did nothing, so nothing is claimed
     # Bad input through the dispatcher: exit status 2 and the message, no traceback.
@@ -996,7 +996,7 @@ def test_compile_option_maps_to_the_decoder_setting():
 
 
 @pytest.mark.parametrize("compile", ["draft", "both"])
-def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_prediction(bench_run, compile):
+def test_highlights_compare_a_compiled_run_with_hf_assisted_and_its_own_prediction(bench_run, compile):
     """With --compile, spec_g{γ}_compiled gets its own row against the same HF assisted run, and the compiled c and
     the compiled run at the best γ are checked against the bare ratio and their own (compiled-c) prediction, which
     is over plain_compiled when the target is compiled too (over eager plain with the draft alone compiled)."""
@@ -1013,7 +1013,7 @@ def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_predicti
         for key, factor in factors.items():
             twin["overall"][key] = run["overall"][key] * factor
         results["runs"].append(twin)
-    for entry, s in zip(must_show(results), results["summary"]):
+    for entry, s in zip(highlights(results), results["summary"]):
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == entry["temperature"]}
         checks = {c["name"]: c for c in entry["checks"] if c["name"] != "batch_speedup"}
         ck = checks["ours_compiled_vs_hf_assisted"]  # both over eager plain
@@ -1041,7 +1041,7 @@ def test_must_show_compares_a_compiled_run_with_hf_assisted_and_its_own_predicti
     from rich.console import Console
 
     buf = io.StringIO()
-    render_tables(dict(results, report=must_show(results)), Console(file=buf, width=250))
+    render_tables(dict(results, report=highlights(results)), Console(file=buf, width=250))
     text = buf.getvalue()
     assert "compiled c = " in text and "its verify-aware prediction" in text, text
 
@@ -1262,7 +1262,7 @@ def test_gpu_bench_script_end_to_end_on_cpu_with_tiny_sizes(tmp_path):
                                                       "hf_assisted_g4"}
     assert {b["batch_size"] for b in results["batch"]} == {1, 16} and results["pair"]["size"] == "tiny"
     assert all(r["overall"]["matches_plain_greedy"] == 1.0 for r in results["runs"] if r["temperature"] == 0)
-    assert "must-show (issue #8)" in done.stdout and "compiled:" in done.stdout
+    assert "highlights: ours / reference" in done.stdout and "compiled:" in done.stdout
     assert (tmp_path / "bench.log").read_text().count("=== gpu_bench") >= 1
     # A second run into the same OUT refuses before doing anything: the first run's files stay.
     again = subprocess.run(["bash", str(root / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, text=True,

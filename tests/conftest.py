@@ -113,48 +113,6 @@ def make_tokenizer(words: list[str] | None = None, **special):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
 
 
-def load_script(name: str):
-    """``scripts/<name>.py`` imported as a module (the scripts are not a package), for tests of their logic."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
-@pytest.fixture(scope="module")
-def float32_pair():
-    """``(target, draft, tokenizer)``: a tiny float32 Llama target, a perturbed copy as its draft, a word tokenizer
-    (the measurement scripts' tests: float32 is what the CPU kernels and timings see)."""
-    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
-    return target, perturbed_copy(target, 0.5), make_tokenizer()
-
-
-def script_refuses_before_writing(main, cases, pair_dir: Path, out: Path, capsys) -> None:
-    """A measurement script's CLI contract: each ``(argv, message)`` case exits 2 naming the problem and creates no
-    ``out``; a second ``out`` that already holds a results.json is refused and left as it was."""
-    for argv, message in cases:
-        with pytest.raises(SystemExit) as e:
-            main([*argv, "--out", str(out)])
-        assert e.value.code == 2 and message in capsys.readouterr().err, (argv, message)
-        assert not out.exists()
-    out.mkdir()
-    (out / "results.json").write_text("{}")
-    with pytest.raises(SystemExit) as e:
-        main(["--pair", str(pair_dir), "--out", str(out)])
-    assert e.value.code == 2 and "exists" in capsys.readouterr().err
-    assert (out / "results.json").read_text() == "{}"
-
-
-def quickstart_pair_dir(root: Path, drafts=("draft-distilled",)) -> Path:
-    """An empty quickstart-like pair folder (target/, tokenizer/ and the given draft folders) for CLI checks."""
-    for d in ("target", "tokenizer", *drafts):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    return root
-
-
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An empty private hub cache that huggingface_hub and transformers read instead of ~/.cache."""

@@ -1,6 +1,6 @@
-"""Every bad input of the issue raises a clear error naming the fix, before any model loads or any step runs.
+"""Every documented bad input raises a clear error naming the fix, before any model loads or any step runs.
 
-The command-line cases are the table of docs/distill.md (scripts/bad_inputs.py, which runs them as subprocesses);
+The command-line cases are the table of docs/distill.md (dev/bad_inputs.py, which runs them as subprocesses);
 here each runs in-process: exit code 2, the expected named error, no model or tokenizer loaded, no run folder.
 """
 import json
@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
+from dev.bad_inputs import CASES, case_command, make_fixtures, run_case
 from distill.__main__ import main
 from distill.models import SetupError
 from distill.recipe import train
 from distill_helpers import compose, make_tokenizer, overrides
-from scripts.bad_inputs import CASES, case_command, make_fixtures
 
 
 def _fails(pair, tmp_path, *extra, match):
@@ -271,7 +271,7 @@ def test_at_least_30_documented_bad_inputs():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "distill.md").read_text()
     assert len(CASES) >= 30
     for what, _, _ in CASES:
-        assert f"| {what} |" in doc, f"docs/distill.md's table lacks {what!r}: rerun scripts/bad_inputs.py"
+        assert f"| {what} |" in doc, f"docs/distill.md's table lacks {what!r}: rerun python dev/bad_inputs.py --write"
 
 
 def test_null_completion_and_missing_field_named_by_row_when_loading(pair, tmp_path):
@@ -292,9 +292,7 @@ def test_null_completion_and_missing_field_named_by_row_when_loading(pair, tmp_p
 @pytest.mark.parametrize("what", ["typo, as Hydra's hint suggests", "malformed JSON line", "scalar for a list",
                                   "negative pretrain budget"])
 def test_real_process_exits_2_without_traceback(what, fixtures):
-    """The same cases as a real `python -m distill` process (what scripts/bad_inputs.py tabulates for the docs)."""
-    from scripts.bad_inputs import run_case
-
+    """The same cases as a real `python -m distill` process (what dev/bad_inputs.py tabulates for the docs)."""
     _, args, expect = next(c for c in CASES if c[0] == what)
     r = run_case(*case_command(args, fixtures))
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -1,7 +1,7 @@
 """Run every bad input of the distill command line (and the quickstart's) and print the table of docs/distill.md.
 
-    python scripts/bad_inputs.py            # prints the table; exits 1 if any case is not exit 2 or shows a traceback
-    python scripts/bad_inputs.py --write    # also puts it between the bad-inputs markers of docs/distill.md
+    python dev/bad_inputs.py            # prints the table; exits 1 if any case is not exit 2 or shows a traceback
+    python dev/bad_inputs.py --write    # also puts it between the bad-inputs markers of docs/distill.md
 
 Each case runs ``python -m distill ...`` (``python -m quickstart ...`` for the quickstart's) in a subprocess against
 throw-away fixtures (an empty "target" folder, a few small JSONL files): every one must exit with code 2, print one
@@ -143,7 +143,7 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ").strip()
 
 
-START, END = "<!-- bad-inputs:start (scripts/bad_inputs.py --write) -->", "<!-- bad-inputs:end -->"
+START, END = "<!-- bad-inputs:start (dev/bad_inputs.py --write) -->", "<!-- bad-inputs:end -->"
 
 
 def write_docs(table: str, doc: Path = REPO / "docs" / "distill.md") -> None:

@@ -4,7 +4,7 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_relative_out_is_taken_from_the_current_folder(tmp_path):

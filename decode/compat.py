@@ -69,11 +69,10 @@ def substitute_draft_inputs(ids: Any, substitute: tuple[int, int] | None) -> Any
     return torch.where(ids < limit, ids, sub)
 
 
-def tokenizer_fingerprint(tokenizer: Any, special: dict | None = None) -> str:
+def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A 16-hex-digit hash of the vocabulary (token -> id), the special tokens and the chat template: two
-    tokenizers with the same fingerprint turn text into the same ids (the logit cache and pruned drafts store it).
-    ``special``: hash these special tokens instead of ``tokenizer.special_tokens_map`` (see :func:`_pad_variants`)."""
-    special = tokenizer.special_tokens_map if special is None else special
+    tokenizers with the same fingerprint turn text and chats into the same ids (the logit cache stores it)."""
+    special = tokenizer.special_tokens_map
     h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps({"special": {k: str(v) for k, v in sorted(special.items())},
                          "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
@@ -82,26 +81,9 @@ def tokenizer_fingerprint(tokenizer: Any, special: dict | None = None) -> str:
 
 def vocab_fingerprint(tokenizer: Any) -> str:
     """``"v:"`` + a 16-hex-digit hash of the vocabulary alone (token -> id, added tokens included): what a pruned
-    draft's id map depends on, recorded in its config (``draft_vocab_tokenizer_hash``) since 2026-12-05. A chat
-    template or another pad token changes no id, so it changes no map (:func:`tokenizer_fingerprint`, which maps
-    recorded before, hashes those too)."""
+    draft's id map depends on, recorded in its config (``draft_vocab_tokenizer_hash``). A chat template or another
+    pad token changes no id, so it changes no map (unlike :func:`tokenizer_fingerprint`, which hashes those too)."""
     return "v:" + hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
-
-
-def _pad_variants(tokenizer: Any) -> set[str]:
-    """Fingerprints of ``tokenizer`` with and without eos as its pad token (the same ids for every text).
-
-    Training loads a pad-less tokenizer with eos as pad (``pad_from_eos``: batches pad their rows) and saves it so;
-    the decoder loads the target's own, without one. Both name the same tokens, so both must match a map.
-    """
-    special = dict(tokenizer.special_tokens_map)
-    out = {tokenizer_fingerprint(tokenizer, special)}
-    eos = special.get("eos_token")
-    if eos is not None and special.get("pad_token") is None:
-        out.add(tokenizer_fingerprint(tokenizer, {**special, "pad_token": eos}))
-    elif eos is not None and str(special.get("pad_token")) == str(eos):
-        out.add(tokenizer_fingerprint(tokenizer, {k: v for k, v in special.items() if k != "pad_token"}))
-    return out
 
 
 def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) -> None:
@@ -109,8 +91,7 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
 
     The map must have one id per lm_head row, lie in the shared vocabulary ``[0, vocab_size)``, be sorted and
     unique, and (when ``tokenizer`` is given and the draft recorded one) come from the same vocabulary
-    (:func:`vocab_fingerprint`; a map recorded before 2026-12-05 holds :func:`tokenizer_fingerprint`, where eos as pad
-    or no pad token count as the same: :func:`_pad_variants`).
+    (:func:`vocab_fingerprint`, ``"v:"`` + 16 hex digits; a hash in any other form is refused: prune again).
 
     Raises:
         IncompatibleModelsError: naming the draft's map and the target's vocabulary or tokenizer.
@@ -133,19 +114,16 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
     if tokenizer is None or not stored:
         return
     current = vocab_fingerprint(tokenizer)
-    if str(stored).startswith("v:"):
-        if stored != current:
-            raise IncompatibleModelsError(
-                f"the draft's vocabulary map was chosen with tokenizer {stored} but the target's tokenizer is "
-                f"{current} (another vocabulary); its ids would name other tokens. Prune the full-vocabulary draft "
-                "again with this tokenizer (draft.vocab.keep=N)")
-    elif stored not in _pad_variants(tokenizer):  # a map recorded before 2026-12-05: eos as pad or no pad are the same
+    if not str(stored).startswith("v:"):
+        raise IncompatibleModelsError(
+            f"the draft's vocabulary map records tokenizer hash {stored!r}, not a vocabulary hash (\"v:\" + 16 hex "
+            f"digits), so it cannot be checked against the target's tokenizer ({current}). Prune the full-vocabulary "
+            "draft again with this tokenizer (draft.vocab.keep=N)")
+    if stored != current:
         raise IncompatibleModelsError(
             f"the draft's vocabulary map was chosen with tokenizer {stored} but the target's tokenizer is "
-            f"{tokenizer_fingerprint(tokenizer)}; its ids would name other tokens. Prune the full-vocabulary draft "
-            "again with this tokenizer (draft.vocab.keep=N). This map was recorded before 2026-12-05, with a hash "
-            "that also covers the chat template and special tokens: if only those differ (same vocabulary), set "
-            f"{HASH_FIELD} in the draft's config.json to {current}")
+            f"{current} (another vocabulary); its ids would name other tokens. Prune the full-vocabulary draft "
+            "again with this tokenizer (draft.vocab.keep=N)")
 
 
 def _special_ids(tok: Any) -> dict[str, Any]:

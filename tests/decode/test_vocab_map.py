@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
-from decode.compat import IncompatibleModelsError, check_compatibility, tokenizer_fingerprint
+from decode.compat import (IncompatibleModelsError, check_compatibility, check_tokenizers, tokenizer_fingerprint,
+                           vocab_fingerprint)
 from decode.loading import load_causal_lm
 from decode.vocab_map import (HASH_FIELD, MAP_KEY, SIZE_FIELD, draft_vocab_map, prune_draft_head, scatter_to_vocab,
                               select_kept_ids)
@@ -179,7 +180,7 @@ def test_reload_names_a_head_of_another_width_or_a_tied_config(tmp_path):
 def test_pair_check_refuses_other_tokenizer_and_bad_maps():
     tok = make_tokenizer()
     target = tiny_llama(seed=0)
-    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(tok))
+    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), vocab_fingerprint(tok))
     assert check_compatibility(target, draft, tok, tok) == VOCAB
     other = make_tokenizer([f"x{i}" for i in range(VOCAB - 4)])
     with pytest.raises(IncompatibleModelsError, match="tokenizer .* but the target's tokenizer is"):
@@ -196,33 +197,25 @@ def test_pair_check_refuses_other_tokenizer_and_bad_maps():
 
 def test_pair_check_takes_a_pad_less_tokenizer_and_its_eos_as_pad_copy_as_one():
     """Training loads a tokenizer without pad with eos as pad and saves it beside the draft (and hashes it into the
-    map); the decoder loads the target's own, without pad. The old check refused both the tokenizer pair (pad
-    2 vs None) and the map (another hash), so no draft trained on such a target could be decoded."""
-    from decode.compat import check_tokenizers
-
+    map); the decoder loads the target's own, without pad. Both the tokenizer pair (pad 2 vs None) and the map must
+    pass, or no draft trained on such a target could be decoded."""
     no_pad, eos_pad = make_tokenizer(pad_token=None), make_tokenizer(pad_token="</s>")
     assert no_pad.pad_token_id is None and eos_pad.pad_token_id == eos_pad.eos_token_id
     target = tiny_llama(seed=0)
     for trained, decoding in ((eos_pad, no_pad), (no_pad, eos_pad)):
         check_tokenizers(decoding, trained)
-        draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(trained))
+        draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), vocab_fingerprint(trained))
         assert check_compatibility(target, draft, decoding, trained) == VOCAB
-    # A pad of its own on one side is no disagreement either (pad only fills masked batch rows; it was refused),
-    # but a map hashed with another tokenizer's special tokens still is.
+    # A pad of its own on one side is no disagreement either: pad only fills masked batch rows.
     unk_pad = make_tokenizer(pad_token="<unk>")
     check_tokenizers(no_pad, unk_pad)
     check_tokenizers(eos_pad, unk_pad)
-    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(unk_pad))
-    with pytest.raises(IncompatibleModelsError, match="tokenizer .* but the target's tokenizer is"):
-        check_compatibility(target, draft, no_pad)
 
 
 def test_a_map_records_the_vocabulary_so_a_chat_template_or_another_pad_token_is_the_same_tokenizer():
     """The map recorded a hash of the vocabulary, special tokens and chat template: adding a chat template (for
     /v1/chat/completions) or another pad token refused the pruned draft, and the advice (prune again) was refused
     on an already-pruned draft. A different vocabulary is still refused."""
-    from decode.compat import vocab_fingerprint
-
     tok = make_tokenizer()
     target = tiny_llama(seed=0)
     draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), vocab_fingerprint(tok))
@@ -234,9 +227,19 @@ def test_a_map_records_the_vocabulary_so_a_chat_template_or_another_pad_token_is
         check_compatibility(target, draft, make_tokenizer([f"x{i}" for i in range(VOCAB - 4)]))
     with pytest.raises(IncompatibleModelsError, match="vocabulary-pruned draft .* Give it as the draft"):
         check_compatibility(draft, target, tok)  # it said to resize the target's embeddings
-    legacy = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(tok))
-    with pytest.raises(IncompatibleModelsError, match=f"set draft_vocab_tokenizer_hash .* {vocab_fingerprint(chat)}"):
-        check_compatibility(target, legacy, chat)  # recorded before: the fix names the value to record
+
+
+def test_a_map_that_records_a_hash_of_another_form_is_refused_naming_the_fix():
+    """Only a vocabulary hash ("v:" + 16 hex digits) can be checked; a map recorded with the whole tokenizer's hash
+    (special tokens and chat template too) is refused even with its own tokenizer, and the message says to prune
+    the draft again."""
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0)
+    other_form = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), tokenizer_fingerprint(tok))
+    with pytest.raises(IncompatibleModelsError, match=r"not a vocabulary hash.*Prune the full-vocabulary draft "
+                                                      r"again with this tokenizer \(draft.vocab.keep=N\)"):
+        check_compatibility(target, other_form, tok)
+    assert check_compatibility(target, other_form) == VOCAB  # without a tokenizer there is nothing to compare
 
 
 # ------------------------------------------------------------------------------------------------ decoding

@@ -97,11 +97,6 @@ class DecodeStats:
         return self.num_accepted / trials if trials else 0.0
 
     @property
-    def per_token_acceptance(self) -> float:
-        """Former name of :attr:`alpha`, kept so that earlier callers keep working."""
-        return self.alpha
-
-    @property
     def mean_num_draft_tokens(self) -> float:
         """Mean γ over verify steps (differs from the configured γ with ``"auto"`` and at the token budget's end)."""
         return self.num_drafted / self.num_verify_steps if self.num_verify_steps else 0.0

@@ -240,8 +240,8 @@ def _acceptance_markdown(ev: dict) -> str:
                 "measured. Measure it with `python -m distill eval +target.name_or_path=TARGET "
                 "draft.name_or_path=DRAFT` (the target and draft paths of the Use section below).\n")
 
-    def alpha(m: dict) -> str:  # evaluations recorded before the one-name rule called it per_token_acceptance
-        a = m.get("alpha", m.get("per_token_acceptance"))
+    def alpha(m: dict) -> str:  # "-": the evaluation recorded no α
+        a = m.get("alpha")
         return "-" if a is None else f"{a:.3f}"
 
     rows = "\n".join(

@@ -52,20 +52,17 @@ DEFAULTS = {"tail_samples": 0}
 
 # ------------------------------------------------------------------------------------------------ fingerprints
 
-# Prefix of target_fingerprint's hashes since 2026-12-05 (every byte); a cache's hash without it is a legacy one.
+# Prefix of target_fingerprint's hashes: a recorded target_hash without it comes from another scheme and is refused.
 TARGET_HASH_PREFIX = "2:"
 
 
-def target_fingerprint(name_or_path: str, legacy: bool = False) -> str:
+def target_fingerprint(name_or_path: str) -> str:
     """A hash of a local checkpoint: ``config.json`` and ``generation_config.json`` in full, and every weight file
     (``*.safetensors``, ``*.bin``) by name, size and every byte (sha256: about 1.5 GB/s on one core of this CPU, so
     ~10 s for an 8B bf16 target, once per run). A hub id is hashed as the snapshot its ``refs/main`` points to in the
     local Hugging Face cache (``decode.loading.local_folder``), so a downloaded update of the target is a changed
-    target; a hub id not in the cache hashes its name only. Returns ``"2:"`` + 16 hex digits.
-
-    ``legacy=True`` gives the hash draftkit recorded before 2026-12-05, which read only each weight file's first and
-    last MiB (a change confined to the middle of a file, e.g. a LoRA merged into a few layers, went unseen); it
-    checks caches that recorded that hash (no prefix).
+    target; a hub id not in the cache hashes its name only. Returns ``"2:"`` + 16 hex digits. Every byte, because a
+    change confined to the middle of a file (a LoRA merged into a few layers) is still another target.
     """
     from decode.loading import local_folder
 
@@ -73,7 +70,7 @@ def target_fingerprint(name_or_path: str, legacy: bool = False) -> str:
     h = hashlib.sha256()
     if folder is None:
         h.update(str(name_or_path).encode())
-        return h.hexdigest()[:16] if legacy else TARGET_HASH_PREFIX + h.hexdigest()[:16]
+        return TARGET_HASH_PREFIX + h.hexdigest()[:16]
     path = Path(folder)
     for name in ("config.json", "generation_config.json"):
         if (path / name).exists():
@@ -83,14 +80,9 @@ def target_fingerprint(name_or_path: str, legacy: bool = False) -> str:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:
-            if legacy:
-                h.update(fh.read(chunk))
-                fh.seek(max(0, size - chunk))
-                h.update(fh.read(chunk))
-                continue
             while block := fh.read(16 * chunk):
                 h.update(block)
-    return h.hexdigest()[:16] if legacy else TARGET_HASH_PREFIX + h.hexdigest()[:16]
+    return TARGET_HASH_PREFIX + h.hexdigest()[:16]
 
 
 def data_fingerprint(examples: list[dict], cfg: Any) -> str:
@@ -125,15 +117,18 @@ def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | N
 
 def check_manifest(manifest: dict, expected: dict, path: str | Path, training: bool = False) -> None:
     """Raise SetupError naming every field of ``manifest`` that differs from ``expected`` and the setting to fix
-    (``training``: also that null k / tail samples take the cache's own, which only ``train`` does). A cache made
-    before 2026-12-05 recorded the legacy target hash (:func:`target_fingerprint`); it is checked by that scheme. A
-    target at another path whose hash (every byte, the current scheme) is the recorded one is the same target."""
+    (``training``: also that null k / tail samples take the cache's own, which only ``train`` does). A target_hash
+    without the current scheme's prefix is refused: rebuild the cache. A target at another path whose hash is the
+    recorded one is the same target."""
     if manifest.get("format") != FORMAT_VERSION:
         raise SetupError(f"logit cache {path} has format {manifest.get('format')!r}, this draftkit reads "
                          f"{FORMAT_VERSION}; rebuild it with python -m distill cache-logits")
     if "target_hash" in expected and not str(manifest.get("target_hash")).startswith(TARGET_HASH_PREFIX):
-        expected = {**expected, "target_hash": target_fingerprint(expected["target"], legacy=True)}  # an older cache's
-    elif "target_hash" in expected and manifest.get("target_hash") == expected["target_hash"]:
+        raise SetupError(f"logit cache {path} records target hash {manifest.get('target_hash')!r}, not one of the "
+                         f"form {TARGET_HASH_PREFIX}<16 hex digits> that hashes every byte of the target's weights, so "
+                         "it cannot show the cache was made from this target; rebuild it with python -m distill "
+                         "cache-logits")
+    if "target_hash" in expected and manifest.get("target_hash") == expected["target_hash"]:
         expected = {k: v for k, v in expected.items() if k != "target"}  # the same bytes, moved or copied elsewhere
     diffs = [f"{key} (cache {manifest.get(key, DEFAULTS.get(key))!r}, config {expected[key]!r}; set by {CHECKED[key]})"
              for key in CHECKED if key in expected and manifest.get(key, DEFAULTS.get(key)) != expected[key]]

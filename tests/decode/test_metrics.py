@@ -17,7 +17,7 @@ def test_pooled_definitions():
     assert s.acceptance_by_position == pytest.approx([3 / 4, 2 / 4, 1 / 3, 1 / 3])
     assert s.accepted_length_histogram == [1, 1, 1, 0, 1]
     assert s.num_rejections == 3  # only the all-accepted step had no rejection
-    assert s.alpha == pytest.approx(7 / (7 + 3)) == s.per_token_acceptance  # the former name still works
+    assert s.alpha == pytest.approx(7 / (7 + 3))
     assert s.mean_num_draft_tokens == pytest.approx(14 / 4)
 
 

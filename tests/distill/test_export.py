@@ -344,7 +344,7 @@ def test_card_states_the_speedup_model_it_predicted_with():
     assert "(γc + 1)" in _verify_markdown({"cost_ratio": 0.2, "verify_costs": [1.0]})  # no v_1: Leviathan's
 
 
-def test_card_shows_acceptance_rate_and_alpha_also_from_an_older_evaluation():
+def test_card_shows_acceptance_rate_and_alpha_and_a_dash_for_an_alpha_not_recorded():
     from distill.export import _card_markdown, serving_commands
 
     def card(row):
@@ -354,8 +354,7 @@ def test_card_shows_acceptance_rate_and_alpha_also_from_an_older_evaluation():
 
     row = {"acceptance_rate": 0.512, "mean_accepted_length": 2.5, "best_gamma": 4, "predicted_speedup": 1.7}
     assert "| 1.0 | 0.512 | 0.715 | 2.50 | 4 | 1.70 |" in _card_markdown(card({**row, "alpha": 0.715}))
-    # recorded before the one-name rule: α was stored as per_token_acceptance
-    assert "| 1.0 | 0.512 | 0.715 | 2.50 | 4 | 1.70 |" in _card_markdown(card({**row, "per_token_acceptance": 0.715}))
+    assert "| 1.0 | 0.512 | - | 2.50 | 4 | 1.70 |" in _card_markdown(card(row))
 
 
 def test_overwrite_keeps_what_a_user_added_to_an_earlier_export(pair, tmp_path, capsys):

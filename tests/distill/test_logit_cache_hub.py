@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.data import cache_key, target_data_settings
+from distill.target_data import cache_key, target_data_settings
 from distill.logit_cache import FORMAT_VERSION, check_manifest, target_fingerprint
-from distill.models import SetupError
+from distill.config import SetupError
 from tests.conftest import put_snapshot, tiny_llama
 
 
@@ -24,24 +24,23 @@ def test_a_new_revision_of_a_hub_target_changes_its_fingerprint(hub_cache, tmp_p
     assert target_fingerprint("org/not-cached") == target_fingerprint("org/not-cached")  # the name only
 
 
-def test_the_target_fingerprint_reads_every_byte_and_older_caches_keep_their_check(tmp_path):
-    """It hashed each weight file's first and last MiB only: a target changed in the middle of its weights (a LoRA
-    merged into q/k) kept its hash and reused a cache made from the old weights. Caches that recorded that hash are
-    still checked by it (not refused as another target after an upgrade)."""
+def test_the_target_fingerprint_reads_every_byte_and_a_hash_of_another_form_is_refused(tmp_path):
+    """A target changed in the middle of its weights (a LoRA merged into q/k) is another target. A manifest whose
+    target_hash is not of the current form cannot show which target made it: refused, naming the rebuild."""
     folder = tmp_path / "target"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     weights = bytearray(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
     (folder / "model.safetensors").write_bytes(weights)
-    before, legacy = target_fingerprint(str(folder)), target_fingerprint(str(folder), legacy=True)
-    assert before.startswith("2:") and not legacy.startswith("2:")
+    before = target_fingerprint(str(folder))
+    assert before.startswith("2:")
     weights[len(weights) // 2] ^= 1
     (folder / "model.safetensors").write_bytes(weights)
     assert target_fingerprint(str(folder)) != before
-    assert target_fingerprint(str(folder), legacy=True) == legacy  # what the old hash missed
     expected = {"target": str(folder), "target_hash": target_fingerprint(str(folder))}
-    check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": legacy}, expected, "cache")
-    weights[0] ^= 1  # a change the old hash saw is still refused
-    (folder / "model.safetensors").write_bytes(weights)
-    with pytest.raises(SetupError, match="target_hash"):
-        check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": legacy}, expected, "cache")
+    check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": expected["target_hash"]},
+                   expected, "cache")
+    with pytest.raises(SetupError, match=r"target hash '0123456789abcdef'.*rebuild it with python -m distill "
+                                         r"cache-logits"):
+        check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": "0123456789abcdef"}, expected,
+                       "cache")

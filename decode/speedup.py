@@ -259,11 +259,10 @@ class AdaptiveGamma:
     The prior matters on short generations: the decoder starts a fresh controller whenever it goes idle (each
     ``generate()`` call; requests that join a running batch share its estimate), and 64 new tokens are only about
     8-15 steps.
-    The defaults were chosen by simulating i.i.d. acceptance (``scripts/simulate_auto_gamma.py``): with a prior of
-    0.5 and 2 warm-up steps at γ = 4 the controller reached 0.92 (α = 1) to 0.95 (α = 0.8) of the best fixed γ on 64
-    tokens; with prior 0.8 and warm-up at the model's choice, 0.95 to 0.98 for α in 0.7..1. Where drafting does not
-    pay, the warm-up and the probes cost: 0.90 / 0.92 / 0.955 of plain decoding at α = 0 / 0.3 / 0.5 on 64 tokens
-    (0.92 / 0.95 / 0.97 on 256), 0.5-1% below the old defaults.
+    The defaults come from simulating i.i.d. acceptance (:func:`simulate_speedup`): with prior 0.8 and warm-up at the
+    model's choice the controller reaches 0.95 to 0.98 of the best fixed γ on 64 tokens for α in 0.7..1 (a prior of
+    0.5 with 2 warm-up steps at γ = 4 reaches 0.92 to 0.95). Where drafting does not pay, the warm-up and the probes
+    cost: 0.90 / 0.92 / 0.955 of plain decoding at α = 0 / 0.3 / 0.5 on 64 tokens (0.92 / 0.95 / 0.97 on 256).
 
     Args:
         max_gamma, min_gamma: the range γ is chosen from (``0 <= min_gamma <= max_gamma``, ``max_gamma >= 1``).
@@ -544,7 +543,7 @@ def simulate_speedup(gamma: int | Callable[[], AdaptiveGamma], alpha: float, cos
     γ (cut so the step cannot overshoot the budget), accepts a run of Bernoulli(α) drafts that stops at the first
     rejection, commits accepted + 1 tokens and costs ``γc + v_γ`` target-forward units (1 for γ = 0). Plain decoding
     costs 1 unit per token after the first. No clock and no model is involved, so a controller's defaults can be
-    judged against the best fixed γ for given costs (``scripts/simulate_auto_gamma.py``). As in the benchmark's
+    judged against the best fixed γ for given costs. As in the benchmark's
     tokens/s, the speedup pools the runs: Σ plain cost / Σ speculative cost.
 
     Args:

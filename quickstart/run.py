@@ -960,7 +960,7 @@ def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phase
     export_dir = out / qs.export.dir
     distilled = cached("distill+export", export_dir / "config.json")
     results["distill_overrides"] = extra
-    if distilled and extra:  # they were ignored without a word, and results.json did not say which were asked for
+    if distilled and extra:  # overrides act only on a distillation that runs: say so (results.json records them)
         console.print(f"[yellow]--distill-overrides {shlex.join(extra)} apply when the distillation runs; this run "
                       f"reuses {export_dir}. To distill with them, delete {export_dir} and {out / qs.distill.dir} "
                       "(or give another --out)")

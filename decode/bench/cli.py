@@ -59,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the target is compiled, --compile both)")
     p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
                    help="our speculative methods draft by prompt lookup in greedy runs while the last N tokens "
-                        "occurred earlier (decode.lookup; 0: off, the default; scripts/measure_prompt_lookup.py "
-                        "compares with and without side by side)")
+                        "occurred earlier (decode.lookup; 0: off, the default)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
     p.add_argument("--max-prompt-tokens", type=int,

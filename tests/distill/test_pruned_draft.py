@@ -148,7 +148,7 @@ def test_export_of_a_pruned_draft_reloads_and_decodes_losslessly(pair, tmp_path,
               log=_quiet)
         assert torch.equal(draft_vocab_map(load_causal_lm(str(onward / "step_000002" / "draft"), "draft")),
                            draft_vocab_map(trained))
-    from quickstart.run import _load_lm  # the quickstart's and compare_losses.sh's evaluation load it the same way
+    from quickstart.run import _load_lm  # the quickstart's evaluation loads it the same way
 
     assert torch.equal(draft_vocab_map(_load_lm(out)), draft_vocab_map(draft))
 

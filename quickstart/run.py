@@ -638,8 +638,8 @@ def check_artifacts(qs, out: Path) -> None:
     from quickstart.pretrain import tokenizer_record
 
     shared = {"corpus": ("corpus", qs.corpus), "vocab_size": ("vocab_size", int(qs.vocab_size))}
-    # (a tokenizer made with another vocabulary was reused, and the models trained with it recorded the asked-for
-    # value, not the real one; tokenizers made before their record existed are not checked)
+    # The tokenizer is checked against its own record too: one made for another vocabulary, reused, would train
+    # models that record the asked-for value, not the real one (a tokenizer without a record is not checked).
     records = [(out / "tokenizer", "tokenizer", tokenizer_record(out / "tokenizer") or {}, shared)]
     for which in ("target", "draft"):
         folder = out / qs[which].dir

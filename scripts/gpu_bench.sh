@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU run, at most 8 minutes on one H200 (issue #8):
+# One GPU run, sized to finish within 8 minutes on one H200:
 #   1. the decoder tests with DRAFTKIT_TEST_DEVICE=cuda (tests that opt in put their models on the GPU);
 #   2. plain vs ours (eager, then eager vs compiled where SpeculativeDecoder has compile=True) vs Hugging Face
 #      assisted generation at the same γ, on a ≈1.03B Llama target and its ≈110M early-exit draft built from

@@ -8,7 +8,8 @@
     while dec.has_unfinished():
         for finished in dec.step(): ...
 """
-from decode.engine import DecodeState, GenerationOutput, NonFiniteLogitsError, SpeculativeDecoder
+from decode.batch import DecodeState
+from decode.engine import GenerationOutput, NonFiniteLogitsError, SpeculativeDecoder
 from decode.metrics import DecodeStats
 from decode.requests import RequestOutput
 

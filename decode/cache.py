@@ -1,7 +1,9 @@
 """KV-cache handling for ragged speculative decoding: forward with explicit positions, roll back, compact.
 
-Two paths. :class:`StaticKV` (the engine's default where the architecture allows it) keeps preallocated buffers
-written by column; see its docstring. The functions below are the DynamicCache path (the fallback):
+Two cache classes with one interface (``forward``, ``roll_back``, ``merge``, ``select_rows``, ``ensure_room``,
+``lens``), so the engine's step does not ask which one it holds. :class:`StaticKV` (the engine's default where the
+architecture allows it) keeps preallocated buffers written by column; see its docstring. :class:`DynamicKV` wraps
+the DynamicCache path (the fallback) built from the functions below:
 
 Layout. Each model keeps one Hugging Face ``DynamicCache`` of physical width W for the whole batch and a
 ``(B, W)`` mask of which slots hold committed tokens. Rows are right-aligned (left padding). Keys are stored
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -72,6 +75,17 @@ def _cache_kwarg(model: Any) -> str:
     # transformers 5.x renamed past_key_values to cache; peft wrappers forward **kwargs to the base model.
     base = base_model(model)
     return _cache_kwarg_for(type(base))
+
+
+def context_length(model: Any) -> int | None:
+    """Max positions of a causal LM from its (text) config; None when the architecture states no limit."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
+                 "n_ctx"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def cache_width(cache: Any) -> int:
@@ -196,6 +210,60 @@ def concat_rows(cache: Any, mask: torch.Tensor, other: Any, other_mask: torch.Te
     return torch.cat([pad(mask), pad(other_mask)], dim=0)
 
 
+class DynamicKV:
+    """The DynamicCache path behind the interface of :class:`StaticKV`: a ``DynamicCache`` of width W, its
+    ``(B, W)`` int64 mask of valid slots and the valid slots per row (host list ``lens``). Rejected slots are
+    masked and compacted away at each :meth:`roll_back` (see the module docstring)."""
+
+    def __init__(self, cache: Any, mask: torch.Tensor, lens: list[int]):
+        self.cache, self.mask, self.lens = cache, mask, list(lens)
+        self.holey = False  # a forward since the last roll-back had holes in its input (rows of unequal pending)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lens)
+
+    def ensure_room(self, k: int) -> None:
+        """Nothing to do: a DynamicCache grows with each write."""
+
+    def forward(self, model: Any, input_ids: torch.Tensor, input_mask: torch.Tensor | None,
+                logits_to_keep: int | None = None, max_position: int | None = None, call: Any = None,
+                holes: bool = False) -> torch.Tensor:
+        """:func:`forward` on this cache; ``input_mask`` None means every input token is real. ``lens`` is the
+        caller's to update (:meth:`roll_back`)."""
+        logits, self.mask = forward(model, self.cache, self.mask, input_ids,
+                                    torch.ones_like(input_ids) if input_mask is None else input_mask,
+                                    logits_to_keep=logits_to_keep, max_position=max_position, call=call)
+        self.holey = self.holey or holes
+        return logits
+
+    def roll_back(self, valid: torch.Tensor, kept: list[int], new_lens: list[int]) -> None:
+        """After a step: ``valid`` ``(B, n)`` are the kept bits of the last n columns written, ``kept`` their count
+        per row (host), ``new_lens`` the valid slots per row. The rejected slots leave the cache: a crop when every
+        row kept the same number and no input had holes, else one gather (:func:`compact`)."""
+        n = valid.shape[1]
+        if n:
+            self.mask[:, self.mask.shape[1] - n:] = valid.long()
+        trailing = n - kept[0] if len(set(kept)) == 1 and not self.holey else None
+        self.mask = compact(self.cache, self.mask, new_lens, trailing)
+        self.lens, self.holey = list(new_lens), False
+
+    def merge(self, other: Any, other_mask: torch.Tensor, other_lens: list[int], room: int = 0) -> None:
+        """Append the rows of ``other`` (a DynamicCache, mask ``(B2, W2)``) as :func:`concat_rows` does; ``room`` is
+        for :meth:`StaticKV.merge`'s signature (a DynamicCache needs none)."""
+        self.mask = concat_rows(self.cache, self.mask, other, other_mask)
+        self.lens = self.lens + list(other_lens)
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` only, then drop the leading columns that only the removed rows used."""
+        idx = torch.tensor(keep, device=self.mask.device)
+        select_rows(self.cache, idx)
+        self.mask = self.mask.index_select(0, idx)
+        self.lens = [self.lens[i] for i in keep]
+        if self.lens and max(self.lens) < self.mask.shape[1]:
+            self.mask = compact(self.cache, self.mask, self.lens)
+
+
 # ---------------------------------------------------------------------------------------------- static path
 @functools.lru_cache(maxsize=None)
 def _used_width_layer_class():
@@ -273,6 +341,33 @@ def slot_probe(model: Any, holes: int = 64) -> SlotProbe:
     if not bool(torch.isfinite(left).all()):
         return SlotProbe(holes_ok, False, True)
     return SlotProbe(holes_ok, bool((left - plain).abs().max() <= probe_tolerance(dtype, plain)))
+
+def cache_kinds(target: Any, draft: Any, static_cache: bool | None) -> tuple[dict[str, bool], int | None]:
+    """Per model, whether it decodes on a :class:`StaticKV` (``{"target": bool, "draft": bool}``), and the most rows
+    the batch may hold (None: no limit; 1 when a model cannot share a left-padded batch). ``static_cache``: None or
+    True uses the static cache where the architecture allows it, False never; each model that cannot gets a
+    one-line warning."""
+    static, max_rows = {}, None
+    for name, model in (("target", target), ("draft", draft)):
+        probe = slot_probe(model) if model is not None else SlotProbe(True, True)
+        if not probe.padding_ok:
+            why = (f"returns NaN for left-padded rows in {next(model.parameters()).dtype} (transformers' eager "
+                   "attention; attn_implementation='sdpa' batches)" if probe.padding_nan else
+                   "numbers positions by cache slot (it takes no position ids), so left padding in a shared batch "
+                   "would shift them")
+            warnings.warn(f"decode: the {name} ({type(model).__name__}) {why}; this decoder runs one request at "
+                          "a time", stacklevel=3)
+            max_rows = 1
+        if model is None or static_cache is False:
+            static[name] = False
+            continue
+        reason = StaticKV.supported(model, probe)
+        if reason is not None:
+            warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
+                          f"({reason}); using the DynamicCache path", stacklevel=3)
+        static[name] = reason is None
+    return static, max_rows
+
 
 class StaticKV:
     """A preallocated Hugging Face ``StaticCache`` of physical width L for B rows, written by column.
@@ -537,13 +632,14 @@ class StaticKV:
         self.W = W + k
         return out.logits
 
-    def roll_back(self, start: int, valid: torch.Tensor, new_width: int, new_lens: list[int], holes: bool) -> None:
-        """After a step that wrote columns from ``start``: ``valid`` ``(B, n)`` are the kept bits of columns
-        [start, start + n); W moves to ``new_width`` (the end of the longest row's kept columns), so later writes
-        overwrite the rejected columns past it; ``new_lens``: valid slots per row (host); ``holes``: some row
-        kept fewer of these columns than another (its rejected ones below ``new_width`` stay masked)."""
+    def roll_back(self, valid: torch.Tensor, kept: list[int], new_lens: list[int]) -> None:
+        """After a step: ``valid`` ``(B, n)`` are the kept bits of the last n columns written, ``kept`` their count
+        per row (host), ``new_lens`` the valid slots per row. No copy: W moves back to the end of the longest row's
+        kept columns, so later writes overwrite the rejected columns past it; a row that kept fewer than another
+        keeps its rejected columns below the new W masked (a hole)."""
+        start = self.W - valid.shape[1]
         self.mask[:, start:start + valid.shape[1]] = valid
         self.lens = list(new_lens)
         self._sync_pos()
-        self.holey = self.holey or holes
-        self._set_width(new_width)
+        self.holey = self.holey or len(set(kept)) > 1
+        self._set_width(start + max(kept, default=0))

@@ -325,7 +325,7 @@ def max_prefix_length(target: Any, draft: Any, num_draft_tokens: int) -> tuple[i
     Returns:
         ``(limit, reason)``; ``limit`` is None when neither model states a context length.
     """
-    from decode.engine import context_length
+    from decode.cache import context_length
 
     g, ctx_t, ctx_d = num_draft_tokens, context_length(target), context_length(draft)
     limits = [c for c in (ctx_t - g - 1 if ctx_t else None, ctx_d - g if ctx_d else None) if c is not None]

@@ -1,11 +1,17 @@
 """Cost measurement on this hardware: c (draft forward / target forward) and the verify costs v_γ, timed through the
-decoder's own forward path (``decode.cache.forward``, the static cache, compiled calls, few-row kernels).
+decoder's own forward path (``decode.cache.forward``, the static cache, compiled calls, few-row kernels), and the
+one-time work a decoder does before serving (:func:`warm_up`).
 
-The pure formulas these numbers feed (:mod:`decode.speedup`) take no model; this module runs them.
+Imports run one way: :mod:`decode.speedup` (the pure formulas these numbers feed) <- this module <-
+:mod:`decode.engine` (whose auto γ calls :func:`calibrate` at first use inside a step) <- the bench and the server.
+So the functions that take a decoder (:func:`calibrate`, :func:`measure_costs`, :func:`cost_timer`,
+:func:`warm_up`) read it through its attributes and never import the engine.
 """
 from __future__ import annotations
 
 import copy
+import itertools
+import numbers
 import statistics
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -14,8 +20,10 @@ import torch
 
 from decode import cache as kv
 from decode import kernels
-from decode.engine import context_length
-from decode.speedup import is_count
+from decode.cache import context_length
+from decode.requests import check_prompt
+from decode.speedup import cost_bucket, cost_buckets, is_count, smooth_verify_costs
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -156,8 +164,7 @@ class CostTimer:
                 _sync(self._device)
                 elapsed = time.perf_counter() - t0
                 if static:  # the write column goes back: the next call sees the same context
-                    cache.roll_back(self._width, ids.new_zeros(B, k, dtype=torch.bool), self._width,
-                                    [self._width] * B, holes=False)
+                    cache.roll_back(ids.new_zeros(B, k, dtype=torch.bool), [0] * B, [self._width] * B)
                 if self.rounds >= self.warmup_rounds:
                     self._samples[label].append(elapsed)
         self.rounds += 1
@@ -227,3 +234,165 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
         if progress is not None:
             progress(i + 1, repeats + 2)
     return timer.result()
+
+
+# ---------------------------------------------------------------------------------- on a decoder's forward path
+@torch.no_grad()
+def calibrate(decoder: Any, context_ids: Sequence[int], batch_sizes: Sequence[int] = (1, 2, 4, 8),
+              repeats: int = 5) -> dict[int, dict]:
+    """Measure a :class:`decode.engine.SpeculativeDecoder`'s ``"auto"`` cost model now (else it is measured at first
+    use, inside a step), and keep it in ``decoder.auto_costs``.
+
+    Args:
+        decoder: the decoder (with a draft).
+        context_ids: a real token sequence (repeated or cut to at most 64 tokens); only its length matters.
+        batch_sizes: batch sizes to measure; each is rounded up to a power of two.
+        repeats: timed forwards per measurement (median).
+
+    The forwards are timed as the steps run them: on each model's cache kind (static or dynamic) and, with
+    ``compile``, through the compiled forwards (so a compiled draft's lower c reaches the γ choice; the first
+    calibration compiles the one-token shapes, tens of seconds on CPU).
+
+    Returns:
+        ``decoder.auto_costs``, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max],
+        "target_forward_s": t}}``; the measured v_γ are made non-decreasing in γ and >= 1
+        (:func:`decode.speedup.smooth_verify_costs`); t (the target's one-token forward, seconds) is kept for
+        :func:`decode.speedup.simulate_batch_speedup` and not used by the controller.
+
+    Raises:
+        ValueError: no draft, ids of ``context_ids`` outside the vocabulary, or a batch size < 1.
+    """
+    if decoder.draft is None:
+        raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes must be integers >= 1, got {list(batch_sizes)!r}")
+    width = max(2, min(64, shared_context(decoder) - decoder.max_auto_draft_tokens - 2))
+    seq = list(context_ids)[-width:]
+    seq = check_prompt(seq, decoder.vocab_size, decoder.context_length, "context_ids") if seq else [0]
+    seq = (seq * (width // len(seq) + 1))[-width:]
+    for b in sorted({cost_bucket(b) for b in batch_sizes}):
+        context = torch.tensor([seq] * b, device=decoder.target.device)
+        m = measure_costs(decoder, context, repeats=repeats,
+                          verify_gammas=range(1, decoder.max_auto_draft_tokens + 1))
+        decoder.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
+                                 "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]]),
+                                 "target_forward_s": m["target_forward_s"]}  # for simulate_batch_speedup
+    return decoder.auto_costs
+
+
+@torch.no_grad()
+def measure_costs(decoder: Any, context_ids: torch.Tensor, repeats: int = 21, verify_gammas: Sequence[int] = (),
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """:func:`measure_cost_ratio` on a decoder's own forward path: its few-row kernels setting, each model's cache
+    kind (static or dynamic) and, with ``compile``, the compiled forwards; ids the draft cannot embed are replaced by
+    its substitute id in both models' input (only the shapes matter).
+
+    Args:
+        decoder: a :class:`decode.engine.SpeculativeDecoder` with a draft.
+        context_ids: ``(B, L)`` LongTensor of target ids on the models' device (B rows: costs at batch size B).
+        repeats, verify_gammas, progress: as in :func:`measure_cost_ratio`.
+
+    Returns:
+        the dict of :func:`measure_cost_ratio` (seconds; ``cost_ratio`` = c).
+
+    Raises:
+        ValueError: the decoder has no draft, or a bad argument (as :func:`measure_cost_ratio` raises; ids are
+            checked against the target before the draft's substitution).
+    """
+    return measure_cost_ratio(decoder.target, decoder.draft, _cost_context(decoder, context_ids, "measure_costs"),
+                              repeats=repeats, verify_gammas=verify_gammas, progress=progress,
+                              static_cache=decoder.static_cache, target_call=decoder.target_call,
+                              draft_call=decoder.draft_call, few_row_linear=decoder.few_row_linear)
+
+
+def cost_timer(decoder: Any, context_ids: torch.Tensor, verify_gammas: Sequence[int] = ()) -> CostTimer:
+    """:func:`measure_costs` one round at a time: a :class:`CostTimer` on the decoder's forward path (call
+    ``round()`` as often as wanted, then ``result()``), e.g. to spread the timing over a benchmark's run. Arguments
+    and errors as :func:`measure_costs`."""
+    return CostTimer(decoder.target, decoder.draft, _cost_context(decoder, context_ids, "cost_timer"), verify_gammas,
+                     static_cache=decoder.static_cache, target_call=decoder.target_call,
+                     draft_call=decoder.draft_call, few_row_linear=decoder.few_row_linear)
+
+
+def _cost_context(decoder: Any, context_ids: torch.Tensor, caller: str) -> torch.Tensor:
+    """The cost measurement's context as the models read it, checked against the target first (the draft's
+    substitution would hide an id too large for it)."""
+    if decoder.draft is None:
+        raise ValueError(f"{caller}() times the draft against the target; this decoder has no draft")
+    check_context_ids(context_ids, {"target": decoder.target}, hint=" (calibrate() takes a list of ids)")
+    return decoder.draft_input_ids(context_ids)
+
+
+def shared_context(decoder: Any) -> int:
+    """The shorter of a decoder's two models' contexts (2**30 when neither states one)."""
+    return min(c for c in (decoder.context_length, decoder.draft_context_length, 1 << 30) if c)
+
+
+@torch.no_grad()
+def warm_up(decoder: Any, max_batch_size: int = 16) -> float:
+    """Do, before the first request, the one-time work that steps would otherwise do in the middle of serving,
+    stalling every running request: compile the compiled forwards' graphs (with ``compile``) and, with
+    ``num_draft_tokens="auto"``, measure the cost model of every batch size up to ``max_batch_size``. Returns
+    the seconds it took (0 when there is nothing to do).
+
+    A compiled forward (``torch.compile(..., dynamic=True)``) specialises on sizes 0 and 1, on whether an
+    attention mask is passed and, through the few-row kernels, on whether rows × new tokens is at most 2. So a
+    step's forward falls into one of 12 shape classes per compiled model: 1, 2 or more rows; 1, 2 or more new
+    tokens (the draft's pending input is usually 1 or 2 tokens, more after auto γ chose 0; the verify window is
+    γ + 1; with prompt lookup the draft's input is 3 or more tokens wherever a step's leading drafts came from
+    it); without or with a mask (rows of unequal length). Each class compiles the first time a step meets
+    it (seconds to tens of seconds on CPU). This runs each class once (:func:`run_shape_classes`): for 1, 2 and 3
+    rows, a prefill of equal-length dummy prompts, then the forward helpers the steps use with 1, 2 and 3 new
+    tokens (3 stands for more), first without and then with a mask, on a scratch state (the decoder's requests are
+    untouched); with ``max_batch_size=1`` the mask classes are left out (one row has no holes: 3 classes per
+    compiled model). Dynamo also keeps a static buffer's length static until it sees it change, so one class runs
+    first on a 64-column buffer and then every class on a 128-column one (72-token prompts; a model whose context
+    is too short for that stays at 64). Auto γ measures its cost model once per power-of-two batch size
+    (:func:`decode.speedup.cost_bucket`), here for all of them at once (:func:`calibrate` on a dummy 64-token
+    context) unless ``auto_costs`` were given. ``python -m decode serve`` calls it before it listens.
+
+    Args:
+        decoder: a :class:`decode.engine.SpeculativeDecoder`, idle.
+        max_batch_size: the most requests that will run together (the server's ``--max-batch-size``).
+
+    Raises:
+        ValueError: ``max_batch_size`` < 1.
+    """
+    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+        raise ValueError(f"warm_up(max_batch_size=...) takes an integer >= 1, got {max_batch_size!r}")
+    auto = decoder.draft is not None and decoder.num_draft_tokens == "auto"
+    if not decoder.compile and not auto:
+        return 0.0
+    start = time.perf_counter()
+    if decoder.compile:
+        # A single row never has holes (they come from rows of unequal length): no mask class at batch 1.
+        masks = (False, True) if max_batch_size > 1 else (False,)
+        every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], masks, (1, 2, 3)))
+        with kernels.few_row_linear(decoder.few_row_linear):
+            # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class
+            # runs first on a 64-column buffer (a short prompt), then every class on a 128-column one.
+            if shared_context(decoder) >= 72 + decoder.room() + 4:
+                run_shape_classes(decoder, 4, [(1, False, 1)])
+                run_shape_classes(decoder, 72, every)
+            else:
+                run_shape_classes(decoder, 4, every)
+    missing = [b for b in cost_buckets(max_batch_size) if b not in decoder.auto_costs] if auto else []
+    if missing:
+        calibrate(decoder, [i % decoder.vocab_size for i in range(1, 65)], missing)
+    return time.perf_counter() - start
+
+
+def run_shape_classes(decoder: Any, prompt_length: int, classes: list[tuple[int, bool, int]]) -> None:
+    """For :func:`warm_up`: each ``(rows, holes, k)`` runs the decoder's compiled forwards once on a scratch state of
+    ``rows`` dummy prompts of ``prompt_length`` ids, with k new tokens and a mask if ``holes``."""
+    prompt = [i % decoder.vocab_size for i in range(1, prompt_length + 1)]
+    for batch in sorted({c[0] for c in classes}):
+        state = decoder.prefill([prompt] * batch, use_draft=decoder.draft_call is not None)
+        for _, holes, k in [c for c in classes if c[0] == batch]:
+            ids = state.last[:, None].repeat(1, k)
+            if decoder.draft_call is not None:
+                decoder.draft_forward(state, ids, torch.ones_like(ids), holes)
+            if decoder.target_call is not None:
+                if holes and isinstance(state.target_cache, kv.StaticKV):
+                    state.target_cache.holey = True  # what a ragged batch's roll-back leaves
+                decoder.verify_forward(state, ids)

@@ -11,40 +11,41 @@ draws its uniforms from its own CPU ``torch.Generator``, and the number of draws
 γ_r (the configured γ cut to its own token budget and context), so a seeded request's output does not depend on
 the rows it shares the batch with. :meth:`SpeculativeDecoder.generate` is a loop over this API.
 
-State between steps (per model, see :mod:`decode.cache` for the layout). Every committed token except the
-last one is in both KV caches; the last committed token (``last``) is the next input of the target. The
-draft may additionally lack the token before it: when all γ drafts were accepted, the γ-th draft was never fed
-to the draft model (and after a step with γ = 0 it lacks that step's token too). Those pending tokens
-(``draft_in``, usually 1 or 2) are fed in the first draft forward of the next step, so all-accepted steps bring
-the draft's cache up to date without an extra forward.
+Drafting sources: the draft model, and beside it prompt lookup (:mod:`decode.lookup`) for greedy rows. The state
+kept between steps and its bookkeeping are in :mod:`decode.batch`; each cache rolls back its own way
+(:mod:`decode.cache`: the static cache moves its write column back, the DynamicCache path compacts).
 
 Batching: each row accepts its own prefix; positions are per row (number of committed tokens before the slot),
-finished rows leave the batch, so every row's output is what it would be decoded alone. On the static cache path
-(:class:`decode.cache.StaticKV`, the default where the architecture allows it) rejected slots are overwritten or
-stay masked until a rare compaction; on the DynamicCache fallback they are compacted away every step.
+finished rows leave the batch, so every row's output is what it would be decoded alone.
+
+Imports run one way: :mod:`decode.speedup` <- :mod:`decode.costs` <- this module <- ``decode.bench`` and
+``decode.serving``. Auto γ measures its cost model lazily, at first use inside a step
+(:func:`decode.costs.calibrate`), so the engine calls costs, and costs never imports the engine.
 """
 from __future__ import annotations
 
-import itertools
-import numbers
-import operator
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
+from decode import batch
 from decode import cache as kv
+from decode import costs
 from decode import kernels
+from decode.batch import DecodeState, left_pad
+from decode.cache import context_length
 from decode.compat import (check_cache_support, check_causal, check_compatibility, chunk_dependent_rope,
                            draft_input_substitute, substitute_draft_inputs)
 from decode.compiling import check_compile, compiled_forward
-from decode.lookup import NgramLookup, check_prompt_lookup
+from decode.lookup import check_prompt_lookup, lookup_drafts
 from decode.metrics import DecodeStats, peak_memory_bytes
-from decode.requests import Request, RequestOutput, check_eos, check_max_new_tokens, check_seed
+from decode.requests import (Request, RequestOutput, check_eos, check_max_new_tokens, check_prompt, check_seed,
+                             pack_prompts)
 from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
-from decode.speedup import AdaptiveGamma, check_auto_costs, cost_bucket, smooth_verify_costs
+from decode.speedup import AdaptiveGamma, check_auto_costs, cost_bucket
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 
@@ -62,53 +63,44 @@ class GenerationOutput:
     stats: DecodeStats
 
 
-@dataclass
-class DecodeState:
-    """Device-side decoding state of the active rows (exposed for tests and tools)."""
-
-    target_cache: Any
-    target_mask: torch.Tensor            # (B, W_t) int64
-    draft_cache: Any                     # None when the batch decodes without the draft
-    draft_mask: torch.Tensor             # (B, W_d) int64
-    last: torch.Tensor                   # (B,) last committed token, not yet in either cache
-    draft_in: torch.Tensor               # (B, k) tokens to feed the draft before drafting; last column == last
-    draft_in_mask: torch.Tensor          # (B, k) which of draft_in are real
-    committed: list[list[int]] = field(default_factory=list)  # per active row: prompt + new tokens
-    # Host-side bookkeeping, so cache maintenance needs no device-to-host sync:
-    target_len: list[int] = field(default_factory=list)     # valid target-cache slots per row
-    draft_len: list[int] = field(default_factory=list)      # valid draft-cache slots per row
-    draft_pending: list[int] = field(default_factory=list)  # real tokens in draft_in per row (right-aligned)
+class NonFiniteLogitsError(RuntimeError):
+    """A model's logits were not finite (NaN or inf) during decoding, so no token could be drawn from them."""
 
 
-class LookupDrafts(NamedTuple):
-    """One step's prompt-lookup proposals (:meth:`SpeculativeDecoder._lookup_drafts`)."""
+NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, so the sampled id fell outside the "
+              "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
+              "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
+              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")  # (its requests stay: see step())
 
-    ids: torch.Tensor  # (B, γ) int64: the proposals (0 where unused)
-    use: torch.Tensor  # (B, γ) bool: the draft at this position is the proposal (a prefix of a greedy row's γ_r)
-    covered: int       # leading positions where no row needs the draft's guess (a proposal, or past the row's γ_r)
+PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
 
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(B, T)`` int64 ``input_ids`` and ``attention_mask`` for token-id lists (T = longest row),
-    the layout the decoder, rollouts and the benchmark use."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
+def check_models(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any) -> int:
+    """The pair checked for decoding (a shared vocabulary, caches that roll back, causal attention); returns the
+    shared vocabulary size (:func:`decode.compat.check_compatibility`)."""
+    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+    for name, model in (("target", target), ("draft", draft)):
+        if model is not None:
+            check_cache_support(model, name)
+            check_causal(model, name)
+    return vocab_size
 
 
-def context_length(model: Any) -> int | None:
-    """Max positions of a causal LM from its (text) config; None when the architecture states no limit."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
-                 "n_ctx"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def check_max_auto_draft_tokens(value: Any) -> int:
+    """The largest γ of ``num_draft_tokens="auto"``: an integer >= 1, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
+                         f"'auto'), got {value!r}")
+    return value
+
+
+def warn_chunk_dependent_rope(target: Any) -> None:
+    """Warn when the target's rotary frequencies depend on how many tokens a forward holds."""
+    rope = chunk_dependent_rope(target)
+    if rope is not None:
+        warnings.warn(f"decode: the target's rope_type {rope[0]!r} picks its rotary frequencies from the largest "
+                      f"position in each forward, so past position {rope[1]} its logits depend on how many tokens "
+                      "a forward holds and outputs there can differ from one-token-at-a-time decoding (plain "
+                      "decoding through this engine too; docs/decode.md, Limits)", stacklevel=3)
 
 
 class SpeculativeDecoder:
@@ -132,7 +124,7 @@ class SpeculativeDecoder:
         auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
             (batch-size keys may be strings, as after a JSON round trip; a bad entry raises ValueError)
             for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
-            entries are measured once, at first use, by timed forwards (:func:`decode.costs.measure_cost_ratio`)
+            entries are measured once, at first use, by timed forwards (:func:`decode.costs.calibrate`)
             and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
         compile: False (default), True: run both models' draft and verify forwards through
             ``torch.compile(model.forward, dynamic=True)`` (applied from outside, the models are not modified);
@@ -168,19 +160,9 @@ class SpeculativeDecoder:
         for name, value in (("static_cache", static_cache), ("few_row_linear", few_row_linear)):
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
-        self.target = target
-        self.draft = draft
-        self.tokenizer = tokenizer
-        self.vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
-        for name, model in (("target", target), ("draft", draft)):
-            if model is not None:
-                check_cache_support(model, name)
-                check_causal(model, name)
-        if isinstance(max_auto_draft_tokens, bool) or not isinstance(max_auto_draft_tokens, int) \
-                or max_auto_draft_tokens < 1:
-            raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
-                             f"'auto'), got {max_auto_draft_tokens!r}")
-        self.max_auto_draft_tokens = max_auto_draft_tokens
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.vocab_size = check_models(target, draft, tokenizer, draft_tokenizer)
+        self.max_auto_draft_tokens = check_max_auto_draft_tokens(max_auto_draft_tokens)
         self._num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
                                                    else num_draft_tokens)
         self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram, draft is not None)
@@ -191,40 +173,23 @@ class SpeculativeDecoder:
         # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
         self._draft_map = draft_vocab_map(draft) if draft is not None else None
         self.compile = check_compile(compile, draft is not None)
-        rope = chunk_dependent_rope(target)
-        if rope is not None:
-            warnings.warn(f"decode: the target's rope_type {rope[0]!r} picks its rotary frequencies from the largest "
-                          f"position in each forward, so past position {rope[1]} its logits depend on how many tokens "
-                          "a forward holds and outputs there can differ from one-token-at-a-time decoding (plain "
-                          "decoding through this engine too; docs/decode.md, Limits)", stacklevel=2)
-        # Per model: use the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
-        self._static = {}
-        self._max_rows = None  # 1 when a model numbers positions by slot: left padding would shift them
-        for name, model in (("target", target), ("draft", draft)):
-            probe = kv.slot_probe(model) if model is not None else kv.SlotProbe(True, True)
-            if not probe.padding_ok:
-                why = (f"returns NaN for left-padded rows in {next(model.parameters()).dtype} (transformers' eager "
-                       "attention; attn_implementation='sdpa' batches)" if probe.padding_nan else
-                       "numbers positions by cache slot (it takes no position ids), so left padding in a shared batch "
-                       "would shift them")
-                warnings.warn(f"decode: the {name} ({type(model).__name__}) {why}; this decoder runs one request at "
-                              "a time", stacklevel=2)
-                self._max_rows = 1
-            if model is None or static_cache is False:
-                self._static[name] = False
-                continue
-            reason = kv.StaticKV.supported(model, probe)
-            if reason is not None:
-                warnings.warn(f"decode: the {name} ({type(model).__name__}) cannot use the static KV cache "
-                              f"({reason}); using the DynamicCache path", stacklevel=2)
-            self._static[name] = reason is None
+        warn_chunk_dependent_rope(target)
+        # Per model: the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
+        self.static_cache, self._max_rows = kv.cache_kinds(target, draft, static_cache)
         # A compiled target loses the kernels (inductor picks its own); a compiled draft keeps the traceable ones.
         self.few_row_linear = (kernels.default_for(target, draft) and self.compile is not True if few_row_linear is None
                                else bool(few_row_linear))
-        self._target_call = compiled_forward(target) if self.compile is True else None
-        self._draft_call = compiled_forward(draft) if self.compile and draft is not None else None
+        self.target_call = compiled_forward(target) if self.compile is True else None
+        self.draft_call = compiled_forward(draft) if self.compile and draft is not None else None
+        self.auto_costs: dict[int, dict] = check_auto_costs(auto_costs)
+        # False: auto γ keeps the pooled choice in generate() too (the planner's A/B baseline, docs/decode.md)
+        self.plan_static_batches = True
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
+        self._reset_requests()
+
+    def _reset_requests(self) -> None:
+        """No request queued or running."""
         self._step_draft_forwards = 0
         self._waiting: list[Request] = []
         self._rows: list[Request] = []  # active requests, in the batch's row order
@@ -236,9 +201,6 @@ class SpeculativeDecoder:
         self._adaptive: AdaptiveGamma | None = None
         self._gamma_override: int | str | None = None
         self._static_batch = False  # True inside generate(): auto γ minimizes the time to the last row's end
-        # False: auto γ keeps the pooled choice in generate() too (the planner's A/B baseline, docs/decode.md)
-        self.plan_static_batches = True
-        self.auto_costs: dict[int, dict] = check_auto_costs(auto_costs)
         self._costs_bucket = None
         self._next_id = 0
         self._ids: set = set()  # ids of queued and active requests
@@ -313,7 +275,7 @@ class SpeculativeDecoder:
         params = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
                                 repetition_penalty)
         max_new_tokens = check_max_new_tokens(max_new_tokens)
-        prompt = self._check_prompt(prompt_ids)
+        prompt = check_prompt(prompt_ids, self.vocab_size, self.context_length)
         eos = check_eos(eos_token_id)
         seed = check_seed(seed)
         if on_tokens is not None and not callable(on_tokens):
@@ -400,33 +362,6 @@ class SpeculativeDecoder:
         return self._commit(gammas, n_acc, new)
 
     # ------------------------------------------------------------------ admission
-    def _check_prompt(self, prompt_ids: Any, name: str = "prompt_ids") -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {tuple(prompt_ids.shape)}")
-            prompt_ids = prompt_ids.tolist()
-        try:
-            if isinstance(prompt_ids, (str, bytes)):
-                raise TypeError
-            prompt_ids = list(prompt_ids)
-            if any(isinstance(t, bool) for t in prompt_ids):  # a mask passed as ids?
-                raise TypeError
-            prompt = [operator.index(t) for t in prompt_ids]  # ints only: a float or a string is not an id
-        except TypeError:
-            raise ValueError(f"{name} must be a sequence of integer token ids (tokenize text first), got "
-                             f"{prompt_ids!r:.80}") from None
-        if not prompt:
-            raise ValueError(f"{name} has no tokens; give at least one (e.g. the tokenizer's bos token)")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if self.context_length is not None and len(prompt) >= self.context_length:
-            raise ValueError(
-                f"{name} has {len(prompt)} tokens but the target's context is {self.context_length}; "
-                "truncate the prompt (keep its last tokens) so at least one new token fits"
-            )
-        return prompt
-
     def _gamma_config(self) -> int | str:
         return self.num_draft_tokens if self._gamma_override is None else self._gamma_override
 
@@ -437,132 +372,59 @@ class SpeculativeDecoder:
         new, self._waiting = self._waiting[:room], self._waiting[room:]
         fresh = self._state is None
         if fresh:
-            for name, model, harm in (("target", self.target, "the output is not the target's"),
-                                      ("draft", self.draft, "its proposals are noisier (still lossless)")):
-                if model is not None and model.training:  # dropout, if any, makes every forward random
-                    warnings.warn(f"decode: the {name} is in training mode (dropout, if any, is active: {harm}); "
-                                  f"call {name}.eval() before decoding", stacklevel=3)
-            self._use_draft = self.draft is not None and self._gamma_config() != 0
-            self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
-            self._costs_bucket = None
+            self._start_batch()
         try:
+            state = self.prefill([r.prompt for r in new], use_draft=self._use_draft, static=fresh)
             if fresh:
-                state = self.prefill([r.prompt for r in new], use_draft=self._use_draft)
-                self._to_static(state)
                 self._state = state
             else:
-                self._merge(self.prefill([r.prompt for r in new], use_draft=self._use_draft))
+                batch.merge(self._state, state, self.room())
         except BaseException:  # (out of memory, Ctrl-C): they wait again, so abort() and generate()'s cleanup see them
             self._waiting = new + self._waiting
             raise
         self._rows += new
         self._rebatch()
 
-    def _room(self) -> int:
+    def _start_batch(self) -> None:
+        """A new running batch: warn about a model in training mode, choose whether it drafts and its γ control."""
+        for name, model, harm in (("target", self.target, "the output is not the target's"),
+                                  ("draft", self.draft, "its proposals are noisier (still lossless)")):
+            if model is not None and model.training:  # dropout, if any, makes every forward random
+                warnings.warn(f"decode: the {name} is in training mode (dropout, if any, is active: {harm}); "
+                              f"call {name}.eval() before decoding", stacklevel=4)
+        self._use_draft = self.draft is not None and self._gamma_config() != 0
+        self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
+        self._costs_bucket = None
+
+    def room(self) -> int:
         """Columns one step may write into a cache: γ + 1 for the target, up to 2 + γ - 1 for the draft."""
         gamma = self.max_auto_draft_tokens if self._gamma_config() == "auto" else self._gamma_config()
         return int(gamma) + 2
-
-    def _to_static(self, state: DecodeState) -> None:
-        """Move a fresh prefill's DynamicCaches into new static caches (for the models on the static path)."""
-        device = self.target.device
-        for name in ("target", "draft"):
-            cache = getattr(state, f"{name}_cache")
-            if cache is not None and self._static[name]:
-                skv = kv.StaticKV(self.target if name == "target" else self.draft, device)
-                skv.merge(cache, getattr(state, f"{name}_mask"), getattr(state, f"{name}_len"), self._room())
-                setattr(state, f"{name}_cache", skv)
-                setattr(state, f"{name}_mask", None)
-
-    def _merge(self, other: DecodeState) -> None:
-        s = self._state
-        rows, merged = len(s.committed), []
-        try:
-            for name in ("target", "draft"):
-                self._merge_cache(s, other, name)
-                merged.append(name)
-        except BaseException:  # (out of memory, Ctrl-C) in the draft's merge: the target's gave back its new rows
-            for name in merged:
-                self._keep_cache_rows(s, name, list(range(rows)))
-            raise
-        s.last = torch.cat([s.last, other.last])
-        width = max(s.draft_in.shape[1], other.draft_in.shape[1])
-        pad = lambda x: torch.cat([x.new_zeros(x.shape[0], width - x.shape[1]), x], dim=1)  # noqa: E731
-        s.draft_in = torch.cat([pad(s.draft_in), pad(other.draft_in)])
-        s.draft_in_mask = torch.cat([pad(s.draft_in_mask), pad(other.draft_in_mask)])
-        for name in ("committed", "target_len", "draft_len", "draft_pending"):
-            getattr(s, name).extend(getattr(other, name))
-
-    def _merge_cache(self, s: DecodeState, other: DecodeState, name: str) -> None:
-        """Append ``other``'s rows to the ``name`` ("target" or "draft") cache and mask of ``s``."""
-        cache = getattr(s, f"{name}_cache")
-        if cache is None:  # no draft: its (B, 0) mask placeholder still needs a row per request
-            mask, o_mask = getattr(s, f"{name}_mask"), getattr(other, f"{name}_mask")
-            if mask is not None and o_mask is not None:
-                setattr(s, f"{name}_mask", torch.cat([mask, o_mask]))
-            return
-        o_cache, o_mask = getattr(other, f"{name}_cache"), getattr(other, f"{name}_mask")
-        if isinstance(cache, kv.StaticKV):
-            cache.merge(o_cache, o_mask, getattr(other, f"{name}_len"), self._room())
-        else:
-            setattr(s, f"{name}_mask", kv.concat_rows(cache, getattr(s, f"{name}_mask"), o_cache, o_mask))
-
-    @staticmethod
-    def _keep_cache_rows(s: DecodeState, name: str, keep: list[int]) -> None:
-        """Keep rows ``keep`` of the ``name`` cache and mask of ``s`` only."""
-        cache, mask = getattr(s, f"{name}_cache"), getattr(s, f"{name}_mask")
-        idx = torch.tensor(keep, device=s.last.device)
-        if isinstance(cache, kv.StaticKV):
-            cache.select_rows(keep)
-        elif cache is not None:
-            kv.select_rows(cache, idx)
-        if mask is not None:
-            setattr(s, f"{name}_mask", mask.index_select(0, idx))
 
     def _rebatch(self) -> None:
         """Per-row sampling tensors (and penalty counts) for the current rows."""
         device = self.target.device
         self._sampling = BatchSampling([r.params for r in self._rows], device)
-        self._counts = self._seen = None
-        if self._sampling.penalized:
-            B, V = len(self._rows), self.vocab_size
-            counts, seen = torch.zeros(B, V), torch.zeros(B, V, dtype=torch.bool)
-            for i, r in enumerate(self._rows):
-                if r.new_tokens:
-                    counts[i].index_put_((torch.tensor(r.new_tokens),), torch.ones(len(r.new_tokens)), accumulate=True)
-                seen[i, torch.tensor(r.prompt + r.new_tokens)] = True
-            self._counts, self._seen = counts.to(device), seen.to(device)
+        self._counts, self._seen = (batch.penalty_counts(self._rows, self.vocab_size, device)
+                                    if self._sampling.penalized else (None, None))
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], use_draft: bool = True) -> DecodeState:
+    def prefill(self, prompts: list[list[int]], use_draft: bool = True, static: bool = True) -> DecodeState:
         """Left-pad the prompts and run both models (the target only if ``use_draft`` is false) on all but each
-        prompt's last token."""
+        prompt's last token. ``static``: a model on the static path gets its cache as a new
+        :class:`decode.cache.StaticKV` (a fresh batch); else both stay :class:`decode.cache.DynamicKV` (rows that
+        join a batch merge into its caches)."""
         device = self.target.device
-        B = len(prompts)
         ids, mask = left_pad(prompts, 0, device)
-        T = ids.shape[1]
-        # Everything but each prompt's last token (the longest prompt fills the width, so no column is all padding).
-        pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
-        models = [(self.target, "target")] + ([(self.draft, "draft")] if self.draft is not None and use_draft else [])
-        caches, masks = {}, {}
-        for model, name in models:
-            caches[name] = kv.new_cache(model)
-            masks[name] = pre_mask[:, :0]
-            if T > 1:
-                ctx = self.context_length if name == "target" else self.draft_context_length
-                inp = pre_ids if name == "target" else self.draft_input_ids(pre_ids)
-                # Prefill runs eager: its shapes vary with every admission (compiling it only adds recompiles).
-                _, masks[name] = kv.forward(model, caches[name], masks[name], inp, pre_mask, logits_to_keep=1,
-                                            max_position=ctx - 1 if ctx else None)
-        last = ids[:, -1]
-        draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
-        draft_in_mask = torch.tensor([[0, 1]], device=device).expand(B, 2).clone()
-        return DecodeState(
-            target_cache=caches["target"], target_mask=masks["target"], draft_cache=caches.get("draft"),
-            draft_mask=masks.get("draft", pre_mask[:, :0]), last=last, draft_in=draft_in,
-            draft_in_mask=draft_in_mask, committed=[list(p) for p in prompts],
-            target_len=[len(p) - 1 for p in prompts], draft_len=[len(p) - 1 for p in prompts], draft_pending=[1] * B,
-        )
+        lens = [len(p) - 1 for p in prompts]
+        target = batch.prefill_cache(self.target, ids, mask, lens, self.context_length)
+        draft = (batch.prefill_cache(self.draft, self.draft_input_ids(ids), mask, lens, self.draft_context_length)
+                 if self.draft is not None and use_draft else None)
+        if static and self.static_cache["target"]:
+            target = batch.to_static(target, self.target, device, self.room())
+        if static and draft is not None and self.static_cache["draft"]:
+            draft = batch.to_static(draft, self.draft, device, self.room())
+        return batch.new_state(target, draft, prompts, ids[:, -1])
 
     # ------------------------------------------------------------------ one step
     def _remaining(self, row: Request, length: int) -> int:
@@ -597,170 +459,9 @@ class SpeculativeDecoder:
         if bucket == self._costs_bucket:
             return
         if bucket not in self.auto_costs:
-            self.calibrate(self._state.committed[0], [bucket])
+            costs.calibrate(self, self._state.committed[0], [bucket])
         self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
         self._costs_bucket = bucket
-
-    @torch.no_grad()
-    def calibrate(self, context_ids: Sequence[int], batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                  repeats: int = 5) -> dict[int, dict]:
-        """Measure the ``"auto"`` cost model now (else it is measured at first use, inside a step).
-
-        Args:
-            context_ids: a real token sequence (repeated or cut to at most 64 tokens); only its length matters.
-            batch_sizes: batch sizes to measure; each is rounded up to a power of two.
-            repeats: timed forwards per measurement (median).
-
-        The forwards are timed as the steps run them: on each model's cache kind (static or dynamic) and, with
-        ``compile``, through the compiled forwards (so a compiled draft's lower c reaches the γ choice; the first
-        calibration compiles the one-token shapes, tens of seconds on CPU).
-
-        Returns:
-            :attr:`auto_costs`, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max],
-            "target_forward_s": t}}``; the measured v_γ are made non-decreasing in γ and >= 1
-            (:func:`decode.speedup.smooth_verify_costs`); t (the target's one-token forward, seconds) is kept for
-            :func:`decode.speedup.simulate_batch_speedup` and not used by the controller.
-
-        Raises:
-            ValueError: no draft, ids of ``context_ids`` outside the vocabulary, or a batch size < 1.
-        """
-        if self.draft is None:
-            raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
-        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batch_sizes):
-            raise ValueError(f"batch_sizes must be integers >= 1, got {list(batch_sizes)!r}")
-        width = max(2, min(64, self._shared_context() - self.max_auto_draft_tokens - 2))
-        seq = list(context_ids)[-width:]
-        seq = self._check_prompt(seq, "context_ids") if seq else [0]
-        seq = (seq * (width // len(seq) + 1))[-width:]
-        for b in sorted({cost_bucket(b) for b in batch_sizes}):
-            context = torch.tensor([seq] * b, device=self.target.device)
-            m = self.measure_costs(context, repeats=repeats, verify_gammas=range(1, self.max_auto_draft_tokens + 1))
-            self.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
-                                  "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]]),
-                                  "target_forward_s": m["target_forward_s"]}  # for simulate_batch_speedup
-        return self.auto_costs
-
-    @torch.no_grad()
-    def measure_costs(self, context_ids: torch.Tensor, repeats: int = 21, verify_gammas: Sequence[int] = (),
-                      progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """:func:`decode.costs.measure_cost_ratio` on this decoder's own forward path: its few-row kernels
-        setting, each model's cache kind (static or dynamic) and, with ``compile``, the compiled forwards; ids the
-        draft cannot embed are replaced by its substitute id in both models' input (only the shapes matter).
-
-        Args:
-            context_ids: ``(B, L)`` LongTensor of target ids on the models' device (B rows: costs at batch size B).
-            repeats, verify_gammas, progress: as in :func:`decode.costs.measure_cost_ratio`.
-
-        Returns:
-            the dict of :func:`decode.costs.measure_cost_ratio` (seconds; ``cost_ratio`` = c).
-
-        Raises:
-            ValueError: this decoder has no draft, or a bad argument (as :func:`decode.costs.measure_cost_ratio`
-                raises; ids are checked against the target before the draft's substitution).
-        """
-        from decode.costs import measure_cost_ratio
-
-        return measure_cost_ratio(self.target, self.draft, self._cost_context(context_ids, "measure_costs"),
-                                  repeats=repeats, verify_gammas=verify_gammas, progress=progress,
-                                  static_cache=self._static, target_call=self._target_call,
-                                  draft_call=self._draft_call, few_row_linear=self.few_row_linear)
-
-    def cost_timer(self, context_ids: torch.Tensor, verify_gammas: Sequence[int] = ()):
-        """:meth:`measure_costs` one round at a time: a :class:`decode.costs.CostTimer` on this decoder's forward
-        path (call ``round()`` as often as wanted, then ``result()``), e.g. to spread the timing over a benchmark's
-        run. Arguments and errors as :meth:`measure_costs`."""
-        from decode.costs import CostTimer
-
-        return CostTimer(self.target, self.draft, self._cost_context(context_ids, "cost_timer"), verify_gammas,
-                         static_cache=self._static, target_call=self._target_call, draft_call=self._draft_call,
-                         few_row_linear=self.few_row_linear)
-
-    def _cost_context(self, context_ids: torch.Tensor, caller: str) -> torch.Tensor:
-        """The cost measurement's context as the models read it, checked against the target first (the draft's
-        substitution would hide an id too large for it)."""
-        from decode.costs import check_context_ids
-
-        if self.draft is None:
-            raise ValueError(f"{caller}() times the draft against the target; this decoder has no draft")
-        check_context_ids(context_ids, {"target": self.target}, hint=" (calibrate() takes a list of ids)")
-        return self.draft_input_ids(context_ids)
-
-    @torch.no_grad()
-    def warm_up(self, max_batch_size: int = 16) -> float:
-        """Do, before the first request, the one-time work that steps would otherwise do in the middle of serving,
-        stalling every running request: compile the compiled forwards' graphs (with ``compile``) and, with
-        ``num_draft_tokens="auto"``, measure the cost model of every batch size up to ``max_batch_size``. Returns
-        the seconds it took (0 when there is nothing to do).
-
-        A compiled forward (``torch.compile(..., dynamic=True)``) specialises on sizes 0 and 1, on whether an
-        attention mask is passed and, through the few-row kernels, on whether rows × new tokens is at most 2. So a
-        step's forward falls into one of 12 shape classes per compiled model: 1, 2 or more rows; 1, 2 or more new
-        tokens (the draft's pending input is usually 1 or 2 tokens, more after auto γ chose 0; the verify window is
-        γ + 1; with prompt lookup the draft's input is 3 or more tokens wherever a step's leading drafts came from
-        it); without or with a mask (rows of unequal length). Each class compiles the first time a step meets
-        it (seconds to tens of seconds on CPU). This runs each class once: for 1, 2 and 3 rows, a prefill of
-        equal-length dummy prompts, then the forward helpers the steps use (:meth:`_draft_forward`,
-        :meth:`_verify_forward`) with 1, 2 and 3 new tokens (3 stands for more), first without and then with a
-        mask, on a scratch state (the decoder's requests are untouched); with ``max_batch_size=1`` the mask classes
-        are left out (one row has no holes: 3 classes per compiled model). Dynamo also keeps a static buffer's length
-        static until it sees it change, so one class runs first on a 64-column buffer and then every class on a
-        128-column one (72-token prompts; a model whose context is too short for that stays at 64). Auto γ measures
-        its cost model once per power-of-two batch size (:func:`decode.speedup.cost_bucket`), here for all of them
-        at once (:meth:`calibrate` on a dummy 64-token context) unless ``auto_costs`` were given.
-        ``python -m decode serve`` calls it before it listens. Tested: afterwards long prompts, requests joining and
-        leaving, ragged, greedy and sampled rows and 1-token prompts compile nothing more
-        (tests/decode/test_engine.py); docs/decode.md, "Warm-up before serving".
-
-        Args:
-            max_batch_size: the most requests that will run together (the server's ``--max-batch-size``).
-
-        Raises:
-            ValueError: ``max_batch_size`` < 1.
-        """
-        from decode.speedup import cost_buckets
-
-        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-            raise ValueError(f"warm_up(max_batch_size=...) takes an integer >= 1, got {max_batch_size!r}")
-        auto = self.draft is not None and self.num_draft_tokens == "auto"
-        if not self.compile and not auto:
-            return 0.0
-        start = time.perf_counter()
-        if self.compile:
-            # A single row never has holes (they come from rows of unequal length): no mask class at batch 1.
-            masks = (False, True) if max_batch_size > 1 else (False,)
-            every = list(itertools.product([b for b in (1, 2, 3) if b <= max_batch_size], masks, (1, 2, 3)))
-            with kernels.few_row_linear(self.few_row_linear):
-                # A static cache's buffer length is a size dynamo keeps static until it sees it change: one class
-                # runs first on a 64-column buffer (a short prompt), then every class on a 128-column one.
-                if self._shared_context() >= 72 + self._room() + 4:
-                    self._run_shape_classes(4, [(1, False, 1)])
-                    self._run_shape_classes(72, every)
-                else:
-                    self._run_shape_classes(4, every)
-        missing = [b for b in cost_buckets(max_batch_size) if b not in self.auto_costs] if auto else []
-        if missing:
-            self.calibrate([i % self.vocab_size for i in range(1, 65)], missing)
-        return time.perf_counter() - start
-
-    def _shared_context(self) -> int:
-        """The shorter of the two models' contexts (2**30 when neither states one)."""
-        return min(c for c in (self.context_length, self.draft_context_length, 1 << 30) if c)
-
-    def _run_shape_classes(self, prompt_length: int, classes: list[tuple[int, bool, int]]) -> None:
-        """For :meth:`warm_up`: each ``(rows, holes, k)`` runs the compiled forwards once on a scratch state of
-        ``rows`` dummy prompts of ``prompt_length`` ids, with k new tokens and a mask if ``holes``."""
-        prompt = [i % self.vocab_size for i in range(1, prompt_length + 1)]
-        for batch in sorted({c[0] for c in classes}):
-            state = self.prefill([prompt] * batch, use_draft=self._draft_call is not None)
-            self._to_static(state)
-            for _, holes, k in [c for c in classes if c[0] == batch]:
-                ids = state.last[:, None].repeat(1, k)
-                if self._draft_call is not None:
-                    self._draft_forward(state, ids, torch.ones_like(ids), holes)
-                if self._target_call is not None:
-                    if holes and isinstance(state.target_cache, kv.StaticKV):
-                        state.target_cache.holey = True  # what a ragged batch's roll-back leaves
-                    self._verify_forward(state, ids)
 
     def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the
@@ -788,111 +489,76 @@ class SpeculativeDecoder:
             return logits
         return scatter_to_vocab(logits, self._draft_map.to(logits.device), self.vocab_size)
 
-    def _lookup_drafts(self, gammas: list[int], gamma: int) -> LookupDrafts | None:
-        """Prompt-lookup proposals of the greedy rows (:class:`decode.lookup.NgramLookup`, host-side, from each
-        row's committed tokens); None when prompt lookup is off or no row has a match."""
-        if not self.prompt_lookup_ngram:
-            return None
-        chains = []
-        for row, seq, g in zip(self._rows, self._state.committed, gammas):
-            if row.params.greedy and g > 0:
-                if row.lookup is None:
-                    row.lookup = NgramLookup(self.prompt_lookup_ngram)
-                chains.append(row.lookup.propose(seq, g))
-            else:
-                chains.append([])
-        if not any(chains):
-            return None
-        covered = min(gamma if len(chain) >= g else len(chain) for chain, g in zip(chains, gammas))
-        ids = torch.zeros(len(chains), gamma, dtype=torch.long)
-        use = torch.zeros(len(chains), gamma, dtype=torch.bool)
-        for i, chain in enumerate(chains):
-            ids[i, :len(chain)] = torch.tensor(chain, dtype=torch.long)
-            use[i, :len(chain)] = True
-        device = self.target.device
-        return LookupDrafts(ids.to(device, non_blocking=True), use.to(device, non_blocking=True), covered)
+    def _draft(self, state: DecodeState, gammas: list[int], gamma: int,
+               draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft γ tokens per row from the two sources: prompt lookup's proposals (:func:`decode.lookup.lookup_drafts`)
+        and the draft model's guesses. Returns tokens ``(B, γ)`` and the distributions they were drawn from
+        ``(B, γ, V)`` (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy`
+        needs no q).
 
-    def _draft(self, state: DecodeState, gamma: int, draft_u: torch.Tensor,
-               lookup: LookupDrafts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft γ tokens per row; returns tokens ``(B, γ)`` and the distributions they were drawn from ``(B, γ, V)``
-        (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy` needs no q).
-
-        ``lookup`` (:meth:`_lookup_drafts`): proposals that replace the draft's where marked (q one-hot on them).
-        Its first ``covered`` positions need no guess from the draft, so they run no draft forward: their tokens
-        join the next forward's input (one forward of several tokens costs about one of a single token here), and
-        when every position is covered one forward feeds them at the end, so the draft's cache holds the same
-        tokens as after γ one-token forwards (the roll-back is unchanged)."""
+        Positions before the proposals' ``covered`` need no guess from the draft model, so they run no draft forward:
+        their tokens join the next forward's input (one forward of several tokens costs about one of a single token
+        here), and when every position is covered one forward feeds them at the end, so the draft's cache holds the
+        same tokens as after γ one-token forwards (the roll-back is unchanged)."""
+        if gamma == 0:
+            self._step_draft_forwards = 0
+            return state.last.new_zeros(len(gammas), 0), torch.zeros(len(gammas), 0, self.vocab_size,
+                                                                     device=state.last.device)
+        lookup = (lookup_drafts(self._rows, state.committed, gammas, gamma, self.prompt_lookup_ngram,
+                                self.target.device) if self.prompt_lookup_ngram else None)
+        covered = lookup.covered if lookup is not None else 0
         # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
         width = max(state.draft_pending)
         inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
+        state.draft_cache.ensure_room(width + gamma)  # no compaction between this step's writes
+        holes = min(state.draft_pending) < width
         counts, seen = self._counts, self._seen
         tokens, probs = [], []
-        if isinstance(state.draft_cache, kv.StaticKV):
-            state.draft_cache.ensure_room(width + gamma)
-            self._draft_start = state.draft_cache.W
-        holes = min(state.draft_pending) < width
-        covered = lookup.covered if lookup is not None else 0
         for i in range(gamma):
-            if i < covered:  # every row's draft here is its proposal (or unused): no draft forward
-                tok = lookup.ids[:, i]
-                q = None if self._sampling.all_greedy else \
-                    torch.nn.functional.one_hot(tok, self.vocab_size).float()  # as probs_from_logits' rows
+            if i < covered:  # every row's draft here is its proposal (or unused): it joins the next forward's input
+                tok, q = lookup.proposal(i, self.vocab_size, with_q=not self._sampling.all_greedy)
+                inp, inp_mask = torch.cat([inp, tok[:, None]], dim=1), torch.cat([inp_mask, torch.ones_like(
+                    tok)[:, None]], dim=1)
             else:
-                logits = self._draft_forward(state, inp, inp_mask, holes)
-                holes = False
-                args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
-                        counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
-                if self._sampling.all_greedy:  # q is one-hot: keep only its argmax (verify_greedy needs no q)
-                    tok, q = greedy_ids(*args)[:, 0], None
-                else:
-                    q = probs_from_logits(*args)[:, 0]
-                    tok = sample(q, u=draft_u[:, i])
-                if lookup is not None:  # greedy rows only: their q is one-hot wherever their draft comes from
-                    tok = torch.where(lookup.use[:, i], lookup.ids[:, i], tok)
-                    if q is not None:
-                        hot = torch.nn.functional.one_hot(tok, self.vocab_size).float()
-                        q = torch.where(lookup.use[:, i, None], hot, q)
+                logits = self.draft_forward(state, inp, inp_mask, holes)
+                tok, q = self._draft_guess(logits, counts, seen, draft_u[:, i])
+                if lookup is not None:
+                    tok, q = lookup.overlay(i, tok, q, self.vocab_size)
+                inp, inp_mask, holes = tok[:, None], torch.ones_like(tok)[:, None], False
             if q is not None:
                 probs.append(q)
             tokens.append(tok)
             if counts is not None and i + 1 < gamma:  # the next position's prefix includes this draft
                 counts = counts.scatter_add(-1, tok[:, None], torch.ones_like(counts[:, :1]))
                 seen = seen.scatter(-1, tok[:, None], True)
-            new, new_mask = tok[:, None], torch.ones_like(tok)[:, None]
-            if i < covered:  # not fed yet: it joins the pending input of the next forward
-                new, new_mask = torch.cat([inp, new], dim=1), torch.cat([inp_mask, new_mask], dim=1)
-            inp, inp_mask = new, new_mask
         if covered == gamma:  # no forward ran: feed what the γ forwards would have (all but the γ-th draft)
-            self._draft_forward(state, inp[:, :-1], inp_mask[:, :-1], holes)
+            self.draft_forward(state, inp[:, :-1], inp_mask[:, :-1], holes)
+        self._step_draft_forwards = 1 if covered == gamma else gamma - covered
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
-    def _draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
+    def _draft_guess(self, logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
+                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft model's token ``(B,)`` at one position from its logits ``(B, 1, N)``, and q ``(B, V)`` (None
+        when every row is greedy: q is one-hot, only its argmax is kept)."""
+        args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
+                counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
+        if self._sampling.all_greedy:
+            return greedy_ids(*args)[:, 0], None
+        q = probs_from_logits(*args)[:, 0]
+        return sample(q, u=u), q
+
+    def draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
         """One draft forward on ``inp`` ``(B, k)`` (``inp_mask`` ``(B, k)``: 0 for the holes of rows with fewer
         pending tokens; ``holes``: whether it has a 0) appended to the draft's cache; returns logits ``(B, 1, N)``."""
         max_pos = self.draft_context_length - 1 if self.draft_context_length else None
-        if isinstance(state.draft_cache, kv.StaticKV):
-            return state.draft_cache.forward(self.draft, self.draft_input_ids(inp), inp_mask if holes else None,
-                                             logits_to_keep=1, max_position=max_pos, call=self._draft_call,
-                                             holes=holes)
-        logits, state.draft_mask = kv.forward(self.draft, state.draft_cache, state.draft_mask,
-                                              self.draft_input_ids(inp),
-                                              inp_mask, logits_to_keep=1, max_position=max_pos,
-                                              call=self._draft_call)
-        return logits
+        return state.draft_cache.forward(self.draft, self.draft_input_ids(inp), inp_mask if holes else None,
+                                         logits_to_keep=1, max_position=max_pos, call=self.draft_call, holes=holes)
 
-    def _verify_forward(self, state: DecodeState, target_in: torch.Tensor) -> torch.Tensor:
+    def verify_forward(self, state: DecodeState, target_in: torch.Tensor) -> torch.Tensor:
         """The target's forward on ``target_in`` ``(B, γ+1)`` (the last committed token and the drafts) appended to
         its cache; returns logits ``(B, γ+1, V)``."""
         max_pos = self.context_length - 1 if self.context_length else None
-        if isinstance(state.target_cache, kv.StaticKV):
-            state.target_cache.ensure_room(target_in.shape[1])
-            self._target_start = state.target_cache.W
-            return state.target_cache.forward(self.target, target_in, None, max_position=max_pos,
-                                              call=self._target_call)
-        logits, state.target_mask = kv.forward(self.target, state.target_cache, state.target_mask, target_in,
-                                               torch.ones_like(target_in), max_position=max_pos,
-                                               call=self._target_call)
-        return logits
+        return state.target_cache.forward(self.target, target_in, None, max_position=max_pos, call=self.target_call)
 
     def _window_counts(self, drafts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Penalty counts of the verify window's γ+1 prefixes: ``(B, γ+1, V)``; position j includes d_1..d_j."""
@@ -907,20 +573,9 @@ class SpeculativeDecoder:
         """Draft -> verify -> roll back, for every active row. Returns ``(n_accepted per row, committed new tokens
         per row before the eos/length trim)``."""
         state = self._state
-        B = len(gammas)
         draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
-        if gamma > 0:
-            lookup = self._lookup_drafts(gammas, gamma)
-            drafts, q = self._draft(state, gamma, draft_u, lookup)
-            covered = lookup.covered if lookup is not None else 0
-            # the forwards _draft ran: one per position after the covered ones, or one when all were covered
-            self._step_draft_forwards = 1 if covered == gamma else gamma - covered
-        else:
-            self._step_draft_forwards = 0
-            drafts = state.last.new_zeros(B, 0)
-            q = torch.zeros(B, 0, self.vocab_size, device=state.last.device)
-        target_in = torch.cat([state.last[:, None], drafts], dim=1)  # (B, γ+1)
-        logits = self._verify_forward(state, target_in)
+        drafts, q = self._draft(state, gammas, gamma, draft_u)  # (B, γ), (B, γ, V) or None
+        logits = self.verify_forward(state, torch.cat([state.last[:, None], drafts], dim=1))  # (B, γ+1, V)
         counts, seen = self._window_counts(drafts)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
         if self._sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
@@ -940,75 +595,26 @@ class SpeculativeDecoder:
 
     def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
                    nxt: torch.Tensor, n_list: list[int]) -> None:
-        """Rejected slots leave both caches; the draft's pending input becomes what it has not yet seen."""
-        if isinstance(state.target_cache, kv.StaticKV) or isinstance(state.draft_cache, kv.StaticKV):
-            return self._roll_back_static(state, gamma, drafts, n_acc, nxt, n_list)
-        if gamma > 0:
-            pos = torch.arange(gamma, device=drafts.device)
-            state.target_mask[:, state.target_mask.shape[1] - gamma:] = (pos < n_acc[:, None]).long()
-            fed = gamma - 1  # drafts d1..d_{γ-1} went into the draft cache
-            if fed > 0:
-                state.draft_mask[:, state.draft_mask.shape[1] - fed:] = (pos[:fed] < n_acc[:, None]).long()
-            all_acc = n_acc == gamma
-            state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
-            state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
-            fed_pending = state.draft_pending
-            state.target_len = [t + 1 + n for t, n in zip(state.target_len, n_list)]
-            state.draft_len = [d + p + min(n, fed) for d, p, n in zip(state.draft_len, fed_pending, n_list)]
-            state.draft_pending = [2 if n == gamma else 1 for n in n_list]
-            same = len(set(n_list)) == 1
-            t_holes = gamma - n_list[0] if same else None
-            d_holes = fed - min(n_list[0], fed) if same and len(set(fed_pending)) == 1 else None
-            state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len, t_holes)
-            state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len, d_holes)
-        else:
-            # Plain step: the draft did not see this token either; it catches up in its next forward.
+        """Rejected slots leave both caches (each cache rolls back its own way, :mod:`decode.cache`); the draft's
+        pending input becomes what it has not yet seen. ``n_list``: accepted drafts per row, on the host."""
+        kept = torch.arange(gamma, device=drafts.device) < n_acc[:, None]  # (B, γ): the accepted drafts
+        # The target wrote last, d1..dγ: last and the accepted drafts stay.
+        t_cache = state.target_cache
+        t_cache.roll_back(kept, n_list, [t + 1 + n for t, n in zip(t_cache.lens, n_list)])
+        if gamma == 0:  # plain step: the draft did not see this token either; it catches up in its next forward
             state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
             state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
             state.draft_pending = [p + 1 for p in state.draft_pending]
-            state.target_len = [t + 1 for t in state.target_len]
-        state.last = nxt
-
-    def _roll_back_static(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
-                          nxt: torch.Tensor, n_list: list[int]) -> None:
-        """:meth:`_roll_back` when a cache is static (the other one may be a DynamicCache): no copy, the write
-        column moves back to the end of the longest row's kept slots (see :class:`decode.cache.StaticKV`)."""
-        t_cache, d_cache = state.target_cache, state.draft_cache
-        fed = max(gamma - 1, 0)  # drafts d1..d_{γ-1} went into the draft cache
-        pos = torch.arange(gamma, device=drafts.device)
-        kept_t = pos < n_acc[:, None]  # (B, γ)
-        # target: columns [start, start + γ + 1) hold last, d1..dγ; last and the accepted drafts stay
-        new_t_len = [t + 1 + n for t, n in zip(state.target_len, n_list)]
-        if isinstance(t_cache, kv.StaticKV):
-            start = self._target_start
-            t_cache.roll_back(start + 1, kept_t, start + 1 + max(n_list), new_t_len, len(set(n_list)) > 1)
-        elif gamma > 0:
-            state.target_mask[:, state.target_mask.shape[1] - gamma:] = kept_t.long()
-            state.target_mask = kv.compact(t_cache, state.target_mask, new_t_len,
-                                           gamma - n_list[0] if len(set(n_list)) == 1 else None)
-        state.target_len = new_t_len
-        if gamma > 0:
-            width = max(state.draft_pending)
-            new_d_len = [d + p + min(n, fed) for d, p, n in zip(state.draft_len, state.draft_pending, n_list)]
-            if isinstance(d_cache, kv.StaticKV):
-                start = self._draft_start + width
-                kept = [min(n, fed) for n in n_list]
-                d_cache.roll_back(start, kept_t[:, :fed], start + max(kept), new_d_len, len(set(kept)) > 1)
-            else:
-                if fed > 0:
-                    state.draft_mask[:, state.draft_mask.shape[1] - fed:] = kept_t[:, :fed].long()
-                same = len(set(n_list)) == 1 and len(set(state.draft_pending)) == 1
-                state.draft_mask = kv.compact(d_cache, state.draft_mask, new_d_len,
-                                              fed - min(n_list[0], fed) if same else None)
-            state.draft_len = new_d_len
+        else:
+            fed = gamma - 1  # the draft wrote its pending input, then d1..d_{γ-1}
+            d_kept = [min(n, fed) for n in n_list]
+            d_cache = state.draft_cache
+            d_cache.roll_back(kept[:, :fed], d_kept,
+                              [d + p + k for d, p, k in zip(d_cache.lens, state.draft_pending, d_kept)])
             all_acc = n_acc == gamma
             state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
             state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
             state.draft_pending = [2 if n == gamma else 1 for n in n_list]
-        else:
-            state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
-            state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
-            state.draft_pending = [p + 1 for p in state.draft_pending]
         state.last = nxt
 
     def _trim(self, row: Request, tokens: list[int], length: int) -> tuple[list[int], bool]:
@@ -1043,7 +649,8 @@ class SpeculativeDecoder:
         if len(keep) < len(self._rows):
             self._drop_rows(keep)
         elif self._counts is not None and count_ids:
-            idx = (torch.tensor(count_rows, device=self._counts.device), torch.tensor(count_ids, device=self._counts.device))
+            device = self._counts.device
+            idx = (torch.tensor(count_rows, device=device), torch.tensor(count_ids, device=device))
             self._counts.index_put_(idx, torch.ones(len(count_ids), device=self._counts.device), accumulate=True)
             self._seen[idx] = True
         # Kept (with those of earlier steps whose callbacks raised) for the next step() if a callback raises below.
@@ -1059,68 +666,11 @@ class SpeculativeDecoder:
         if not keep:
             self._state, self._rows, self._sampling, self._counts, self._seen = None, [], None, None, None
             return
-        state = self._state
-        idx = torch.tensor(keep, device=state.last.device)
-        for name in ("last", "draft_in", "draft_in_mask"):
-            setattr(state, name, getattr(state, name).index_select(0, idx))
-        for name in ("target", "draft"):
-            self._keep_cache_rows(state, name, keep)
+        batch.keep_rows(self._state, keep)
         self._rows = [self._rows[i] for i in keep]
-        for name in ("committed", "target_len", "draft_len", "draft_pending"):
-            setattr(state, name, [getattr(state, name)[i] for i in keep])
-        # Drop the leading columns that only the removed rows used.
-        if state.target_mask is not None and max(state.target_len) < state.target_mask.shape[1]:
-            state.target_mask = kv.compact(state.target_cache, state.target_mask, state.target_len)
-        if state.draft_mask is not None and state.draft_cache is not None and \
-                max(state.draft_len) < state.draft_mask.shape[1]:
-            state.draft_mask = kv.compact(state.draft_cache, state.draft_mask, state.draft_len)
         self._rebatch()
 
     # ------------------------------------------------------------------ generate
-    def _pack_prompts(self, input_ids: Any, attention_mask: Any) -> list[list[int]]:
-        if not isinstance(input_ids, torch.Tensor) and attention_mask is not None:
-            try:  # a list with a mask: the mask must apply to it, so both become (B, T) tensors
-                input_ids = torch.as_tensor(input_ids)
-            except (TypeError, ValueError, RuntimeError):
-                raise ValueError("input_ids given with attention_mask must be a (B, T) or (T,) array of ids "
-                                 "(rows of equal length)") from None
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() not in (1, 2):
-                raise ValueError(f"input_ids must be (B, T) or (T,), got shape {tuple(input_ids.shape)}")
-            ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
-            if attention_mask is None:
-                prompts = ids.tolist()
-            else:
-                m = torch.as_tensor(attention_mask)
-                m = m if m.dim() == 2 else m.unsqueeze(0)
-                if not ((m == 0) | (m == 1)).all():
-                    raise ValueError("attention_mask must hold only 0 (padding) and 1 (prompt token), got values "
-                                     f"{sorted(set(m[(m != 0) & (m != 1)].flatten().tolist()))[:5]}")
-                if m.shape != ids.shape:
-                    raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
-                for i, mask in enumerate(m.cpu().bool()):
-                    kept = mask.nonzero().flatten()
-                    if len(kept) and int(kept[-1] - kept[0]) + 1 != len(kept):
-                        raise ValueError(f"attention_mask row {i} has padding between prompt tokens; a prompt is one "
-                                         "run of 1s (padding on the left or the right only)")
-                prompts = [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]
-        elif isinstance(input_ids, (str, bytes)):
-            raise ValueError("input_ids must be token ids, not text; tokenize it first (tokenizer(text)['input_ids'])")
-        elif isinstance(input_ids, Mapping):
-            raise ValueError("input_ids is a mapping (a tokenizer's BatchEncoding?); pass enc['input_ids'] and "
-                             "attention_mask=enc['attention_mask']")
-        else:
-            try:
-                rows = list(input_ids)
-            except TypeError:
-                raise ValueError(f"input_ids must be a (B, T) or (T,) tensor or a list of token-id lists, "
-                                 f"got {type(input_ids).__name__}") from None
-            # A flat list of ids is one prompt, as a (T,) tensor is.
-            prompts = [rows] if rows and all(isinstance(t, numbers.Integral) for t in rows) else rows
-        if not prompts:
-            raise ValueError("input_ids is empty: give at least one prompt")
-        return [self._check_prompt(p, name=f"prompt {i}") for i, p in enumerate(prompts)]
-
     @torch.no_grad()
     def generate(
         self,
@@ -1162,29 +712,15 @@ class SpeculativeDecoder:
                 fit in the target's context, or ``max_new_tokens < 1``.
             RuntimeError: requests are in flight (generate owns the whole batch).
         """
-        unknown = sorted(set(sampling) - PENALTY_ARGS)
-        if unknown:
-            raise ValueError(f"generate() got unknown argument(s) {', '.join(unknown)}; the sampling arguments are "
-                             f"temperature (0 = greedy; there is no do_sample), top_k, top_p, "
-                             f"{', '.join(sorted(PENALTY_ARGS))}")
-        SamplingParams(temperature, top_k, top_p, **sampling)  # validate before any work
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        check_sampling_args(temperature, top_k, top_p, generator, sampling)
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         gamma = self._check_gamma(num_draft_tokens) if num_draft_tokens is not None else None
-        prompts = self._pack_prompts(input_ids, attention_mask)
-        if streamer is not None and not (callable(getattr(streamer, "put", None))
-                                         and callable(getattr(streamer, "end", None))):
-            raise ValueError(f"streamer must have put(LongTensor) and end() (e.g. transformers.TextStreamer), got "
-                             f"{type(streamer).__name__}")
-        if streamer is not None and len(prompts) != 1:
-            raise ValueError("streamer needs batch size 1")
+        prompts = [check_prompt(p, self.vocab_size, self.context_length, name=f"prompt {i}")
+                   for i, p in enumerate(pack_prompts(input_ids, attention_mask))]
+        check_streamer(streamer, len(prompts))
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle decoder; finish or abort the queued requests first")
-        if generator is not None:
-            seeds = torch.randint(0, MAX_SEED, (len(prompts),), generator=generator, device=generator.device).tolist()
-        else:
-            seeds = [None] * len(prompts)
+        seeds = row_seeds(generator, len(prompts))
         on_tokens = (lambda _rid, tokens: streamer.put(torch.tensor(tokens))) if streamer is not None else None
         start, forwards = time.perf_counter(), (self.num_target_forwards, self.num_draft_forwards)
         outputs: dict[int, RequestOutput] = {}
@@ -1211,22 +747,44 @@ class SpeculativeDecoder:
         stats = DecodeStats.merge([o.stats for o in ordered])
         stats.num_target_forwards = self.num_target_forwards - forwards[0]
         stats.num_draft_forwards = self.num_draft_forwards - forwards[1]
-        stats.ttft_s = first - start
-        stats.total_s = time.perf_counter() - start
+        stats.ttft_s, stats.total_s = first - start, time.perf_counter() - start
         stats.peak_memory_bytes = peak_memory_bytes(self.target.device)
-        new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in ordered]
-        sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, ordered)]
-        return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)
+        return generation_output(prompts, ordered, stats)
 
 
-class NonFiniteLogitsError(RuntimeError):
-    """A model's logits were not finite (NaN or inf) during decoding, so no token could be drawn from them."""
+def check_sampling_args(temperature: float, top_k: Any, top_p: Any, generator: Any, sampling: dict) -> None:
+    """``generate()``'s sampling arguments checked before any work (ValueError naming the bad one)."""
+    unknown = sorted(set(sampling) - PENALTY_ARGS)
+    if unknown:
+        raise ValueError(f"generate() got unknown argument(s) {', '.join(unknown)}; the sampling arguments are "
+                         f"temperature (0 = greedy; there is no do_sample), top_k, top_p, "
+                         f"{', '.join(sorted(PENALTY_ARGS))}")
+    SamplingParams(temperature, top_k, top_p, **sampling)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
-NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, so the sampled id fell outside the "
-              "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
-              "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
-              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")  # (its requests stay: see step())
+def row_seeds(generator: torch.Generator | None, n: int) -> list[int | None]:
+    """Seeds of ``n`` rows: n draws from ``generator``, or None each (the request draws one from torch's global
+    generator)."""
+    if generator is None:
+        return [None] * n
+    return torch.randint(0, MAX_SEED, (n,), generator=generator, device=generator.device).tolist()
 
 
-PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
+def check_streamer(streamer: Any, batch_size: int) -> None:
+    """A ``generate()`` streamer: None, or ``put(LongTensor)`` and ``end()`` at batch size 1 (else ValueError)."""
+    if streamer is None:
+        return
+    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise ValueError(f"streamer must have put(LongTensor) and end() (e.g. transformers.TextStreamer), got "
+                         f"{type(streamer).__name__}")
+    if batch_size != 1:
+        raise ValueError("streamer needs batch size 1")
+
+
+def generation_output(prompts: list[list[int]], outputs: list[RequestOutput], stats: DecodeStats) -> GenerationOutput:
+    """``generate()``'s result from the finished requests, in input order."""
+    new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in outputs]
+    sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, outputs)]
+    return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)

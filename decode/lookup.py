@@ -13,7 +13,9 @@ proposal exactly when it equals the target's argmax.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
+
+import torch
 
 
 class NgramLookup:
@@ -65,6 +67,55 @@ class NgramLookup:
             pending[key] = end  # the suffix is now followed by the token proposed below
             chain.append(at(j))
         return chain
+
+
+class LookupDrafts(NamedTuple):
+    """One step's prompt-lookup proposals for the batch (:func:`lookup_drafts`): a drafting source beside the draft
+    model. Its first ``covered`` positions need no guess from the draft model; past them, a row's proposal
+    replaces the draft model's guess where ``use`` marks it."""
+
+    ids: torch.Tensor  # (B, γ) int64: the proposals (0 where unused)
+    use: torch.Tensor  # (B, γ) bool: the draft at this position is the proposal (a prefix of a greedy row's γ_r)
+    covered: int       # leading positions where no row needs the draft's guess (a proposal, or past the row's γ_r)
+
+    def proposal(self, i: int, vocab_size: int, with_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ``i`` < ``covered``: the tokens ``(B,)`` and, if ``with_q``, their one-hot q ``(B, V)`` (as
+        :func:`decode.sampling.probs_from_logits` gives a greedy row)."""
+        tok = self.ids[:, i]
+        return tok, (torch.nn.functional.one_hot(tok, vocab_size).float() if with_q else None)
+
+    def overlay(self, i: int, tok: torch.Tensor, q: torch.Tensor | None,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft model's tokens ``(B,)`` and q ``(B, V)`` at position ``i`` with the proposals put in where
+        marked (greedy rows only, so q is one-hot wherever their draft comes from)."""
+        tok = torch.where(self.use[:, i], self.ids[:, i], tok)
+        if q is not None:
+            q = torch.where(self.use[:, i, None], torch.nn.functional.one_hot(tok, vocab_size).float(), q)
+        return tok, q
+
+
+def lookup_drafts(rows: Sequence[Any], committed: Sequence[list[int]], gammas: Sequence[int], gamma: int, n: int,
+                  device: Any) -> LookupDrafts | None:
+    """Prompt-lookup proposals of the greedy rows (``rows``: :class:`decode.requests.Request`, each keeping its
+    :class:`NgramLookup` of ``committed``), host-side; None when no row has a match. ``gammas``: γ_r per row,
+    ``gamma`` their max."""
+    chains = []
+    for row, seq, g in zip(rows, committed, gammas):
+        if row.params.greedy and g > 0:
+            if row.lookup is None:
+                row.lookup = NgramLookup(n)
+            chains.append(row.lookup.propose(seq, g))
+        else:
+            chains.append([])
+    if not any(chains):
+        return None
+    covered = min(gamma if len(chain) >= g else len(chain) for chain, g in zip(chains, gammas))
+    ids = torch.zeros(len(chains), gamma, dtype=torch.long)
+    use = torch.zeros(len(chains), gamma, dtype=torch.bool)
+    for i, chain in enumerate(chains):
+        ids[i, :len(chain)] = torch.tensor(chain, dtype=torch.long)
+        use[i, :len(chain)] = True
+    return LookupDrafts(ids.to(device, non_blocking=True), use.to(device, non_blocking=True), covered)
 
 
 def check_prompt_lookup(value: object, has_draft: bool = True, name: str = "prompt_lookup_ngram") -> int:

@@ -6,7 +6,7 @@ import numbers
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -92,3 +92,83 @@ def check_eos(eos_token_id: Any) -> frozenset:
         return frozenset(operator.index(i) for i in ids)  # ints (numpy ints too), not floats or strings
     except TypeError:
         raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}") from None
+
+
+def check_prompt(prompt_ids: Any, vocab_size: int, context_length: int | None, name: str = "prompt_ids") -> list[int]:
+    """A prompt as a list of ints: 1-D, token ids in ``[0, vocab_size)``, at least one, and shorter than the
+    target's ``context_length`` (None: no limit) so one new token fits. Raises ``ValueError`` naming ``name``."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    try:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise TypeError
+        prompt_ids = list(prompt_ids)
+        if any(isinstance(t, bool) for t in prompt_ids):  # a mask passed as ids?
+            raise TypeError
+        prompt = [operator.index(t) for t in prompt_ids]  # ints only: a float or a string is not an id
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of integer token ids (tokenize text first), got "
+                         f"{prompt_ids!r:.80}") from None
+    if not prompt:
+        raise ValueError(f"{name} has no tokens; give at least one (e.g. the tokenizer's bos token)")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if context_length is not None and len(prompt) >= context_length:
+        raise ValueError(
+            f"{name} has {len(prompt)} tokens but the target's context is {context_length}; "
+            "truncate the prompt (keep its last tokens) so at least one new token fits"
+        )
+    return prompt
+
+
+def pack_prompts(input_ids: Any, attention_mask: Any) -> list[Any]:
+    """``generate()``'s prompts as one sequence of ids per row (not yet checked, :func:`check_prompt`): a
+    ``(B, T)`` or ``(T,)`` tensor or array with an optional 0/1 ``attention_mask`` (padding on either side), a list
+    of token-id lists, or one flat list of ids. Raises ``ValueError`` naming what is wrong."""
+    if not isinstance(input_ids, torch.Tensor) and attention_mask is not None:
+        try:  # a list with a mask: the mask must apply to it, so both become (B, T) tensors
+            input_ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError("input_ids given with attention_mask must be a (B, T) or (T,) array of ids "
+                             "(rows of equal length)") from None
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() not in (1, 2):
+            raise ValueError(f"input_ids must be (B, T) or (T,), got shape {tuple(input_ids.shape)}")
+        ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
+        prompts = ids.tolist() if attention_mask is None else _unpad(ids, attention_mask)
+    elif isinstance(input_ids, (str, bytes)):
+        raise ValueError("input_ids must be token ids, not text; tokenize it first (tokenizer(text)['input_ids'])")
+    elif isinstance(input_ids, Mapping):
+        raise ValueError("input_ids is a mapping (a tokenizer's BatchEncoding?); pass enc['input_ids'] and "
+                         "attention_mask=enc['attention_mask']")
+    else:
+        try:
+            rows = list(input_ids)
+        except TypeError:
+            raise ValueError(f"input_ids must be a (B, T) or (T,) tensor or a list of token-id lists, "
+                             f"got {type(input_ids).__name__}") from None
+        # A flat list of ids is one prompt, as a (T,) tensor is.
+        prompts = [rows] if rows and all(isinstance(t, numbers.Integral) for t in rows) else rows
+    if not prompts:
+        raise ValueError("input_ids is empty: give at least one prompt")
+    return prompts
+
+
+def _unpad(ids: torch.Tensor, attention_mask: Any) -> list[list[int]]:
+    """The rows of ``ids`` ``(B, T)`` where ``attention_mask`` is 1; each row's 1s must be one run."""
+    m = torch.as_tensor(attention_mask)
+    m = m if m.dim() == 2 else m.unsqueeze(0)
+    if not ((m == 0) | (m == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (prompt token), got values "
+                         f"{sorted(set(m[(m != 0) & (m != 1)].flatten().tolist()))[:5]}")
+    if m.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(ids.shape)}")
+    for i, mask in enumerate(m.cpu().bool()):
+        kept = mask.nonzero().flatten()
+        if len(kept) and int(kept[-1] - kept[0]) + 1 != len(kept):
+            raise ValueError(f"attention_mask row {i} has padding between prompt tokens; a prompt is one "
+                             "run of 1s (padding on the left or the right only)")
+    return [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]

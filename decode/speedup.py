@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import random
 from typing import Any, Callable, Sequence
 
 
@@ -131,7 +132,7 @@ def check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
             c, verify = float(entry["cost_ratio"]), [float(v) for v in entry["verify"]]
         except (TypeError, ValueError, KeyError) as err:
             raise ValueError(f"auto_costs[{key!r}] must be {{'cost_ratio': c, 'verify': [v_0, .., v_max]}} under a "
-                             f"batch-size key (what SpeculativeDecoder.calibrate returns): {err!r}") from None
+                             f"batch-size key (what decode.costs.calibrate returns): {err!r}") from None
         if (batch < 1 or not (math.isfinite(c) and c >= 0) or not verify
                 or not all(math.isfinite(v) and v > 0 for v in verify)):
             raise ValueError(f"auto_costs[{key!r}] = {entry!r}: need a batch size >= 1, cost_ratio >= 0 and a "
@@ -438,7 +439,7 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
         gamma: a fixed γ >= 0 or a controller factory (see :func:`simulate_speedup`).
         alphas: α_r per row, each in [0, 1].
         auto_costs: ``{batch_size: {"cost_ratio", "verify", "target_forward_s"}}`` for every power of two up to
-            ``len(alphas)`` (what ``SpeculativeDecoder.calibrate`` returns; its keys may be strings, as in JSON).
+            ``len(alphas)`` (what :func:`decode.costs.calibrate` returns; its keys may be strings, as in JSON).
         max_new_tokens: tokens per row (>= 2); runs, seed: simulated batches and their random seed.
 
     Returns:
@@ -449,60 +450,73 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
             value out of range there (c < 0, t <= 0, an empty or non-positive verify list), ``max_new_tokens < 2``
             or ``runs < 1``.
     """
-    import random
-
     if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
         raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {list(alphas)}")
     if max_new_tokens < 2 or runs < 1:
         raise ValueError(f"need max_new_tokens >= 2 and runs >= 1, got {max_new_tokens} and {runs}")
+    costs = _check_batch_costs(auto_costs, len(alphas))
+    rng = random.Random(seed)
+    plain = spec = 0.0
+    for _ in range(runs):
+        spec += _simulate_batch_run(gamma, alphas, costs, max_new_tokens, plan, rng)
+        plain += (max_new_tokens - 1) * costs[cost_bucket(len(alphas))]["target_forward_s"]
+    return plain / spec
+
+
+def _check_batch_costs(auto_costs: dict[int, dict], batch_size: int) -> dict[int, dict]:
+    """:func:`simulate_batch_speedup`'s ``auto_costs`` checked: an entry with ``target_forward_s`` > 0 for every
+    power of two a batch of ``batch_size`` rows passes through. Returns them with int keys."""
     costs = check_auto_costs(auto_costs)
-    buckets = cost_buckets(len(alphas))
+    buckets = cost_buckets(batch_size)
     for b in buckets:
         if b not in costs:
-            raise ValueError(f"auto_costs needs batch size {b} (SpeculativeDecoder.calibrate(..., batch_sizes="
+            raise ValueError(f"auto_costs needs batch size {b} (decode.costs.calibrate(decoder, ..., batch_sizes="
                              f"{buckets})), got batch sizes {sorted(costs)}")
         if "target_forward_s" not in costs[b]:
             raise ValueError(f"auto_costs[{b}] lacks target_forward_s (calibrate() of this version records it)")
         t = costs[b]["target_forward_s"]
         if not (is_finite_number(t) and t > 0):
             raise ValueError(f"auto_costs[{b}] needs target_forward_s > 0 (seconds), got {t!r}")
-    rng = random.Random(seed)
-    plain = spec = 0.0
-    for _ in range(runs):
-        ctl = gamma() if callable(gamma) else None
-        rows = [AlphaEstimate() for _ in alphas]
-        made = [1] * len(alphas)
-        active, bucket = list(range(len(alphas))), None
-        while active:
-            b = cost_bucket(len(active))
-            entry = costs[b]
-            if ctl is not None and b != bucket:
-                ctl.set_costs(entry["cost_ratio"], entry["verify"])
-                bucket = b
-            if ctl is None:
-                g = int(gamma)
-            else:
-                if plan and len(active) > 1:
-                    ctl.plan_batch([rows[i] for i in active], [max_new_tokens - made[i] for i in active])
-                g = ctl.next_gamma()
-            gs = [min(g, max_new_tokens - made[i] - 1) for i in active]
-            step_gamma = max(gs)
-            spec += entry["target_forward_s"] * (step_gamma * entry["cost_ratio"]
-                                                 + verify_cost_at(entry["verify"], step_gamma))
-            accepted_total = rejected = 0
-            for i, gi in zip(active, gs):
-                accepted = 0
-                while accepted < gi and rng.random() < alphas[i]:
-                    accepted += 1
-                made[i] += accepted + 1
-                rows[i].update(gi, accepted)
-                accepted_total += accepted
-                rejected += int(accepted < gi)
-            if ctl is not None and step_gamma > 0:
-                ctl.update(sum(gs), accepted_total, num_rejected=rejected)
-            active = [i for i in active if made[i] < max_new_tokens]
-        plain += (max_new_tokens - 1) * costs[cost_bucket(len(alphas))]["target_forward_s"]
-    return plain / spec
+    return costs
+
+
+def _simulate_batch_run(gamma: int | Callable[[], AdaptiveGamma], alphas: Sequence[float], costs: dict[int, dict],
+                        max_new_tokens: int, plan: bool, rng: random.Random) -> float:
+    """One simulated static batch of :func:`simulate_batch_speedup`; returns its speculative time (seconds)."""
+    ctl = gamma() if callable(gamma) else None
+    rows = [AlphaEstimate() for _ in alphas]
+    made = [1] * len(alphas)
+    active, bucket = list(range(len(alphas))), None
+    spec = 0.0
+    while active:
+        b = cost_bucket(len(active))
+        entry = costs[b]
+        if ctl is not None and b != bucket:
+            ctl.set_costs(entry["cost_ratio"], entry["verify"])
+            bucket = b
+        if ctl is None:
+            g = int(gamma)
+        else:
+            if plan and len(active) > 1:
+                ctl.plan_batch([rows[i] for i in active], [max_new_tokens - made[i] for i in active])
+            g = ctl.next_gamma()
+        gs = [min(g, max_new_tokens - made[i] - 1) for i in active]
+        step_gamma = max(gs)
+        spec += entry["target_forward_s"] * (step_gamma * entry["cost_ratio"]
+                                             + verify_cost_at(entry["verify"], step_gamma))
+        accepted_total = rejected = 0
+        for i, gi in zip(active, gs):
+            accepted = 0
+            while accepted < gi and rng.random() < alphas[i]:
+                accepted += 1
+            made[i] += accepted + 1
+            rows[i].update(gi, accepted)
+            accepted_total += accepted
+            rejected += int(accepted < gi)
+        if ctl is not None and step_gamma > 0:
+            ctl.update(sum(gs), accepted_total, num_rejected=rejected)
+        active = [i for i in active if made[i] < max_new_tokens]
+    return spec
 
 
 def monotone_costs(costs: Sequence[float]) -> list[float]:
@@ -562,8 +576,6 @@ def simulate_speedup(gamma: int | Callable[[], AdaptiveGamma], alpha: float, cos
         ValueError: γ not an integer >= 0 nor a callable, α outside [0, 1], c < 0 or NaN, a v_γ <= 0,
             ``max_new_tokens < 2`` or ``runs < 1``, each naming the argument.
     """
-    import random
-
     if not callable(gamma) and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0):
         raise ValueError(f"gamma must be an integer >= 0 or a controller factory, got {gamma!r}")
     if not 0.0 <= alpha <= 1.0:

@@ -412,7 +412,7 @@ def micro_batch_indices(n: int, micro_step: int, batch_size: int, seed: int, shu
 
 def collate_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (B, P) input_ids and attention_mask, as the decoder and rollouts take them."""
-    from decode.engine import left_pad
+    from decode.batch import left_pad
 
     return left_pad(prompts, pad_id)
 

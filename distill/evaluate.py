@@ -37,7 +37,7 @@ def measure_costs(target: Any, draft: Any, prompts: list[list[int]], max_gamma: 
         (:func:`decode.speedup.smooth_verify_costs`).
     """
     from decode.compat import draft_input_substitute, output_vocab_size, substitute_draft_inputs
-    from decode.engine import context_length
+    from decode.cache import context_length
     from decode.costs import measure_cost_ratio as measure
     from decode.speedup import smooth_verify_costs
 

@@ -14,7 +14,7 @@ import torch
 
 from decode import loading
 from decode.compat import NotCausalError
-from decode.engine import context_length  # noqa: F401  (the recipe imports it from here)
+from decode.cache import context_length  # noqa: F401  (the recipe imports it from here)
 
 
 # Width keys of a derived draft config; passed through only when set, so any architecture works for layers alone.

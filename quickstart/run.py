@@ -353,6 +353,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     from transformers import AutoTokenizer
 
     from decode import DecodeStats, SpeculativeDecoder
+    from decode.costs import warm_up
 
     console = console or Console()
     setting = check_eval_settings(ecfg)
@@ -386,7 +387,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
             if mode != "plain" or compile is True:
                 # every shape class at batch 1 (a step's draft input is 3+ tokens only where the prompt lookup
                 # covered its leading drafts, which one run may never meet: a graph built in a timed run costs seconds)
-                decoders[mode].warm_up(1)
+                warm_up(decoders[mode], 1)
                 for temperature in temps:
                     generate(mode, prompts[0][1], temperature, 0, PROBE_GAMMA)
     calibration = None
@@ -756,12 +757,14 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
 
 
 def engine_costs(decoder, context: list[int]) -> tuple[float, list[float]]:
-    """The decoder's own cost model at batch 1 (``SpeculativeDecoder.calibrate``, context cut to 64 tokens): c =
+    """The decoder's own cost model at batch 1 (:func:`decode.costs.calibrate`, context cut to 64 tokens): c =
     draft / target time of a single-token decode forward and ``[v_0 = 1, v_1, .., v_max]``, v_γ = target forward
     over γ + 1 tokens / over one, for γ up to the decoder's ``max_auto_draft_tokens``. One measurement per draft
     serves both the γ choice and the table's prediction."""
-    costs = decoder.calibrate(context, batch_sizes=(1,), repeats=11)[1]
-    return float(costs["cost_ratio"]), [float(x) for x in costs["verify"]]
+    from decode import costs
+
+    model = costs.calibrate(decoder, context, batch_sizes=(1,), repeats=11)[1]
+    return float(model["cost_ratio"]), [float(x) for x in model["verify"]]
 
 
 def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list[dict]:

@@ -249,7 +249,7 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _encode(prompts, tokenizer, target, draft, cfg: BenchConfig, args) -> list[list[int]]:
     """Token ids of the prompts, each cut to its last tokens so prompt + new tokens + a verify fit both models."""
-    from decode.engine import context_length
+    from decode.cache import context_length
     from decode.prompts import encode_prompts
 
     positions = [p for p in (context_length(target), context_length(draft)) if p]

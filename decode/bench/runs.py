@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
+from decode import costs
+from decode.batch import left_pad
 from decode.bench.bare_forward import BareTimer
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
 from decode.bench.pool import (batch_row, median_run, pool, predicted_batch_speedup, prefill_seconds, prompt_alphas,
                                stats_counts)
 from decode.bench.timing import peak_bytes, reset_peak, sync
-from decode.engine import left_pad
 from decode.metrics import DecodeStats
 from decode.speedup import cost_buckets
 
@@ -165,18 +166,18 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.compile:
         decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)
         if cfg.warmup:  # every shape class the compiled forwards meet, so no timed run builds a graph
-            decoders[True].warm_up(max(cfg.batch_sizes, default=1))
+            costs.warm_up(decoders[True], max(cfg.batch_sizes, default=1))
     methods = build_methods(cfg)
     # c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own; next
     # to them the bare HF forwards, both models reading the ids the draft can embed (only the shapes matter) under
     # the engine's matmul kernels, so c / bare is the work the engine adds around the models. All are timed in
     # rounds spread over the main pass, so the machine's drift hits them as it hits the runs they predict; their
     # untimed first rounds run now (compiling the one-token shapes before any timed run).
-    timers = {"eager": decoders[False].cost_timer(context, cfg.gammas),
+    timers = {"eager": costs.cost_timer(decoders[False], context, cfg.gammas),
               "bare": BareTimer(target, draft, decoders[False].draft_input_ids(context),
                                 few_row_linear=decoders[False].few_row_linear)}
     if cfg.compile:
-        timers["compiled"] = decoders[True].cost_timer(context, cfg.gammas)
+        timers["compiled"] = costs.cost_timer(decoders[True], context, cfg.gammas)
     for timer in timers.values():
         for _ in range(timer.warmup_rounds):
             timer.round()
@@ -184,8 +185,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):
         # every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1)
         for dec in decoders.values():
-            dec.calibrate(prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)),
-                          repeats=cfg.cost_repeats)
+            costs.calibrate(dec, prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)),
+                            repeats=cfg.cost_repeats)
         # the eager decoder's model, as measured before any timed run (simulate_auto_gamma.py --auto-costs reads it)
         auto_costs = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
 
@@ -386,7 +387,7 @@ def cost_context(prompt_ids, cfg: BenchConfig, device) -> torch.Tensor:
 def _check_cost_context_fits(n: int, cfg: BenchConfig, target, draft) -> None:
     """The cost measurement prefills n - 1 tokens, then times forwards of 1 and (verify) γ+1 tokens after them:
     n + the largest γ positions must fit both models."""
-    from decode.engine import context_length
+    from decode.cache import context_length
 
     positions = [p for p in (context_length(target), context_length(draft)) if p]
     g = max(cfg.gammas or [0])

@@ -147,6 +147,7 @@ def served_model_name(target: str, override: str | None = None) -> str:
 def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | str) -> tuple[Any, Any]:
     """Load the pair and tokenizer, build the decoder and warm it up (compiled graphs, auto γ's cost model) before
     the server listens, so no request waits for either. Returns ``(decoder, tokenizer)``."""
+    from decode import costs
     from decode.engine import SpeculativeDecoder
     from decode.loading import load_causal_lm, load_draft_tokenizer, load_target_tokenizer
 
@@ -162,7 +163,7 @@ def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | st
         work = " and ".join(w for w, on in (("compiling the forwards' graphs", compile_),
                                             ("measuring auto γ's cost model", gamma == "auto")) if on)
         print(f"warm-up: {work} for batch sizes up to {args.max_batch_size} ...", file=sys.stderr, flush=True)
-        print(f"warm-up done in {dec.warm_up(args.max_batch_size):.1f} s", file=sys.stderr, flush=True)
+        print(f"warm-up done in {costs.warm_up(dec, args.max_batch_size):.1f} s", file=sys.stderr, flush=True)
     return dec, tok
 
 

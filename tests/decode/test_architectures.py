@@ -65,7 +65,7 @@ def _check(target, draft, static_expected, n=24, lengths=(3, 11, 20), draft_is_c
         warnings.simplefilter("always")
         dec = SpeculativeDecoder(target, draft, num_draft_tokens=3)
     notices = [str(w.message) for w in caught if str(w.message).startswith("decode:")]
-    assert dec._static["target"] is static_expected
+    assert dec.static_cache["target"] is static_expected
     assert len(notices) == (0 if static_expected else 2) and all("\n" not in m for m in notices)
     for gamma in (1, 3, 8):
         out = dec.generate(prompts, max_new_tokens=n, temperature=0, num_draft_tokens=gamma)

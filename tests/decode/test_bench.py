@@ -698,6 +698,7 @@ def test_the_compiled_decoder_is_warmed_up_for_the_largest_batch_before_timing(m
     per-method warm-up runs alone); without the warm-up, or without --compile, it does not. (The decoders run
     eager here: the engine's compilation and warm-up are tested with the engine.)"""
     import decode
+    import decode.costs
 
     warmed = []
 
@@ -706,11 +707,12 @@ def test_the_compiled_decoder_is_warmed_up_for_the_largest_batch_before_timing(m
             super().__init__(*args, **kwargs)
             self.compile = compile
 
-        def warm_up(self, max_batch_size=16):
-            warmed.append((self.compile, max_batch_size))
-            return 0.0
+    def warm_up(decoder, max_batch_size=16):
+        warmed.append((decoder.compile, max_batch_size))
+        return 0.0
 
     monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    monkeypatch.setattr(decode.costs, "warm_up", warm_up)
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     for compile, warmup, expected in (("draft", True, [("draft", 4)]), ("draft", False, []), (False, True, [])):
         warmed.clear()
@@ -725,6 +727,7 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
     """The bench's plumbing for --compile: compiled methods (main and batch pass) go to the decoder built with
     compile=True, the others to the eager one. The engine's compilation itself is tested with the engine."""
     import decode
+    import decode.costs
 
     built = []
 
@@ -739,15 +742,16 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
             graphs[0] += bool(self.compile)  # as if each compiled call built a graph
             return super().generate(*args, **kwargs)
 
-        def cost_timer(self, *args, **kwargs):
-            timer = super().cost_timer(*args, **kwargs)
-            if self.compile:
-                result = timer.result
-                timer.result = lambda: {**result(), "cost_ratio": 0.01}  # tells the compiled decoder's costs apart
-            return timer
+    def cost_timer(decoder, *args, _f=decode.costs.cost_timer, **kwargs):
+        timer = _f(decoder, *args, **kwargs)
+        if decoder.compile:
+            result = timer.result
+            timer.result = lambda: {**result(), "cost_ratio": 0.01}  # tells the compiled decoder's costs apart
+        return timer
 
     graphs = [0]
     monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    monkeypatch.setattr(decode.costs, "cost_timer", cost_timer)
     monkeypatch.setattr("decode.bench.runs._compiled_graphs", lambda: graphs[0])
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     cfg = BenchConfig(gammas=[2], auto=False, compile=compile, hf=False, temperatures=[0.0], batch_sizes=[1, 2],
@@ -1077,7 +1081,7 @@ def test_contradictory_or_out_of_range_options_are_refused(argv, message):
 
 def test_cost_context_must_fit_the_models_positions_before_any_timing(monkeypatch):
     """The cost measurement prefills n - 1 tokens, then times a verify forward of γ+1 tokens: n + γ positions."""
-    import decode.speedup
+    import decode.costs
 
     seen = []
 
@@ -1085,7 +1089,7 @@ def test_cost_context_must_fit_the_models_positions_before_any_timing(monkeypatc
         seen.append(context.shape[1])
         raise InterruptedError("the timed work starts here")
 
-    monkeypatch.setattr(decode.speedup, "CostTimer", stop)
+    monkeypatch.setattr(decode.costs, "CostTimer", stop)
     target = tiny_llama(seed=0, layers=1)  # 256 positions
     cfg = BenchConfig(gammas=[2], auto=False, hf=False, temperatures=[0.0], batch_sizes=[1], max_new_tokens=4,
                       cost_repeats=3, warmup=False, cost_context_tokens=255)
@@ -1126,12 +1130,12 @@ def test_auto_costs_cover_every_batch_size_a_batch_passes_through_before_timing(
     (batch 2 used to be measured lazily, inside a timed run: the bench's auto row at batch 4 paid ~1.8 s for it),
     with --cost-repeats timed forwards each (the decoder's default of 5 left v_2..v_8 at one noisy 1.38 on pair X,
     and auto at T = 1 drafted γ 3.1 on average where 4 ran 1.12x faster)."""
-    import decode
+    import decode.costs
 
     repeats = []
-    calibrate = decode.SpeculativeDecoder.calibrate
-    monkeypatch.setattr(decode.SpeculativeDecoder, "calibrate",
-                        lambda self, *a, **kw: repeats.append(kw.get("repeats")) or calibrate(self, *a, **kw))
+    calibrate = decode.costs.calibrate
+    monkeypatch.setattr(decode.costs, "calibrate",
+                        lambda dec, *a, **kw: repeats.append(kw.get("repeats")) or calibrate(dec, *a, **kw))
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     cfg = BenchConfig(gammas=[2], auto=True, hf=False, temperatures=[1.0], batch_sizes=[3], max_new_tokens=4,
                       cost_repeats=3, warmup=False)

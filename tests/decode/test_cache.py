@@ -41,21 +41,22 @@ def test_rollback_matches_fresh_prefill(make, gamma):
     for _ in range(12):
         assert dec.step() == []
         state = dec.state
-        T = state.target_mask.shape[1]
-        assert kv.cache_width(state.target_cache) == T
+        T = state.target_cache.mask.shape[1]
+        assert kv.cache_width(state.target_cache.cache) == T
         assert T == max(len(c) for c in state.committed) - 1  # compact: no wasted column
         for b, seq in enumerate(state.committed):
             # the target cache holds every committed token but the last, which is the next input
-            assert row_slots(state.target_mask, b) == len(seq) - 1
+            assert row_slots(state.target_cache.mask, b) == len(seq) - 1
             assert int(state.last[b]) == seq[-1]
             pending = int(state.draft_in_mask[b].sum())
-            assert row_slots(state.draft_mask, b) == len(seq) - pending
+            assert row_slots(state.draft_cache.mask, b) == len(seq) - pending
             assert state.draft_in[b, -pending:].tolist() == seq[-pending:]
             ref = fresh_logits(target, seq)
-            got = next_logits_from_cache(target, state.target_cache, state.target_mask, state.last[:, None],
+            t = state.target_cache
+            got = next_logits_from_cache(target, t.cache, t.mask, state.last[:, None],
                                          torch.ones_like(state.last)[:, None], b)
             torch.testing.assert_close(got, ref, atol=1e-9, rtol=1e-9)
-            got_d = next_logits_from_cache(draft, state.draft_cache, state.draft_mask, state.draft_in,
+            got_d = next_logits_from_cache(draft, state.draft_cache.cache, state.draft_cache.mask, state.draft_in,
                                            state.draft_in_mask, b)
             torch.testing.assert_close(got_d, fresh_logits(draft, seq), atol=1e-9, rtol=1e-9)
     hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._rows))]
@@ -74,10 +75,11 @@ def test_rows_joining_mid_flight_keep_caches_exact():
         state = dec.state
         assert len(state.committed) == step + 2
         for b, seq in enumerate(state.committed):
-            got = next_logits_from_cache(target, state.target_cache, state.target_mask, state.last[:, None],
+            t = state.target_cache
+            got = next_logits_from_cache(target, t.cache, t.mask, state.last[:, None],
                                          torch.ones_like(state.last)[:, None], b)
             torch.testing.assert_close(got, fresh_logits(target, seq), atol=1e-9, rtol=1e-9)
-            got_d = next_logits_from_cache(draft, state.draft_cache, state.draft_mask, state.draft_in,
+            got_d = next_logits_from_cache(draft, state.draft_cache.cache, state.draft_cache.mask, state.draft_in,
                                            state.draft_in_mask, b)
             torch.testing.assert_close(got_d, fresh_logits(draft, seq), atol=1e-9, rtol=1e-9)
 
@@ -89,9 +91,9 @@ def test_batch1_cache_length_equals_committed_length():
     for _ in range(6):
         dec.step()
         state = dec.state
-        assert kv.cache_width(state.target_cache) == len(state.committed[0]) - 1
+        assert kv.cache_width(state.target_cache.cache) == len(state.committed[0]) - 1
         pending = state.draft_in.shape[1] - int((state.draft_in_mask[0] == 0).sum())
-        assert kv.cache_width(state.draft_cache) == len(state.committed[0]) - pending
+        assert kv.cache_width(state.draft_cache.cache) == len(state.committed[0]) - pending
 
 
 def test_compact_right_aligns_and_keeps_order():
@@ -297,6 +299,6 @@ def test_unsupported_architecture_falls_back_with_a_notice():
     assert all(len(str(w.message).splitlines()) == 1 for w in record)
     prompt = torch.tensor([[4, 8, 15, 16, 23, 42, 3, 3, 9, 1, 2, 5]])
     out = dec.generate(prompt, max_new_tokens=24)
-    assert dec.state is None and not dec._static["target"] and not dec._static["draft"]
+    assert dec.state is None and not dec.static_cache["target"] and not dec.static_cache["draft"]
     ref = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
     assert out.new_tokens[0].tolist() == ref.tolist()

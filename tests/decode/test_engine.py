@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
-from decode.engine import left_pad
+from decode.batch import left_pad
 from tests.conftest import perturbed_copy, tiny_gpt2, tiny_llama
 
 MAX_NEW = 24
@@ -250,49 +250,6 @@ def test_bad_generate_inputs_raise_value_error(pair, input_ids, kwargs, match):
         SpeculativeDecoder(target, drafts["copy"], 2).generate(input_ids, max_new_tokens=2, **kwargs)
 
 
-def test_calibrate_checks_its_arguments(pair):
-    """Ids outside the vocabulary raised IndexError inside the embedding; batch size 0 measured batch 2."""
-    target, drafts = pair
-    dec = SpeculativeDecoder(target, drafts["copy"], "auto")
-    with pytest.raises(ValueError, match="context_ids"):
-        dec.calibrate([5, 500], (1,), repeats=1)
-    with pytest.raises(ValueError, match="batch_sizes"):
-        dec.calibrate([5, 6], (0,), repeats=1)
-    assert set(dec.calibrate(list(range(5, 95)) * 4, (1,), repeats=1)) == {1}  # long contexts are cut, not refused
-
-
-def test_calibrate_times_the_forwards_the_steps_run(pair, monkeypatch):
-    """The auto-γ cost model is measured through the decoder's own forward calls (the compiled ones with
-    ``compile``; a counting call stands in for them here) on its cache kind; it used to time the eager models on
-    a DynamicCache, so a compiled draft's lower c never reached the γ choice."""
-    import decode.costs
-
-    target, drafts = pair
-    dec = SpeculativeDecoder(target, drafts["copy"], "auto", max_auto_draft_tokens=2)
-    calls = []
-    dec._draft_call = lambda **kw: calls.append(kw["input_ids"].shape) or dec.draft(**kw)
-    seen = {}
-    real = decode.costs.measure_cost_ratio
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode.costs, "measure_cost_ratio", spy)
-    costs = dec.calibrate([5, 6, 7, 8], (1,), repeats=2)
-    assert calls == [torch.Size([1, 1])] * 4  # 2 timed + 2 untimed one-token draft forwards
-    assert seen["static_cache"] == dec._static and seen["target_call"] is None
-    assert costs[1]["cost_ratio"] > 0 and len(costs[1]["verify"]) == 3
-    with pytest.raises(ValueError, match="no draft"):
-        SpeculativeDecoder(target, None).measure_costs(torch.tensor([[5, 6]]))
-    with pytest.raises(ValueError, match=r"got list \(calibrate\(\) takes a list of ids\)"):
-        dec.measure_costs([[5, 6]])
-    with pytest.raises(ValueError, match=r"ids 5\.\.900, outside the target's embedding"):
-        dec.measure_costs(torch.tensor([[5, 900]]))
-    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
-        dec.calibrate([5, 6, 7], (1,), repeats=0)
-
-
 def test_model_in_training_mode_warns():
     """A model left in train() mode (dropout active) silently gave random 'greedy' output."""
     target = tiny_gpt2(seed=0)
@@ -330,102 +287,6 @@ def test_bad_compile_values_are_refused(pair, value):
     target, drafts = pair
     with pytest.raises(ValueError, match="compile must be False, True .* or 'draft'"):
         SpeculativeDecoder(target, drafts["perturbed"], 3, compile=value)
-
-
-def test_warm_up_compiles_every_graph_a_mixed_workload_meets():
-    """After warm_up(), long prompts (static buffers of 128 and 256 columns after the warm-up's 64), then requests
-    that join and leave, ragged prompts, greedy and sampled rows, batch sizes 1..6 and an abort compile no further
-    graph (a compiled draft with the few-row kernels: the most shape classes); greedy rows still equal plain greedy
-    decoding. (At this width dynamo keeps a buffer length static until it sees it change, as with the quickstart's
-    draft; the long prompts compiled 2 more graphs when the warm-up used one buffer length.)"""
-    import random
-
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    target = tiny_llama(seed=0, layers=2, hidden=128, dtype=torch.float32, max_position_embeddings=512)
-    draft = tiny_llama(seed=1, layers=1, hidden=128, dtype=torch.float32, max_position_embeddings=512)
-    dec = SpeculativeDecoder(target, draft, 3, compile="draft")
-    assert dec.few_row_linear
-    rng = random.Random(0)
-    before = counters["stats"]["unique_graphs"]
-    assert dec.warm_up() > 0
-    warmed = counters["stats"]["unique_graphs"]
-    assert warmed > before
-    greedy = {}
-    rounds = [[dict(prompt_ids=[rng.randrange(3, 90) for _ in range(n)], max_new_tokens=20, temperature=0.0)
-               for _ in range(b)]
-              for n in (100, 200) for b in (1, 3)]  # 3 rows: unequal acceptance, masks
-    rounds += [[dict(prompt_ids=prompts_of([rng.randrange(1, 30)], seed=100 * r + i)[0],
-                     max_new_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.0, 1.0]), seed=i)
-                for i in range(rng.randrange(1, 7))] for r in range(3)]
-    for r, batch in enumerate(rounds):
-        ids = [dec.add_request(**req) for req in batch]
-        steps = 0
-        while dec.has_unfinished():
-            for out in dec.step():
-                req = batch[ids.index(out.request_id)] if out.request_id in ids else None
-                if req is not None and req["temperature"] == 0.0:
-                    greedy[tuple(req["prompt_ids"])] = (req["max_new_tokens"], out.new_tokens)
-            steps += 1
-            if steps == 2 and r >= 4:  # requests joining mid-flight, one leaving early
-                late = [dict(prompt_ids=prompts_of([rng.randrange(1, 30)], seed=999 + r)[0],
-                             max_new_tokens=rng.randrange(5, 30), temperature=0.0)]
-                ids += [dec.add_request(**req) for req in late]
-                batch += late
-                if len(ids) > 2:
-                    dec.abort(ids[0])
-    assert counters["stats"]["unique_graphs"] == warmed
-    assert len(greedy) >= 5
-    plain = SpeculativeDecoder(target, None)
-    for prompt, (n, tokens) in greedy.items():
-        assert list(tokens) == plain.generate([list(prompt)], max_new_tokens=n).new_tokens[0].tolist()
-
-
-def test_warm_up_for_one_row_leaves_out_the_mask_classes_and_batch_1_compiles_nothing_more():
-    """warm_up(max_batch_size=1) runs the 3 unmasked classes only (a single row has no holes), and afterwards batch-1
-    requests of every kind (long and short prompts, greedy and sampled, rejections, a γ cut to 0 by the budget)
-    compile no further graph; with 2 rows the mask classes are run too."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    target = tiny_llama(seed=0, layers=2, hidden=128, dtype=torch.float32, max_position_embeddings=512)
-    draft = tiny_llama(seed=1, layers=1, hidden=128, dtype=torch.float32, max_position_embeddings=512)
-    dec = SpeculativeDecoder(target, draft, 3, compile="draft")
-    seen = []
-    real = dec._run_shape_classes
-    dec._run_shape_classes = lambda length, classes: (seen.extend(classes), real(length, classes))
-    assert dec.warm_up(max_batch_size=1) > 0
-    assert sorted(set(seen)) == [(1, False, 1), (1, False, 2), (1, False, 3)]
-    warmed = counters["stats"]["unique_graphs"]
-    rates = []
-    for n, temperature, new in ((100, 0.0, 20), (200, 1.0, 17), (7, 0.0, 1), (30, 1.0, 9)):
-        out = dec.generate(prompts_of([n], seed=n), max_new_tokens=new, temperature=temperature,
-                           generator=torch.Generator().manual_seed(n))
-        assert len(out.new_tokens[0]) == new
-        rates.append(out.stats.acceptance_rate)
-    assert counters["stats"]["unique_graphs"] == warmed
-    assert any(r is not None and r < 1 for r in rates)  # rejections and roll-backs happened
-    seen.clear()
-    dec._run_shape_classes = lambda length, classes: seen.extend(classes)  # which classes only, no compilation
-    dec.warm_up(max_batch_size=2)
-    assert {holes for _, holes, _ in seen} == {False, True} and {rows for rows, _, _ in seen} == {1, 2}
-
-
-def test_warm_up_measures_the_auto_cost_model_of_every_batch_size(pair, monkeypatch):
-    """γ = "auto": warm_up(max_batch_size=5) measures buckets 1, 2, 4 and 8 once; later steps at any of those batch
-    sizes measure nothing. Without compile or auto there is nothing to do; a bad size is refused."""
-    target, drafts = pair
-    dec = SpeculativeDecoder(target, drafts["perturbed"], "auto")
-    assert dec.warm_up(max_batch_size=5) > 0
-    assert sorted(dec.auto_costs) == [1, 2, 4, 8]
-    monkeypatch.setattr(dec, "calibrate", lambda *a, **k: pytest.fail("calibrated inside a step"))
-    out = dec.generate(prompts_of([3, 5, 7, 2, 9]), max_new_tokens=8)
-    assert out.stats.num_verify_steps > 0
-    assert SpeculativeDecoder(target, drafts["perturbed"], 3).warm_up() == 0.0
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="max_batch_size"):
-            dec.warm_up(max_batch_size=bad)
 
 
 def test_compile_draft_needs_a_draft(pair):

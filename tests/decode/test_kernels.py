@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decode import SpeculativeDecoder, kernels
+from decode import SpeculativeDecoder, costs, kernels
 from tests.conftest import perturbed_copy, tiny_llama
 
 ORIGINAL = F.linear
@@ -295,7 +295,7 @@ def test_engine_runs_its_forwards_under_the_switch_and_keeps_greedy_equality(pai
     hook = target.register_forward_hook(lambda m, a, out: seen.append(F.linear is kernels.linear))
     try:
         out = dec.generate(prompts, max_new_tokens=20)  # batch 4: verify forwards of 20 rows
-        dec.calibrate(prompts[0], batch_sizes=(1,), repeats=1)
+        costs.calibrate(dec, prompts[0], batch_sizes=(1,), repeats=1)
     finally:
         hook.remove()
     assert [t.tolist() for t in out.new_tokens] == plain
@@ -313,7 +313,7 @@ def test_compiled_draft_keeps_the_kernels_and_greedy_equality(pair):
     plain = [SpeculativeDecoder(target, None).generate([p], max_new_tokens=16).new_tokens[0].tolist()
              for p in prompts]
     dec = SpeculativeDecoder(target, draft, 3, compile="draft")
-    assert dec._target_call is None and dec._draft_call is not None and dec.few_row_linear
+    assert dec.target_call is None and dec.draft_call is not None and dec.few_row_linear
     alone = dec.generate(prompts[:1], max_new_tokens=16)
     batch = dec.generate(prompts, max_new_tokens=16)
     assert alone.new_tokens[0].tolist() == plain[0]

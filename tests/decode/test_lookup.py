@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import decode.engine
-from decode import SpeculativeDecoder
+from decode import SpeculativeDecoder, costs
 from decode.lookup import NgramLookup, check_prompt_lookup
 from tests.conftest import tiny_llama
 from tests.decode.test_engine import reference_greedy
@@ -160,8 +160,8 @@ def test_positions_every_row_takes_from_lookup_run_no_draft_forward(looping_pair
     prompts = [[5, 17, 33, 5, 17, 40, 8], [60, 3, 91, 12], [44]]
     dec = SpeculativeDecoder(target, draft, num_draft_tokens=5, prompt_lookup_ngram=2, static_cache=static_cache)
     calls = []
-    forward = dec._draft_forward
-    dec._draft_forward = lambda state, inp, *a: calls.append(inp.shape[1]) or forward(state, inp, *a)
+    forward = dec.draft_forward
+    dec.draft_forward = lambda state, inp, *a: calls.append(inp.shape[1]) or forward(state, inp, *a)
     for prompt in prompts:
         calls.clear()
         out = dec.generate([prompt], max_new_tokens=40)
@@ -191,7 +191,7 @@ def test_auto_gamma_is_told_the_draft_forwards_each_step_ran(looping_pair, monke
     monkeypatch.setattr(AdaptiveGamma, "update", update)
     prompt = [5, 17, 33, 5, 17, 40, 8]
     dec = SpeculativeDecoder(target, draft, num_draft_tokens="auto", prompt_lookup_ngram=2)
-    dec.calibrate(prompt, batch_sizes=[1], repeats=1)
+    costs.calibrate(dec, prompt, batch_sizes=[1], repeats=1)
     dec.auto_costs[1] = {**dec.auto_costs[1], "cost_ratio": 0.2, "verify": [1.0] * 9}  # fixed: the test's schedule
     out = dec.generate([prompt], max_new_tokens=48)
     assert out.new_tokens[0].tolist() == reference_greedy(target, prompt, 48)

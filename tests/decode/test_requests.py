@@ -239,18 +239,6 @@ def test_auto_gamma_plans_static_batches_from_each_rows_acceptance(pair, monkeyp
     assert calls == []
 
 
-def test_calibrate_fills_the_cost_model_before_decoding(pair):
-    dec = SpeculativeDecoder(*pair, "auto", max_auto_draft_tokens=3)
-    costs = dec.calibrate([4, 5, 6], batch_sizes=[1, 3])
-    assert set(costs) == {1, 4}
-    for entry in costs.values():
-        assert entry["cost_ratio"] > 0 and len(entry["verify"]) == 4 and entry["verify"][0] == 1.0
-        assert entry["target_forward_s"] > 0  # kept for decode.speedup.simulate_batch_speedup
-    before = dict(costs)
-    dec.generate([[4, 5, 6]], max_new_tokens=5)
-    assert dec.auto_costs == before  # batch 1 was measured already: nothing re-measured inside the steps
-
-
 def test_a_raising_on_tokens_loses_no_finished_request(pair):
     """An on_tokens exception used to drop the requests that finished in the same step: their outputs were never
     returned and has_unfinished() went False without them."""

@@ -180,8 +180,8 @@ def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, 
 def test_ctrl_c_during_the_warm_up_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
     """The warm-up (--compile, or -g auto) runs before the server listens, up to minutes on a CPU: Ctrl-C there
     stops the command with exit 130 and one line, as a Ctrl-C while serving stops it cleanly."""
+    from decode import costs
     from decode.__main__ import main as decode_main
-    from decode.engine import SpeculativeDecoder
 
     tok = make_tokenizer()
     target = tiny_llama(seed=0).float()
@@ -190,11 +190,11 @@ def test_ctrl_c_during_the_warm_up_exits_130_without_a_traceback(tmp_path, monke
         tok.save_pretrained(tmp_path / name)
     calls = []
 
-    def interrupted(self, max_batch_size=16):
+    def interrupted(decoder, max_batch_size=16):
         calls.append(max_batch_size)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(SpeculativeDecoder, "warm_up", interrupted)
+    monkeypatch.setattr(costs, "warm_up", interrupted)
     code = decode_main(["serve", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
                         "-g", "auto", "--max-batch-size", "4", "--port", "0"])
     err = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Output paths checked before the work starts, so a finished run never fails on its last line (shared by the
-decode CLIs and, through :func:`distill.config.check_output_file`, by distill's)."""
+decode CLIs and, through :func:`distill.checks.check_output_file`, by distill's)."""
 from __future__ import annotations
 
 import os

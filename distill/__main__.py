@@ -5,8 +5,7 @@ Subcommands:
   generate-data  make and cache target-generated completions (sequence-level KD) for the configured data
   eval           measure α/τ of a draft (draft.name_or_path) against the target on the eval prompts
   export         CHECKPOINT OUT_DIR: merge LoRA, save a Hugging Face draft with tokenizer and card
-  convert-checkpoint  CHECKPOINT: rewrite a checkpoint of the earlier pickle layout as safetensors + JSON
-  cache-logits   score the training data with the target once; store top-k log-probs + tail (distill/logit_cache.py)
+  cache-logits   score the training data with the target once; store top-k log-probs + tail (distill/cache_logits.py)
   bench-step     time the recipe's step against its bound (target forward + draft forward/backward/optimizer)
 
 ``train``, ``generate-data``, ``eval``, ``cache-logits`` and ``bench-step`` are Hydra apps over ``conf/`` with the typed schema of
@@ -20,20 +19,44 @@ import argparse
 import difflib
 import json
 import os
-import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-CONF_ENV = "DRAFTKIT_CONF"
+import hydra
+import torch
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import open_dict
+from transformers.utils import logging as hf_logging
+
+from decode.cache import context_length
+from decode.loading import resolve_dtype
+from decode.vocab_map import pruned_size
+from distill.bench_step import bench_step
+from distill.cache_logits import build_cache
+from distill.checks import check_inputs, check_output_file, normalize_config, validate
+from distill.config import CONF_ENV, SetupError, compose, conf_dir, expand_target_shorthand, explain
+from distill.data import load_data
+from distill.evaluate import acceptance_eval
+from distill.export import export, slower_temperatures, stopped_export_notes
+from distill.logging import Progress
+from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
+from distill.recipe import train
+from distill.runfolder import check_no_live_run, is_main_process, prepare_run_folder, write_results
+from distill.target_data import prepare_target_data, target_data_dir
+
 SUBCOMMANDS = {
     "train": "distill a draft against a frozen target: python -m distill train +target=PATH_OR_NAME [k=v ...]",
     "generate-data": "cache target completions (sequence-level KD): python -m distill generate-data [k=v ...]",
     "eval": "measure α/τ of draft.name_or_path against the target: python -m distill eval [k=v ...] [--out FILE]",
     "export": "merge LoRA and save a HF draft with tokenizer and card: python -m distill export CHECKPOINT OUT_DIR",
-    "convert-checkpoint": "rewrite a checkpoint of the earlier pickle layout as safetensors + JSON: "
-                          "python -m distill convert-checkpoint CHECKPOINT",
     "cache-logits": "cache the target's top-k log-probs + tail mass: python -m distill cache-logits "
                     "data.logit_cache=DIR [data.logit_cache_k=32] [k=v ...] (then train data.target_logits=cached)",
     "bench-step": "time the recipe's step vs the bound: python -m distill bench-step [--steps N] [--warmup N] "
@@ -46,17 +69,6 @@ HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--resolve", "--mult
                "--shell-completion", "-sc")
 
 
-def conf_dir() -> Path:
-    """The Hydra config folder: ``$DRAFTKIT_CONF``; else the copy of ``conf/`` that a wheel or ``pip install .``
-    puts inside the package (``distill/conf``, pyproject.toml); else the repository's ``conf/`` (a checkout, an
-    editable install)."""
-    if os.environ.get(CONF_ENV):
-        return Path(os.environ[CONF_ENV]).resolve()
-    here = Path(__file__).resolve().parent
-    installed = here / "conf"
-    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
-
-
 def _fail(e: Exception | str) -> None:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2)
@@ -64,164 +76,9 @@ def _fail(e: Exception | str) -> None:
 
 # ------------------------------------------------------------------------------------------------ overrides
 
-def target_options() -> list[str]:
-    """Names of the target configs (``conf/target/NAME.yaml``)."""
-    return sorted(p.stem for p in (conf_dir() / "target").glob("*.yaml"))
-
-
-def expand_target_shorthand(overrides: list[str]) -> list[str]:
-    """``+target=X`` selects ``conf/target/X.yaml`` when it exists; a local path or hub id (anything with a ``/``,
-    or an existing path) becomes ``+target.name_or_path=X``; any other name is an error listing the configs.
-
-    Raises:
-        SetupError: ``X`` matches no target config and no path.
-    """
-    from distill.models import SetupError
-
-    out = []
-    for o in overrides:
-        if o.startswith("+target="):
-            name = o.split("=", 1)[1]
-            options = target_options()
-            if name not in options:
-                if "/" not in name and not Path(name).expanduser().exists():
-                    close = difflib.get_close_matches(name, options, n=1)
-                    hint = f" (did you mean +target={close[0]}?)" if close else ""
-                    raise SetupError(f"+target={name}: no config conf/target/{name}.yaml and no local path {name!r}"
-                                     f"{hint}. Target configs: {', '.join(options)}. Or give a checkpoint: "
-                                     "+target=/path/to/model, +target=org/hub-id, +target.name_or_path=NAME")
-                o = "+target.name_or_path=" + name
-        out.append(o)
-    return out
-
-
-def _schema_default(key: str) -> Any:
-    from omegaconf import OmegaConf
-
-    from distill.config import Config
-
-    try:
-        return OmegaConf.select(OmegaConf.structured(Config), key.split("[")[0])
-    except Exception:  # a key outside the schema
-        return None
-
-
-def explain(err: Exception, overrides: list[str] = ()) -> str:
-    """One clear line (or two) for an error Hydra/OmegaConf raised while composing, naming the setting and the fix.
-
-    Hydra's own hint for an unknown key (``use +train.max_step=5``) is never repeated: it would turn a typo into
-    a new key. The closest known key is suggested instead.
-    """
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    cause = err.__cause__ if err.__cause__ is not None else err
-    msg = str(err)
-    launcher = next((o for o in overrides if o.lstrip("+").startswith("launcher=")), None)
-    if launcher:  # conf/launcher/ lists in --help's config groups, but its files are accelerate's
-        name = launcher.split("=", 1)[1]
-        folder = conf_dir() / "launcher"
-        try:  # as typed from here: conf/launcher in a checkout, the package's folder for an installed one
-            folder = folder.relative_to(Path.cwd())
-        except ValueError:
-            pass
-        return (f"{launcher}: {folder}/ holds accelerate configs, not a Hydra group; launch with them: "
-                f"accelerate launch --config_file {folder / (name + '.yaml')} -m distill train ...")
-    m = re.search(r"Could not find '([\w\-/]+)/([^']+)'", msg)
-    if m:  # an unknown group option, e.g. loss=kld or +experiment=nope
-        group, option = m.group(1), m.group(2)
-        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-        close = difflib.get_close_matches(option, options, n=1)
-        hint = f" (did you mean {group}={close[0]}?)" if close else ""
-        plus = "+" if group in ("target", "experiment") else ""
-        return f"{plus}{group}={option}: no such option in conf/{group}/{hint}; choose one of {', '.join(options)}"
-    m = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg, re.IGNORECASE)
-    if m:  # +key=value for a key the config (or an experiment) already sets
-        key = m.group(1)
-        value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"+{key}=")), "VALUE")
-        return (f"+{key}={value}: {key} is already set (by the config or the +experiment); replace it with "
-                f"++{key}={value}")
-    key = getattr(cause, "full_key", None)
-    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
-        parent, _, leaf = key.rpartition(".")
-        ref = str(getattr(cause, "ref_type", "") or "")
-        if "Dict[" in ref:
-            return (f"{key}: {parent} is a free-form mapping; add a new entry with a plus: +{key}=VALUE")
-        from omegaconf import OmegaConf
-
-        from distill.config import Config
-
-        node = OmegaConf.select(OmegaConf.structured(Config), parent) if parent else OmegaConf.structured(Config)
-        known = list(node.keys()) if OmegaConf.is_dict(node) else []
-        close = difflib.get_close_matches(leaf, known, n=1)
-        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
-            f"the keys of {parent or 'the config'} are {', '.join(known)}"
-        return f"unknown setting {key}: {hint} (`python -m distill train --help` lists every key)"
-    if isinstance(cause, ValidationError) and key:
-        values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]]
-        bad = getattr(cause, "value", None)  # a key given twice: the value that failed, not the first one
-        given = next((v for v in values if v == str(bad)), values[-1] if values else bad)
-        text = str(cause).splitlines()[0]
-        example = _schema_default(key.split("[")[0])
-        kinds = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
-        conv = re.search(r"could not be converted to (\w+)", text)
-        if conv and "[" in key:  # an item of a list
-            base = key.split("[")[0]
-            want = kinds.get(conv.group(1), conv.group(1))
-            eg = f", e.g. {base}={json.dumps(list(example)).replace(' ', '')}" if example is not None else ""
-            return f"{base}={given}: every item must be {want}{eg}"
-        if conv:
-            want = kinds.get(conv.group(1), conv.group(1))
-            eg = f", e.g. {key}={example}" if example is not None and "[" not in key else ""
-            return f"{key}={given}: expected {want}{eg}"
-        if "is not a valid bool" in text:
-            return f"{key}={given}: expected true or false, e.g. {key}={str(bool(example)).lower()}"
-        if "is not a ListConfig" in text:
-            return f"{key}={given}: expected a list; write {key}=[{given}] (several: {key}=[0.0,1.0])"
-        return f"{key}={given}: {text}"
-    first = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
-    if "Could not override" in msg or "Could not append" in msg:
-        first = first.replace("Could not", "cannot")
-    return first
-
-
-def compose(overrides: list[str]):
-    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``); the
-    result is typed by ``distill.config.Config``. ``+target=PATH_OR_HUB_ID`` is accepted too.
-
-    Raises:
-        SetupError: the overrides do not compose (unknown option, key or type), with :func:`explain`'s message.
-    """
-    import distill.config  # noqa: F401  (registers the schema in the ConfigStore)
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from distill.models import SetupError
-
-    overrides = expand_target_shorthand(list(overrides))
-    for override in overrides:  # OmegaConf reads any integer as a bool (2 -> true): only 0 and 1 mean one
-        key, sep, value = override.lstrip("+").partition("=")
-        if sep and re.fullmatch(r"[+-]?\d+", value.strip()) and value.strip() not in ("0", "1") \
-                and isinstance(_schema_default(key), bool):
-            raise SetupError(f"{key}={value}: expected true or false, e.g. {key}={str(_schema_default(key)).lower()}")
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):
-            return hydra_compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise SetupError(explain(e, overrides)) from e
-    finally:
-        GlobalHydra.instance().clear()
-
-
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """The override list of every job of a ``-m`` sweep (``loss=fkl,tvd`` -> ``[[loss=fkl], [loss=tvd]]``), in
     Hydra's BasicSweeper order, so each job can be checked before the first one runs."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
@@ -230,8 +87,6 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
 def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
     """(tokenizer, target, draft or None), the pair checked with the decoder's compatibility rule."""
-    from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
-
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
                                trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
     target = load_target(cfg.target)
@@ -243,9 +98,6 @@ def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
 
 
 def run_train(cfg: Any, opts: dict) -> None:
-    from distill.checkpoint import is_main_process
-    from distill.recipe import train
-
     summary = train(cfg)
     if is_main_process():
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "best", "num_processes", "output_dir")},
@@ -253,12 +105,6 @@ def run_train(cfg: Any, opts: dict) -> None:
 
 
 def run_generate_data(cfg: Any, opts: dict) -> None:
-    import torch
-
-    from distill.config import normalize_config
-    from distill.models import context_length
-    from distill.recipe import load_data, prepare_target_data, target_data_dir
-
     cfg = normalize_config(cfg)
     use_draft = bool(cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"))
     # The draft is loaded even when it does not draft: its context limits the prompts as in train(), whose
@@ -275,9 +121,6 @@ def run_generate_data(cfg: Any, opts: dict) -> None:
 def _check_eval_keep(cfg: Any) -> None:
     """``distill eval`` measures the draft as it is: ``draft.vocab.keep`` may only be null or the draft's own map
     size (pruning is a training step, :mod:`distill.vocab`). Raises SetupError before any model loads."""
-    from decode.vocab_map import pruned_size
-    from distill.models import SetupError
-
     keep = (cfg.draft.get("vocab") or {}).get("keep")
     if keep is None:
         return
@@ -294,14 +137,6 @@ def _check_eval_keep(cfg: Any) -> None:
 
 
 def run_eval(cfg: Any, opts: dict) -> None:
-    import torch
-
-    from distill.config import normalize_config
-    from distill.evaluate import acceptance_eval
-    from distill.logging import Progress
-    from distill.models import context_length
-    from distill.recipe import load_data
-
     cfg = normalize_config(cfg)
     _check_eval_keep(cfg)
     tokenizer, target, draft = _load_pair(cfg)
@@ -320,17 +155,7 @@ def run_eval(cfg: Any, opts: dict) -> None:
     text = json.dumps(result, indent=2)
     print(text)  # first: a results file that cannot be written (a full disk) loses nothing
     if opts.get("out"):
-        from distill.checkpoint import write_results
-
         write_results(text, opts["out"], bool(opts.get("overwrite")))
-
-
-HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {
-    "train": run_train, "generate-data": run_generate_data, "eval": run_eval,
-    "cache-logits": lambda cfg, opts: run_cache_logits(cfg, opts),
-    "bench-step": lambda cfg, opts: run_bench_step(cfg, opts)}  # defined with the other commands below
-# Commands that write nothing into train.output_dir: a -m sweep of one gets no run folders (nor multirun.yaml) there
-NO_RUN_FOLDER = ("eval", "bench-step", "cache-logits")
 
 
 def _split_argv(name: str, argv: list[str]) -> tuple[list[str], list[str], dict]:
@@ -392,9 +217,6 @@ def _search_path(flags: list[str]) -> list[str]:
 
 def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full: bool = True) -> list[list[str]]:
     """Compose and check every job before Hydra runs any: exits 2 with the first problem. Returns the jobs."""
-    from distill.config import check_inputs, check_output_file, validate
-    from distill.models import SetupError
-
     try:
         overrides = expand_target_shorthand(overrides)
         jobs = sweep_jobs(overrides) if multirun else [overrides]
@@ -410,8 +232,6 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
                 check_inputs(cfg, training=name == "train", generating=name == "generate-data",
                              evaluating=name == "eval")
                 if name == "train" and not cfg.train.overwrite:  # the run folder rule, for every job of a sweep
-                    from distill.checkpoint import check_no_live_run, is_main_process, prepare_run_folder
-
                     out = Path(cfg.train.output_dir) / str(num) if multirun else Path(cfg.train.output_dir)
                     main_process = is_main_process()
                     if main_process:  # (another rank of this launch would see rank 0's own lock as a live run)
@@ -422,8 +242,6 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
         where = f" (sweep job {jobs.index(job)}: {' '.join(job)})" if multirun and "job" in locals() else ""
         _fail(f"{e}{where}")
     except Exception as e:  # a parse error of an override, raised by Hydra's grammar
-        from hydra.errors import HydraException
-
         if isinstance(e, HydraException):
             _fail(explain(e, overrides))
         raise
@@ -432,12 +250,6 @@ def preflight(name: str, overrides: list[str], multirun: bool, opts: dict, full:
 
 def run_hydra_command(name: str, argv: list[str]) -> None:
     """Run ``python -m distill NAME ARGV`` as a Hydra app (``@hydra.main`` over conf/, typed by the schema)."""
-    import hydra
-    from hydra.core.global_hydra import GlobalHydra
-
-    import distill.config  # noqa: F401  (registers the schema)
-    from distill.models import SetupError
-
     conf = conf_dir()
     if os.environ.get(CONF_ENV) and not (conf / "config.yaml").is_file():
         _fail(f"{CONF_ENV}={os.environ.get(CONF_ENV)}: {conf} has no config.yaml; {CONF_ENV} replaces the whole "
@@ -462,10 +274,6 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
     command = HYDRA_COMMANDS[name]
 
     def task(cfg: Any) -> None:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-        from omegaconf import open_dict
-
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN and name in NO_RUN_FOLDER:
             print(f"sweep job {hc.job.num}: {' '.join(hc.overrides.task)}", flush=True)
@@ -482,8 +290,6 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
     saved = sys.argv
     scratch = None  # Hydra's sweep folder of a command that makes no run folders (its multirun.yaml, empty job dirs)
     if multirun and name in NO_RUN_FOLDER and not helping:
-        import tempfile
-
         scratch = tempfile.mkdtemp(prefix=f"distill-{name}-sweep-")
         overrides = [*overrides, f"hydra.sweep.dir={scratch}"]
     sys.argv = [f"python -m distill {name}", *flags, *overrides, f"hydra.job.name={name}"]
@@ -497,9 +303,6 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
 
 
 def cmd_export(argv: list[str]) -> None:
-    from decode.loading import resolve_dtype
-    from distill.export import export, slower_temperatures, stopped_export_notes
-
     p = argparse.ArgumentParser(prog="python -m distill export", description=SUBCOMMANDS["export"])
     p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
     p.add_argument("out_dir", help="where to write the Hugging Face draft")
@@ -531,30 +334,8 @@ def cmd_export(argv: list[str]) -> None:
                       "acceptance_rate": ev.get("acceptance_rate")}, indent=2))
 
 
-def cmd_convert_checkpoint(argv: list[str]) -> None:
-    from distill.checkpoint import LEGACY_DIR, CheckpointError, convert_legacy
-
-    p = argparse.ArgumentParser(prog="python -m distill convert-checkpoint", description=SUBCOMMANDS[
-        "convert-checkpoint"] + ". The pickles are read with torch.load(weights_only=True): tensors and plain types "
-        "only, so a file holding anything else is refused. Convert only checkpoints you trust. The originals are "
-        f"kept (a step_N folder's in its {LEGACY_DIR}/; resume.pt beside the new resume/); rerun it to finish an "
-        "interrupted conversion.")
-    p.add_argument("checkpoint", help="a step_N or best folder written by an earlier draftkit, or a pretrain "
-                                      "snapshot OUT/resume.pt")
-    args = p.parse_args(argv)
-    try:
-        path = convert_legacy(args.checkpoint)
-    except CheckpointError as e:
-        _fail(e)
-    kept = args.checkpoint if path.name == "resume" else str(path / LEGACY_DIR)
-    print(json.dumps({"converted": str(path), "originals_kept": kept}))
-
-
 def run_cache_logits(cfg: Any, opts: dict) -> None:
     """``cache-logits`` on a composed config: build (or finish) ``data.logit_cache`` and print its summary."""
-    from distill.checkpoint import is_main_process
-    from distill.logit_cache import build_cache
-
     summary = build_cache(cfg)
     if is_main_process():
         print(json.dumps(summary, indent=2))
@@ -562,13 +343,16 @@ def run_cache_logits(cfg: Any, opts: dict) -> None:
 
 def run_bench_step(cfg: Any, opts: dict) -> None:
     """``bench-step`` on a composed config: the recipe's step against its bound (distill/bench_step.py)."""
-    from distill.bench_step import bench_step
-
     bench_step(cfg, steps=int(opts.get("steps", 10)), warmup=int(opts.get("warmup", 2)), out=opts.get("out"),
                overwrite=bool(opts.get("overwrite")))
 
 
-COMMANDS = {"export": cmd_export, "convert-checkpoint": cmd_convert_checkpoint}
+HYDRA_COMMANDS: dict[str, Callable[[Any, dict], None]] = {
+    "train": run_train, "generate-data": run_generate_data, "eval": run_eval, "cache-logits": run_cache_logits,
+    "bench-step": run_bench_step}
+# Commands that write nothing into train.output_dir: a -m sweep of one gets no run folders (nor multirun.yaml) there
+NO_RUN_FOLDER = ("eval", "bench-step", "cache-logits")
+COMMANDS = {"export": cmd_export}
 # Programs that use the library rather than belong to it (the quickstart package).
 ELSEWHERE = {"pretrain": "python -m quickstart pretrain", "quickstart": "python -m quickstart"}
 
@@ -587,8 +371,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     name, rest = argv[0], argv[1:]
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # per-file/per-model bars drown the run's own
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     if name in HYDRA_COMMANDS or name in COMMANDS:
         try:

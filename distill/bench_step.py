@@ -16,9 +16,18 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
+
+from distill.checks import normalize_config
+from distill.data import collate_sequences
+from distill.logit_cache import peak_memory_mb
+from distill.losses import FUSED, cached_distill_loss, distill_loss
+from distill.recipe import micro_batch, setup, target_distribution, train_step
+from distill.runfolder import write_results
+from distill.target_data import target_data_dir
 
 
 def _sync(device: torch.device) -> None:
@@ -36,99 +45,108 @@ def _timed(prepare: Callable[[], Callable[[], Any]], device: torch.device) -> fl
     return time.perf_counter() - t0
 
 
+BIG = 10**6  # bound parts draw micro-batches far from the recipe's steps
+
+
 def _parts(run: Any) -> dict[str, Callable[[int], Callable[[], Any]]]:
     """name -> prepare(round) -> timed callable, for every part; the bound parts use micro-batches of the same
     shapes as the recipe's steps."""
-    from distill.data import collate_sequences
-    from distill.losses import FUSED, cached_distill_loss, distill_loss
-    from distill.recipe import micro_batch, target_distribution, train_step
-
-    cfg, acc = run.cfg, run.accelerator
-    draft, optimizer = run.draft, run.optimizer
-    pad = run.tokenizer.pad_token_id
-    big = 10**6  # bound parts draw micro-batches far from the recipe's steps
-
-    def batch_of(i: int):
-        examples, _ = micro_batch(run, big + i)
-        return examples, {k: v.to(acc.device) for k, v in collate_sequences(examples, pad).items()}
-
-    def collate(i: int):
-        return lambda: collate_sequences(micro_batch(run, big + i)[0], pad)
-
-    def target_forward(i: int):
-        _, batch = batch_of(i)
-
-        def fn():
-            with torch.no_grad(), acc.autocast():
-                run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        return fn
-
-    def draft_update(i: int):
-        _, batch = batch_of(i)
-
-        def fn():
-            with acc.autocast():
-                logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            acc.backward(logits.sum() * 0.0)  # every parameter gets a gradient; no loss work beyond the forward
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return fn
-
-    def divergence(i: int):  # the loss and its backward on precomputed kept logits, as the recipe computes it
-        examples, batch = batch_of(i)
-        keep = batch["loss_mask"].bool()
-        n = int(keep.sum())
-        with torch.no_grad(), acc.autocast():
-            d = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[keep]
-        kind, t = target_distribution(run, batch, [e.get("cache_row") for e in examples])
-        ones = torch.ones(1, n, device=acc.device)
-        kw = dict(beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature))
-        fused = bool(cfg.loss.get("fused", True))
-
-        def fn():
-            x = d[..., :run.vocab].unsqueeze(0).requires_grad_(True)
-            if kind == "cached":
-                loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n,
-                                           fused=fused, tail_ids=None if t[2] is None else t[2].unsqueeze(0), **kw)
-            else:
-                loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, fused=fused, **kw)
-            loss.backward()
-        return fn
-
-    def recipe_step(i: int):
-        def fn():
-            out = train_step(run, i)
-            float(out["loss_sum"])  # the recipe reads the loss at log steps; count one read per step (worst case)
-        return fn
-
-    def recipe_step_full_logits(i: int):  # the same step with the lm_heads run on every position (before the fix)
-        def fn():
-            saved = run.logits_to_keep
-            run.logits_to_keep = {"target": False, "draft": False}
-            try:
-                float(train_step(run, i)["loss_sum"])
-            finally:
-                run.logits_to_keep = saved
-        return fn
-
-    def recipe_step_other_loss_form(i: int):  # the same step with the other loss.fused (fused vs autograd)
-        def fn():
-            fused = bool(cfg.loss.get("fused", True))
-            cfg.loss.fused = not fused
-            try:
-                float(train_step(run, i)["loss_sum"])
-            finally:
-                cfg.loss.fused = fused
-        return fn
-
-    parts = {"recipe_step": recipe_step, "recipe_step_full_logits": recipe_step_full_logits,
-             "recipe_step_other_loss_form": recipe_step_other_loss_form, "collate": collate,
-             "draft_forward_backward_optimizer": draft_update, "divergence_forward_backward": divergence}
-    if cfg.loss.name not in FUSED:  # loss.fused changes nothing there
+    parts = {"recipe_step": _recipe_step, "recipe_step_full_logits": _recipe_step_full_logits,
+             "recipe_step_other_loss_form": _recipe_step_other_loss_form, "collate": _collate,
+             "draft_forward_backward_optimizer": _draft_update, "divergence_forward_backward": _divergence}
+    if run.cfg.loss.name not in FUSED:  # loss.fused changes nothing there
         del parts["recipe_step_other_loss_form"]
     if run.target is not None:
-        parts["target_forward"] = target_forward
-    return parts
+        parts["target_forward"] = _target_forward
+    return {name: partial(prepare, run) for name, prepare in parts.items()}
+
+
+def _batch_of(run: Any, i: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The examples of bound round ``i`` and their collated batch on the accelerator's device."""
+    examples, _ = micro_batch(run, BIG + i)
+    pad = run.tokenizer.pad_token_id
+    return examples, {k: v.to(run.accelerator.device) for k, v in collate_sequences(examples, pad).items()}
+
+
+def _collate(run: Any, i: int) -> Callable[[], Any]:
+    return lambda: collate_sequences(micro_batch(run, BIG + i)[0], run.tokenizer.pad_token_id)
+
+
+def _target_forward(run: Any, i: int) -> Callable[[], Any]:
+    _, batch = _batch_of(run, i)
+
+    def fn():
+        with torch.no_grad(), run.accelerator.autocast():
+            run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return fn
+
+
+def _draft_update(run: Any, i: int) -> Callable[[], Any]:
+    _, batch = _batch_of(run, i)
+    acc, draft, optimizer = run.accelerator, run.draft, run.optimizer
+
+    def fn():
+        with acc.autocast():
+            logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        acc.backward(logits.sum() * 0.0)  # every parameter gets a gradient; no loss work beyond the forward
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return fn
+
+
+def _divergence(run: Any, i: int) -> Callable[[], Any]:
+    """The loss and its backward on precomputed kept logits, as the recipe computes it."""
+    cfg, acc = run.cfg, run.accelerator
+    examples, batch = _batch_of(run, i)
+    keep = batch["loss_mask"].bool()
+    n = int(keep.sum())
+    with torch.no_grad(), acc.autocast():
+        d = run.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[keep]
+    kind, t = target_distribution(run, batch, [e.get("cache_row") for e in examples])
+    ones = torch.ones(1, n, device=acc.device)
+    kw = dict(beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature))
+    fused = bool(cfg.loss.get("fused", True))
+
+    def fn():
+        x = d[..., :run.vocab].unsqueeze(0).requires_grad_(True)
+        if kind == "cached":
+            loss = cached_distill_loss(cfg.loss.name, x, t[0].unsqueeze(0), t[1].unsqueeze(0), ones, n,
+                                       fused=fused, tail_ids=None if t[2] is None else t[2].unsqueeze(0), **kw)
+        else:
+            loss = distill_loss(cfg.loss.name, x, t[..., :run.vocab].unsqueeze(0), ones, n, fused=fused, **kw)
+        loss.backward()
+    return fn
+
+
+def _recipe_step(run: Any, i: int) -> Callable[[], Any]:
+    def fn():
+        out = train_step(run, i)
+        float(out["loss_sum"])  # the recipe reads the loss at log steps; count one read per step (worst case)
+    return fn
+
+
+def _recipe_step_full_logits(run: Any, i: int) -> Callable[[], Any]:
+    """The same step with the lm_heads run on every position (what logits_to_keep saves)."""
+    def fn():
+        saved = run.logits_to_keep
+        run.logits_to_keep = {"target": False, "draft": False}
+        try:
+            float(train_step(run, i)["loss_sum"])
+        finally:
+            run.logits_to_keep = saved
+    return fn
+
+
+def _recipe_step_other_loss_form(run: Any, i: int) -> Callable[[], Any]:
+    """The same step with the other loss.fused (fused vs autograd)."""
+    def fn():
+        fused = bool(run.cfg.loss.get("fused", True))
+        run.cfg.loss.fused = not fused
+        try:
+            float(train_step(run, i)["loss_sum"])
+        finally:
+            run.cfg.loss.fused = fused
+    return fn
 
 
 def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = None, log: Any = print,
@@ -139,9 +157,6 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
 
     Raises SetupError as ``train`` does for a bad config (before any model loads).
     """
-    from distill.config import normalize_config
-    from distill.recipe import setup, target_data_dir
-
     # Nothing is written to train.output_dir (a run folder of the same overrides, or the next train's): setup's
     # own files (a LoRA draft's draft_base) go to a scratch folder; a target_data cache is still shared with train.
     cfg = normalize_config(cfg)
@@ -152,8 +167,6 @@ def bench_step(cfg: Any, steps: int = 10, warmup: int = 2, out: str | None = Non
 
 
 def _bench(run: Any, steps: int, warmup: int, out: str | None, log: Any, overwrite: bool) -> dict:
-    from distill.logit_cache import peak_memory_mb
-
     acc = run.accelerator
     run.draft.train()
     parts = _parts(run)
@@ -196,7 +209,5 @@ def _bench(run: Any, steps: int, warmup: int, out: str | None, log: Any, overwri
         log(f"  bound / recipe step with the {result['other_loss_form']} loss = "
             f"{result['efficiency_other_loss_form']:.2f}")
     if out:  # after the table above: a results file that cannot be written loses nothing
-        from distill.checkpoint import write_results
-
         write_results(json.dumps(result, indent=2), out, overwrite)
     return result

@@ -44,7 +44,7 @@ from typing import Any, Iterable
 
 import torch
 
-from distill.models import SetupError
+from distill.config import SetupError
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -155,7 +155,7 @@ def write_results(text: str, out: str, overwrite: bool) -> None:
     """:func:`decode.outputs.write_results` for an ``--out`` of ``distill eval`` / ``bench-step``, with a full disk
     as a SetupError naming ``--out`` (exit 2; the results were printed before)."""
     from decode.outputs import write_results as write
-    from distill.models import SetupError
+    from distill.config import SetupError
 
     try:
         write(text, out, overwrite)

@@ -1,10 +1,11 @@
-"""The recipe's typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
+"""The recipe's typed configuration: one dataclass per config group, registered in Hydra's ConfigStore, and
+:func:`compose`, which composes ``conf/`` with command-line overrides.
 
 ``Config`` is the schema of ``conf/config.yaml`` (its defaults list starts with ``distill_schema``), so every group
 YAML is merged into a typed node: an unknown key (``train.max_step``) or a wrong type (``train.max_steps=abc``)
-fails while Hydra composes. :func:`validate` then checks values (ranges, allowed choices) and :func:`check_inputs`
-the files the run reads and writes; all three run before any model or data loads and raise :class:`SetupError`
-naming the key, the allowed values and the fix.
+fails while Hydra composes. :func:`check_values` then checks values (ranges, allowed choices), without reading the
+disk; :mod:`distill.checks` adds the checks against the disk and the machine. All run before any model or data
+loads and raise :class:`SetupError` naming the key, the allowed values and the fix.
 
 A scalar where a list is expected (``eval.temperatures=0.5``) is rejected with the list form to type
 (``eval.temperatures=[0.5]``), the same as any other type error: silently wrapping would hide a typo such as
@@ -13,18 +14,34 @@ A scalar where a list is expected (``eval.temperatures=0.5``) is rejected with t
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
+import re
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from distill.models import ARCH_KEYS, SetupError, is_local_path
+from decode.loading import DTYPES
 
 SCHEMA_NAME = "distill_schema"
+
+
+class SetupError(ValueError):
+    """A configuration or input problem found before training starts; the message names the fix."""
+
+
+# Width keys of a derived draft config; passed through only when set, so any architecture works for layers alone.
+ARCH_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 
 
 # ------------------------------------------------------------------------------------------------ the schema
@@ -259,7 +276,155 @@ def register() -> None:
 register()
 
 
+# ------------------------------------------------------------------------------------------------ composition
+
+CONF_ENV = "DRAFTKIT_CONF"
+
+
+def conf_dir() -> Path:
+    """The Hydra config folder: ``$DRAFTKIT_CONF``; else the copy of ``conf/`` that a wheel or ``pip install .``
+    puts inside the package (``distill/conf``, pyproject.toml); else the repository's ``conf/`` (a checkout, an
+    editable install)."""
+    if os.environ.get(CONF_ENV):
+        return Path(os.environ[CONF_ENV]).resolve()
+    here = Path(__file__).resolve().parent
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
+
+
+def target_options() -> list[str]:
+    """Names of the target configs (``conf/target/NAME.yaml``)."""
+    return sorted(p.stem for p in (conf_dir() / "target").glob("*.yaml"))
+
+
+def expand_target_shorthand(overrides: list[str]) -> list[str]:
+    """``+target=X`` selects ``conf/target/X.yaml`` when it exists; a local path or hub id (anything with a ``/``,
+    or an existing path) becomes ``+target.name_or_path=X``; any other name is an error listing the configs.
+
+    Raises:
+        SetupError: ``X`` matches no target config and no path.
+    """
+    out = []
+    for o in overrides:
+        if o.startswith("+target="):
+            name = o.split("=", 1)[1]
+            options = target_options()
+            if name not in options:
+                if "/" not in name and not Path(name).expanduser().exists():
+                    close = difflib.get_close_matches(name, options, n=1)
+                    hint = f" (did you mean +target={close[0]}?)" if close else ""
+                    raise SetupError(f"+target={name}: no config conf/target/{name}.yaml and no local path {name!r}"
+                                     f"{hint}. Target configs: {', '.join(options)}. Or give a checkpoint: "
+                                     "+target=/path/to/model, +target=org/hub-id, +target.name_or_path=NAME")
+                o = "+target.name_or_path=" + name
+        out.append(o)
+    return out
+
+
+def _schema_default(key: str) -> Any:
+    try:
+        return OmegaConf.select(OmegaConf.structured(Config), key.split("[")[0])
+    except Exception:  # a key outside the schema
+        return None
+
+
+def explain(err: Exception, overrides: list[str] = ()) -> str:
+    """One clear line (or two) for an error Hydra/OmegaConf raised while composing, naming the setting and the fix.
+
+    Hydra's own hint for an unknown key (``use +train.max_step=5``) is never repeated: it would turn a typo into
+    a new key. The closest known key is suggested instead.
+    """
+    cause = err.__cause__ if err.__cause__ is not None else err
+    msg = str(err)
+    launcher = next((o for o in overrides if o.lstrip("+").startswith("launcher=")), None)
+    if launcher:  # conf/launcher/ lists in --help's config groups, but its files are accelerate's
+        name = launcher.split("=", 1)[1]
+        folder = conf_dir() / "launcher"
+        try:  # as typed from here: conf/launcher in a checkout, the package's folder for an installed one
+            folder = folder.relative_to(Path.cwd())
+        except ValueError:
+            pass
+        return (f"{launcher}: {folder}/ holds accelerate configs, not a Hydra group; launch with them: "
+                f"accelerate launch --config_file {folder / (name + '.yaml')} -m distill train ...")
+    m = re.search(r"Could not find '([\w\-/]+)/([^']+)'", msg)
+    if m:  # an unknown group option, e.g. loss=kld or +experiment=nope
+        group, option = m.group(1), m.group(2)
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        plus = "+" if group in ("target", "experiment") else ""
+        return f"{plus}{group}={option}: no such option in conf/{group}/{hint}; choose one of {', '.join(options)}"
+    m = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg, re.IGNORECASE)
+    if m:  # +key=value for a key the config (or an experiment) already sets
+        key = m.group(1)
+        value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"+{key}=")), "VALUE")
+        return (f"+{key}={value}: {key} is already set (by the config or the +experiment); replace it with "
+                f"++{key}={value}")
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
+        parent, _, leaf = key.rpartition(".")
+        ref = str(getattr(cause, "ref_type", "") or "")
+        if "Dict[" in ref:
+            return (f"{key}: {parent} is a free-form mapping; add a new entry with a plus: +{key}=VALUE")
+        node = OmegaConf.select(OmegaConf.structured(Config), parent) if parent else OmegaConf.structured(Config)
+        known = list(node.keys()) if OmegaConf.is_dict(node) else []
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+            f"the keys of {parent or 'the config'} are {', '.join(known)}"
+        return f"unknown setting {key}: {hint} (`python -m distill train --help` lists every key)"
+    if isinstance(cause, ValidationError) and key:
+        values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]]
+        bad = getattr(cause, "value", None)  # a key given twice: the value that failed, not the first one
+        given = next((v for v in values if v == str(bad)), values[-1] if values else bad)
+        text = str(cause).splitlines()[0]
+        example = _schema_default(key.split("[")[0])
+        kinds = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+        conv = re.search(r"could not be converted to (\w+)", text)
+        if conv and "[" in key:  # an item of a list
+            base = key.split("[")[0]
+            want = kinds.get(conv.group(1), conv.group(1))
+            eg = f", e.g. {base}={json.dumps(list(example)).replace(' ', '')}" if example is not None else ""
+            return f"{base}={given}: every item must be {want}{eg}"
+        if conv:
+            want = kinds.get(conv.group(1), conv.group(1))
+            eg = f", e.g. {key}={example}" if example is not None and "[" not in key else ""
+            return f"{key}={given}: expected {want}{eg}"
+        if "is not a valid bool" in text:
+            return f"{key}={given}: expected true or false, e.g. {key}={str(bool(example)).lower()}"
+        if "is not a ListConfig" in text:
+            return f"{key}={given}: expected a list; write {key}=[{given}] (several: {key}=[0.0,1.0])"
+        return f"{key}={given}: {text}"
+    first = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
+    if "Could not override" in msg or "Could not append" in msg:
+        first = first.replace("Could not", "cannot")
+    return first
+
+
+def compose(overrides: list[str]):
+    """Compose ``conf/config.yaml`` with Hydra overrides (``key=value``, ``+key=value``, ``group=option``); the
+    result is typed by :class:`Config`. ``+target=PATH_OR_HUB_ID`` is accepted too.
+
+    Raises:
+        SetupError: the overrides do not compose (unknown option, key or type), with :func:`explain`'s message.
+    """
+    overrides = expand_target_shorthand(list(overrides))
+    for override in overrides:  # OmegaConf reads any integer as a bool (2 -> true): only 0 and 1 mean one
+        key, sep, value = override.lstrip("+").partition("=")
+        if sep and re.fullmatch(r"[+-]?\d+", value.strip()) and value.strip() not in ("0", "1") \
+                and isinstance(_schema_default(key), bool):
+            raise SetupError(f"{key}={value}: expected true or false, e.g. {key}={str(_schema_default(key)).lower()}")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()), job_name="distill"):
+            return hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise SetupError(explain(e, overrides)) from e
+    finally:
+        GlobalHydra.instance().clear()
+
+
 # ------------------------------------------------------------------------------------------------ value checks
+# What reads nothing but the config; the checks against the disk and the machine are in distill/checks.py.
 
 CHOICES = {
     "data.source.kind": ("auto", "prompts", "text"),
@@ -274,6 +439,10 @@ CHOICES = {
     "logger.name": ("none", "wandb"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
 }
+# The divergences of distill.losses (its DIVERGENCES, which a test compares with these names).
+LOSS_NAMES = ("fkl", "rkl", "jsd", "tvd", "acceptance")
+# What eval.select_by may rank checkpoints by: keys of distill.evaluate.acceptance_eval's result.
+SELECT_BY = ("acceptance_rate", "predicted_speedup")
 # Integers with a lower bound (the fix is in the message).
 AT_LEAST = {
     "data.source.prompt_tokens": 1, "data.source.completion_tokens": 1,
@@ -306,7 +475,8 @@ POSITIVE = {"loss.temperature": "softmax temperature", "optim.lr": "peak learnin
             "draft forward time / target forward time, or null to measure it"}
 
 
-def _choose(key: str, value: Any, choices: tuple) -> None:
+def check_choice(key: str, value: Any, choices: tuple) -> None:
+    """Raise SetupError unless ``value`` is one of ``choices``, naming ``key``, the choices and an example."""
     if value not in choices:
         raise SetupError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, choices))} "
                          f"(e.g. {key}={choices[0]})")
@@ -321,17 +491,39 @@ def check_tail_samples_loss(tail_samples: int | None, loss: str) -> None:
                          "built without them), or data.target_logits=online")
 
 
-def _check_values(cfg: DictConfig) -> None:
-    """Ranges and allowed values of every key (types were checked by the schema at compose time)."""
-    from decode.loading import DTYPES
-    from distill.evaluate import SELECT_KEYS
-    from distill.losses import DIVERGENCES
+def check_values(cfg: DictConfig) -> None:
+    """Every check that reads nothing but ``cfg``: unknown keys, missing values, ranges and allowed values (types
+    were checked by the schema at compose time). The data sources and model folders: :func:`distill.checks.validate`.
 
+    Raises:
+        SetupError: the first problem, naming the key, the allowed values and the fix.
+    """
+    bad = unknown_keys(cfg)
+    if bad:
+        raise SetupError(f"unknown setting {bad[0]}; a misspelled key is never added to the config (remove the "
+                         "'+' and fix the name). `python -m distill train --help` lists every key")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise SetupError(f"{missing[0]} is required and has no value: set {missing[0]}=VALUE")
+    _check_choices(cfg)
+    _check_numbers(cfg)
+    _check_eval_costs(cfg)
+    for key in ARCH_KEYS:
+        value = OmegaConf.select(cfg, f"draft.{key}")
+        if value is not None and value < 1:
+            raise SetupError(f"draft.{key}={value} must be an integer >= 1 (or null: keep the target's)")
+    _check_lists(cfg)
+    if not str(cfg.train.output_dir).strip():
+        raise SetupError("train.output_dir is empty; give the run folder, e.g. train.output_dir=checkpoints/run1")
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    """Allowed values, and the combinations of them that cannot run together."""
     get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     for key, choices in CHOICES.items():
-        if not key.startswith("data.source."):  # sources: _check_sources (data.source and eval.prompts)
-            _choose(key, get(key), choices)
-    _choose("loss.name", cfg.loss.name, tuple(DIVERGENCES))
+        if not key.startswith("data.source."):  # sources: distill.checks.check_sources (data.source, eval.prompts)
+            check_choice(key, get(key), choices)
+    check_choice("loss.name", cfg.loss.name, LOSS_NAMES)
     if get("loss.ce_labels") == "target" and not get("loss.ce_weight"):
         raise SetupError("loss.ce_labels=target sets the labels of the cross-entropy term, whose weight "
                          "loss.ce_weight is 0: give it a weight, e.g. loss.ce_weight=0.2, or drop loss.ce_labels")
@@ -351,10 +543,15 @@ def _check_values(cfg: DictConfig) -> None:
                          f"{get('data.on_policy_fraction')}: on-policy rollouts sample from the draft alone, which a "
                          "pruned head cannot do over the full vocabulary yet. Set data.on_policy_fraction=0 (or "
                          "draft.vocab.keep=null)")
-    _choose("eval.select_by", cfg.eval.select_by, tuple(SELECT_KEYS))
+    check_choice("eval.select_by", cfg.eval.select_by, SELECT_BY)
     for key in ("target.dtype", "draft.dtype"):
         if get(key) is not None:
-            _choose(key, get(key), tuple(DTYPES))
+            check_choice(key, get(key), tuple(DTYPES))
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Lower bounds of integers, seeds, ranges of floats, positive numbers (tables above)."""
+    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     for key, low in AT_LEAST.items():
         value = get(key)
         if value is not None and value < low:
@@ -375,6 +572,11 @@ def _check_values(cfg: DictConfig) -> None:
         value = get(key)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise SetupError(f"{key}={value} must be a finite number > 0 ({what})")
+
+
+def _check_eval_costs(cfg: DictConfig) -> None:
+    """The verify costs v_γ given by hand, and a γ the eval budget can draft."""
+    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     verify = get("eval.verify_costs")
     if verify is not None and (len(verify) == 0 or float(verify[0]) != 1.0
                                or not all(math.isfinite(v) and v >= 1.0 for v in verify)):
@@ -391,10 +593,10 @@ def _check_values(cfg: DictConfig) -> None:
         raise SetupError(f"eval.num_draft_tokens={gamma} is larger than eval.max_new_tokens={budget}: no step can "
                          f"draft more tokens than are left, so the eval would measure a smaller γ than it reports; "
                          f"lower eval.num_draft_tokens or raise eval.max_new_tokens")
-    for key in ARCH_KEYS:
-        value = get(f"draft.{key}")
-        if value is not None and value < 1:
-            raise SetupError(f"draft.{key}={value} must be an integer >= 1 (or null: keep the target's)")
+
+
+def _check_lists(cfg: DictConfig) -> None:
+    """eval.temperatures, optim.betas and train.lora.target_modules."""
     if not cfg.eval.temperatures:
         raise SetupError("eval.temperatures is empty; give at least one, e.g. eval.temperatures=[0.0]")
     for t in cfg.eval.temperatures:
@@ -413,9 +615,6 @@ def _check_values(cfg: DictConfig) -> None:
         raise SetupError(f"train.lora.target_modules={mods!r} is a single name, which peft reads as a regex over "
                          f"full module paths (it matches nothing); write a list, train.lora.target_modules=[{mods}], "
                          "or all-linear")
-    if not str(cfg.train.output_dir).strip():
-        raise SetupError("train.output_dir is empty; give the run folder, e.g. train.output_dir=checkpoints/run1")
-    _check_sources(cfg)
 
 
 def eval_prompts_source(cfg: DictConfig) -> Any:
@@ -426,105 +625,32 @@ def eval_prompts_source(cfg: DictConfig) -> Any:
     return src if src is not None and (src.get("path") or src.get("corpus")) else None
 
 
-def _check_sources(cfg: DictConfig) -> None:
-    from distill.corpus import CORPORA
-
-    ev = eval_prompts_source(cfg)
-    sources = [("data.source", cfg.data.source)] + ([("eval.prompts", ev)] if ev is not None else [])
-    for key, src in sources:
-        if src.path and src.corpus:
-            raise SetupError(f"{key} names both a corpus ({src.corpus!r}) and a file ({src.path!r}); keep one: "
-                             f"{key}.corpus=null to use the file (an experiment may have set the corpus), or "
-                             f"{key}.path=null to use the corpus")
-        if not src.path and not src.corpus:
-            raise SetupError(f"{key} has no data: set {key}.path=FILE (jsonl/json/parquet/csv/txt) or "
-                             f"{key}.corpus=NAME ({', '.join(CORPORA)})")
-        if src.corpus:
-            _choose(f"{key}.corpus", src.corpus, tuple(CORPORA))
-        for sub in ("kind", "sample_by", "split"):
-            _choose(f"{key}.{sub}", src[sub], CHOICES[f"data.source.{sub}"])
-        for sub in ("limit", "prompt_tokens", "completion_tokens", "windows_per_doc"):  # data.source's: AT_LEAST
-            value = src.get(sub)
-            if key != "data.source" and value is not None and value < AT_LEAST[f"data.source.{sub}"]:
-                raise SetupError(f"{key}.{sub}={value} must be an integer >= {AT_LEAST[f'data.source.{sub}']} "
-                                 f"(null: no limit), e.g. {key}.{sub}=32")
-
-
-def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = False) -> None:
-    """A local model path must be a folder holding a ``config.json`` (what ``from_pretrained`` reads), a distill
-    checkpoint (``trainer_state.json``, e.g. ``<run>/best``) or a peft adapter (``adapter_config.json``); with
-    ``tokenizer_only`` (a target in cached mode, which is never loaded) a tokenizer's files are enough."""
-    if not is_local_path(name):
-        return
-    path = Path(name).expanduser()
-    if not path.exists():
-        from decode.loading import shown_path
-
-        raise SetupError(f"{role} path {shown_path(name)} does not exist; fix {fix}")
-    if not path.is_dir():
-        from distill.checkpoint import LATEST_FILE
-
-        pointed = path.read_text(errors="replace").strip() if path.name == LATEST_FILE else ""
-        if pointed:  # a run's pointer file: name the checkpoint it points to
-            raise SetupError(f"{role} path {name!r} is the run's pointer to its newest checkpoint, not a folder; "
-                             f"give that checkpoint: {path.parent / Path(pointed).name} (fix {fix})")
-        raise SetupError(f"{role} path {name!r} is a file, not a checkpoint folder; fix {fix} (the folder "
-                         "save_pretrained wrote)")
-    wanted = ("config.json", "trainer_state.json", "adapter_config.json")
-    if tokenizer_only:
-        wanted += ("tokenizer_config.json", "tokenizer.json")
-    if not any((path / f).is_file() for f in wanted):
-        from distill.checkpoint import run_folder_hint
-
-        hint = run_folder_hint(path)
-        if hint is not None:
-            raise SetupError(f"{role} path: {hint}; fix {fix}")
-        raise SetupError(f"{role} path {name!r} has no config.json, so it is not a checkpoint folder written by "
-                         f"save_pretrained (nor a distill checkpoint); fix {fix}")
-
-
-def _check_models(cfg: DictConfig) -> None:
-    name = cfg.target.name_or_path
-    if not name:
-        raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
-                         "+target.name_or_path=/path/or/hub-id")
-    cached = str(cfg.data.get("target_logits") or "online") == "cached"  # the target gives its tokenizer only
-    _check_model_dir("target", str(name), "+target.name_or_path=/path/to/checkpoint", tokenizer_only=cached)
-    draft = cfg.draft
-    if draft.get("name_or_path"):
-        _check_model_dir("draft", str(draft.name_or_path), "draft.name_or_path=/path")
-    elif all(draft.get(k) is None for k in ARCH_KEYS):
-        raise SetupError("no draft: set draft.name_or_path=/path/or/hub-id, or build one from the target's config "
-                         "with draft.num_hidden_layers=N (or draft=small)")
-
-
 def unknown_keys(cfg: DictConfig) -> list[str]:
     """Keys of ``cfg`` that the schema does not declare (``+train.max_step=5`` adds one; Hydra's own hint for a
     typo suggests exactly that): each is returned with the closest declared key, e.g. ``train.max_step (did you
     mean train.max_steps?)``."""
     out = []
-
-    def walk(node: Any, schema: Any, prefix: str) -> None:
-        declared = {f.name: f for f in fields(schema)}
-        for key in node.keys() if OmegaConf.is_dict(node) else []:
-            full = f"{prefix}{key}"
-            if key not in declared:
-                close = difflib.get_close_matches(str(key), list(declared), n=1)
-                hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (keys: {', '.join(declared)})"
-                out.append(full + hint)
-                continue
-            child_type = _dataclass_of(schema, key)
-            child = node._get_node(key)
-            if child_type is not None and OmegaConf.is_dict(child) and not child._is_none():
-                walk(child, child_type, full + ".")
-
-    walk(cfg, Config, "")
+    _unknown_in(cfg, Config, "", out)
     return out
 
 
-def _dataclass_of(schema: Any, key: str) -> Any:
-    import typing
+def _unknown_in(node: Any, schema: Any, prefix: str, out: list[str]) -> None:
+    """Append the keys of ``node`` that ``schema`` (a dataclass) does not declare to ``out``, recursively."""
+    declared = {f.name: f for f in fields(schema)}
+    for key in node.keys() if OmegaConf.is_dict(node) else []:
+        full = f"{prefix}{key}"
+        if key not in declared:
+            close = difflib.get_close_matches(str(key), list(declared), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (keys: {', '.join(declared)})"
+            out.append(full + hint)
+            continue
+        child_type = _dataclass_of(schema, key)
+        child = node._get_node(key)
+        if child_type is not None and OmegaConf.is_dict(child) and not child._is_none():
+            _unknown_in(child, child_type, full + ".", out)
 
+
+def _dataclass_of(schema: Any, key: str) -> Any:
     hints = typing.get_type_hints(schema)
     t = hints.get(key)
     for arg in (t, *getattr(t, "__args__", ())):
@@ -533,113 +659,20 @@ def _dataclass_of(schema: Any, key: str) -> Any:
     return None
 
 
-def validate(cfg: DictConfig, model_paths: bool = True) -> None:
-    """Every check that needs no model, data or disk: unknown keys, ranges, allowed values, target/draft given
-    (and, with ``model_paths``, that their local folders exist: off for a pipeline that makes them later).
+def typed_config(cfg: DictConfig) -> DictConfig:
+    """``cfg`` typed by the schema: as it is when Hydra composed it, else merged into ``Config`` now (a config
+    built by hand, in tests or notebooks).
 
     Raises:
-        SetupError: the first problem, naming the key, the allowed values and the fix.
-    """
-    bad = unknown_keys(cfg)
-    if bad:
-        raise SetupError(f"unknown setting {bad[0]}; a misspelled key is never added to the config (remove the "
-                         "'+' and fix the name). `python -m distill train --help` lists every key")
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise SetupError(f"{missing[0]} is required and has no value: set {missing[0]}=VALUE")
-    _check_values(cfg)
-    if model_paths:
-        _check_models(cfg)
-
-
-# Kept for callers of the earlier API: normalize = validate + a plain (untyped) copy the recipe may extend.
-validate_config = validate
-
-
-def normalize_config(cfg: DictConfig) -> DictConfig:
-    """Validate ``cfg`` (see :func:`validate`) and return a resolved, untyped copy for the recipe.
-
-    Raises:
-        SetupError: a key is unknown, missing, out of range or not one of its allowed values.
+        SetupError: no target is given, or a key does not fit the schema's type.
     """
     if cfg.get("target") is None or isinstance(cfg.get("target"), str):
         raise SetupError("no target given: pass +target=NAME (conf/target/NAME.yaml) or "
                          "+target.name_or_path=/path/or/hub-id")
-    typed = cfg
-    if not _is_typed(cfg):  # built by hand (tests, notebooks): type it now
-        from omegaconf.errors import OmegaConfBaseException
-
-        try:
-            typed = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-        except OmegaConfBaseException as e:
-            key = getattr(e, "full_key", None) or "?"
-            raise SetupError(f"{key}: {str(e).splitlines()[0]} (the keys and types are in distill/config.py)") from e
-    validate(typed)
-    return OmegaConf.create(OmegaConf.to_container(typed, resolve=True))
-
-
-def _is_typed(cfg: DictConfig) -> bool:
-    return OmegaConf.get_type(cfg) is Config
-
-
-# ------------------------------------------------------------------------------------------------ inputs on disk
-
-def check_output_file(path: str | os.PathLike, key: str, overwrite: bool = False) -> Path:
-    """A results file the command will write at the end (``--out``): its folder must exist and be writable, and an
-    existing file is kept unless ``overwrite``. Checked at start, so a finished run never fails on its last line.
-
-    Raises:
-        SetupError: naming ``key`` and the fix.
-    """
-    from decode.outputs import check_output_file as check
-
+    if OmegaConf.get_type(cfg) is Config:
+        return cfg
     try:
-        return check(path, key, overwrite)
-    except ValueError as err:
-        raise SetupError(str(err)) from err
-
-
-def check_output_dir(path: str | os.PathLike, key: str) -> Path:
-    """:func:`decode.outputs.check_output_dir` (not a file, nor under one; its nearest existing parent writable)
-    with the problem as a SetupError. (Whether an existing non-empty folder may be reused is the run folder's own
-    rule.)"""
-    from decode.outputs import check_output_dir as check
-
-    try:
-        return check(path, key)
-    except ValueError as err:
-        raise SetupError(str(err)) from err
-
-
-def check_inputs(cfg: DictConfig, *, training: bool = True, generating: bool = False,
-                 evaluating: bool = False) -> None:
-    """Checks against the disk and the machine, run at start before any model loads: the data files (exist, not
-    empty, every JSON line parses, the configured fields are present and not null), the output folder, and a
-    precision the device supports. ``generating`` (``generate-data``, which writes the target-data cache whatever
-    ``data.completions`` says): the cache folder is checked too. ``evaluating`` (``eval``): ``data.source`` only
-    when the prompts come from it (``eval.prompts`` names no file or corpus).
-
-    Raises:
-        SetupError: naming the setting (or the file, line and field) and the fix.
-    """
-    from distill.data import preflight_source
-    from distill.precision import accelerator_precision
-
-    if not evaluating or eval_prompts_source(cfg) is None:
-        preflight_source(cfg.data.source, "data.source", cfg.data)
-    if eval_prompts_source(cfg) is not None:
-        preflight_source(OmegaConf.merge({"completion_field": None}, cfg.eval.prompts), "eval.prompts", cfg.data)
-    if generating or cfg.data.get("completions") in ("target", "both"):  # the KD cache is written into this folder
-        from distill.data import check_target_data_dir
-
-        path = cfg.data.target_generated.get("path")
-        if path:
-            check_output_dir(path, "data.target_generated.path")
-        check_target_data_dir(path or Path(cfg.train.output_dir) / "target_data")
-    if training:
-        check_output_dir(cfg.train.output_dir, "train.output_dir")
-        accelerator_precision(cfg.train)  # fp16 on a CPU is refused here, before any model loads
-        if str(cfg.draft.get("dtype")) in ("fp16", "float16"):
-            raise SetupError("draft.dtype=fp16 trains fp16 master weights, whose updates overflow and underflow (the "
-                             "loss goes to NaN within steps); keep draft.dtype=null (float32 weights) and set "
-                             "train.mixed_precision=bf16, or fp16 on a GPU, for half-precision compute")
+        return OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise SetupError(f"{key}: {str(e).splitlines()[0]} (the keys and types are in distill/config.py)") from e

@@ -14,7 +14,6 @@ import torch
 
 from distill.data import collate_prompts
 
-SELECT_KEYS = ("acceptance_rate", "predicted_speedup")
 # progress(what, done, total, unit): e.g. ("eval α/τ T=0", 5, 16, "prompts"); distill.logging.Progress.reporting
 ProgressFn = Callable[[str, int, int, str], None]
 COST_RATIO_PROGRESS = "measuring cost ratio c"

@@ -19,7 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from distill.checkpoint import CheckpointError, read_config, read_state
+from decode.compat import output_vocab_size
+from decode.loading import (RemoteCodeError, load_causal_lm, load_tokenizer, local_folder, looks_local, run_draft_base,
+                            untie_adapted_weights)
+from decode.outputs import check_output_dir, umask
+from decode.vocab_map import MAP_KEY, draft_vocab_map
+from distill.checkpoint import CheckpointError, _load_weights, load_tensors, read_config, read_state
 
 CARD_JSON = "draftkit_card.json"
 
@@ -41,8 +46,6 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
     checkpoint's weights do not fit the base's architecture; ``decode.loading.RemoteCodeError`` (a ValueError) for
     a draft, base or tokenizer with its own code while ``trust_remote_code`` is off.
     """
-    from decode.loading import load_causal_lm, load_tokenizer, run_draft_base, untie_adapted_weights
-
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
     draft_dir = checkpoint / "draft"
@@ -60,8 +63,6 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
         base = load_causal_lm(base_path, "LoRA base", dtype, trust_remote_code=trust_remote_code)
         peft_model = PeftModel.from_pretrained(base, str(draft_dir))
         if (checkpoint / "model.safetensors").is_file():  # not in a DeepSpeed/FSDP checkpoint (accelerate/)
-            from distill.checkpoint import _load_weights, load_tensors
-
             tensors = load_tensors(checkpoint / "model.safetensors")
             _check_base_head(tensors, base, base_path, checkpoint)
             _load_weights(peft_model, tensors, checkpoint)
@@ -81,10 +82,6 @@ def _check_base_head(tensors: dict, base: Any, base_path: str, checkpoint: Path)
     Raises:
         CheckpointError: naming both head sizes and ``--lora-base <output_dir>/draft_base``.
     """
-    from decode.compat import output_vocab_size
-    from decode.vocab_map import MAP_KEY, draft_vocab_map
-    from distill.checkpoint import CheckpointError
-
     maps = [t for key, t in tensors.items() if key.split(".")[-1] == MAP_KEY]
     own = draft_vocab_map(base)
     if maps and (own is None or own.numel() != maps[0].numel()):
@@ -124,12 +121,9 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"OUT_DIR {out_dir} is a file; give a folder")
     if not out_dir.exists():
-        from distill.config import check_output_dir
-        from distill.models import SetupError
-
         try:
             check_output_dir(out_dir, "OUT_DIR")  # under a file, or in a folder that cannot be written
-        except SetupError as err:
+        except ValueError as err:
             raise CheckpointError(str(err)) from None
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not overwrite:
@@ -405,9 +399,6 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
         CheckpointError: the draft ships its own Python code (``auto_map``) and ``trust_remote_code`` is off.
         CheckpointError: the file system refused a write (a full disk, a quota); ``out_dir`` is left as it was.
     """
-    from decode.loading import RemoteCodeError
-    from decode.outputs import umask
-
     checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
     read_state(checkpoint)
     try:
@@ -448,8 +439,6 @@ def _is_write_error(err: Exception) -> bool:
 def _usual_permissions(folder: Path) -> None:
     """Give the folder's files the mode a new file gets under the process's umask (0644 under 022): transformers'
     ``save_pretrained`` writes ``model.safetensors`` as 0600, which a server running as another user cannot read."""
-    from decode.outputs import umask
-
     mode = 0o666 & ~umask()
     for path in folder.iterdir():
         if path.is_file():
@@ -459,8 +448,6 @@ def _usual_permissions(folder: Path) -> None:
 def _checkpoint_dtype(checkpoint: Path, state: dict) -> str | None:
     """The dtype the checkpoint's draft was saved (and evaluated) in: its ``config.json``'s, or for a LoRA
     checkpoint its base's; None when not recorded or when the checkpoint has no evaluation."""
-    from decode.loading import run_draft_base
-
     if not state.get("last_eval"):
         return None
     for folder in (checkpoint / "draft", run_draft_base(checkpoint.resolve().parent, state.get("draft_base"))):
@@ -483,8 +470,6 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
     _usual_permissions(out_dir)
     files = sorted({p.name for p in out_dir.iterdir()} | {CARD_JSON, "README.md"})
     config = read_config(checkpoint)
-    from decode.vocab_map import draft_vocab_map
-
     vocab_map = draft_vocab_map(draft)
     pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": state.get("vocab_size"),
                                               "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0])}
@@ -496,8 +481,6 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
             "draft_vocab": pruned, "files": files, "dtype": str(draft.dtype).removeprefix("torch."),
             "evaluated_dtype": _checkpoint_dtype(checkpoint, state)}
-    from decode.loading import local_folder, looks_local
-
     target = str(card["target"])  # a hub id not in this machine's cache may still be on the hub
     card["target_found"] = local_folder(target) is not None if looks_local(target) else True
     card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),

@@ -1,8 +1,8 @@
 """A compact cache of the target's next-token distribution: top-k log-probabilities, their ids and the tail mass.
 
-``python -m distill cache-logits`` (same config as ``train``) runs the frozen target once over the training data
-and stores, for every completion position, the k most probable ids (int32), their log-probabilities (fp16) and
-the log of the remaining tail mass (float32), all at ``loss.temperature``. ``train`` with
+``python -m distill cache-logits`` (same config as ``train``; :mod:`distill.cache_logits`) runs the frozen target
+once over the training data and stores, for every completion position, the k most probable ids (int32), their
+log-probabilities (fp16) and the log of the remaining tail mass (float32), all at ``loss.temperature``. ``train`` with
 ``data.target_logits=cached data.logit_cache=PATH`` then trains the draft on these k+1 "buckets" without loading
 the target (``distill.losses.cached_divergence``: an exact divergence between the two coarse-grained
 distributions, equal to the full-vocabulary one when k = V). Size per completion token: 6k + 4 bytes (k = 32:
@@ -30,14 +30,23 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
+import datasets
+import numpy as np
+import pyarrow.compute as pc
 import torch
 
-from decode.compat import tokenizer_fingerprint  # the cache's tokenizer_hash (pruned drafts record vocab_fingerprint)
-from distill.models import SetupError
+# tokenizer_fingerprint: the cache's tokenizer_hash (pruned drafts record vocab_fingerprint)
+from decode.compat import IncompatibleModelsError, check_tokenizers, tokenizer_fingerprint
+from decode.loading import hub_revision, local_folder, looks_local
+from distill.checkpoint import name_list
+from distill.config import SetupError
+from distill.data import ids_outside_vocab, load_data
+from distill.losses import topk_buckets
+from distill.rollout import accepts_logits_to_keep, completion_logits
+from distill.runfolder import other_entries
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -64,8 +73,6 @@ def target_fingerprint(name_or_path: str) -> str:
     target; a hub id not in the cache hashes its name only. Returns ``"2:"`` + 16 hex digits. Every byte, because a
     change confined to the middle of a file (a LoRA merged into a few layers) is still another target.
     """
-    from decode.loading import local_folder
-
     folder = local_folder(str(name_or_path))
     h = hashlib.sha256()
     if folder is None:
@@ -102,12 +109,8 @@ def expected_manifest(cfg: Any, tokenizer: Any, examples: list[dict], k: int | N
     """The manifest fields a config implies (cheap: no model is loaded); ``examples`` as ``load_data`` returns
     them without a context limit; ``k`` and ``tail_samples`` override ``data.logit_cache_k`` and
     ``data.logit_cache_tail_samples`` (train reads a null value from the cache)."""
-    from distill.models import is_local_path
-
     name = str(cfg.target.name_or_path)
-    name = str(Path(name).expanduser().resolve()) if is_local_path(name) else name  # relative vs absolute: same
-    from decode.loading import hub_revision
-
+    name = str(Path(name).expanduser().resolve()) if looks_local(name) else name  # relative vs absolute: same
     return {"target": name, "target_revision": hub_revision(name), "target_hash": target_fingerprint(name),
             "tokenizer_hash": tokenizer_fingerprint(tokenizer), "k": int(k or cfg.data.logit_cache_k),
             "temperature": float(cfg.loss.get("temperature", 1.0)), "data_fingerprint": data_fingerprint(examples, cfg),
@@ -146,7 +149,7 @@ def check_manifest(manifest: dict, expected: dict, path: str | Path, training: b
 CACHE_KEYS = ("format", "k", "num_shards", "num_examples")
 
 
-def _load_manifest(file: Path) -> dict:
+def load_manifest(file: Path) -> dict:
     try:
         manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -166,11 +169,9 @@ def check_cache_dir(out: Path) -> None:
     Raises:
         SetupError: naming ``data.logit_cache``, what the folder holds and the fix.
     """
-    from distill.checkpoint import name_list, other_entries
-
     out = Path(out).expanduser().resolve()  # (a/missing/.. is a, which exists)
     if (out / MANIFEST).is_file():
-        _load_manifest(out / MANIFEST)  # a manifest that is not a cache's is refused
+        load_manifest(out / MANIFEST)  # a manifest that is not a cache's is refused
         return
     if not out.is_dir():
         return
@@ -181,7 +182,7 @@ def check_cache_dir(out: Path) -> None:
                          "e.g. data.logit_cache=checkpoints/cache")
 
 
-def _write_manifest(file: Path, manifest: dict) -> None:
+def write_manifest(file: Path, manifest: dict) -> None:
     """Write ``manifest.json`` atomically (a temporary file renamed over it), so a kill never leaves half a file."""
     tmp = file.with_name(file.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
@@ -194,7 +195,7 @@ def read_manifest(path: str | Path) -> dict:
     if not file.exists():
         raise SetupError(f"data.logit_cache={str(path)!r} has no {MANIFEST}; build it first with "
                          "python -m distill cache-logits (same overrides as train)")
-    manifest = _load_manifest(file)
+    manifest = load_manifest(file)
     if not manifest.get("complete"):
         total = int(manifest.get("num_shards") or 0)
         raise SetupError(f"logit cache {path} is incomplete ({total - len(missing_shards(path, manifest))} of "
@@ -208,16 +209,13 @@ def shard_rows(target: Any, examples: list[dict], k: int, vocab: int, temperatur
                batch_size: int, autocast: Any = None, tail_samples: int = 0,
                generator: torch.Generator | None = None) -> dict[str, list]:
     """The cache columns of ``examples``: one target forward per batch of ``batch_size`` sequences, its lm_head
-    run only on the completion positions (:func:`distill.data.completion_logits`).
+    run only on the completion positions (:func:`distill.rollout.completion_logits`).
 
     Returns column lists (see module doc); position j of example i is the target's distribution of the j-th
     completion token given the prompt and the completion before it (the positions ``collate_sequences`` marks).
     ``tail_samples`` s > 0 adds ``tail_ids``: s draws per position from the target's tail (:func:`sample_tail`,
     from ``generator``, on the CPU so the draws do not depend on the device).
     """
-    from distill.data import accepts_logits_to_keep, completion_logits
-    from distill.losses import topk_buckets
-
     to_keep = accepts_logits_to_keep(target)
     cols: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "top_log_probs": [], "top_ids": [],
                              "log_tail": [], **({"tail_ids": []} if tail_samples else {})}
@@ -255,8 +253,6 @@ def sample_tail(logits: torch.Tensor, top_ids: torch.Tensor, s: int, temperature
 
 
 def _features(tail_samples: int = 0):
-    import datasets
-
     cols = {"prompt_ids": datasets.Sequence(datasets.Value("int32")),
             "completion_ids": datasets.Sequence(datasets.Value("int32")),
             "top_log_probs": datasets.Sequence(datasets.Value("float16")),
@@ -276,8 +272,6 @@ def write_shards(target: Any, examples: list[dict], out_dir: str | Path, k: int,
     Tail samples of shard ``s`` come from a generator seeded with ``(seed, s)``: the same cache whatever the
     number of processes or the order in which an interrupted build is resumed.
     """
-    import datasets
-
     shards = Path(out_dir) / "shards"
     shards.mkdir(parents=True, exist_ok=True)
     n_shards = (len(examples) + shard_size - 1) // shard_size
@@ -311,108 +305,8 @@ def missing_shards(path: str | Path, manifest: dict) -> list[str]:
     return [d.name for d in dirs if not (d / "dataset_info.json").exists()]
 
 
-def build_cache(cfg: Any, log: Any = print) -> dict:
-    """``python -m distill cache-logits``: score the training data with the target and cache top-k + tail.
-
-    Uses the same examples as ``train`` (``data.completions=target|both`` generates them first), writes to
-    ``data.logit_cache`` (required), resumes an interrupted build and refuses a folder made for another setup.
-    Returns a summary: rows, completion tokens, bytes, bytes per token, seconds, path.
-
-    Raises SetupError (before loading the target where possible) for a missing ``data.logit_cache``, k < 1, a
-    cache folder made for another setup, or any of ``train``'s own setup errors.
-    """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    from distill.models import check_pair, context_length, load_draft, load_target, load_tokenizer
-    from distill.config import check_tail_samples_loss, normalize_config
-    from distill.recipe import load_data, prepare_target_data
-
-    cfg = normalize_config(cfg)
-    if not cfg.data.get("logit_cache"):
-        raise SetupError("data.logit_cache is not set: give the cache folder, e.g. data.logit_cache=checkpoints/cache")
-    if int(cfg.data.get("logit_cache_k") or 0) < 1:
-        raise SetupError(f"data.logit_cache_k={cfg.data.get('logit_cache_k')!r} must be an integer >= 1, e.g. 32")
-    tail_samples = cfg.data.get("logit_cache_tail_samples") or 0  # an integer >= 0: normalize_config checked it
-    check_tail_samples_loss(tail_samples, cfg.loss.name)  # (normalize_config checks it too when training cached)
-    out = Path(cfg.data.logit_cache)
-    from distill.config import check_output_dir
-
-    check_output_dir(out, "data.logit_cache")  # a file, under a file, or not writable: before the target loads
-    check_cache_dir(out)  # a folder holding something else (a run, a model) is never written into
-    t_start = time.perf_counter()
-    if not torch.distributed.is_initialized():
-        AcceleratorState._reset_state(reset_partial_state=True)
-    from distill.precision import accelerator_precision
-
-    precision, cpu = accelerator_precision(cfg.train)
-    acc = Accelerator(mixed_precision=precision, cpu=cpu)
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path)
-    # Data and fingerprints need only the tokenizer: a folder made for another setup fails before the target loads.
-    base_examples, _ = load_data(cfg, tokenizer, None)
-    expected = expected_manifest(cfg, tokenizer, base_examples)
-    manifest_file = out / MANIFEST
-    shard_size = int(cfg.data.get("logit_cache_shard_size") or 256)
-    if manifest_file.exists():
-        old = _load_manifest(manifest_file)
-        check_manifest(old, expected, out)
-        lost = missing_shards(out, old) if old.get("complete") else []
-        if old.get("complete") and not lost:
-            log(f"logit cache {out} is complete; nothing to do")
-            return {**summarize(out, old), "seconds": 0.0}
-        if lost:  # a shard deleted after the build (as train's message on a damaged shard says): write it again
-            log(f"logit cache {out} lacks shards {lost[:5]}; writing them again, the others are kept")
-        if int(old.get("shard_size", shard_size)) != shard_size:
-            raise SetupError(f"the unfinished logit cache {out} uses data.logit_cache_shard_size="
-                             f"{old['shard_size']}; resume it with that value (shards would not line up)")
-        # Shards already written keep their draws and precision: a resume must make the rest the same way.
-        resumed = {"tail_seed": ("train.seed", int(cfg.train.seed) if expected["tail_samples"] else None),
-                   "mixed_precision": ("train.mixed_precision", str(acc.mixed_precision)),
-                   "target_dtype": ("target.dtype", str(cfg.target.get("dtype")))}  # (not in a cache before 12-05)
-        for key, (setting, value) in resumed.items():
-            if value is not None and old.get(key) is not None and old[key] != value:
-                raise SetupError(f"the unfinished logit cache {out} was started with {key}={old[key]!r} "
-                                 f"({setting}); resume it with that value, or build a new cache elsewhere")
-    target = load_target(cfg.target)
-    target.to(acc.device)
-    vocab = check_pair(target, None, tokenizer)
-    if expected["k"] > vocab:
-        raise SetupError(f"data.logit_cache_k={expected['k']} is larger than the vocabulary ({vocab} ids); use at most "
-                         f"{vocab}, e.g. data.logit_cache_k=32")
-    ctx = context_length(target)
-    examples, _ = load_data(cfg, tokenizer, ctx)
-    if cfg.data.completions in ("target", "both"):
-        draft = load_draft(cfg.draft, target).eval().to(acc.device) if cfg.draft.get("name_or_path") else None
-        generated = prepare_target_data(cfg, target, draft, tokenizer, examples, acc, log)
-        examples = generated if cfg.data.completions == "target" else examples + generated
-    n_shards = (len(examples) + shard_size - 1) // shard_size
-    manifest = {"format": FORMAT_VERSION, **expected, "vocab": int(vocab), "num_examples": len(examples),
-                "tail_seed": int(cfg.train.seed),
-                "shard_size": shard_size, "num_shards": n_shards, "mixed_precision": str(acc.mixed_precision),
-                "target_dtype": str(cfg.target.get("dtype")), "complete": False}
-    if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_manifest(manifest_file, manifest)
-    acc.wait_for_everyone()
-    log(f"cache-logits: {len(examples)} examples, k={manifest['k']}, tail samples={manifest['tail_samples']}, "
-        f"T={manifest['temperature']}, {n_shards} shards "
-        f"-> {out} ({acc.num_processes} process(es))")
-    write_shards(target, examples, out, manifest["k"], vocab, manifest["temperature"], tokenizer.pad_token_id,
-                 shard_size, int(cfg.train.batch_size), acc.process_index, acc.num_processes, acc.autocast, log,
-                 manifest["tail_samples"], int(cfg.train.seed))
-    acc.wait_for_everyone()
-    seconds = time.perf_counter() - t_start
-    if acc.is_main_process:
-        manifest.update(complete=True, build_seconds=round(seconds, 3))
-        _write_manifest(manifest_file, manifest)
-    acc.wait_for_everyone()
-    return {**summarize(out, manifest), "seconds": seconds}
-
-
 def summarize(path: str | Path, manifest: dict) -> dict:
     """Rows, completion tokens and on-disk bytes of a cache folder (bytes per token includes Arrow overhead)."""
-    import datasets
-
     shards = sorted(d for d in (Path(path) / "shards").iterdir() if not d.name.endswith(".tmp"))
     tokens = sum(sum(len(r) for r in datasets.load_from_disk(str(d))["log_tail"]) for d in shards)
     size = sum(f.stat().st_size for d in shards for f in d.rglob("*") if f.is_file())
@@ -429,8 +323,6 @@ class LogitCache:
     """
 
     def __init__(self, path: str | Path):
-        import datasets
-
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         bad = [f"{key}={self.manifest.get(key, DEFAULTS.get(key))!r}" for key, low in
@@ -462,10 +354,6 @@ class LogitCache:
         """Every row holds n·k top ids and log-probs, n tails (and n·s tail ids) for its n completion tokens, and
         every stored id lies in the manifest's vocabulary: a damaged or edited shard (or one from another cache) is
         named here, not by an index error mid-step or a batch whose rows no longer line up. Vectorized (Arrow)."""
-        import pyarrow.compute as pc
-
-        from distill.data import ids_outside_vocab
-
         n = pc.list_value_length(self.ds.data.column("completion_ids"))
         widths = {"top_ids": self.k, "top_log_probs": self.k, "log_tail": 1, "tail_ids": self.tail_samples}
         for name, width in widths.items():
@@ -510,10 +398,8 @@ def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
 
     Also sets ``cache.eval_prompts`` (the held-out prompts of ``load_data``). Raises SetupError for a missing or
     incomplete cache, or a manifest that differs from the config (every differing field named). ``cfg`` is a
-    normalized config: on-policy batches with a cache (λ > 0) were refused there (:func:`distill.config.validate`).
+    normalized config: on-policy batches with a cache (λ > 0) were refused there (:func:`distill.checks.validate`).
     """
-    from distill.recipe import load_data
-
     if not cfg.data.get("logit_cache"):
         raise SetupError("data.target_logits=cached needs data.logit_cache=PATH (a folder made by "
                          "python -m distill cache-logits)")
@@ -541,8 +427,6 @@ def cached_training_data(cache: LogitCache, draft: Any, tokenizer: Any, draft_to
 
     Raises SetupError naming the fix when the tokenizers differ or a cached sequence exceeds the draft's context.
     """
-    from decode.compat import IncompatibleModelsError, check_tokenizers
-
     try:
         check_tokenizers(tokenizer, draft_tokenizer)
     except IncompatibleModelsError as e:
@@ -560,7 +444,7 @@ def peak_memory_mb(device: Any) -> float:
     """Peak memory of this process in MiB: CUDA's max allocated on a GPU, else the peak resident set size."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    import resource  # (Unix only)
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -570,6 +454,4 @@ def _is_int(value: Any, low: int) -> bool:
 
 
 def _cat(arrays) -> Any:
-    import numpy as np
-
     return np.concatenate([np.asarray(a).reshape(-1) for a in arrays]) if len(arrays) else np.zeros(0)

@@ -38,6 +38,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from decode.vocab_map import scatter_to_vocab
+
 # exp(-1e4) is 0 in every float format, so clamping log-probabilities here changes no probability and keeps
 # p·(log p − log q) finite when a vocabulary entry is masked with -inf on one side.
 LOG_FLOOR = -1e4
@@ -724,8 +726,6 @@ def pruned_divergence(name: str, draft_logits: torch.Tensor, target_logits: torc
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be (..., N={vocab_map.shape[0]}) with the "
                          f"leading dims of target_logits {tuple(target_logits.shape)} and mask {tuple(mask.shape)}")
     _check_beta_temperature(beta, temperature)
-    from decode.vocab_map import scatter_to_vocab
-
     keep = mask.bool().unsqueeze(-1)
     vocab_map = vocab_map.to(target_logits.device)
     t = torch.where(keep, target_logits.float(), 0.0)
@@ -763,8 +763,6 @@ def pruned_distill_loss(name: str, draft_logits: torch.Tensor, target_logits: to
 
     Raises ValueError as :func:`distill_loss` does.
     """
-    from decode.vocab_map import scatter_to_vocab
-
     check_loss_name(name)
     if not 0.0 <= ce_weight <= 1.0:
         raise ValueError(f"loss.ce_weight must be in [0, 1], got {ce_weight}")
@@ -795,8 +793,6 @@ def pruned_cached_distill_loss(name: str, draft_logits: torch.Tensor, target_log
     kept ids outside the top-k. With ``tail_ids`` (..., s) the divergence is :func:`pruned_sampled_tail_fkl`
     instead (``name`` must be fkl). Raises ValueError as :func:`cached_distill_loss` does.
     """
-    from decode.vocab_map import scatter_to_vocab
-
     check_loss_name(name)
     k = ids.shape[-1]
     if target_log_probs.shape[-1] != k + 1 or target_log_probs.shape[:-1] != ids.shape[:-1] \

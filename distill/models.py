@@ -11,18 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers  # (AutoModelForCausalLM loads on first use, not with this import)
 
 from decode import loading
-from decode.compat import NotCausalError
-from decode.cache import context_length  # noqa: F401  (the recipe imports it from here)
-
-
-# Width keys of a derived draft config; passed through only when set, so any architecture works for layers alone.
-ARCH_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-
-
-class SetupError(ValueError):
-    """A configuration or input problem found before training starts; the message names the fix."""
+from decode.compat import IncompatibleModelsError, NotCausalError, check_compatibility
+from distill.config import ARCH_KEYS, SetupError
+from distill.export import load_checkpoint_draft
 
 
 def _loaded(load: Any, what: str, key: str) -> Any:
@@ -106,8 +100,6 @@ def check_overrides_took(draft: Any, target_config: Any, cfg: Any) -> None:
     they would be without it: the config class keeps the value but its model reads another field (FalconConfig
     stores ``num_key_value_heads``, FalconForCausalLM reads ``num_kv_heads``). The comparison builds on the meta
     device (no memory, no init)."""
-    from transformers import AutoModelForCausalLM
-
     shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
     for key in SHAPE_KEYS:
         value = cfg.get(key)
@@ -115,7 +107,7 @@ def check_overrides_took(draft: Any, target_config: Any, cfg: Any) -> None:
             continue
         without = draft_config_from_target(target_config, {k: cfg.get(k) for k in ARCH_KEYS if k != key})
         with torch.device("meta"):
-            other = AutoModelForCausalLM.from_config(without)
+            other = transformers.AutoModelForCausalLM.from_config(without)
         if {k: tuple(v.shape) for k, v in other.state_dict().items()} == shapes:
             raise SetupError(f"draft.{key}={value} changes nothing in the {type(draft).__name__} built from the "
                              f"target's config ({type(target_config).__name__} keeps {key} but its model reads "
@@ -146,12 +138,8 @@ def load_draft(cfg: Any, target: Any) -> Any:
     Remote code runs only with ``draft.trust_remote_code=true``. ``draft.dtype`` null means float32: the optimizer
     needs float32 master weights (bf16 compute comes from ``train.mixed_precision``); ``auto`` keeps a loaded checkpoint's own dtype.
     """
-    from transformers import AutoModelForCausalLM
-
     dtype = loading.resolve_dtype(cfg.get("dtype") or "float32")
-    if cfg.get("name_or_path") and (Path(cfg.name_or_path) / "trainer_state.json").exists():
-        from distill.export import load_checkpoint_draft  # a distill checkpoint (e.g. <run>/best): LoRA merged
-
+    if cfg.get("name_or_path") and (Path(cfg.name_or_path) / "trainer_state.json").exists():  # a run's: LoRA merged
         name, trust = str(cfg.name_or_path), bool(cfg.get("trust_remote_code", False))
         draft = _loaded(lambda: load_checkpoint_draft(name, None if dtype == "auto" else dtype, trust)[0],
                         f"draft {name!r}", "draft.name_or_path")
@@ -162,7 +150,7 @@ def load_draft(cfg: Any, target: Any) -> Any:
     else:
         dcfg = draft_config_from_target(target.config, cfg)
         torch.manual_seed(int(cfg.get("seed", 0)))  # the init is part of the experiment: make it repeatable
-        draft = AutoModelForCausalLM.from_config(dcfg)
+        draft = transformers.AutoModelForCausalLM.from_config(dcfg)
         check_overrides_took(draft, target.config, cfg)
         draft = draft.to(target.dtype if dtype == "auto" else dtype)
         if cfg.get("init_from_target", True):
@@ -212,8 +200,6 @@ def attach_lora(draft: Any, cfg: Any) -> Any:
 
 def check_pair(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any = None) -> int:
     """Shared vocabulary size V; raises SetupError (from decode.compat's IncompatibleModelsError) naming the fix."""
-    from decode.compat import IncompatibleModelsError, check_compatibility
-
     try:
         return check_compatibility(target, draft, tokenizer, draft_tokenizer)
     except IncompatibleModelsError as e:

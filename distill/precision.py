@@ -10,12 +10,14 @@ so the CPU's own flags decide. On CUDA, bf16 where the GPU supports it (Ampere a
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # torch is imported by the callers; config checks import this module before any model loads
-    import torch
+import torch
+
+from distill.config import SetupError
 
 # x86 CPU flags (as /proc/cpuinfo spells them) that mean bf16 matmuls run natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -52,8 +54,6 @@ def resolve_mixed_precision(setting: str, device_type: str, cuda_bf16: bool | No
         return setting
     if device_type == "cuda":
         if cuda_bf16 is None:
-            import torch
-
             cuda_bf16 = bool(torch.cuda.is_bf16_supported())
         return "bf16" if cuda_bf16 else "fp16"
     if cpu_bf16 is None:
@@ -68,10 +68,6 @@ def accelerator_precision(train: Any) -> tuple[str, bool]:
 
     Raises SetupError for ``train.mixed_precision=fp16`` on a CPU (fp16 autocast with a gradient scaler is GPU-only).
     """
-    import torch
-
-    from distill.models import SetupError
-
     cpu = bool(train.get("cpu", False)) or not torch.cuda.is_available()
     if str(train.mixed_precision) == "fp16" and cpu:
         raise SetupError("train.mixed_precision=fp16 needs a CUDA GPU (fp16 autocast with a gradient scaler is "
@@ -90,8 +86,6 @@ def launcher_notes(precision: str, train_setting: str, distributed_type: str,
     ``train.mixed_precision=train_setting`` chose (the recipe passes its own to accelerate, so the launcher's is not
     used), and an FSDP/DeepSpeed config on a run whose ``distributed_type`` is another (on CPU accelerate runs
     plain data parallelism: every process holds the whole draft and its optimizer state)."""
-    import os
-
     env = os.environ if env is None else env
     notes = []
     launcher = env.get("ACCELERATE_MIXED_PRECISION", "no")

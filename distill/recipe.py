@@ -30,21 +30,22 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decode.cache import context_length
 from decode.loading import hub_revision, recorded_name
 from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt
-from distill.config import check_inputs, eval_prompts_source, normalize_config
-from distill.data import (accepts_logits_to_keep, as_examples, build_examples, cache_key, check_lengths,
-                          collate_sequences, forward_kept_logits, generate_target_data, kept_positions,
-                          micro_batch_indices, target_data_settings)
+from distill.checks import check_inputs, normalize_config
+from distill.config import SetupError
+from distill.data import collate_sequences, kept_positions, load_data, micro_batch_indices
 from distill.evaluate import acceptance_eval, resolve_costs
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag, sigterm_raises
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
-from distill.models import (SetupError, attach_lora, check_pair, context_length, is_local_path, load_draft,
-                            load_draft_tokenizer, load_target, load_tokenizer)
+from distill.models import (attach_lora, check_pair, is_local_path, load_draft, load_draft_tokenizer, load_target,
+                            load_tokenizer)
 from distill.precision import accelerator_precision, launcher_notes, plain_forward
-from distill.rollout import rollout
+from distill.rollout import accepts_logits_to_keep, forward_kept_logits, rollout
+from distill.target_data import prepare_target_data
 from distill.vocab import prune_for_training
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -140,62 +141,6 @@ def apply_optim_settings(optimizer: Any, scheduler: Any, cfg: DictConfig) -> lis
         group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() and its state say
     return notes
-
-
-def target_data_dir(cfg: DictConfig) -> Path:
-    """Folder of the sequence-level KD cache (``data.target_generated.path`` or ``<output_dir>/target_data``)."""
-    return Path(cfg.data.target_generated.get("path") or Path(cfg.train.output_dir) / "target_data")
-
-
-def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any, examples: list[dict],
-                        accelerator: Any = None, log: Any = print) -> list[dict]:
-    """Target-generated completions for ``examples`` (cached, resumable; generated on the main process)."""
-    tg = cfg.data.target_generated
-    out_dir = target_data_dir(cfg)
-    if accelerator is None or accelerator.is_main_process:  # (the settings hash every byte of the target: once)
-        gen = {"temperature": float(tg.temperature), "max_new_tokens": int(cfg.data.max_new_tokens),
-               "seed": int(cfg.train.seed), "shard_size": int(tg.shard_size)}
-        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
-        settings = target_data_settings(str(cfg.target.name_or_path), dtype, examples, gen)
-        log(f"target-generated data: {len(examples)} prompts -> {out_dir} (resumable)")
-        generate_target_data(target, tokenizer, examples, out_dir, cache_key(settings), temperature=gen["temperature"],
-                             max_new_tokens=gen["max_new_tokens"], batch_size=int(tg.batch_size),
-                             shard_size=gen["shard_size"], seed=gen["seed"],
-                             draft=draft if tg.get("use_draft", True) else None,
-                             progress=lambda i, n: log(f"  shard {i}/{n} done"), settings=settings)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
-    import datasets
-
-    return as_examples(datasets.load_from_disk(str(out_dir / "dataset")))
-
-
-def load_data(cfg: DictConfig, tokenizer: Any, context: int | None,
-              training: bool = True) -> tuple[list[dict], list[list[int]]]:
-    """Training examples and eval prompts (held out of training when ``eval.prompts`` names no file or corpus),
-    length-checked. ``training=False`` (``distill eval``): no training examples when ``eval.prompts`` gives the
-    prompts, so ``data.source`` is not read."""
-    if not training and eval_prompts_source(cfg) is not None:
-        examples = []
-    else:
-        examples = build_examples(cfg.data.source, tokenizer, cfg.data)
-    if eval_prompts_source(cfg) is not None:
-        ev_src = OmegaConf.merge({"kind": "auto", "completion_field": None}, cfg.eval.prompts)
-        eval_examples = build_examples(ev_src, tokenizer, cfg.data)
-    else:
-        n_hold = int(cfg.data.holdout)
-        if n_hold < 1:
-            raise SetupError("eval.prompts names no file and data.holdout < 1: nothing to evaluate on; set "
-                             "data.holdout=N or eval.prompts.path=FILE")
-        if len(examples) <= n_hold:
-            raise SetupError(f"the data has {len(examples)} examples, not more than data.holdout={n_hold} held out "
-                             "for evaluation; lower data.holdout or give eval.prompts.path=FILE")
-        examples, eval_examples = examples[:-n_hold], examples[-n_hold:]
-    examples = check_lengths(examples, context, cfg.data)
-    eval_cfg = OmegaConf.merge(cfg.data, {"max_new_tokens": int(cfg.eval.max_new_tokens)})
-    eval_examples = check_lengths(eval_examples[: int(cfg.eval.num_prompts)], context, eval_cfg, "eval prompts",
-                                  "eval.max_new_tokens")
-    return examples, [e["prompt_ids"] for e in eval_examples]
 
 
 def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
@@ -360,7 +305,7 @@ def target_logits_mode(cfg: DictConfig) -> str:
 
 
 def kept_logits(run: Run, who: str, batch: dict[str, torch.Tensor], where: tuple) -> torch.Tensor:
-    """(N, V') logits of ``run.<who>`` at the kept positions (:func:`distill.data.forward_kept_logits`); whether the
+    """(N, V') logits of ``run.<who>`` at the kept positions (:func:`distill.rollout.forward_kept_logits`); whether the
     model takes ``logits_to_keep`` is looked up once per run."""
     model, support = getattr(run, who), run.logits_to_keep
     if who not in support:
@@ -730,7 +675,7 @@ def _lora_value(value: Any) -> Any:
 def train(cfg: DictConfig, log: Any = None) -> dict:
     """Run the recipe for a composed config (:func:`distill.compose`); returns the summary also written to
     ``<output_dir>/summary.json``. ``log`` takes each progress line (default: print, on the main process only).
-    The config is checked as ``python -m distill train`` checks it (``distill.config.validate`` and
+    The config is checked as ``python -m distill train`` checks it (``distill.checks.validate`` and
     ``check_inputs``) before any model loads.
 
     Raises SetupError (a ValueError) for bad input before any training starts: missing target, incompatible
@@ -743,7 +688,7 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     out, lock = Path(normalized.train.output_dir), None
     created = [d for d in (out, *out.parents) if not os.path.lexists(d)] if main else []  # the lock makes these
     if main:
-        from distill.config import check_output_dir
+        from distill.checks import check_output_dir
 
         check_output_dir(out, "train.output_dir")  # not under a file, writable
         lock = ckpt.lock_run_folder(out)

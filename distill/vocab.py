@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from decode.compat import IncompatibleModelsError, check_draft_vocab_map, vocab_fingerprint
-from decode.vocab_map import MAP_KEY, draft_vocab_map, prune_draft_head, select_kept_ids
-from distill.models import SetupError
+from decode.loading import run_draft_base
+from decode.vocab_map import MAP_KEY, _read_tensors, draft_vocab_map, prune_draft_head, select_kept_ids
+from distill.checkpoint import STATE_FILE, not_safetensors, read_json
+from distill.config import SetupError
+from distill.rollout import accepts_logits_to_keep, completion_logits
 
 
 def special_ids(tokenizer: Any, vocab: int) -> list[int]:
@@ -53,8 +57,6 @@ def target_id_mass(target: Any, examples: list[dict], pad_id: int, vocab: int, b
     One no-grad target forward per batch of ``batch_size`` sequences (prompt + completion); only the completion
     positions (the loss mask of :func:`distill.data.collate_sequences`) count.
     """
-    from distill.data import accepts_logits_to_keep, completion_logits
-
     to_keep = accepts_logits_to_keep(target)
     mass = torch.zeros(vocab, dtype=torch.float64, device=next(target.parameters()).device)
     for start in range(0, len(examples), batch_size):
@@ -70,11 +72,6 @@ def checkpoint_vocab_map(checkpoint: str | Path) -> torch.Tensor | None:
     so then from ``draft/`` (the unwrapped draft's ``save_pretrained``) or, when that holds a LoRA adapter only,
     from the adapter's base named in ``trainer_state.json`` (``draft_base``, saved pruned by the run).
     """
-    from safetensors import SafetensorError, safe_open
-
-    from decode.vocab_map import _read_tensors
-    from distill.checkpoint import STATE_FILE, not_safetensors, read_json
-
     checkpoint = Path(checkpoint)
     path = checkpoint / "model.safetensors"
     if path.is_file():
@@ -87,8 +84,6 @@ def checkpoint_vocab_map(checkpoint: str | Path) -> torch.Tensor | None:
     folders = [checkpoint / "draft"]
     if (checkpoint / "draft" / "adapter_config.json").is_file() and (checkpoint / STATE_FILE).is_file():
         state = read_json(checkpoint / STATE_FILE)
-        from decode.loading import run_draft_base
-
         base = run_draft_base(checkpoint.resolve().parent, state.get("draft_base") if isinstance(state, dict) else None)
         folders = [Path(base)] if base else []
     for folder in folders:

@@ -71,7 +71,7 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     """
     from omegaconf import OmegaConf
 
-    from distill.__main__ import conf_dir
+    from distill.config import conf_dir
 
     path = conf_dir() / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
@@ -536,9 +536,8 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
     draft folders do not exist yet; their paths are checked when the phase starts.
 
     Raises ValueError naming the setting (a ``quickstart.distill.*`` one when it feeds the recipe's key)."""
-    from distill.__main__ import compose
-    from distill.config import validate
-    from distill.models import SetupError
+    from distill.checks import validate
+    from distill.config import SetupError, compose
 
     for override in extra:
         key = override.split("=", 1)[0].lstrip("+~")

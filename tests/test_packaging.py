@@ -53,7 +53,7 @@ def test_an_installed_wheel_has_the_configs_and_its_commands_find_them(tmp_path)
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DRAFTKIT_CONF", "DRAFTKIT_SHARED_DATA")}
     env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    probe = ("import distill, quickstart.run as q; from distill.__main__ import conf_dir; "
+    probe = ("import distill, quickstart.run as q; from distill.config import conf_dir; "
              "from decode.prompts import shared_data_dir; print(distill.__file__, conf_dir(), q.in_checkout(), "
              "q.load_settings('quickstart').target.budget_s, shared_data_dir())")
     r = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=120)

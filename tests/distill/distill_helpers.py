@@ -66,7 +66,7 @@ def overrides(pair: dict, out: Path, *extra: str) -> list[str]:
 
 
 def compose(ov: list[str]):
-    from distill.__main__ import compose as _compose
+    from distill.config import compose as _compose
 
     return _compose(ov)
 

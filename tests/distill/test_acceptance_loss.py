@@ -167,7 +167,7 @@ def test_recipe_trains_with_loss_acceptance_and_accumulates_exactly(pair, tmp_pa
 
 @pytest.mark.parametrize("gamma", ["0", "2.5"])
 def test_recipe_rejects_a_bad_gamma_before_loading(pair, tmp_path, gamma):
-    from distill.models import SetupError
+    from distill.config import SetupError
     from distill.recipe import train
     from distill_helpers import compose, overrides
 
@@ -223,8 +223,8 @@ def test_acceptance_has_no_cached_form():
 
 
 def test_cached_target_logits_with_loss_acceptance_is_refused_before_loading(pair, tmp_path):
-    from distill.config import validate
-    from distill.models import SetupError
+    from distill.checks import validate
+    from distill.config import SetupError
     from distill_helpers import compose, overrides
 
     cfg = compose(overrides(pair, tmp_path / "run", "loss=acceptance", "data.target_logits=cached",

@@ -11,7 +11,7 @@ import torch
 
 from dev.bad_inputs import CASES, case_command, make_fixtures, run_case
 from distill.__main__ import main
-from distill.models import SetupError
+from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import compose, make_tokenizer, overrides
 
@@ -46,7 +46,7 @@ def test_a_file_or_empty_folder_given_as_a_model_is_named_before_loading(pair, t
     (tmp_path / "old_run" / "latest").write_text("step_000004")
     _fails(pair, tmp_path, f"draft.name_or_path={tmp_path / 'old_run' / 'latest'}",
            match=r"pointer to its newest checkpoint, not a folder; give that checkpoint: .*old_run/step_000004")
-    from distill.config import validate
+    from distill.checks import validate
 
     tok_only = tmp_path / "tok_only"  # in cached mode the target is never loaded: its tokenizer is enough
     make_tokenizer(tok_only)
@@ -64,7 +64,7 @@ def test_output_paths_under_a_file_are_refused_before_loading(pair, tmp_path):
     _fails(pair, tmp_path, f"train.output_dir={afile / 'run'}", match="train.output_dir.*lies under .*a file")
     with pytest.raises(SetupError, match="OUT_DIR.*lies under"):
         check_export_dir(afile / "exp")
-    from distill.logit_cache import build_cache
+    from distill.cache_logits import build_cache
 
     with pytest.raises(SetupError, match="data.logit_cache.*lies under"):
         build_cache(compose(overrides(pair, tmp_path / "run", "data.target_logits=cached",
@@ -305,7 +305,7 @@ def test_a_gz_data_file_that_is_not_whole_gzip_is_named_before_loading(tmp_path,
 
     from omegaconf import OmegaConf
 
-    from distill.data import preflight_source
+    from distill.checks import preflight_source
 
     whole = gzip.compress("".join(f'{{"prompt": "{i}", "completion": "{"ab" * (i % 37)}"}}\n'
                                   for i in range(400)).encode())
@@ -325,7 +325,7 @@ def test_non_utf8_data_named_by_line_before_loading(tmp_path, name):
 
     from omegaconf import OmegaConf
 
-    from distill.data import preflight_source
+    from distill.checks import preflight_source
 
     raw = b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n'
     path = tmp_path / name

@@ -9,7 +9,7 @@ import torch
 
 from distill import checkpoint as ckpt
 from tests.pickle_payload import Payload, fix_manifest as _fix_manifest, plant as _plant
-from distill.models import SetupError
+from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import compose, overrides
 

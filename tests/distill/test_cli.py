@@ -335,7 +335,7 @@ def test_eval_prompts_path_on_the_command_line(pair, tmp_path, capsys):
     """eval.prompts.path=FILE (what the docs and the holdout error tell users to type) composes and evaluates on
     that file; it used to crash in OmegaConf (AssertionError: Unexpected type for root: NoneType)."""
     from distill.config import eval_prompts_source
-    from distill.recipe import load_data
+    from distill.data import load_data
     from distill.models import load_tokenizer
 
     prompts = tmp_path / "ev.jsonl"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from distill.__main__ import compose, conf_dir
-from distill.config import Config, GROUPS as SCHEMA_GROUPS, check_inputs, LossConfig, unknown_keys, validate, validate_config, normalize_config
-from distill.models import SetupError
+from distill.checks import check_inputs, normalize_config, validate
+from distill.config import (LOSS_NAMES, Config, GROUPS as SCHEMA_GROUPS, LossConfig, SetupError, compose, conf_dir,
+                            unknown_keys)
+from distill.losses import DIVERGENCES
 
 CONF = conf_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -35,7 +36,7 @@ def test_every_experiment_composes(name):
         path = str(cfg[key].get("name_or_path") or "")
         if path.startswith((".", "/", "~", "checkpoints")):
             cfg[key].name_or_path = "some-org/some-model"
-    validate_config(cfg)
+    validate(cfg)
 
 
 def _leaves(d, prefix=""):
@@ -152,6 +153,11 @@ def test_acceptance_loss_fits_the_loss_schema():
     assert node.name == "acceptance" and node.gamma == 3
     with pytest.raises(SetupError, match=r"loss.gamma=0 must be an integer >= 1"):
         validate(compose(["+target.name_or_path=org/t", "draft.num_hidden_layers=2", "loss.gamma=0"]))
+
+
+def test_the_config_names_every_loss_and_only_those():
+    """loss.name is checked against config.LOSS_NAMES (the config reads no module that runs the losses)."""
+    assert LOSS_NAMES == tuple(DIVERGENCES)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -1,16 +1,14 @@
-"""Data sources, field mapping, text windows, chat template, masks, deterministic order, target-data cache."""
+"""Data sources, field mapping, text windows, chat template, masks, deterministic order."""
 import gzip
 import json
-import os
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
+from distill.checks import preflight_source
+from distill.config import SetupError
 from distill.data import (build_examples, check_lengths, collate_prompts, collate_sequences, epoch_order,
-                          generate_target_data, micro_batch_indices, resolve_path)
-from distill.models import SetupError
-from tests.conftest import full_disk_for
+                          micro_batch_indices, resolve_path)
 
 
 def _data_cfg(**kw):
@@ -192,141 +190,9 @@ def test_order_is_a_function_of_seed_epoch_and_step():
     assert micro_batch_indices(10, 5, 2, seed=0) == epoch_order(10, 1, 0)[:2]  # then a fresh order
 
 
-def test_target_generated_cache_is_resumable(pair, tok, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    draft = AutoModelForCausalLM.from_pretrained(str(pair["draft"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, _data_cfg())
-    kw = dict(temperature=1.0, max_new_tokens=6, batch_size=2, shard_size=2, seed=3)
-    full = generate_target_data(target, tok, ex, tmp_path / "a", "k1", **kw)
-    assert len(full) == 6 and all(1 <= len(c) <= 6 for c in full["completion_ids"])
-    assert full["prompt_ids"] == [e["prompt_ids"] for e in ex]
-    # an interrupted run: one shard missing, the final dataset not written yet
-    import shutil
-
-    shutil.rmtree(tmp_path / "a" / "shards" / "00001")
-    shutil.rmtree(tmp_path / "a" / "dataset")
-    (tmp_path / "a" / "meta.json").write_text(json.dumps({"key": "k1", "complete": False}))
-    calls = []
-    again = generate_target_data(target, tok, ex, tmp_path / "a", "k1", progress=lambda i, n: calls.append(i), **kw)
-    assert calls == [2] and again["completion_ids"] == full["completion_ids"]
-    # with the draft drafting speculatively: same prompts, valid completions (lossless: same distribution)
-    spec = generate_target_data(target, tok, ex, tmp_path / "b", "k1", draft=draft, **{**kw, "temperature": 0.0})
-    greedy = generate_target_data(target, tok, ex, tmp_path / "c", "k1", **{**kw, "temperature": 0.0})
-    assert spec["completion_ids"] == greedy["completion_ids"]  # greedy: speculative output is token-identical
-    with pytest.raises(SetupError, match="made for other settings"):
-        generate_target_data(target, tok, ex, tmp_path / "a", "other-key", **kw)
-    assert torch.is_grad_enabled()
-
-
-def test_a_target_data_cache_made_with_other_settings_is_refused_naming_them(pair, tok, tmp_path):
-    """generate-data resumed with another data.target_generated.shard_size concatenated shards of both sizes (68 rows
-    for 56 prompts), marked the cache complete and trained on it; a cache made by a float32 target was reused by a
-    bf16 one; and every refusal said only "the target's path or weights, the prompts, ... changed"."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from distill.data import cache_key, target_data_settings
-
-    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, _data_cfg())
-    folder = tmp_path / "cache"
-
-    def run(shard_size=4, dtype="float32", max_new_tokens=4, name=str(pair["target"])):
-        gen = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": 3, "shard_size": shard_size}
-        settings = target_data_settings(name, dtype, ex, gen)
-        return generate_target_data(target, tok, ex, folder, cache_key(settings), temperature=1.0,
-                                    max_new_tokens=max_new_tokens, batch_size=2, shard_size=shard_size, seed=3,
-                                    settings=settings)
-
-    full = run()
-    meta = json.loads((folder / "meta.json").read_text())
-    (folder / "meta.json").write_text(json.dumps({**meta, "complete": False}))  # interrupted after its first shard
-    shutil.rmtree(folder / "shards" / "00001")
-    shutil.rmtree(folder / "dataset")
-    with pytest.raises(SetupError, match=r"shard_size \(cache 4, config 2; set by data.target_generated.shard_size\)"):
-        run(shard_size=2)
-    assert sorted(p.name for p in (folder / "shards").iterdir()) == ["00000"]  # nothing written by the refused run
-    with pytest.raises(SetupError, match=r"target_dtype \(cache 'float32', config 'bfloat16'; set by target.dtype\)"):
-        run(dtype="bfloat16")
-    with pytest.raises(SetupError, match=r"max_new_tokens \(cache 4, config 5; set by data.max_new_tokens\)"):
-        run(max_new_tokens=5)
-    relative = os.path.relpath(pair["target"])  # the same target spelled relative to the working folder
-    assert run(name=relative)["completion_ids"] == full["completion_ids"]
-    (folder / "meta.json").write_text(json.dumps({"key": "0123", "complete": True, "num_prompts": 6}))
-    with pytest.raises(SetupError, match="records no settings .* Delete it to regenerate"):  # made before 2026-12-05
-        run()
-
-
-def test_a_damaged_target_data_cache_is_named_not_used(pair, tok, tmp_path):
-    """A finished cache from someone else or edited by hand: a truncated meta.json raised a JSONDecodeError
-    traceback, ids outside the vocabulary an IndexError mid-step, and a dataset cut to fewer rows trained on those
-    rows without a word."""
-    import shutil
-
-    import datasets
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, _data_cfg())
-    kw = dict(temperature=1.0, max_new_tokens=4, batch_size=2, shard_size=2, seed=3)
-    good = tmp_path / "good"
-    full = generate_target_data(target, tok, ex, good, "k1", **kw)
-    vocab = target.get_output_embeddings().weight.shape[0]
-
-    def damaged(name, edit):
-        folder = tmp_path / name
-        shutil.copytree(good, folder)
-        edit(folder)
-        return folder
-
-    def rewrite(rows):
-        def edit(folder):
-            shutil.rmtree(folder / "dataset")
-            datasets.Dataset.from_dict(rows).save_to_disk(str(folder / "dataset"))
-        return edit
-
-    cases = {
-        "truncated meta": (lambda f: (f / "meta.json").write_text('{"key": "k1", "comp'), "not a JSON object"),
-        "fewer rows": (rewrite(full[:2]), "holds 2 rows"),
-        "ids out of range": (rewrite({"prompt_ids": full["prompt_ids"],
-                                      "completion_ids": [[c[0] + vocab] + c[1:] for c in full["completion_ids"]]}),
-                             "outside the vocabulary"),
-    }
-    for name, (edit, message) in cases.items():
-        with pytest.raises(SetupError, match=message):
-            generate_target_data(target, tok, ex, damaged(name.replace(" ", "_"), edit), "k1", **kw)
-    assert generate_target_data(target, tok, ex, good, "k1", **kw)["completion_ids"] == full["completion_ids"]
-
-
-def test_a_full_disk_while_marking_the_target_data_cache_complete_keeps_its_shards(pair, tok, tmp_path, monkeypatch):
-    """meta.json was rewritten in place: a full disk (or a kill) while writing it left it empty, and the rerun
-    called the cache damaged and said to delete it, generated shards and all."""
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, _data_cfg())
-    kw = dict(temperature=1.0, max_new_tokens=4, batch_size=2, shard_size=2, seed=3)
-    restore = full_disk_for(monkeypatch, '"complete": true')
-    with pytest.raises(OSError, match="No space left"):
-        generate_target_data(target, tok, ex, tmp_path / "a", "k1", **kw)
-    restore()
-    shards = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "shards").iterdir()}
-    assert sorted(shards) == ["00000", "00001"]
-    calls = []
-    full = generate_target_data(target, tok, ex, tmp_path / "a", "k1", progress=lambda i, n: calls.append(i), **kw)
-    assert len(full) == 4 and calls == []  # nothing generated again
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "shards").iterdir()} == shards
-    assert json.loads((tmp_path / "a" / "meta.json").read_text())["complete"]
-
-
 def test_json_lines_may_hold_line_separators_and_a_byte_order_mark(tmp_path, tok):
     """U+2028 inside a string (json.dumps(..., ensure_ascii=False) writes it raw) split the line in the start-up
     check ("not valid JSON ... line 1"), and a UTF-8 byte-order mark made line 1 invalid; both are valid data."""
-    from distill.data import preflight_source
-
     rows = [{"prompt": "a\u2028b\u2029c\x85d\x0ce", "completion": " x"}, {"prompt": "second", "completion": " y"}]
     path = tmp_path / "u.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8-sig")
@@ -342,8 +208,6 @@ def test_json_lines_may_hold_line_separators_and_a_byte_order_mark(tmp_path, tok
 def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, tok, value, said):
     """A chat messages list trained on "{'role': 'user', 'content': ...}" (the first item's repr); refused before
     loading (JSON) and when the rows are read (every format). Numbers stay text (a csv column of digits)."""
-    from distill.data import preflight_source
-
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"prompt": "fine", "completion": " ok"}) + "\n"
                     + json.dumps({"prompt": value, "completion": " ok"}) + "\n")
@@ -361,31 +225,11 @@ def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, t
     assert ex[0]["completion_ids"][:-1] == tok("7", add_special_tokens=False)["input_ids"]
 
 
-def test_parquet_and_csv_fields_are_checked_before_loading(tmp_path):
-    """A missing field or an empty cell in parquet/csv was found only after the models loaded, with a message
-    that named no setting ("set the *_field key")."""
-    import datasets
-
-    from distill.data import preflight_source
-
-    pq, csv = tmp_path / "p.parquet", tmp_path / "c.csv"
-    datasets.Dataset.from_dict({"q": ["a b", "c d"], "a": [" x", " y"]}).to_parquet(str(pq))
-    csv.write_text("q,a\na b, x\nc d,\n")
-    with pytest.raises(SetupError, match=r"p.parquet, row 1: field 'question' not found .*set data.source.prompt_field"):
-        preflight_source(_src(path=str(pq), kind="prompts", prompt_field="question"), "data.source")
-    preflight_source(_src(path=str(pq), kind="prompts", prompt_field="q", completion_field="a"), "data.source")
-    with pytest.raises(SetupError, match=r"c.csv, row 2: \"a\" is null; .*\(eval.prompts.completion_field\): fix or "
-                                         r"delete row 2"):
-        preflight_source(_src(path=str(csv), kind="prompts", prompt_field="q", completion_field="a"), "eval.prompts")
-
-
 def test_csv_cells_are_text_as_written_and_nan_is_not_text(tmp_path, tok):
     """CSV columns went through pandas' type and missing-value guessing: "0070" trained as "70", "1.50" as "1.5",
     and a cell "None" or "NA" was refused as null. A NaN (JSON's bare NaN, a parquet float column) passed the
     start-up check and trained as "nan" (parquet) or failed after loading (JSON)."""
     import datasets
-
-    from distill.data import preflight_source
 
     csv = tmp_path / "c.csv"
     csv.write_text("q,a\nx,0070\ny,None\nz,NA\nv,1.50\n")

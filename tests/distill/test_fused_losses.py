@@ -233,7 +233,7 @@ def test_cached_fused_with_neg_inf_draft_logits_matches_autograd():
 
 def test_cached_recipe_steps_are_the_same_with_either_form(pair, tmp_path):
     """data.target_logits=cached trains the same run with loss.fused=true and false (k = 8 of the vocabulary)."""
-    from distill.logit_cache import build_cache
+    from distill.cache_logits import build_cache
     from distill.recipe import train
     from distill_helpers import compose, overrides
     from safetensors.torch import load_file

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distill.logit_cache import LogitCache, build_cache, read_manifest
-from distill.models import SetupError
+from distill.cache_logits import build_cache
+from distill.logit_cache import LogitCache, read_manifest
+from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import PY, REPO, compose, overrides, subprocess_env
 
@@ -190,7 +191,8 @@ def test_bench_step_cli_writes_json_and_never_overwrites(pair, tmp_path):
 def test_kept_positions_select_the_loss_mask_positions_with_logits_to_keep(pair):
     from transformers import AutoModelForCausalLM
 
-    from distill.recipe import kept_logits, kept_positions
+    from distill.data import kept_positions
+    from distill.recipe import kept_logits
 
     mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0]])
     cols, flat = kept_positions(mask)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.data import cache_key, target_data_settings
+from distill.target_data import cache_key, target_data_settings
 from distill.logit_cache import FORMAT_VERSION, check_manifest, target_fingerprint
-from distill.models import SetupError
+from distill.config import SetupError
 from tests.conftest import put_snapshot, tiny_llama
 
 

@@ -41,7 +41,7 @@ def test_this_machine_resolves_without_error():
 def test_accelerator_precision_refuses_fp16_on_cpu_and_resolves_auto():
     from omegaconf import OmegaConf
 
-    from distill.models import SetupError
+    from distill.config import SetupError
     from distill.precision import accelerator_precision
 
     with pytest.raises(SetupError, match="fp16 needs a CUDA GPU"):

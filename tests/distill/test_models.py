@@ -3,8 +3,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from distill.models import (SetupError, attach_lora, check_pair, draft_config_from_target, load_draft, load_target,
-                            load_tokenizer)
+from distill.config import SetupError
+from distill.models import attach_lora, check_pair, draft_config_from_target, load_draft, load_target, load_tokenizer
 
 
 def _draft_cfg(**kw):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import distill.recipe as recipe
 from distill import checkpoint as ckpt
-from distill.models import SetupError
+from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import PY, REPO, compose, overrides, subprocess_env
 from tests.conftest import full_disk_for
@@ -599,7 +599,7 @@ def test_stop_at_past_max_steps_a_long_warmup_and_a_batch_larger_than_the_data_a
 def test_eval_out_is_checked_before_the_run(pair, tmp_path, capsys, monkeypatch):
     from distill.__main__ import main
 
-    monkeypatch.setattr("distill.models.load_target", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("distill.__main__.load_target", lambda *a: pytest.fail("a model was loaded"))
     for out, why in ((tmp_path / "missing" / "x.json", "does not exist"), (tmp_path, "is a folder")):
         with pytest.raises(SystemExit) as e:
             main(["eval", *overrides(pair, tmp_path / "r"), "--out", str(out)])
@@ -689,7 +689,7 @@ def test_a_results_file_that_cannot_be_written_leaves_no_empty_file(tmp_path, mo
     import errno
 
     import decode.outputs
-    from distill.models import SetupError
+    from distill.config import SetupError
 
     out = tmp_path / "ev.json"
     ckpt.write_results('{"a": 1}', str(out), overwrite=False)

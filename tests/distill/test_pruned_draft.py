@@ -13,8 +13,8 @@ from decode.loading import load_causal_lm, load_tokenizer
 from decode.vocab_map import HASH_FIELD, MAP_KEY, draft_vocab_map, select_kept_ids
 from distill.checkpoint import CheckpointError
 from distill.export import export
-from distill.logit_cache import build_cache
-from distill.models import SetupError
+from distill.cache_logits import build_cache
+from distill.config import SetupError
 from distill.recipe import setup, train
 from distill.vocab import special_ids, target_id_mass
 from distill_helpers import compose, overrides

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distill.models import SetupError
+from distill.config import SetupError
 from distill.recipe import lr_lambda, train
 from distill_helpers import compose, overrides
 
@@ -421,7 +421,7 @@ def test_a_draft_with_non_finite_weights_is_refused_at_setup(pair, tmp_path):
 
 
 def test_fp16_master_weights_are_refused_before_loading(pair, tmp_path):
-    from distill.config import check_inputs
+    from distill.checks import check_inputs
 
     with pytest.raises(SetupError, match="draft.dtype=fp16 trains fp16 master weights"):
         check_inputs(compose(overrides(pair, tmp_path / "run", "draft.dtype=fp16")))

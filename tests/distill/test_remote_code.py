@@ -87,7 +87,8 @@ def test_decode_generate_cli_flag(custom, capsys):
 
 
 def test_distill_loaders_refuse_remote_code_unless_asked(custom):
-    from distill.models import SetupError, load_draft, load_target
+    from distill.config import SetupError
+    from distill.models import load_draft, load_target
 
     path, marker = custom
     with pytest.raises(SetupError, match=r"set target.trust_remote_code=true"):  # a schema key: no "+"
@@ -106,8 +107,9 @@ def test_a_checkpoint_whose_draft_ships_code_is_refused_unless_asked(custom, tmp
     import io
 
     from distill import checkpoint as ckpt
+    from distill.config import SetupError
     from distill.export import export
-    from distill.models import SetupError, load_draft
+    from distill.models import load_draft
 
     path, marker = custom
     folder = tmp_path / "best"

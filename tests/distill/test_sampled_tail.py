@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from distill.logit_cache import LogitCache, build_cache, read_manifest, sample_tail
+from distill.cache_logits import build_cache
+from distill.logit_cache import LogitCache, read_manifest, sample_tail
 from distill.losses import (LOG_FLOOR, cached_distill_loss, cached_divergence, fkl, pruned_sampled_tail_fkl,
                             sampled_tail_fkl, sampled_tail_target, topk_buckets)
-from distill.models import SetupError
+from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import compose, overrides
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from distill.data import build_examples, cache_key, generate_target_data, target_data_settings
+from distill.data import build_examples
+from distill.target_data import cache_key, generate_target_data, target_data_settings
 from distill.models import attach_lora, load_draft, load_target
 from distill_helpers import make_llama
 
@@ -100,7 +101,7 @@ def test_lora_modules_to_save_trains_the_head_in_full_and_export_merges_it(pair,
     from safetensors.torch import load_file
 
     from distill.export import export
-    from distill.models import SetupError
+    from distill.config import SetupError
     from distill.recipe import train
     from distill_helpers import compose, overrides
 

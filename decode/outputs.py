@@ -1,10 +1,16 @@
 """Output paths checked before the work starts, so a finished run never fails on its last line (shared by the
-decode CLIs and, through :func:`distill.checks.check_output_file`, by distill's)."""
+decode CLIs and, through :func:`distill.checks.check_output_file`, by distill's), and files and folders written
+whole or not at all (shared with distill's checkpoints and run folders)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
+
+WRITE_PROBE = ".draftkit-write-probe-"  # the short-lived file of :func:`writable` (another process's check)
 
 
 def umask() -> int:
@@ -21,7 +27,7 @@ def writable(folder: str | os.PathLike) -> bool:
     import tempfile
 
     try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".draftkit-write-probe-")
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=WRITE_PROBE)
     except OSError:
         return False
     os.close(fd)
@@ -159,3 +165,35 @@ def write_results(text: str, out: str | os.PathLike, overwrite: bool = False, ke
         print(f"warning: {key} {str(path)!r} appeared during the run and was kept; the results are in "
               f"{str(written)!r}", file=sys.stderr)
     return written
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into ``path.tmp``, then renamed over ``path``. A kill or a
+    full disk mid-write leaves the previous file (or none), never a cut one that reads as damaged; a ``.tmp`` whose
+    write failed is removed. Raises what the file system raises."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON, written whole or not at all (:func:`replace_text`; raises TypeError for anything
+    JSON cannot hold: state must be plain data)."""
+    replace_text(path, json.dumps(obj, indent=2, allow_nan=True))
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted last, so a
+    crash at any point leaves a complete copy under ``path``, ``path.old`` or ``tmp``."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old)

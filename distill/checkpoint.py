@@ -27,23 +27,29 @@ Runs under DeepSpeed or FSDP hold sharded optimizer state that only ``accelerato
 model/optimizer/RNG part goes to ``accelerate/`` through accelerate (safetensors for the model; its loader uses
 ``torch.load(weights_only=True)`` for the rest, and DeepSpeed's own loader for DeepSpeed engines).
 
-Checkpoints of the earlier layout (``scheduler.pt`` and ``accelerate/*.bin``/``*.pkl`` pickles) are refused with a
-message naming :func:`convert_legacy` (``python -m distill convert-checkpoint PATH``), which reads them once with
-``torch.load(weights_only=True)`` and an allowlist of NumPy array types, and writes this layout.
+A folder of an earlier draftkit layout (``scheduler.pt`` and ``accelerate/*.bin``/``*.pkl`` pickles, no manifest)
+is refused as not a checkpoint of this version, without being read.
+
+Resuming is a function of this module too: :func:`check_resume_settings` and :func:`kept_costs` read the
+checkpoint before any model loads, :func:`resume_state` restores it into the live draft, optimizer and schedule,
+:func:`data_position` says where the data stream continues and :func:`resume_warnings` what a changed config changes.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import shutil
-import signal
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+import numpy as np
 import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+from decode.outputs import replace_dir, replace_text, write_json
 from distill.config import SetupError
 
 STATE_FILE = "trainer_state.json"
@@ -51,9 +57,9 @@ LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 EVAL_FILE = "eval.json"
 FORMAT_VERSION = 2
-FAULT_ENV = "DRAFTKIT_FAULT"  # test hook: "point:step" kills the process (SIGKILL) at that point, see fault_point
-LEGACY_FILES = ("scheduler.pt", "accelerate/optimizer.bin", "accelerate/pytorch_model.bin",
-                "accelerate/random_states_0.pkl", "accelerate/scheduler.bin", "accelerate/scaler.pt")
+# what an earlier draftkit layout stored as pickles: a folder holding one and no manifest is refused, never read
+OLD_LAYOUT_FILES = ("scheduler.pt", "accelerate/optimizer.bin", "accelerate/pytorch_model.bin",
+                    "accelerate/random_states_0.pkl", "accelerate/scheduler.bin", "accelerate/scaler.pt")
 
 
 class CheckpointError(SetupError):
@@ -66,41 +72,10 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f"step_{step:06d}"
 
 
-def fault_point(name: str, step: int) -> None:
-    """Kill this process with SIGKILL when ``$DRAFTKIT_FAULT`` is ``name:step`` (crash tests; no effect otherwise).
-
-    Points: ``step`` (mid optimizer step, after backward), ``save`` (mid save, some files written, no manifest),
-    ``pointer`` (after a complete save, before ``latest`` is updated and old checkpoints are pruned).
-    """
-    if os.environ.get(FAULT_ENV) == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ------------------------------------------------------------------------------------------------ writing
-
-def replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: into ``path.tmp``, then renamed over ``path``. A kill or a
-    full disk mid-write leaves the previous file (or none), never a cut one that reads as damaged; a ``.tmp`` whose
-    write failed is removed. Raises what the file system raises."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as indented JSON, written whole or not at all (:func:`replace_text`; raises TypeError for anything
-    JSON cannot hold: state must be plain data)."""
-    replace_text(path, json.dumps(obj, indent=2, allow_nan=True))
-
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file of ``tensors``; tensors sharing storage (tied weights) are stored as separate copies."""
-    from safetensors.torch import save_file
-
     seen, out = set(), {}
     for key, t in tensors.items():
         t = t.detach().to("cpu")
@@ -124,8 +99,6 @@ def optimizer_to_data(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _rng_to_data() -> tuple[dict[str, torch.Tensor], dict]:
-    import numpy as np
-
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -143,37 +116,10 @@ def _is_sharded(accelerator: Any) -> bool:
 
 
 def write_manifest(folder: Path, step: int) -> None:
-    """``folder/manifest.json`` listing every file's size (but the originals a conversion kept in
-    ``LEGACY_DIR``); written last, it marks the folder complete."""
+    """``folder/manifest.json`` listing every file's size; written last, it marks the folder complete."""
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)
-             and p.relative_to(folder).parts[0] != LEGACY_DIR}
+             if p.is_file() and p.name not in (MANIFEST_FILE, EVAL_FILE)}
     write_json(folder / MANIFEST_FILE, {"format": FORMAT_VERSION, "complete": True, "step": step, "files": files})
-
-
-def write_results(text: str, out: str, overwrite: bool) -> None:
-    """:func:`decode.outputs.write_results` for an ``--out`` of ``distill eval`` / ``bench-step``, with a full disk
-    as a SetupError naming ``--out`` (exit 2; the results were printed before)."""
-    from decode.outputs import write_results as write
-    from distill.config import SetupError
-
-    try:
-        write(text, out, overwrite)
-    except ValueError as err:
-        raise SetupError(f"--out: {err}") from err
-
-
-def replace_dir(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted last, so a
-    crash at any point leaves a complete copy under ``path``, ``path.old`` or ``tmp``."""
-    old = path.with_name(path.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def complete_copy_aside(path: Path) -> Path | None:
@@ -209,8 +155,6 @@ def save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: Any
         CheckpointError: the file system refused a write (a full disk, a quota): the half-written ``path.tmp`` is
             removed (freeing its space), the previous checkpoints stay complete, and the message says how to go on.
     """
-    from safetensors import SafetensorError
-
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -247,7 +191,6 @@ def _save_checkpoint(accelerator: Any, draft: Any, tokenizer: Any, scheduler: An
     if accelerator.is_main_process:
         if not _is_sharded(accelerator):
             save_tensors(state_dict, tmp / "model.safetensors")
-            fault_point("save", int(state.get("step", -1)))
             opt_tensors, opt_rest = optimizer_to_data(optimizer.state_dict())
             save_tensors(opt_tensors, tmp / "optimizer.safetensors")
             write_json(tmp / "optimizer.json", opt_rest)
@@ -277,10 +220,7 @@ def write_eval(path: str | Path, last_eval: dict | None, best: dict | None) -> N
 
 def mark_latest(output_dir: str | Path, path: str | Path) -> None:
     """Point ``<output_dir>/latest`` at a complete checkpoint (written after it, for people and scripts)."""
-    latest = Path(output_dir) / LATEST_FILE
-    tmp = latest.with_name(LATEST_FILE + ".tmp")
-    tmp.write_text(Path(path).name)
-    tmp.replace(latest)
+    replace_text(Path(output_dir) / LATEST_FILE, Path(path).name)
 
 
 # ------------------------------------------------------------------------------------------------ finding
@@ -311,12 +251,12 @@ def run_folder_hint(path: str | Path) -> str | None:
     return f"{path} is a run folder, not a checkpoint; give one of its checkpoints, e.g. its newest: {newest}{best}"
 
 
-def is_legacy(path: str | Path) -> bool:
-    """Whether ``path`` is a checkpoint of the earlier pickle layout (state file and pickles, no manifest), which
-    :func:`convert_legacy` converts."""
+def is_old_layout(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint of an earlier draftkit layout that stored state as pickles (a state file and
+    pickles, no manifest); such a folder is refused without being read."""
     path = Path(path)
     return (not (path / MANIFEST_FILE).is_file() and (path / STATE_FILE).is_file()
-            and any((path / f).exists() for f in (*LEGACY_FILES, LEGACY_DIR)))  # (LEGACY_DIR: a conversion cut short)
+            and any((path / f).exists() for f in OLD_LAYOUT_FILES))
 
 
 def check_complete(path: str | Path) -> dict:
@@ -324,13 +264,11 @@ def check_complete(path: str | Path) -> dict:
     path = Path(path)
     manifest_file = path / MANIFEST_FILE
     if not manifest_file.is_file():
-        if is_legacy(path):
+        if is_old_layout(path):
             raise CheckpointError(
-                f"{path} was written by an earlier draftkit layout that stores state as pickles (scheduler.pt, "
-                "accelerate/*.bin, *.pkl); unpickling can run code, so it is not read. If you trust where it came "
-                f"from, convert it once: python -m distill convert-checkpoint {path} (reads the pickles with "
-                "torch.load(weights_only=True), which rebuilds only tensors and plain types, and writes safetensors "
-                "and JSON)")
+                f"{path} is not a draftkit checkpoint of this version: an earlier draftkit stored its state as pickles "
+                "(scheduler.pt, accelerate/*.bin, *.pkl), which are never unpickled (unpickling can run code). "
+                "Re-run the training with this version (or re-export the draft from a run of this version)")
         hint = run_folder_hint(path)
         if hint is not None:
             raise CheckpointError(hint)
@@ -372,17 +310,6 @@ def find_latest(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def rerun_overrides(output_dir: str | Path) -> list[str]:
-    """The overrides with which a tool that owns ``output_dir`` reruns ``distill train`` after an interruption:
-    ``train.resume=true`` when the run has a checkpoint folder (it continues where it stopped; one that is damaged,
-    since saves are renamed into place whole, is then named by the resume instead of deleted),
-    ``train.overwrite=true`` when it was killed before its first save (nothing to continue), none for a new run."""
-    out = Path(output_dir)
-    if out.is_dir() and (list_checkpoints(out) or (out / "best").is_dir()):
-        return ["train.resume=true"]
-    return ["train.overwrite=true"] if out.is_dir() and any(out.iterdir()) else []
-
-
 def prune(output_dir: str | Path, keep_last: int) -> list[Path]:
     """Delete complete ``step_*`` checkpoints older than the newest ``keep_last`` complete ones; returns them.
 
@@ -398,6 +325,12 @@ def prune(output_dir: str | Path, keep_last: int) -> list[Path]:
     return doomed
 
 
+def name_list(names: list[str], most: int = 5) -> str:
+    """``"a, b, c"``, or the first ``most`` names and ``"and N more"``: names in an error message."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
 # ------------------------------------------------------------------------------------------------ reading
 
 def read_json(path: Path) -> Any:
@@ -411,9 +344,6 @@ def read_json(path: Path) -> Any:
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file as CPU tensors; raises CheckpointError naming the file when it is not safetensors."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
@@ -431,7 +361,7 @@ def read_state(path: str | Path) -> dict:
 
     Raises:
         CheckpointError: not a checkpoint, incomplete (no manifest, files missing or truncated), an earlier pickle
-            layout (the message names the conversion command), or a file that is not valid JSON.
+            layout, or a file that is not valid JSON.
     """
     path = Path(path)
     check_complete(path)
@@ -453,8 +383,6 @@ def read_config(path: str | Path) -> dict | None:
 
     Raises CheckpointError naming the file when it is not YAML.
     """
-    import yaml
-
     f = Path(path) / "config.yaml"
     if not f.is_file():
         return None
@@ -528,8 +456,6 @@ def _load_scheduler(scheduler: Any, path: Path) -> None:
 
 def _load_rng(path: Path, rank: int) -> bool:
     """Restore this process's generators; False when the checkpoint has no state for ``rank``."""
-    import numpy as np
-
     if not (path / f"rng_state_{rank}.json").is_file():
         return False
     tensors = load_tensors(path / f"rng_state_{rank}.safetensors")
@@ -593,496 +519,188 @@ def load_checkpoint(accelerator: Any, draft: Any, optimizer: Any, scheduler: Any
     return state
 
 
-# ------------------------------------------------------------------------------------------------ legacy layout
-
-def _numpy_allowlist() -> list:
-    """Globals NumPy arrays in accelerate's RNG pickle need; they rebuild arrays, nothing else."""
-    import codecs
-
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    allow = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
-    if hasattr(np, "dtypes"):
-        allow.append(np.dtypes.UInt32DType)
-    return allow
-
-
-def load_pickle_as_data(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)`` with the NumPy array allowlist: tensors and plain types only.
-
-    Raises CheckpointError naming the file when it holds anything else (e.g. a pickle that would call a function).
-    """
-    try:
-        if not hasattr(torch.serialization, "safe_globals"):  # torch < 2.5: no allowlist, arrays are refused too
-            return torch.load(path, map_location="cpu", weights_only=True)
-        with torch.serialization.safe_globals(_numpy_allowlist()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path} is missing") from e
-    except Exception as e:  # noqa: BLE001  (UnpicklingError, RuntimeError, EOFError...: all mean "not plain data")
-        # (torch's own advice, to load with weights_only=False, is left out: that runs the pickle's code)
-        raise CheckpointError(f"{path} holds more than tensors and plain types, or is damaged; it is not loaded "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-
-
-LEGACY_DIR = "legacy-layout"  # where convert_legacy keeps a checkpoint's original pickles (never deleted)
-LEGACY_ORIGINALS = ("scheduler.pt", "accelerate")  # what convert_legacy moves into LEGACY_DIR
-
-
-def convert_legacy(path: str | Path) -> Path:
-    """Rewrite a checkpoint of the earlier pickle layout in place as the data layout above, keeping the originals.
-
-    Reads ``scheduler.pt``, ``accelerate/optimizer.bin`` and ``accelerate/random_states_0.pkl`` with
-    :func:`load_pickle_as_data` and ``accelerate/model.safetensors`` as safetensors, all before anything moves;
-    then moves ``scheduler.pt`` and ``accelerate/`` (every file in it) into ``<path>/legacy-layout/``, writes the
-    new files and the manifest last. An interrupted conversion is finished by running it again (it reads the
-    originals from ``legacy-layout/``). A pretrain snapshot ``<out>/resume.pt`` becomes ``<out>/resume/`` and is
-    kept as it is.
-
-    Raises:
-        CheckpointError: the path is missing, already converted, not of the earlier layout (naming the
-            ``resume.pt`` form when the folder holds one), a file is missing or holds anything but data.
-    """
-    path = Path(path)
-    if path.is_file() and path.name.endswith(".pt"):
-        return _convert_pretrain_resume(path)
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist; give the step_N folder of the earlier layout to convert")
-    if (path / MANIFEST_FILE).is_file():
-        raise CheckpointError(f"{path} already has the data layout ({MANIFEST_FILE}); nothing to convert")
-    legacy = path / LEGACY_DIR
-    src = {name: legacy / name if (legacy / name).exists() else path / name for name in LEGACY_ORIGINALS}
-    if path.is_dir() and (path / "resume.pt").is_file() and not (path / STATE_FILE).is_file():
-        if (path / "resume").is_dir():
-            raise CheckpointError(f"{path} holds resume.pt and resume/, its conversion; nothing to convert")
-        raise CheckpointError(f"{path} holds a pretrain snapshot of the earlier layout: convert the file, "
-                              f"python -m distill convert-checkpoint {path / 'resume.pt'}")
-    if not (path / STATE_FILE).is_file() or not src["scheduler.pt"].is_file():
-        raise CheckpointError(f"{path} is not a checkpoint of the earlier layout (needs {STATE_FILE} and "
-                              "scheduler.pt)")
-    acc_dir = src["accelerate"]
-    for need in (acc_dir / "optimizer.bin", acc_dir / "random_states_0.pkl"):
-        if not need.is_file():
-            raise CheckpointError(f"{need} is missing: the checkpoint is incomplete and cannot be converted")
-    scheduler = load_pickle_as_data(src["scheduler.pt"])
-    optimizer = load_pickle_as_data(acc_dir / "optimizer.bin")
-    rng = load_pickle_as_data(acc_dir / "random_states_0.pkl")
-    if (acc_dir / "model.safetensors").is_file():
-        weights = load_tensors(acc_dir / "model.safetensors")
-    else:
-        weights = load_pickle_as_data(acc_dir / "pytorch_model.bin")
-    state = read_json(path / STATE_FILE)
-    legacy.mkdir(exist_ok=True)
-    for name, source in src.items():  # the originals are kept, out of the loader's way (accelerate/ means DeepSpeed)
-        if source.parent != legacy:
-            source.rename(legacy / name)
-    tmp = path / "convert.tmp"
-    if tmp.exists():  # an interrupted conversion's own output
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_tensors(weights, tmp / "model.safetensors")
-    opt_tensors, opt_rest = optimizer_to_data(optimizer)
-    save_tensors(opt_tensors, tmp / "optimizer.safetensors")
-    write_json(tmp / "optimizer.json", opt_rest)
-    write_json(tmp / "scheduler.json", scheduler)
-    version, internal, gauss = rng["random_state"]
-    kind, keys, pos, has_gauss, cached = rng["numpy_random_seed"]
-    save_tensors({"torch_cpu": rng["torch_manual_seed"]}, tmp / "rng_state_0.safetensors")
-    write_json(tmp / "rng_state_0.json", {"python": [version, list(internal), gauss],
-                                           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]})
-    for f in tmp.iterdir():
-        f.replace(path / f.name)
-    tmp.rmdir()
-    write_manifest(path, int(state.get("step", -1)))
-    return path
-
-
-def _convert_pretrain_resume(path: Path) -> Path:
-    """``<out>/resume.pt`` of ``python -m quickstart pretrain`` -> ``<out>/resume/`` (see quickstart/pretrain.py);
-    ``resume.pt`` is kept, and a ``resume/`` that exists already is refused (it may be a newer snapshot)."""
-    out = path.with_name("resume")
-    if os.path.lexists(out):  # (a dangling link too)
-        raise CheckpointError(f"{out} exists already (a snapshot of the current layout, maybe newer than {path.name})"
-                              f"; nothing was changed. Move it away first if {path.name} is the one to resume from")
-    snap = load_pickle_as_data(path)
-    if not isinstance(snap, dict) or not {"model", "optimizer", "generator", "state"} <= set(snap):
-        raise CheckpointError(f"{path} is not a pretrain resume snapshot (needs model, optimizer, generator, state)")
-    tmp = path.with_name("resume.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_tensors(snap["model"], tmp / "model.safetensors")
-    tensors, rest = optimizer_to_data(snap["optimizer"])
-    save_tensors(tensors, tmp / "optimizer.safetensors")
-    write_json(tmp / "optimizer.json", rest)
-    save_tensors({"generator": snap["generator"]}, tmp / "generator.safetensors")
-    write_json(tmp / "state.json", snap["state"])
-    write_manifest(tmp, int(snap["state"].get("step", -1)))
-    tmp.rename(out)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ run folders
-
-# What a training run writes into its output_dir (train.overwrite=true removes these, and only these): names only
-# a run writes (with the .tmp/.old of a save in progress), ...
-RUN_OWN = re.compile(r"(step_\d+|best|" + re.escape(LATEST_FILE) +
-                     r"|metrics\.jsonl|summary\.json|wandb_run_id|draft_base)(\.tmp|\.old)?")
-# ... and names a run writes that a user's own folder may hold too: the run's only in a folder that holds a run.
-RUN_SHARED = ("config.yaml", "wandb")
-# Held (flock) by the run that trains into the folder: a second `distill train` into it is refused while it lives.
-RUN_LOCK = ".distill-train.lock"
-# Kept by a fresh run: the sequence-level KD cache that `distill generate-data` writes before `distill train`.
-REUSABLE = ("target_data", RUN_LOCK)
-# train.overwrite=true moves the earlier run here; it is deleted once the new run has passed every check and loaded
-# its models (right before its first write), and put back if the new run stops before that.
-SET_ASIDE = ".overwritten"
-WRITE_PROBE = ".draftkit-write-probe-"  # decode.outputs.writable's short-lived file (another rank's check)
-
-
-class FolderBusy(RuntimeError):
-    """Another live process holds the folder's lock (:func:`lock_folder`); ``holder`` is what it wrote there."""
-
-    def __init__(self, folder: Path, holder: str):
-        super().__init__(f"{folder} is in use by another process ({holder or 'its process is not named'})")
-        self.folder, self.holder = folder, holder
-
-
-def lock_folder(folder: str | Path, name: str):
-    """Hold an exclusive lock on ``folder/name`` (created, with ``folder``, if missing) for as long as the returned
-    file stays open, or raise :class:`FolderBusy` at once when another process holds it. The lock is the open
-    file's ``flock``: the system releases it when the process ends, also on ``kill -9``, so none is ever stale.
-    The file names the holder (pid, host, start time) for the refusal. Returns None where ``fcntl`` does not exist
-    (Windows: no lock)."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    import platform
-    import time
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    f = open(folder / name, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise FolderBusy(folder, holder) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
-    f.flush()
-    return f
-
-
-def is_main_process() -> bool:
-    """Whether this process writes the run's files: rank 0 of a launch, or a lone process (``WORLD_SIZE`` unset or
-    1: a ``RANK`` left in the environment by a cluster job must not turn a single run's folder checks off)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0
-
-
-def _busy(output_dir: str | Path, holder: str) -> CheckpointError:
-    return CheckpointError(f"another distill train is running into train.output_dir={output_dir} "
-                           f"({holder or 'its process is not named'}); nothing was changed. Wait for it to finish "
-                           "or stop it (Ctrl-C: it saves first), or choose another train.output_dir")
-
-
-def lock_run_folder(output_dir: str | Path):
-    """:func:`lock_folder` for a training run's ``train.output_dir`` (``RUN_LOCK``): two runs into one folder
-    would save over each other's checkpoints, and one's ``train.overwrite=true`` would delete the other's running
-    files. Raises CheckpointError naming the other run's process, or a lock file that cannot be opened."""
-    try:
-        return lock_folder(output_dir, RUN_LOCK)
-    except FolderBusy as err:
-        raise _busy(output_dir, err.holder) from None
-    except OSError as err:  # another user's lock file, a folder of that name, ...
-        raise CheckpointError(f"cannot take the run lock {Path(output_dir) / RUN_LOCK} ({err.strerror or err}); "
-                              "make it a file you can write (it holds only the running run's pid), or choose "
-                              "another train.output_dir") from None
-
-
-def check_no_live_run(output_dir: str | Path) -> None:
-    """Raise CheckpointError when a ``distill train`` holds ``output_dir``'s ``RUN_LOCK`` now, without taking the
-    lock or creating anything (the command line's checks before the run, whose advice about the folder's contents
-    would be wrong while another run writes them)."""
-    path = Path(output_dir) / RUN_LOCK
-    try:
-        import fcntl
-
-        f = open(path)
-    except (ImportError, OSError):  # no lock file (no run has been here), or one lock_run_folder will name
-        return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _busy(output_dir, f.read().strip()) from None
-
-
-def run_artifacts(folder: Path) -> list[Path]:
-    """The entries of ``folder`` that a ``distill train`` run wrote (empty: the folder holds no run), sorted.
-
-    A run is recognised by names only a run writes (``RUN_OWN``: ``step_N``, ``best``, ``metrics.jsonl``, ...), or
-    by a ``config.yaml`` that is a recipe config; then its ``config.yaml`` and ``wandb/`` are the run's too. In a
-    folder without those, ``config.yaml`` and ``wandb/`` are the user's (a user's ``step_3_keep`` or
-    ``step_3.bak`` is never the run's either)."""
-    entries = sorted(Path(folder).iterdir())
-    own = [p for p in entries if RUN_OWN.fullmatch(p.name) and not _foreign(p)]
-    run_config = _is_run_config(Path(folder) / "config.yaml")
-    if own and not run_config and all(p.name in _BY_CONTENT for p in own) and not any(map(_run_file, own)):
-        own = []  # only a summary.json / metrics.jsonl a run did not write: the user's, not a run
-    if own or run_config:
-        own = sorted(own + [p for p in entries if p.name in RUN_SHARED])
-    return own
-
-
-def _foreign(path: Path) -> bool:
-    """A ``step_N`` or ``best`` entry that is not a checkpoint (a file, or a folder with neither trainer_state.json
-    nor a manifest): named like the run's, but the user's. (``.tmp``/``.old`` ones are a save's own leftovers.)"""
-    if not re.fullmatch(r"step_\d+|best", path.name):
-        return False
-    return not (path.is_dir() and ((path / STATE_FILE).is_file() or (path / MANIFEST_FILE).is_file()))
-
-
-_BY_CONTENT = ("summary.json", "metrics.jsonl")  # run names a user's own file may have: told apart by content
-
-
-def _run_file(path: Path) -> bool:
-    """Whether ``path`` (``summary.json`` or ``metrics.jsonl``) is one a run wrote: a link or anything but a regular
-    file counts as the run's; a summary is a JSON object with ``steps``, metrics are empty (killed before the first
-    row) or start with a JSON object row."""
-    if path.is_symlink() or not path.is_file():
-        return True
-    try:
-        text = path.read_text()
-        if path.name == "summary.json":
-            row = json.loads(text)
-            return isinstance(row, dict) and "steps" in row
-        first = next((line for line in text.splitlines() if line.strip()), None)
-        return first is None or isinstance(json.loads(first), dict)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-
-
-def _is_run_config(path: Path) -> bool:
-    """Whether ``path`` is the config.yaml a run writes (a mapping with the recipe's train/loss/draft sections)."""
-    if not path.is_file():
-        return False
-    try:
-        import yaml
-
-        cfg = yaml.safe_load(path.read_text())
-    except Exception:  # not text, not YAML: not ours
-        return False
-    return isinstance(cfg, dict) and {"train", "loss", "draft"} <= set(cfg) and isinstance(cfg["train"], dict) \
-        and "output_dir" in cfg["train"]
-
-
-def other_entries(folder: Path, ours: Iterable[str] = ()) -> list[str]:
-    """Sorted names in ``folder`` other than ``ours`` and write probes: what a command must not write among."""
-    ours = set(ours)
-    return sorted(p.name for p in Path(folder).iterdir() if p.name not in ours and not p.name.startswith(WRITE_PROBE))
-
-
-def name_list(names: list[str], most: int = 5) -> str:
-    """``"a, b, c"``, or the first ``most`` names and ``"and N more"``: names in an error message."""
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
-
-
-def discard_set_aside(output_dir: str | Path) -> None:
-    """Delete the run ``train.overwrite=true`` set aside (:func:`prepare_run_folder`), if any. A symlink in it is
-    removed, never what it points to."""
-    folder = Path(output_dir) / SET_ASIDE
-    if folder.is_dir():
-        shutil.rmtree(folder)
-
-
-def restore_set_aside(output_dir: str | Path) -> None:
-    """Put the run ``train.overwrite=true`` set aside back where it was, if any: the new run stopped before its
-    first write. An entry the new run made under the same name (a LoRA run's ``draft_base``) gives way."""
-    out = Path(output_dir)
-    folder = out / SET_ASIDE
-    if not folder.is_dir():
-        return
-    for p in folder.iterdir():
-        dest = out / p.name
-        if os.path.lexists(dest):
-            dest.unlink() if dest.is_symlink() or not dest.is_dir() else shutil.rmtree(dest)
-        p.rename(dest)
-    folder.rmdir()
-
-
-def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, main: bool = True,
-                       inputs: dict[str, Any] | None = None, log: Any = None) -> Path | None:
-    """Check ``train.output_dir`` against ``train.resume``/``train.overwrite`` before anything loads; return the
-    checkpoint to resume from (None for a fresh run).
-
-    - a fresh run (resume false) needs a missing or empty folder (a ``target_data`` cache is fine); with
-      ``overwrite`` the earlier run's files (:func:`run_artifacts`) are moved into ``SET_ASIDE`` (the caller deletes
-      them with :func:`discard_set_aside` once the new run starts writing, or puts them back with
-      :func:`restore_set_aside` if it stops before), other files are left alone; a folder holding no run but
-      other files is refused, also with ``overwrite`` when one of them has a name the run writes (``RUN_SHARED``);
-    - ``resume=true`` takes the newest complete ``step_*`` checkpoint of the folder (see :func:`find_latest`);
-    - ``resume=PATH`` needs a complete checkpoint at PATH, and an output folder that is PATH's own run or empty,
-      holding no complete checkpoint newer than PATH (resuming would overwrite it).
-
-    Only the main process (``main``) checks and clears the folder; the others only find the checkpoint.
-    ``inputs`` (setting -> path, e.g. ``{"draft.name_or_path": ...}``) are what the run will read: ``overwrite``
-    refuses to delete a folder that holds one of them (a draft started from the run's own ``best``). With
-    ``resume=true``, newer step folders that are incomplete or damaged are named to ``log`` with the reason they
-    were skipped (the run replaces them when it reaches their step).
-
-    Raises:
-        CheckpointError: the folder holds another run, there is no complete checkpoint to resume from,
-            ``overwrite`` would delete one of ``inputs``, or an earlier overwrite's ``SET_ASIDE`` is still there.
-    """
-    out = Path(output_dir)
-    resume = None if resume in (None, False, "false", "") else resume
-    foreign = sorted(p.name for p in out.iterdir() if _foreign(p)) if main and out.is_dir() else []
-    if foreign:  # a save of that step (or best/) would replace it, fresh or resumed
-        raise CheckpointError(
-            f"train.output_dir={out} holds {name_list(foreign)}, named like a checkpoint of a run but not one (no "
-            f"{STATE_FILE}); a run saves folders of that name over what is there, so nothing was changed. Move or "
-            "rename it, or choose another train.output_dir")
-    if resume is None:
-        if main:
-            _prepare_fresh(out, overwrite, inputs or {})
-        return None
-    own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
-    source = recover_replaced_dir(out / "best") if main and own_run else None
-    if source is not None and log is not None:
-        log(f"best/ was missing after a save interrupted between two renames; restored it from {source.name}/")
-    if resume is True or resume == "true":
-        return _latest_to_resume(out, log if main else None)
-    path = Path(str(resume))
-    check_complete(path)
-    if main:
-        _check_resume_into(out, path, overwrite)
-    return path
-
-
-def _prepare_fresh(out: Path, overwrite: bool, inputs: dict[str, Any]) -> None:
-    """The fresh-run part of :func:`prepare_run_folder`: refuse a folder holding a run (unless ``overwrite``) or
-    the user's own files, and move an overwritten run's files into ``SET_ASIDE``."""
-    others = other_entries(out, REUSABLE) if out.is_dir() else []
-    if not others:
-        return
-    if os.path.lexists(out / SET_ASIDE):  # before "holds no run ... pass train.overwrite=true"
-        raise CheckpointError(
-            f"{out / SET_ASIDE} holds the run an earlier train.overwrite=true set aside before it stopped; "
-            f"nothing was changed. Move its entries back into {out} (or delete it if that run is not "
-            "needed), then run again")
-    doomed = run_artifacts(out)
-    if not doomed:  # the user's own files: a run writes beside them only if asked, never over them
-        clash = [name for name in others if name in RUN_SHARED or name in _BY_CONTENT]
-        if clash or not overwrite:
-            fix = (f"move {', '.join(clash)} out of it (the run writes files of those names)" if clash else
-                   "pass train.overwrite=true to train beside them (they are kept)")
-            raise CheckpointError(
-                f"train.output_dir={out} is not empty and holds no run ({name_list(others)}); nothing was "
-                f"changed. Choose an empty or new train.output_dir, or {fix}")
-        return
-    if not overwrite:
-        raise CheckpointError(
-            f"train.output_dir={out} already holds a run ({name_list(others)}); nothing was changed. "
-            "Continue it with train.resume=true, start over with train.overwrite=true (deletes that run's "
-            "checkpoints and metrics), or choose another train.output_dir")
-    for setting, value in inputs.items():
-        if value in (None, ""):
-            continue
-        path = Path(str(value)).expanduser().resolve()
-        hit = next((d for d in doomed if path == d.resolve() or d.resolve() in path.parents), None)
-        if hit is not None:
-            raise CheckpointError(
-                f"train.overwrite=true would delete {hit}, which holds {setting}={value}; nothing was "
-                "changed. Copy it out of train.output_dir first, or choose another train.output_dir")
-    (out / SET_ASIDE).mkdir()
-    for p in doomed:  # renames in one folder: a symlink moves as itself
-        p.rename(out / SET_ASIDE / p.name)
-
-
-def _latest_to_resume(out: Path, log: Any) -> Path:
-    """``train.resume=true``: the newest complete checkpoint of ``out``; newer incomplete ones are named to ``log``.
-
-    Raises:
-        CheckpointError: none is complete; the message says why (old pickle layout, a run set aside, damage).
-    """
-    path = find_latest(out)
-    if log is not None and path is not None:  # (with none complete, the error below lists them)
-        for skipped in list_checkpoints(out):
-            if int(skipped.name[5:]) <= int(path.name[5:]):
-                continue
-            try:
-                check_complete(skipped)
-            except CheckpointError as err:
-                log(f"warning: resume skips {skipped.name}: {err}. The run saves over it when it reaches that "
-                    "step; copy it elsewhere first if you need it")
-    if path is not None:
-        return path
-    steps = list_checkpoints(out)
-    legacy = [p for p in steps if is_legacy(p)]
-    if legacy:  # "incomplete ... add train.overwrite=true" would have sent the user to delete them
-        names = name_list([p.name for p in legacy])
-        raise CheckpointError(
-            f"train.resume=true but the checkpoints of train.output_dir={out} ({names}) were written by an "
-            "earlier draftkit layout that stores state as pickles; they are not read. If you trust where they "
-            f"came from, convert the newest once: python -m distill convert-checkpoint {legacy[-1]} (reads "
-            "the pickles as data only), then resume")
-    if os.path.lexists(out / SET_ASIDE):  # "add train.overwrite=true" is refused while it is there
-        raise CheckpointError(
-            f"train.resume=true but train.output_dir={out} has no checkpoint: an earlier "
-            f"train.overwrite=true set its run aside in {out / SET_ASIDE} and was stopped before it could put "
-            f"it back. Move its entries back into {out} to resume that run (or delete {SET_ASIDE} if it is "
-            "not needed), then run again")
-    if not out.is_dir() or not other_entries(out, REUSABLE):  # a run stopped before its first save left nothing
-        raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: it holds no "
-                              "run at all (nothing was saved there). Start the run with train.resume=false, or give "
-                              "train.resume=PATH")
-    found = [p.name for p in steps]
-    detail = (f"its step folders {found} are incomplete (no {MANIFEST_FILE}, or damaged)" if found
-              else "it has no step_N checkpoint")
-    raise CheckpointError(f"train.resume=true but train.output_dir={out} has no complete checkpoint: "
-                          f"{detail}. Start a new run with train.resume=false (add train.overwrite=true to "
-                          "replace this folder's run), or give train.resume=PATH")
-
-
-def _check_resume_into(out: Path, path: Path, overwrite: bool) -> None:
-    """``train.resume=PATH``: refuse an ``out`` whose newer checkpoints the resumed run would overwrite, or that
-    holds another run (unless ``overwrite``)."""
-    newer = [p.name for p in list_checkpoints(out) if is_complete(p) and int(p.name[5:]) > _step_of(path)]
-    if newer:
-        raise CheckpointError(f"resuming from {path} into train.output_dir={out} would overwrite its newer "
-                              f"checkpoints {newer}; resume into another train.output_dir")
-    same_run = out.resolve() == path.resolve().parent
-    if not same_run and out.is_dir() and any(p.name not in REUSABLE for p in out.iterdir()) and not overwrite:
-        raise CheckpointError(f"train.output_dir={out} already holds another run; resume from {path} into an empty "
-                              "train.output_dir, or pass train.overwrite=true")
-
-
-def _step_of(path: Path) -> int:
-    return int(read_json(path / STATE_FILE).get("step", 0))
-
-
-def truncate_metrics(output_dir: str | Path, step: int) -> int:
-    """Drop rows of ``metrics.jsonl`` logged after ``step`` (a resumed run logs them again); returns the highest
-    step the file held before (``step`` when it held none later; the W&B run got the same rows)."""
-    f = Path(output_dir) / "metrics.jsonl"
-    if not f.is_file():
-        return step
-    lines = f.read_text().splitlines(keepends=True)
-    keep, last = [], step
-    for line in lines:
-        try:
-            row_step = json.loads(line).get("step", 0)
-        except json.JSONDecodeError:  # a row cut by a kill mid-write
-            continue
-        last = max(last, row_step)
-        if row_step <= step:
-            keep.append(line if line.endswith("\n") else line + "\n")
-    replace_text(f, "".join(keep))
-    return last
-
+# ------------------------------------------------------------------------------------------------ resuming
+
+def check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | None) -> None:
+    """Settings a resume cannot honour, checked against the checkpoint's trainer_state.json (``saved``; empty for
+    a fresh run) before any model loads. Raises SetupError naming the setting and the fix."""
+    asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
+    if asked_stop is not None and asked_stop < at:
+        raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes stops "
+                         f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
+                         "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
+    best_by = (saved.get("best") or {}).get("metric")
+    same_folder = resume_from is not None and Path(resume_from).resolve().parent == Path(
+        cfg.train.output_dir).resolve()  # (a fork into another folder starts its best/ over)
+    if same_folder and best_by is not None and best_by != cfg.eval.select_by:
+        raise SetupError(f"eval.select_by={cfg.eval.select_by} differs from the run's {best_by}, by which its best/ "
+                         f"(step {saved['best'].get('step')}) was chosen: the two values are not comparable. Resume "
+                         f"with eval.select_by={best_by}, or fork into a new folder with train.resume={resume_from} "
+                         "train.output_dir=NEW (its best/ starts over)")
+    if "lora" in saved and bool(saved["lora"]) != bool(cfg.train.lora.enabled):
+        lora = bool(saved["lora"])
+        raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume it "
+                         f"with train.lora.enabled={str(lora).lower()}"
+                         + (" and the run's other train.lora settings" if lora else ""))
+    if saved.get("lora") and cfg.train.lora.enabled:  # these shape the adapter the checkpoint's weights belong to
+        old_lora = ((resume_from and read_config(resume_from)) or {}).get("train", {}).get("lora") or {}
+        lora = OmegaConf.to_container(cfg.train.lora)
+        for key in ("r", "alpha", "target_modules", "modules_to_save"):
+            if key in old_lora and _lora_value(old_lora[key]) != _lora_value(lora[key]):
+                was, now = _override_form(old_lora[key]), _override_form(lora[key])
+                raise SetupError(
+                    f"train.lora.{key}={now} differs from the checkpoint's {was} ({resume_from}): its adapter weights "
+                    f"were trained {'at the scale alpha / r' if key in ('r', 'alpha') else 'on those modules'} and "
+                    f"would be restored into another adapter. Resume with train.lora.{key}={was}, or start a new run "
+                    "from an export of this one")
+
+
+def kept_costs(saved: dict, cfg: DictConfig) -> tuple[float | None, list[float] | None]:
+    """The cost ratio c and verify costs v_γ a resumed run keeps from its checkpoint's trainer_state.json
+    (``saved``): c unless ``eval.cost_ratio`` sets one, and v_γ with it (a checkpoint from before verify costs were
+    kept has none: it goes on with v = 1, as it started). (None, None) for a fresh run or a set c."""
+    kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
+    return kept_c, saved.get("verify_costs") if kept_c is not None else None
+
+
+def resume_state(fresh: dict, path: Path, cfg: DictConfig, accelerator: Any, draft: Any, optimizer: Any,
+                 scheduler: Any, kept: tuple, log: Any) -> dict:
+    """Restore the checkpoint ``path`` into the live draft, optimizer, scheduler and generators, and return the
+    trainer state the loop goes on with: the checkpoint's, with what belongs to this run taken from ``fresh`` (the
+    state a new run would start with): the costs it uses, its own ``draft_base`` (in a moved run folder, not the
+    old path) and the target's revision now (the earlier ones are listed). ``kept`` is :func:`kept_costs`."""
+    state = {**fresh, **load_checkpoint(accelerator, draft, optimizer, scheduler, path, log)}
+    for note in apply_optim_settings(optimizer, scheduler, cfg):  # the checkpoint's were loaded
+        log(f"resume: {note}")
+    for key in ("cost_ratio", "verify_costs", "draft_base"):
+        state[key] = fresh[key]
+    _follow_target_revision(state, fresh["target_revision"], cfg, log)
+    log(f"resumed from {path} at step {state['step']}")
+    if state.get("best") and Path(path).resolve().parent != Path(cfg.train.output_dir).resolve():
+        # a fork into a new run folder: its best/ would be missing though the state names one
+        old = state["best"]
+        log(f"resume into another run folder: its best checkpoint starts over (the earlier run's best, "
+            f"{old['metric']} {old['value']:.4f} at step {old['step']}, stays in {Path(path).parent / 'best'})")
+        state["best"] = None
+    kept_c, kept_v = kept
+    if kept_c is not None:
+        verify = ("set by eval.verify_costs" if cfg.eval.get("verify_costs") is not None else
+                  "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")
+        log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; "
+            f"set eval.cost_ratio to use another); verify costs: {verify}")
+    return state
+
+
+def _follow_target_revision(state: dict, revision: str | None, cfg: DictConfig, log: Any) -> None:
+    """Record in ``state`` that the run goes on against the target at ``revision``; a checkpoint trained against
+    another one is warned about, and that revision is listed with the step it reached."""
+    if state.get("target_revision") != revision:
+        log(f"warning: target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); "
+            f"the checkpoint was trained against {state.get('target_revision')}: the run goes on against "
+            f"{revision} (trainer_state.json and the export card list both)")
+        earlier = list(state.get("earlier_target_revisions") or [])
+        state["earlier_target_revisions"] = [*earlier, {"target_revision": state.get("target_revision"),
+                                                        "through_step": int(state["step"])}]
+    state["target_revision"] = revision
+
+
+def apply_optim_settings(optimizer: Any, scheduler: Any, cfg: DictConfig) -> list[str]:
+    """Set ``optim.lr``, ``optim.weight_decay``, ``optim.betas`` and ``optim.eps`` of ``cfg`` on an optimizer and
+    LambdaLR schedule that a resume loaded from a checkpoint (their state dicts carry the values the run started
+    with, which a changed config would otherwise leave in force while config.yaml recorded the new ones). The
+    schedule keeps its step: the learning rate becomes ``optim.lr`` × the schedule's factor there. Returns one line
+    per value that changed."""
+    lr, betas, eps = float(cfg.optim.lr), tuple(float(b) for b in cfg.optim.betas), float(cfg.optim.eps)
+    notes = []
+    for i, group in enumerate(optimizer.param_groups):
+        decay = any(p.ndim >= 2 for p in group["params"])  # build_optimizer's groups: weights, then biases/norms
+        want = {"initial_lr": lr, "betas": betas, "eps": eps, "weight_decay": float(cfg.optim.weight_decay) if decay
+                else 0.0}
+        for key, value in want.items():
+            old = group.get(key)
+            if old is not None and (tuple(old) if key == "betas" else old) != value:
+                name = "lr" if key == "initial_lr" else key
+                shown = list(value) if key == "betas" else value
+                note = f"optim.{name}={shown} (the checkpoint's {old}) applies from here"
+                if note not in notes:
+                    notes.append(note)
+            group[key] = value
+        scheduler.base_lrs[i] = lr
+        group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() and its state say
+    return notes
+
+
+def data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:
+    """Micro-batches consumed by the checkpoint's steps; another world size continues at the same example."""
+    batch = int(cfg.train.batch_size)
+    consumed = int(state.get("examples_consumed", 0))
+    if consumed % batch:
+        raise SetupError(f"the checkpoint stopped at example {consumed}, which is not a multiple of "
+                         f"train.batch_size={batch} (it was trained with batch_size={state.get('batch_size')}); "
+                         f"resume with train.batch_size={state.get('batch_size')}")
+    saved_world = state.get("num_processes")
+    if saved_world is not None and saved_world != world:
+        log(f"resume: the checkpoint was trained by {saved_world} process(es), this run has {world}; continuing at "
+            f"example {consumed} ({world * int(cfg.train.grad_accum) * batch} examples per step from here)")
+    return consumed // batch
+
+
+def changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
+    """Config keys that decide the data stream and the update, whose values differ from the checkpoint's."""
+    saved = read_config(checkpoint)
+    if saved is None:
+        return []
+    saved = OmegaConf.create(saved)
+    if OmegaConf.select(saved, "loss.ce_labels") is None:  # a config from before loss.ce_labels: data labels
+        OmegaConf.update(saved, "loss.ce_labels", "data", force_add=True)
+    keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source", "data.holdout",
+            "data.completions", "data.target_logits", "data.logit_cache", "data.logit_cache_k",
+            "data.logit_cache_tail_samples", "data.on_policy_fraction", "data.rollout_temperature", "loss.name",
+            "loss.beta", "loss.temperature", "loss.ce_weight", "loss.ce_labels", "loss.gamma", "optim",
+            "target.name_or_path", "train.lora.dropout"]  # not loss.fused: same update
+    absent = object()  # a key the checkpoint's config predates is not a change
+    return [k for k in keys if OmegaConf.select(saved, k, default=absent) not in (absent, OmegaConf.select(cfg, k))]
+
+
+def resume_warnings(checkpoint: Path, cfg: DictConfig, state: dict, world: int) -> list[str]:
+    """What a resume changes: each key of :func:`changed_keys`, except ``train.batch_size`` where only the split
+    of the same global micro-batch over processes changed and λ = 0 (the data stream and the update are the same);
+    with λ > 0 a changed split is named: the λ coin is tossed per process micro-batch, so which rows are on-policy
+    changes from there on."""
+    split, now = (state.get("num_processes"), state.get("batch_size")), (world, int(cfg.train.batch_size))
+    same_global = None not in split and split[0] * split[1] == now[0] * now[1]
+    on_policy = float(cfg.data.on_policy_fraction) > 0
+    notes = [f"{key} differs from the checkpoint's config; the resumed run is not the same experiment"
+             for key in changed_keys(checkpoint, cfg) if not (key == "train.batch_size" and same_global and
+                                                               not on_policy)]
+    saved = read_config(checkpoint) or {}
+    was = (saved.get("logger") or {}).get("project") or "draftkit"
+    project = cfg.logger.get("project") or "draftkit"
+    if cfg.logger.name == "wandb" and (saved.get("logger") or {}).get("name") == "wandb" and was != project:
+        notes.append(f"logger.project={project} differs from the checkpoint's {was}: W&B keeps run ids per project, "
+                     f"so the metrics go to a new W&B run in {project}, not on with the one in {was}")
+    if on_policy and None not in split and split != now:
+        notes.append(f"data.on_policy_fraction={cfg.data.on_policy_fraction}: the checkpoint's micro-batches were "
+                     f"{split[0]} process(es) x {split[1]} rows, this run's are {now[0]} x {now[1]}; the λ coin is "
+                     "tossed per micro-batch, so which rows are on-policy differs from a run that kept the split "
+                     "(the data order does not)")
+    return notes
+
+
+def _override_form(value: Any) -> str:
+    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj],
+    None -> null."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _lora_value(value: Any) -> Any:
+    """A train.lora value in a comparable form: module lists as sets (null as none), numbers as floats (alpha 32 ==
+    32.0)."""
+    if value is None or isinstance(value, (list, tuple)):  # modules_to_save: null and [] both save none
+        return frozenset(value or ())
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value

@@ -31,10 +31,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decode.cache import context_length
+from decode.compat import input_vocab_size
 from decode.loading import hub_revision, recorded_name
+from decode.outputs import replace_text
 from decode.vocab_map import draft_vocab_map
-from distill import checkpoint as ckpt
-from distill.checks import check_inputs, normalize_config
+from distill import checkpoint as ckpt, runfolder
+from distill.checks import check_inputs, check_output_dir, normalize_config
 from distill.config import SetupError
 from distill.data import collate_sequences, kept_positions, load_data, micro_batch_indices
 from distill.evaluate import acceptance_eval, resolve_costs
@@ -116,33 +118,6 @@ def build_optimizer(draft: Any, cfg: DictConfig, clock: dict | None = None) -> t
     return opt, sched
 
 
-def apply_optim_settings(optimizer: Any, scheduler: Any, cfg: DictConfig) -> list[str]:
-    """Set ``optim.lr``, ``optim.weight_decay``, ``optim.betas`` and ``optim.eps`` of ``cfg`` on an optimizer and
-    LambdaLR schedule that a resume loaded from a checkpoint (their state dicts carry the values the run started
-    with, which a changed config would otherwise leave in force while config.yaml recorded the new ones). The
-    schedule keeps its step: the learning rate becomes ``optim.lr`` × the schedule's factor there. Returns one line
-    per value that changed."""
-    lr, betas, eps = float(cfg.optim.lr), tuple(float(b) for b in cfg.optim.betas), float(cfg.optim.eps)
-    notes = []
-    for i, group in enumerate(optimizer.param_groups):
-        decay = any(p.ndim >= 2 for p in group["params"])  # build_optimizer's groups: weights, then biases/norms
-        want = {"initial_lr": lr, "betas": betas, "eps": eps, "weight_decay": float(cfg.optim.weight_decay) if decay
-                else 0.0}
-        for key, value in want.items():
-            old = group.get(key)
-            if old is not None and (tuple(old) if key == "betas" else old) != value:
-                name = "lr" if key == "initial_lr" else key
-                shown = list(value) if key == "betas" else value
-                note = f"optim.{name}={shown} (the checkpoint's {old}) applies from here"
-                if note not in notes:
-                    notes.append(note)
-            group[key] = value
-        scheduler.base_lrs[i] = lr
-        group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() and its state say
-    return notes
-
-
 def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
           resume_from: str | Path | None = None, verify_costs: list[float] | None = None) -> Run:
     """Everything the loop needs, in order of cost: config checks, models + pair check, data, the pruned draft
@@ -152,18 +127,59 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     measurement (a resumed run keeps its own; :func:`distill.evaluate.resolve_costs`).
     ``resume_from``: the checkpoint a resumed run continues (a pruned draft takes its id map from there).
     """
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
-
     cfg = normalize_config(cfg)
     check_inputs(cfg)  # data files, output folder, precision vs device: before any model loads
+    accelerator = make_accelerator(cfg, log)
+    progress = Progress(str(cfg.train.progress), enabled=accelerator.is_main_process)
+    output_dir = Path(cfg.train.output_dir)
+    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
+                               trust_remote_code=bool(cfg.target.trust_remote_code))
+    # data.target_logits=cached: the target's distribution comes from a logit cache and the target is never loaded.
+    cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
+    target = load_target(cfg.target) if cache is None else None
+    draft = load_draft(cfg.draft, target)
+    check_draft_weights(cfg, draft)
+    if cache is None:
+        vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
+        ctx = [c for c in (context_length(target), context_length(draft)) if c]
+        examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
+    else:
+        vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
+                                                             context_length(draft))
+    check_draft_inputs(cfg, draft, vocab)
+    if target is not None:
+        target.to(accelerator.device)
+    draft.to(accelerator.device)
+    if cache is None:  # (the cache holds the scored sequences, target-generated ones included)
+        examples = training_examples(cfg, target, draft, tokenizer, examples, accelerator, log)
+    if not examples:
+        raise SetupError("no training examples after loading; check data.source")
+    # draft.vocab.keep: the draft's lm_head keeps the N ids with the most target mass on these examples.
+    pruned_here = prune_for_training(cfg, draft, tokenizer, vocab, target, cache, examples, resume_from, log)
+    draft, draft_base = with_lora(cfg, draft, tokenizer, output_dir, pruned_here, accelerator)
+    cost_ratio, verify_costs = run_costs(cfg, target, draft, eval_prompts, cost_ratio, verify_costs, progress,
+                                         accelerator)
+    clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
+    optimizer, scheduler = build_optimizer(draft, cfg, clock)
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
+               examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
+               cost_ratio=float(cost_ratio), verify_costs=verify_costs, draft_base=draft_base, output_dir=output_dir,
+               logit_cache=cache, clock=clock, progress=progress)
+
+
+def make_accelerator(cfg: DictConfig, log: Any) -> Any:
+    """The run's ``accelerate.Accelerator`` at the resolved ``train.mixed_precision``, with the launcher's notes
+    logged and the seed set; refuses DeepSpeed with ``train.grad_accum`` > 1."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, set_seed
+
     # On a machine without a GPU, cpu=True is what makes accelerate use gloo across launched processes.
     precision, cpu = accelerator_precision(cfg.train)
     if not torch.distributed.is_initialized():
         # accelerate keeps its state in a process-wide singleton; a second in-process run (tests, notebooks) with
         # another precision must start from a clean one.
-        from accelerate.state import AcceleratorState
-
         AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
     if str(cfg.train.mixed_precision) == "auto":
@@ -175,77 +191,78 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
         raise SetupError("DeepSpeed owns gradient accumulation: set train.grad_accum=1 and raise train.batch_size "
                          "(the recipe's exact token-count division needs one micro-batch per step)")
     set_seed(int(cfg.train.seed))
-    progress = Progress(str(cfg.train.progress), enabled=accelerator.is_main_process)
-    output_dir = Path(cfg.train.output_dir)
-    tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
-                               trust_remote_code=bool(cfg.target.trust_remote_code))
-    # data.target_logits=cached: the target's distribution comes from a logit cache and the target is never loaded.
-    cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
-    target = load_target(cfg.target) if cache is None else None
-    draft = load_draft(cfg.draft, target)
+    return accelerator
+
+
+def check_draft_weights(cfg: DictConfig, draft: Any) -> None:
+    """Refuse a draft holding a NaN or an infinity: it can be neither trained nor evaluated."""
     bad = nonfinite_weight(draft)
     if bad is not None:
         raise SetupError(f"draft.name_or_path={cfg.draft.name_or_path}: the draft's weight {bad} is not finite (NaN "
                          "or inf); it can be neither trained nor evaluated. Give a draft with finite weights (an "
                          "earlier checkpoint of its run, or the base draft)")
-    if cache is None:
-        vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
-        ctx = [c for c in (context_length(target), context_length(draft)) if c]
-        examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
-    else:
-        vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
-                                                             context_length(draft))
-    from decode.compat import input_vocab_size
 
+
+def check_draft_inputs(cfg: DictConfig, draft: Any, vocab: int) -> None:
+    """Refuse a draft whose input embedding has fewer rows than the shared vocabulary: the decoder feeds such a
+    draft a substitute id, but training reads every id of the data."""
     rows = input_vocab_size(draft)
-    if rows is not None and rows < vocab:  # the decoder feeds such a draft a substitute id; training reads every id
+    if rows is not None and rows < vocab:
         raise SetupError(f"draft.name_or_path={cfg.draft.name_or_path}: the draft's input embedding has {rows} rows "
                          f"but the shared vocabulary has {vocab} ids, which the training data uses: resize it first "
                          f"(draft.resize_token_embeddings({vocab}), then save_pretrained) or use a draft built for "
                          "this tokenizer")
 
-    if target is not None:
-        target.to(accelerator.device)
-    draft.to(accelerator.device)
 
-    if cache is not None:
-        pass  # the cache holds the scored sequences (target-generated ones included)
-    elif cfg.data.completions in ("target", "both"):
+def training_examples(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any, examples: list[dict],
+                      accelerator: Any, log: Any) -> list[dict]:
+    """The examples the run trains on, by ``data.completions``: the data's own completions, the target's
+    (sequence-level KD, :func:`prepare_target_data`) or both. Refuses data whose completions would train nothing."""
+    if cfg.data.completions in ("target", "both"):
         if cfg.data.completions == "both" and all(not e["completion_ids"] for e in examples):
             raise SetupError("data.completions=both trains on the data's own completions and the target's, but the "
                              "data has none (data.source.completion_field is null or empty): half of the examples "
                              "would train nothing. Use data.completions=target, or set data.source.completion_field")
         generated = prepare_target_data(cfg, target, draft, tokenizer, examples, accelerator, log)
-        examples = generated if cfg.data.completions == "target" else examples + generated
-    elif all(not e["completion_ids"] for e in examples) and float(cfg.data.on_policy_fraction) < 1.0:
+        return generated if cfg.data.completions == "target" else examples + generated
+    if all(not e["completion_ids"] for e in examples) and float(cfg.data.on_policy_fraction) < 1.0:
         raise SetupError("the training data has no completions (data.source.completion_field is null), so only "
                          "on-policy batches could be trained: set data.on_policy_fraction=1.0, or "
                          "data.completions=target (sequence-level KD), or data.source.completion_field=FIELD")
-    if not examples:
-        raise SetupError("no training examples after loading; check data.source")
-    # draft.vocab.keep: the draft's lm_head keeps the N ids with the most target mass on these examples.
-    pruned_here = prune_for_training(cfg, draft, tokenizer, vocab, target, cache, examples, resume_from, log)
+    return examples
 
-    lora = bool(cfg.train.lora.enabled)
-    draft_base = None
-    if lora:
-        draft_base = str(Path(cfg.draft.name_or_path).resolve()) if cfg.draft.get("name_or_path") and \
-            is_local_path(str(cfg.draft.name_or_path)) else cfg.draft.get("name_or_path")
-        if not draft_base or pruned_here:  # a built or newly pruned draft: save the adapter's base weights once
-            draft_base = str((output_dir / "draft_base").resolve())
-            if accelerator.is_main_process and not (output_dir / "draft_base" / "config.json").exists():
-                draft.save_pretrained(draft_base)
-                tokenizer.save_pretrained(draft_base)
-        draft = attach_lora(draft, cfg.train.lora)
-        for adapter in draft.peft_config.values():  # the adapter names its real base (a pruned one is draft_base)
-            adapter.base_model_name_or_path = draft_base
-    if cfg.eval.get("verify_costs") is not None:  # an explicit setting wins, also over a resumed run's own
+
+def with_lora(cfg: DictConfig, draft: Any, tokenizer: Any, output_dir: Path, pruned_here: bool,
+              accelerator: Any) -> tuple[Any, str | None]:
+    """The draft to train and what its adapter is applied to: with ``train.lora.enabled`` a LoRA-wrapped draft and
+    its base (a path or hub id; ``<output_dir>/draft_base``, saved once, for a built or newly pruned draft), else
+    the draft itself and None."""
+    if not cfg.train.lora.enabled:
+        return draft, None
+    draft_base = str(Path(cfg.draft.name_or_path).resolve()) if cfg.draft.get("name_or_path") and \
+        is_local_path(str(cfg.draft.name_or_path)) else cfg.draft.get("name_or_path")
+    if not draft_base or pruned_here:  # a built or newly pruned draft: save the adapter's base weights once
+        draft_base = str((output_dir / "draft_base").resolve())
+        if accelerator.is_main_process and not (output_dir / "draft_base" / "config.json").exists():
+            draft.save_pretrained(draft_base)
+            tokenizer.save_pretrained(draft_base)
+    draft = attach_lora(draft, cfg.train.lora)
+    for adapter in draft.peft_config.values():  # the adapter names its real base (a pruned one is draft_base)
+        adapter.base_model_name_or_path = draft_base
+    return draft, draft_base
+
+
+def run_costs(cfg: DictConfig, target: Any, draft: Any, eval_prompts: list[list[int]], cost_ratio: float | None,
+              verify_costs: list[float] | None, progress: Progress, accelerator: Any) -> tuple[float, Any]:
+    """c and v_γ of the run: ``eval.verify_costs`` when set (also over a resumed run's own), else the given ones,
+    else ``eval.cost_ratio``, else measured (the same on every process); c is NaN in cached mode (no target)."""
+    if cfg.eval.get("verify_costs") is not None:
         verify_costs = [float(v) for v in cfg.eval.verify_costs]
     if cost_ratio is None:
         cost_ratio = cfg.eval.get("cost_ratio")
     if cost_ratio is None and target is None:
-        cost_ratio = float("nan")  # no target to time; the recipe does not evaluate in cached mode
-    elif cost_ratio is None:
+        return float("nan"), verify_costs  # no target to time; the recipe does not evaluate in cached mode
+    if cost_ratio is None:
         with progress.reporting() as report:
             cost_ratio, verify_costs = resolve_costs(target, draft, eval_prompts, None, verify_costs,
                                                      int(cfg.eval.max_gamma), report)
@@ -253,14 +270,7 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
             from accelerate.utils import broadcast_object_list
 
             cost_ratio, verify_costs = broadcast_object_list([cost_ratio, verify_costs])
-    clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
-    optimizer, scheduler = build_optimizer(draft, cfg, clock)
-    draft, optimizer = accelerator.prepare(draft, optimizer)
-    return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
-               examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
-               cost_ratio=float(cost_ratio), verify_costs=verify_costs, draft_base=draft_base, output_dir=output_dir,
-               logit_cache=cache,
-               clock=clock, progress=progress)
+    return cost_ratio, verify_costs
 
 
 # ------------------------------------------------------------------------------------------------ micro-batch
@@ -483,7 +493,6 @@ def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
             loss = loss_on_batch(run, batch, n_tokens, on_policy)
             acc.backward(loss)
         loss_sum += loss.detach()
-    ckpt.fault_point("step", step + 1)
     max_norm = float(cfg.optim.max_grad_norm or 0) or float("inf")
     grad_norm = acc.clip_grad_norm_(draft.parameters(), max_norm)
     optimizer.step()
@@ -548,128 +557,6 @@ def save(run: Run, state: dict, path: Path) -> Path:
                                 OmegaConf.to_yaml(run.cfg), path)
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-def resolve_resume(cfg: DictConfig, log: Any = None) -> Path | None:
-    """The checkpoint to resume from (``train.resume`` true: the newest complete one in output_dir; a path: that
-    one), after checking that the run folder may be written (see ``checkpoint.prepare_run_folder``)."""
-    inputs = {key: OmegaConf.select(cfg, key) for key in ("draft.name_or_path", "target.name_or_path",
-                                                          "target.tokenizer", "draft.tokenizer", "data.logit_cache",
-                                                          "data.source.path")}
-    return ckpt.prepare_run_folder(cfg.train.output_dir, cfg.train.get("resume"),
-                                   bool(cfg.train.get("overwrite", False)), main=ckpt.is_main_process(),
-                                   inputs=inputs, log=log)
-
-
-def _data_position(state: dict, cfg: DictConfig, world: int, log: Any) -> int:
-    """Micro-batches consumed by the checkpoint's steps; another world size continues at the same example."""
-    batch = int(cfg.train.batch_size)
-    consumed = int(state.get("examples_consumed", 0))
-    if consumed % batch:
-        raise SetupError(f"the checkpoint stopped at example {consumed}, which is not a multiple of "
-                         f"train.batch_size={batch} (it was trained with batch_size={state.get('batch_size')}); "
-                         f"resume with train.batch_size={state.get('batch_size')}")
-    saved_world = state.get("num_processes")
-    if saved_world is not None and saved_world != world:
-        log(f"resume: the checkpoint was trained by {saved_world} process(es), this run has {world}; continuing at "
-            f"example {consumed} ({world * int(cfg.train.grad_accum) * batch} examples per step from here)")
-    return consumed // batch
-
-
-def _changed_keys(checkpoint: Path, cfg: DictConfig) -> list[str]:
-    """Config keys that decide the data stream and the update, whose values differ from the checkpoint's."""
-    saved = ckpt.read_config(checkpoint)
-    if saved is None:
-        return []
-    saved = OmegaConf.create(saved)
-    if OmegaConf.select(saved, "loss.ce_labels") is None:  # a config from before loss.ce_labels: data labels
-        OmegaConf.update(saved, "loss.ce_labels", "data", force_add=True)
-    keys = ["train.seed", "train.batch_size", "train.grad_accum", "train.max_steps", "data.source", "data.holdout",
-            "data.completions", "data.target_logits", "data.logit_cache", "data.logit_cache_k",
-            "data.logit_cache_tail_samples", "data.on_policy_fraction", "data.rollout_temperature", "loss.name",
-            "loss.beta", "loss.temperature", "loss.ce_weight", "loss.ce_labels", "loss.gamma", "optim",
-            "target.name_or_path", "train.lora.dropout"]  # not loss.fused: same update
-    absent = object()  # a key the checkpoint's config predates is not a change
-    return [k for k in keys if OmegaConf.select(saved, k, default=absent) not in (absent, OmegaConf.select(cfg, k))]
-
-
-def _resume_warnings(checkpoint: Path, cfg: DictConfig, state: dict, world: int) -> list[str]:
-    """What a resume changes: each key of :func:`_changed_keys`, except ``train.batch_size`` where only the split
-    of the same global micro-batch over processes changed and λ = 0 (the data stream and the update are the same);
-    with λ > 0 a changed split is named: the λ coin is tossed per process micro-batch, so which rows are on-policy
-    changes from there on."""
-    split, now = (state.get("num_processes"), state.get("batch_size")), (world, int(cfg.train.batch_size))
-    same_global = None not in split and split[0] * split[1] == now[0] * now[1]
-    on_policy = float(cfg.data.on_policy_fraction) > 0
-    notes = [f"{key} differs from the checkpoint's config; the resumed run is not the same experiment"
-             for key in _changed_keys(checkpoint, cfg) if not (key == "train.batch_size" and same_global and
-                                                               not on_policy)]
-    saved = ckpt.read_config(checkpoint) or {}
-    was = (saved.get("logger") or {}).get("project") or "draftkit"
-    project = cfg.logger.get("project") or "draftkit"
-    if cfg.logger.name == "wandb" and (saved.get("logger") or {}).get("name") == "wandb" and was != project:
-        notes.append(f"logger.project={project} differs from the checkpoint's {was}: W&B keeps run ids per project, "
-                     f"so the metrics go to a new W&B run in {project}, not on with the one in {was}")
-    if on_policy and None not in split and split != now:
-        notes.append(f"data.on_policy_fraction={cfg.data.on_policy_fraction}: the checkpoint's micro-batches were "
-                     f"{split[0]} process(es) x {split[1]} rows, this run's are {now[0]} x {now[1]}; the λ coin is "
-                     "tossed per micro-batch, so which rows are on-policy differs from a run that kept the split "
-                     "(the data order does not)")
-    return notes
-
-
-def _check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | None) -> None:
-    """Settings a resume cannot honour, checked against the checkpoint's trainer_state.json (``saved``; empty for
-    a fresh run) before any model loads. Raises SetupError naming the setting and the fix."""
-    asked_stop, at = cfg.train.get("stop_at"), int(saved.get("step", 0))
-    if asked_stop is not None and asked_stop < at:
-        raise SetupError(f"train.stop_at={asked_stop} is before step {at}, where the checkpoint it resumes stops "
-                         f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
-                         "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
-    best_by = (saved.get("best") or {}).get("metric")
-    same_folder = resume_from is not None and Path(resume_from).resolve().parent == Path(
-        cfg.train.output_dir).resolve()  # (a fork into another folder starts its best/ over)
-    if same_folder and best_by is not None and best_by != cfg.eval.select_by:
-        raise SetupError(f"eval.select_by={cfg.eval.select_by} differs from the run's {best_by}, by which its best/ "
-                         f"(step {saved['best'].get('step')}) was chosen: the two values are not comparable. Resume "
-                         f"with eval.select_by={best_by}, or fork into a new folder with train.resume={resume_from} "
-                         "train.output_dir=NEW (its best/ starts over)")
-    if "lora" in saved and bool(saved["lora"]) != bool(cfg.train.lora.enabled):
-        lora = bool(saved["lora"])
-        raise SetupError(f"the checkpoint {resume_from} was trained {'with' if lora else 'without'} LoRA; resume it "
-                         f"with train.lora.enabled={str(lora).lower()}"
-                         + (" and the run's other train.lora settings" if lora else ""))
-    if saved.get("lora") and cfg.train.lora.enabled:  # these shape the adapter the checkpoint's weights belong to
-        old_lora = ((resume_from and ckpt.read_config(resume_from)) or {}).get("train", {}).get("lora") or {}
-        lora = OmegaConf.to_container(cfg.train.lora)
-        for key in ("r", "alpha", "target_modules", "modules_to_save"):
-            if key in old_lora and _lora_value(old_lora[key]) != _lora_value(lora[key]):
-                was, now = _override_form(old_lora[key]), _override_form(lora[key])
-                raise SetupError(
-                    f"train.lora.{key}={now} differs from the checkpoint's {was} ({resume_from}): its adapter weights "
-                    f"were trained {'at the scale alpha / r' if key in ('r', 'alpha') else 'on those modules'} and "
-                    f"would be restored into another adapter. Resume with train.lora.{key}={was}, or start a new run "
-                    "from an export of this one")
-
-
-def _override_form(value: Any) -> str:
-    """A config value as a Hydra override writes it: 32.0 -> 32, ['q_proj', 'v_proj'] -> [q_proj,v_proj],
-    None -> null."""
-    if value is None:
-        return "null"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(map(str, value)) + "]"
-    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
-
-
-def _lora_value(value: Any) -> Any:
-    """A train.lora value in a comparable form: module lists as sets (null as none), numbers as floats (alpha 32 ==
-    32.0)."""
-    if value is None or isinstance(value, (list, tuple)):  # modules_to_save: null and [] both save none
-        return frozenset(value or ())
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
-
 # ------------------------------------------------------------------------------------------------ train
 
 def train(cfg: DictConfig, log: Any = None) -> dict:
@@ -681,25 +568,23 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
     Raises SetupError (a ValueError) for bad input before any training starts: missing target, incompatible
     tokenizer, empty data, prompts longer than the context, unknown loss, λ outside [0, 1], ...; CheckpointError
     when the run folder holds another run, or another ``distill train`` is running into it (the main process holds
-    ``checkpoint.RUN_LOCK`` there while it runs).
+    ``runfolder.RUN_LOCK`` there while it runs).
     """
     normalized = normalize_config(cfg)
-    main = ckpt.is_main_process()  # setup's lines are the same on every process: print them once
+    main = runfolder.is_main_process()  # setup's lines are the same on every process: print them once
     out, lock = Path(normalized.train.output_dir), None
     created = [d for d in (out, *out.parents) if not os.path.lexists(d)] if main else []  # the lock makes these
     if main:
-        from distill.checks import check_output_dir
-
         check_output_dir(out, "train.output_dir")  # not under a file, writable
-        lock = ckpt.lock_run_folder(out)
+        lock = runfolder.lock_run_folder(out)
     try:
         # SIGTERM while loading acts as Ctrl-C, so a run set aside by train.overwrite=true goes back (the training
         # loop's StopFlag takes both signals over and saves instead)
         with sigterm_raises(KeyboardInterrupt), contextlib.ExitStack() as closing:  # closing: the W&B run
             return _train(cfg, normalized, main, log, closing)
     except BaseException:
-        if created and [p.name for p in out.iterdir()] == [ckpt.RUN_LOCK]:  # refused before any write: as it was
-            (out / ckpt.RUN_LOCK).unlink()
+        if created and [p.name for p in out.iterdir()] == [runfolder.RUN_LOCK]:  # refused before any write
+            (out / runfolder.RUN_LOCK).unlink()
             for folder in created:  # innermost first; one the run did not make stops it
                 try:
                     folder.rmdir()
@@ -712,136 +597,32 @@ def train(cfg: DictConfig, log: Any = None) -> dict:
 
 
 def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closing: contextlib.ExitStack) -> dict:
-    """:func:`train` once the run folder is locked; ``closing`` finishes the metrics logger (its W&B run) however
-    the run ends, so a failed call leaves no W&B run open for the next one in the process."""
-    resume_from = resolve_resume(normalized, log=log or print)
-    try:  # until the first write, a stop puts back the run that train.overwrite=true set aside
-        saved = ckpt.read_state(resume_from) if resume_from is not None else {}
-        _check_resume_settings(saved, cfg, resume_from)
-        kept_c = saved.get("cost_ratio") if cfg.eval.get("cost_ratio") is None else None
-        # a checkpoint from before verify costs were kept has none: it goes on with v = 1, as it started
-        kept_v = saved.get("verify_costs") if kept_c is not None else None
-        run = setup(cfg, log=log or (print if main else lambda *_: None), cost_ratio=kept_c, resume_from=resume_from,
-                    verify_costs=kept_v)
-        cfg, acc = run.cfg, run.accelerator
-        log = log or acc.print
-        out = run.output_dir
-        revision = hub_revision(str(cfg.target.name_or_path))
-        # cached logits: no target to time, so no c (null in trainer_state.json, not NaN, which is not JSON)
-        recorded_c = run.cost_ratio if math.isfinite(run.cost_ratio) else None
-        state = {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
-                 "lora": bool(cfg.train.lora.enabled), "target": recorded_name(str(cfg.target.name_or_path)),
-                 "target_revision": revision, "vocab_size": run.vocab, "cost_ratio": recorded_c,
-                 "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
-                 "num_processes": acc.num_processes, "examples_consumed": 0}
-        if resume_from is not None:
-            state.update(ckpt.load_checkpoint(acc, run.draft, run.optimizer, run.scheduler, resume_from, log))
-            for note in apply_optim_settings(run.optimizer, run.scheduler, cfg):  # the checkpoint's were loaded
-                log(f"resume: {note}")
-            state["cost_ratio"], state["verify_costs"] = recorded_c, run.verify_costs  # the ones this run uses
-            state["draft_base"] = run.draft_base  # in a moved run folder, its own draft_base (not the old path)
-            if state.get("target_revision") != revision:
-                log(f"warning: target {cfg.target.name_or_path} is at revision {revision} (the cache's refs/main); "
-                    f"the checkpoint was trained against {state.get('target_revision')}: the run goes on against "
-                    f"{revision} (trainer_state.json and the export card list both)")
-                earlier = list(state.get("earlier_target_revisions") or [])
-                state["earlier_target_revisions"] = [*earlier, {"target_revision": state.get("target_revision"),
-                                                                "through_step": int(state["step"])}]
-            state["target_revision"] = revision
-            log(f"resumed from {resume_from} at step {state['step']}")
-            if state.get("best") and Path(resume_from).resolve().parent != out.resolve():
-                # a fork into a new run folder: its best/ would be missing though the state names one
-                old = state["best"]
-                log(f"resume into another run folder: its best checkpoint starts over (the earlier run's best, "
-                    f"{old['metric']} {old['value']:.4f} at step {old['step']}, stays in "
-                    f"{Path(resume_from).parent / 'best'})")
-                state["best"] = None
-            if kept_c is not None:
-                verify = ("set by eval.verify_costs" if cfg.eval.get("verify_costs") is not None else
-                          "kept" if kept_v is not None else "none recorded, so v = 1 as the run started")
-                log(f"resume: keeping the checkpoint's cost ratio c={kept_c:.3f} (measured when the run started; "
-                    f"set eval.cost_ratio to use another); verify costs: {verify}")
-        max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
-        micro_position = _data_position(state, cfg, world, log)  # a refused resume raises here, before any write
-    except BaseException:
-        if main:
-            ckpt.restore_set_aside(cfg.train.output_dir)
-        raise
+    """:func:`train` once the run folder is locked: setup (and the resumed checkpoint), the first write, the loop,
+    the summary. ``closing`` finishes the metrics logger (its W&B run) however the run ends, so a failed call leaves
+    no W&B run open for the next one in the process."""
+    run, state, resume_from, micro_position = start(cfg, normalized, main, log)
+    cfg, acc, out = run.cfg, run.accelerator, run.output_dir
+    log = log or acc.print
+    max_steps, accum, world = int(cfg.train.max_steps), int(cfg.train.grad_accum), acc.num_processes
+    logged_through = -1  # the last step an interrupted run logged (W&B holds it already)
     if acc.is_main_process:  # the new run starts writing: the run it replaces goes
-        ckpt.discard_set_aside(out)
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt.replace_text(out / "config.yaml", OmegaConf.to_yaml(cfg))  # whole or not at all: it marks the run
-    logged_through = -1  # the last step the interrupted run logged (W&B holds it already)
+        logged_through = runfolder.start_writing(out, OmegaConf.to_yaml(cfg), resume_from, int(state["step"]))
     if resume_from is not None:
-        if acc.is_main_process:
-            logged_through = ckpt.truncate_metrics(out, int(state["step"]))
-            if Path(resume_from).resolve().parent == out.resolve():  # a kill may have come before the pointer update
-                ckpt.mark_latest(out, resume_from)
-        for note in _resume_warnings(resume_from, cfg, state, world):
+        for note in ckpt.resume_warnings(resume_from, cfg, state, world):
             log(f"warning: {note}")
     logger = closing.enter_context(MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None,
                                                  resume_step=int(state["step"]), logged_through=logged_through,
                                                  log=log))
     state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
-    if cfg.train.stop_at is not None and int(cfg.train.stop_at) > max_steps:
-        log(f"warning: train.stop_at={cfg.train.stop_at} is past train.max_steps={max_steps}; the run ends at step "
-            f"{max_steps}")
-    if int(cfg.train.batch_size) > len(run.examples):
-        log(f"warning: train.batch_size={cfg.train.batch_size} > the {len(run.examples)} training examples: each batch "
-            "holds some examples more than once (add data or lower train.batch_size)")
-    if int(cfg.optim.warmup_steps) > max_steps:
-        log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > train.max_steps={max_steps}: the learning rate "
-            f"never reaches optim.lr={cfg.optim.lr} (it peaks at {max_steps / int(cfg.optim.warmup_steps):.0%} of it)")
-    evals = (f"{len(run.eval_prompts)} eval prompts" if run.target is not None
-             else "no eval (cached mode)")
-    log(f"distill: {len(run.examples)} examples, {evals}, loss={cfg.loss.name}, "
-        f"λ={cfg.data.on_policy_fraction}, {world} process(es), steps {state['step']}->{stop_at}/{max_steps}")
-
-    def maybe_eval_and_save(step: int, force: bool, signalled: bool = False) -> None:
-        """Save and evaluate at the scheduled steps, and both at the end (``force``). A signal saves but evaluates
-        only on schedule: an extra eval would make a candidate for best/ that the same run uninterrupted never has."""
-        every, save_every = int(cfg.eval.every), int(cfg.train.save_every)
-        path = None
-        saving = step > 0 and (force or signalled or bool(save_every and step % save_every == 0))
-        evaluating = force or bool(every and step % every == 0)
-        if saving or evaluating:  # a diverged draft is neither saved (it would prune good checkpoints) nor evaluated
-            check_finite(run, step, out)
-        if saving:  # saved first: an eval error loses no step
-            path = save(run, state, ckpt.step_dir(out, step))
-            ckpt.fault_point("pointer", step)
-            if acc.is_main_process:
-                ckpt.mark_latest(out, path)
-                ckpt.prune(out, int(cfg.train.keep_last))
-        ev = evaluate(run) if evaluating else None  # None in cached mode
-        if ev is not None:
-            state["last_eval"] = {"step": step, **ev}
-            logger.log_eval(ev, step)
-            log(f"step {step}: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
-                f"speedup≈{ev['predicted_speedup']:.2f} ({cfg.eval.select_by} selects)")
-            value = ev[cfg.eval.select_by]
-            if step > 0 and (state["best"] is None or value > state["best"]["value"]):
-                state["best"] = {"metric": cfg.eval.select_by, "value": value, "step": step}
-                save(run, state, out / "best")
-            if path is not None and acc.is_main_process:
-                ckpt.write_eval(path, state["last_eval"], state["best"])
-
+    announce(run, state, stop_at, log)
     if resume_from is not None and state["step"] >= stop_at and (state["last_eval"] or {}).get("step") != stop_at:
-        maybe_eval_and_save(state["step"], force=True)  # killed between the final save and its evaluation
-    if run.target is None:
-        log("cached target logits: no acceptance evaluation during training (the target is not loaded); measure the "
-            "result with python -m distill eval +target.name_or_path=T draft.name_or_path=<output_dir>/step_N")
-    elif state["step"] == 0 and cfg.eval.get("at_start", True):
-        ev = evaluate(run)
-        state["initial_eval"] = ev
-        logger.log_eval(ev, 0)
-        log(f"initial draft: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
+        eval_and_save(run, state, logger, log, state["step"], force=True)  # killed between the save and its eval
+    initial_eval(run, state, logger, log)
 
-    draft = run.draft
-    draft.train()
+    run.draft.train()
     loss_value = float("nan")
-    max_time_s = float(cfg.train.get("max_time_s") or 0)
-    clock = run.clock
+    clock, max_time_s = run.clock, float(cfg.train.get("max_time_s") or 0)
     clock.update(elapsed_s=float(state.get("elapsed_s", 0.0)), max_time_s=max_time_s)
     if max_time_s:
         log(f"wall-clock budget: {max_time_s:.0f}s (the LR schedule follows elapsed time; {clock['elapsed_s']:.0f}s "
@@ -856,32 +637,23 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
             micro_position += accum * world
             state["examples_consumed"] = micro_position * int(cfg.train.batch_size)  # the data position
             out_of_time = bool(max_time_s) and clock["elapsed_s"] + (time.perf_counter() - t0) >= max_time_s
-            if max_time_s and acc.num_processes > 1:  # every process must stop at the same step
-                flag_t = torch.tensor(float(out_of_time), device=acc.device)
-                out_of_time = bool(acc.reduce(flag_t, reduction="sum").item() > 0)
+            if max_time_s:  # every process must stop at the same step
+                out_of_time = any_process(acc, out_of_time)
             log_now = step % int(cfg.train.log_every) == 0 or step == 1 or step == stop_at or out_of_time
-            signalled = flag.stop
-            if acc.num_processes > 1:  # a signal may reach one process only (kill -TERM of a rank) or the processes
-                # at different steps: all stop at the same step, or the others wait in the next collective forever
-                signalled = bool(acc.reduce(torch.tensor(float(signalled), device=acc.device), reduction="sum").item())
+            # a signal may reach one process only (kill -TERM of a rank) or the processes at different steps: all
+            # stop at the same step, or the others wait in the next collective forever
+            signalled = any_process(acc, flag.stop)
             if log_now or signalled:  # the loss is read (a host sync) only when it is shown
                 loss_value = float(acc.reduce(out_step["loss_sum"], reduction="mean").item())
-            dt = time.perf_counter() - t0
-            tokens_per_s = out_step["tokens"] / max(dt, 1e-9)
+            tokens_per_s = out_step["tokens"] / max(time.perf_counter() - t0, 1e-9)
             bar.update(advance=1, info=f"loss {loss_value:.4f}  {tokens_per_s:,.0f} tok/s")
-            if log_now and not math.isfinite(loss_value):  # (the same on every process: it is reduced)
-                check_finite(run, step, out)  # diverged weights stop the run now, not at the next save
             if log_now:
-                grad_norm = out_step["grad_norm"]
-                grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
-                logger.log({"train/loss": loss_value, "train/lr": lr,
-                            "train/grad_norm": grad_norm, "train/tokens_per_s": tokens_per_s,
-                            "train/tokens_seen": state["tokens_seen"], "train/elapsed_s": clock["elapsed_s"],
-                            "train/on_policy_fraction_batch": out_step["on_policy_fraction"]}, step)
+                log_step(run, logger, state, out_step, {"train/loss": loss_value, "train/lr": lr,
+                                                        "train/tokens_per_s": tokens_per_s})
             t1 = time.perf_counter()
             clock["elapsed_s"] += t1 - t0
             state["elapsed_s"] = clock["elapsed_s"]  # saved with the checkpoint: a resumed run keeps its schedule
-            maybe_eval_and_save(step, force=step == stop_at or out_of_time, signalled=signalled)
+            eval_and_save(run, state, logger, log, step, force=step == stop_at or out_of_time, signalled=signalled)
             clock["elapsed_s"] += time.perf_counter() - t1  # eval and checkpoint time count against the budget
             state["elapsed_s"] = clock["elapsed_s"]
             if signalled:
@@ -891,11 +663,141 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
                 log(f"train.max_time_s={max_time_s:.0f} reached at step {step} ({clock['elapsed_s']:.0f}s)")
                 break
     logger.finish()
+    return finish(run, state, loss_value, log)
+
+
+def start(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> tuple[Run, dict, Path | None, int]:
+    """:func:`setup`, and for a resumed run the checkpoint restored (:func:`distill.checkpoint.resume_state`).
+
+    Returns the run, its trainer state, the checkpoint it resumed from (None: a fresh run) and the global
+    micro-batches consumed so far. Until the run's first write, a stop (an error, Ctrl-C, a refused resume) puts
+    back the run that ``train.overwrite=true`` set aside.
+    """
+    resume_from = runfolder.resolve_resume(normalized, log=log or print)
+    try:
+        saved = ckpt.read_state(resume_from) if resume_from is not None else {}
+        ckpt.check_resume_settings(saved, cfg, resume_from)
+        kept = ckpt.kept_costs(saved, cfg)
+        run = setup(cfg, log=log or (print if main else lambda *_: None), cost_ratio=kept[0], resume_from=resume_from,
+                    verify_costs=kept[1])
+        log = log or run.accelerator.print
+        state = fresh_state(run)
+        if resume_from is not None:
+            state = ckpt.resume_state(state, resume_from, run.cfg, run.accelerator, run.draft, run.optimizer,
+                                      run.scheduler, kept, log)
+        micro_position = ckpt.data_position(state, run.cfg, run.accelerator.num_processes, log)  # may refuse
+    except BaseException:
+        if main:
+            runfolder.restore_set_aside(cfg.train.output_dir)
+        raise
+    return run, state, resume_from, micro_position
+
+
+def fresh_state(run: Run) -> dict:
+    """The trainer state of a run at step 0 (saved as trainer_state.json with each checkpoint)."""
+    cfg = run.cfg
+    # cached logits: no target to time, so no c (null in trainer_state.json, not NaN, which is not JSON)
+    recorded_c = run.cost_ratio if math.isfinite(run.cost_ratio) else None
+    return {"step": 0, "tokens_seen": 0, "best": None, "last_eval": None, "draft_base": run.draft_base,
+            "lora": bool(cfg.train.lora.enabled), "target": recorded_name(str(cfg.target.name_or_path)),
+            "target_revision": hub_revision(str(cfg.target.name_or_path)), "vocab_size": run.vocab,
+            "cost_ratio": recorded_c, "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
+            "num_processes": run.accelerator.num_processes, "examples_consumed": 0}
+
+
+def announce(run: Run, state: dict, stop_at: int, log: Any) -> None:
+    """The run's first line (data, loss, λ, processes, steps), after warnings about settings that do not do what
+    they seem to: a ``train.stop_at`` past ``train.max_steps``, a batch larger than the data, a warmup longer than
+    the run."""
+    cfg, max_steps = run.cfg, int(run.cfg.train.max_steps)
+    if cfg.train.stop_at is not None and int(cfg.train.stop_at) > max_steps:
+        log(f"warning: train.stop_at={cfg.train.stop_at} is past train.max_steps={max_steps}; the run ends at step "
+            f"{max_steps}")
+    if int(cfg.train.batch_size) > len(run.examples):
+        log(f"warning: train.batch_size={cfg.train.batch_size} > the {len(run.examples)} training examples: each batch "
+            "holds some examples more than once (add data or lower train.batch_size)")
+    if int(cfg.optim.warmup_steps) > max_steps:
+        log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > train.max_steps={max_steps}: the learning rate "
+            f"never reaches optim.lr={cfg.optim.lr} (it peaks at {max_steps / int(cfg.optim.warmup_steps):.0%} of it)")
+    evals = f"{len(run.eval_prompts)} eval prompts" if run.target is not None else "no eval (cached mode)"
+    log(f"distill: {len(run.examples)} examples, {evals}, loss={cfg.loss.name}, "
+        f"λ={cfg.data.on_policy_fraction}, {run.accelerator.num_processes} process(es), "
+        f"steps {state['step']}->{stop_at}/{max_steps}")
+
+
+def initial_eval(run: Run, state: dict, logger: MetricsLogger, log: Any) -> None:
+    """The starting draft's α and τ (``eval.at_start``, step 0 only), kept as ``initial_eval``; in cached mode
+    (no target loaded) a line saying how to measure the result instead."""
+    if run.target is None:
+        log("cached target logits: no acceptance evaluation during training (the target is not loaded); measure the "
+            "result with python -m distill eval +target.name_or_path=T draft.name_or_path=<output_dir>/step_N")
+    elif state["step"] == 0 and run.cfg.eval.get("at_start", True):
+        ev = evaluate(run)
+        state["initial_eval"] = ev
+        logger.log_eval(ev, 0)
+        log(f"initial draft: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
+
+
+def any_process(acc: Any, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (a sum over processes; one process: its own)."""
+    if acc.num_processes == 1:
+        return flag
+    return bool(acc.reduce(torch.tensor(float(flag), device=acc.device), reduction="sum").item() > 0)
+
+
+def log_step(run: Run, logger: MetricsLogger, state: dict, out_step: dict, row: dict) -> None:
+    """Log a step's row (``row``: loss, lr and speed; the rest from ``out_step`` and ``state``); a loss that is not
+    finite stops the run now if the weights diverged (the same on every process: the loss is reduced)."""
+    step = state["step"]
+    if not math.isfinite(row["train/loss"]):
+        check_finite(run, step, run.output_dir)  # diverged weights stop the run now, not at the next save
+    grad_norm = out_step["grad_norm"]
+    grad_norm = float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed clips itself
+    logger.log({**row, "train/grad_norm": grad_norm, "train/tokens_seen": state["tokens_seen"],
+                "train/elapsed_s": run.clock["elapsed_s"],
+                "train/on_policy_fraction_batch": out_step["on_policy_fraction"]}, step)
+
+
+def eval_and_save(run: Run, state: dict, logger: MetricsLogger, log: Any, step: int, force: bool,
+                  signalled: bool = False) -> None:
+    """Save and evaluate at the scheduled steps, and both at the end (``force``). A signal saves but evaluates
+    only on schedule: an extra eval would make a candidate for best/ that the same run uninterrupted never has."""
+    cfg, acc, out = run.cfg, run.accelerator, run.output_dir
+    every, save_every = int(cfg.eval.every), int(cfg.train.save_every)
+    path = None
+    saving = step > 0 and (force or signalled or bool(save_every and step % save_every == 0))
+    evaluating = force or bool(every and step % every == 0)
+    if saving or evaluating:  # a diverged draft is neither saved (it would prune good checkpoints) nor evaluated
+        check_finite(run, step, out)
+    if saving:  # saved first: an eval error loses no step
+        path = save(run, state, ckpt.step_dir(out, step))
+        if acc.is_main_process:
+            ckpt.mark_latest(out, path)
+            ckpt.prune(out, int(cfg.train.keep_last))
+    ev = evaluate(run) if evaluating else None  # None in cached mode
+    if ev is None:
+        return
+    state["last_eval"] = {"step": step, **ev}
+    logger.log_eval(ev, step)
+    log(f"step {step}: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
+        f"speedup≈{ev['predicted_speedup']:.2f} ({cfg.eval.select_by} selects)")
+    value = ev[cfg.eval.select_by]
+    if step > 0 and (state["best"] is None or value > state["best"]["value"]):
+        state["best"] = {"metric": cfg.eval.select_by, "value": value, "step": step}
+        save(run, state, out / "best")
+    if path is not None and acc.is_main_process:
+        ckpt.write_eval(path, state["last_eval"], state["best"])
+
+
+def finish(run: Run, state: dict, loss_value: float, log: Any) -> dict:
+    """The run's summary, written to ``<output_dir>/summary.json`` (whole or not at all) and returned; a warning
+    when best/ scores below the starting draft."""
+    cfg, acc, out = run.cfg, run.accelerator, run.output_dir
     # null, not NaN (invalid JSON), when this call trained no step (a finished run resumed) or the loss diverged
     final_loss = loss_value if math.isfinite(loss_value) else None
-    summary = {"steps": state["step"], "max_steps": max_steps, "final_loss": final_loss,
+    summary = {"steps": state["step"], "max_steps": int(cfg.train.max_steps), "final_loss": final_loss,
                "tokens_seen": state["tokens_seen"], "best": state["best"], "last_eval": state["last_eval"],
-               "initial_eval": state.get("initial_eval"), "num_processes": world, "output_dir": str(out),
+               "initial_eval": state.get("initial_eval"), "num_processes": acc.num_processes, "output_dir": str(out),
                "elapsed_s": state.get("elapsed_s"), "target_logits": target_logits_mode(cfg),
                "peak_memory_mb": peak_memory_mb(acc.device)}
     log(f"peak memory {summary['peak_memory_mb']:.0f} MiB ({'CUDA allocated' if acc.device.type == 'cuda' else 'RSS'}"
@@ -908,7 +810,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
             f"or train longer before exporting best/")
     if acc.is_main_process:
         try:  # whole or not at all; a full disk here costs the summary only: every checkpoint is already saved
-            ckpt.replace_text(out / "summary.json", json.dumps(summary, indent=2))
+            replace_text(out / "summary.json", json.dumps(summary, indent=2))
         except OSError as err:
             log(f"warning: could not write {out / 'summary.json'} ({err.strerror or err}); the checkpoints in {out} "
                 f"are complete. The summary: {json.dumps(summary)}")

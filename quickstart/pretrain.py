@@ -17,8 +17,8 @@ annealed. The forward/backward runs under bf16 autocast with fp32 master weights
 natively (``--bf16``/``--no-bf16`` force it; the default asks ``distill.precision``): measured 1.5-1.8x faster than
 fp32 on a 2-core AMD EPYC with AVX512-BF16, but 3.7x *slower* (285 vs 1,070 tokens/s) on a 2-core Xeon without it. Interrupted runs resume from ``<out>/resume/``
 (safetensors + JSON, complete only with its manifest, see distill/checkpoint.py); finished runs are reused. Token
-streams are cached as safetensors. Nothing is unpickled: a ``resume.pt`` of an earlier version is refused with the
-command that converts it, and an old ``tokens-*.pt`` cache is ignored (rebuilt).
+streams are cached as safetensors. Nothing is unpickled: a ``resume.pt`` of an earlier version is refused, and an
+old ``tokens-*.pt`` cache is ignored (rebuilt).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ SIZES: dict[str, dict] = {
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 RESULT_FILE = "pretrain.json"
 RESUME_DIR = "resume"          # the resume snapshot: model/optimizer/generator tensors + JSON state + manifest
-LEGACY_RESUME_FILE = "resume.pt"  # the earlier pickle snapshot (refused; distill convert-checkpoint converts it)
+LEGACY_RESUME_FILE = "resume.pt"  # an earlier version's pickle snapshot: refused, never read
 
 
 @dataclass
@@ -380,12 +380,12 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     identity = {**{k: getattr(cfg, k) for k in PretrainConfig.IDENTITY}, "vocab": len(tokenizer)}
     state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "identity": identity}
     resume = out / RESUME_DIR
-    if (out / LEGACY_RESUME_FILE).is_file() and not resume.is_dir():  # (converted: resume/ beside it is read)
-        raise ValueError(f"{out / LEGACY_RESUME_FILE} is a resume snapshot of an earlier version, stored as a pickle; "
-                         "unpickling can run code, so it is not read. If you trust it, convert it once with "
-                         f"python -m distill convert-checkpoint {out / LEGACY_RESUME_FILE} (tensors and plain types "
-                         "only), or delete it to start this run over")
-    from distill.checkpoint import recover_replaced_dir, replace_text
+    if (out / LEGACY_RESUME_FILE).is_file() and not resume.is_dir():
+        raise ValueError(f"{out / LEGACY_RESUME_FILE} is not a resume snapshot of this draftkit version: an earlier "
+                         "version stored it as a pickle, which is never unpickled (unpickling can run code). Delete "
+                         "it to start this run over, or choose another --out")
+    from decode.outputs import replace_text
+    from distill.checkpoint import recover_replaced_dir
 
     recovered = recover_replaced_dir(resume)  # a crash between replace_dir's two renames
     if recovered is not None:
@@ -431,7 +431,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
 
 def save_resume(path: Path, model, optimizer, gen: torch.Generator, state: dict) -> None:
     """Write the resume snapshot folder ``path`` (via ``path.tmp``, manifest last, then renamed)."""
-    from distill.checkpoint import optimizer_to_data, replace_dir, save_tensors, write_json, write_manifest
+    from decode.outputs import replace_dir, write_json
+    from distill.checkpoint import optimizer_to_data, save_tensors, write_manifest
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

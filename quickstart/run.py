@@ -284,7 +284,7 @@ def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
            f"++target.name_or_path={_hydra_path(out / qs.target.dir)}",
            f"draft.name_or_path={_hydra_path(out / qs.draft.dir)}", f"train.output_dir={_hydra_path(run_dir)}",
            *_cache_overrides(qs, out)]
-    from distill.checkpoint import rerun_overrides
+    from distill.runfolder import rerun_overrides
 
     return cmd + rerun_overrides(run_dir) + list(extra)  # an interrupted run continues (or starts over) in its folder
 
@@ -692,11 +692,11 @@ LOCK_FILE = ".quickstart.lock"
 
 
 def lock_out_dir(out: Path):
-    """Hold an exclusive lock on ``out/.quickstart.lock`` for this run (``distill.checkpoint.lock_folder``: it goes
+    """Hold an exclusive lock on ``out/.quickstart.lock`` for this run (``distill.runfolder.lock_folder``: it goes
     with the process, also on ``kill -9``), or raise ValueError when another quickstart holds it (two runs into one
     folder trained, overwrote and mixed each other's phases). Returns the open file (keep it open while the run
     lasts); None where ``fcntl`` does not exist (Windows)."""
-    from distill.checkpoint import FolderBusy, lock_folder
+    from distill.runfolder import FolderBusy, lock_folder
 
     try:
         return lock_folder(out, LOCK_FILE)
@@ -1042,7 +1042,7 @@ def _finish(results: dict, out: Path, console, t_start: float, status: int) -> i
     path = out / RESULTS_FILE
     kept = keep_previous_results(path)
     text = json.dumps(results, indent=2, default=str) + "\n"
-    from distill.checkpoint import replace_text
+    from decode.outputs import replace_text
 
     try:
         replace_text(path, text)  # whole or not at all: a kill or a full disk never leaves half a file

@@ -1,6 +1,8 @@
 """Checkpoints are data: a crafted pickle in any file a loader reads is refused with an error naming the file, and its
-payload never runs (a marker file it would create stays absent). Covers training checkpoints, the earlier pickle
-layout and its converter (the pretrain snapshot and token cache: tests/quickstart/test_pretrain_snapshot.py)."""
+payload never runs (a marker file it would create stays absent); a folder of the earlier pickle layout is refused
+as not a checkpoint of this version, unread (the pretrain snapshot and token cache:
+tests/quickstart/test_pretrain_snapshot.py). Resuming: what a changed config is warned about."""
+import json
 import pickle
 import shutil
 
@@ -8,7 +10,6 @@ import pytest
 import torch
 
 from distill import checkpoint as ckpt
-from tests.pickle_payload import Payload, fix_manifest as _fix_manifest, plant as _plant
 from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import compose, overrides
@@ -18,6 +19,31 @@ NEW_FILES = ["model.safetensors", "optimizer.safetensors", "optimizer.json", "sc
              "config.yaml"]
 
 
+class Payload:
+    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker):
+    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    torch.save({"state": Payload(marker)}, path)
+
+
+def _fix_manifest(folder):
+    """Record the tampered sizes, as a crafted checkpoint would (so the loader really parses each file)."""
+    try:
+        step = json.loads((folder / "manifest.json").read_text())["step"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # the manifest itself was replaced
+    (folder / "manifest.json").unlink()
+    ckpt.write_manifest(folder, step)
 
 
 @pytest.fixture(scope="module")
@@ -145,110 +171,33 @@ def test_resume_from_an_edited_file_exits_2_naming_it(pair, run, tmp_path, capsy
 
 # ------------------------------------------------------------------------------------------------ earlier layout
 
-def _legacy(pair, run, dst):
-    """A checkpoint in the earlier layout, written by the earlier writer's calls (accelerate.save_state +
-    torch.save of the scheduler), holding the same state as ``run/step_000002``."""
-    from distill.recipe import setup
-
-    cfg = compose(overrides(pair, dst.parent / "unused", "train.max_steps=2"))
-    r = setup(cfg, log=lambda *_: None)
-    ckpt.load_checkpoint(r.accelerator, r.draft, r.optimizer, r.scheduler, run / "step_000002")
+@pytest.fixture(scope="module")
+def old_layout(run, tmp_path_factory):
+    """A checkpoint folder of the earlier pickle layout (its state file, config and draft, with scheduler.pt and
+    accelerate/*.bin, *.pkl pickles in place of safetensors and JSON), each pickle a payload."""
+    dst = tmp_path_factory.mktemp("old") / "run" / "step_000002"
     dst.mkdir(parents=True)
-    r.accelerator.save_state(str(dst / "accelerate"))
-    torch.save(r.scheduler.state_dict(), dst / "scheduler.pt")
     for name in ("trainer_state.json", "config.yaml"):
         shutil.copy(run / "step_000002" / name, dst / name)
     shutil.copytree(run / "step_000002" / "draft", dst / "draft")
+    for name in ("scheduler.pt", "accelerate/optimizer.bin", "accelerate/random_states_0.pkl"):
+        _plant(dst / name, dst.parent.parent / "marker")
     return dst
 
 
-@pytest.fixture(scope="module")
-def legacy(pair, run, tmp_path_factory):
-    return _legacy(pair, run, tmp_path_factory.mktemp("legacy") / "run" / "step_000002")
+def test_an_earlier_pickle_layout_is_refused_unread(pair, old_layout, tmp_path, capsys):
+    marker = old_layout.parent.parent / "marker"
+    with pytest.raises(SetupError, match="is not a draftkit checkpoint of this version.*never unpickled.*Re-run the "
+                                         "training"):
+        train(compose(overrides(pair, tmp_path / "r", f"train.resume={old_layout}")), log=lambda *_: None)
+    # train.resume=true in its run folder names them as of the earlier layout, not as incomplete or damaged
+    with pytest.raises(SetupError, match=r"\(step_000002\) are not draftkit checkpoints of this version"):
+        train(compose(overrides(pair, old_layout.parent, "train.resume=true")), log=lambda *_: None)
+    from distill.export import export
 
-
-def test_earlier_layout_is_refused_with_the_convert_command(pair, legacy, tmp_path, capsys):
-    with pytest.raises(SetupError, match="python -m distill convert-checkpoint"):
-        train(compose(overrides(pair, tmp_path / "r", f"train.resume={legacy}")), log=lambda *_: None)
-    # train.resume=true in its run folder said "incomplete ... add train.overwrite=true", which deletes them
-    with pytest.raises(SetupError, match=f"were written by an earlier draftkit layout.*convert-checkpoint {legacy}"):
-        train(compose(overrides(pair, legacy.parent, "train.resume=true")), log=lambda *_: None)
-    from distill.__main__ import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["convert-checkpoint", str(tmp_path / "nope")])
-    assert e.value.code == 2 and f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("name", ["scheduler.pt", "accelerate/optimizer.bin", "accelerate/random_states_0.pkl"])
-def test_convert_refuses_a_pickle_payload(legacy, tmp_path, capsys, name):
-    from distill.__main__ import main
-
-    bad = tmp_path / "step_000002"
-    shutil.copytree(legacy, bad)
-    marker = tmp_path / "marker"
-    _plant(bad / name, marker)
-    with pytest.raises(SystemExit) as e:
-        main(["convert-checkpoint", str(bad)])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and name.split("/")[-1] in err and "not loaded" in err
-    assert not marker.exists() and (bad / "scheduler.pt").exists()  # nothing converted half-way
-
-
-def test_converted_checkpoint_resumes_like_the_original(pair, run, legacy, tmp_path):
-    from distill.__main__ import main
-    from safetensors.torch import load_file
-
-    conv = tmp_path / "conv" / "step_000002"
-    shutil.copytree(legacy, conv)
-    (conv / "accelerate" / "NOTES.txt").write_text("mine")  # a file the conversion does not read
-    main(["convert-checkpoint", str(conv)])
-    assert ckpt.is_complete(conv) and not (conv / "scheduler.pt").exists() and not (conv / "accelerate").exists()
-    kept = conv / ckpt.LEGACY_DIR  # the originals, every file, moved out of the loader's way and never deleted
-    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*") if p.is_file()) == sorted(
-        ["scheduler.pt"] + [f"accelerate/{p.relative_to(legacy / 'accelerate').as_posix()}"
-                            for p in (legacy / "accelerate").rglob("*") if p.is_file()] + ["accelerate/NOTES.txt"])
-    a, b = tmp_path / "a", tmp_path / "b"
-    for src, out in ((run / "step_000002", a), (conv, b)):
-        train(compose(overrides(pair, out, f"train.resume={src}", "train.max_steps=4", "eval.temperatures=[0.0]")),
-              log=lambda *_: None)
-    wa, wb = load_file(str(a / "step_000004" / "model.safetensors")), load_file(str(b / "step_000004" /
-                                                                                   "model.safetensors"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def test_an_interrupted_conversion_is_finished_by_running_it_again(legacy, tmp_path, monkeypatch):
-    """Found by a new user's trial: a conversion cut between deleting the pickles and writing the manifest left a
-    checkpoint that neither converted nor loaded (each command named the other)."""
-    from distill.__main__ import main
-
-    conv = tmp_path / "step_000002"
-    shutil.copytree(legacy, conv)
-    monkeypatch.setattr(ckpt, "write_manifest", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    with pytest.raises(SystemExit):  # main turns the interrupt into "run the same command again"
-        main(["convert-checkpoint", str(conv)])
-    assert not ckpt.is_complete(conv) and (conv / ckpt.LEGACY_DIR / "scheduler.pt").is_file()
-    assert ckpt.is_legacy(conv)  # so a resume from it names convert-checkpoint, which finishes it
-    monkeypatch.undo()
-    main(["convert-checkpoint", str(conv)])
-    assert ckpt.is_complete(conv) and (conv / ckpt.LEGACY_DIR / "accelerate" / "optimizer.bin").is_file()
-
-
-def test_convert_names_a_missing_file_and_the_resume_pt_form(legacy, tmp_path, capsys):
-    from distill.__main__ import main
-
-    bad = tmp_path / "step_000002"
-    shutil.copytree(legacy, bad)
-    (bad / "accelerate" / "optimizer.bin").unlink()
-    with pytest.raises(SystemExit) as e:
-        main(["convert-checkpoint", str(bad)])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "optimizer.bin is missing" in err and "tensors and plain types" not in err
-    (tmp_path / "pre").mkdir()
-    torch.save({"state": {}}, tmp_path / "pre" / "resume.pt")
-    with pytest.raises(SystemExit) as e:
-        main(["convert-checkpoint", str(tmp_path / "pre")])
-    assert e.value.code == 2 and f"convert-checkpoint {tmp_path / 'pre' / 'resume.pt'}" in capsys.readouterr().err
+    with pytest.raises(SetupError, match="is not a draftkit checkpoint of this version"):
+        export(old_layout, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_a_full_disk_during_a_save_is_named_and_the_run_resumes_from_the_previous_checkpoint(pair, tmp_path,
@@ -281,3 +230,28 @@ def test_a_full_disk_during_a_save_is_named_and_the_run_resumes_from_the_previou
     assert s["steps"] == 4
     a, b = (load_file(str(p / "step_000004" / "model.safetensors")) for p in (straight, out))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------------ resuming
+
+def test_a_resume_that_splits_the_global_batch_differently_warns_only_where_the_data_changes(pair, tmp_path):
+    """A 2-process run (2 rows each) resumed with 1 process (4 rows) is exact at λ = 0, yet warned that
+    train.batch_size changed "the experiment"; at λ > 0 it puts other rows on-policy, and the same generic line was
+    all it said."""
+    from omegaconf import OmegaConf
+
+    def cfg(*extra):
+        return compose(overrides(pair, tmp_path / "run", *extra))
+
+    saved = tmp_path / "step_000002"
+    saved.mkdir()
+    state = {"num_processes": 2, "batch_size": 2}
+    (saved / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2")))
+    assert ckpt.resume_warnings(saved, cfg("train.batch_size=4"), state, world=1) == []
+    assert ckpt.resume_warnings(saved, cfg("train.batch_size=3"), state, world=1) == [
+        "train.batch_size differs from the checkpoint's config; the resumed run is not the same experiment"]
+    (saved / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2", "data.on_policy_fraction=0.5")))
+    notes = ckpt.resume_warnings(saved, cfg("train.batch_size=4", "data.on_policy_fraction=0.5"), state, world=1)
+    assert notes[0].startswith("train.batch_size differs")
+    assert "2 process(es) x 2 rows, this run's are 1 x 4" in notes[1]
+    assert ckpt.resume_warnings(saved, cfg("train.batch_size=2", "data.on_policy_fraction=0.5"), state, world=2) == []

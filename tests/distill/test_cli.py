@@ -13,7 +13,7 @@ from distill_helpers import PY, REPO, compose, overrides, subprocess_env
 def test_help_lists_subcommands(capsys):
     main(["--help"])
     text = capsys.readouterr().out
-    for name in ("train", "export", "generate-data", "eval", "convert-checkpoint", "cache-logits", "bench-step"):
+    for name in ("train", "export", "generate-data", "eval", "cache-logits", "bench-step"):
         assert name in text and name in SUBCOMMANDS
 
 

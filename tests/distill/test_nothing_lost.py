@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import distill.recipe as recipe
-from distill import checkpoint as ckpt
+from distill import checkpoint as ckpt, runfolder
 from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import PY, REPO, compose, overrides, subprocess_env
@@ -36,12 +36,13 @@ def _assert_same_weights(a, b):
 
 def _mtimes(folder):
     """path -> mtime of everything under a run folder but its lock file (each run rewrites its holder line)."""
-    return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.name != ckpt.RUN_LOCK}
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.name != runfolder.RUN_LOCK}
 
 
 def _contents(folder):
     """relative path -> bytes of every file under a run folder but its lock file."""
-    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ckpt.RUN_LOCK}
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*")
+            if p.is_file() and p.name != runfolder.RUN_LOCK}
 
 
 def _train_steps(out):
@@ -80,7 +81,7 @@ def test_a_second_run_into_a_folder_another_run_is_training_into_is_refused(pair
     out = tmp_path / "run"
     shutil.copytree(straight, out)
     before = _mtimes(out)
-    held = ckpt.lock_run_folder(out)  # the first run, still going (another process in real life)
+    held = runfolder.lock_run_folder(out)  # the first run, still going (another process in real life)
     monkeypatch.setattr(recipe, "load_target", lambda *a: pytest.fail("a model was loaded"))
     try:
         with pytest.raises(SetupError, match=f"another distill train is running into train.output_dir={out} "
@@ -102,7 +103,7 @@ def test_overwrite_starts_over_and_keeps_unrelated_files(pair, straight, tmp_pat
     assert _train_steps(out) == [1, 2]  # the old run's rows are gone, not mixed in
     assert sorted(p.name for p in ckpt.list_checkpoints(out)) == ["step_000002"]
     assert (out / "notes.txt").read_text() == "mine" and (out / "target_data").is_dir()
-    assert not (out / ckpt.SET_ASIDE).exists()  # the old run went when the new one started writing
+    assert not (out / runfolder.SET_ASIDE).exists()  # the old run went when the new one started writing
 
 
 def test_a_rank_left_in_the_environment_does_not_turn_a_lone_run_s_folder_checks_off(pair, straight, tmp_path,
@@ -119,7 +120,7 @@ def test_a_rank_left_in_the_environment_does_not_turn_a_lone_run_s_folder_checks
         train(compose(overrides(pair, out, *FAST)), log=QUIET)
     assert _contents(out) == before
     monkeypatch.setenv("WORLD_SIZE", "2")  # a real launch: rank 1 leaves the checks to rank 0
-    assert not ckpt.is_main_process()
+    assert not runfolder.is_main_process()
 
 
 def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, straight, tmp_path, capsys, monkeypatch):
@@ -132,7 +133,7 @@ def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, strai
     shutil.copytree(straight, out)
     link = tmp_path / "link"
     link.symlink_to(out)
-    held = ckpt.lock_run_folder(out)
+    held = runfolder.lock_run_folder(out)
     try:
         for folder, extra in ((out, ()), (link, ()), (out, ("train.resume=true",))):
             with pytest.raises(SystemExit) as e:
@@ -151,14 +152,6 @@ def test_the_command_line_names_a_live_run_before_judging_its_folder(pair, strai
         held.close()
 
 
-def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
-    out = tmp_path / "run"
-    (out / ckpt.RUN_LOCK).mkdir(parents=True)  # (a lock file of another user reads the same: PermissionError)
-    with pytest.raises(SetupError, match=f"cannot take the run lock {out / ckpt.RUN_LOCK} .*make it a file you can "
-                                         "write"):
-        ckpt.lock_run_folder(out)
-
-
 def test_overwrite_removes_only_what_a_run_wrote_and_a_folder_without_a_run_is_not_called_one(straight, tmp_path):
     """train.overwrite=true deleted a user's step_000002_keep/step_000002.bak copies (glob step_*), and in a folder
     that never held a run the user's config.yaml and wandb/ (which the refusal had called "a run")."""
@@ -166,9 +159,9 @@ def test_overwrite_removes_only_what_a_run_wrote_and_a_folder_without_a_run_is_n
     shutil.copytree(straight, out)
     shutil.copytree(straight / "step_000002", out / "step_000002_keep")
     shutil.copytree(straight / "step_000002", out / "step_000002.bak")
-    assert ckpt.prepare_run_folder(out, False, True) is None
-    ckpt.discard_set_aside(out)
-    assert sorted(p.name for p in out.iterdir()) == [ckpt.RUN_LOCK, "step_000002.bak", "step_000002_keep"]
+    assert runfolder.prepare_run_folder(out, False, True) is None
+    runfolder.discard_set_aside(out)
+    assert sorted(p.name for p in out.iterdir()) == [runfolder.RUN_LOCK, "step_000002.bak", "step_000002_keep"]
 
     mine = tmp_path / "project"
     (mine / "wandb").mkdir(parents=True)
@@ -179,19 +172,19 @@ def test_overwrite_removes_only_what_a_run_wrote_and_a_folder_without_a_run_is_n
     for overwrite in (False, True):
         with pytest.raises(SetupError, match="is not empty and holds no run .*config.yaml, notes.txt, wandb.*move "
                                              "config.yaml, wandb out of it"):
-            ckpt.prepare_run_folder(mine, False, overwrite)
+            runfolder.prepare_run_folder(mine, False, overwrite)
     assert _contents(mine) == before
     (mine / "config.yaml").unlink()
     shutil.rmtree(mine / "wandb")
     with pytest.raises(SetupError, match=r"holds no run \(notes.txt\).*train.overwrite=true to train beside them"):
-        ckpt.prepare_run_folder(mine, False, False)
-    assert ckpt.prepare_run_folder(mine, False, True) is None and _contents(mine) == {Path("notes.txt"): b"notes"}
+        runfolder.prepare_run_folder(mine, False, False)
+    assert runfolder.prepare_run_folder(mine, False, True) is None and _contents(mine) == {Path("notes.txt"): b"notes"}
     # a run killed after writing only its config.yaml is still a run: its rerun's overwrite replaces it
     (mine / "config.yaml").write_text((straight / "config.yaml").read_text())
     with pytest.raises(SetupError, match="already holds a run"):
-        ckpt.prepare_run_folder(mine, False, False)
-    ckpt.prepare_run_folder(mine, False, True)
-    assert (mine / ckpt.SET_ASIDE / "config.yaml").is_file() and not (mine / "config.yaml").exists()
+        runfolder.prepare_run_folder(mine, False, False)
+    runfolder.prepare_run_folder(mine, False, True)
+    assert (mine / runfolder.SET_ASIDE / "config.yaml").is_file() and not (mine / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("late", ["empty_logit_cache", "vocab_keep_too_large", "interrupted", "sigterm"])
@@ -216,21 +209,6 @@ def test_an_overwrite_that_stops_before_the_new_run_writes_puts_the_old_run_back
     with pytest.raises(KeyboardInterrupt if late in ("interrupted", "sigterm") else SetupError):
         train(compose(overrides(pair, out, "train.overwrite=true", *FAST, *extra)), log=QUIET)
     assert _contents(out) == before
-
-
-def test_an_earlier_overwrite_s_set_aside_run_is_never_overwritten(tmp_path):
-    out = tmp_path / "run"
-    (out / ckpt.SET_ASIDE / "step_000002").mkdir(parents=True)
-    (out / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ckpt.CheckpointError, match="holds the run an earlier train.overwrite=true set aside"):
-        ckpt.prepare_run_folder(out, False, True)
-    assert (out / ckpt.SET_ASIDE / "step_000002").is_dir() and (out / "metrics.jsonl").exists()
-    (out / "metrics.jsonl").unlink()  # resume said "no step_N checkpoint ... add train.overwrite=true": a circle
-    with pytest.raises(ckpt.CheckpointError, match="set its run aside in .*Move its entries back"):
-        ckpt.prepare_run_folder(out, True, False)
-    # a fresh run was told "holds no run (.overwritten) ... or pass train.overwrite=true", which is refused: a circle
-    with pytest.raises(ckpt.CheckpointError, match="holds the run an earlier train.overwrite=true set aside"):
-        ckpt.prepare_run_folder(out, False, False)
 
 
 def test_overwrite_refuses_to_delete_the_draft_the_run_starts_from(pair, straight, tmp_path, monkeypatch):
@@ -264,7 +242,7 @@ def test_resume_names_a_damaged_newer_checkpoint_it_skips(pair, straight, tmp_pa
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # damaged: the manifest's size no longer matches
     lines = []
-    path = ckpt.prepare_run_folder(out, True, False, log=lines.append)
+    path = runfolder.prepare_run_folder(out, True, False, log=lines.append)
     assert path is not None and path != newest
     assert len(lines) == 1 and newest.name in lines[0] and "damaged" in lines[0] and "model.safetensors" in lines[0]
 
@@ -279,7 +257,7 @@ def test_resume_restores_a_best_folder_left_aside_by_a_crash_inside_its_swap(pai
     with pytest.raises(ckpt.CheckpointError, match=rf"{left} is a complete copy of it.*mv .*train.resume=true"):
         ckpt.check_complete(out / "best")
     lines = []
-    assert ckpt.prepare_run_folder(out, True, False, log=lines.append) == ckpt.find_latest(out)
+    assert runfolder.prepare_run_folder(out, True, False, log=lines.append) == ckpt.find_latest(out)
     assert ckpt.is_complete(out / "best") and not (out / left).exists()
     assert lines == [f"best/ was missing after a save interrupted between two renames; restored it from {left}/"]
 
@@ -330,14 +308,15 @@ def test_a_missing_checkpoint_is_named_as_missing_with_the_run_s_newest(straight
 
 def test_rerun_overrides_continue_or_restart_a_tool_s_own_run(straight, tmp_path):
     """What the quickstart and the measuring scripts pass to `distill train` when they run a folder again."""
-    assert ckpt.rerun_overrides(straight) == ["train.resume=true"]
+    assert runfolder.rerun_overrides(straight) == ["train.resume=true"]
     killed = tmp_path / "killed"
     killed.mkdir()
     (killed / "metrics.jsonl").write_text("")  # killed before its first complete checkpoint
-    assert ckpt.rerun_overrides(killed) == ["train.overwrite=true"]
-    assert ckpt.rerun_overrides(tmp_path / "new") == [] and ckpt.rerun_overrides(tmp_path / "killed" / "x") == []
+    assert runfolder.rerun_overrides(killed) == ["train.overwrite=true"]
+    assert runfolder.rerun_overrides(tmp_path / "new") == []
+    assert runfolder.rerun_overrides(tmp_path / "killed" / "x") == []
     (killed / "step_000002.tmp").mkdir()  # a save cut short: never renamed into place
-    assert ckpt.rerun_overrides(killed) == ["train.overwrite=true"]
+    assert runfolder.rerun_overrides(killed) == ["train.overwrite=true"]
     # A run whose only checkpoint is damaged (a byte cut off a file) was started over with train.overwrite=true,
     # deleting the checkpoint and the metrics; now it is resumed, which names the damage and stops.
     damaged = tmp_path / "damaged"
@@ -347,21 +326,7 @@ def test_rerun_overrides_continue_or_restart_a_tool_s_own_run(straight, tmp_path
     only = ckpt.list_checkpoints(damaged)[-1]
     victim = next(p for p in sorted(only.iterdir()) if p.suffix == ".safetensors")
     victim.write_bytes(victim.read_bytes()[:-1])
-    assert ckpt.find_latest(damaged) is None and ckpt.rerun_overrides(damaged) == ["train.resume=true"]
-
-
-def test_overwrite_removes_a_symlinked_artifact_not_what_it_points_to(tmp_path):
-    out, shared = tmp_path / "run", tmp_path / "shared"
-    out.mkdir()
-    (shared / "wandb").mkdir(parents=True)
-    (shared / "metrics.jsonl").write_text("{}\n")
-    (out / "wandb").symlink_to(shared / "wandb")
-    (out / "metrics.jsonl").symlink_to(shared / "metrics.jsonl")
-    (out / "summary.json").symlink_to(tmp_path / "gone.json")  # a dangling link
-    assert ckpt.prepare_run_folder(out, False, True) is None
-    ckpt.discard_set_aside(out)
-    assert not list(out.iterdir())  # the links are gone ...
-    assert (shared / "wandb").is_dir() and (shared / "metrics.jsonl").read_text() == "{}\n"  # ... not their targets
+    assert ckpt.find_latest(damaged) is None and runfolder.rerun_overrides(damaged) == ["train.resume=true"]
 
 
 def test_a_folder_holding_only_the_target_data_cache_is_a_fresh_run(pair, tmp_path):
@@ -613,12 +578,53 @@ def test_eval_out_is_checked_before_the_run(pair, tmp_path, capsys, monkeypatch)
 
 # ------------------------------------------------------------------------------------------------ kill -9
 
+# `python -m distill train` with one function patched to SIGKILL the process at a point, given as "point:step":
+# "step" after step N's update (before the loop records it), "save" mid save of step N (every file written but the
+# manifest), "pointer" after step N's complete save, before `latest` is updated and old checkpoints are pruned.
+KILL_AT = """
+import os, signal, sys
+from pathlib import Path
+from distill import checkpoint, recipe
+from distill.__main__ import main
+
+point, at = sys.argv[1].split(":")
+at = int(at)
+
+
+def killing(real, when):
+    def wrapped(*args):
+        out = real(*args)
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    return wrapped
+
+
+if point == "step":
+    recipe.train_step = killing(recipe.train_step, lambda run, step, *rest: step + 1 == at)
+elif point == "save":
+    real = checkpoint.write_manifest
+    def write_manifest(folder, step):
+        if step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(folder, step)
+    checkpoint.write_manifest = write_manifest
+else:
+    real = checkpoint.mark_latest
+    def mark_latest(output_dir, path):
+        if Path(path) == checkpoint.step_dir(output_dir, at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(output_dir, path)
+    checkpoint.mark_latest = mark_latest
+main(["train", *sys.argv[2:]])
+"""
+
+
 @pytest.mark.parametrize("point", ["step:3", "save:4", "pointer:4"],
                          ids=["during_a_step", "during_a_save", "after_save_before_pointer"])
 def test_kill_9_then_resume_equals_the_uninterrupted_run(pair, straight, tmp_path, point):
     out = tmp_path / "run"
-    env = dict(subprocess_env(), **{ckpt.FAULT_ENV: point})
-    r = subprocess.run([PY, "-m", "distill", "train", *overrides(pair, out, *FAST)], cwd=REPO, env=env,
+    r = subprocess.run([PY, "-c", KILL_AT, point, *overrides(pair, out, *FAST)], cwd=REPO, env=subprocess_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]  # killed by SIGKILL at the named point
     for noise in ("Removed shared tensor", "Loading weights", "Writing model shards", "Generating train split"):
@@ -680,45 +686,6 @@ def test_generate_data_checks_its_cache_folder_whatever_data_completions_says(pa
         err = capsys.readouterr().err
         assert e.value.code == 2 and "data.target_generated.path" in err and expect in err, err
     assert afile.read_text() == "mine" and sorted(p.name for p in folder.iterdir()) == ["data.arrow"]
-
-
-def test_a_results_file_that_cannot_be_written_leaves_no_empty_file(tmp_path, monkeypatch, capsys):
-    """eval/bench-step --out opened the file first and wrote into it: a full disk left a 0-byte file (which the
-    next run refused to overwrite) and, with --overwrite, emptied the earlier results. Now the file appears whole
-    or not at all, and the error names --out (the results were printed before)."""
-    import errno
-
-    import decode.outputs
-    from distill.config import SetupError
-
-    out = tmp_path / "ev.json"
-    ckpt.write_results('{"a": 1}', str(out), overwrite=False)
-    assert json.loads(out.read_text()) == {"a": 1}
-    real = decode.outputs.os.fdopen
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(decode.outputs.os, "fdopen", lambda fd, mode: Full(real(fd, mode)))
-    with pytest.raises(SetupError, match="--out: could not write .*No space left"):
-        ckpt.write_results('{"a": 2}', str(out), overwrite=True)
-    with pytest.raises(SetupError, match="--out: could not write"):
-        ckpt.write_results('{"b": 1}', str(tmp_path / "new.json"), overwrite=False)
-    assert json.loads(out.read_text()) == {"a": 1} and sorted(p.name for p in tmp_path.iterdir()) == ["ev.json"]
-    monkeypatch.setattr(decode.outputs.os, "fdopen", real)
-    out.write_text("theirs")  # made while the command ran: kept, the results go beside it
-    ckpt.write_results('{"a": 3}', str(out), overwrite=False)
-    assert out.read_text() == "theirs" and "appeared during the run and was kept" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["step_000003", "best"])

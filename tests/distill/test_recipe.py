@@ -296,14 +296,14 @@ def test_resume_warns_about_changed_config(pair, tmp_path):
     assert any("loss.name differs" in m for m in messages)
     state = json.loads((out / "step_000004" / "trainer_state.json").read_text())
     assert state["examples_consumed"] == 4 * 4 and state["step"] == 4
-    from distill.recipe import _changed_keys
+    from distill.checkpoint import changed_keys
 
     # the data regime counts too (found by a new-user trial: a switch to cached logits or to target completions
     # resumed with no warning)
     for change, key in (("data.completions=target", "data.completions"), ("data.holdout=3", "data.holdout"),
                         ("data.target_logits=cached", "data.target_logits"),
                         ("data.rollout_temperature=0.5", "data.rollout_temperature")):
-        assert _changed_keys(out / "step_000002", compose(overrides(pair, out, change))) == [key]
+        assert changed_keys(out / "step_000002", compose(overrides(pair, out, change))) == [key]
 
 
 def test_resume_warns_about_changed_ce_labels_and_not_for_a_config_without_the_key(pair, tmp_path):
@@ -314,14 +314,14 @@ def test_resume_warns_about_changed_ce_labels_and_not_for_a_config_without_the_k
     train(compose(overrides(pair, out, "train.resume=true", "train.stop_at=3", "loss.ce_weight=0.5",
                             "loss.ce_labels=target")), log=messages.append)
     assert any("loss.ce_labels differs" in m for m in messages)
-    from distill.recipe import _changed_keys
+    from distill.checkpoint import changed_keys
 
     old = tmp_path / "old"  # the config of a checkpoint from before the key existed
     old.mkdir()
     text = (out / "step_000002" / "config.yaml").read_text()
     (old / "config.yaml").write_text("\n".join(line for line in text.splitlines() if "ce_labels" not in line))
     cfg = compose(overrides(pair, out, "train.stop_at=2", "loss.ce_weight=0.5"))
-    assert _changed_keys(old, cfg) == [] and _changed_keys(old, compose(overrides(
+    assert changed_keys(old, cfg) == [] and changed_keys(old, compose(overrides(
         pair, out, "train.stop_at=2", "loss.ce_weight=0.5", "loss.ce_labels=target"))) == ["loss.ce_labels"]
 
 
@@ -352,31 +352,6 @@ def test_a_run_folder_given_as_the_draft_names_its_newest_checkpoint(pair, tmp_p
     with pytest.raises(SetupError, match=rf"draft path: {re.escape(str(run))} is a run folder, not a checkpoint; .* "
                                          rf"newest: {re.escape(str(run / 'step_000002'))}.*; fix draft.name_or_path"):
         train(compose(ov), log=lambda *_: None)
-
-
-def test_a_resume_that_splits_the_global_batch_differently_warns_only_where_the_data_changes(pair, tmp_path):
-    """Trial L: a 2-process run (2 rows each) resumed with 1 process (4 rows) is exact at λ = 0, yet warned that
-    train.batch_size changed "the experiment"; at λ > 0 it puts other rows on-policy, and the same generic line was
-    all it said."""
-    from omegaconf import OmegaConf
-
-    from distill.recipe import _resume_warnings
-
-    def cfg(*extra):
-        return compose(overrides(pair, tmp_path / "run", *extra))
-
-    ckpt = tmp_path / "step_000002"
-    ckpt.mkdir()
-    state = {"num_processes": 2, "batch_size": 2}
-    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2")))
-    assert _resume_warnings(ckpt, cfg("train.batch_size=4"), state, world=1) == []
-    assert _resume_warnings(ckpt, cfg("train.batch_size=3"), state, world=1) == [
-        "train.batch_size differs from the checkpoint's config; the resumed run is not the same experiment"]
-    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(cfg("train.batch_size=2", "data.on_policy_fraction=0.5")))
-    notes = _resume_warnings(ckpt, cfg("train.batch_size=4", "data.on_policy_fraction=0.5"), state, world=1)
-    assert notes[0].startswith("train.batch_size differs")
-    assert "2 process(es) x 2 rows, this run's are 1 x 4" in notes[1]
-    assert _resume_warnings(ckpt, cfg("train.batch_size=2", "data.on_policy_fraction=0.5"), state, world=2) == []
 
 
 def test_a_diverged_draft_is_not_saved_and_the_good_checkpoints_stay(pair, tmp_path, monkeypatch):

@@ -106,6 +106,7 @@ def test_a_checkpoint_whose_draft_ships_code_is_refused_unless_asked(custom, tmp
     "Do you wish to run the custom code? [y/N]") and without running it; draft.trust_remote_code=true runs it."""
     import io
 
+    from decode.outputs import write_json
     from distill import checkpoint as ckpt
     from distill.config import SetupError
     from distill.export import export
@@ -114,7 +115,7 @@ def test_a_checkpoint_whose_draft_ships_code_is_refused_unless_asked(custom, tmp
     path, marker = custom
     folder = tmp_path / "best"
     shutil.copytree(path, folder / "draft")
-    ckpt.write_json(folder / ckpt.STATE_FILE, {"step": 2})
+    write_json(folder / ckpt.STATE_FILE, {"step": 2})
     ckpt.write_manifest(folder, 2)
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # a prompt would read this and run the code
     with pytest.raises(ckpt.CheckpointError, match="auto_map"):
@@ -129,13 +130,14 @@ def test_a_checkpoint_whose_draft_ships_code_is_refused_unless_asked(custom, tmp
 def test_export_cli_takes_trust_remote_code(custom, tmp_path, capsys):
     """``python -m distill export`` had no way to pass trust_remote_code: a draft with its own code could be
     exported only from Python."""
+    from decode.outputs import write_json
     from distill import checkpoint as ckpt
     from distill.__main__ import cmd_export
 
     path, marker = custom
     folder = tmp_path / "best"
     shutil.copytree(path, folder / "draft")
-    ckpt.write_json(folder / ckpt.STATE_FILE, {"step": 2})
+    write_json(folder / ckpt.STATE_FILE, {"step": 2})
     ckpt.write_manifest(folder, 2)
     with pytest.raises(SystemExit) as stop:
         cmd_export([str(folder), str(tmp_path / "out")])

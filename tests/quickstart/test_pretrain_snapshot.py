@@ -1,12 +1,39 @@
 """The pretrain resume snapshot and token cache are data: a crafted pickle in any file the loader reads is refused
 with an error naming the file, and its payload never runs (a marker file it would create stays absent); a snapshot
-of the earlier pickle layout converts with ``python -m distill convert-checkpoint`` and then resumes."""
+of the earlier pickle layout is refused unread."""
+import json
 import shutil
 
 import pytest
 import torch
 
-from tests.pickle_payload import fix_manifest as _fix_manifest, plant as _plant
+from distill.checkpoint import write_manifest
+
+
+class Payload:
+    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker):
+    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
+    path.unlink(missing_ok=True)
+    torch.save({"state": Payload(marker)}, path)
+
+
+def _fix_manifest(folder):
+    """Record the tampered sizes, as a crafted snapshot would (so the loader really parses each file)."""
+    try:
+        step = json.loads((folder / "manifest.json").read_text())["step"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # the manifest itself was replaced
+    (folder / "manifest.json").unlink()
+    write_manifest(folder, step)
 
 
 def test_the_payload_runs_when_unpickled(tmp_path):
@@ -70,46 +97,17 @@ def test_pretrain_resumes_from_a_clean_snapshot(snapshot, tmp_path):
     assert any("resuming" in m and "step 1" in m for m in logs) and result["steps"] == 2
 
 
-def test_pretrain_earlier_resume_pickle_is_refused_and_convert_checks_it(snapshot, tmp_path, capsys):
+def test_pretrain_earlier_resume_pickle_is_refused_unread(snapshot, tmp_path):
     import quickstart.pretrain as pt
-    from distill.__main__ import main
 
     cfg = _pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok"))
     (tmp_path / "model").mkdir()
     marker = tmp_path / "marker"
     _plant(tmp_path / "model" / pt.LEGACY_RESUME_FILE, marker)
-    with pytest.raises(ValueError, match="convert-checkpoint"):
+    with pytest.raises(ValueError, match="resume.pt is not a resume snapshot of this draftkit version.*never "
+                                         "unpickled"):
         pt.pretrain(cfg, log=lambda *_: None)
-    with pytest.raises(SystemExit) as e:
-        main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
-    assert e.value.code == 2 and "resume.pt" in capsys.readouterr().err
     assert not marker.exists()
-
-
-def test_pretrain_earlier_resume_pickle_of_plain_data_converts(snapshot, tmp_path):
-    """A resume.pt written by the earlier code (torch.save of plain state) converts and then resumes."""
-    import quickstart.pretrain as pt
-    from distill.__main__ import main
-
-    model = pt.build_model("smoke_draft", pt.load_or_train_tokenizer(_pretrain_cfg(snapshot)), 1024)
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2]},
-                             {"params": [p for p in model.parameters() if p.ndim < 2]}], lr=1e-3)
-    (tmp_path / "model").mkdir()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "generator": torch.Generator().manual_seed(0).get_state(),
-                "state": {"step": 1, "elapsed_s": 0.1, "tokens_seen": 128}},
-               tmp_path / "model" / pt.LEGACY_RESUME_FILE)
-    (tmp_path / "model" / "resume").mkdir()  # found by a new user's trial: a resume/ there was replaced
-    (tmp_path / "model" / "resume" / "mine.txt").write_text("newer")
-    with pytest.raises(SystemExit):
-        main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
-    assert (tmp_path / "model" / "resume" / "mine.txt").read_text() == "newer"
-    shutil.rmtree(tmp_path / "model" / "resume")
-    main(["convert-checkpoint", str(tmp_path / "model" / pt.LEGACY_RESUME_FILE)])
-    assert (tmp_path / "model" / pt.LEGACY_RESUME_FILE).is_file()  # the original is kept
-    logs = []
-    pt.pretrain(_pretrain_cfg(tmp_path, tokenizer=str(snapshot / "tok")), log=logs.append)
-    assert any("resuming" in m for m in logs)
 
 
 def test_pretrain_token_cache_is_safetensors_and_a_pickle_is_never_loaded(snapshot, tmp_path):

@@ -65,6 +65,12 @@ def overrides(pair: dict, out: Path, *extra: str) -> list[str]:
             f"train.output_dir={out}", *extra]
 
 
+
+def cache_overrides(pair: dict, out, cache, k: int = 8, *extra: str) -> list[str]:
+    """:func:`overrides` with a logit cache at ``cache`` (k ids per position, shards of 16 examples)."""
+    return overrides(pair, out, f"data.logit_cache={cache}", f"data.logit_cache_k={k}",
+                     "data.logit_cache_shard_size=16", *extra)
+
 def compose(ov: list[str]):
     from distill.config import compose as _compose
 

@@ -7,6 +7,8 @@ assisted generation, side by side on one target/draft pair and one prompt set, i
 One job per module (see docs/bench.md):
 - ``config``: settings, the γ/temperature lists, the methods;
 - ``runs``: timed calls of our engine, the interleaved main pass, the batch pass -> the results dict;
+- ``measure``: the one measurement of a draft against its target (interleaving, α, τ, c, v_γ, the prediction and
+  the γ it picks), which ``distill.evaluate`` and the quickstart call too;
 - ``hf_assisted``: the Hugging Face baseline (``generate`` alone and with ``assistant_model``);
 - ``bare_forward``: the bare HF decode forwards, the reference for the engine's cost ratio c;
 - ``pool``: per-prompt records -> metrics (``DecodeStats``), predictions (``decode.speedup``), summary;

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from decode import kernels
 from decode.bench.timing import sync
+from decode.costs import check_repeats, check_timer_inputs
 
 
 class BareTimer:
@@ -36,8 +38,6 @@ class BareTimer:
 
     def __init__(self, target, draft, context_ids: torch.Tensor, few_row_linear: bool = False,
                  warmup_rounds: int = 2):
-        from decode.costs import check_timer_inputs
-
         check_timer_inputs(target, draft, context_ids, warmup_rounds=warmup_rounds, few_row_linear=few_row_linear)
         if context_ids.shape[0] != 1:
             raise ValueError(f"context_ids must have shape (1, L) with L >= 2, got {tuple(context_ids.shape)}")
@@ -50,8 +50,6 @@ class BareTimer:
     @torch.no_grad()
     def round(self) -> None:
         """One timed prefill and one timed cached decode forward of each model."""
-        from decode import kernels
-
         device, prefix, last = self._context.device, self._context[:, :-1], self._context[:, -1:]
         timed = self.rounds >= self.warmup_rounds  # the first calls pay for lazy initialisation
         with kernels.few_row_linear(self.few_row_linear):
@@ -107,8 +105,6 @@ def measure_bare_forwards(target, draft, context_ids: torch.Tensor, repeats: int
     Raises:
         ValueError: as :class:`BareTimer`, or ``repeats`` not an integer >= 1.
     """
-    from decode.costs import check_repeats
-
     check_repeats(repeats)
     timer = BareTimer(target, draft, context_ids, few_row_linear)
     for _ in range(repeats + 2):

@@ -12,11 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from transformers.utils import logging as hf_logging
 
+from decode import loading
 from decode.bench.config import BenchConfig, parse_gammas, parse_list
 from decode.bench.report import OutputPaths, render_tables, write_outputs
 from decode.bench.runs import compile_supported, run_benchmark
-from decode.compiling import compile_setting
+from decode.cache import context_length
+from decode.compat import check_compatibility, input_vocab_size, output_vocab_size
+from decode.compiling import check_cpu_compiler, compile_setting
+from decode.prompts import encode_prompts, load_prompts
+from decode.requests import check_seed
+from decode.stops import stop_token_ids
+from decode.vocab_map import pruned_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,11 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_tokenizer(paths: list[str], trust_remote_code: bool = False):
-    from decode.loading import load_tokenizer
-
     for i, path in enumerate(paths):
         try:
-            return load_tokenizer(path, trust_remote_code=trust_remote_code)
+            return loading.load_tokenizer(path, trust_remote_code=trust_remote_code)
         except FileNotFoundError:
             if i == len(paths) - 1:
                 raise
@@ -142,18 +149,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1 (got {args.threads}); omit it for torch's default")
-    from decode.loading import check_device, hub_revision
-
-    cfg.target_revision, cfg.draft_revision = hub_revision(args.target), hub_revision(args.draft)
-    from decode.requests import check_seed
-
+    cfg.target_revision, cfg.draft_revision = loading.hub_revision(args.target), loading.hub_revision(args.draft)
     check_seed(args.seed, "--seed", none_ok=False)
-    cfg.device = check_device(args.device)
+    cfg.device = loading.check_device(args.device)
     if cfg.compile and not compile_supported():
         raise ValueError("--compile: this version's SpeculativeDecoder has no compile option; drop --compile")
     if cfg.compile and str(cfg.device).startswith("cpu"):
-        from decode.compiling import check_cpu_compiler
-
         check_cpu_compiler("--compile", "drop --compile")
     return cfg
 
@@ -171,31 +172,12 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
         FileNotFoundError: missing target/draft/tokenizer/prompt file.
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary.
     """
-    from decode.loading import run_offline
-
-    run_offline("decode bench")
+    loading.run_offline("decode bench")
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.set_verbosity_error()  # HF's assisted generate warns about its own internal generation_config use
     cfg = config_from_args(args)
     out = OutputPaths.plan(args.out, overwrite=args.overwrite)
-    from decode.loading import check_cached, local_folder, looks_local
-
-    for name in ("target", "draft"):  # a local path must exist; a hub id (org/name) is the loader's to find
-        path = getattr(args, name)
-        if looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-            raise FileNotFoundError(f"--{name} {path} does not exist; pass a checkpoint folder or a hub id "
-                                    "(org/name) in the local Hugging Face cache")
-        check_cached(path, f"--{name}")  # offline, a hub id must be cached: said before the prompts and models load
-    from decode.vocab_map import pruned_size
-
-    draft_folder = local_folder(args.draft)  # a cached hub id's snapshot: its config and tokenizer are read too
-    if cfg.hf and draft_folder and pruned_size(draft_folder) is not None:
-        raise ValueError(f"--draft {args.draft} is vocabulary-pruned (its lm_head scores {pruned_size(draft_folder)} "
-                         "mapped ids); Hugging Face assisted generation cannot read its id map: pass --no-hf")
-    from decode.prompts import load_prompts
-
+    draft_folder = _check_model_paths(args, cfg)
     prompts = load_prompts(args.prompts, limit=args.limit, field=args.prompt_field)
     if len(prompts) < args.limit:  # said before the run; the JSON's prompts.count has it too
         print(f"note: --prompts {args.prompts} has {len(prompts)} prompt(s), fewer than --limit {args.limit}; "
@@ -206,52 +188,69 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     cfg.device, cfg.dtype = str(device), str(dtype).replace("torch.", "")
-    if args.tokenizer:
-        from decode.loading import load_target_tokenizer
-
-        tokenizer = load_target_tokenizer(args.tokenizer, args.target, args.trust_remote_code)
-    else:
-        tokenizer = _load_tokenizer([args.target, args.draft], args.trust_remote_code)
-    draft_tokenizer = None
-    if not args.tokenizer and draft_folder and (Path(draft_folder) / "tokenizer_config.json").exists():
-        draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)
-    from decode.compat import check_compatibility
-    from decode.loading import load_causal_lm
-
-    target = load_causal_lm(args.target, "target", dtype, str(device), trust_remote_code=args.trust_remote_code)
-    draft = load_causal_lm(args.draft, "draft", dtype, str(device), trust_remote_code=args.trust_remote_code)
-    # Before any timing: a pair that cannot share a vocabulary fails here with the difference named.
-    check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
-    from decode.compat import input_vocab_size, output_vocab_size
-
-    sizes = {role: (output_vocab_size(m), input_vocab_size(m)) for role, m in (("target", target), ("draft", draft))}
-    if cfg.hf and sizes["draft"] != sizes["target"]:  # ours runs such a pair losslessly; HF's generate refuses it
-        raise ValueError(f"--draft {args.draft} has another vocabulary size than the target (lm_head, embedding rows: "
-                         f"draft {sizes['draft']}, target {sizes['target']}); Hugging Face assisted generation "
-                         "needs them equal: pass --no-hf to benchmark plain decoding against ours")
+    tokenizer, draft_tokenizer = _load_tokenizers(args, draft_folder)
+    target, draft = _load_pair(args, cfg, device, dtype, tokenizer, draft_tokenizer)
     prompt_ids = _encode(prompts, tokenizer, target, draft, cfg, args)
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    from decode.stops import stop_token_ids
-
     eos = stop_token_ids(tokenizer, target) or None  # the stop set of `decode generate` and the server
     results = run_benchmark(target, draft, prompt_ids, [p.category for p in prompts], cfg, pad_token_id=pad,
                             eos_token_id=eos, prompt_names=[p.id for p in prompts], progress=True,
                             tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     paths = write_outputs(results, out)
     render_tables(results)
-    from rich.console import Console
-
     Console().print("wrote " + ", ".join(paths.values()))
     return results
 
 
+def _check_model_paths(args: argparse.Namespace, cfg: BenchConfig) -> str | None:
+    """Before the prompts and models load: a local path must exist, and offline a hub id must be cached; a
+    vocabulary-pruned draft cannot run with HF assisted generation. Returns the draft's local folder (a cached hub
+    id's snapshot), or None."""
+    for name in ("target", "draft"):  # a local path must exist; a hub id (org/name) is the loader's to find
+        path = getattr(args, name)
+        if loading.looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+            raise FileNotFoundError(f"--{name} {path} does not exist; pass a checkpoint folder or a hub id "
+                                    "(org/name) in the local Hugging Face cache")
+        loading.check_cached(path, f"--{name}")
+    draft_folder = loading.local_folder(args.draft)  # its config and tokenizer are read too
+    if cfg.hf and draft_folder and pruned_size(draft_folder) is not None:
+        raise ValueError(f"--draft {args.draft} is vocabulary-pruned (its lm_head scores {pruned_size(draft_folder)} "
+                         "mapped ids); Hugging Face assisted generation cannot read its id map: pass --no-hf")
+    return draft_folder
+
+
+def _load_tokenizers(args: argparse.Namespace, draft_folder: str | None) -> tuple[Any, Any]:
+    """(the target's tokenizer: ``--tokenizer``, else the target's, else the draft's; the draft's own tokenizer
+    when its folder has one and no ``--tokenizer`` was given, else None)."""
+    if args.tokenizer:
+        tokenizer = loading.load_target_tokenizer(args.tokenizer, args.target, args.trust_remote_code)
+    else:
+        tokenizer = _load_tokenizer([args.target, args.draft], args.trust_remote_code)
+    draft_tokenizer = None
+    if not args.tokenizer and draft_folder and (Path(draft_folder) / "tokenizer_config.json").exists():
+        draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)
+    return tokenizer, draft_tokenizer
+
+
+def _load_pair(args: argparse.Namespace, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, tokenizer,
+               draft_tokenizer) -> tuple[Any, Any]:
+    """The target and the draft, checked before any timing: a pair that cannot share a vocabulary fails here with
+    the difference named, and so does one HF assisted generation cannot run."""
+    target = loading.load_causal_lm(args.target, "target", dtype, str(device), trust_remote_code=args.trust_remote_code)
+    draft = loading.load_causal_lm(args.draft, "draft", dtype, str(device), trust_remote_code=args.trust_remote_code)
+    check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    sizes = {role: (output_vocab_size(m), input_vocab_size(m)) for role, m in (("target", target), ("draft", draft))}
+    if cfg.hf and sizes["draft"] != sizes["target"]:  # ours runs such a pair losslessly; HF's generate refuses it
+        raise ValueError(f"--draft {args.draft} has another vocabulary size than the target (lm_head, embedding rows: "
+                         f"draft {sizes['draft']}, target {sizes['target']}); Hugging Face assisted generation "
+                         "needs them equal: pass --no-hf to benchmark plain decoding against ours")
+    return target, draft
+
+
 def _encode(prompts, tokenizer, target, draft, cfg: BenchConfig, args) -> list[list[int]]:
     """Token ids of the prompts, each cut to its last tokens so prompt + new tokens + a verify fit both models."""
-    from decode.cache import context_length
-    from decode.prompts import encode_prompts
-
     positions = [p for p in (context_length(target), context_length(draft)) if p]
     max_prompt = None
     if positions:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from decode.compiling import check_compile
+from decode.lookup import check_prompt_lookup
+
 OURS, HF = "ours", "hf"
 BATCHING = ("static", "continuous")  # the batch pass's two ways to batch (BenchConfig.batching)
 
@@ -53,10 +56,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and the fix; called before any model work starts."""
-        from decode.compiling import check_compile  # the decoder's own checks of the settings, before any model loads
-        from decode.lookup import check_prompt_lookup
-
-        check_compile(self.compile)
+        check_compile(self.compile)  # the decoder's own checks of the settings, before any model loads
         check_prompt_lookup(self.prompt_lookup_ngram, name="--prompt-lookup-ngram (prompt_lookup_ngram)")
         if not self.gammas and not self.auto:
             raise ValueError("no speculative method to run: give --gammas with at least one γ >= 1, or 'auto'")

@@ -9,13 +9,10 @@ import statistics
 from typing import Any, Sequence
 
 from decode.bench.config import HF, OURS, BenchConfig, Method
+from decode.bench.measure import acceptance, alpha_of, predict
 from decode.metrics import DecodeStats
-from decode.speedup import best_gamma, predicted_speedup
-
-
-def alpha_of(stats: DecodeStats) -> float | None:
-    """α, Leviathan et al.'s per-token acceptance (``DecodeStats.alpha``); None with no trial."""
-    return stats.alpha if stats.num_accepted + stats.num_rejections else None
+from decode.speedup import (AdaptiveGamma, best_gamma, end_to_end_speedup, is_count, is_finite_number,
+                            predicted_speedup, simulate_batch_speedup)
 
 
 def alpha_from_steps(steps: Sequence[tuple[int, Sequence[int]]]) -> float | None:
@@ -91,13 +88,12 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
             m["num_matching_plain_greedy"], m["matches_plain_greedy"] = same, same / len(records)
     stats = [r["stats"] for r in records if r.get("stats") is not None]
     if stats and gamma not in (0, None):
-        m.update(_acceptance(DecodeStats.merge(stats)))
+        m.update(acceptance(DecodeStats.merge(stats)))
         if m["alpha"] is not None:
             # For "auto" the fair prediction is at the γ its controller should settle on (same bounds as it).
-            g = (best_gamma(m["alpha"], cost_ratio, max_gamma=auto_max_gamma, min_gamma=1) if gamma == "auto"
-                 else int(gamma))
-            m["predicted_gamma"] = int(g)
-            m["predicted_speedup_leviathan"] = float(predicted_speedup(m["alpha"], g, cost_ratio))
+            g, m["predicted_speedup_leviathan"] = predict(m["alpha"], cost_ratio, None,
+                                                          None if gamma == "auto" else gamma, auto_max_gamma)
+            m["predicted_gamma"] = g
             if verify_cost and g in verify_cost:
                 m["predicted_speedup_verify_aware"] = predicted_speedup(m["alpha"], g, cost_ratio,
                                                                         verify_cost=verify_cost[g])
@@ -135,20 +131,6 @@ def prefill_seconds(stats: DecodeStats) -> float:
     included). The end-to-end prediction of the highlights takes plain decoding's share of it."""
     first = stats.num_first_step_tokens or stats.num_sequences
     return max(0.0, stats.ttft_s - first * stats.per_token_latency_s)
-
-
-def _acceptance(s: DecodeStats) -> dict[str, Any]:
-    """The draft statistics of pooled ``DecodeStats``, under their one name each."""
-    steps = int(s.num_verify_steps)
-    return dict(
-        alpha=alpha_of(s), acceptance_rate=s.acceptance_rate if s.num_drafted else None,
-        mean_accepted_length=s.mean_accepted_length if steps else None,
-        accepted_per_position=[int(x) for x in s.accepted_per_position],
-        acceptance_by_position=[float(x) for x in s.acceptance_by_position],
-        accepted_length_histogram=[int(x) for x in s.accepted_length_histogram],
-        num_verify_steps=steps, num_drafted=int(s.num_drafted), num_accepted=int(s.num_accepted),
-        decode_latency_s=s.per_token_latency_s or None, mean_gamma=s.mean_num_draft_tokens if steps else None,
-    )
 
 
 def pool(records: dict[tuple[float, str], list[dict]], methods: list[Method], cfg: BenchConfig, cost: dict,
@@ -237,9 +219,9 @@ def batch_row(t: float, m: Method, bs: int, recs: list[dict], reused: bool,
 
 def prompt_alphas(records: dict[tuple[float, str], list[dict]], temperature: float, methods: Sequence[Method],
                   num_prompts: int) -> list[float | None]:
-    """Each prompt's α at ``temperature`` (Leviathan et al.'s per-token acceptance, :func:`alpha_of`), pooled over
-    the main pass's speculative runs of our eager engine (fixed γ and ``auto``: α per token does not depend on γ);
-    None for a prompt with no trial.
+    """Each prompt's α at ``temperature`` (Leviathan et al.'s per-token acceptance,
+    :func:`decode.bench.measure.alpha_of`), pooled over the main pass's speculative runs of our eager engine (fixed γ
+    and ``auto``: α per token does not depend on γ); None for a prompt with no trial.
 
     Args:
         records: the main pass's ``{(temperature, method name): [record per prompt]}`` with their ``DecodeStats``.
@@ -294,8 +276,6 @@ def predicted_batch_speedup(gamma: int | str, alphas: Sequence[Sequence[float]],
             or a value :func:`decode.speedup.simulate_batch_speedup` / :func:`decode.speedup.end_to_end_speedup`
             refuse; each naming the argument.
     """
-    from decode.speedup import AdaptiveGamma, end_to_end_speedup, is_count, is_finite_number, simulate_batch_speedup
-
     lists = {"alphas": alphas, "plain_s": plain_s, "plain_prefill_s": plain_prefill_s}
     if any(isinstance(v, (str, bytes)) or not isinstance(v, Sequence) for v in lists.values()) or not alphas \
             or not len(alphas) == len(plain_s) == len(plain_prefill_s):

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from decode.bench.config import OURS
+from decode.bench.plots import PLOTS
 from decode.bench.pool import RUN_METRICS, batching_of
 from decode.bench.runs import SCHEMA_VERSION
-from decode.outputs import writable
+from decode.outputs import writable, write_new_file
+from decode.speedup import end_to_end_speedup
 
 # ----------------------------------------------------------------------------------------------- highlights
 # The engine's goals on the quickstart pair: (comparison, bound). Batch goals depend on the batch size
@@ -72,8 +74,6 @@ def end_to_end_prediction(runs: dict[str, dict], method: str, plain: str, prefil
     Raises:
         ValueError: a value present but out of its range (an edited file), naming the fields.
     """
-    from decode.speedup import end_to_end_speedup
-
     predicted = (runs.get(method) or {}).get("predicted_speedup_verify_aware")
     ref = runs.get(plain) or {}
     if predicted is None or prefill_cost_ratio is None or ref.get("prefill_s") is None or not ref.get("total_s"):
@@ -274,8 +274,6 @@ class OutputPaths:
             ValueError: naming the path and the fix, when the folder it goes into is missing, not a folder or not
                 writable, or (without ``overwrite``) when a file it would write already exists.
         """
-        from decode.bench.plots import PLOTS
-
         out = Path(out).expanduser()  # as certify and loadtest do: a quoted ~ must not become a folder named ~
         if out.suffix.lower() == ".json":
             folder, results = out.parent, out
@@ -315,8 +313,6 @@ def write_outputs(results: dict[str, Any], out: str | os.PathLike | OutputPaths,
         ValueError: bad ``out`` (see ``OutputPaths.plan``), results that fail ``validate_results``, or a write the
             file system refused (a full disk: no cut JSON is left, an earlier one is kept).
     """
-    from decode.bench.plots import PLOTS
-
     paths = out if isinstance(out, OutputPaths) else OutputPaths.plan(out, overwrite)
     plots = paths.plots
     taken = [p for p in (paths.results, *plots.values()) if p.exists()] if not paths.overwrite else []
@@ -346,8 +342,6 @@ def _write_new(path: Path, text: str, overwrite: bool) -> Path:
     """Write ``text`` to ``path`` whole or not at all (:func:`decode.outputs.write_new_file`: a full disk is a
     ValueError and leaves no cut file, nor an emptied earlier one with ``overwrite``); if the file appeared since
     the run started (and ``overwrite`` is off), it is kept and ``text`` goes beside it under a new name."""
-    from decode.outputs import write_new_file
-
     written = write_new_file(text, path, overwrite)
     if written != path:
         print(f"warning: {path} appeared during the run; results written to {written}", file=sys.stderr)

@@ -5,43 +5,48 @@
   runs that many times (rotation continuing) and each method keeps its median-wall run (``pool.median_run``): a
   call slowed by a burst of other load on a shared machine no longer moves the pooled ratio.
 - Throughput is wall-clock around each generate call (device synchronised), identical for our engine and for HF.
-- c is timed by ``SpeculativeDecoder.cost_timer`` (the engine's forward path; a second time through the compiled
+- c is timed by ``decode.costs.cost_timer`` (the engine's forward path; a second time through the compiled
   forwards for compiled methods) and next to it the bare HF forwards (``decode.bench.bare_forward``) on the same
   context, in rounds spread over the main pass (before each prompt's block).
 """
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import inspect
+import itertools
 import math
 import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
+import transformers
+from rich.progress import Progress
 
-from decode import costs
-from decode.batch import left_pad
+from decode import costs, kernels
 from decode.bench.bare_forward import BareTimer
 from decode.bench.config import OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
+from decode.bench.measure import cost_context_ids, run_interleaved
 from decode.bench.pool import (batch_row, median_run, pool, predicted_batch_speedup, prefill_seconds, prompt_alphas,
                                stats_counts)
 from decode.bench.timing import peak_bytes, reset_peak, sync
+from decode.batch import left_pad
+from decode.cache import context_length
+from decode.engine import SpeculativeDecoder
 from decode.metrics import DecodeStats
 from decode.speedup import cost_buckets
 
-SCHEMA_VERSION = 4  # 3: Leviathan's prediction keys named *_leviathan; 4: prefill_s, bare prefills (2026-12-06)
+SCHEMA_VERSION = 4  # 3: Leviathan's prediction keys named *_leviathan; 4: prefill_s and the bare prefills
 
 
 def compile_supported() -> bool:
     """Whether this version's ``SpeculativeDecoder`` takes ``compile=True`` (torch.compile of its forwards)."""
-    from decode import SpeculativeDecoder
-
     return "compile" in inspect.signature(SpeculativeDecoder.__init__).parameters
 
 
@@ -85,8 +90,6 @@ def run_ours_stream(decoder, method: Method, rows: list[list[int]], concurrency:
         ValueError: ``concurrency`` is not an integer >= 1.
         RuntimeError: the decoder has requests in flight (the run sets its ``num_draft_tokens`` and restores it).
     """
-    from decode import kernels
-
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an integer >= 1 (requests running at once), got {concurrency!r}")
     before, decoder.num_draft_tokens = decoder.num_draft_tokens, method.gamma
@@ -145,101 +148,28 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
             context that with the largest γ's verify forward does not fit the models' positions (before any model
             work).
     """
-    from decode import SpeculativeDecoder
-
-    cfg.validate()
-    if not prompt_ids:
-        raise ValueError("no prompts to benchmark")
-    if len(categories) != len(prompt_ids):
-        raise ValueError(f"{len(categories)} categories for {len(prompt_ids)} prompts")
-    if cfg.compile and not compile_supported():
-        raise ValueError(f"compile={cfg.compile!r}: this version's SpeculativeDecoder has no compile option; drop "
-                         "--compile")
+    _check_inputs(prompt_ids, categories, cfg)
     device = next(target.parameters()).device
     context = cost_context(prompt_ids, cfg, device)
     _check_cost_context_fits(context.shape[1], cfg, target, draft)
     eos = None if cfg.ignore_eos else eos_token_id
-    kw = dict(num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-              max_auto_draft_tokens=cfg.auto_max_gamma, few_row_linear=cfg.few_row_linear,
-              prompt_lookup_ngram=cfg.prompt_lookup_ngram)
-    decoders = {False: SpeculativeDecoder(target, draft, **kw)}
-    if cfg.compile:
-        decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)
-        if cfg.warmup:  # every shape class the compiled forwards meet, so no timed run builds a graph
-            costs.warm_up(decoders[True], max(cfg.batch_sizes, default=1))
+    decoders = build_decoders(target, draft, cfg, tokenizer, draft_tokenizer)
     methods = build_methods(cfg)
-    # c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own; next
-    # to them the bare HF forwards, both models reading the ids the draft can embed (only the shapes matter) under
-    # the engine's matmul kernels, so c / bare is the work the engine adds around the models. All are timed in
-    # rounds spread over the main pass, so the machine's drift hits them as it hits the runs they predict; their
-    # untimed first rounds run now (compiling the one-token shapes before any timed run).
-    timers = {"eager": costs.cost_timer(decoders[False], context, cfg.gammas),
-              "bare": BareTimer(target, draft, decoders[False].draft_input_ids(context),
-                                few_row_linear=decoders[False].few_row_linear)}
-    if cfg.compile:
-        timers["compiled"] = costs.cost_timer(decoders[True], context, cfg.gammas)
-    for timer in timers.values():
-        for _ in range(timer.warmup_rounds):
-            timer.round()
-    auto_costs = None
-    if cfg.auto:  # measure the auto-γ cost model now, so no timed run pays for it (and every run uses the same one):
-        # every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1)
-        for dec in decoders.values():
-            costs.calibrate(dec, prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)),
-                            repeats=cfg.cost_repeats)
-        # the eager decoder's model, as measured before any timed run (simulate_auto_gamma.py --auto-costs reads it)
-        auto_costs = {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
-
-    compiled_graphs = [0]  # graphs compiled inside timed runs (their wall time includes the compilation)
-
-    def run(method, rows, temperature, seed, max_new_tokens=None, timed=True, concurrency=None):
-        """A generate() call of ``rows`` as one static batch, or (``concurrency``, our engine) a continuous run."""
-        ids, mask = left_pad(rows, pad_token_id, device)
-        c = cfg if max_new_tokens is None else BenchConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
-        if method.kind == OURS:
-            before = _compiled_graphs()
-            dec = decoders[method.compiled]
-            out = (run_ours(dec, method, ids, mask, temperature, c, eos, seed, device) if concurrency is None else
-                   run_ours_stream(dec, method, rows, concurrency, temperature, c, eos, seed, device))
-            compiled_graphs[0] += (_compiled_graphs() - before) if timed else 0
-            return out
-        return run_hf(target, draft, method, ids, mask, temperature, c, eos, pad_token_id, seed, device)
-
+    timers = cost_timers(decoders, target, draft, context, cfg)
+    auto_costs = calibrate_auto(decoders, prompt_ids, cfg)
+    run = _Runner(decoders, target, draft, cfg, pad_token_id, eos, device)
     if cfg.warmup:  # first calls pay for allocator growth and lazy init (compilation: warm_up above)
         for method in methods:
             for t in cfg.temperatures:
                 run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
     per_prompt = math.ceil(cfg.cost_repeats / len(prompt_ids))  # cost rounds before each prompt's runs
-
-    def cost_rounds():
-        for timer in timers.values():
-            for _ in range(per_prompt):
-                timer.round()
-
-    records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress, cost_rounds)
-    cost = timers["eager"].result()
-    cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
-    cost["bare"] = timers["bare"].result()
-    if cfg.compile:
-        cost["compiled"] = timers["compiled"].result()
-    if auto_costs is not None:
-        cost["auto_costs"] = auto_costs
+    records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress,
+                         lambda: _cost_rounds(timers, per_prompt))
+    cost = _cost_results(timers, decoders, auto_costs)
     timers.clear()  # their prefilled caches are not held through the batch pass (peak memory)
     runs, summary = pool(records, methods, cfg, cost, categories)
-    prefill_ratio = cost["bare"].get("prefill_cost_ratio")
-
-    def predict(t: float, gamma, batches: list[list[int]], plain_recs: list[dict]) -> float | None:
-        """The batch pass's prediction for static batches of these prompt indices (``predicted_batch_speedup``); None
-        without the costs per batch size (``--no-auto``), with an eos (rows of free length) or without an α."""
-        alphas = prompt_alphas(records, t, methods, len(prompt_ids))
-        rows = [[alphas[i] for i in b] for b in batches]
-        if (auto_costs is None or prefill_ratio is None or eos is not None
-                or any(a is None for r in rows for a in r) or any(r.get("prefill_s") is None for r in plain_recs)):
-            return None
-        return predicted_batch_speedup(gamma, rows, [r["wall_s"] for r in plain_recs],
-                                       [r["prefill_s"] for r in plain_recs], auto_costs, cfg.max_new_tokens,
-                                       prefill_ratio, cfg.auto_max_gamma)
-
+    predict = functools.partial(_predict_batches, records, methods, len(prompt_ids), cfg, auto_costs,
+                                cost["bare"].get("prefill_cost_ratio"), eos)
     batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress, predict)
     return {
         "schema_version": SCHEMA_VERSION, "kind": "draftkit.bench",
@@ -250,41 +180,149 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                     "mean_prompt_tokens": statistics.mean(len(r) for r in prompt_ids)},
         "cost": cost, "runs": runs, "summary": summary, "batch": batch,
         # with --compile: graphs torch.compile built inside timed runs (> 0: those timings include compilation)
-        "compiled_graphs_during_timing": compiled_graphs[0] if cfg.compile else None,
+        "compiled_graphs_during_timing": run.compiled_graphs if cfg.compile else None,
         "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
     }
 
 
+def _check_inputs(prompt_ids: list[list[int]], categories: list[str | None], cfg: BenchConfig) -> None:
+    """The settings, the prompts and their categories, before any model work. Raises ValueError."""
+    cfg.validate()
+    if not prompt_ids:
+        raise ValueError("no prompts to benchmark")
+    if len(categories) != len(prompt_ids):
+        raise ValueError(f"{len(categories)} categories for {len(prompt_ids)} prompts")
+    if cfg.compile and not compile_supported():
+        raise ValueError(f"compile={cfg.compile!r}: this version's SpeculativeDecoder has no compile option; drop "
+                         "--compile")
+
+
+def build_decoders(target, draft, cfg: BenchConfig, tokenizer=None, draft_tokenizer=None) -> dict[bool, Any]:
+    """``{False: the eager decoder, True: the compiled one (with cfg.compile)}``; with ``cfg.warmup`` the compiled
+    one has met every shape class its forwards will, so no timed run builds a graph."""
+    kw = dict(num_draft_tokens=max(cfg.gammas or [1]), tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+              max_auto_draft_tokens=cfg.auto_max_gamma, few_row_linear=cfg.few_row_linear,
+              prompt_lookup_ngram=cfg.prompt_lookup_ngram)
+    decoders = {False: SpeculativeDecoder(target, draft, **kw)}
+    if cfg.compile:
+        decoders[True] = SpeculativeDecoder(target, draft, compile=cfg.compile, **kw)
+        if cfg.warmup:
+            costs.warm_up(decoders[True], max(cfg.batch_sizes, default=1))
+    return decoders
+
+
+def cost_timers(decoders: dict[bool, Any], target, draft, context: torch.Tensor, cfg: BenchConfig) -> dict[str, Any]:
+    """The timers of c and v_γ, their untimed first rounds run (compiling the one-token shapes before any timed run).
+
+    c as our decoder's steps pay it (its kernels, cache kind); compiled methods are predicted from their own; next
+    to them the bare HF forwards, both models reading the ids the draft can embed (only the shapes matter) under the
+    engine's matmul kernels, so c / bare is the work the engine adds around the models. The bench times them in
+    rounds spread over the main pass, so the machine's drift hits them as it hits the runs they predict.
+    """
+    eager = decoders[False]
+    timers = {"eager": costs.cost_timer(eager, context, cfg.gammas),
+              "bare": BareTimer(target, draft, eager.draft_input_ids(context), few_row_linear=eager.few_row_linear)}
+    if cfg.compile:
+        timers["compiled"] = costs.cost_timer(decoders[True], context, cfg.gammas)
+    for timer in timers.values():
+        for _ in range(timer.warmup_rounds):
+            timer.round()
+    return timers
+
+
+def calibrate_auto(decoders: dict[bool, Any], prompt_ids: list[list[int]], cfg: BenchConfig) -> dict | None:
+    """With ``cfg.auto``: the auto-γ cost model measured now, so no timed run pays for it (and every run uses the
+    same one), at every batch size a batch passes through as its rows finish (a batch of 4 runs at 2 rows, then 1).
+    Returns the eager decoder's model, ``{str(batch size): costs}`` (``cost.auto_costs`` of results.json); None
+    without ``cfg.auto``."""
+    if not cfg.auto:
+        return None
+    for dec in decoders.values():
+        costs.calibrate(dec, prompt_ids[0], batch_sizes=cost_buckets(max(cfg.batch_sizes, default=1)),
+                        repeats=cfg.cost_repeats)
+    return {str(b): dict(v) for b, v in decoders[False].auto_costs.items()}
+
+
+def _cost_rounds(timers: dict[str, Any], rounds: int) -> None:
+    for timer in timers.values():
+        for _ in range(rounds):
+            timer.round()
+
+
+def _cost_results(timers: dict[str, Any], decoders: dict[bool, Any], auto_costs: dict | None) -> dict[str, Any]:
+    """``results.json["cost"]``: the eager timer's result, with the bare, compiled and auto-γ costs beside it."""
+    cost = timers["eager"].result()
+    cost["few_row_linear"] = decoders[False].few_row_linear  # as resolved (None in the config means: default)
+    cost["bare"] = timers["bare"].result()
+    if "compiled" in timers:
+        cost["compiled"] = timers["compiled"].result()
+    if auto_costs is not None:
+        cost["auto_costs"] = auto_costs
+    return cost
+
+
+class _Runner:
+    """One timed call of a method: ``run(method, rows, temperature, seed)`` runs ``rows`` as one static batch, or
+    (``concurrency``, our engine) as a continuous stream; it counts the graphs torch.compile built inside timed
+    runs (their wall time includes the compilation)."""
+
+    def __init__(self, decoders: dict[bool, Any], target, draft, cfg: BenchConfig, pad_token_id: int, eos,
+                 device: torch.device):
+        self.decoders, self.target, self.draft, self.cfg = decoders, target, draft, cfg
+        self.pad_token_id, self.eos, self.device = pad_token_id, eos, device
+        self.compiled_graphs = 0
+
+    def __call__(self, method: Method, rows, temperature: float, seed: int, max_new_tokens: int | None = None,
+                 timed: bool = True, concurrency: int | None = None):
+        ids, mask = left_pad(rows, self.pad_token_id, self.device)
+        c = self.cfg if max_new_tokens is None else replace(self.cfg, max_new_tokens=max_new_tokens)
+        if method.kind != OURS:
+            return run_hf(self.target, self.draft, method, ids, mask, temperature, c, self.eos, self.pad_token_id,
+                          seed, self.device)
+        before = _compiled_graphs()
+        dec = self.decoders[method.compiled]
+        out = (run_ours(dec, method, ids, mask, temperature, c, self.eos, seed, self.device) if concurrency is None
+               else run_ours_stream(dec, method, rows, concurrency, temperature, c, self.eos, seed, self.device))
+        self.compiled_graphs += (_compiled_graphs() - before) if timed else 0
+        return out
+
+
+def _predict_batches(records, methods: list[Method], num_prompts: int, cfg: BenchConfig, auto_costs: dict | None,
+                     prefill_ratio: float | None, eos, t: float, gamma, batches: list[list[int]],
+                     plain_recs: list[dict]) -> float | None:
+    """The batch pass's prediction for static batches of these prompt indices (``predicted_batch_speedup``); None
+    without the costs per batch size (``--no-auto``), with an eos (rows of free length) or without an α."""
+    alphas = prompt_alphas(records, t, methods, num_prompts)
+    rows = [[alphas[i] for i in b] for b in batches]
+    if (auto_costs is None or prefill_ratio is None or eos is not None
+            or any(a is None for r in rows for a in r) or any(r.get("prefill_s") is None for r in plain_recs)):
+        return None
+    return predicted_batch_speedup(gamma, rows, [r["wall_s"] for r in plain_recs],
+                                   [r["prefill_s"] for r in plain_recs], auto_costs, cfg.max_new_tokens,
+                                   prefill_ratio, cfg.auto_max_gamma)
+
+
 def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,
                before_block=lambda: None):
-    """Batch-1 runs, interleaved: prompt i's runs (every temperature, every method, ``cfg.repeats`` times) form one
-    block, and the method that opens each round of the block rotates; ``before_block()`` runs before each block
-    (the cost rounds). Returns {(temperature, method name): [record per prompt]}, each the median of its repeats
-    (``median_run``)."""
-    records: dict[tuple[float, str], list[dict]] = {(t, m.name): [] for t in cfg.temperatures for m in methods}
+    """Batch-1 runs, interleaved (:func:`decode.bench.measure.run_interleaved`): prompt i's runs (every temperature,
+    every method, ``cfg.repeats`` times) form one block, and the method that opens each round of the block rotates;
+    ``before_block()`` runs before each block (the cost rounds). Returns {(temperature, method name): [record per
+    prompt]}, each the median of its repeats (``median_run``)."""
     names = prompt_names or [str(i) for i in range(len(prompt_ids))]
     total = len(prompt_ids) * cfg.repeats * len(cfg.temperatures) * len(methods)
+    order = itertools.count()
     with _progress(progress, total, "decoding") as tick:
-        order = 0
-        for i, row in enumerate(prompt_ids):
-            before_block()
-            block: dict[tuple[float, str], list[dict]] = {key: [] for key in records}
-            for rep in range(cfg.repeats):
-                for t in cfg.temperatures:
-                    k = (i * cfg.repeats + rep) % len(methods)  # rotate so no method is always first
-                    for method in methods[k:] + methods[:k]:
-                        new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
-                        block[(t, method.name)].append({
-                            "key": i, "order": order, "prompt": names[i], "category": categories[i],
-                            "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall,
-                            "peak_memory_bytes": peak, "stats": stats if method.kind == OURS else None,
-                            "ttft_s": getattr(stats, "ttft_s", None),
-                        })
-                        order += 1
-                        tick()
-            for key, repeats in block.items():
-                records[key].append(median_run(repeats))
-    return records
+        def one(method: Method, i: int, t: float) -> dict:
+            row = prompt_ids[i]
+            new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
+            tick()
+            return {"key": i, "order": next(order), "prompt": names[i], "category": categories[i],
+                    "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
+                    "stats": stats if method.kind == OURS else None, "ttft_s": getattr(stats, "ttft_s", None)}
+
+        blocks = run_interleaved(one, methods, len(prompt_ids), cfg.temperatures, cfg.repeats,
+                                 lambda i: before_block())
+    return {(t, m.name): [median_run(repeats) for repeats in per_prompt] for (t, m), per_prompt in blocks.items()}
 
 
 def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool, predict=None) -> list[dict]:
@@ -378,17 +416,12 @@ def cost_context(prompt_ids, cfg: BenchConfig, device) -> torch.Tensor:
     """(1, n) real prompt tokens (repeated when the prompts are shorter) for measuring c; n defaults to the mean
     prompt length + max_new_tokens // 2, a typical context in the middle of a generation."""
     n = cfg.cost_context_tokens or int(statistics.mean(len(r) for r in prompt_ids)) + cfg.max_new_tokens // 2
-    n = max(n, 2)
-    flat = [t for r in prompt_ids for t in r]
-    ids = (flat * (n // len(flat) + 1))[:n]
-    return torch.tensor([ids], dtype=torch.long, device=device)
+    return torch.tensor([cost_context_ids(prompt_ids, n)], dtype=torch.long, device=device)
 
 
 def _check_cost_context_fits(n: int, cfg: BenchConfig, target, draft) -> None:
     """The cost measurement prefills n - 1 tokens, then times forwards of 1 and (verify) γ+1 tokens after them:
     n + the largest γ positions must fit both models."""
-    from decode.cache import context_length
-
     positions = [p for p in (context_length(target), context_length(draft)) if p]
     g = max(cfg.gammas or [0])
     if positions and n + g > min(positions):
@@ -430,8 +463,6 @@ class _progress:
                     print(f"{self.label}: {done}/{self.total} ({time.perf_counter() - start:.0f} s)",
                           file=sys.stderr, flush=True)
             return tick
-        from rich.progress import Progress
-
         self._p = Progress(transient=True)
         self._p.start()
         task = self._p.add_task(self.label, total=self.total)
@@ -444,8 +475,6 @@ class _progress:
 
 def environment(device: torch.device) -> dict[str, Any]:
     """Versions, platform and device of the run, stored in ``results.json["environment"]``."""
-    import transformers
-
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "device": str(device), "torch_threads": torch.get_num_threads(),
            "cpu_count": os.cpu_count()}

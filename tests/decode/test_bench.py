@@ -657,6 +657,7 @@ def test_out_expands_home(tmp_path, monkeypatch):
 
 def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch, capsys, tmp_path):
     import decode
+    from decode.bench import runs
     from decode.__main__ import main as decode_main
 
     class NoCompile(decode.SpeculativeDecoder):
@@ -665,7 +666,7 @@ def test_compile_flag_without_engine_support_is_refused(saved_pair, monkeypatch,
             super().__init__(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer,
                              draft_tokenizer=draft_tokenizer, max_auto_draft_tokens=max_auto_draft_tokens)
 
-    monkeypatch.setattr(decode, "SpeculativeDecoder", NoCompile)
+    monkeypatch.setattr(runs, "SpeculativeDecoder", NoCompile)
     assert decode_main(["bench", *_pair_args(saved_pair), "--compile", "--out", str(tmp_path / "x.json")]) == 2
     assert "no compile option; drop --compile" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no compile option"):
@@ -693,12 +694,13 @@ def test_compile_without_a_cpp_compiler_exits_2_before_loading(saved_pair, tmp_p
 
 
 def test_the_compiled_decoder_is_warmed_up_for_the_largest_batch_before_timing(monkeypatch):
-    """With --compile and the warm-up on, the compiled decoder runs SpeculativeDecoder.warm_up for the largest
+    """With --compile and the warm-up on, the compiled decoder runs decode.costs.warm_up for the largest
     --batch-sizes before the first timed run (pair K, run K7: 3 graphs were built inside timed runs with the
     per-method warm-up runs alone); without the warm-up, or without --compile, it does not. (The decoders run
     eager here: the engine's compilation and warm-up are tested with the engine.)"""
     import decode
     import decode.costs
+    from decode.bench import runs
 
     warmed = []
 
@@ -711,7 +713,7 @@ def test_the_compiled_decoder_is_warmed_up_for_the_largest_batch_before_timing(m
         warmed.append((decoder.compile, max_batch_size))
         return 0.0
 
-    monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    monkeypatch.setattr(runs, "SpeculativeDecoder", Recording)
     monkeypatch.setattr(decode.costs, "warm_up", warm_up)
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     for compile, warmup, expected in (("draft", True, [("draft", 4)]), ("draft", False, []), (False, True, [])):
@@ -728,6 +730,7 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
     compile=True, the others to the eager one. The engine's compilation itself is tested with the engine."""
     import decode
     import decode.costs
+    from decode.bench import runs
 
     built = []
 
@@ -750,7 +753,7 @@ def test_compiled_methods_run_on_the_compiled_decoder(monkeypatch, tmp_path, com
         return timer
 
     graphs = [0]
-    monkeypatch.setattr(decode, "SpeculativeDecoder", Recording)
+    monkeypatch.setattr(runs, "SpeculativeDecoder", Recording)
     monkeypatch.setattr(decode.costs, "cost_timer", cost_timer)
     monkeypatch.setattr("decode.bench.runs._compiled_graphs", lambda: graphs[0])
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
@@ -783,13 +786,14 @@ def test_compiled_auto_runs_in_the_main_pass_so_batch_1_reuses_it(monkeypatch):
     """With --compile and auto, spec_auto_compiled joins the main pass (it had no main-pass row, so --gammas auto
     gave the report no compiled run), and the batch pass's batch-1 rows of every method reuse the main pass."""
     import decode
+    from decode.bench import runs
 
     class Labelled(decode.SpeculativeDecoder):  # "compiled" in name only: the plumbing, not the compilation
         def __init__(self, *args, compile=False, **kwargs):
             super().__init__(*args, **kwargs)
             self.compile = compile
 
-    monkeypatch.setattr(decode, "SpeculativeDecoder", Labelled)
+    monkeypatch.setattr(runs, "SpeculativeDecoder", Labelled)
     target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
     cfg = BenchConfig(gammas=[2], auto=True, compile="draft", hf=False, temperatures=[0.0], batch_sizes=[1, 2],
                       max_new_tokens=6, cost_repeats=3, warmup=False)

@@ -41,6 +41,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import AutoTokenizer
+
+from decode.bench.measure import acceptance, decode_stats, measure_costs, predict, run_interleaved
+from decode.compiling import check_compile, check_cpu_compiler
+from decode.costs import warm_up
+from decode.engine import SpeculativeDecoder
+from decode.loading import load_causal_lm
+from decode.lookup import check_prompt_lookup
+from decode.metrics import DecodeStats
+from distill.corpus import load_prompts
 from quickstart import INTERRUPTED_EXIT
 
 REPO = Path(__file__).resolve().parents[1]  # the repository (a checkout) or site-packages (an installed wheel)
@@ -305,8 +318,6 @@ def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int,
     """``(set_name, token_ids)`` for the first ``n`` prompts of each set (after its first ``skip[set]`` ones),
     keeping each prompt's last ``max_prompt_tokens`` tokens (the end is what the model continues; the target was
     trained on short windows)."""
-    from distill.corpus import load_prompts
-
     out = []
     for name, n in sets.items():
         first = int((skip or {}).get(name, 0))
@@ -317,8 +328,6 @@ def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int,
 
 def _load_lm(path: str | Path, role: str = "draft"):
     """The one loader of decode and distill (fp32, eval, frozen): a vocabulary-pruned draft keeps its id map."""
-    from decode.loading import load_causal_lm
-
     return load_causal_lm(str(path), role=role, dtype="float32")
 
 
@@ -347,49 +356,17 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
         decode.compat.IncompatibleModelsError: a draft does not share the target's vocabulary.
         ValueError: ``num_draft_tokens`` is neither a positive int nor ``best``.
     """
-    import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from transformers import AutoTokenizer
-
-    from decode import DecodeStats, SpeculativeDecoder
-    from decode.costs import warm_up
-
     console = console or Console()
     setting = check_eval_settings(ecfg)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = _load_lm(target_dir, "target")
-    models = {name: _load_lm(path) for name, path in drafts.items()}
     max_gamma = int(ecfg.get("max_draft_tokens", 8)) if setting == "best" else setting
-    compile, lookup = eval_compile(ecfg), eval_prompt_lookup(ecfg)
-    decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0, compile=compile is True)}
-    for name, model in models.items():
-        decoders[name] = SpeculativeDecoder(target, model, num_draft_tokens=PROBE_GAMMA, tokenizer=tokenizer,
-                                            draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma,
-                                            compile=compile, prompt_lookup_ngram=lookup)
+    compile = eval_compile(ecfg)
+    decoders = eval_decoders(target_dir, drafts, tokenizer, max_gamma, compile, eval_prompt_lookup(ecfg))
     prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), int(ecfg.max_prompt_tokens))
     temps = [float(t) for t in ecfg.temperatures]
     new = int(ecfg.max_new_tokens)
-    modes = list(decoders)
-
-    def generate(mode, ids, temperature, seed, gamma):
-        # eos is not a stop: every run generates max_new_tokens, so tokens/s compares equal amounts of work.
-        gen = torch.Generator().manual_seed(seed)
-        return decoders[mode].generate(torch.tensor([ids]), max_new_tokens=new, temperature=temperature,
-                                       generator=gen, num_draft_tokens=0 if mode == "plain" else gamma)
-
-    for mode in modes:  # untimed: the first call of each model pays for lazy initialisation
-        generate(mode, prompts[0][1][-16:], 0.0, 0, PROBE_GAMMA)
-    if compile:  # and compilation: a full-length run per temperature meets the shapes the timed runs will
-        console.print(f"eval: compiling ({'the drafts' if compile == 'draft' else 'both models'}' forwards, "
-                      "untimed)")
-        for mode in modes:
-            if mode != "plain" or compile is True:
-                # every shape class at batch 1 (a step's draft input is 3+ tokens only where the prompt lookup
-                # covered its leading drafts, which one run may never meet: a graph built in a timed run costs seconds)
-                warm_up(decoders[mode], 1)
-                for temperature in temps:
-                    generate(mode, prompts[0][1], temperature, 0, PROBE_GAMMA)
+    _warm_up(decoders, prompts[0][1], temps, new, compile, console)
+    models = [n for n in decoders if n != "plain"]
     calibration = None
     if setting == "best":
         calib = encode_prompt_sets(tokenizer, {k: int(ecfg.get("calibration_prompts", 2)) for k in ecfg.prompt_sets},
@@ -403,36 +380,85 @@ def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, consol
     else:
         gammas = {n: {t: setting for t in temps} for n in models}
         costs = {n: engine_costs(decoders[n], prompts[0][1]) for n in models}
-    records: list[dict] = []
-    lossless = [0, 0]
-    columns = (TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("", total=len(temps) * len(prompts) * len(modes))
-        for temperature in temps:
-            for i, (set_name, ids) in enumerate(prompts):
-                seed = int(ecfg.seed) * 1_000_003 + i
-                order = modes[i % len(modes):] + modes[: i % len(modes)]  # rotate who runs first
-                outs = {}
-                for mode in order:
-                    outs[mode] = generate(mode, ids, temperature, seed, gammas.get(mode, {}).get(temperature, 0))
-                    records.append({"mode": mode, "temperature": temperature, "set": set_name,
-                                    "stats": outs[mode].stats})
-                    bar.update(task, advance=1, description=f"T={temperature:g} {set_name}")
-                if temperature == 0.0:
-                    for mode in modes[1:]:
-                        lossless[0] += int(torch.equal(outs[mode].new_tokens[0], outs["plain"].new_tokens[0]))
-                        lossless[1] += 1
-    rows = _pool(records, temps, [p[0] for p in prompts], list(models), costs, gammas, DecodeStats)
-    return {"rows": rows, "cost_ratio": {n: c for n, (c, _) in costs.items()},
-            "verify_costs": {n: v for n, (_, v) in costs.items()},
-            "greedy_lossless": {"equal": lossless[0], "total": lossless[1]},
+    outputs = timed_runs(decoders, prompts, temps, new, int(ecfg.seed), gammas, console)
+    return {"rows": _pool(outputs, temps, [p[0] for p in prompts], models, costs, gammas),
+            "cost_ratio": {n: c for n, (c, _) in costs.items()}, "verify_costs": {n: v for n, (_, v) in costs.items()},
+            "greedy_lossless": greedy_lossless(outputs, len(prompts), list(decoders)),
             "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": setting,
             "gammas": {n: {str(t): g for t, g in per.items()} for n, per in gammas.items()},
             "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens),
-            "temperatures": temps, "compile": compile, "prompt_lookup_ngram": lookup}
+            "temperatures": temps, "compile": compile, "prompt_lookup_ngram": eval_prompt_lookup(ecfg)}
 
 
 PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chosen
+
+
+def eval_decoders(target_dir: str | Path, drafts: dict[str, str | Path], tokenizer, max_gamma: int,
+                  compile: bool | str, lookup: int) -> dict[str, SpeculativeDecoder]:
+    """``{"plain": the target alone, draft name: the target with that draft}``; the drafts' decoders compiled as
+    ``compile`` says, plain decoding only with ``compile=True`` (the one setting that compiles the target)."""
+    target = _load_lm(target_dir, "target")
+    decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0, compile=compile is True)}
+    for name, path in drafts.items():
+        decoders[name] = SpeculativeDecoder(target, _load_lm(path), num_draft_tokens=PROBE_GAMMA, tokenizer=tokenizer,
+                                            draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma,
+                                            compile=compile, prompt_lookup_ngram=lookup)
+    return decoders
+
+
+def _generate(decoder: SpeculativeDecoder, ids: list[int], temperature: float, seed: int, max_new_tokens: int,
+              gamma: int):
+    """One timed run's call. eos is not a stop: every run generates max_new_tokens, so tokens/s compares equal
+    amounts of work."""
+    return decoder.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=temperature,
+                            generator=torch.Generator().manual_seed(seed),
+                            num_draft_tokens=0 if decoder.draft is None else gamma)
+
+
+def _warm_up(decoders: dict[str, SpeculativeDecoder], ids: list[int], temps: list[float], max_new_tokens: int,
+             compile: bool | str, console) -> None:
+    """Untimed: the first call of each model pays for lazy initialisation, and compilation: a full-length run per
+    temperature meets the shapes the timed runs will."""
+    for dec in decoders.values():
+        _generate(dec, ids[-16:], 0.0, 0, max_new_tokens, PROBE_GAMMA)
+    if not compile:
+        return
+    console.print(f"eval: compiling ({'the drafts' if compile == 'draft' else 'both models'}' forwards, untimed)")
+    for mode, dec in decoders.items():
+        if mode != "plain" or compile is True:
+            # every shape class at batch 1 (a step's draft input is 3+ tokens only where the prompt lookup covered
+            # its leading drafts, which one run may never meet: a graph built in a timed run costs seconds)
+            warm_up(dec, 1)
+            for temperature in temps:
+                _generate(dec, ids, temperature, 0, max_new_tokens, PROBE_GAMMA)
+
+
+def timed_runs(decoders: dict[str, SpeculativeDecoder], prompts: list[tuple[str, list[int]]], temps: list[float],
+               max_new_tokens: int, seed: int, gammas: dict, console) -> dict:
+    """Every decoder on every prompt and temperature, interleaved (:func:`decode.bench.measure.run_interleaved`:
+    plain, baseline and distilled runs on a prompt follow each other, the first rotating from prompt to prompt,
+    with the same generator seed), under a progress bar. Returns ``{(temperature, mode): [[output] per prompt]}``."""
+    columns = (TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("", total=len(temps) * len(prompts) * len(decoders))
+
+        def run(mode: str, i: int, temperature: float):
+            out = _generate(decoders[mode], prompts[i][1], temperature, seed * 1_000_003 + i, max_new_tokens,
+                            gammas.get(mode, {}).get(temperature, 0))
+            bar.update(task, advance=1, description=f"T={temperature:g} {prompts[i][0]}")
+            return out
+
+        return run_interleaved(run, list(decoders), len(prompts), temps)
+
+
+def greedy_lossless(outputs: dict, num_prompts: int, modes: list[str]) -> dict[str, int]:
+    """Greedy speculative outputs equal to plain greedy decoding's on the same prompt, of all greedy runs."""
+    if (0.0, "plain") not in outputs:
+        return {"equal": 0, "total": 0}
+    plain = [runs[0].new_tokens[0] for runs in outputs[(0.0, "plain")]]
+    same = [torch.equal(outputs[(0.0, m)][i][0].new_tokens[0], plain[i]) for m in modes if m != "plain"
+            for i in range(num_prompts)]
+    return {"equal": sum(same), "total": len(same)}
 
 
 def eval_compile(ecfg) -> bool | str:
@@ -445,8 +471,6 @@ def eval_compile(ecfg) -> bool | str:
         ValueError: another value, or no working C++ compiler where inductor looks (``$CXX``, else ``g++``;
             :func:`decode.compiling.check_cpu_compiler`).
     """
-    from decode.compiling import check_compile, check_cpu_compiler
-
     value = ecfg.get("compile", False)
     try:
         value = check_compile(value)
@@ -558,8 +582,6 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
 def eval_prompt_lookup(ecfg) -> int:
     """``quickstart.eval.prompt_lookup_ngram`` checked: the drafts' decoders' ``prompt_lookup_ngram`` (an integer
     >= 0; 0 or absent: off). Raises ValueError naming the setting."""
-    from decode.lookup import check_prompt_lookup
-
     return check_prompt_lookup(ecfg.get("prompt_lookup_ngram", 0), name="quickstart.eval.prompt_lookup_ngram")
 
 
@@ -601,8 +623,6 @@ def check_prompt_sets(ecfg) -> None:
     """Every set of ``quickstart.eval.prompt_sets`` exists and holds its number of timed prompts plus the
     ``calibration_prompts`` after them (γ = best), so the table never labels fewer prompts than it measured.
     Raises ValueError naming the setting."""
-    from distill.corpus import load_prompts
-
     calibration = int(ecfg.get("calibration_prompts", 2)) if gamma_setting(
         ecfg.get("num_draft_tokens", "best")) == "best" else 0
     for name, n in dict(ecfg.prompt_sets).items():
@@ -710,12 +730,13 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
                   seed: int, max_gamma: int) -> dict:
     """Choose γ per draft and temperature from a calibration run, before any timed run.
 
-    For each draft, the engine's own cost model is measured (``SpeculativeDecoder.calibrate`` at batch 1: c and
-    the verify costs v_γ for γ <= ``max_gamma``), each prompt is decoded at γ = ``PROBE_GAMMA`` per temperature
-    to measure Leviathan et al.'s per-token acceptance α (``DecodeStats.alpha``, pooled), and γ is
-    the ``decode.speedup.best_gamma`` of the verify-aware prediction ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ))`` over
-    ``1..max_gamma`` (γ = 0 would be plain decoding, which the table already shows). The prompts must be disjoint
-    from the timed ones, so that the choice is not fitted to the measurement it is judged by.
+    For each draft, the engine's own cost model is measured (:func:`engine_costs`: c and the verify costs v_γ for
+    γ <= the decoder's ``max_auto_draft_tokens``), each prompt is decoded at γ = ``PROBE_GAMMA`` per temperature
+    to measure Leviathan et al.'s per-token acceptance α (``DecodeStats.alpha``, pooled), and γ is the one of the
+    verify-aware prediction ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ))`` that is best over ``1..max_gamma``
+    (:func:`decode.bench.measure.predict`; γ = 0 would be plain decoding, which the table already shows). The
+    prompts must be disjoint from the timed ones, so that the choice is not fitted to the measurement it is judged
+    by.
 
     Args:
         decoders: name -> ``SpeculativeDecoder`` with a draft and ``max_auto_draft_tokens >= max_gamma``.
@@ -730,11 +751,6 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
     Raises:
         ValueError: no prompts, or ``max_gamma < 1``.
     """
-    import torch
-
-    from decode import DecodeStats
-    from decode.speedup import best_gamma, predicted_speedup, verify_cost_at
-
     if not prompts:
         raise ValueError("choose_gammas needs calibration prompts (quickstart.eval.calibration_prompts >= 1)")
     if max_gamma < 1:
@@ -744,57 +760,51 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
         c, v = engine_costs(dec, prompts[0])
         per_t = {}
         for t in temperatures:
-            runs = [dec.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=t,
-                                 generator=torch.Generator().manual_seed(seed * 1_000_003 + 500_000 + i),
-                                 num_draft_tokens=PROBE_GAMMA).stats for i, ids in enumerate(prompts)]
-            alpha = DecodeStats.merge(runs).alpha  # a float in [0, 1] (0.0 with no trial)
-            g = best_gamma(alpha, c, max_gamma=max_gamma, min_gamma=1, verify_costs=v)
-            per_t[t] = {"alpha": alpha, "num_draft_tokens": g,
-                        "predicted_speedup": predicted_speedup(alpha, g, c, verify_cost_at(v, g))}
+            seeds = [seed * 1_000_003 + 500_000 + i for i in range(len(prompts))]
+            alpha = decode_stats(dec, prompts, t, max_new_tokens, seeds, num_draft_tokens=PROBE_GAMMA).alpha
+            g, predicted = predict(alpha, c, v, max_gamma=max_gamma)  # alpha: 0.0 with no trial
+            per_t[t] = {"alpha": alpha, "num_draft_tokens": g, "predicted_speedup": predicted}
         out[name] = {"cost_ratio": c, "verify_costs": v, "per_temperature": per_t}
     return out
 
 
 def engine_costs(decoder, context: list[int]) -> tuple[float, list[float]]:
-    """The decoder's own cost model at batch 1 (:func:`decode.costs.calibrate`, context cut to 64 tokens): c =
-    draft / target time of a single-token decode forward and ``[v_0 = 1, v_1, .., v_max]``, v_γ = target forward
-    over γ + 1 tokens / over one, for γ up to the decoder's ``max_auto_draft_tokens``. One measurement per draft
-    serves both the γ choice and the table's prediction."""
-    from decode import costs
-
-    model = costs.calibrate(decoder, context, batch_sizes=(1,), repeats=11)[1]
-    return float(model["cost_ratio"]), [float(x) for x in model["verify"]]
+    """The decoder's own cost model at batch 1 (:func:`decode.bench.measure.measure_costs`, a context of 64 tokens
+    at most): c = draft / target time of a single-token decode forward and ``[v_0 = 1, v_1, .., v_max]``, v_γ =
+    target forward over γ + 1 tokens / over one, for γ up to the decoder's ``max_auto_draft_tokens``. One
+    measurement per draft serves both the γ choice and the table's prediction."""
+    return measure_costs(decoder, [context], decoder.max_auto_draft_tokens, context_tokens=64, repeats=11)
 
 
-def _pool(records, temps, set_names, drafts, costs, gammas, DecodeStats) -> list[dict]:
+def _pool(outputs: dict, temps: list[float], set_names: list[str], drafts: list[str], costs: dict,
+          gammas: dict) -> list[dict]:
     """One row per (temperature, prompt set) and (temperature, "all"), pooling DecodeStats over prompts."""
-    from decode.speedup import predicted_speedup, verify_cost_at
-
-    sets = list(dict.fromkeys(set_names)) + ["all"]
     rows = []
     for t in temps:
-        for s in sets:
+        for s in list(dict.fromkeys(set_names)) + ["all"]:
             def pooled(mode):
-                return DecodeStats.merge([r["stats"] for r in records
-                                          if r["mode"] == mode and r["temperature"] == t and s in ("all", r["set"])])
+                return DecodeStats.merge([runs[0].stats for name, runs in zip(set_names, outputs[(t, mode)])
+                                          if s in ("all", name)])
             plain = pooled("plain")
             row = {"temperature": t, "set": s, "plain_tokens_per_s": plain.tokens_per_s,
                    "plain_new_tokens": plain.num_new_tokens}
             for d in drafts:
-                st = pooled(d)
-                alpha_token = st.alpha if st.num_drafted else None
-                gamma = gammas[d][t]
-                row[d] = {"num_draft_tokens": gamma, "acceptance_rate": st.acceptance_rate,
-                          "alpha": alpha_token,
-                          "mean_accepted_length": st.mean_accepted_length,
-                          "tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / plain.tokens_per_s,
-                          "predicted_speedup": (predicted_speedup(alpha_token, gamma, costs[d][0],
-                                                                  verify_cost_at(costs[d][1], gamma))
-                                                if alpha_token is not None else None),
-                          "num_new_tokens": st.num_new_tokens, "num_verify_steps": st.num_verify_steps,
-                          "accepted_length_histogram": list(st.accepted_length_histogram)}
+                row[d] = _draft_cell(pooled(d), plain, gammas[d][t], *costs[d])
             rows.append(row)
     return rows
+
+
+def _draft_cell(st: DecodeStats, plain: DecodeStats, gamma: int, cost_ratio: float,
+                verify_costs: list[float] | None) -> dict:
+    """A draft's α, τ, tokens/s, speedup over plain and verify-aware prediction at its γ, from pooled stats."""
+    m = acceptance(st)
+    return {"num_draft_tokens": gamma, "acceptance_rate": m["acceptance_rate"], "alpha": m["alpha"],
+            "mean_accepted_length": m["mean_accepted_length"], "tokens_per_s": st.tokens_per_s,
+            "speedup": st.tokens_per_s / plain.tokens_per_s,
+            "predicted_speedup": (predict(m["alpha"], cost_ratio, verify_costs, gamma=gamma)[1]
+                                  if m["alpha"] is not None else None),
+            "num_new_tokens": st.num_new_tokens, "num_verify_steps": st.num_verify_steps,
+            "accepted_length_histogram": m["accepted_length_histogram"]}
 
 
 def _fmt(x, spec: str) -> str:
@@ -835,9 +845,9 @@ def render_table(results: dict, console) -> None:
             m = r[d]
             pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
             table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
-                          str(m.get("num_draft_tokens", ev["num_draft_tokens"])), f"{m['acceptance_rate']:.3f}",
+                          str(m.get("num_draft_tokens", ev["num_draft_tokens"])), _fmt(m["acceptance_rate"], ".3f"),
                           _fmt(m.get("alpha"), ".3f"),
-                          f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.1f}",
+                          _fmt(m["mean_accepted_length"], ".2f"), f"{m['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
                           end_section=(i == len(drafts) - 1 and r["set"] == "all"))
     console.print(table)

@@ -695,9 +695,9 @@ def test_compile_without_a_cpp_compiler_exits_2_before_loading(saved_pair, tmp_p
 
 def test_the_compiled_decoder_is_warmed_up_for_the_largest_batch_before_timing(monkeypatch):
     """With --compile and the warm-up on, the compiled decoder runs decode.costs.warm_up for the largest
-    --batch-sizes before the first timed run (pair K, run K7: 3 graphs were built inside timed runs with the
-    per-method warm-up runs alone); without the warm-up, or without --compile, it does not. (The decoders run
-    eager here: the engine's compilation and warm-up are tested with the engine.)"""
+    --batch-sizes before the first timed run (the per-method warm-up runs alone leave shapes whose graphs would be
+    built inside timed runs); without the warm-up, or without --compile, it does not. (The decoders run eager here:
+    the engine's compilation and warm-up are tested with the engine.)"""
     import decode
     import decode.costs
     from decode.bench import runs
@@ -873,8 +873,9 @@ def test_bare_forwards_run_on_the_engines_matmul_kernels(monkeypatch, few_row_li
 
 
 def test_cost_rounds_are_spread_over_the_main_pass(monkeypatch):
-    """c, v_γ and the bare reference are timed before each prompt's runs, not once before them all: on pair X the
-    ratio of measured to predicted speedup moved by ±0.1 between runs with a cost measured at one moment."""
+    """c, v_γ and the bare reference are timed before each prompt's runs, not once before them all, so the
+    machine's drift hits the costs as it hits the runs they predict (a cost measured at one moment moved the ratio
+    of measured to predicted speedup by ±0.1 between runs)."""
     from decode.bench import bare_forward, runs
     from decode.costs import CostTimer
 
@@ -1130,10 +1131,9 @@ def test_auto_only_runs_auto_in_the_batch_pass_and_prints_no_none(tmp_path):
 
 
 def test_auto_costs_cover_every_batch_size_a_batch_passes_through_before_timing(monkeypatch):
-    """A batch of 3 runs at 3 rows (costs of 4), then 2, then 1 as rows finish: all three were calibrated up front
-    (batch 2 used to be measured lazily, inside a timed run: the bench's auto row at batch 4 paid ~1.8 s for it),
-    with --cost-repeats timed forwards each (the decoder's default of 5 left v_2..v_8 at one noisy 1.38 on pair X,
-    and auto at T = 1 drafted γ 3.1 on average where 4 ran 1.12x faster)."""
+    """A batch of 3 runs at 3 rows (costs of 4), then 2, then 1 as rows finish: all three are calibrated up front
+    (measured lazily, a batch size's costs would be paid inside a timed run), with --cost-repeats timed forwards
+    each (the decoder's default of 5 leaves the verify costs too noisy for auto γ to pick well)."""
     import decode.costs
 
     repeats = []

@@ -1,9 +1,12 @@
-"""Pre-flight checks of a data source: fields present and text, read as training will, before anything loads."""
+"""Pre-flight checks against the disk: model folders, corpus files, a data source's fields read as training will,
+all before anything loads."""
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
-from distill.checks import preflight_source
-from distill.config import SetupError
+from distill.checks import check_inputs, normalize_config, preflight_source
+from distill.config import SetupError, compose
 
 
 def _src(**kw):
@@ -24,3 +27,24 @@ def test_parquet_and_csv_fields_are_checked_before_loading(tmp_path):
     with pytest.raises(SetupError, match=r"c.csv, row 2: \"a\" is null; .*\(eval.prompts.completion_field\): fix or "
                                          r"delete row 2"):
         preflight_source(_src(path=str(csv), kind="prompts", prompt_field="q", completion_field="a"), "eval.prompts")
+
+
+def test_a_corpus_whose_file_is_missing_is_named_before_anything_loads(tmp_path, monkeypatch):
+    """data.source.corpus=tinystories without the shared data folder failed inside the run with a traceback
+    (exit 1) that pointed at <repo>/../shared/data even for an installed package."""
+    monkeypatch.setenv("DRAFTKIT_SHARED_DATA", str(tmp_path))
+    cfg = compose(["+target.name_or_path=org/model", "data=corpus", "data.source.corpus=tinystories",
+                   "draft.num_hidden_layers=2"])
+    with pytest.raises(SetupError, match=r"data.source.corpus=tinystories: corpus 'tinystories' reads "
+                                         r".*tinystories_val.txt, which does not exist: set DRAFTKIT_SHARED_DATA"):
+        check_inputs(normalize_config(cfg), training=False)
+    (tmp_path / "tinystories").mkdir()
+    (tmp_path / "tinystories" / "tinystories_val.txt").write_text("Once upon a time.\n")
+    check_inputs(normalize_config(cfg), training=False)
+
+
+def test_a_relative_model_path_that_is_missing_shows_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SetupError, match=re.escape(f"'checkpoints/q/target' ({tmp_path}/checkpoints/q/target) does "
+                                                   "not exist")):
+        normalize_config(compose(["+target.name_or_path=checkpoints/q/target", "draft.num_hidden_layers=2"]))

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from decode.compat import base_model
+from decode.compat import base_model, probe_logits, probe_tolerance
 
 
 def _layers(cache: Any) -> list[Any]:
@@ -326,8 +326,6 @@ def slot_probe(model: Any, holes: int = 64) -> SlotProbe:
     to 0.024 in a 32-layer model, while 64 holes move a 2-layer random MPT's by 0.13). ``(True, True)`` when the
     probe cannot run or the plain run is not finite (the forward decides then).
     """
-    from decode.compat import probe_logits, probe_tolerance
-
     real = [3, 5, 7, 11]
     probe = probe_logits(model, [(real, [1] * 4), (real[:1] + [1] * holes + real[1:], [1] + [0] * holes + [1] * 3),
                                  ([1] * holes + real, [0] * holes + [1] * 4)])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import warnings
 from typing import Any
 
 
@@ -381,3 +382,26 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     if draft is not None:
         check_draft_vocab_map(draft, vocab, target_tokenizer)
     return vocab
+
+
+def check_decodable(target: Any, draft: Any, tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
+    """The pair checked for speculative decoding (:func:`check_compatibility`: a shared vocabulary; each model's cache
+    rolls back, :func:`check_cache_support`; causal attention, :func:`check_causal`); returns the shared vocabulary
+    size. ``draft_tokenizer`` defaults to ``tokenizer``."""
+    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+    for name, model in (("target", target), ("draft", draft)):
+        if model is not None:
+            check_cache_support(model, name)
+            check_causal(model, name)
+    return vocab_size
+
+
+def warn_chunk_dependent_rope(target: Any) -> None:
+    """Warn when the target's rotary frequencies depend on how many tokens a forward holds
+    (:func:`chunk_dependent_rope`)."""
+    rope = chunk_dependent_rope(target)
+    if rope is not None:
+        warnings.warn(f"decode: the target's rope_type {rope[0]!r} picks its rotary frequencies from the largest "
+                      f"position in each forward, so past position {rope[1]} its logits depend on how many tokens "
+                      "a forward holds and outputs there can differ from one-token-at-a-time decoding (plain "
+                      "decoding through this engine too; docs/decode.md, Limits)", stacklevel=3)

@@ -37,17 +37,18 @@ from decode import costs
 from decode import kernels
 from decode.batch import DecodeState, left_pad
 from decode.cache import context_length
-from decode.compat import (check_cache_support, check_causal, check_compatibility, chunk_dependent_rope,
-                           draft_input_substitute, substitute_draft_inputs)
+from decode.compat import check_decodable, draft_input_substitute, substitute_draft_inputs, warn_chunk_dependent_rope
 from decode.compiling import check_compile, compiled_forward
+from decode.drafting import draft_tokens
 from decode.lookup import check_prompt_lookup, lookup_drafts
 from decode.metrics import DecodeStats, peak_memory_bytes
-from decode.requests import (Request, RequestOutput, check_eos, check_max_new_tokens, check_prompt, check_seed,
-                             pack_prompts)
-from decode.sampling import MAX_SEED, BatchSampling, SamplingParams, greedy_ids, probs_from_logits, sample
-from decode.speedup import AdaptiveGamma, check_auto_costs, cost_bucket
+from decode.requests import (Request, RequestOutput, check_eos, check_max_new_tokens, check_prompt, check_sampling_args,
+                             check_seed, check_streamer, pack_prompts, row_seeds)
+from decode.sampling import (BatchSampling, SamplingParams, draw_uniforms, greedy_ids, probs_from_logits,
+                             window_counts)
+from decode.speedup import AdaptiveGamma, check_auto_costs, check_max_auto_draft_tokens, cost_bucket
 from decode.verify import verify, verify_greedy
-from decode.vocab_map import draft_vocab_map, scatter_to_vocab
+from decode.vocab_map import draft_vocab_map
 
 
 @dataclass
@@ -71,37 +72,6 @@ NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, s
               "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
               "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
               "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")  # (its requests stay: see step())
-
-PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
-
-def check_models(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any) -> int:
-    """The pair checked for decoding (a shared vocabulary, caches that roll back, causal attention); returns the
-    shared vocabulary size (:func:`decode.compat.check_compatibility`)."""
-    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
-    for name, model in (("target", target), ("draft", draft)):
-        if model is not None:
-            check_cache_support(model, name)
-            check_causal(model, name)
-    return vocab_size
-
-
-def check_max_auto_draft_tokens(value: Any) -> int:
-    """The largest γ of ``num_draft_tokens="auto"``: an integer >= 1, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
-                         f"'auto'), got {value!r}")
-    return value
-
-
-def warn_chunk_dependent_rope(target: Any) -> None:
-    """Warn when the target's rotary frequencies depend on how many tokens a forward holds."""
-    rope = chunk_dependent_rope(target)
-    if rope is not None:
-        warnings.warn(f"decode: the target's rope_type {rope[0]!r} picks its rotary frequencies from the largest "
-                      f"position in each forward, so past position {rope[1]} its logits depend on how many tokens "
-                      "a forward holds and outputs there can differ from one-token-at-a-time decoding (plain "
-                      "decoding through this engine too; docs/decode.md, Limits)", stacklevel=3)
-
 
 class SpeculativeDecoder:
     """Lossless speculative decoding of ``target`` with proposals from ``draft``, over requests that join and
@@ -161,7 +131,7 @@ class SpeculativeDecoder:
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.vocab_size = check_models(target, draft, tokenizer, draft_tokenizer)
+        self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer)
         self.max_auto_draft_tokens = check_max_auto_draft_tokens(max_auto_draft_tokens)
         self._num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
                                                    else num_draft_tokens)
@@ -463,89 +433,25 @@ class SpeculativeDecoder:
         self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
         self._costs_bucket = bucket
 
-    def _draw_uniforms(self, gammas: list[int], gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each sampled row draws 2γ_r + 1 uniforms from its own generator: γ_r for its drafts, γ_r for the
-        acceptance tests, one for the residual/bonus token. Greedy rows draw none (their choices are argmaxes).
-
-        Returns ``(draft_u (B, γ), accept_u (B, γ), sample_u (B,))`` on the models' device."""
-        buf = torch.zeros(len(gammas), 2 * gamma + 1)
-        for i, (row, g) in enumerate(zip(self._rows, gammas)):
-            if not row.params.greedy:
-                u = torch.rand(2 * g + 1, generator=row.generator)
-                buf[i, :g], buf[i, gamma:gamma + g], buf[i, 2 * gamma] = u[:g], u[g:2 * g], u[2 * g]
-        buf = buf.to(self.target.device, non_blocking=True)
-        return buf[:, :gamma], buf[:, gamma:2 * gamma], buf[:, 2 * gamma]
-
     def draft_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` (LongTensor, any shape) as the draft reads them: ids its input embedding lacks replaced by the
         substitute id (:mod:`decode.compat`); ``ids`` itself for a draft that reads every id."""
         return substitute_draft_inputs(ids, self._draft_input)
 
-    def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The draft's ``(B, 1, N)`` logits as a row over the target's ids: a pruned draft's N logits go to the ids
-        of its map and every other id gets -inf, so q = 0 there and the residual max(p − q, 0) gives those ids
-        exactly their target probability. A full-vocabulary draft's logits pass through unchanged."""
-        if self._draft_map is None:
-            return logits
-        return scatter_to_vocab(logits, self._draft_map.to(logits.device), self.vocab_size)
-
     def _draft(self, state: DecodeState, gammas: list[int], gamma: int,
                draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft γ tokens per row from the two sources: prompt lookup's proposals (:func:`decode.lookup.lookup_drafts`)
-        and the draft model's guesses. Returns tokens ``(B, γ)`` and the distributions they were drawn from
-        ``(B, γ, V)`` (None when every row is greedy: the drafts are argmaxes and :func:`decode.verify.verify_greedy`
-        needs no q).
-
-        Positions before the proposals' ``covered`` need no guess from the draft model, so they run no draft forward:
-        their tokens join the next forward's input (one forward of several tokens costs about one of a single token
-        here), and when every position is covered one forward feeds them at the end, so the draft's cache holds the
-        same tokens as after γ one-token forwards (the roll-back is unchanged)."""
+        """Draft γ tokens per row (:func:`decode.drafting.draft_tokens`: prompt lookup's proposals beside the draft
+        model's guesses). Returns tokens ``(B, γ)`` and q ``(B, γ, V)`` (None when every row is greedy)."""
         if gamma == 0:
             self._step_draft_forwards = 0
             return state.last.new_zeros(len(gammas), 0), torch.zeros(len(gammas), 0, self.vocab_size,
                                                                      device=state.last.device)
         lookup = (lookup_drafts(self._rows, state.committed, gammas, gamma, self.prompt_lookup_ngram,
                                 self.target.device) if self.prompt_lookup_ngram else None)
-        covered = lookup.covered if lookup is not None else 0
-        # Feed the pending tokens, skipping leading columns that no row needs (usually 1 or 2 columns).
-        width = max(state.draft_pending)
-        inp, inp_mask = state.draft_in[:, -width:], state.draft_in_mask[:, -width:]
-        state.draft_cache.ensure_room(width + gamma)  # no compaction between this step's writes
-        holes = min(state.draft_pending) < width
-        counts, seen = self._counts, self._seen
-        tokens, probs = [], []
-        for i in range(gamma):
-            if i < covered:  # every row's draft here is its proposal (or unused): it joins the next forward's input
-                tok, q = lookup.proposal(i, self.vocab_size, with_q=not self._sampling.all_greedy)
-                inp, inp_mask = torch.cat([inp, tok[:, None]], dim=1), torch.cat([inp_mask, torch.ones_like(
-                    tok)[:, None]], dim=1)
-            else:
-                logits = self.draft_forward(state, inp, inp_mask, holes)
-                tok, q = self._draft_guess(logits, counts, seen, draft_u[:, i])
-                if lookup is not None:
-                    tok, q = lookup.overlay(i, tok, q, self.vocab_size)
-                inp, inp_mask, holes = tok[:, None], torch.ones_like(tok)[:, None], False
-            if q is not None:
-                probs.append(q)
-            tokens.append(tok)
-            if counts is not None and i + 1 < gamma:  # the next position's prefix includes this draft
-                counts = counts.scatter_add(-1, tok[:, None], torch.ones_like(counts[:, :1]))
-                seen = seen.scatter(-1, tok[:, None], True)
-        if covered == gamma:  # no forward ran: feed what the γ forwards would have (all but the γ-th draft)
-            self.draft_forward(state, inp[:, :-1], inp_mask[:, :-1], holes)
-        self._step_draft_forwards = 1 if covered == gamma else gamma - covered
-        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
-
-    def _draft_guess(self, logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
-                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The draft model's token ``(B,)`` at one position from its logits ``(B, 1, N)``, and q ``(B, V)`` (None
-        when every row is greedy: q is one-hot, only its argmax is kept)."""
-        args = (self._draft_logits(logits[:, -1:]), self._sampling, self.vocab_size,
-                counts[:, None] if counts is not None else None, seen[:, None] if seen is not None else None)
-        if self._sampling.all_greedy:
-            return greedy_ids(*args)[:, 0], None
-        q = probs_from_logits(*args)[:, 0]
-        return sample(q, u=u), q
+        drafts, q, self._step_draft_forwards = draft_tokens(
+            state, gamma, lookup, self.draft_forward, self._sampling, self.vocab_size, self._draft_map, self._counts,
+            self._seen, draft_u)
+        return drafts, q
 
     def draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
         """One draft forward on ``inp`` ``(B, k)`` (``inp_mask`` ``(B, k)``: 0 for the holes of rows with fewer
@@ -560,23 +466,14 @@ class SpeculativeDecoder:
         max_pos = self.context_length - 1 if self.context_length else None
         return state.target_cache.forward(self.target, target_in, None, max_position=max_pos, call=self.target_call)
 
-    def _window_counts(self, drafts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Penalty counts of the verify window's γ+1 prefixes: ``(B, γ+1, V)``; position j includes d_1..d_j."""
-        if self._counts is None:
-            return None, None
-        added = torch.nn.functional.one_hot(drafts, self.vocab_size).float().cumsum(1)  # (B, γ, V)
-        added = torch.cat([torch.zeros_like(added[:, :1]) if added.shape[1] else
-                           self._counts.new_zeros(drafts.shape[0], 1, self.vocab_size), added], dim=1)
-        return self._counts[:, None] + added, self._seen[:, None] | (added > 0)
-
     def _speculative_step(self, gamma: int, gammas: list[int]) -> tuple[list[int], list[list[int]]]:
         """Draft -> verify -> roll back, for every active row. Returns ``(n_accepted per row, committed new tokens
         per row before the eos/length trim)``."""
         state = self._state
-        draft_u, accept_u, sample_u = self._draw_uniforms(gammas, gamma)
+        draft_u, accept_u, sample_u = draw_uniforms(self._rows, gammas, gamma, self.target.device)
         drafts, q = self._draft(state, gammas, gamma, draft_u)  # (B, γ), (B, γ, V) or None
         logits = self.verify_forward(state, torch.cat([state.last[:, None], drafts], dim=1))  # (B, γ+1, V)
-        counts, seen = self._window_counts(drafts)
+        counts, seen = window_counts(self._counts, self._seen, drafts, self.vocab_size)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
         if self._sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
             target_ids = greedy_ids(logits, self._sampling, self.vocab_size, counts, seen)
@@ -617,27 +514,14 @@ class SpeculativeDecoder:
             state.draft_pending = [2 if n == gamma else 1 for n in n_list]
         state.last = nxt
 
-    def _trim(self, row: Request, tokens: list[int], length: int) -> tuple[list[int], bool]:
-        """Cut a step's tokens at the row's budget/context and after its first stop id; returns (kept, stopped)."""
-        tokens = tokens[: self._remaining(row, length)]
-        hit = next((j for j, t in enumerate(tokens) if t in row.eos), None)
-        return (tokens[: hit + 1], True) if hit is not None else (tokens, False)
-
     def _commit(self, gammas: list[int], n_acc: list[int], new: list[list[int]]) -> list[RequestOutput]:
         """Append each row's kept tokens, record its stats, retire finished rows, then call ``on_tokens``."""
         state, now = self._state, time.perf_counter()
         finished, keep, calls, count_rows, count_ids = [], [], [], [], []
         for i, (row, g, n, tokens) in enumerate(zip(self._rows, gammas, n_acc, new)):
-            tokens, stopped = self._trim(row, tokens, len(state.committed[i]))
-            if g > 0:
-                row.stats.record_row_step(g, n, len(tokens))
-            row.stats.num_target_forwards += 1
-            row.stats.num_draft_forwards += min(g, self._step_draft_forwards)
-            if not row.new_tokens:
-                row.stats.ttft_s = now - row.added_at
-                row.stats.num_first_step_tokens = len(tokens)
+            tokens, stopped = row.trim(tokens, self._remaining(row, len(state.committed[i])))
+            row.commit(tokens, g, n, self._step_draft_forwards, now)
             state.committed[i].extend(tokens)
-            row.new_tokens.extend(tokens)
             calls.append((row, tokens))
             if stopped or self._remaining(row, len(state.committed[i])) <= 0:
                 finished.append(row.output("stop" if stopped else "length"))
@@ -651,7 +535,7 @@ class SpeculativeDecoder:
         elif self._counts is not None and count_ids:
             device = self._counts.device
             idx = (torch.tensor(count_rows, device=device), torch.tensor(count_ids, device=device))
-            self._counts.index_put_(idx, torch.ones(len(count_ids), device=self._counts.device), accumulate=True)
+            self._counts.index_put_(idx, torch.ones(len(count_ids), device=device), accumulate=True)
             self._seen[idx] = True
         # Kept (with those of earlier steps whose callbacks raised) for the next step() if a callback raises below.
         finished = self._undelivered = self._undelivered + finished
@@ -750,37 +634,6 @@ class SpeculativeDecoder:
         stats.ttft_s, stats.total_s = first - start, time.perf_counter() - start
         stats.peak_memory_bytes = peak_memory_bytes(self.target.device)
         return generation_output(prompts, ordered, stats)
-
-
-def check_sampling_args(temperature: float, top_k: Any, top_p: Any, generator: Any, sampling: dict) -> None:
-    """``generate()``'s sampling arguments checked before any work (ValueError naming the bad one)."""
-    unknown = sorted(set(sampling) - PENALTY_ARGS)
-    if unknown:
-        raise ValueError(f"generate() got unknown argument(s) {', '.join(unknown)}; the sampling arguments are "
-                         f"temperature (0 = greedy; there is no do_sample), top_k, top_p, "
-                         f"{', '.join(sorted(PENALTY_ARGS))}")
-    SamplingParams(temperature, top_k, top_p, **sampling)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-
-
-def row_seeds(generator: torch.Generator | None, n: int) -> list[int | None]:
-    """Seeds of ``n`` rows: n draws from ``generator``, or None each (the request draws one from torch's global
-    generator)."""
-    if generator is None:
-        return [None] * n
-    return torch.randint(0, MAX_SEED, (n,), generator=generator, device=generator.device).tolist()
-
-
-def check_streamer(streamer: Any, batch_size: int) -> None:
-    """A ``generate()`` streamer: None, or ``put(LongTensor)`` and ``end()`` at batch size 1 (else ValueError)."""
-    if streamer is None:
-        return
-    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-        raise ValueError(f"streamer must have put(LongTensor) and end() (e.g. transformers.TextStreamer), got "
-                         f"{type(streamer).__name__}")
-    if batch_size != 1:
-        raise ValueError("streamer needs batch size 1")
 
 
 def generation_output(prompts: list[list[int]], outputs: list[RequestOutput], stats: DecodeStats) -> GenerationOutput:

@@ -15,6 +15,10 @@ from decode.sampling import MAX_SEED, SamplingParams
 from decode.speedup import AlphaEstimate
 
 
+# generate()'s sampling keyword arguments beyond temperature, top_k and top_p
+PENALTY_ARGS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
+
+
 @dataclass
 class RequestOutput:
     """A finished request.
@@ -52,6 +56,25 @@ class Request:
     aborted: bool = False  # set by SpeculativeDecoder.abort (its on_tokens is not called after that)
     acceptance: AlphaEstimate = field(default_factory=AlphaEstimate)  # this row's acceptance counts (auto γ, static batch)
     lookup: Any = None  # decode.lookup.NgramLookup of prompt + committed tokens (prompt lookup), made at first use
+
+    def trim(self, tokens: list[int], room: int) -> tuple[list[int], bool]:
+        """A step's tokens cut to ``room`` (its budget and the target's context) and after its first stop id;
+        returns (kept, stopped)."""
+        tokens = tokens[:room]
+        hit = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+        return (tokens[: hit + 1], True) if hit is not None else (tokens, False)
+
+    def commit(self, tokens: list[int], gamma: int, num_accepted: int, draft_forwards: int, now: float) -> None:
+        """Append a step's kept tokens and record the step in the request's stats (``gamma``: its γ_r,
+        ``draft_forwards``: the draft forwards the step ran, ``now``: ``time.perf_counter()`` after it)."""
+        if gamma > 0:
+            self.stats.record_row_step(gamma, num_accepted, len(tokens))
+        self.stats.num_target_forwards += 1
+        self.stats.num_draft_forwards += min(gamma, draft_forwards)
+        if not self.new_tokens:
+            self.stats.ttft_s = now - self.added_at
+            self.stats.num_first_step_tokens = len(tokens)
+        self.new_tokens.extend(tokens)
 
     def output(self, finish_reason: str) -> RequestOutput:
         self.stats.num_new_tokens = len(self.new_tokens)
@@ -172,3 +195,34 @@ def _unpad(ids: torch.Tensor, attention_mask: Any) -> list[list[int]]:
             raise ValueError(f"attention_mask row {i} has padding between prompt tokens; a prompt is one "
                              "run of 1s (padding on the left or the right only)")
     return [row[mask.bool()].tolist() for row, mask in zip(ids.cpu(), m.cpu())]
+
+
+def check_sampling_args(temperature: float, top_k: Any, top_p: Any, generator: Any, sampling: dict) -> None:
+    """``generate()``'s sampling arguments checked before any work (ValueError naming the bad one)."""
+    unknown = sorted(set(sampling) - PENALTY_ARGS)
+    if unknown:
+        raise ValueError(f"generate() got unknown argument(s) {', '.join(unknown)}; the sampling arguments are "
+                         f"temperature (0 = greedy; there is no do_sample), top_k, top_p, "
+                         f"{', '.join(sorted(PENALTY_ARGS))}")
+    SamplingParams(temperature, top_k, top_p, **sampling)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def row_seeds(generator: torch.Generator | None, n: int) -> list[int | None]:
+    """Seeds of ``n`` rows: n draws from ``generator``, or None each (the request draws one from torch's global
+    generator)."""
+    if generator is None:
+        return [None] * n
+    return torch.randint(0, MAX_SEED, (n,), generator=generator, device=generator.device).tolist()
+
+
+def check_streamer(streamer: Any, batch_size: int) -> None:
+    """A ``generate()`` streamer: None, or ``put(LongTensor)`` and ``end()`` at batch size 1 (else ValueError)."""
+    if streamer is None:
+        return
+    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise ValueError(f"streamer must have put(LongTensor) and end() (e.g. transformers.TextStreamer), got "
+                         f"{type(streamer).__name__}")
+    if batch_size != 1:
+        raise ValueError("streamer needs batch size 1")

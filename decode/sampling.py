@@ -272,3 +272,31 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: tor
     # before it, so its probability is positive (no argmax fallback: one op less per draw)
     x = torch.minimum(u.to(cdf.dtype).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # first id whose cdf exceeds x
+
+
+def draw_uniforms(rows: Sequence, gammas: Sequence[int], gamma: int,
+                  device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's uniforms: each sampled row draws 2γ_r + 1 from its own generator (``row.generator``): γ_r for its
+    drafts, γ_r for the acceptance tests, one for the residual/bonus token. Greedy rows draw none (their choices are
+    argmaxes), so a row's draws depend only on its own γ_r.
+
+    Returns ``(draft_u (B, γ), accept_u (B, γ), sample_u (B,))`` on ``device``."""
+    buf = torch.zeros(len(gammas), 2 * gamma + 1)
+    for i, (row, g) in enumerate(zip(rows, gammas)):
+        if not row.params.greedy:
+            u = torch.rand(2 * g + 1, generator=row.generator)
+            buf[i, :g], buf[i, gamma:gamma + g], buf[i, 2 * gamma] = u[:g], u[g:2 * g], u[2 * g]
+    buf = buf.to(device, non_blocking=True)
+    return buf[:, :gamma], buf[:, gamma:2 * gamma], buf[:, 2 * gamma]
+
+
+def window_counts(counts: torch.Tensor | None, seen: torch.Tensor | None, drafts: torch.Tensor,
+                  vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Penalty counts ``(B, γ+1, V)`` of a verify window's γ+1 prefixes from the rows' ``(B, V)`` counts and the
+    drafts ``(B, γ)``: position j includes d_1..d_j. ``(None, None)`` when no row has penalties."""
+    if counts is None:
+        return None, None
+    added = torch.nn.functional.one_hot(drafts, vocab_size).float().cumsum(1)  # (B, γ, V)
+    added = torch.cat([torch.zeros_like(added[:, :1]) if added.shape[1] else
+                       counts.new_zeros(drafts.shape[0], 1, vocab_size), added], dim=1)
+    return counts[:, None] + added, seen[:, None] | (added > 0)

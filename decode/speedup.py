@@ -120,6 +120,14 @@ def is_finite_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def check_max_auto_draft_tokens(value: Any) -> int:
+    """The largest γ of ``num_draft_tokens="auto"``: an integer >= 1, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_auto_draft_tokens must be an integer >= 1 (the largest γ of num_draft_tokens="
+                         f"'auto'), got {value!r}")
+    return value
+
+
 def check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
     """``auto_costs`` as given (e.g. loaded from JSON, whose keys are strings) with int batch-size keys, checked:
     every entry needs a finite c >= 0 and a non-empty ``verify`` list of finite, positive v_γ (other keys, such as

@@ -119,6 +119,44 @@ def test_compact_crop_path_for_uniform_trailing_holes():
     assert kv.cache_width(cache) == 3 and cache.layers[0].keys[1, 0, :, 0].tolist() == [5, 6, 7]
 
 
+def test_dynamic_roll_back_drops_the_rejected_slots_of_the_last_columns():
+    """DynamicKV.roll_back: the kept bits of the last columns written, then a crop when every row kept as many (and
+    no input had holes), else a gather that right-aligns each row."""
+    def filled(widths):
+        cache = kv.new_cache(tiny_llama())
+        keys = torch.arange(2 * 1 * 5 * 1, dtype=torch.float64).view(2, 1, 5, 1)
+        cache.update(keys.clone(), keys.clone(), 0)
+        return kv.DynamicKV(cache, torch.ones(2, 5, dtype=torch.long), widths)
+
+    same = filled([2, 2])
+    same.roll_back(torch.tensor([[True, False, False], [True, False, False]]), [1, 1], [3, 3])
+    assert same.mask.tolist() == [[1, 1, 1]] * 2 and kv.cache_width(same.cache) == 3 and same.lens == [3, 3]
+    ragged = filled([2, 2])
+    ragged.roll_back(torch.tensor([[True, True, False], [False, False, False]]), [2, 0], [4, 2])
+    assert ragged.mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]] and ragged.lens == [4, 2]
+    assert ragged.cache.layers[0].keys[1, 0, 2:, 0].tolist() == [5, 6]
+    holey = filled([2, 2])
+    holey.holey = True  # a forward with holes in its input: no crop, whatever the counts
+    holey.mask[1, 0] = 0
+    holey.roll_back(torch.tensor([[True, False], [True, False]]), [1, 1], [4, 3])
+    assert holey.mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]] and not holey.holey
+
+
+@torch.no_grad()
+def test_static_roll_back_moves_the_write_column_to_the_longest_kept_row():
+    """StaticKV.roll_back keeps the same interface: no copy, W goes back to the end of the longest row's kept
+    columns and a row that kept fewer has masked holes."""
+    target = tiny_llama(seed=0, layers=1)
+    dec = SpeculativeDecoder(target, None)
+    state = dec.prefill([[4, 5, 6], [7, 8, 9]])
+    skv = state.target_cache
+    assert isinstance(skv, kv.StaticKV) and skv.W == 2
+    skv.forward(target, torch.tensor([[1, 2, 3], [1, 2, 3]]), None)
+    skv.roll_back(torch.tensor([[True, False], [True, True]]), [1, 2], [4, 5])
+    assert skv.W == 5 and skv.lens == [4, 5] and skv.holey
+    assert skv.mask[:, :5].tolist() == [[True, True, True, True, False], [True] * 5]
+
+
 # ------------------------------------------------------------------------------------------------ static path
 @torch.no_grad()
 def next_logits_static(model, skv, pending, pending_mask, b):

@@ -101,8 +101,8 @@ def test_cost_timers_name_a_bad_argument_before_any_forward():
     for repeats in (True, 2.5, "3", None, 0):
         with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
             measure_bare_forwards(target, draft, ok, repeats=repeats)
-    timer = costs.CostTimer(target, draft, ok, verify_gammas=np.array([2, 1]), static_cache=True)  # used to be an
-    assert timer.verify_gammas == [1, 2] and all(type(g) is int for g in timer.verify_gammas)  # AttributeError
+    timer = costs.CostTimer(target, draft, ok, verify_gammas=np.array([2, 1]), static_cache=True)  # numpy γ: ints
+    assert timer.verify_gammas == [1, 2] and all(type(g) is int for g in timer.verify_gammas)  # (static cache sizes)
     for timer in (costs.CostTimer(target, draft, ok), BareTimer(target, draft, ok)):
         timer.round()
         with pytest.raises(ValueError, match="no timed round yet"):
@@ -135,8 +135,8 @@ def test_calibrate_fills_the_cost_model_before_decoding(pair):
 
 def test_calibrate_times_the_forwards_the_steps_run(pair, monkeypatch):
     """The auto-γ cost model is measured through the decoder's own forward calls (the compiled ones with
-    ``compile``; a counting call stands in for them here) on its cache kind; it used to time the eager models on
-    a DynamicCache, so a compiled draft's lower c never reached the γ choice."""
+    ``compile``; a counting call stands in for them here) on its cache kind, so a compiled draft's lower c reaches
+    the γ choice."""
     target, drafts = pair
     dec = SpeculativeDecoder(target, drafts["copy"], "auto", max_auto_draft_tokens=2)
     calls = []

@@ -216,8 +216,8 @@ def test_bad_prompts(pair):
 
 
 def test_list_input_ids_take_the_attention_mask_and_a_flat_list_is_one_prompt(pair):
-    """A list with a mask used to keep its padding as prompt tokens (mask ignored); a list mask raised
-    AttributeError; a flat list of ids raised TypeError."""
+    """A list of ids takes the attention mask as a tensor does (its padding is not prompt), a mask may be a nested
+    list, and a flat list of ids is one prompt."""
     target, drafts = pair
     dec = SpeculativeDecoder(target, drafts["perturbed"], 3)
     prompt = [5, 7, 9, 11]
@@ -244,7 +244,7 @@ def test_list_input_ids_take_the_attention_mask_and_a_flat_list_is_one_prompt(pa
     (torch.tensor([[5, 7, 9]]), dict(attention_mask=torch.tensor([[1, 0, 1]])), "row 0 has padding between"),
 ])
 def test_bad_generate_inputs_raise_value_error(pair, input_ids, kwargs, match):
-    """These used to raise TypeError/AttributeError, or (float ids) silently truncate 5.5 to 5."""
+    """Each bad input is a ValueError naming it, before any forward (float ids are not truncated to ints)."""
     target, drafts = pair
     with pytest.raises(ValueError, match=match):
         SpeculativeDecoder(target, drafts["copy"], 2).generate(input_ids, max_new_tokens=2, **kwargs)
@@ -308,7 +308,8 @@ def test_compiled_forwards_keep_greedy_equality(pair, references):
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_non_finite_logits_raise_a_clear_error(broken, gamma):
     """NaN logits (fp16 overflow, NaN weights, a NaN-producing attention path) make inverse-CDF sampling return the
-    id V; it used to reach an embedding as ``IndexError: index out of range in self`` deep inside a forward."""
+    id V; the step raises NonFiniteLogitsError naming the likely causes instead of letting that id reach an embedding
+    (``IndexError: index out of range in self`` deep inside a forward)."""
     import copy
 
     from decode.engine import NonFiniteLogitsError

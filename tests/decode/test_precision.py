@@ -1,4 +1,4 @@
-"""Low precision (#8 point 8): in bf16, a verify forward over γ+1 tokens may round differently from one-token
+"""Low precision: in bf16, a verify forward over γ+1 tokens may round differently from one-token
 forwards, so speculative greedy output can differ from plain greedy output at near-ties. Measure how often, and
 check that every divergence is a near-tie of the target's logits (within a few bf16 ulps), not a bug."""
 import math

@@ -163,7 +163,7 @@ def test_stats_count_only_kept_tokens(pair):
     assert s.accepted_length_histogram == [0, 1] and s.accepted_per_position == [1]
 
 
-# ---------------------------------------------------------------- "auto" γ (#8 point 5)
+# ---------------------------------------------------------------- "auto" γ
 def test_auto_gamma_same_seed_same_output(pair):
     target, draft = pair
     prompts = prompts_of([5, 9, 3], seed=2)
@@ -240,8 +240,8 @@ def test_auto_gamma_plans_static_batches_from_each_rows_acceptance(pair, monkeyp
 
 
 def test_a_raising_on_tokens_loses_no_finished_request(pair):
-    """An on_tokens exception used to drop the requests that finished in the same step: their outputs were never
-    returned and has_unfinished() went False without them."""
+    """An on_tokens exception loses no request that finished in the same step: the next step() returns them, and
+    has_unfinished() stays True until it has."""
     target, draft = pair
     dec = SpeculativeDecoder(target, draft, 2)
     calls = []
@@ -266,7 +266,7 @@ def test_a_raising_on_tokens_loses_no_finished_request(pair):
 
 @pytest.mark.parametrize("eos", [torch.tensor(2), torch.tensor([2, 99]), [torch.tensor(2)]])
 def test_eos_token_id_may_be_a_tensor(pair, eos):
-    """A tensor eos_token_id (0-d or 1-D, e.g. from a batch) used to raise ValueError."""
+    """A tensor eos_token_id (0-d or 1-D, e.g. from a batch) is taken as its ids."""
     import numpy as np
 
     dec = SpeculativeDecoder(*pair, 2)
@@ -294,8 +294,8 @@ def test_request_aborted_by_another_callback_gets_no_more_tokens(pair):
 
 
 def test_a_callback_that_steps_is_refused_and_streams_stay_in_order(pair):
-    """A step() from inside an on_tokens callback used to run a nested step: another request's tokens were
-    streamed out of order, and requests finishing in the inner step were returned only to the callback."""
+    """A step() from inside an on_tokens callback is refused (a nested step would stream another request's tokens
+    out of order and return the requests finishing in it only to the callback)."""
     dec = SpeculativeDecoder(*pair, 2)
     got = {"a": [], "b": []}
     refused = []

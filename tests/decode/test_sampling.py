@@ -117,7 +117,7 @@ def test_extreme_top_p_top_k_and_penalty_saturate():
 @pytest.mark.parametrize("big_k", [8, 9, 10**6])
 def test_each_row_keeps_its_own_top_k_when_another_row_asks_for_the_whole_vocabulary(big_k):
     """A batch mixing top_k = 1 with a top_k >= V (8 ids here) restricts the first row and not the second: each row
-    equals its own settings applied alone (a top_k reaching V used to switch top-k off for the whole batch)."""
+    equals its own settings applied alone (a top_k reaching V does not switch top-k off for the whole batch)."""
     from decode.sampling import BatchSampling, SamplingParams, probs_from_logits
 
     logits = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
@@ -133,9 +133,9 @@ def test_each_row_keeps_its_own_top_k_when_another_row_asks_for_the_whole_vocabu
 
 
 def test_a_row_without_top_p_or_min_p_is_the_same_beside_rows_that_use_them():
-    """Ids whose probability is below float32's resolution next to 1 (cumulative sum already 1.0) stayed in a row
-    without top_p alone but were dropped when another row of the batch used top_p; a row without min_p was
-    renormalised (a round-off change) when another row used min_p."""
+    """Ids whose probability is below float32's resolution next to 1 (cumulative sum already 1.0) stay in a row
+    without top_p beside a row that uses top_p, as they do alone; a row without min_p is not renormalised (a
+    round-off change) beside a row that uses min_p."""
     from decode.sampling import BatchSampling, SamplingParams, probs_from_logits
 
     logits = torch.zeros(1, 1, 8)

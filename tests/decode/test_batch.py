@@ -1,0 +1,50 @@
+"""The running batch's bookkeeping (decode.batch): the left-padded layout, and rows that join and leave keep every
+other row's caches as they were."""
+import torch
+
+from decode import SpeculativeDecoder
+from decode import batch
+from tests.conftest import perturbed_copy, tiny_llama
+
+
+def test_left_pad_right_aligns_each_row():
+    ids, mask = batch.left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def test_new_state_holds_all_but_the_last_prompt_token_in_the_caches():
+    target = tiny_llama(seed=0, layers=1)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.3), 2, static_cache=False)
+    state = dec.prefill([[4, 5, 6], [7]])
+    assert state.target_cache.lens == state.draft_cache.lens == [2, 0]
+    assert state.last.tolist() == [6, 7] and state.draft_pending == [1, 1]
+    assert state.draft_in[:, -1].tolist() == [6, 7] and state.draft_in_mask.tolist() == [[0, 1], [0, 1]]
+    assert state.committed == [[4, 5, 6], [7]] and len(state.caches()) == 2
+    plain = dec.prefill([[4, 5]], use_draft=False)
+    assert plain.draft_cache is None and plain.caches() == [plain.target_cache]
+
+
+def test_merge_then_keep_rows_gives_back_the_rows_as_they_were():
+    target = tiny_llama(seed=0, layers=1)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.3), 2, static_cache=False)
+    state = dec.prefill([[4, 5, 6], [7, 8]], static=False)
+    keys = state.target_cache.cache.layers[0].keys.clone()
+    mask = state.target_cache.mask.clone()
+    batch.merge(state, dec.prefill([[9, 10, 11, 12, 13]], static=False), room=4)
+    assert state.target_cache.lens == [2, 1, 4] and state.committed[2] == [9, 10, 11, 12, 13]
+    assert state.draft_in.shape[0] == state.last.shape[0] == 3 and state.draft_pending == [1, 1, 1]
+    batch.keep_rows(state, [0, 1])
+    assert state.target_cache.mask.tolist() == mask.tolist()  # the columns only the new row used are gone
+    torch.testing.assert_close(state.target_cache.cache.layers[0].keys[mask.bool()], keys[mask.bool()])
+    assert state.committed == [[4, 5, 6], [7, 8]] and state.last.tolist() == [6, 8]
+
+
+def test_penalty_counts_count_new_tokens_and_mark_prompt_and_output():
+    class Row:
+        def __init__(self, prompt, new_tokens):
+            self.prompt, self.new_tokens = prompt, new_tokens
+
+    counts, seen = batch.penalty_counts([Row([1, 2], [3, 3]), Row([4], [])], vocab_size=6, device="cpu")
+    assert counts.tolist() == [[0, 0, 0, 2, 0, 0], [0] * 6]
+    assert seen.tolist() == [[False, True, True, True, False, False], [False, False, False, False, True, False]]

@@ -9,6 +9,16 @@ import socket
 import sys
 from typing import Any
 
+from decode import costs
+from decode.cli_args import num_draft_tokens_arg
+from decode.compiling import check_cpu_compiler, compile_setting
+from decode.engine import SpeculativeDecoder
+from decode.loading import (check_cached, check_device, load_causal_lm, load_draft_tokenizer, load_target_tokenizer,
+                            looks_local)
+from decode.lookup import check_prompt_lookup
+from decode.serving.app import create_app, make_server
+from decode.serving.parsing import ServerLimits
+
 API_KEY_ENV = "DRAFTKIT_API_KEY"
 
 
@@ -62,14 +72,12 @@ def _api_key(value: str) -> str:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from decode.__main__ import _gamma
-
     p = argparse.ArgumentParser(prog="python -m decode serve",
                                 description="Serve the speculative decoder with an OpenAI-compatible HTTP API.")
     p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
     p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
-    p.add_argument("--num-draft-tokens", "-g", type=_gamma, default=4, help="γ, or 'auto' (default 4)")
+    p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=4, help="γ, or 'auto' (default 4)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target "
@@ -137,8 +145,6 @@ def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
 def served_model_name(target: str, override: str | None = None) -> str:
     """The model id clients send: ``override`` (``--served-model-name``) if given, else a local target folder's name,
     or a hub id as given (``org/name``, as vLLM serves it; its last part alone was answered 404)."""
-    from decode.loading import looks_local
-
     if override:
         return override
     return os.path.basename(os.path.normpath(target)) if looks_local(target) else str(target)
@@ -147,10 +153,6 @@ def served_model_name(target: str, override: str | None = None) -> str:
 def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | str) -> tuple[Any, Any]:
     """Load the pair and tokenizer, build the decoder and warm it up (compiled graphs, auto γ's cost model) before
     the server listens, so no request waits for either. Returns ``(decoder, tokenizer)``."""
-    from decode import costs
-    from decode.engine import SpeculativeDecoder
-    from decode.loading import load_causal_lm, load_draft_tokenizer, load_target_tokenizer
-
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)
@@ -174,11 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host, args.port, args.api_key)
     if warning:
         print(warning, file=sys.stderr)
-    from decode.compiling import check_cpu_compiler, compile_setting
-    from decode.loading import check_cached, check_device
-    from decode.lookup import check_prompt_lookup
-    from decode.serving.app import ServerLimits, create_app, make_server
-
     device = check_device(args.device)
     compile_ = compile_setting(args.compile)
     if compile_ == "draft" and args.draft is None:

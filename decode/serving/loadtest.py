@@ -20,7 +20,15 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlparse
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from decode.outputs import check_output_file, write_results
 
 MAX_CONCURRENCY, MAX_DURATION_S = 512, 3600.0
 
@@ -59,8 +67,6 @@ def server_rss(url: str, pid: int | None) -> int | None:
     if pid is not None:
         rss = _proc_status(pid).get("VmRSS")
         return int(rss.split()[0]) * 1024 if rss else None
-    import httpx
-
     text = httpx.get(url + "/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith("process_resident_memory_bytes "):
@@ -90,8 +96,6 @@ def _running(pid: int) -> bool:
 def rss_after_load(url: str, pid: int | None) -> int | None:
     """:func:`server_rss` after the load, or None with a warning when the server is gone (it crashed or was stopped
     during the run): the load's results are reported and written all the same."""
-    import httpx
-
     try:
         return server_rss(url, pid)
     except (OSError, httpx.HTTPError) as err:
@@ -135,31 +139,46 @@ async def _one(client, url: str, body: dict, headers: dict) -> dict:
     return out
 
 
+@dataclass
+class _Run:
+    """What the clients of one run share: the request to send, when to stop, and what came back."""
+
+    url: str
+    model: str
+    prompts: list[str]
+    max_tokens: int
+    temperature: float
+    headers: dict
+    deadline: float
+    max_requests: int
+    start: float
+    sent: int = 0
+    gone_at: float | None = None  # seconds into the run when the server refused a connection
+    results: list[dict] = field(default_factory=list)
+
+
+async def _client_loop(run: _Run, worker: int, client: Any) -> None:
+    """One client: send a request, wait for its whole stream, again, until the run is over."""
+    while time.perf_counter() < run.deadline and run.sent < run.max_requests and run.gone_at is None:
+        body = {"model": run.model, "prompt": run.prompts[(run.sent + worker) % len(run.prompts)],
+                "max_tokens": run.max_tokens, "temperature": run.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        run.sent += 1
+        run.results.append(await _one(client, run.url, body, run.headers))
+        if run.results[-1].get("error") == "ConnectError":  # refused: the server is gone; retrying at once made
+            run.gone_at = run.gone_at or time.perf_counter() - run.start  # thousands of "requests" in a second
+
+
 async def run_load(url: str, model: str, prompts: list[str], concurrency: int, duration_s: float, max_requests: int,
                    max_tokens: int, temperature: float, api_key: str | None) -> dict:
     """Run the clients; returns the raw per-request results and the wall time."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.perf_counter() + duration_s
-    results: list[dict] = []
-    sent, gone_at = 0, None
     start = time.perf_counter()
-
-    async def client_loop(worker: int, client):
-        nonlocal sent, gone_at
-        while time.perf_counter() < deadline and sent < max_requests and gone_at is None:
-            body = {"model": model, "prompt": prompts[(sent + worker) % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
-            sent += 1
-            results.append(await _one(client, url, body, headers))
-            if results[-1].get("error") == "ConnectError":  # refused: the server is gone; retrying at once made
-                gone_at = gone_at or time.perf_counter() - start  # thousands of "requests" in a second
-
+    run = _Run(url, model, prompts, max_tokens, temperature, headers, start + duration_s, max_requests, start)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        await asyncio.gather(*(client_loop(i, client) for i in range(concurrency)))
-    return {"results": results, "wall_s": time.perf_counter() - start, "server_gone_at_s": gone_at}
+        await asyncio.gather(*(_client_loop(run, i, client) for i in range(concurrency)))
+    return {"results": run.results, "wall_s": time.perf_counter() - start, "server_gone_at_s": run.gone_at}
 
 
 def summarize(raw: dict, concurrency: int, rss_before: int | None, rss_after: int | None) -> dict:
@@ -184,9 +203,6 @@ def summarize(raw: dict, concurrency: int, rss_before: int | None, rss_after: in
 
 
 def print_table(summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"loadtest: {summary['concurrency']} concurrent streams")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -248,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output and os.path.exists(os.path.expanduser(args.output)):
         raise FileExistsError(f"--output {args.output!r} exists; pick a new path (results are never overwritten)")
     if args.output:
-        from decode.outputs import check_output_file
-
         args.output = str(check_output_file(args.output, "--output"))  # folder exists, is writable; ~ expanded
-    import httpx
-
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         # the key is checked here too (with --model given, every request would otherwise fail with a 401)
@@ -295,7 +307,5 @@ def main(argv: list[str] | None = None) -> int:
               "gone): the clients stopped there; the numbers cover the run up to then", file=sys.stderr)
     print_table(summary)
     if args.output:
-        from decode.outputs import write_results
-
         write_results(json.dumps(summary, indent=2), args.output, key="--output")
     return 0 if summary["errors"] == 0 else 1

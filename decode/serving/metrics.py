@@ -51,6 +51,10 @@ class ServerMetrics:
         _, accepted, steps, tokens = self._sums  # as DecodeStats.mean_accepted_length: plain decoding is 1
         return (accepted + steps) / steps if steps else 1.0 if tokens else float("nan")
 
+    def count_rejected(self, status: int) -> None:
+        """One request answered with the HTTP error ``status``."""
+        self.rejected.labels(str(status)).inc()
+
     def record_stats(self, stats) -> None:
         """Add a finished request's :class:`decode.metrics.DecodeStats` (or None)."""
         if stats is None:

@@ -7,7 +7,8 @@ import threading
 import time
 
 from decode import SpeculativeDecoder
-from decode.serving.app import ServerLimits, create_app, make_server
+from decode.serving.app import create_app, make_server
+from decode.serving.parsing import ServerLimits
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
 
 MODEL = "tiny"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from decode.serving import loadtest
-from decode.serving.app import ServerLimits
+from decode.serving.parsing import ServerLimits
 from tests.decode.server_helpers import MODEL, running_server, tiny_pair
 
 

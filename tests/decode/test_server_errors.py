@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from decode.serving.app import ServerLimits
+from decode.serving.parsing import ServerLimits
 from tests.decode.server_helpers import MODEL, EndlessEngine, running_server, tiny_pair
 
 KEY = "sk-test-key"

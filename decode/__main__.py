@@ -3,19 +3,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
+from typing import Any
 
+import torch
+from rich.console import Console
+from rich.table import Table
 
-def _gamma(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        g = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--num-draft-tokens must be an integer >= 0 or 'auto', got {value!r}")
-    if g < 0:
-        raise argparse.ArgumentTypeError(f"--num-draft-tokens must be >= 0, got {g}")
-    return g
+from decode.cli_args import num_draft_tokens_arg
+from decode.engine import SpeculativeDecoder
+from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
+                            load_target_tokenizer, run_offline)
+from decode.lookup import check_prompt_lookup
+from decode.requests import check_seed
+from decode.sampling import validate_sampling_args
+from decode.stops import stop_token_ids
+
+DEFAULT_GAMMA = 4  # γ of `generate` with a draft and no -g
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -25,7 +30,7 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
-    p.add_argument("--num-draft-tokens", "-g", type=_gamma, default=None,
+    p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=None,
                    help="γ, or 'auto' (default 4; needs --draft, without which the target decodes alone)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -44,23 +49,8 @@ def generate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def cmd_generate(argv: list[str]) -> int:
-    args = generate_parser().parse_args(argv)
-    import json
-
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-    from transformers import TextStreamer
-
-    from decode import SpeculativeDecoder
-    from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
-                                load_target_tokenizer)
-    from decode.lookup import check_prompt_lookup
-    from decode.requests import check_seed
-    from decode.sampling import validate_sampling_args
-    from decode.stops import stop_token_ids
-
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Every check of ``generate``'s options that needs no model; raises ValueError naming the option."""
     validate_sampling_args(args.temperature, args.top_k, args.top_p,
                            names={"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"})
     if args.max_new_tokens < 1:
@@ -70,11 +60,14 @@ def cmd_generate(argv: list[str]) -> int:
     if args.prompt_lookup_ngram and (args.temperature > 0 or args.num_draft_tokens == 0):
         print(f"note: --prompt-lookup-ngram does nothing here: it drafts for greedy decoding (--temperature 0) with "
               f"γ > 0 only (this run: --temperature {args.temperature:g}, -g "
-              f"{4 if args.num_draft_tokens is None else args.num_draft_tokens})", file=sys.stderr)
+              f"{DEFAULT_GAMMA if args.num_draft_tokens is None else args.num_draft_tokens})", file=sys.stderr)
     if not args.draft and args.num_draft_tokens not in (None, 0):  # the API refuses it too (--draft= is none)
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} needs a draft: pass --draft PATH, or leave "
                          "-g out to decode with the target alone")
-    device = check_device(args.device)
+
+
+def load_decoder(args: argparse.Namespace, device: Any) -> tuple[SpeculativeDecoder, Any, int | str]:
+    """The target (and draft) of ``args`` loaded on ``device``: ``(decoder, tokenizer, γ)``."""
     for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
             check_cached(getattr(args, option), f"--{option}")
@@ -83,32 +76,27 @@ def cmd_generate(argv: list[str]) -> int:
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
-    gamma = (4 if args.num_draft_tokens is None else args.num_draft_tokens) if draft is not None else 0
+    gamma = (DEFAULT_GAMMA if args.num_draft_tokens is None else args.num_draft_tokens) if draft is not None else 0
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok,
                              prompt_lookup_ngram=args.prompt_lookup_ngram)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.chat:
-        ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
-    else:
-        ids = tok(prompt)["input_ids"]
-    # With --json, stdout carries only the JSON document (text included), so it stays machine-readable.
-    streamer = None if args.json else TextStreamer(tok, skip_prompt=False, skip_special_tokens=True)
-    out = dec.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, eos_token_id=stop_token_ids(tok, target), streamer=streamer,
-                       generator=torch.Generator(device=device).manual_seed(args.seed))
-    s = out.stats
+    return dec, tok, gamma
+
+
+def generation_metrics(stats: Any, gamma: int | str) -> dict:
+    """What ``generate`` reports of one run's :class:`decode.metrics.DecodeStats`."""
     # Nothing drafted (no --draft, or 'auto' chose γ = 0 throughout): there is no acceptance rate to report, and a
     # 0.0 would read as a draft that is always rejected.
-    metrics = {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens,
-               "acceptance_rate": s.acceptance_rate if s.num_drafted else None,
-               "alpha": s.alpha if s.num_drafted else None,  # per-token acceptance (Leviathan et al.'s α)
-               "mean_accepted_length": s.mean_accepted_length, "acceptance_by_position": s.acceptance_by_position,
-               "ttft_s": s.ttft_s, "per_token_latency_s": s.per_token_latency_s, "tokens_per_s": s.tokens_per_s,
-               "peak_memory_bytes": s.peak_memory_bytes}
-    if args.json:
-        text = tok.decode(out.new_tokens[0].tolist(), skip_special_tokens=True)
-        print(json.dumps({"prompt": prompt, "text": text, "token_ids": out.new_tokens[0].tolist(), **metrics}))
-        return 0
+    s = stats
+    return {"num_draft_tokens": gamma, "new_tokens": s.num_new_tokens,
+            "acceptance_rate": s.acceptance_rate if s.num_drafted else None,
+            "alpha": s.alpha if s.num_drafted else None,  # per-token acceptance (Leviathan et al.'s α)
+            "mean_accepted_length": s.mean_accepted_length, "acceptance_by_position": s.acceptance_by_position,
+            "ttft_s": s.ttft_s, "per_token_latency_s": s.per_token_latency_s, "tokens_per_s": s.tokens_per_s,
+            "peak_memory_bytes": s.peak_memory_bytes}
+
+
+def print_metrics_table(metrics: dict) -> None:
+    """The metrics as a table on standard error (standard output carries the streamed text)."""
     table = Table(title="speculative decoding metrics")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -117,6 +105,32 @@ def cmd_generate(argv: list[str]) -> int:
                       ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else
                       (f"{v:.4g}" if isinstance(v, float) else str(v)))
     Console(stderr=True).print(table)
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    check_generate_args(args)
+    device = check_device(args.device)
+    dec, tok, gamma = load_decoder(args, device)
+    # Imported here, not at the top: `python -m decode bench` goes offline before transformers loads (main).
+    from transformers import TextStreamer
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
+    else:
+        ids = tok(prompt)["input_ids"]
+    # With --json, stdout carries only the JSON document (text included), so it stays machine-readable.
+    streamer = None if args.json else TextStreamer(tok, skip_prompt=False, skip_special_tokens=True)
+    out = dec.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, eos_token_id=stop_token_ids(tok, dec.target), streamer=streamer,
+                       generator=torch.Generator(device=device).manual_seed(args.seed))
+    metrics = generation_metrics(out.stats, gamma)
+    if args.json:
+        text = tok.decode(out.new_tokens[0].tolist(), skip_special_tokens=True)
+        print(json.dumps({"prompt": prompt, "text": text, "token_ids": out.new_tokens[0].tolist(), **metrics}))
+    else:
+        print_metrics_table(metrics)
     return 0
 
 
@@ -142,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, func, _ = COMMANDS[name]
     if name == "bench":  # bench loads local checkpoints only (decode/bench/cli.py); huggingface_hub reads this
-        from decode.loading import run_offline
-
         run_offline("decode bench")  # once, on import: before transformers, or a typo retries the hub
     from transformers.utils import logging as hf_logging
 
@@ -151,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fn = getattr(importlib.import_module(module), func)
     except ModuleNotFoundError as err:
-        print(f"error: the {name!r} command is not available ({err})", file=sys.stderr)
+        hint = "; install the serve extra: pip install 'draftkit[serve]'" if name in ("serve", "loadtest") else ""
+        print(f"error: the {name!r} command is not available ({err}){hint}", file=sys.stderr)
         return 2
     try:
         return fn(rest) or 0

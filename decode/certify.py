@@ -46,13 +46,24 @@ import json
 import math
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from scipy.optimize import brentq
+from scipy.stats import chi2, ncx2
 
+from decode.cache import context_length
+from decode.compat import check_argument_types, check_compatibility
+from decode.engine import SpeculativeDecoder
+from decode.loading import (check_cached, check_device, hub_revision, load_causal_lm, load_draft_tokenizer,
+                            load_target_tokenizer)
+from decode.outputs import check_output_file, write_new_file
+from decode.prompts import encode_prompts, load_prompts
+from decode.requests import check_seed
 from decode.sampling import logits_to_probs, validate_sampling_args
 
 MIN_EXPECTED = 5.0  # Cochran's rule for the chi-square approximation
@@ -206,8 +217,6 @@ def pooled_cells(probs: np.ndarray, observed: np.ndarray, samples: int,
 
 def chi_square_test(cell_p: np.ndarray, cell_n: np.ndarray, impossible: int) -> tuple[float, int, float]:
     """Pearson's statistic, degrees of freedom and p-value; p-value 0 if a draw hit a probability-0 outcome."""
-    from scipy.stats import chi2
-
     m = cell_p > 0
     expected = cell_p[m] * cell_n.sum()
     stat = float(((cell_n[m] - expected) ** 2 / expected).sum())
@@ -233,9 +242,6 @@ def detectable_tv(df: int, samples: int, level: float, power: float = POWER, exa
         return 1.0 - (1.0 - power) ** (1.0 / samples)
     if df < 1:
         return None
-    from scipy.optimize import brentq
-    from scipy.stats import chi2, ncx2
-
     crit = chi2.isf(level, df)
     lam = brentq(lambda x: ncx2.sf(crit, df, x) - power, 1e-9, 1e7)
     return math.sqrt(lam / (4 * samples))
@@ -325,8 +331,6 @@ def max_prefix_length(target: Any, draft: Any, num_draft_tokens: int) -> tuple[i
     Returns:
         ``(limit, reason)``; ``limit`` is None when neither model states a context length.
     """
-    from decode.cache import context_length
-
     g, ctx_t, ctx_d = num_draft_tokens, context_length(target), context_length(draft)
     limits = [c for c in (ctx_t - g - 1 if ctx_t else None, ctx_d - g if ctx_d else None) if c is not None]
     reason = (f"the prefix and its γ + 1 = {g + 1} new tokens must fit the target's context ({ctx_t}) and the prefix "
@@ -365,13 +369,9 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
         ValueError: γ < 2, K < 1, alpha outside (0, 1), batch_size < 1, no prefixes or no settings, two settings
             with the same label, or a prefix too long for the models' contexts (:func:`max_prefix_length`).
     """
-    from decode.compat import check_compatibility
-
     prefixes = _check_arguments(target, draft, prefixes, settings, samples, num_draft_tokens, alpha, batch_size,
                                 tokenizer, draft_tokenizer)
     if decoder is None:
-        from decode.engine import SpeculativeDecoder
-
         decoder = SpeculativeDecoder(target, draft, num_draft_tokens, tokenizer=tokenizer,
                                      draft_tokenizer=draft_tokenizer)
     vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
@@ -403,8 +403,6 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
 def _check_arguments(target: Any, draft: Any, prefixes: Any, settings: Any, samples: Any, num_draft_tokens: Any,
                      alpha: Any, batch_size: Any, tokenizer: Any, draft_tokenizer: Any) -> Sequence[Sequence[int]]:
     """:func:`certify`'s argument checks, before any draw; returns the prefixes as lists (a 2-D tensor is split)."""
-    from decode.compat import check_argument_types
-
     if draft is None:
         raise ValueError("certify needs a draft: it tests the speculative decoder of the target/draft pair")
     check_argument_types(target, draft, tokenizer, draft_tokenizer)
@@ -438,8 +436,6 @@ def _check_arguments(target: Any, draft: Any, prefixes: Any, settings: Any, samp
 
 def _combined_tests(per_prefix: list[TestResult], settings: Sequence[Setting], samples: int) -> list[TestResult]:
     """One combined test per setting and kind: the sum of the prefixes' independent chi-square statistics."""
-    from scipy.stats import chi2
-
     combined = []
     for setting in settings:
         for name in TESTS:
@@ -598,14 +594,10 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
     if not 0 < args.alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {args.alpha}")
     if args.out is not None:
-        from decode.outputs import check_output_file
-
         check_output_file(args.out, "--out", args.overwrite)
     elif args.overwrite:
         raise ValueError("--overwrite replaces an existing --out file, and no --out was given (nothing is written "
                          "without one); add --out FILE or drop --overwrite")
-    from decode.loading import check_cached
-
     for option in ("target", "draft", "tokenizer"):
         if getattr(args, option) is not None:
             check_cached(getattr(args, option), f"--{option}")
@@ -624,8 +616,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # not a verdict: keep exit 1 for FAIL only
-        import traceback
-
         traceback.print_exc()
         print(f"error: certify stopped before a verdict ({type(err).__name__}: {err}); exit "
               f"{EXIT_NO_VERDICT}, no certificate", file=sys.stderr)
@@ -634,10 +624,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """:func:`main` after argument parsing."""
-    from decode.loading import check_device, hub_revision, load_causal_lm, load_draft_tokenizer, load_target_tokenizer
-    from decode.prompts import encode_prompts, load_prompts
-    from decode.requests import check_seed
-
     try:  # every check that needs no model: bad input exits 2 before anything loads
         settings = _check_args(args)
         check_seed(args.seed, "--seed", none_ok=False)
@@ -670,8 +656,6 @@ def _run(args: argparse.Namespace) -> int:
                 draft_revision=hub_revision(args.draft), prompts=args.prompts, prompt_ids=[p.id for p in prompts])
     print(format_certificate(cert))
     if args.out is not None:
-        from decode.outputs import write_new_file
-
         out = Path(args.out).expanduser()
         written = write_new_file(json.dumps(cert, indent=1), out, args.overwrite)
         if written != out:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from decode.compat import check_causal
+from decode.compat import IncompatibleModelsError, check_causal, check_tokenizers
+from decode.vocab_map import load_pretrained, pruned_size
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
@@ -276,8 +277,6 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
             loaded (not a checkpoint folder, or a hub id that is not cached while offline; an adapter that names no
             base or does not fit it), naming the role.
     """
-    from decode.vocab_map import load_pretrained, pruned_size
-
     name_or_path = str(name_or_path)
     if device is not None:  # (0 is a device: cuda:0)
         device = check_device(device)  # before the weights load: a device this torch build lacks is a ValueError
@@ -448,8 +447,6 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
         decode.compat.IncompatibleModelsError: naming ``--tokenizer``, the ids or special tokens that differ.
         FileNotFoundError, RemoteCodeError: as :func:`load_tokenizer`.
     """
-    from decode.compat import IncompatibleModelsError, check_tokenizers
-
     tok = load_tokenizer(tokenizer or target, trust_remote_code=trust_remote_code)
     folder = local_folder(str(target)) if tokenizer else None
     if has_tokenizer_files(folder):

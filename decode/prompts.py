@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode.loading import chat_prompt_ids
+
 SHARED_DATA_ENV = "DRAFTKIT_SHARED_DATA"
 # What reading a .gz raises when it is not a whole gzip file (plain text named .gz, a truncated download).
 GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
@@ -168,6 +170,47 @@ def _balanced(prompts: list[Prompt], limit: int) -> list[Prompt]:
     return out[:limit]
 
 
+def _prompt_source(name: str, field: str | None,
+                   category_field: str | None) -> tuple[Path, str | None, str | None, str | None]:
+    """Where the prompts of a set name or local file are: ``(path, text field, id field, category field)``; the
+    text field is None for a local file without ``field`` (:func:`_check_rows` picks it)."""
+    if name in PROMPT_SETS:
+        spec = PROMPT_SETS[name]
+        path = shared_data_dir() / spec.relpath
+        if not path.exists():
+            raise FileNotFoundError(
+                f"prompt set {name!r} expects {path}; {SHARED_DATA_HINT}")
+        return path, field or spec.field, spec.id_field, spec.category_field
+    path = Path(name)
+    looks_like_path = path.suffix in (".jsonl", ".gz", ".json") or os.sep in name
+    if not path.exists():
+        if looks_like_path:
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS) + sorted(DERIVED_SETS)} "
+                         "or a path to a .jsonl file")
+    if path.is_dir():
+        raise ValueError(f"prompt path {path} is a directory; give a .jsonl or .jsonl.gz file")
+    return path, field, "id", category_field
+
+
+def _check_rows(path: Path, rows: list, text_field: str | None) -> str:
+    """Every row is a JSON object; returns the text field (given, or the first of ``DEFAULT_LOCAL_FIELDS`` in the
+    first row)."""
+    if not rows:
+        raise ValueError(f"prompt file {path} has no rows")
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path}:{bad + 1} is a JSON {type(rows[bad]).__name__}, not an object; each line must be "
+                         'an object with the prompt field, e.g. {"prompt": "def f():"}')
+    if text_field is None:
+        text_field = next((f for f in DEFAULT_LOCAL_FIELDS if f in rows[0]), None)
+        if text_field is None:
+            raise ValueError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
+                             f"(fields present: {sorted(rows[0])}); pass the prompt field with --prompt-field "
+                             "(load_prompts: field=)")
+    return text_field
+
+
 def load_prompts(
     source: str | os.PathLike,
     limit: int | None = None,
@@ -201,37 +244,9 @@ def load_prompts(
     derive = None
     if name in DERIVED_SETS:
         name, derive = DERIVED_SETS[name]
-    if name in PROMPT_SETS:
-        spec = PROMPT_SETS[name]
-        path = shared_data_dir() / spec.relpath
-        if not path.exists():
-            raise FileNotFoundError(
-                f"prompt set {name!r} expects {path}; {SHARED_DATA_HINT}")
-        text_field, id_field, cat_field = field or spec.field, spec.id_field, spec.category_field
-    else:
-        path = Path(name)
-        looks_like_path = path.suffix in (".jsonl", ".gz", ".json") or os.sep in name
-        if not path.exists():
-            if looks_like_path:
-                raise FileNotFoundError(f"prompt file {path} does not exist")
-            raise ValueError(f"unknown prompt set {name!r}; use one of {sorted(PROMPT_SETS) + sorted(DERIVED_SETS)} "
-                             "or a path to a .jsonl file")
-        if path.is_dir():
-            raise ValueError(f"prompt path {path} is a directory; give a .jsonl or .jsonl.gz file")
-        text_field, id_field, cat_field = field, "id", category_field
+    path, text_field, id_field, cat_field = _prompt_source(name, field, category_field)
     rows = _read_jsonl(path)
-    if not rows:
-        raise ValueError(f"prompt file {path} has no rows")
-    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-    if bad is not None:
-        raise ValueError(f"{path}:{bad + 1} is a JSON {type(rows[bad]).__name__}, not an object; each line must be "
-                         'an object with the prompt field, e.g. {"prompt": "def f():"}')
-    if text_field is None:
-        text_field = next((f for f in DEFAULT_LOCAL_FIELDS if f in rows[0]), None)
-        if text_field is None:
-            raise ValueError(f"{path}: none of the fields {list(DEFAULT_LOCAL_FIELDS)} found in the first row "
-                           f"(fields present: {sorted(rows[0])}); pass the prompt field with --prompt-field "
-                             "(load_prompts: field=)")
+    text_field = _check_rows(path, rows, text_field)
     prompts = []
     for i, row in enumerate(rows):
         where = f"{path}:{i + 1}"
@@ -269,8 +284,6 @@ def encode_prompts(
     """
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1 (got {max_prompt_tokens})")
-    from decode.loading import chat_prompt_ids
-
     use_template = chat_template and getattr(tokenizer, "chat_template", None)
     out = []
     for p in prompts:

@@ -102,6 +102,7 @@ def test_offline_set_by_the_bench_is_named_as_the_bench_s_not_the_user_s(hub_cac
 
 
 def test_generate_names_an_uncached_draft_before_loading_the_target(hub_cache, monkeypatch, capsys):
+    import decode.__main__
     import decode.loading
     from decode.__main__ import main
 
@@ -109,6 +110,7 @@ def test_generate_names_an_uncached_draft_before_loading_the_target(hub_cache, m
         raise AssertionError("a model was loaded before every path was checked")
 
     monkeypatch.setattr(decode.loading, "load_causal_lm", refuse)
+    monkeypatch.setattr(decode.__main__, "load_causal_lm", refuse)  # the command's own reference
     assert main(["generate", "--target", "org/target", "--draft", "org/draft", "--prompt", "hi",
                  "--device", "cpu"]) == 2
     assert "--target 'org/target' is not a local folder" in capsys.readouterr().err

@@ -12,8 +12,18 @@ import time
 import httpx
 import pytest
 
+import decode.__main__
+import decode.certify
+import decode.loading
+import decode.serving.cli
 from decode.serving.cli import bind_warning, main, serve_parser, served_model_name
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
+
+
+def refuse_model_loads(monkeypatch):
+    """Fail the test when a command loads a model: each command module holds its own ``load_causal_lm``."""
+    for module in (decode.loading, decode.__main__, decode.serving.cli, decode.certify):
+        monkeypatch.setattr(module, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
 def test_api_key_from_environment(monkeypatch):
@@ -121,9 +131,7 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path, extra):
 
 
 def test_compile_draft_without_a_draft_is_refused_before_loading(tmp_path, monkeypatch):
-    import decode.loading
-
-    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    refuse_model_loads(monkeypatch)
     with pytest.raises(ValueError, match="--compile draft compiles the draft's forwards, but no --draft"):
         main(["--target", str(tmp_path), "--port", "0", "--compile", "draft"])
 
@@ -131,10 +139,9 @@ def test_compile_draft_without_a_draft_is_refused_before_loading(tmp_path, monke
 def test_compile_without_a_cpp_compiler_exits_2_before_loading(tmp_path, monkeypatch, capsys):
     from torch._inductor import config as inductor_config
 
-    import decode.loading
     from decode.__main__ import main as decode_main
 
-    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    refuse_model_loads(monkeypatch)
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no" / "g++")))
     assert decode_main(["serve", "--target", str(tmp_path), "--draft", str(tmp_path), "--port", "0",
                         "--device", "cpu", "--compile"]) == 2
@@ -145,10 +152,9 @@ def test_compile_without_a_cpp_compiler_exits_2_before_loading(tmp_path, monkeyp
 def test_every_model_path_is_checked_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
     """A missing --tokenizer used to be noticed after the target had loaded, with the hub's "Repo id must use
     alphanumeric chars" message; now every path is named before any load."""
-    import decode.loading
     from decode.__main__ import main as decode_main
 
-    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    refuse_model_loads(monkeypatch)
     (tmp_path / "target").mkdir()
     missing = str(tmp_path / "no-tokenizer")
     extra = ["--prompt", "x"] if command == "generate" else []
@@ -166,10 +172,9 @@ def test_served_model_name_of_a_hub_id_is_the_id():
 
 @pytest.mark.parametrize("command", ["serve", "certify"])
 def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, monkeypatch, capsys):
-    import decode.loading
     from decode.__main__ import main as decode_main
 
-    monkeypatch.setattr(decode.loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    refuse_model_loads(monkeypatch)
     monkeypatch.setattr(decode.loading, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
     extra = ["--draft", "org/draft"] if command == "certify" else []
     assert decode_main([command, "--target", "org/not-cached", *extra]) == 2

@@ -62,12 +62,14 @@ def accepts_logits_to_keep(model: Any) -> bool:
 
 def forward_kept_logits(model: Any, batch: dict[str, torch.Tensor], where: tuple | None = None,
                         logits_to_keep: bool | None = None) -> torch.Tensor:
-    """``(N, V')`` logits of ``model`` at the N kept positions of ``batch`` (:func:`collate_sequences`), row by row.
+    """``(N, V')`` logits of ``model`` at the N kept positions of ``batch`` (:func:`distill.data.collate_sequences`),
+    row by row.
 
-    ``where`` is :func:`kept_positions` of ``batch["loss_mask"]`` (computed when None). The lm_head runs on the C
-    columns holding a completion token instead of all L (``logits_to_keep``, which Hugging Face causal LMs take;
-    ``logits_to_keep=None`` checks the model's signature), which also shrinks the (B, L, V) logits: for a target
-    whose lm_head is a large share of its weights (a 150k vocabulary), that is most of a prompt position's work.
+    ``where`` is :func:`distill.data.kept_positions` of ``batch["loss_mask"]`` (computed when None). The lm_head runs
+    on the C columns holding a completion token instead of all L (``logits_to_keep``, which Hugging Face causal LMs
+    take; ``logits_to_keep=None`` checks the model's signature), which also shrinks the (B, L, V) logits: for a
+    target whose lm_head is a large share of its weights (a 150k vocabulary), that is most of a prompt position's
+    work.
     """
     cols, flat = where if where is not None else kept_positions(batch["loss_mask"])
     device = batch["input_ids"].device
@@ -82,9 +84,10 @@ def forward_kept_logits(model: Any, batch: dict[str, torch.Tensor], where: tuple
 
 def completion_logits(model: Any, examples: list[dict], pad_id: int, logits_to_keep: bool | None = None
                       ) -> torch.Tensor:
-    """``(N, V')`` logits of ``model`` at the N completion positions of ``examples`` (:func:`collate_sequences`),
-    row by row: the positions are found on the host (no device sync) and only ids and attention mask move to the
-    model's device; :func:`forward_kept_logits` does the rest (``logits_to_keep`` as there)."""
+    """``(N, V')`` logits of ``model`` at the N completion positions of ``examples``
+    (:func:`distill.data.collate_sequences`), row by row: the positions are found on the host (no device sync) and
+    only ids and attention mask move to the model's device; :func:`forward_kept_logits` does the rest
+    (``logits_to_keep`` as there)."""
     host = collate_sequences(examples, pad_id)
     device = next(model.parameters()).device
     batch = {key: host[key].to(device) for key in ("input_ids", "attention_mask")}

@@ -539,10 +539,8 @@ def check_finite(run: Run, step: int, out: Path) -> None:
     (one pass over the weights, at checkpoint and evaluation steps only): a diverged draft is neither saved nor
     evaluated. Under several processes the verdict is reduced, so all stop together (FSDP shards differ)."""
     bad = nonfinite_weight(run.draft)
-    acc = run.accelerator
-    if acc.num_processes > 1:
-        flag = acc.reduce(torch.tensor(float(bad is not None), device=acc.device), reduction="sum")
-        bad = bad or ("(on another process)" if float(flag) > 0 else None)
+    if any_process(run.accelerator, bad is not None):
+        bad = bad or "(on another process)"
     if bad is not None:
         raise DivergedError(
             f"the training diverged: after step {step} the draft's weight {bad} is not finite (NaN or inf), so it was "

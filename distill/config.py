@@ -362,42 +362,52 @@ def explain(err: Exception, overrides: list[str] = ()) -> str:
                 f"++{key}={value}")
     key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
-        parent, _, leaf = key.rpartition(".")
-        ref = str(getattr(cause, "ref_type", "") or "")
-        if "Dict[" in ref:
-            return (f"{key}: {parent} is a free-form mapping; add a new entry with a plus: +{key}=VALUE")
-        node = OmegaConf.select(OmegaConf.structured(Config), parent) if parent else OmegaConf.structured(Config)
-        known = list(node.keys()) if OmegaConf.is_dict(node) else []
-        close = difflib.get_close_matches(leaf, known, n=1)
-        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
-            f"the keys of {parent or 'the config'} are {', '.join(known)}"
-        return f"unknown setting {key}: {hint} (`python -m distill train --help` lists every key)"
+        return _unknown_key(cause, key)
     if isinstance(cause, ValidationError) and key:
-        values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]]
-        bad = getattr(cause, "value", None)  # a key given twice: the value that failed, not the first one
-        given = next((v for v in values if v == str(bad)), values[-1] if values else bad)
-        text = str(cause).splitlines()[0]
-        example = _schema_default(key.split("[")[0])
-        kinds = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
-        conv = re.search(r"could not be converted to (\w+)", text)
-        if conv and "[" in key:  # an item of a list
-            base = key.split("[")[0]
-            want = kinds.get(conv.group(1), conv.group(1))
-            eg = f", e.g. {base}={json.dumps(list(example)).replace(' ', '')}" if example is not None else ""
-            return f"{base}={given}: every item must be {want}{eg}"
-        if conv:
-            want = kinds.get(conv.group(1), conv.group(1))
-            eg = f", e.g. {key}={example}" if example is not None and "[" not in key else ""
-            return f"{key}={given}: expected {want}{eg}"
-        if "is not a valid bool" in text:
-            return f"{key}={given}: expected true or false, e.g. {key}={str(bool(example)).lower()}"
-        if "is not a ListConfig" in text:
-            return f"{key}={given}: expected a list; write {key}=[{given}] (several: {key}=[0.0,1.0])"
-        return f"{key}={given}: {text}"
+        return _wrong_type(cause, key, overrides)
     first = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
     if "Could not override" in msg or "Could not append" in msg:
         first = first.replace("Could not", "cannot")
     return first
+
+
+def _unknown_key(cause: Exception, key: str) -> str:
+    """:func:`explain` for a key the schema does not have: the closest known one, or the keys of its parent."""
+    parent, _, leaf = key.rpartition(".")
+    ref = str(getattr(cause, "ref_type", "") or "")
+    if "Dict[" in ref:
+        return (f"{key}: {parent} is a free-form mapping; add a new entry with a plus: +{key}=VALUE")
+    node = OmegaConf.select(OmegaConf.structured(Config), parent) if parent else OmegaConf.structured(Config)
+    known = list(node.keys()) if OmegaConf.is_dict(node) else []
+    close = difflib.get_close_matches(leaf, known, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+        f"the keys of {parent or 'the config'} are {', '.join(known)}"
+    return f"unknown setting {key}: {hint} (`python -m distill train --help` lists every key)"
+
+
+def _wrong_type(cause: Exception, key: str, overrides: list[str]) -> str:
+    """:func:`explain` for a value of the wrong type: the value given, the type wanted and an example."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == key.split("[")[0]]
+    bad = getattr(cause, "value", None)  # a key given twice: the value that failed, not the first one
+    given = next((v for v in values if v == str(bad)), values[-1] if values else bad)
+    text = str(cause).splitlines()[0]
+    example = _schema_default(key.split("[")[0])
+    kinds = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+    conv = re.search(r"could not be converted to (\w+)", text)
+    if conv and "[" in key:  # an item of a list
+        base = key.split("[")[0]
+        want = kinds.get(conv.group(1), conv.group(1))
+        eg = f", e.g. {base}={json.dumps(list(example)).replace(' ', '')}" if example is not None else ""
+        return f"{base}={given}: every item must be {want}{eg}"
+    if conv:
+        want = kinds.get(conv.group(1), conv.group(1))
+        eg = f", e.g. {key}={example}" if example is not None and "[" not in key else ""
+        return f"{key}={given}: expected {want}{eg}"
+    if "is not a valid bool" in text:
+        return f"{key}={given}: expected true or false, e.g. {key}={str(bool(example)).lower()}"
+    if "is not a ListConfig" in text:
+        return f"{key}={given}: expected a list; write {key}=[{given}] (several: {key}=[0.0,1.0])"
+    return f"{key}={given}: {text}"
 
 
 def compose(overrides: list[str]):

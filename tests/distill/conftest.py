@@ -31,3 +31,9 @@ def pair(tmp_path_factory) -> dict:
             "data": data, "text": text, "vocab": vocab}
 
 
+@pytest.fixture
+def tok(pair):
+    """The pair's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(pair["tokenizer"]))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ("the draft proposes tokens and the target verifies them in one forward pass so that decoding is fast "
@@ -54,6 +55,18 @@ def make_llama(path: Path, vocab: int, layers: int, hidden: int = 32, seed: int 
     model.save_pretrained(str(path))
     return model
 
+
+
+def source(**kw):
+    """A ``data.source``-like node (path or corpus, fields, kind, ...)."""
+    return OmegaConf.create(kw)
+
+
+def data_config(**kw):
+    """A ``data`` node with the settings examples are built with (``kw`` overrides them)."""
+    base = {"max_new_tokens": 8, "chat_template": True, "append_eos": True, "max_prompt_tokens": 64,
+            "truncate_prompts": False}
+    return OmegaConf.create({**base, **kw})
 
 def overrides(pair: dict, out: Path, *extra: str) -> list[str]:
     """Hydra overrides of a seconds-long CPU run on the tiny pair."""

@@ -3,14 +3,10 @@ all before anything loads."""
 import re
 
 import pytest
-from omegaconf import OmegaConf
 
 from distill.checks import check_inputs, normalize_config, preflight_source
 from distill.config import SetupError, compose
-
-
-def _src(**kw):
-    return OmegaConf.create(kw)
+from distill_helpers import source
 
 
 def test_parquet_and_csv_fields_are_checked_before_loading(tmp_path):
@@ -22,11 +18,11 @@ def test_parquet_and_csv_fields_are_checked_before_loading(tmp_path):
     datasets.Dataset.from_dict({"q": ["a b", "c d"], "a": [" x", " y"]}).to_parquet(str(pq))
     csv.write_text("q,a\na b, x\nc d,\n")
     with pytest.raises(SetupError, match=r"p.parquet, row 1: field 'question' not found .*set data.source.prompt_field"):
-        preflight_source(_src(path=str(pq), kind="prompts", prompt_field="question"), "data.source")
-    preflight_source(_src(path=str(pq), kind="prompts", prompt_field="q", completion_field="a"), "data.source")
+        preflight_source(source(path=str(pq), kind="prompts", prompt_field="question"), "data.source")
+    preflight_source(source(path=str(pq), kind="prompts", prompt_field="q", completion_field="a"), "data.source")
     with pytest.raises(SetupError, match=r"c.csv, row 2: \"a\" is null; .*\(eval.prompts.completion_field\): fix or "
                                          r"delete row 2"):
-        preflight_source(_src(path=str(csv), kind="prompts", prompt_field="q", completion_field="a"), "eval.prompts")
+        preflight_source(source(path=str(csv), kind="prompts", prompt_field="q", completion_field="a"), "eval.prompts")
 
 
 def test_a_corpus_whose_file_is_missing_is_named_before_anything_loads(tmp_path, monkeypatch):

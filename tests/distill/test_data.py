@@ -9,34 +9,18 @@ from distill.checks import preflight_source
 from distill.config import SetupError
 from distill.data import (build_examples, check_lengths, collate_prompts, collate_sequences, epoch_order,
                           micro_batch_indices, resolve_path)
-
-
-def _data_cfg(**kw):
-    base = {"max_new_tokens": 8, "chat_template": True, "append_eos": True, "max_prompt_tokens": 64,
-            "truncate_prompts": False}
-    return OmegaConf.create({**base, **kw})
-
-
-def _src(**kw):
-    return OmegaConf.create(kw)
-
-
-@pytest.fixture
-def tok(pair):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
+from distill_helpers import data_config, source
 
 
 def test_jsonl_fields_and_eos(pair, tok):
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", completion_field="completion"), tok,
-                        _data_cfg(max_new_tokens=100))
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt", completion_field="completion"), tok,
+                        data_config(max_new_tokens=100))
     first = json.loads(open(pair["data"]).readline())
     assert ex[0]["prompt_ids"] == tok(first["prompt"])["input_ids"]
     assert ex[0]["completion_ids"] == tok(first["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert len(ex) == 80
-    short = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", completion_field="completion"), tok,
-                           _data_cfg(max_new_tokens=3))
+    short = build_examples(source(path=str(pair["data"]), prompt_field="prompt", completion_field="completion"), tok,
+                           data_config(max_new_tokens=3))
     assert all(len(e["completion_ids"]) <= 3 for e in short)
 
 
@@ -47,19 +31,19 @@ def test_gz_parquet_and_list_fields(tmp_path, tok):
     with gzip.open(gz, "wt") as f:
         for i in range(3):
             f.write(json.dumps({"turns": [f"the draft {i}", "second turn"], "x": i}) + "\n")
-    ex = build_examples(_src(path=str(gz), prompt_field="turns"), tok, _data_cfg())
+    ex = build_examples(source(path=str(gz), prompt_field="turns"), tok, data_config())
     assert [e["prompt_ids"] for e in ex] == [tok(f"the draft {i}")["input_ids"] for i in range(3)]
     assert all(e["completion_ids"] == [] for e in ex)
     pq = tmp_path / "p.parquet"
     datasets.Dataset.from_dict({"q": ["a b", "c d"], "a": [" x", " y"]}).to_parquet(str(pq))
-    ex = build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())
+    ex = build_examples(source(path=str(pq), prompt_field="q", completion_field="a"), tok, data_config())
     assert len(ex) == 2 and ex[1]["completion_ids"][-1] == tok.eos_token_id
 
 
 def test_text_windows(pair, tok):
-    src = _src(path=str(pair["text"]), kind="auto", text_field="text", sample_by="paragraph", prompt_tokens=6,
+    src = source(path=str(pair["text"]), kind="auto", text_field="text", sample_by="paragraph", prompt_tokens=6,
                completion_tokens=4, windows_per_doc=None, add_bos=True)
-    ex = build_examples(src, tok, _data_cfg(max_new_tokens=4))
+    ex = build_examples(src, tok, data_config(max_new_tokens=4))
     assert len(ex) > 10
     for e in ex:
         assert e["prompt_ids"][0] == tok.bos_token_id and len(e["prompt_ids"]) == 7 and len(e["completion_ids"]) == 4
@@ -67,10 +51,10 @@ def test_text_windows(pair, tok):
     doc = open(pair["text"]).read().split("\n\n")[0]
     ids = tok(doc, add_special_tokens=False)["input_ids"]
     assert ex[0]["prompt_ids"][1:] + ex[0]["completion_ids"] + ex[1]["prompt_ids"][1:] == ids[:16]
-    capped = build_examples(OmegaConf.merge(src, {"windows_per_doc": 1}), tok, _data_cfg(max_new_tokens=4))
+    capped = build_examples(OmegaConf.merge(src, {"windows_per_doc": 1}), tok, data_config(max_new_tokens=4))
     assert len(capped) == 10
     with pytest.raises(SetupError, match="prompt_tokens"):
-        build_examples(OmegaConf.merge(src, {"prompt_tokens": 5000}), tok, _data_cfg())
+        build_examples(OmegaConf.merge(src, {"prompt_tokens": 5000}), tok, data_config())
 
 
 def test_corpus_source_calls_load_corpus(monkeypatch, tok):
@@ -85,9 +69,9 @@ def test_corpus_source_calls_load_corpus(monkeypatch, tok):
         return datasets.Dataset.from_dict({"text": ["the draft proposes tokens and the target verifies them " * 3]})
 
     monkeypatch.setattr(distill.corpus, "load_corpus", fake)
-    src = _src(corpus="stdlib", split="validation", corpus_kwargs={"max_items": 5}, prompt_tokens=4,
+    src = source(corpus="stdlib", split="validation", corpus_kwargs={"max_items": 5}, prompt_tokens=4,
                completion_tokens=4, text_field="text")
-    ex = build_examples(src, tok, _data_cfg(max_new_tokens=4))
+    ex = build_examples(src, tok, data_config(max_new_tokens=4))
     assert seen == {"name": "stdlib", "split": "validation", "max_items": 5} and len(ex) >= 2
 
 
@@ -96,31 +80,31 @@ def test_chat_template_is_applied(pair, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
     tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt"), tok, _data_cfg())
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt"), tok, data_config())
     first = json.loads(open(pair["data"]).readline())["prompt"]
     assert ex[0]["prompt_ids"] == tok.apply_chat_template([{"role": "user", "content": first}],
                                                          add_generation_prompt=True, tokenize=True,
                                                          return_dict=False)
-    plain = build_examples(_src(path=str(pair["data"]), prompt_field="prompt"), tok, _data_cfg(chat_template=False))
+    plain = build_examples(source(path=str(pair["data"]), prompt_field="prompt"), tok, data_config(chat_template=False))
     assert plain[0]["prompt_ids"] != ex[0]["prompt_ids"]
 
 
 def test_bad_sources(pair, tok, tmp_path):
     with pytest.raises(SetupError, match="does not exist"):
-        build_examples(_src(path=str(tmp_path / "nope.jsonl")), tok, _data_cfg())
+        build_examples(source(path=str(tmp_path / "nope.jsonl")), tok, data_config())
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SetupError, match="is empty"):
-        build_examples(_src(path=str(empty)), tok, _data_cfg())
+        build_examples(source(path=str(empty)), tok, data_config())
     with pytest.raises(SetupError, match="field 'question' not found.*completion"):
-        build_examples(_src(path=str(pair["data"]), prompt_field="question"), tok, _data_cfg())
+        build_examples(source(path=str(pair["data"]), prompt_field="question"), tok, data_config())
     (tmp_path / "x.xml").write_text("<a/>")
     with pytest.raises(SetupError, match="unknown format"):
-        build_examples(_src(path=str(tmp_path / "x.xml")), tok, _data_cfg())
+        build_examples(source(path=str(tmp_path / "x.xml")), tok, data_config())
     header_only = tmp_path / "rows.jsonl"
     header_only.write_text("\n")
     with pytest.raises(SetupError, match="empty|cannot read"):
-        build_examples(_src(path=str(header_only)), tok, _data_cfg())
+        build_examples(source(path=str(header_only)), tok, data_config())
 
 
 def test_shared_data_path(monkeypatch, tmp_path):
@@ -135,17 +119,17 @@ def test_humaneval_prompt_set_by_path(tok):
     path = resolve_path("../shared/data/humaneval/HumanEval.jsonl.gz")
     if not path.exists():
         pytest.skip("shared data folder not present beside the repository")
-    ex = build_examples(_src(path="../shared/data/humaneval/HumanEval.jsonl.gz", prompt_field="prompt", limit=5),
-                        tok, _data_cfg())
+    ex = build_examples(source(path="../shared/data/humaneval/HumanEval.jsonl.gz", prompt_field="prompt", limit=5),
+                        tok, data_config())
     assert len(ex) == 5 and all(len(e["prompt_ids"]) > 10 for e in ex)
 
 
 def test_length_checks():
     ex = [{"prompt_ids": list(range(1, 30)), "completion_ids": [5]}, {"prompt_ids": [1, 2], "completion_ids": [5]}]
-    cfg = _data_cfg(max_new_tokens=8, max_prompt_tokens=100)
+    cfg = data_config(max_new_tokens=8, max_prompt_tokens=100)
     with pytest.raises(SetupError, match=r"1 of 2 prompts .* longer than 24 tokens.*truncate_prompts=true"):
         check_lengths(ex, 32, cfg)
-    out = check_lengths(ex, 32, _data_cfg(max_new_tokens=8, max_prompt_tokens=100, truncate_prompts=True))
+    out = check_lengths(ex, 32, data_config(max_new_tokens=8, max_prompt_tokens=100, truncate_prompts=True))
     assert out[0]["prompt_ids"] == list(range(6, 30)) and out[1] == ex[1]
     with pytest.raises(SetupError, match="no room"):
         check_lengths(ex, 8, cfg)
@@ -166,8 +150,8 @@ def test_an_empty_prompt_is_refused_not_silently_left_out_of_training(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": p, "completion": " b c"}) + "\n" for p in ("a", "", "a b", "")))
     with pytest.raises(SetupError, match=r"p.jsonl: 2 of 4 prompts have no tokens \(rows 2, 4: an empty"):
-        build_examples(_src(path=str(path), prompt_field="prompt", completion_field="completion"), nobos,
-                       _data_cfg(chat_template=False))
+        build_examples(source(path=str(path), prompt_field="prompt", completion_field="completion"), nobos,
+                       data_config(chat_template=False))
 
 
 def test_collate_masks_prompt_and_padding():
@@ -196,9 +180,9 @@ def test_json_lines_may_hold_line_separators_and_a_byte_order_mark(tmp_path, tok
     rows = [{"prompt": "a\u2028b\u2029c\x85d\x0ce", "completion": " x"}, {"prompt": "second", "completion": " y"}]
     path = tmp_path / "u.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8-sig")
-    src = _src(path=str(path), kind="prompts", prompt_field="prompt", completion_field="completion")
+    src = source(path=str(path), kind="prompts", prompt_field="prompt", completion_field="completion")
     preflight_source(src, "data.source")
-    ex = build_examples(src, tok, _data_cfg())
+    ex = build_examples(src, tok, data_config())
     assert [e["prompt_ids"] for e in ex] == [tok(r["prompt"])["input_ids"] for r in rows]
 
 
@@ -211,7 +195,7 @@ def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, t
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"prompt": "fine", "completion": " ok"}) + "\n"
                     + json.dumps({"prompt": value, "completion": " ok"}) + "\n")
-    src = _src(path=str(path), kind="prompts", prompt_field="prompt", completion_field="completion")
+    src = source(path=str(path), kind="prompts", prompt_field="prompt", completion_field="completion")
     with pytest.raises(SetupError, match=f"m.jsonl:2: \"prompt\" {said}"):
         preflight_source(src, "data.source")
     pq = tmp_path / "m.parquet"
@@ -219,9 +203,9 @@ def test_a_field_that_is_not_text_is_refused_not_trained_as_its_repr(tmp_path, t
 
     datasets.Dataset.from_dict({"q": ["a", "b"], "a": [{"x": 1}, {"x": 2}]}).to_parquet(str(pq))
     with pytest.raises(SetupError, match="row 1: field 'a' holds dict, not text"):
-        build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())
+        build_examples(source(path=str(pq), prompt_field="q", completion_field="a"), tok, data_config())
     datasets.Dataset.from_dict({"q": ["a", "b"], "a": [7, 8]}).to_parquet(str(pq))
-    ex = build_examples(_src(path=str(pq), prompt_field="q", completion_field="a"), tok, _data_cfg())
+    ex = build_examples(source(path=str(pq), prompt_field="q", completion_field="a"), tok, data_config())
     assert ex[0]["completion_ids"][:-1] == tok("7", add_special_tokens=False)["input_ids"]
 
 
@@ -233,17 +217,17 @@ def test_csv_cells_are_text_as_written_and_nan_is_not_text(tmp_path, tok):
 
     csv = tmp_path / "c.csv"
     csv.write_text("q,a\nx,0070\ny,None\nz,NA\nv,1.50\n")
-    src = _src(path=str(csv), kind="prompts", prompt_field="q", completion_field="a")
+    src = source(path=str(csv), kind="prompts", prompt_field="q", completion_field="a")
     preflight_source(src, "data.source")
-    ex = build_examples(src, tok, _data_cfg(append_eos=False))
+    ex = build_examples(src, tok, data_config(append_eos=False))
     assert [e["completion_ids"] for e in ex] == [tok(t, add_special_tokens=False)["input_ids"]
                                                  for t in ("0070", "None", "NA", "1.50")]
     js = tmp_path / "n.jsonl"
     js.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": NaN}\n')
     with pytest.raises(SetupError, match=r'n.jsonl:2: "completion" holds nan \(a missing number\).*delete line 2'):
-        preflight_source(_src(path=str(js), kind="prompts", prompt_field="prompt", completion_field="completion"),
+        preflight_source(source(path=str(js), kind="prompts", prompt_field="prompt", completion_field="completion"),
                          "data.source")
     pq = tmp_path / "n.parquet"
     datasets.Dataset.from_dict({"q": ["a", "b"], "a": [1.5, float("nan")]}).to_parquet(str(pq))
     with pytest.raises(SetupError, match=r'n.parquet, row 2: "a" holds nan \(a missing number\)'):
-        preflight_source(_src(path=str(pq), kind="prompts", prompt_field="q", completion_field="a"), "data.source")
+        preflight_source(source(path=str(pq), kind="prompts", prompt_field="q", completion_field="a"), "data.source")

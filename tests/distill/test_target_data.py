@@ -4,29 +4,12 @@ import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from distill.config import SetupError
 from distill.data import build_examples
 from distill.target_data import cache_key, generate_target_data, target_data_settings
+from distill_helpers import data_config, source
 from tests.conftest import full_disk_for
-
-
-def _data_cfg(**kw):
-    base = {"max_new_tokens": 8, "chat_template": True, "append_eos": True, "max_prompt_tokens": 64,
-            "truncate_prompts": False}
-    return OmegaConf.create({**base, **kw})
-
-
-def _src(**kw):
-    return OmegaConf.create(kw)
-
-
-@pytest.fixture
-def tok(pair):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(pair["tokenizer"]))
 
 
 def test_target_generated_cache_is_resumable(pair, tok, tmp_path):
@@ -34,7 +17,7 @@ def test_target_generated_cache_is_resumable(pair, tok, tmp_path):
 
     target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(pair["draft"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, _data_cfg())
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, data_config())
     kw = dict(temperature=1.0, max_new_tokens=6, batch_size=2, shard_size=2, seed=3)
     full = generate_target_data(target, tok, ex, tmp_path / "a", "k1", **kw)
     assert len(full) == 6 and all(1 <= len(c) <= 6 for c in full["completion_ids"])
@@ -66,7 +49,7 @@ def test_a_target_data_cache_made_with_other_settings_is_refused_naming_them(pai
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, _data_cfg())
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt", limit=6), tok, data_config())
     folder = tmp_path / "cache"
 
     def run(shard_size=4, dtype="float32", max_new_tokens=4, name=str(pair["target"])):
@@ -105,7 +88,7 @@ def test_a_damaged_target_data_cache_is_named_not_used(pair, tok, tmp_path):
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, _data_cfg())
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, data_config())
     kw = dict(temperature=1.0, max_new_tokens=4, batch_size=2, shard_size=2, seed=3)
     good = tmp_path / "good"
     full = generate_target_data(target, tok, ex, good, "k1", **kw)
@@ -142,7 +125,7 @@ def test_a_full_disk_while_marking_the_target_data_cache_complete_keeps_its_shar
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
-    ex = build_examples(_src(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, _data_cfg())
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, data_config())
     kw = dict(temperature=1.0, max_new_tokens=4, batch_size=2, shard_size=2, seed=3)
     restore = full_disk_for(monkeypatch, '"complete": true')
     with pytest.raises(OSError, match="No space left"):

@@ -476,7 +476,7 @@ def _load_rng(path: Path, rank: int) -> bool:
     return True
 
 
-def _load_weights(model: Any, weights: dict[str, torch.Tensor], path: Path) -> None:
+def load_weights(model: Any, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Load a full state dict; a key may be missing only when its tensor is tied to a loaded one (older saves
     dropped the duplicate of a tied pair)."""
     try:
@@ -508,7 +508,7 @@ def load_checkpoint(accelerator: Any, draft: Any, optimizer: Any, scheduler: Any
                                   "accelerate launcher config")
         accelerator.load_state(str(path / "accelerate"), load_kwargs={"weights_only": True})
     else:
-        _load_weights(accelerator.unwrap_model(draft), load_tensors(path / "model.safetensors"), path)
+        load_weights(accelerator.unwrap_model(draft), load_tensors(path / "model.safetensors"), path)
         load_optimizer(optimizer, path)
         if (path / "scaler.json").is_file() and getattr(accelerator, "scaler", None) is not None:
             accelerator.scaler.load_state_dict(read_json(path / "scaler.json"))

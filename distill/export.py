@@ -24,7 +24,7 @@ from decode.loading import (RemoteCodeError, load_causal_lm, load_tokenizer, loc
                             untie_adapted_weights)
 from decode.outputs import check_output_dir, umask
 from decode.vocab_map import MAP_KEY, draft_vocab_map
-from distill.checkpoint import CheckpointError, _load_weights, load_tensors, read_config, read_state
+from distill.checkpoint import CheckpointError, load_weights, load_tensors, read_config, read_state
 
 CARD_JSON = "draftkit_card.json"
 
@@ -65,7 +65,7 @@ def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remot
         if (checkpoint / "model.safetensors").is_file():  # not in a DeepSpeed/FSDP checkpoint (accelerate/)
             tensors = load_tensors(checkpoint / "model.safetensors")
             _check_base_head(tensors, base, base_path, checkpoint)
-            _load_weights(peft_model, tensors, checkpoint)
+            load_weights(peft_model, tensors, checkpoint)
         untie_adapted_weights(peft_model)
         draft = peft_model.merge_and_unload()
     else:

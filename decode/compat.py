@@ -24,6 +24,8 @@ import json
 import warnings
 from typing import Any
 
+from decode.vocab_map import HASH_FIELD, check_map, draft_vocab_map
+
 
 class IncompatibleModelsError(ValueError):
     """Target and draft (or their tokenizers) cannot be used as a speculative pair."""
@@ -97,8 +99,6 @@ def check_draft_vocab_map(draft: Any, vocab_size: int, tokenizer: Any = None) ->
     Raises:
         IncompatibleModelsError: naming the draft's map and the target's vocabulary or tokenizer.
     """
-    from decode.vocab_map import HASH_FIELD, check_map, draft_vocab_map
-
     ids = draft_vocab_map(draft)
     if ids is None:
         return
@@ -345,8 +345,6 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
             target's (the extra draft ids have no target probability, so the pair is ambiguous); or a pruned
             draft's id map does not fit (see :func:`check_draft_vocab_map`).
     """
-    from decode.vocab_map import draft_vocab_map
-
     check_argument_types(target, draft, target_tokenizer, draft_tokenizer)
     if draft_vocab_map(target) is not None:
         raise IncompatibleModelsError(

@@ -530,11 +530,12 @@ def _simulate_batch_run(gamma: int | Callable[[], AdaptiveGamma], alphas: Sequen
 def monotone_costs(costs: Sequence[float]) -> list[float]:
     """The non-decreasing sequence closest to ``costs`` in least squares (pool-adjacent-violators).
 
-    Verify costs v_γ (time of a γ+1-token forward over a 1-token one) are assumed not to fall as γ grows; medians
-    of a few timed forwards sometimes do (noise, e.g. v_3 < v_2), and an auto-γ controller would then favour the γ
-    that happened to time fast. The assumption is a smoothing choice, not a law: some CPU kernels are slower at 3
-    rows than at 5 (measured on the quickstart pair: v_2 ≈ 1.6, v_4 ≈ 1.2, see docs/decode.md), and pooling then
-    errs toward the larger γ. Returns a list of the same length; each value is the mean of its pooled block.
+    Verify costs v_γ (time of a γ+1-token forward over a 1-token one) are assumed not to fall as γ grows; medians of a
+    few timed forwards sometimes do (noise, e.g. v_3 < v_2), and an auto-γ controller would then favour the γ that
+    happened to time fast. The assumption is a smoothing choice, not a law: some CPU kernels are slower at 3 rows
+    than at 5 (measured on the quickstart pair: v_2 ≈ 1.6, v_4 ≈ 1.2, see
+    docs/results/2026-11-29-bench-highlights-quickstart-pair.md), and pooling then errs toward the larger γ. Returns
+    a list of the same length; each value is the mean of its pooled block.
     """
     blocks: list[list[float]] = []  # [sum, count]
     for x in costs:

@@ -247,8 +247,9 @@ def fused_divergence(name: str, draft_logits: torch.Tensor, target_logits: torch
                      n_tokens: int | float | torch.Tensor, beta: float = 0.5, temperature: float = 1.0
                      ) -> torch.Tensor:
     """:func:`fkl`, :func:`rkl`, :func:`jsd` or :func:`tvd` with the closed-form gradient of
-    :class:`FusedDivergence`: the same value and gradient (up to float32 rounding), with fewer passes over
-    (N, V) and no autograd graph over it (2–4× faster than autograd on (512, 8192) on a CPU, docs/distill.md).
+    :class:`FusedDivergence`: the same value and gradient (up to float32 rounding), with fewer passes over (N, V) and no
+    autograd graph over it (2–4× faster than autograd on (512, 8192) on a CPU,
+    docs/results/2026-11-29-distill-step-efficiency.md).
 
     Args and errors as the reference loss ``name`` (shapes (..., V), (..., V), (...,)); also raises ValueError
     for a name without a fused form (``acceptance``) or target logits that require a gradient (only the draft's

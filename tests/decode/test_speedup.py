@@ -180,7 +180,7 @@ def test_simulate_speedup_refuses_bad_arguments_naming_them(args, name):
         simulate_speedup(*args)
 
 
-# CPU costs of the quickstart pair (c, v_γ at batch 1; docs/decode.md)
+# CPU costs of the quickstart pair (c, v_γ at batch 1; docs/results/2026-11-29-bench-highlights-quickstart-pair.md)
 CPU_C, CPU_V = 0.18, [1.0, 1.45, 1.5, 1.55, 1.6, 1.63, 1.67, 1.7, 1.74]
 
 
@@ -345,9 +345,9 @@ def test_simulate_batch_speedup_plain_is_one_and_bad_costs_are_refused():
 
 
 def test_the_static_batch_planner_beats_the_pooled_choice_when_a_few_rows_accept_little():
-    """The case measured on quickstart pair H (docs/decode.md): at batch 8 the pooled choice drafts for the rows
-    that accept most while the slow rows end the batch; the planner drafts for the last row. With equal rows it
-    costs little (it ignores that the batch shrinks, so it is conservative)."""
+    """The case measured on quickstart pair H (docs/results/2026-12-04-auto-gamma-static-batches.md): at batch 8 the pooled
+    choice drafts for the rows that accept most while the slow rows end the batch; the planner drafts for the last
+    row. With equal rows it costs little (it ignores that the batch shrinks, so it is conservative)."""
     def factory():
         return AdaptiveGamma(8)
 

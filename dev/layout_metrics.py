@@ -1,4 +1,4 @@
-"""Layout metrics for decode/ and distill/: lines per module, functions over 80 lines, function-local imports of the
+"""Layout metrics for decode/, distill/ and quickstart/: lines per module, functions over 80 lines, function-local imports of the
 project's own modules, import cycles (grimp), docs lines (reference vs results), files in scripts/.
 
     python dev/layout_metrics.py [--json OUT]
@@ -91,7 +91,7 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     report = {}
-    for pkg in ("decode", "distill"):
+    for pkg in ("decode", "distill", "quickstart"):
         files = sorted((ROOT / pkg).rglob("*.py"))
         per = {}
         longs, locals_ = [], []
@@ -108,7 +108,7 @@ def main():
                       "results": sum(v for k, v in docs.items() if "/results/" in k),
                       "README.md": len((ROOT / "README.md").read_text().splitlines())}
     report["scripts_files"] = len([p for p in (ROOT / "scripts").iterdir() if p.is_file()])
-    for pkg in ("decode", "distill"):
+    for pkg in ("decode", "distill", "quickstart"):
         r = report[pkg]
         print(f"{pkg}: {len(r['lines'])} modules, {r['total_lines']} lines, largest {r['max_module']}")
         print(f"  functions over {LONG} lines: {len(r['functions_over_80'])} {r['functions_over_80']}")

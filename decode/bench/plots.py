@@ -2,24 +2,33 @@
 speedup, acceptance by draft position, and batch throughput (``PLOTS``: name -> function(results, path)).
 
 Figures are built with ``matplotlib.figure.Figure`` and the Agg canvas, never pyplot, so no display and no global
-figure state are involved (safe in servers, tests and headless machines).
+figure state are involved (safe in servers, tests and headless machines). matplotlib is imported inside the
+plotting functions: ``decode.bench`` (and ``distill``, through ``decode.bench.measure``) loads without it.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from typing import TYPE_CHECKING, Any
 
 from decode.bench.pool import batching_of
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def _figure(width: float = 6.4, height: float = 4.2) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=110)
     FigureCanvasAgg(fig)
     return fig
+
+
+def _integer_ticks():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 def _fixed_runs(results: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
@@ -67,7 +76,7 @@ def plot_speedup_vs_gamma(results: dict[str, Any], path: str | os.PathLike) -> s
                 ax.axhline(run["overall"]["speedup"], linestyle=style, color=colors.get(t), alpha=0.6,
                            label=f"{name} T={t:g}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_xlabel("γ (num_draft_tokens)")
     ax.set_ylabel("speedup over plain decoding (tokens/s ratio)")
     ax.set_title(f"speedup vs γ (c = {results['cost']['cost_ratio']:.3f})")
@@ -130,7 +139,7 @@ def plot_acceptance_by_position(results: dict[str, Any], path: str | os.PathLike
             ax.plot(range(1, n + 1), [s["alpha"] ** i for i in range(1, n + 1)], "k--", alpha=0.6,
                     label=f"α^i, α={s['alpha']:.2f}")
         ax.set_ylim(0, 1.02)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(_integer_ticks())
         ax.set_xlabel("draft position i")
         ax.set_ylabel("fraction of verify steps accepting position i")
         ax.set_title(f"T={s['temperature']:g}")
@@ -155,7 +164,7 @@ def plot_batch_throughput(results: dict[str, Any], path: str | os.PathLike) -> s
         style = ("o" if method == "plain" else "s") + ("-" if batching == "static" else ":")
         if pts:
             ax.plot(*zip(*pts), style, label=f"{method} T={t:g}" + ("" if batching == "static" else " continuous"))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s (all rows)")
     ax.set_title("batch throughput")

@@ -298,6 +298,17 @@ def test_plots_are_written(bench_run):
         assert head == PNG_MAGIC, name
 
 
+def test_importing_the_bench_leaves_matplotlib_unloaded():
+    """``distill`` imports ``decode.bench.measure``; matplotlib (over half a second) loads only when a plot is drawn."""
+    import subprocess
+    import sys
+
+    code = "import sys, decode.bench, decode.bench.measure; print('matplotlib' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "False"
+
+
 def test_records_re_pool_to_the_runs_alpha(bench_run):
     """Per-prompt records keep the DecodeStats counters; pooled, they give the run's α and acceptance rate."""
     results, _, cfg, _ = bench_run

@@ -1,8 +1,10 @@
 """Load a target/draft pair and its tokenizer from local paths or hub ids, with clear errors."""
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,9 @@ import torch
 
 from decode.compat import IncompatibleModelsError, check_causal, check_tokenizers
 from decode.vocab_map import load_pretrained, pruned_size
+
+# huggingface_hub, transformers and peft are imported where they are used: `python -m decode bench` sets
+# HF_HUB_OFFLINE after `import decode`, and huggingface_hub reads it once, when it is first imported.
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
@@ -97,8 +102,6 @@ def _offline() -> bool:
 
 def _not_cached(name: str, role: str) -> str:
     """Why a hub id cannot be loaded offline, with the cached ids it may be a misspelling of and the fixes."""
-    import difflib
-
     from huggingface_hub import constants, scan_cache_dir
 
     try:
@@ -310,8 +313,6 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     auto_map = {} if trust_remote_code else (getattr(model.config, "auto_map", None) or {})
     own = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
     if own:  # transformers built its own class: say so, the checkpoint may expect its code
-        import warnings
-
         warnings.warn(f"decode: the {role} {name_or_path!r} names its own code (auto_map: "
                       f"{own}), which is not run: it was built with transformers' "
                       f"{type(model).__name__} (model_type {model.config.model_type!r}). Pass --trust-remote-code "
@@ -386,8 +387,6 @@ def _as_saved(tok: Any, name_or_path: str) -> Any:
     (qwen2) comes back from transformers 5's ``AutoTokenizer`` as that class, which may add tokens: a Llama-vocabulary
     tokenizer in a Qwen2 draft's folder gained ``<|endoftext|>`` as its unk token (8193 ids, refused against the
     target's). Then the saved generic class is loaded instead."""
-    import json
-
     folder = local_folder(name_or_path)
     if folder is None:
         return tok

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from safetensors import safe_open
 
 MAP_KEY = "draft_vocab_map"                    # the buffer (and safetensors key) holding the (N,) int64 map
 SIZE_FIELD = "draft_vocab_map_size"            # config field: N (absent or None: a full-vocabulary model)
@@ -168,8 +169,6 @@ def pruned_size(folder: str | os.PathLike) -> int | None:
 
 def _stored_map_shape(folder: Path) -> tuple[int, ...] | None:
     """The shape of the ``draft_vocab_map`` tensor in the folder's safetensors (header only), or None."""
-    from safetensors import safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         path = json.loads(index.read_text()).get("weight_map", {}).get(MAP_KEY)
@@ -184,8 +183,6 @@ def _stored_map_shape(folder: Path) -> tuple[int, ...] | None:
 
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Every tensor name stored in the folder's ``model.safetensors`` (or its sharded index) -> its file."""
-    from safetensors import safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
@@ -218,16 +215,12 @@ def _stored_head_keys(folder: Path, model: Any, head_name: str) -> dict[str, str
 
 
 def _stored_shape(path: Path, name: str) -> tuple[int, ...]:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         return tuple(f.get_slice(name).get_shape())
 
 
 def _read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors from the folder's ``model.safetensors`` (or its sharded index)."""
-    from safetensors import safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]

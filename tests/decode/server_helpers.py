@@ -6,6 +6,9 @@ import socket
 import threading
 import time
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from decode import SpeculativeDecoder
 from decode.serving.app import create_app, make_server
 from decode.serving.parsing import ServerLimits
@@ -29,6 +32,15 @@ class EndlessEngine:
 
     def abort(self, rid):
         pass
+
+
+def metric(url, name, labels=None):
+    """The value of one sample of the server's ``GET /metrics`` (None when it has no such sample)."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return s.value
+    return None
 
 
 def tiny_pair(gamma: int = 3, chat: bool = True, eos=None):

@@ -6,7 +6,10 @@ import sys
 
 import pytest
 
-from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
+from decode import SpeculativeDecoder
+from decode.prompts import load_prompts
+from tests.conftest import VOCAB, make_tokenizer, perturbed_copy, tiny_llama
+from tests.decode.server_helpers import CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +137,6 @@ def test_bad_device_seed_threads_and_prompt_field_exit_2_naming_the_option(saved
 
 def test_a_tokenizer_of_another_vocabulary_than_the_target_s_own_is_refused(saved_pair, tmp_path):
     """Found by a new user: --tokenizer with two ids swapped decoded the target with it, silently."""
-    from tests.conftest import VOCAB
-
     words = [f"w{i}" for i in range(VOCAB - 4)]
     words[5], words[6] = words[6], words[5]
     make_tokenizer(words).save_pretrained(tmp_path / "swapped")
@@ -176,8 +177,6 @@ def test_a_checkpoint_file_instead_of_its_folder_is_named_as_such(saved_pair):
 
 
 def test_prompt_file_rows_must_be_objects(tmp_path):
-    from decode.prompts import load_prompts
-
     bad = tmp_path / "bad.jsonl"
     bad.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="not an object"):
@@ -204,9 +203,6 @@ def test_generate_stops_at_every_eos_of_the_generation_config(saved_pair, tmp_pa
 
 def test_generate_chat_uses_the_template(saved_pair, tmp_path):
     """transformers 5's apply_chat_template returns a dict; --chat must still build the prompt from it."""
-    from decode import SpeculativeDecoder
-    from tests.decode.server_helpers import CHAT_TEMPLATE
-
     tok = make_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     target = tiny_llama(seed=0).float()

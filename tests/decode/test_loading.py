@@ -8,13 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.loading import load_causal_lm, load_draft_tokenizer, load_tokenizer
+import decode.__main__
+import decode.loading
+from decode.__main__ import main
+from decode.loading import (check_model_path, hub_revision, load_causal_lm, load_draft_tokenizer, load_tokenizer,
+                            local_folder, looks_local)
+from decode.vocab_map import draft_vocab_map, prune_draft_head
 from tests.conftest import make_tokenizer, put_snapshot, tiny_llama
 
 
 def test_local_folder_follows_refs_main_of_a_cached_hub_id(hub_cache, tmp_path):
-    from decode.loading import local_folder
-
     tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "v1")
     tiny_llama(seed=1, dtype=torch.float32).save_pretrained(tmp_path / "v2")
     old = put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "v1")
@@ -28,8 +31,6 @@ def test_local_folder_follows_refs_main_of_a_cached_hub_id(hub_cache, tmp_path):
 
 def test_hub_revision_names_the_snapshot_refs_main_points_to(hub_cache, tmp_path):
     """Results record the bare id and this commit: a later ``hf download`` moves refs/main to other weights."""
-    from decode.loading import hub_revision
-
     tiny_llama(seed=0, dtype=torch.float32).save_pretrained(tmp_path / "v1")
     assert hub_revision("org/target") is None  # not in the cache
     put_snapshot(hub_cache, "org/target", "a" * 40, tmp_path / "v1")
@@ -54,8 +55,6 @@ def test_a_cached_hub_draft_is_checked_with_its_own_tokenizer(hub_cache, tmp_pat
 def test_a_vocabulary_pruned_draft_loads_by_hub_id(hub_cache, tmp_path):
     """A pruned draft's N-row head and id map are read from its folder; by hub id it failed inside
     from_pretrained with a size-mismatch RuntimeError (a traceback from the CLIs)."""
-    from decode.vocab_map import prune_draft_head
-
     draft = tiny_llama(seed=1, layers=1, dtype=torch.float32)
     keep = torch.arange(0, draft.config.vocab_size, 2)
     prune_draft_head(draft, keep).save_pretrained(tmp_path / "pruned")
@@ -84,8 +83,6 @@ def test_a_hub_id_that_is_not_cached_offline_names_the_role_the_near_miss_and_th
 
 def test_offline_set_by_the_bench_is_named_as_the_bench_s_not_the_user_s(hub_cache, monkeypatch):
     """The bench sets HF_HUB_OFFLINE=1 itself; its error said 'while HF_HUB_OFFLINE is set' to a user who had not."""
-    import decode.loading
-
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(decode.loading, "_offline_by", None)
     decode.loading.run_offline("decode bench")
@@ -102,10 +99,6 @@ def test_offline_set_by_the_bench_is_named_as_the_bench_s_not_the_user_s(hub_cac
 
 
 def test_generate_names_an_uncached_draft_before_loading_the_target(hub_cache, monkeypatch, capsys):
-    import decode.__main__
-    import decode.loading
-    from decode.__main__ import main
-
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before every path was checked")
 
@@ -145,7 +138,6 @@ def test_a_peft_adapter_folder_loads_merged_into_its_base_a_pruned_one_too(tmp_p
 
     from peft import LoraConfig, get_peft_model
 
-    from decode.vocab_map import draft_vocab_map, prune_draft_head
 
     draft = tiny_llama(seed=1, layers=1, dtype=torch.float32)
     keep = torch.arange(0, draft.config.vocab_size, 2)
@@ -281,8 +273,6 @@ def test_a_generic_tokenizer_saved_in_a_qwen2_folder_loads_as_saved(tmp_path):
 def test_a_path_with_two_slashes_is_a_missing_folder_not_an_uncached_hub_id(tmp_path, monkeypatch):
     """A relative path that did not exist (checkpoints/quickstart/target) was read as a hub id: 'not in the local
     Hugging Face cache ... hf download checkpoints/quickstart/target'. Hub ids have at most one '/'."""
-    from decode.loading import check_model_path, looks_local
-
     assert looks_local("checkpoints/quickstart/target") and looks_local("./x")
     assert not looks_local("org/name") and not looks_local("gpt2") and not looks_local("org/name@refs/pr/1")
     monkeypatch.chdir(tmp_path)

@@ -16,6 +16,8 @@ import decode.__main__
 import decode.certify
 import decode.loading
 import decode.serving.cli
+from decode import costs
+from decode.__main__ import main as decode_main
 from decode.serving.cli import bind_warning, main, serve_parser, served_model_name
 from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
 
@@ -139,7 +141,6 @@ def test_compile_draft_without_a_draft_is_refused_before_loading(tmp_path, monke
 def test_compile_without_a_cpp_compiler_exits_2_before_loading(tmp_path, monkeypatch, capsys):
     from torch._inductor import config as inductor_config
 
-    from decode.__main__ import main as decode_main
 
     refuse_model_loads(monkeypatch)
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no" / "g++")))
@@ -152,8 +153,6 @@ def test_compile_without_a_cpp_compiler_exits_2_before_loading(tmp_path, monkeyp
 def test_every_model_path_is_checked_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
     """A missing --tokenizer used to be noticed after the target had loaded, with the hub's "Repo id must use
     alphanumeric chars" message; now every path is named before any load."""
-    from decode.__main__ import main as decode_main
-
     refuse_model_loads(monkeypatch)
     (tmp_path / "target").mkdir()
     missing = str(tmp_path / "no-tokenizer")
@@ -172,8 +171,6 @@ def test_served_model_name_of_a_hub_id_is_the_id():
 
 @pytest.mark.parametrize("command", ["serve", "certify"])
 def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, monkeypatch, capsys):
-    from decode.__main__ import main as decode_main
-
     refuse_model_loads(monkeypatch)
     monkeypatch.setattr(decode.loading, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
     extra = ["--draft", "org/draft"] if command == "certify" else []
@@ -185,9 +182,6 @@ def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, 
 def test_ctrl_c_during_the_warm_up_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
     """The warm-up (--compile, or -g auto) runs before the server listens, up to minutes on a CPU: Ctrl-C there
     stops the command with exit 130 and one line, as a Ctrl-C while serving stops it cleanly."""
-    from decode import costs
-    from decode.__main__ import main as decode_main
-
     tok = make_tokenizer()
     target = tiny_llama(seed=0).float()
     for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):

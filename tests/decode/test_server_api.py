@@ -3,6 +3,7 @@ pair. Greedy through the server equals offline greedy; a seeded request is the s
 stop strings never leak; a disconnect frees its row; a full queue answers 429; shutdown drains."""
 import concurrent.futures as cf
 import json
+import math
 import threading
 import time
 
@@ -12,8 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode import SpeculativeDecoder
+from decode.metrics import DecodeStats
+from decode.serving.metrics import ServerMetrics
 from decode.stops import stop_token_ids
-from tests.decode.server_helpers import MODEL, running_server, tiny_pair
+from tests.decode.server_helpers import MODEL, metric, running_server, tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +32,6 @@ def offline_greedy(dec, tok, ids, n):
     plain = SpeculativeDecoder(dec.target, None, 0, tokenizer=tok)
     new = plain.generate([ids], max_new_tokens=n, eos_token_id=stop_token_ids(tok, dec.target)).new_tokens[0]
     return new.tolist()
-
-
-def metric(url, name, labels=None):
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                return s.value
-    return None
 
 
 @pytest.mark.parametrize("prompt", ["w5", "w7 w8", [5, 9, 11]])
@@ -260,13 +255,6 @@ def test_metrics_in_prometheus_format(server):
 
 def test_derived_metrics_follow_decode_stats_when_nothing_was_drafted():
     """A server without a draft reported τ = 0 and an acceptance rate of 0 (DecodeStats: τ = 1, rate undefined)."""
-    import math
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from decode.metrics import DecodeStats
-    from decode.serving.metrics import ServerMetrics
-
     def gauges(m):
         return {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
                 if s.name in ("draftkit_acceptance_rate", "draftkit_mean_accepted_length")}

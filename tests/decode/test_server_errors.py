@@ -6,8 +6,12 @@ import httpx
 import openai
 import pytest
 
+from decode.serving.app import create_app
+from decode.serving.metrics import ServerMetrics
 from decode.serving.parsing import ServerLimits
-from tests.decode.server_helpers import MODEL, EndlessEngine, running_server, tiny_pair
+from decode.serving.protocol import APIError, ChatCompletionRequest, validate
+from decode.serving.scheduler import GenerationRequest, Scheduler
+from tests.decode.server_helpers import MODEL, EndlessEngine, metric, running_server, tiny_pair
 
 KEY = "sk-test-key"
 
@@ -225,9 +229,6 @@ def test_requests_being_admitted_count_against_the_queue_limit():
     import asyncio
     import threading
 
-    from decode.serving.metrics import ServerMetrics
-    from decode.serving.protocol import APIError
-    from decode.serving.scheduler import GenerationRequest, Scheduler
 
     release, entered = threading.Event(), threading.Event()
 
@@ -273,8 +274,6 @@ def test_shutdown_without_drain_ends_waiting_admitting_and_running_requests_with
     import asyncio
     import threading
 
-    from decode.serving.metrics import ServerMetrics
-    from decode.serving.scheduler import GenerationRequest, Scheduler
 
     release, entered = threading.Event(), threading.Event()
     aborted, calls = [], []
@@ -322,8 +321,6 @@ def test_shutdown_without_drain_ends_waiting_admitting_and_running_requests_with
 def test_a_drain_past_its_timeout_ends_the_running_requests_with_503():
     import asyncio
 
-    from decode.serving.metrics import ServerMetrics
-    from decode.serving.scheduler import GenerationRequest, Scheduler
 
     sched = Scheduler(EndlessEngine(), None, ServerMetrics(), max_batch_size=2, max_queue=1)
     sched.start()
@@ -392,8 +389,6 @@ def test_max_tokens_above_the_context_default_limit_names_the_context():
 def test_api_key_with_surrounding_whitespace_still_matches():
     """A key read with its trailing newline (a secrets file) refused every client: tokens are stripped, the key
     was not. An empty key is refused rather than letting 'Bearer ' in."""
-    from decode.serving.app import create_app
-
     dec, tok = tiny_pair()
     with running_server(dec, tok, api_key=KEY + "\n") as (url, _, _):
         assert post(url, ok()).status_code == 200
@@ -458,8 +453,6 @@ def test_chat_message_name_reaches_the_template():
 def test_chat_content_parts_are_joined_by_newlines_and_an_empty_list_is_refused(server):
     """Text parts were joined with "" ("a" + "b" -> "ab"; vLLM joins them with newlines), and "content": [] was
     accepted as an empty message."""
-    from decode.serving.protocol import ChatCompletionRequest, validate
-
     parts = [{"type": "text", "text": "def f():"}, {"type": "text", "text": "    return 1"}]
     req = validate(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": parts}]})
     assert req.messages[0].text() == "def f():\n    return 1"
@@ -486,8 +479,6 @@ def test_health_answers_head_and_a_max_tokens_limit_past_the_context_is_named(ca
 def test_every_http_error_is_counted_in_rejected_requests(server):
     """401 (answered by the auth middleware) and 404 (by Starlette) were not counted: only errors raised inside a
     handler were."""
-    from tests.decode.test_server_api import metric
-
     url, _ = server
 
     def rejected(status):

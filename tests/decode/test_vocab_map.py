@@ -11,7 +11,7 @@ from decode.vocab_map import (HASH_FIELD, MAP_KEY, SIZE_FIELD, draft_vocab_map, 
                               select_kept_ids)
 from tests.conftest import VOCAB, make_tokenizer, perturbed_copy, tiny_llama
 from tests.decode.test_lossless import (N, PROMPT, V, chi_square, critical, exact_joint, joint_counts,
-                                        small_vocab_llama)
+                                        reference_joint, small_vocab_llama)
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -263,8 +263,6 @@ def test_greedy_equality_with_a_pruned_draft(gamma):
                                             (dict(temperature=0.7, top_k=5), 2), (dict(presence_penalty=1.0), 2)])
 def test_pruned_draft_output_follows_target(settings, gamma):
     """The map omits the target's two likeliest first tokens: those ids come only from the residual."""
-    from tests.decode.test_lossless import reference_joint
-
     target = small_vocab_llama(seed=0, layers=2)
     with torch.no_grad():
         p1 = target(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)

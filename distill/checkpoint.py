@@ -298,6 +298,12 @@ def check_complete(path: str | Path) -> dict:
     return manifest
 
 
+def in_run_folder(path: str | Path, output_dir: str | Path) -> bool:
+    """Whether the checkpoint ``path`` is one of ``output_dir``'s own (its ``step_N`` or ``best``), not another
+    run's: a resume from it continues that run rather than forking a new one."""
+    return Path(path).resolve().parent == Path(output_dir).resolve()
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """``step_*`` folders of a run, oldest first (complete or not; ``*.tmp`` and ``*.old`` leftovers excluded)."""
     out = [p for p in Path(output_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
@@ -530,8 +536,7 @@ def check_resume_settings(saved: dict, cfg: DictConfig, resume_from: Path | None
                          f"({resume_from}); a run cannot go back: set train.stop_at above {at} (or drop it to go on "
                          "to train.max_steps), or resume an earlier checkpoint with train.resume=<its step_N folder>")
     best_by = (saved.get("best") or {}).get("metric")
-    same_folder = resume_from is not None and Path(resume_from).resolve().parent == Path(
-        cfg.train.output_dir).resolve()  # (a fork into another folder starts its best/ over)
+    same_folder = resume_from is not None and in_run_folder(resume_from, cfg.train.output_dir)  # (not a fork)
     if same_folder and best_by is not None and best_by != cfg.eval.select_by:
         raise SetupError(f"eval.select_by={cfg.eval.select_by} differs from the run's {best_by}, by which its best/ "
                          f"(step {saved['best'].get('step')}) was chosen: the two values are not comparable. Resume "
@@ -576,7 +581,7 @@ def resume_state(fresh: dict, path: Path, cfg: DictConfig, accelerator: Any, dra
         state[key] = fresh[key]
     _follow_target_revision(state, fresh["target_revision"], cfg, log)
     log(f"resumed from {path} at step {state['step']}")
-    if state.get("best") and Path(path).resolve().parent != Path(cfg.train.output_dir).resolve():
+    if state.get("best") and not in_run_folder(path, cfg.train.output_dir):
         # a fork into a new run folder: its best/ would be missing though the state names one
         old = state["best"]
         log(f"resume into another run folder: its best checkpoint starts over (the earlier run's best, "

@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from decode.outputs import WRITE_PROBE, replace_text, write_results as write_results_file
 from distill.checkpoint import (LATEST_FILE, MANIFEST_FILE, STATE_FILE, CheckpointError, check_complete,
-                                find_latest, is_complete, is_old_layout, list_checkpoints, mark_latest, name_list,
-                                read_json, recover_replaced_dir)
+                                find_latest, in_run_folder, is_complete, is_old_layout, list_checkpoints, mark_latest,
+                                name_list, read_json, recover_replaced_dir)
 from distill.config import SetupError
 
 # What a training run writes into its output_dir (train.overwrite=true removes these, and only these): names only
@@ -241,7 +241,7 @@ def prepare_run_folder(output_dir: str | Path, resume: Any, overwrite: bool, mai
         if main:
             _prepare_fresh(out, overwrite, inputs or {})
         return None
-    own_run = resume is True or resume == "true" or Path(str(resume)).resolve().parent == out.resolve()
+    own_run = resume is True or resume == "true" or in_run_folder(str(resume), out)
     source = recover_replaced_dir(out / "best") if main and own_run else None
     if source is not None and log is not None:
         log(f"best/ was missing after a save interrupted between two renames; restored it from {source.name}/")
@@ -345,7 +345,7 @@ def _check_resume_into(out: Path, path: Path, overwrite: bool) -> None:
     if newer:
         raise CheckpointError(f"resuming from {path} into train.output_dir={out} would overwrite its newer "
                               f"checkpoints {newer}; resume into another train.output_dir")
-    same_run = out.resolve() == path.resolve().parent
+    same_run = in_run_folder(path, out)
     if not same_run and out.is_dir() and any(p.name not in REUSABLE for p in out.iterdir()) and not overwrite:
         raise CheckpointError(f"train.output_dir={out} already holds another run; resume from {path} into an empty "
                               "train.output_dir, or pass train.overwrite=true")
@@ -379,7 +379,7 @@ def start_writing(out: Path, config_yaml: str, resume_from: Path | None, step: i
     if resume_from is None:
         return -1
     logged_through = truncate_metrics(out, step)
-    if Path(resume_from).resolve().parent == out.resolve():
+    if in_run_folder(resume_from, out):
         mark_latest(out, resume_from)
     return logged_through
 

@@ -1,5 +1,5 @@
-"""The running batch's device state and its bookkeeping: prefill new prompts, merge them into the batch, drop the
-rows that leave, and the penalty counts of its rows.
+"""The running batch (:class:`RunningBatch`: its requests, device state, sampling tensors and penalty counts) and its
+bookkeeping: prefill new prompts, merge them into the batch, commit a step's tokens, drop the rows that leave.
 
 State between steps (per model, see :mod:`decode.cache` for the layout). Every committed token except the last one
 is in both KV caches; the last committed token (``last``) is the next input of the target. The draft may
@@ -10,12 +10,14 @@ without an extra forward.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from decode import cache as kv
+from decode.sampling import BatchSampling
 
 
 @dataclass
@@ -120,3 +122,108 @@ def penalty_counts(rows: Sequence[Any], vocab_size: int, device: Any) -> tuple[t
             counts[i].index_put_((torch.tensor(r.new_tokens),), torch.ones(len(r.new_tokens)), accumulate=True)
         seen[i, torch.tensor(r.prompt + r.new_tokens)] = True
     return counts.to(device), seen.to(device)
+
+
+def roll_back(state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor, nxt: torch.Tensor,
+              n_list: list[int]) -> None:
+    """After a step's verify: rejected slots leave both caches (each rolls back its own way, :mod:`decode.cache`),
+    the draft's pending input becomes what it has not yet seen, and ``nxt`` ``(B,)`` is the new last token.
+    ``drafts`` ``(B, γ)``; ``n_acc`` ``(B,)`` and ``n_list`` (on the host): accepted drafts per row."""
+    kept = torch.arange(gamma, device=drafts.device) < n_acc[:, None]  # (B, γ): the accepted drafts
+    # The target wrote last, d1..dγ: last and the accepted drafts stay.
+    t_cache = state.target_cache
+    t_cache.roll_back(kept, n_list, [t + 1 + n for t, n in zip(t_cache.lens, n_list)])
+    if gamma == 0:  # plain step: the draft did not see this token either; it catches up in its next forward
+        state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
+        state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
+        state.draft_pending = [p + 1 for p in state.draft_pending]
+    else:
+        fed = gamma - 1  # the draft wrote its pending input, then d1..d_{γ-1}
+        d_kept = [min(n, fed) for n in n_list]
+        d_cache = state.draft_cache
+        d_cache.roll_back(kept[:, :fed], d_kept,
+                          [d + p + k for d, p, k in zip(d_cache.lens, state.draft_pending, d_kept)])
+        all_acc = n_acc == gamma
+        state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
+        state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
+        state.draft_pending = [2 if n == gamma else 1 for n in n_list]
+    state.last = nxt
+
+
+def count_tokens(counts: torch.Tensor | None, seen: torch.Tensor | None, rows: list[int], ids: list[int]) -> None:
+    """Add committed tokens to the penalty counts: ``ids[j]`` was committed by row ``rows[j]`` (no-op without
+    penalties)."""
+    if counts is None or not ids:
+        return
+    idx = (torch.tensor(rows, device=counts.device), torch.tensor(ids, device=counts.device))
+    counts.index_put_(idx, torch.ones(len(ids), device=counts.device), accumulate=True)
+    seen[idx] = True
+
+
+class RunningBatch:
+    """The active requests (:class:`decode.requests.Request`) in row order, their :class:`DecodeState` (None when
+    empty), per-row sampling tensors and, when a row has penalties, ``(B, V)`` penalty counts."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.clear()
+
+    def clear(self) -> None:
+        """No rows."""
+        self.rows: list[Any] = []
+        self.state: DecodeState | None = None
+        self.sampling: BatchSampling | None = None
+        self.counts: torch.Tensor | None = None  # (B, V) generated-token counts, when a row has penalties
+        self.seen: torch.Tensor | None = None    # (B, V) ids in prompt or generated
+
+    def add(self, rows: list[Any], state: DecodeState, room: int) -> None:
+        """``rows`` join with ``state``, their prefill (the batch's state when it was empty, else merged into it
+        with ``room`` free cache columns, :func:`merge`)."""
+        if self.state is None:
+            self.state = state
+        else:
+            merge(self.state, state, room)
+        self.rows += rows
+        self._resample()
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (increasing indices into the batch); the rest leave the caches."""
+        if not keep:
+            self.clear()
+            return
+        keep_rows(self.state, keep)
+        self.rows = [self.rows[i] for i in keep]
+        self._resample()
+
+    def _resample(self) -> None:
+        """Per-row sampling tensors (and penalty counts) for the current rows, on the state's device."""
+        device = self.state.last.device
+        self.sampling = BatchSampling([r.params for r in self.rows], device)
+        self.counts, self.seen = (penalty_counts(self.rows, self.vocab_size, device) if self.sampling.penalized
+                                  else (None, None))
+
+    def commit(self, gammas: list[int], n_acc: list[int], new: list[list[int]], draft_forwards: int,
+               context_length: int | None) -> tuple[list[Any], list[tuple[Any, list[int]]]]:
+        """Append each row's new tokens (cut after a stop id and to its budget and the target's ``context_length``),
+        record its step (γ_r ``gammas``, accepted drafts ``n_acc``, the step's ``draft_forwards``), and drop the rows
+        that finished. Returns their :class:`decode.requests.RequestOutput` and ``(request, kept tokens)`` per row,
+        both in batch order."""
+        now = time.perf_counter()
+        finished, keep, calls, count_rows, count_ids = [], [], [], [], []
+        for i, (row, g, n, tokens) in enumerate(zip(self.rows, gammas, n_acc, new)):
+            committed = self.state.committed[i]
+            tokens, stopped = row.trim(tokens, row.remaining(len(committed), context_length))
+            row.commit(tokens, g, n, draft_forwards, now)
+            committed.extend(tokens)
+            calls.append((row, tokens))
+            if stopped or row.remaining(len(committed), context_length) <= 0:
+                finished.append(row.output("stop" if stopped else "length"))
+            else:
+                keep.append(i)
+                count_rows += [len(keep) - 1] * len(tokens)
+                count_ids += tokens
+        if len(keep) < len(self.rows):
+            self.keep(keep)
+        else:
+            count_tokens(self.counts, self.seen, count_rows, count_ids)
+        return finished, calls

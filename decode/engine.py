@@ -35,17 +35,17 @@ from decode import batch
 from decode import cache as kv
 from decode import costs
 from decode import kernels
-from decode.batch import DecodeState, left_pad
+from decode.batch import DecodeState, RunningBatch, left_pad
 from decode.cache import context_length
 from decode.compat import check_decodable, draft_input_substitute, substitute_draft_inputs, warn_chunk_dependent_rope
 from decode.compiling import check_compile, compiled_forward
 from decode.drafting import draft_tokens
 from decode.lookup import check_prompt_lookup, lookup_drafts
 from decode.metrics import DecodeStats, peak_memory_bytes
-from decode.requests import (Request, RequestOutput, check_eos, check_max_new_tokens, check_prompt, check_sampling_args,
-                             check_seed, check_streamer, pack_prompts, row_seeds)
-from decode.sampling import (BatchSampling, SamplingParams, draw_uniforms, greedy_ids, probs_from_logits,
-                             window_counts)
+from decode.requests import (Request, RequestIds, RequestOutput, check_eos, check_max_new_tokens,
+                             check_num_draft_tokens, check_prompt, check_sampling_args, check_seed, check_streamer,
+                             pack_prompts, row_gammas, row_seeds)
+from decode.sampling import SamplingParams, draw_uniforms, greedy_ids, probs_from_logits, window_counts
 from decode.speedup import AdaptiveGamma, check_auto_costs, check_max_auto_draft_tokens, cost_bucket
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map
@@ -133,8 +133,8 @@ class SpeculativeDecoder:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer)
         self.max_auto_draft_tokens = check_max_auto_draft_tokens(max_auto_draft_tokens)
-        self._num_draft_tokens = self._check_gamma((4 if draft is not None else 0) if num_draft_tokens is None
-                                                   else num_draft_tokens)
+        self._num_draft_tokens = check_num_draft_tokens((4 if draft is not None else 0) if num_draft_tokens is None
+                                                        else num_draft_tokens, draft is not None)
         self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram, draft is not None)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
@@ -162,18 +162,13 @@ class SpeculativeDecoder:
         """No request queued or running."""
         self._step_draft_forwards = 0
         self._waiting: list[Request] = []
-        self._rows: list[Request] = []  # active requests, in the batch's row order
-        self._state: DecodeState | None = None
-        self._sampling: BatchSampling | None = None
-        self._counts: torch.Tensor | None = None  # (B, V) generated-token counts, when a row has penalties
-        self._seen: torch.Tensor | None = None    # (B, V) ids in prompt or generated
+        self._batch = RunningBatch(self.vocab_size)
         self._use_draft = False
         self._adaptive: AdaptiveGamma | None = None
         self._gamma_override: int | str | None = None
         self._static_batch = False  # True inside generate(): auto γ minimizes the time to the last row's end
         self._costs_bucket = None
-        self._next_id = 0
-        self._ids: set = set()  # ids of queued and active requests
+        self._ids = RequestIds()
         self._undelivered: list[RequestOutput] = []  # finished in a step whose on_tokens callback raised
         self._in_step = False  # a step is running (its on_tokens callbacks may not step again)
 
@@ -187,33 +182,22 @@ class SpeculativeDecoder:
 
     @num_draft_tokens.setter
     def num_draft_tokens(self, gamma: int | str) -> None:
-        gamma = self._check_gamma(gamma)
+        gamma = check_num_draft_tokens(gamma, self.draft is not None)
         if self.has_unfinished():
             raise RuntimeError("num_draft_tokens can change only between requests: step() until has_unfinished() "
                                "is False, or abort() the queued and active ones, first (generate(num_draft_tokens="
                                "...) sets it for one call)")
         self._num_draft_tokens = gamma
 
-    def _check_gamma(self, gamma: int | str) -> int | str:
-        if gamma == "auto":
-            if self.draft is None:
-                raise ValueError("num_draft_tokens='auto' needs a draft model")
-            return gamma
-        if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 0:
-            raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {gamma!r}")
-        if gamma > 0 and self.draft is None:
-            raise ValueError(f"num_draft_tokens={gamma} needs a draft model; pass draft=... or use num_draft_tokens=0")
-        return gamma
-
     @property
     def state(self) -> DecodeState | None:
         """The running batch's device state (None when idle); rows follow the order of :attr:`active_ids`."""
-        return self._state
+        return self._batch.state
 
     @property
     def active_ids(self) -> list[Any]:
         """Request ids of the active rows, in batch order."""
-        return [r.request_id for r in self._rows]
+        return [r.request_id for r in self._batch.rows]
 
     # ------------------------------------------------------------------ request API
     def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
@@ -250,28 +234,18 @@ class SpeculativeDecoder:
         seed = check_seed(seed)
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be callable or None, got {on_tokens!r}")
-        taken = self._ids
-        if request_id is None:
-            while f"req-{self._next_id}" in taken:
-                self._next_id += 1
-            request_id = f"req-{self._next_id}"
-            self._next_id += 1
-        elif isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            raise ValueError(f"request_id must be a str, an int or None, got {request_id!r}")
-        elif request_id in taken:
-            raise ValueError(f"request_id {request_id!r} is already queued or active")
+        request_id = self._ids.claim(request_id)
         generator = torch.Generator().manual_seed(seed)
         self._waiting.append(Request(request_id, prompt, params, max_new_tokens, eos, generator, on_tokens))
-        self._ids.add(request_id)
         return request_id
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or active (or finished but not yet returned by :meth:`step`)."""
-        return bool(self._waiting or self._rows or self._undelivered)
+        return bool(self._waiting or self._batch.rows or self._undelivered)
 
     def num_active(self) -> int:
         """Rows decoding in the running batch (queued requests not counted)."""
-        return len(self._rows)
+        return len(self._batch.rows)
 
     def abort(self, request_id: Any) -> bool:
         """Drop a queued or active request (its row leaves the batch now, and its ``on_tokens`` is not called
@@ -281,10 +255,10 @@ class SpeculativeDecoder:
                 del self._waiting[i]
                 self._ids.discard(request_id)
                 return True
-        for i, r in enumerate(self._rows):
+        for i, r in enumerate(self._batch.rows):
             if r.request_id == request_id:
                 r.aborted = True
-                self._drop_rows([j for j in range(len(self._rows)) if j != i])
+                self._batch.keep([j for j in range(len(self._batch.rows)) if j != i])
                 self._ids.discard(request_id)
                 return True
         return False
@@ -318,7 +292,7 @@ class SpeculativeDecoder:
         with kernels.few_row_linear(self.few_row_linear):
             if self._waiting:
                 self._admit()
-            if not self._rows:
+            if not self._batch.rows:
                 late, self._undelivered = self._undelivered, []  # finished in a step whose on_tokens raised
                 return late
             gammas = self._row_gammas()
@@ -327,7 +301,7 @@ class SpeculativeDecoder:
             self._adaptive.update(sum(gammas), sum(n_acc),
                                   num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g),
                                   num_draft_forwards=self._step_draft_forwards, step_gamma=max(gammas))
-            for row, g, n in zip(self._rows, gammas, n_acc):
+            for row, g, n in zip(self._batch.rows, gammas, n_acc):
                 row.acceptance.update(g, n)
         return self._commit(gammas, n_acc, new)
 
@@ -336,24 +310,19 @@ class SpeculativeDecoder:
         return self.num_draft_tokens if self._gamma_override is None else self._gamma_override
 
     def _admit(self) -> None:
-        room = len(self._waiting) if self._max_rows is None else self._max_rows - len(self._rows)
+        room = len(self._waiting) if self._max_rows is None else self._max_rows - len(self._batch.rows)
         if room <= 0:
             return
         new, self._waiting = self._waiting[:room], self._waiting[room:]
-        fresh = self._state is None
+        fresh = self._batch.state is None
         if fresh:
             self._start_batch()
         try:
-            state = self.prefill([r.prompt for r in new], use_draft=self._use_draft, static=fresh)
-            if fresh:
-                self._state = state
-            else:
-                batch.merge(self._state, state, self.room())
+            self._batch.add(new, self.prefill([r.prompt for r in new], use_draft=self._use_draft, static=fresh),
+                            self.room())
         except BaseException:  # (out of memory, Ctrl-C): they wait again, so abort() and generate()'s cleanup see them
             self._waiting = new + self._waiting
             raise
-        self._rows += new
-        self._rebatch()
 
     def _start_batch(self) -> None:
         """A new running batch: warn about a model in training mode, choose whether it drafts and its γ control."""
@@ -370,13 +339,6 @@ class SpeculativeDecoder:
         """Columns one step may write into a cache: γ + 1 for the target, up to 2 + γ - 1 for the draft."""
         gamma = self.max_auto_draft_tokens if self._gamma_config() == "auto" else self._gamma_config()
         return int(gamma) + 2
-
-    def _rebatch(self) -> None:
-        """Per-row sampling tensors (and penalty counts) for the current rows."""
-        device = self.target.device
-        self._sampling = BatchSampling([r.params for r in self._rows], device)
-        self._counts, self._seen = (batch.penalty_counts(self._rows, self.vocab_size, device)
-                                    if self._sampling.penalized else (None, None))
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], use_draft: bool = True, static: bool = True) -> DecodeState:
@@ -397,39 +359,29 @@ class SpeculativeDecoder:
         return batch.new_state(target, draft, prompts, ids[:, -1])
 
     # ------------------------------------------------------------------ one step
-    def _remaining(self, row: Request, length: int) -> int:
-        """Tokens the row may still commit: its budget, and the target's context."""
-        left = row.max_new_tokens - len(row.new_tokens)
-        return min(left, self.context_length - length) if self.context_length is not None else left
-
     def _row_gammas(self) -> list[int]:
         """γ_r per row: the configured γ cut so that the row cannot overshoot its budget or either context."""
         cfg = self._gamma_config()
         if cfg == "auto" and self._use_draft:
             self._set_auto_costs()
-            if self._static_batch and self.plan_static_batches and len(self._rows) > 1:  # ends with its last row
-                self._adaptive.plan_batch([row.acceptance for row in self._rows],
-                                          [max(1, self._remaining(row, len(seq)))
-                                           for row, seq in zip(self._rows, self._state.committed)])
+            rows = self._batch.rows
+            if self._static_batch and self.plan_static_batches and len(rows) > 1:  # ends with its last row
+                self._adaptive.plan_batch([row.acceptance for row in rows],
+                                          [max(1, row.remaining(len(seq), self.context_length))
+                                           for row, seq in zip(rows, self._batch.state.committed)])
             gamma = self._adaptive.next_gamma()
         else:
             gamma = cfg if self._use_draft else 0
-        out = []
-        for row, seq in zip(self._rows, self._state.committed):
-            g = min(gamma, self._remaining(row, len(seq)) - 1)
-            for ctx in (self.context_length, self.draft_context_length):
-                if ctx is not None:  # the models see positions up to len - 1 + γ
-                    g = min(g, ctx - len(seq))
-            out.append(max(g, 0))
-        return out
+        return row_gammas(gamma, self._batch.rows, self._batch.state.committed, self.context_length,
+                          self.draft_context_length)
 
     def _set_auto_costs(self) -> None:
         """Give the γ controller the cost model of the current batch size (measured once per power of two)."""
-        bucket = cost_bucket(len(self._rows))
+        bucket = cost_bucket(len(self._batch.rows))
         if bucket == self._costs_bucket:
             return
         if bucket not in self.auto_costs:
-            costs.calibrate(self, self._state.committed[0], [bucket])
+            costs.calibrate(self, self._batch.state.committed[0], [bucket])
         self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
         self._costs_bucket = bucket
 
@@ -446,11 +398,11 @@ class SpeculativeDecoder:
             self._step_draft_forwards = 0
             return state.last.new_zeros(len(gammas), 0), torch.zeros(len(gammas), 0, self.vocab_size,
                                                                      device=state.last.device)
-        lookup = (lookup_drafts(self._rows, state.committed, gammas, gamma, self.prompt_lookup_ngram,
+        lookup = (lookup_drafts(self._batch.rows, state.committed, gammas, gamma, self.prompt_lookup_ngram,
                                 self.target.device) if self.prompt_lookup_ngram else None)
         drafts, q, self._step_draft_forwards = draft_tokens(
-            state, gamma, lookup, self.draft_forward, self._sampling, self.vocab_size, self._draft_map, self._counts,
-            self._seen, draft_u)
+            state, gamma, lookup, self.draft_forward, self._batch.sampling, self.vocab_size, self._draft_map,
+            self._batch.counts, self._batch.seen, draft_u)
         return drafts, q
 
     def draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:
@@ -469,74 +421,33 @@ class SpeculativeDecoder:
     def _speculative_step(self, gamma: int, gammas: list[int]) -> tuple[list[int], list[list[int]]]:
         """Draft -> verify -> roll back, for every active row. Returns ``(n_accepted per row, committed new tokens
         per row before the eos/length trim)``."""
-        state = self._state
-        draft_u, accept_u, sample_u = draw_uniforms(self._rows, gammas, gamma, self.target.device)
+        state, sampling = self._batch.state, self._batch.sampling
+        draft_u, accept_u, sample_u = draw_uniforms(self._batch.rows, gammas, gamma, self.target.device)
         drafts, q = self._draft(state, gammas, gamma, draft_u)  # (B, γ), (B, γ, V) or None
         logits = self.verify_forward(state, torch.cat([state.last[:, None], drafts], dim=1))  # (B, γ+1, V)
-        counts, seen = window_counts(self._counts, self._seen, drafts, self.vocab_size)
+        counts, seen = window_counts(self._batch.counts, self._batch.seen, drafts, self.vocab_size)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
-        if self._sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
-            target_ids = greedy_ids(logits, self._sampling, self.vocab_size, counts, seen)
+        if sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
+            target_ids = greedy_ids(logits, sampling, self.vocab_size, counts, seen)
             n_acc, nxt = verify_greedy(target_ids, drafts, num_draft)
         else:
-            p = probs_from_logits(logits, self._sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
+            p = probs_from_logits(logits, sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
             n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
         host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
         if any(row[gamma + 1] >= self.vocab_size or max(row[:gamma], default=0) >= self.vocab_size for row in host):
             raise NonFiniteLogitsError(NON_FINITE)  # inverse-CDF sampling of NaN probabilities returns id V
         n_list = [row[gamma] for row in host]
-        self._roll_back(state, gamma, drafts, n_acc, nxt, n_list)
+        batch.roll_back(state, gamma, drafts, n_acc, nxt, n_list)
         self.num_target_forwards += 1
         self.num_draft_forwards += self._step_draft_forwards
         return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
 
-    def _roll_back(self, state: DecodeState, gamma: int, drafts: torch.Tensor, n_acc: torch.Tensor,
-                   nxt: torch.Tensor, n_list: list[int]) -> None:
-        """Rejected slots leave both caches (each cache rolls back its own way, :mod:`decode.cache`); the draft's
-        pending input becomes what it has not yet seen. ``n_list``: accepted drafts per row, on the host."""
-        kept = torch.arange(gamma, device=drafts.device) < n_acc[:, None]  # (B, γ): the accepted drafts
-        # The target wrote last, d1..dγ: last and the accepted drafts stay.
-        t_cache = state.target_cache
-        t_cache.roll_back(kept, n_list, [t + 1 + n for t, n in zip(t_cache.lens, n_list)])
-        if gamma == 0:  # plain step: the draft did not see this token either; it catches up in its next forward
-            state.draft_in = torch.cat([state.draft_in, nxt[:, None]], dim=-1)
-            state.draft_in_mask = torch.cat([state.draft_in_mask, torch.ones_like(nxt)[:, None]], dim=-1)
-            state.draft_pending = [p + 1 for p in state.draft_pending]
-        else:
-            fed = gamma - 1  # the draft wrote its pending input, then d1..d_{γ-1}
-            d_kept = [min(n, fed) for n in n_list]
-            d_cache = state.draft_cache
-            d_cache.roll_back(kept[:, :fed], d_kept,
-                              [d + p + k for d, p, k in zip(d_cache.lens, state.draft_pending, d_kept)])
-            all_acc = n_acc == gamma
-            state.draft_in = torch.stack([torch.where(all_acc, drafts[:, -1], 0), nxt], dim=-1)
-            state.draft_in_mask = torch.stack([all_acc.long(), torch.ones_like(n_acc)], dim=-1)
-            state.draft_pending = [2 if n == gamma else 1 for n in n_list]
-        state.last = nxt
-
     def _commit(self, gammas: list[int], n_acc: list[int], new: list[list[int]]) -> list[RequestOutput]:
-        """Append each row's kept tokens, record its stats, retire finished rows, then call ``on_tokens``."""
-        state, now = self._state, time.perf_counter()
-        finished, keep, calls, count_rows, count_ids = [], [], [], [], []
-        for i, (row, g, n, tokens) in enumerate(zip(self._rows, gammas, n_acc, new)):
-            tokens, stopped = row.trim(tokens, self._remaining(row, len(state.committed[i])))
-            row.commit(tokens, g, n, self._step_draft_forwards, now)
-            state.committed[i].extend(tokens)
-            calls.append((row, tokens))
-            if stopped or self._remaining(row, len(state.committed[i])) <= 0:
-                finished.append(row.output("stop" if stopped else "length"))
-                self._ids.discard(row.request_id)
-            else:
-                keep.append(i)
-                count_rows += [len(keep) - 1] * len(tokens)
-                count_ids += tokens
-        if len(keep) < len(self._rows):
-            self._drop_rows(keep)
-        elif self._counts is not None and count_ids:
-            device = self._counts.device
-            idx = (torch.tensor(count_rows, device=device), torch.tensor(count_ids, device=device))
-            self._counts.index_put_(idx, torch.ones(len(count_ids), device=device), accumulate=True)
-            self._seen[idx] = True
+        """Commit each row's tokens and retire finished rows (:meth:`decode.batch.RunningBatch.commit`), then call
+        ``on_tokens``."""
+        finished, calls = self._batch.commit(gammas, n_acc, new, self._step_draft_forwards, self.context_length)
+        for out in finished:
+            self._ids.discard(out.request_id)
         # Kept (with those of earlier steps whose callbacks raised) for the next step() if a callback raises below.
         finished = self._undelivered = self._undelivered + finished
         for row, tokens in calls:
@@ -544,15 +455,6 @@ class SpeculativeDecoder:
                 row.on_tokens(row.request_id, list(tokens))
         self._undelivered = []
         return finished
-
-    def _drop_rows(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` (indices into the batch); the rest leave the caches."""
-        if not keep:
-            self._state, self._rows, self._sampling, self._counts, self._seen = None, [], None, None, None
-            return
-        batch.keep_rows(self._state, keep)
-        self._rows = [self._rows[i] for i in keep]
-        self._rebatch()
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -598,7 +500,7 @@ class SpeculativeDecoder:
         """
         check_sampling_args(temperature, top_k, top_p, generator, sampling)
         max_new_tokens = check_max_new_tokens(max_new_tokens)
-        gamma = self._check_gamma(num_draft_tokens) if num_draft_tokens is not None else None
+        gamma = None if num_draft_tokens is None else check_num_draft_tokens(num_draft_tokens, self.draft is not None)
         prompts = [check_prompt(p, self.vocab_size, self.context_length, name=f"prompt {i}")
                    for i, p in enumerate(pack_prompts(input_ids, attention_mask))]
         check_streamer(streamer, len(prompts))
@@ -623,7 +525,7 @@ class SpeculativeDecoder:
         finally:
             self._gamma_override, self._static_batch = None, False
             self._undelivered = []
-            for rid in [r.request_id for r in self._waiting + self._rows]:
+            for rid in [r.request_id for r in self._waiting + self._batch.rows]:
                 self.abort(rid)
         if streamer is not None:
             streamer.end()

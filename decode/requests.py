@@ -76,10 +76,70 @@ class Request:
             self.stats.num_first_step_tokens = len(tokens)
         self.new_tokens.extend(tokens)
 
+    def remaining(self, length: int, context_length: int | None) -> int:
+        """Tokens it may still commit with ``length`` tokens (prompt + new) committed: its budget, and the target's
+        context (None: no limit)."""
+        left = self.max_new_tokens - len(self.new_tokens)
+        return min(left, context_length - length) if context_length is not None else left
+
     def output(self, finish_reason: str) -> RequestOutput:
         self.stats.num_new_tokens = len(self.new_tokens)
         self.stats.total_s = time.perf_counter() - self.added_at
         return RequestOutput(self.request_id, list(self.prompt), list(self.new_tokens), finish_reason, self.stats)
+
+
+class RequestIds:
+    """Ids of the queued and active requests, and the counter behind the default ids ``"req-N"``."""
+
+    def __init__(self) -> None:
+        self.taken: set = set()
+        self.next = 0
+
+    def claim(self, request_id: Any) -> str | int:
+        """``request_id`` (a str or int not in use), or the next free ``"req-N"`` for None, now in use; ValueError
+        naming ``request_id`` otherwise."""
+        if request_id is None:
+            while f"req-{self.next}" in self.taken:
+                self.next += 1
+            request_id = f"req-{self.next}"
+            self.next += 1
+        elif isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise ValueError(f"request_id must be a str, an int or None, got {request_id!r}")
+        elif request_id in self.taken:
+            raise ValueError(f"request_id {request_id!r} is already queued or active")
+        self.taken.add(request_id)
+        return request_id
+
+    def discard(self, request_id: Any) -> None:
+        """``request_id`` is no longer queued or active."""
+        self.taken.discard(request_id)
+
+
+def row_gammas(gamma: int, rows: list[Request], committed: list[list[int]], context_length: int | None,
+               draft_context_length: int | None) -> list[int]:
+    """γ_r per row: ``gamma`` cut so that the row (``committed``: its prompt + new tokens) cannot overshoot its
+    budget or either model's context."""
+    out = []
+    for row, seq in zip(rows, committed):
+        g = min(gamma, row.remaining(len(seq), context_length) - 1)
+        for ctx in (context_length, draft_context_length):
+            if ctx is not None:  # the models see positions up to len - 1 + γ
+                g = min(g, ctx - len(seq))
+        out.append(max(g, 0))
+    return out
+
+
+def check_num_draft_tokens(gamma: Any, has_draft: bool) -> int | str:
+    """γ: an int >= 0 (> 0 only with a draft model) or ``"auto"`` (with a draft model); ValueError otherwise."""
+    if gamma == "auto":
+        if not has_draft:
+            raise ValueError("num_draft_tokens='auto' needs a draft model")
+        return gamma
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 0:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {gamma!r}")
+    if gamma > 0 and not has_draft:
+        raise ValueError(f"num_draft_tokens={gamma} needs a draft model; pass draft=... or use num_draft_tokens=0")
+    return gamma
 
 
 def check_seed(seed: Any, name: str = "seed", none_ok: bool = True) -> int:

@@ -271,7 +271,7 @@ def test_decoder_that_numbers_positions_by_slot_runs_one_request_at_a_time():
     first = dec.add_request(prompts[0], max_new_tokens=12)
     second = dec.add_request(prompts[1], max_new_tokens=12)
     dec.step()
-    assert len(dec._rows) == 1 and len(dec._waiting) == 1
+    assert len(dec._batch.rows) == 1 and len(dec._waiting) == 1
     outs = {}
     while dec.has_unfinished():
         outs.update({o.request_id: o.new_tokens for o in dec.step()})

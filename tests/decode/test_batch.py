@@ -4,6 +4,8 @@ import torch
 
 from decode import SpeculativeDecoder
 from decode import batch
+from decode.requests import Request
+from decode.sampling import SamplingParams
 from tests.conftest import perturbed_copy, tiny_llama
 
 
@@ -48,3 +50,27 @@ def test_penalty_counts_count_new_tokens_and_mark_prompt_and_output():
     counts, seen = batch.penalty_counts([Row([1, 2], [3, 3]), Row([4], [])], vocab_size=6, device="cpu")
     assert counts.tolist() == [[0, 0, 0, 2, 0, 0], [0] * 6]
     assert seen.tolist() == [[False, True, True, True, False, False], [False, False, False, False, True, False]]
+
+
+def test_count_tokens_adds_committed_tokens_per_row():
+    counts, seen = torch.zeros(2, 5), torch.zeros(2, 5, dtype=torch.bool)
+    batch.count_tokens(counts, seen, [0, 0, 1], [3, 3, 4])
+    assert counts.tolist() == [[0, 0, 0, 2, 0], [0, 0, 0, 0, 1]] and seen.sum().item() == 2
+    batch.count_tokens(None, None, [0], [1])  # no penalties: nothing to count
+
+
+def test_running_batch_commit_trims_at_a_stop_id_and_retires_finished_rows():
+    target = tiny_llama(seed=0, layers=1)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.3), 2, static_cache=False)
+    params = SamplingParams(presence_penalty=0.5)
+    rows = [Request(i, p, params, 5, frozenset({9}), torch.Generator()) for i, p in enumerate([[4, 5, 6], [7]])]
+    running = batch.RunningBatch(dec.vocab_size)
+    running.add(rows, dec.prefill([r.prompt for r in rows], static=False), room=4)
+    assert running.counts is not None and running.sampling.penalized
+    finished, calls = running.commit([2, 2], [1, 2], [[11, 12], [9, 13, 14]], draft_forwards=2, context_length=None)
+    assert [(r.request_id, t) for r, t in calls] == [(0, [11, 12]), (1, [9])]
+    assert [(o.request_id, o.new_tokens, o.finish_reason) for o in finished] == [(1, [9], "stop")]
+    assert running.rows == rows[:1] and running.state.committed == [[4, 5, 6, 11, 12]]
+    assert running.counts.shape[0] == 1 and running.counts[0, 11].item() == 1
+    running.keep([])
+    assert running.rows == [] and running.state is None and running.sampling is None

@@ -59,7 +59,7 @@ def test_rollback_matches_fresh_prefill(make, gamma):
             got_d = next_logits_from_cache(draft, state.draft_cache.cache, state.draft_cache.mask, state.draft_in,
                                            state.draft_in_mask, b)
             torch.testing.assert_close(got_d, fresh_logits(draft, seq), atol=1e-9, rtol=1e-9)
-    hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._rows))]
+    hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._batch.rows))]
     assert hist[-1] > 0 and sum(hist[:-1]) > 0  # steps with all drafts accepted and steps with a rejection
 
 
@@ -205,7 +205,7 @@ def test_static_rollback_matches_fresh_prefill(make, gamma):
         else:
             relayouts += 1
         check_static_state(dec, target, draft)
-    hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._rows))]
+    hist = [sum(h) for h in zip(*(r.stats.accepted_length_histogram for r in dec._batch.rows))]
     assert hist[-1] > 0 and sum(hist[:-1]) > 0  # steps with all drafts accepted and steps with a rejection
     assert dec.state.target_cache.holey  # rows accepted different lengths: holes exist and are masked
     assert in_place >= 20 and relayouts <= 4  # first step (admission) + at most a few growths

@@ -128,7 +128,7 @@ def test_sampled_rows_are_untouched_and_greedy_rows_stay_exact_in_a_mixed_batch(
         gammas = kw["num_draft"].tolist() if kw.get("num_draft") is not None else [drafts.shape[1]] * len(drafts)
         hot = torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype)
         for r, g in enumerate(gammas):
-            if dec._rows[r].params.greedy:
+            if dec._batch.rows[r].params.greedy:
                 checked.append(torch.equal(q[r, :g], hot[r, :g]))
         return real_verify(q, p, drafts, **kw)
 

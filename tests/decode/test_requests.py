@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
+from decode.requests import Request, RequestIds, check_num_draft_tokens, row_gammas
+from decode.sampling import SamplingParams
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.decode.test_engine import prompts_of, reference_greedy
 
@@ -25,9 +27,8 @@ def run_all(dec):
 
 @pytest.mark.parametrize("gamma", [1, 4, "no draft"])
 def test_request_added_mid_flight_equals_alone(pair, gamma):
-    """"no draft": a request joining a running batch of a target-only decoder (the server without --draft) failed
-    every request of the batch ('INDICES element is out of DATA bounds' in _drop_rows: the draft's placeholder mask
-    kept the old batch size)."""
+    """"no draft": a request joins a running batch of a target-only decoder (the server without --draft), where
+    the batch has no draft cache whose rows could go out of step with the target's."""
     target, draft = pair
     prompts = prompts_of([5, 2, 9, 3], seed=21)
     refs = [reference_greedy(target, p, 20) for p in prompts]
@@ -352,3 +353,38 @@ def test_num_draft_tokens_can_change_between_requests_only(pair):
     assert dec.num_draft_tokens == "auto"
     with pytest.raises(ValueError, match="needs a draft model"):
         SpeculativeDecoder(target, None, 0).num_draft_tokens = 2
+
+
+def test_request_ids_default_to_the_next_free_req_n_and_refuse_one_in_use():
+    ids = RequestIds()
+    assert ids.claim("req-0") == "req-0" and ids.claim(None) == "req-1" and ids.claim(7) == 7
+    with pytest.raises(ValueError, match="already queued or active"):
+        ids.claim(7)
+    with pytest.raises(ValueError, match="must be a str, an int or None"):
+        ids.claim(True)
+    ids.discard(7)
+    assert ids.claim(7) == 7
+
+
+def test_row_gammas_cut_gamma_to_each_rows_budget_and_both_contexts():
+    def row(max_new, done):
+        r = Request("r", [1], SamplingParams(), max_new, frozenset(), torch.Generator())
+        r.new_tokens = [2] * done
+        return r
+
+    rows = [row(10, 0), row(3, 0), row(10, 9), row(10, 0)]
+    committed = [[1] * 5, [1] * 5, [1] * 14, [1] * 18]
+    # budget 10 -> 4; budget 3 -> 2; one token left -> 0; context 20 - 18 = 2 left -> min(4, 1, draft ctx 19 - 18)
+    assert row_gammas(4, rows, committed, context_length=20, draft_context_length=19) == [4, 2, 0, 1]
+    assert rows[3].remaining(18, 20) == 2 and rows[3].remaining(18, None) == 10
+
+
+@pytest.mark.parametrize("gamma, has_draft, error", [(3, True, None), ("auto", True, None), (0, False, None),
+                                                     ("auto", False, "needs a draft"), (2, False, "needs a draft"),
+                                                     (-1, True, "integer >= 0"), (True, True, "integer >= 0")])
+def test_check_num_draft_tokens(gamma, has_draft, error):
+    if error is None:
+        assert check_num_draft_tokens(gamma, has_draft) == gamma
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_num_draft_tokens(gamma, has_draft)

@@ -34,10 +34,18 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from decode.compat import tokenizer_fingerprint
+from decode.outputs import replace_dir, replace_text, write_json
+from distill.checkpoint import (CheckpointError, check_complete, load_optimizer, load_tensors, optimizer_to_data,
+                                read_json, recover_replaced_dir, save_tensors, write_manifest)
+from distill.corpus import CORPORA, check_corpus, load_corpus
 from distill.logging import StopFlag
-from quickstart import INTERRUPTED_EXIT
 from distill.precision import resolve_mixed_precision
+from quickstart import INTERRUPTED_EXIT
 
 # Model shapes. target: ~27M parameters, enough that a verify forward costs ~10x a draft forward on CPU, small
 # enough to learn Python structure in minutes on 2 cores. draft: < 1/10 of the target (what a user would have as
@@ -116,9 +124,6 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike, record: 
     Raises:
         ValueError: ``vocab_size`` too small to hold the byte alphabet and special tokens.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} is below 259 (256 bytes + 3 special tokens); raise it")
     tok = Tokenizer(models.BPE())
@@ -152,10 +157,6 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike, record: 
 
 def load_or_train_tokenizer(cfg: PretrainConfig, log=print):
     """The tokenizer in ``cfg.tokenizer``, trained on ``cfg.corpus``'s train split first if absent."""
-    from transformers import AutoTokenizer
-
-    from distill.corpus import load_corpus
-
     path = Path(cfg.tokenizer)
     if (path / "tokenizer.json").is_file():
         try:
@@ -181,9 +182,6 @@ def token_stream(tokenizer, corpus: str, split: str, cache_dir: str | os.PathLik
     Raises:
         ValueError: the cache file is not a safetensors file with an ``ids`` tensor (it is never unpickled).
     """
-    from distill.checkpoint import CheckpointError, load_tensors, save_tensors
-    from distill.corpus import load_corpus
-
     cache = Path(cache_dir) / f"tokens-{corpus}-{split}.safetensors" if cache_dir is not None else None
     if cache is not None and cache.is_file():
         try:
@@ -213,8 +211,6 @@ def build_model(size: str, tokenizer, max_position_embeddings: int = 1024):
     Raises:
         ValueError: unknown size.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
     shape = dict(SIZES[size])
@@ -280,8 +276,6 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _check_config(cfg: PretrainConfig) -> None:
-    from distill.corpus import CORPORA, check_corpus
-
     if cfg.size not in SIZES:
         raise ValueError(f"unknown size {cfg.size!r}: use one of {', '.join(SIZES)}")
     if cfg.corpus not in CORPORA:
@@ -328,10 +322,6 @@ def cached_result(cfg: PretrainConfig) -> dict | None:
         raise ValueError(f"{cfg.out} holds a finished run with different settings {diff} (old, new); "
                          "pass --force to retrain or choose another --out")
     if (Path(cfg.tokenizer) / "tokenizer.json").is_file() and (Path(cfg.out) / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        from decode.compat import tokenizer_fingerprint
-
         given, saved = (tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(p))) for p in (cfg.tokenizer, cfg.out))
         if given != saved:
             raise ValueError(f"{cfg.out} holds a finished run trained with another tokenizer than --tokenizer "
@@ -384,9 +374,6 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         raise ValueError(f"{out / LEGACY_RESUME_FILE} is not a resume snapshot of this draftkit version: an earlier "
                          "version stored it as a pickle, which is never unpickled (unpickling can run code). Delete "
                          "it to start this run over, or choose another --out")
-    from decode.outputs import replace_text
-    from distill.checkpoint import recover_replaced_dir
-
     recovered = recover_replaced_dir(resume)  # a crash between replace_dir's two renames
     if recovered is not None:
         log(f"pretrain: {resume} was missing after an interrupted save; restored it from {recovered}")
@@ -431,9 +418,6 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
 
 def save_resume(path: Path, model, optimizer, gen: torch.Generator, state: dict) -> None:
     """Write the resume snapshot folder ``path`` (via ``path.tmp``, manifest last, then renamed)."""
-    from decode.outputs import replace_dir, write_json
-    from distill.checkpoint import optimizer_to_data, save_tensors, write_manifest
-
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -454,8 +438,6 @@ def save_resume(path: Path, model, optimizer, gen: torch.Generator, state: dict)
 
 def _not_saved(what: str, err: Exception, kept: str):
     """The CheckpointError (exit 2) for a write the file system refused (a full disk, a quota)."""
-    from distill.checkpoint import CheckpointError
-
     return CheckpointError(f"could not save {what} ({type(err).__name__}: {err}); {kept}. Free space on that disk, "
                            "then run the same command again to continue")
 
@@ -470,8 +452,6 @@ def load_resume(path: Path, model, optimizer, gen: torch.Generator, identity: di
         ValueError (CheckpointError): incomplete snapshot, a file that is not safetensors/JSON, or a snapshot of a
             run with other settings (another size, window, corpus or tokenizer).
     """
-    from distill.checkpoint import check_complete, load_optimizer, load_tensors, read_json
-
     check_complete(path)
     state = read_json(path / "state.json")
     fix = (f"rerun with that run's settings to continue it, or delete {path} (or choose another --out) to start "
@@ -492,15 +472,11 @@ def load_resume(path: Path, model, optimizer, gen: torch.Generator, identity: di
 
 
 def _corpus_texts(corpus: str, split: str) -> list[str]:
-    from distill.corpus import load_corpus
-
     return list(load_corpus(corpus, split)["text"])
 
 
 def _train_loop(model, optimizer, train_ids, gen, state, cfg: PretrainConfig, device, resume: Path) -> None:
     """Steps until the budget (or max_steps) is spent; the LR at each step follows the fraction spent."""
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=int(cfg.budget_s) if cfg.budget_s > 0 else cfg.max_steps, initial=0, unit="s",
                desc=f"pretrain {cfg.size}", mininterval=2.0, dynamic_ncols=True, file=sys.stderr)
     last_save, ema = time.time(), None
@@ -608,8 +584,6 @@ def main(argv: list[str] | None = None) -> dict:
         _check_config(cfg)  # before the tokenizer or any model is made
     except ValueError as e:
         build_parser().error(str(e))
-    from distill.checkpoint import CheckpointError
-
     try:
         return pretrain(cfg)
     except (ValueError, CheckpointError) as e:  # what is in --out / --tokenizer: refused before any training

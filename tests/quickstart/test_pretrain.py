@@ -271,12 +271,10 @@ def test_a_full_disk_while_saving_the_snapshot_exits_2_and_keeps_the_previous_on
     """A full disk mid-snapshot was a traceback (safetensors' own error type) that left resume.tmp behind."""
     import errno
 
-    from distill import checkpoint as ckpt
-
     argv = ["--out", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok"), "--size", "smoke_draft",
             "--corpus", "tinyshakespeare", "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4",
             "--budget-s", "0", "--max-steps", "4", "--save-every-s", "0", "--val-tokens", "2048", "--device", "cpu"]
-    real, calls = ckpt.save_tensors, {"n": 0}
+    real, calls = pt.save_tensors, {"n": 0}  # bound in quickstart.pretrain
 
     def disk_full(tensors, path):
         if path.name == "optimizer.safetensors":
@@ -285,7 +283,7 @@ def test_a_full_disk_while_saving_the_snapshot_exits_2_and_keeps_the_previous_on
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(tensors, path)
 
-    monkeypatch.setattr(ckpt, "save_tensors", disk_full)
+    monkeypatch.setattr(pt, "save_tensors", disk_full)
     with pytest.raises(SystemExit) as exit_info:
         pt.main(argv)
     assert exit_info.value.code == 2
@@ -294,5 +292,5 @@ def test_a_full_disk_while_saving_the_snapshot_exits_2_and_keeps_the_previous_on
     resume = tmp_path / "model" / pt.RESUME_DIR
     assert not resume.with_name(resume.name + ".tmp").exists()
     assert json.loads((resume / "state.json").read_text())["step"] == 2
-    monkeypatch.setattr(ckpt, "save_tensors", real)
+    monkeypatch.setattr(pt, "save_tensors", real)
     assert pt.main(argv)["steps"] == 4

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import sys
 
+from quickstart import pretrain, run
+
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch: ``pretrain ARGS`` to :func:`quickstart.pretrain.main`, anything else to :func:`quickstart.run.main`
     (its arguments are ``key=value`` settings and flags, never the word ``pretrain``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pretrain"]:
-        from quickstart.pretrain import main as pretrain_main
-
-        pretrain_main(argv[1:])
+        pretrain.main(argv[1:])
         return 0
-    from quickstart.run import main as run_main
-
-    return run_main(argv)
+    return run.main(argv)
 
 
 if __name__ == "__main__":

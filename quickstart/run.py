@@ -31,19 +31,29 @@ Settings live in ``conf/experiment/quickstart.yaml`` (``quickstart_smoke.yaml`` 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import math
 import os
 import platform
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from transformers import AutoTokenizer
 
 from decode.bench.measure import acceptance, decode_stats, measure_costs, predict, run_interleaved
@@ -53,8 +63,18 @@ from decode.engine import SpeculativeDecoder
 from decode.loading import load_causal_lm
 from decode.lookup import check_prompt_lookup
 from decode.metrics import DecodeStats
-from distill.corpus import load_prompts
+from decode.outputs import replace_text
+from decode.prompts import checkout_root
+from distill.checks import validate
+from distill.checkpoint import find_latest, is_complete
+from distill.config import SetupError, compose, conf_dir
+from distill.corpus import CORPORA, check_corpus, load_prompts
+from distill.export import CARD_JSON
+from distill.logging import sigterm_raises
+from distill.runfolder import FolderBusy, lock_folder, rerun_overrides
 from quickstart import INTERRUPTED_EXIT
+from quickstart.pretrain import RESULT_FILE, SIZES, tokenizer_record
+from quickstart.pretrain import main as pretrain_main
 
 REPO = Path(__file__).resolve().parents[1]  # the repository (a checkout) or site-packages (an installed wheel)
 RESULTS_FILE = "results.json"
@@ -68,8 +88,6 @@ MAP_SETTINGS = ("eval.prompt_sets",)  # quickstart settings whose {name: value} 
 
 def in_checkout() -> bool:
     """Whether the package runs from the repository (a checkout or an editable install), not from site-packages."""
-    from decode.prompts import checkout_root
-
     return checkout_root() is not None
 
 
@@ -82,10 +100,6 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
         KeyError: the file has no ``quickstart:`` section, an override names a key it does not have, or gives a
             section (e.g. ``target``) a value that is not a mapping.
     """
-    from omegaconf import OmegaConf
-
-    from distill.config import conf_dir
-
     path = conf_dir() / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
         names = sorted(f.stem for f in path.parent.glob("*.yaml") if "\nquickstart:" in f.read_text())
@@ -96,8 +110,6 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
     raw = OmegaConf.load(path)
     if "quickstart" not in raw:
         raise KeyError(f"{path} has no 'quickstart:' section; it is not a quickstart experiment")
-    from omegaconf.errors import ConfigKeyError
-
     base = raw.quickstart
     OmegaConf.set_struct(base, True)  # a misspelled override is an error, not a silently ignored new key
     maps = [o for o in overrides if o.split("=", 1)[0] in MAP_SETTINGS]
@@ -109,9 +121,6 @@ def load_settings(experiment: str, overrides: list[str] = ()) -> Any:
                        f"'quickstart:' section of {path}") from err
     OmegaConf.set_struct(merged, False)
     for override in maps:  # {set: n} replaces the sets (a merge kept the others), parsed as Hydra parses a dict
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-        from hydra.errors import HydraException
-
         key = override.split("=", 1)[0]
         try:
             value = OverridesParser.create().parse_overrides([override])[0].value()
@@ -180,13 +189,9 @@ def _phase_process_setup():
     this process dies (Linux's ``PR_SET_PDEATHSIG``), so a ``kill -9`` of the quickstart makes the phase save and
     stop instead of training on into the folder a rerun then uses. libc's ``prctl`` is looked up here, in this
     process, so the forked child only calls it. The function never raises (that would stop the phase starting)."""
-    import signal
-
     prctl = None
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
-
             prctl = ctypes.CDLL(None, use_errno=True).prctl
         except (OSError, AttributeError):
             prctl = None
@@ -211,8 +216,6 @@ def _run_child(cmd: list[str], env: dict, console) -> int:
     save; a second Ctrl-C kills it. If this process is killed outright (``kill -9``), the child gets SIGTERM
     (:func:`_phase_process_setup`), and it holds the run's lock until it has exited, so a rerun cannot start
     beside it."""
-    import signal
-
     lock = [_held_lock.fileno()] if _held_lock is not None else []
     proc = subprocess.Popen(cmd, cwd=REPO if in_checkout() else None, env=env, preexec_fn=_phase_process_setup(),
                             pass_fds=lock)  # an installed package's phases run where the quickstart was started
@@ -246,8 +249,6 @@ def _hydra_path(path: str | Path) -> str:
     """``path`` as the value of a Hydra override: quoted (quotes and a trailing backslash escaped) unless it holds
     only characters Hydra reads literally, so an --out with a quote, comma, ``=`` or bracket reaches the recipe
     as written."""
-    import re
-
     text = str(path)
     if re.fullmatch(r"[A-Za-z0-9_/.\-+@% ]*", text):
         return text
@@ -297,15 +298,11 @@ def _distill_cmd(qs, experiment: str, out: Path, extra: list[str]) -> list[str]:
            f"++target.name_or_path={_hydra_path(out / qs.target.dir)}",
            f"draft.name_or_path={_hydra_path(out / qs.draft.dir)}", f"train.output_dir={_hydra_path(run_dir)}",
            *_cache_overrides(qs, out)]
-    from distill.runfolder import rerun_overrides
-
     return cmd + rerun_overrides(run_dir) + list(extra)  # an interrupted run continues (or starts over) in its folder
 
 
 def _distilled_checkpoint(qs, out: Path) -> Path | None:
     """The recipe's checkpoint to export: ``best/`` (highest α on its held-out windows) else the last step."""
-    from distill.checkpoint import find_latest, is_complete
-
     run_dir = out / qs.distill.dir
     best = run_dir / "best"
     return best if is_complete(best) else find_latest(run_dir)
@@ -499,8 +496,6 @@ def gamma_setting(value) -> int | str:
 def _check_number(key: str, value, kind=int, low: int = 1) -> None:
     """``quickstart.<key>`` must be an integer >= ``low``, or (``kind=float``) a finite number > 0; else ValueError
     naming the setting."""
-    import math
-
     ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
           and math.isfinite(value) and (value > 0 if kind is float else value >= low))
     if not ok:
@@ -508,12 +503,14 @@ def _check_number(key: str, value, kind=int, low: int = 1) -> None:
                          ("a number > 0" if kind is float else f"an integer >= {low}"))
 
 
+def _check_eval_count(ecfg, key: str, default: int, low: int = 1) -> None:
+    """``quickstart.eval.<key>`` (``default`` when absent) must be an integer >= ``low``."""
+    _check_number(f"eval.{key}", ecfg.get(key, default), low=low)
+
+
 def check_pretrain_settings(qs) -> None:
     """Check the pretraining settings (``quickstart.corpus``, ``vocab_size``, ``threads``, ``target.*`` and
     ``draft.*``) before any phase runs. Raises ValueError naming the setting and what it takes."""
-    from distill.corpus import CORPORA, check_corpus
-    from quickstart.pretrain import SIZES
-
     if qs.corpus not in CORPORA:
         raise ValueError(f"quickstart.corpus={qs.corpus!r} is not a corpus; choose one of {', '.join(CORPORA)}")
     try:
@@ -560,9 +557,6 @@ def check_distill_settings(qs, experiment: str, out: Path, extra: list[str]) -> 
     draft folders do not exist yet; their paths are checked when the phase starts.
 
     Raises ValueError naming the setting (a ``quickstart.distill.*`` one when it feeds the recipe's key)."""
-    from distill.checks import validate
-    from distill.config import SetupError, compose
-
     for override in extra:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in QUICKSTART_OWNS:
@@ -589,21 +583,16 @@ def check_eval_settings(ecfg) -> int | str:
     """Check every ``quickstart.eval`` setting the evaluation reads, so a bad one stops the run before any
     training (not 25 minutes later). Returns the γ setting (:func:`gamma_setting`). Raises ValueError naming the
     setting and what it takes."""
-    import math
-
     setting = gamma_setting(ecfg.get("num_draft_tokens", "best"))
-
-    def count(key: str, default: int, low: int = 1) -> None:
-        _check_number(f"eval.{key}", ecfg.get(key, default), low=low)
-
     eval_compile(ecfg)
     eval_prompt_lookup(ecfg)
-    count("max_new_tokens", 64, low=2)  # the first token comes from the prefill: one more is the least that drafts
-    count("max_prompt_tokens", 192)
-    count("seed", 0, low=0)
+    # the first token comes from the prefill: one more is the least that drafts
+    _check_eval_count(ecfg, "max_new_tokens", 64, low=2)
+    _check_eval_count(ecfg, "max_prompt_tokens", 192)
+    _check_eval_count(ecfg, "seed", 0, low=0)
     if setting == "best":
-        count("max_draft_tokens", 8)
-        count("calibration_prompts", 2)
+        _check_eval_count(ecfg, "max_draft_tokens", 8)
+        _check_eval_count(ecfg, "calibration_prompts", 2)
     temps = ecfg.get("temperatures")
     try:
         bad = not temps or any(not (math.isfinite(float(t)) and float(t) >= 0) for t in temps)
@@ -638,8 +627,6 @@ def check_prompt_sets(ecfg) -> None:
 
 def _pretrain_record(folder: Path) -> dict | None:
     """``folder/pretrain.json`` (a finished pretraining phase), or None. Raises ValueError if it is not JSON."""
-    from quickstart.pretrain import RESULT_FILE
-
     try:
         return _read_json(folder / RESULT_FILE)
     except ValueError:
@@ -654,9 +641,6 @@ def check_artifacts(qs, out: Path) -> None:
     with other ``cache_k`` / ``tail_samples``. An artifact made from an earlier phase that is missing now (its folder
     deleted to redo it) is refused too: the phases after it must be redone, so their folders must go as well. Nothing
     is deleted here. Raises ValueError naming the folder and the fix."""
-    from distill.checkpoint import find_latest
-    from quickstart.pretrain import tokenizer_record
-
     shared = {"corpus": ("corpus", qs.corpus), "vocab_size": ("vocab_size", int(qs.vocab_size))}
     # The tokenizer is checked against its own record too: one made for another vocabulary, reused, would train
     # models that record the asked-for value, not the real one (a tokenizer without a record is not checked).
@@ -716,8 +700,6 @@ def lock_out_dir(out: Path):
     with the process, also on ``kill -9``), or raise ValueError when another quickstart holds it (two runs into one
     folder trained, overwrote and mixed each other's phases). Returns the open file (keep it open while the run
     lasts); None where ``fcntl`` does not exist (Windows)."""
-    from distill.runfolder import FolderBusy, lock_folder
-
     try:
         return lock_folder(out, LOCK_FILE)
     except FolderBusy as err:
@@ -782,16 +764,19 @@ def _pool(outputs: dict, temps: list[float], set_names: list[str], drafts: list[
     rows = []
     for t in temps:
         for s in list(dict.fromkeys(set_names)) + ["all"]:
-            def pooled(mode):
-                return DecodeStats.merge([runs[0].stats for name, runs in zip(set_names, outputs[(t, mode)])
-                                          if s in ("all", name)])
-            plain = pooled("plain")
+            plain = _pooled(outputs[(t, "plain")], set_names, s)
             row = {"temperature": t, "set": s, "plain_tokens_per_s": plain.tokens_per_s,
                    "plain_new_tokens": plain.num_new_tokens}
             for d in drafts:
-                row[d] = _draft_cell(pooled(d), plain, gammas[d][t], *costs[d])
+                row[d] = _draft_cell(_pooled(outputs[(t, d)], set_names, s), plain, gammas[d][t], *costs[d])
             rows.append(row)
     return rows
+
+
+def _pooled(runs_per_prompt: list, set_names: list[str], prompt_set: str) -> DecodeStats:
+    """One decoder's stats at one temperature, pooled over the prompts of ``prompt_set`` (``"all"``: every one)."""
+    return DecodeStats.merge([runs[0].stats for name, runs in zip(set_names, runs_per_prompt)
+                              if prompt_set in ("all", name)])
 
 
 def _draft_cell(st: DecodeStats, plain: DecodeStats, gamma: int, cost_ratio: float,
@@ -813,8 +798,6 @@ def _fmt(x, spec: str) -> str:
 
 def render_table(results: dict, console) -> None:
     """The quickstart's summary: models, then α / τ / tokens/s / speedup per draft, temperature and prompt set."""
-    from rich.table import Table
-
     models = Table(title="quickstart models (measured in this run)")
     for col in ("model", "params", "non-embedding", "val loss (nats/token)", "bits/byte", "tokens seen", "train s"):
         models.add_column(col, justify="right" if col != "model" else "left")
@@ -883,8 +866,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _environment() -> dict:
-    import torch
-
     return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available()}
@@ -897,8 +878,6 @@ def _read_json(path: Path) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     """Run the quickstart; print the tables; write ``<out>/results.json``. Returns the exit status (1 if a phase
     failed; the evaluation still runs on whatever was produced)."""
-    from rich.console import Console
-
     args = build_parser().parse_intermixed_args(argv)  # settings before and after --out alike
     experiment = args.experiment or ("quickstart_smoke" if args.smoke else "quickstart")
     try:
@@ -931,8 +910,6 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     for key, value in _env(qs.get("threads")).items():  # the in-process phases run offline too
         os.environ.setdefault(key, value)
-    from distill.logging import sigterm_raises
-
     global _held_lock
     _held_lock = lock
     try:
@@ -948,29 +925,28 @@ def main(argv: list[str] | None = None) -> int:
             lock.close()
 
 
+def _cached(name: str, marker: Path, phases: dict, console) -> bool:
+    """Whether the phase ``name`` is done (its ``marker`` file exists); if so, record and say that it is reused."""
+    if marker.is_file():
+        phases[name] = {"status": f"cached ({marker.parent})", "seconds": 0.0}
+        console.print(f"[dim]{name}: reusing {marker.parent}")
+    return marker.is_file()
+
+
 def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phases: dict, results: dict,
                 t_start: float) -> int:
     """:func:`main`'s phases and evaluation, after every check."""
-
-    def cached(name: str, marker: Path) -> bool:
-        if marker.is_file():
-            phases[name] = {"status": f"cached ({marker.parent})", "seconds": 0.0}
-            console.print(f"[dim]{name}: reusing {marker.parent}")
-        return marker.is_file()
-
-    from quickstart.pretrain import main as pretrain_main
-
     env = _env(qs.get("threads"))
     ok = True
     for name in ("tokenizer", "target", "draft"):
         marker = out / "tokenizer" / "tokenizer.json" if name == "tokenizer" else out / qs[name].dir / "pretrain.json"
-        if not cached(name, marker) and not run_phase(name, _pretrain_cmd(qs, out, name), phases, console,
-                                                       in_process=pretrain_main):
+        if not _cached(name, marker, phases, console) and not run_phase(
+                name, _pretrain_cmd(qs, out, name), phases, console, in_process=pretrain_main):
             console.print(f"[red]{name} failed; see the output above. Nothing to evaluate without it.")
             return _finish(results, out, console, t_start, 1)
 
     export_dir = out / qs.export.dir
-    distilled = cached("distill+export", export_dir / "config.json")
+    distilled = _cached("distill+export", export_dir / "config.json", phases, console)
     results["distill_overrides"] = extra
     if distilled and extra:  # overrides act only on a distillation that runs: say so (results.json records them)
         console.print(f"[yellow]--distill-overrides {shlex.join(extra)} apply when the distillation runs; this run "
@@ -984,7 +960,7 @@ def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phase
             except ValueError as err:
                 console.print(f"[red]error: {err}")
                 return 2
-            scored = (cached("cache-logits", out / qs.distill.cache_dir / "manifest.json") if complete
+            scored = (_cached("cache-logits", out / qs.distill.cache_dir / "manifest.json", phases, console) if complete
                       else run_phase("cache-logits", _cache_cmd(qs, experiment, out, extra), phases, console, env=env))
         if scored and run_phase("distill", _distill_cmd(qs, experiment, out, extra), phases, console, env=env):
             ckpt = _distilled_checkpoint(qs, out)
@@ -1003,12 +979,10 @@ def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phase
     t0 = time.time()
     results["target"] = _read_json(out / qs.target.dir / "pretrain.json")  # before the evaluation: kept if it fails
     results["baseline_draft"] = _read_json(out / qs.draft.dir / "pretrain.json")
-    results["distilled_draft"] = _export_card(export_dir) if distilled else None
+    results["distilled_draft"] = _read_json(export_dir / CARD_JSON) if distilled else None
     try:
         results["eval"] = evaluate(out / qs.target.dir, drafts, qs.eval, console)
     except Exception as err:  # keep results.json (phase timings, the models made) whatever the evaluation hits
-        import traceback
-
         console.print(traceback.format_exc())
         phases["eval"] = {"seconds": round(time.time() - t0, 1), "status": f"failed: {type(err).__name__}: {err}"}
         console.print(f"[red]eval failed: {err}. The trained models are kept under {out}; rerun the same command "
@@ -1016,14 +990,6 @@ def _run_phases(qs, experiment: str, out: Path, extra: list[str], console, phase
         return _finish(results, out, console, t_start, 1)
     phases["eval"] = {"seconds": round(time.time() - t0, 1), "status": "ok"}
     return _finish(results, out, console, t_start, 0 if ok else 1)
-
-
-def _export_card(export_dir: Path) -> dict | None:
-    try:
-        from distill.export import CARD_JSON
-    except ImportError:
-        return None
-    return _read_json(export_dir / CARD_JSON)
 
 
 def keep_previous_results(path: Path) -> Path | None:
@@ -1052,8 +1018,6 @@ def _finish(results: dict, out: Path, console, t_start: float, status: int) -> i
     path = out / RESULTS_FILE
     kept = keep_previous_results(path)
     text = json.dumps(results, indent=2, default=str) + "\n"
-    from decode.outputs import replace_text
-
     try:
         replace_text(path, text)  # whole or not at all: a kill or a full disk never leaves half a file
     except OSError as err:  # the run's measurements are only in memory now: show them rather than lose them

@@ -286,9 +286,7 @@ def test_distill_overrides_on_a_reused_distillation_are_named_and_recorded(tmp_p
 def test_an_interrupted_phase_ends_the_run_with_a_resume_hint(tmp_path, monkeypatch, capsys):
     """A phase stopped by Ctrl-C (exit 130 after saving) used to be reported as failed ("Nothing to evaluate");
     the run now stops with 130 and says that rerunning continues, writing no results.json."""
-    import quickstart.pretrain as pretrain
-
-    real_main = pretrain.main
+    real_main = quickstart.pretrain_main  # the pretraining phases run in this process
 
     def interrupted(argv):
         if "--tokenizer-only" not in argv:
@@ -296,7 +294,7 @@ def test_an_interrupted_phase_ends_the_run_with_a_resume_hint(tmp_path, monkeypa
             raise SystemExit(130)
         return real_main(argv)
 
-    monkeypatch.setattr(pretrain, "main", interrupted)
+    monkeypatch.setattr(quickstart, "pretrain_main", interrupted)
     out = tmp_path / "qs"
     assert quickstart.main(["--smoke", "--out", str(out)]) == 130
     said = " ".join(capsys.readouterr().out.split())

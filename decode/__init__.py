@@ -9,9 +9,9 @@
         for finished in dec.step(): ...
 """
 from decode.batch import DecodeState
-from decode.engine import GenerationOutput, NonFiniteLogitsError, SpeculativeDecoder
+from decode.engine import NonFiniteLogitsError, SpeculativeDecoder
 from decode.metrics import DecodeStats
-from decode.requests import RequestOutput
+from decode.requests import GenerationOutput, RequestOutput
 
 __all__ = ["SpeculativeDecoder", "GenerationOutput", "DecodeStats", "DecodeState", "RequestOutput",
            "NonFiniteLogitsError"]

@@ -1,22 +1,18 @@
-"""The speculative decoding engine: requests join a running batch, and each step is draft γ -> verify -> commit.
+"""The speculative decoding engine: the request API, and the step (draft γ -> verify -> commit) over a running batch.
 
 Algorithm: Leviathan et al. (2023), Algorithm 1; Chen et al. (2023). The acceptance rule is
 :func:`decode.verify.verify`; p and q come from one path, :func:`decode.sampling.probs_from_logits`, applied to
 the same prefix (penalty counts at window position i include the window's drafts d_1..d_{i-1}).
 
-Requests (continuous batching). :meth:`SpeculativeDecoder.add_request` queues a prompt with its own sampling
-settings and seed; :meth:`SpeculativeDecoder.step` prefills the queued requests, merges them into the running
-batch, runs one speculative step for every active row, and returns the requests that finished. Each request
-draws its uniforms from its own CPU ``torch.Generator``, and the number of draws per step depends only on its own
-γ_r (the configured γ cut to its own token budget and context), so a seeded request's output does not depend on
-the rows it shares the batch with. :meth:`SpeculativeDecoder.generate` is a loop over this API.
+Requests (continuous batching): :meth:`SpeculativeDecoder.add_request` queues a prompt with its own sampling
+settings and seed; :meth:`SpeculativeDecoder.step` admits the queued requests into the running batch
+(:mod:`decode.batch`), runs one speculative step for every active row, and returns the requests that finished;
+:meth:`SpeculativeDecoder.generate` is a loop over this API. Each row accepts its own prefix at its own positions and
+draws its uniforms from its own CPU ``torch.Generator``, as many per step as its own γ_r needs (the configured γ cut
+to its budget and context), so a seeded request's output is what it would be decoded alone.
 
-Drafting sources: the draft model, and beside it prompt lookup (:mod:`decode.lookup`) for greedy rows. The state
-kept between steps and its bookkeeping are in :mod:`decode.batch`; each cache rolls back its own way
-(:mod:`decode.cache`: the static cache moves its write column back, the DynamicCache path compacts).
-
-Batching: each row accepts its own prefix; positions are per row (number of committed tokens before the slot),
-finished rows leave the batch, so every row's output is what it would be decoded alone.
+Drafting (:mod:`decode.drafting`: the draft model, and prompt lookup for greedy rows) and the caches, which roll back
+their own way (:mod:`decode.cache`), live beside this module.
 
 Imports run one way: :mod:`decode.speedup` <- :mod:`decode.costs` <- this module <- ``decode.bench`` and
 ``decode.serving``. Auto γ measures its cost model lazily, at first use inside a step
@@ -26,7 +22,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,26 +37,13 @@ from decode.compiling import check_compile, compiled_forward
 from decode.drafting import draft_tokens
 from decode.lookup import check_prompt_lookup, lookup_drafts
 from decode.metrics import DecodeStats, peak_memory_bytes
-from decode.requests import (Request, RequestIds, RequestOutput, check_eos, check_max_new_tokens,
+from decode.requests import (GenerationOutput, Request, RequestIds, RequestOutput, check_eos, check_max_new_tokens,
                              check_num_draft_tokens, check_prompt, check_sampling_args, check_seed, check_streamer,
-                             pack_prompts, row_gammas, row_seeds)
+                             generation_output, pack_prompts, row_gammas, row_seeds)
 from decode.sampling import SamplingParams, draw_uniforms, greedy_ids, probs_from_logits, window_counts
 from decode.speedup import AdaptiveGamma, check_auto_costs, check_max_auto_draft_tokens, cost_bucket
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map
-
-
-@dataclass
-class GenerationOutput:
-    """Result of :meth:`SpeculativeDecoder.generate`.
-
-    ``sequences`` and ``new_tokens`` are lists (one per input row, in input order) of 1-D int64 CPU tensors:
-    the prompt without padding followed by the new tokens, and the new tokens alone.
-    """
-
-    sequences: list[torch.Tensor]
-    new_tokens: list[torch.Tensor]
-    stats: DecodeStats
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -73,6 +55,7 @@ NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, s
               "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
               "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")  # (its requests stay: see step())
 
+
 class SpeculativeDecoder:
     """Lossless speculative decoding of ``target`` with proposals from ``draft``, over requests that join and
     leave a running batch between steps.
@@ -82,39 +65,32 @@ class SpeculativeDecoder:
     Args:
         target: a Hugging Face causal LM (``PreTrainedModel``), used frozen.
         draft: a causal LM sharing the target's tokenizer, or ``None`` for plain decoding only.
-        num_draft_tokens: γ, tokens drafted per verify step (None: 4 with a draft, 0 without; 0 = plain
-            decoding; ``"auto"`` = γ in
-            ``[0, max_auto_draft_tokens]`` chosen each step by :class:`decode.speedup.AdaptiveGamma` from the
-            acceptance so far and the cost model of the current batch size; deterministic, see ``auto_costs``; in
-            :meth:`generate` over several prompts, planned for the batch's last row from each row's own acceptance,
-            :meth:`decode.speedup.AdaptiveGamma.plan_batch`, unless ``plan_static_batches`` is set False).
+        num_draft_tokens: γ, tokens drafted per verify step (None: 4 with a draft, 0 without; 0 = plain decoding;
+            ``"auto"``: γ in ``[0, max_auto_draft_tokens]`` chosen each step by
+            :class:`decode.speedup.AdaptiveGamma` from the acceptance so far and the cost model of the batch size,
+            deterministically given ``auto_costs``; in :meth:`generate` over several prompts it plans for the
+            batch's last row, :meth:`decode.speedup.AdaptiveGamma.plan_batch`, unless ``plan_static_batches`` is
+            set False).
         tokenizer, draft_tokenizer: if given, checked for compatibility and used to set the shared vocabulary
             (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output.
         max_auto_draft_tokens: upper bound on γ in ``"auto"`` mode.
         auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
-            (batch-size keys may be strings, as after a JSON round trip; a bad entry raises ValueError)
-            for batch sizes 1, 2, 4, 8, ... (a batch of B rows uses the entry of the next power of two). Missing
-            entries are measured once, at first use, by timed forwards (:func:`decode.costs.calibrate`)
-            and kept in :attr:`auto_costs`; pass that dict to another decoder to reproduce its γ schedule.
-        compile: False (default), True: run both models' draft and verify forwards through
-            ``torch.compile(model.forward, dynamic=True)`` (applied from outside, the models are not modified);
-            ``"draft"``: the draft's forwards only, the target stays eager (on CPU it keeps the few-row kernels, the
-            fastest measured setting there: docs/decode.md, "Compilation"). The first calls compile (tens of seconds
-            on CPU, more as new batch sizes appear); shapes that change (cache length, γ, batch size) stay dynamic
-            instead of recompiling.
-        static_cache: None (default): a preallocated static KV cache (:class:`decode.cache.StaticKV`) for each model
-            whose architecture allows it, the DynamicCache path with a one-line warning for the others; False:
-            the DynamicCache path for both; True: as None.
+            for batch sizes 1, 2, 4, 8, ... (B rows use the next power of two; keys may be strings, as after a JSON
+            round trip; a bad entry raises ValueError). Missing entries are measured once, at first use
+            (:func:`decode.costs.calibrate`), and kept in :attr:`auto_costs`, which reproduces the γ schedule.
+        compile: False (default); True: both models' forwards run through ``torch.compile(model.forward,
+            dynamic=True)``, applied from outside; ``"draft"``: the draft's only (on CPU the eager target keeps the
+            few-row kernels: docs/decode.md, "Compilation"). The first calls compile (tens of seconds on CPU).
+        static_cache: None or True (default None): a preallocated :class:`decode.cache.StaticKV` for each model
+            whose architecture allows it, the DynamicCache path with a one-line warning for the others; False: the
+            DynamicCache path for both.
         few_row_linear: run the steps and the cost measurement under :func:`decode.kernels.few_row_linear` (the
-            linear layers of 1..64-row forwards, i.e. decode and verify forwards, take the faster transposed CPU
-            GEMM; same function up to float32 round-off). None (default): on when the target (and the draft, if
-            any) has float32 weights on the CPU and the target is not compiled (``compile`` is not True;
-            ``"draft"`` keeps them); True/False: force.
-        prompt_lookup_ngram: n > 0: greedy requests draft by prompt lookup (:mod:`decode.lookup`) where it has a
-            match: while the last n tokens (prompt, output and the step's drafts so far) occurred earlier, a step's
-            next draft is the token that followed their most recent occurrence instead of the draft's argmax (the
-            draft still reads it). 0 (default): off. Sampled requests always draft from the draft model. Pays where
-            the target repeats its context and a small draft fails to copy it (docs/decode.md, "Prompt lookup").
+            faster transposed CPU GEMM for 1..64-row linear layers; same function up to float32 round-off). None
+            (default): on for float32 CPU models unless ``compile`` is True; True/False: force.
+        prompt_lookup_ngram: n > 0: a greedy request's next draft is, while its last n tokens (prompt, output and
+            the step's drafts) occurred earlier, the token that followed their most recent occurrence
+            (:mod:`decode.lookup`) instead of the draft's argmax; sampled requests always draft from the draft
+            model. 0 (default): off (docs/decode.md, "Prompt lookup").
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
@@ -537,9 +513,3 @@ class SpeculativeDecoder:
         stats.peak_memory_bytes = peak_memory_bytes(self.target.device)
         return generation_output(prompts, ordered, stats)
 
-
-def generation_output(prompts: list[list[int]], outputs: list[RequestOutput], stats: DecodeStats) -> GenerationOutput:
-    """``generate()``'s result from the finished requests, in input order."""
-    new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in outputs]
-    sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, outputs)]
-    return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)

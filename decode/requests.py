@@ -1,5 +1,5 @@
-"""Requests of the engine's step API: what a caller adds (:class:`Request`) and what a finished one returns
-(:class:`RequestOutput`)."""
+"""Requests of the engine's step API: what a caller adds (:class:`Request`), what a finished one returns
+(:class:`RequestOutput`) and what ``generate()`` returns (:class:`GenerationOutput`)."""
 from __future__ import annotations
 
 import numbers
@@ -32,6 +32,19 @@ class RequestOutput:
     prompt_ids: list[int]
     new_tokens: list[int]
     finish_reason: str
+    stats: DecodeStats
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :meth:`decode.engine.SpeculativeDecoder.generate`.
+
+    ``sequences`` and ``new_tokens`` are lists (one per input row, in input order) of 1-D int64 CPU tensors:
+    the prompt without padding followed by the new tokens, and the new tokens alone.
+    """
+
+    sequences: list[torch.Tensor]
+    new_tokens: list[torch.Tensor]
     stats: DecodeStats
 
 
@@ -140,6 +153,13 @@ def check_num_draft_tokens(gamma: Any, has_draft: bool) -> int | str:
     if gamma > 0 and not has_draft:
         raise ValueError(f"num_draft_tokens={gamma} needs a draft model; pass draft=... or use num_draft_tokens=0")
     return gamma
+
+
+def generation_output(prompts: list[list[int]], outputs: list[RequestOutput], stats: DecodeStats) -> GenerationOutput:
+    """``generate()``'s result from the finished requests, in input order."""
+    new_tokens = [torch.tensor(o.new_tokens, dtype=torch.long) for o in outputs]
+    sequences = [torch.tensor(p + o.new_tokens, dtype=torch.long) for p, o in zip(prompts, outputs)]
+    return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats)
 
 
 def check_seed(seed: Any, name: str = "seed", none_ok: bool = True) -> int:

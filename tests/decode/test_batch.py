@@ -74,3 +74,15 @@ def test_running_batch_commit_trims_at_a_stop_id_and_retires_finished_rows():
     assert running.counts.shape[0] == 1 and running.counts[0, 11].item() == 1
     running.keep([])
     assert running.rows == [] and running.state is None and running.sampling is None
+
+
+def test_roll_back_of_a_plain_step_leaves_the_token_pending_for_the_draft():
+    target = tiny_llama(seed=0, layers=1)
+    dec = SpeculativeDecoder(target, perturbed_copy(target, 0.3), 2, static_cache=False)
+    state = dec.prefill([[4, 5, 6], [7, 8]], static=False)
+    dec.verify_forward(state, state.last[:, None])  # gamma = 0: the target reads only its last token
+    nxt = torch.tensor([9, 10])
+    batch.roll_back(state, 0, state.last.new_zeros(2, 0), torch.zeros(2, dtype=torch.long), nxt, [0, 0])
+    assert state.target_cache.lens == [3, 2] and state.draft_cache.lens == [2, 1]
+    assert state.last.tolist() == [9, 10] and state.draft_pending == [2, 2]
+    assert state.draft_in[:, -2:].tolist() == [[6, 9], [8, 10]] and state.draft_in_mask[:, -2:].tolist() == [[1, 1]] * 2

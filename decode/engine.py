@@ -132,10 +132,7 @@ class SpeculativeDecoder:
         self.plan_static_batches = True
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
-        self._reset_requests()
-
-    def _reset_requests(self) -> None:
-        """No request queued or running."""
+        # Requests: none queued or running yet.
         self._step_draft_forwards = 0
         self._waiting: list[Request] = []
         self._batch = RunningBatch(self.vocab_size)

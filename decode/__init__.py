@@ -9,9 +9,10 @@
         for finished in dec.step(): ...
 """
 from decode.batch import DecodeState
-from decode.engine import NonFiniteLogitsError, SpeculativeDecoder
+from decode.engine import SpeculativeDecoder
 from decode.metrics import DecodeStats
 from decode.requests import GenerationOutput, RequestOutput
+from decode.sampling import NonFiniteLogitsError
 
 __all__ = ["SpeculativeDecoder", "GenerationOutput", "DecodeStats", "DecodeState", "RequestOutput",
            "NonFiniteLogitsError"]

@@ -40,20 +40,11 @@ from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import (GenerationOutput, Request, RequestIds, RequestOutput, check_eos, check_max_new_tokens,
                              check_num_draft_tokens, check_prompt, check_sampling_args, check_seed, check_streamer,
                              generation_output, pack_prompts, row_gammas, row_seeds)
-from decode.sampling import SamplingParams, draw_uniforms, greedy_ids, probs_from_logits, window_counts
+from decode.sampling import (NON_FINITE, NonFiniteLogitsError, SamplingParams, draw_uniforms, greedy_ids,
+                             probs_from_logits, window_counts)
 from decode.speedup import AdaptiveGamma, check_auto_costs, check_max_auto_draft_tokens, cost_bucket
 from decode.verify import verify, verify_greedy
 from decode.vocab_map import draft_vocab_map
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """A model's logits were not finite (NaN or inf) during decoding, so no token could be drawn from them."""
-
-
-NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, so the sampled id fell outside the "
-              "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
-              "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
-              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")  # (its requests stay: see step())
 
 
 class SpeculativeDecoder:

@@ -22,6 +22,18 @@ MAX_SEED = 2**63 - 1
 TINY = 1e-30  # smallest temperature / repetition penalty used as such (float32's normal range starts at 1.2e-38)
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """A model's logits were not finite (NaN or inf) during decoding, so no token could be drawn from them."""
+
+
+# The message of NonFiniteLogitsError: inverse-CDF sampling of NaN probabilities draws the id V, which the step
+# detects (the step's requests stay in flight until aborted).
+NON_FINITE = ("a model's logits were not finite (NaN or inf) during this step, so the sampled id fell outside the "
+              "vocabulary: float16 overflow, NaN weights, or a model/attention implementation that returns NaN for "
+              "padded rows in this dtype. Run the models in float32 or bfloat16, check the weights "
+              "(torch.isfinite), or try attn_implementation='sdpa'/'eager'")
+
+
 def _finite(x) -> bool:
     """A finite real number: Python and NumPy ints and floats (``numbers.Real``), not bools, strings or tensors;
     not an int beyond float's range (~1.8e308: it could not be compared as one)."""

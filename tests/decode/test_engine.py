@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from decode import SpeculativeDecoder
+from decode import NonFiniteLogitsError, SpeculativeDecoder
 from decode.batch import left_pad
 from tests.conftest import perturbed_copy, tiny_gpt2, tiny_llama
 
@@ -311,8 +311,6 @@ def test_non_finite_logits_raise_a_clear_error(broken, gamma):
     id V; the step raises NonFiniteLogitsError naming the likely causes instead of letting that id reach an embedding
     (``IndexError: index out of range in self`` deep inside a forward)."""
     import copy
-
-    from decode.engine import NonFiniteLogitsError
 
     target = tiny_llama(seed=0, layers=2)
     draft = copy.deepcopy(target)

@@ -13,37 +13,11 @@ from distill import checkpoint as ckpt
 from distill.config import SetupError
 from distill.recipe import train
 from distill_helpers import compose, overrides
+from tests.pickle_payload import Payload, fix_manifest as _fix_manifest, plant as _plant
 
 NEW_FILES = ["model.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json",
              "rng_state_0.safetensors", "rng_state_0.json", "trainer_state.json", "eval.json", "manifest.json",
              "config.yaml"]
-
-
-class Payload:
-    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _plant(path, marker):
-    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    torch.save({"state": Payload(marker)}, path)
-
-
-def _fix_manifest(folder):
-    """Record the tampered sizes, as a crafted checkpoint would (so the loader really parses each file)."""
-    try:
-        step = json.loads((folder / "manifest.json").read_text())["step"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # the manifest itself was replaced
-    (folder / "manifest.json").unlink()
-    ckpt.write_manifest(folder, step)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +101,6 @@ def test_resume_from_a_truncated_file_exits_2_naming_it(pair, run, tmp_path, cap
 
 
 def _edit_json(path, change):
-    import json
-
     path.write_text(json.dumps(change(json.loads(path.read_text()))))
 
 

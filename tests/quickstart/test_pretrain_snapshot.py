@@ -1,39 +1,12 @@
 """The pretrain resume snapshot and token cache are data: a crafted pickle in any file the loader reads is refused
 with an error naming the file, and its payload never runs (a marker file it would create stays absent); a snapshot
 of the earlier pickle layout is refused unread."""
-import json
 import shutil
 
 import pytest
 import torch
 
-from distill.checkpoint import write_manifest
-
-
-class Payload:
-    """Unpickling this opens (creates) the marker file: a harmless stand-in for os.system."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _plant(path, marker):
-    """Replace ``path`` by a torch.save pickle whose unpickling creates ``marker``."""
-    path.unlink(missing_ok=True)
-    torch.save({"state": Payload(marker)}, path)
-
-
-def _fix_manifest(folder):
-    """Record the tampered sizes, as a crafted snapshot would (so the loader really parses each file)."""
-    try:
-        step = json.loads((folder / "manifest.json").read_text())["step"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # the manifest itself was replaced
-    (folder / "manifest.json").unlink()
-    write_manifest(folder, step)
+from tests.pickle_payload import fix_manifest as _fix_manifest, plant as _plant
 
 
 def test_the_payload_runs_when_unpickled(tmp_path):

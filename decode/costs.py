@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import numbers
 import statistics
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -264,7 +263,7 @@ def calibrate(decoder: Any, context_ids: Sequence[int], batch_sizes: Sequence[in
     """
     if decoder.draft is None:
         raise ValueError("calibrate() measures the draft/target cost model; this decoder has no draft")
-    if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batch_sizes):
+    if any(not is_count(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be integers >= 1, got {list(batch_sizes)!r}")
     width = max(2, min(64, shared_context(decoder) - decoder.max_auto_draft_tokens - 2))
     seq = list(context_ids)[-width:]

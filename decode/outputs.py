@@ -99,20 +99,6 @@ def check_output_dir(path: str | os.PathLike, key: str) -> Path:
     return p
 
 
-def check_output_folder(path: str | os.PathLike, key: str = "--out") -> Path:
-    """A work folder a script makes (with its parents) and fills: :func:`check_output_dir`, and it must not hold a
-    ``results.json`` already (results are never overwritten).
-
-    Raises:
-        ValueError: naming ``key`` and the fix.
-    """
-    p = check_output_dir(path, key)
-    if (p / "results.json").exists():
-        raise ValueError(f"{key} {str(path)!r}: {p / 'results.json'} exists; choose another {key} (results are "
-                         "never overwritten)")
-    return p
-
-
 def write_new_file(text: str, out: Path, overwrite: bool = False) -> Path:
     """Write ``text`` to ``out`` through a uniquely named temporary file in its folder, so ``out`` appears whole or
     not at all and no other file is touched. Without ``overwrite`` an ``out`` that exists by then (made while the

@@ -98,7 +98,7 @@ def temperature_row(decoder: SpeculativeDecoder, prompts: list[list[int]], token
     what = f"eval α/τ T={temperature:g}"
     report = None if progress is None else lambda done, total: progress(what, done, total, "prompts")
     s = decode_stats(decoder, prompts, temperature, max_new_tokens, seed=seed, batch_size=batch_size,
-                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, progress=report)
+                     eos_token_id=tokenizer.eos_token_id, progress=report)
     # The speedup formula's α is the per-token acceptance probability, not Σaccepted/Σdrafted.
     m = acceptance(s, none_if_unmeasured=False)
     g, predicted = predict(m["alpha"], cost_ratio, verify_costs, max_gamma=max_gamma)

@@ -19,8 +19,6 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from decode import costs
-from decode.batch import left_pad
-from decode.cache import context_length
 from decode.metrics import DecodeStats
 from decode.speedup import best_gamma, predicted_speedup, smooth_verify_costs, verify_cost_at
 
@@ -57,10 +55,10 @@ def run_interleaved(run: Callable[[Hashable, int, float], Any], modes: Sequence[
 
 
 def decode_stats(decoder: Any, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int,
-                 seed: int | Sequence[int] = 0, batch_size: int = 1, pad_token_id: int = 0, eos_token_id: Any = None,
+                 seed: int | Sequence[int] = 0, batch_size: int = 1, eos_token_id: Any = None,
                  num_draft_tokens: int | str | None = None,
                  progress: Callable[[int, int], None] | None = None) -> DecodeStats:
-    """Decode ``prompts`` with ``decoder.generate`` in left-padded batches of ``batch_size`` and pool the stats.
+    """Decode ``prompts`` with ``decoder.generate`` in batches of ``batch_size`` and pool the stats.
 
     Args:
         seed: an int seeds one generator for the whole pass; a list seeds each batch's own generator.
@@ -71,9 +69,9 @@ def decode_stats(decoder: Any, prompts: Sequence[Sequence[int]], temperature: fl
     generator = torch.Generator(device=device).manual_seed(seed) if isinstance(seed, int) else None
     stats = []
     for n, b in enumerate(range(0, len(prompts), batch_size)):
-        ids, mask = left_pad(prompts[b:b + batch_size], pad_token_id, device)
         gen = generator if generator is not None else torch.Generator(device=device).manual_seed(seed[n])
-        out = decoder.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, temperature=float(temperature),
+        rows = [list(p) for p in prompts[b:b + batch_size]]  # generate() pads them itself
+        out = decoder.generate(rows, max_new_tokens=max_new_tokens, temperature=float(temperature),
                                eos_token_id=eos_token_id, generator=gen, num_draft_tokens=num_draft_tokens)
         stats.append(out.stats)
         if progress is not None:
@@ -96,7 +94,7 @@ def acceptance(s: DecodeStats, none_if_unmeasured: bool = True) -> dict[str, Any
         return float(value) if ok or not none_if_unmeasured else None
 
     return dict(
-        alpha=measured(s.alpha, s.num_accepted + s.num_rejections > 0),
+        alpha=measured(s.alpha, alpha_of(s) is not None),
         acceptance_rate=measured(s.acceptance_rate, s.num_drafted > 0),
         mean_accepted_length=measured(s.mean_accepted_length, steps > 0),
         accepted_per_position=[int(x) for x in s.accepted_per_position],
@@ -132,8 +130,7 @@ def measure_costs(decoder: Any, prompts: Sequence[Sequence[int]], max_gamma: int
         ``(c, [v_0 = 1, v_1, .., v_max_gamma])``, v_γ smoothed as the decoder's own ``calibrate`` does
         (:func:`decode.speedup.smooth_verify_costs`).
     """
-    positions = [x for x in (context_length(decoder.target), context_length(decoder.draft), context_tokens) if x]
-    ids = cost_context_ids(prompts, min(positions) - max_gamma - 1)
+    ids = cost_context_ids(prompts, min(costs.shared_context(decoder), context_tokens or 1 << 30) - max_gamma - 1)
     m = costs.measure_costs(decoder, torch.tensor([ids], device=decoder.target.device), repeats=repeats,
                             verify_gammas=range(1, max_gamma + 1), progress=progress)
     verify = smooth_verify_costs([v["relative_cost"] for v in m["verify"]]) if max_gamma > 0 else None

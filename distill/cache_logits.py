@@ -17,11 +17,12 @@ from accelerate.state import AcceleratorState
 from omegaconf import DictConfig
 
 from decode.cache import context_length
+from decode.outputs import write_json
 from distill.checks import check_output_dir, normalize_config
 from distill.config import SetupError, check_tail_samples_loss
 from distill.data import load_data
 from distill.logit_cache import (FORMAT_VERSION, MANIFEST, check_cache_dir, check_manifest, expected_manifest,
-                                 load_manifest, missing_shards, summarize, write_manifest, write_shards)
+                                 load_manifest, missing_shards, summarize, write_shards)
 from distill.models import check_pair, load_draft, load_target, load_tokenizer
 from distill.precision import accelerator_precision
 from distill.target_data import prepare_target_data
@@ -66,7 +67,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
                 "target_dtype": str(cfg.target.get("dtype")), "complete": False}
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out / MANIFEST, manifest)
+        write_json(out / MANIFEST, manifest)
     acc.wait_for_everyone()
     log(f"cache-logits: {len(examples)} examples, k={manifest['k']}, tail samples={manifest['tail_samples']}, "
         f"T={manifest['temperature']}, {n_shards} shards "
@@ -78,7 +79,7 @@ def build_cache(cfg: Any, log: Any = print) -> dict:
     seconds = time.perf_counter() - t_start
     if acc.is_main_process:
         manifest.update(complete=True, build_seconds=round(seconds, 3))
-        write_manifest(out / MANIFEST, manifest)
+        write_json(out / MANIFEST, manifest)
     acc.wait_for_everyone()
     return {**summarize(out, manifest), "seconds": seconds}
 

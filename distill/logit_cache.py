@@ -182,13 +182,6 @@ def check_cache_dir(out: Path) -> None:
                          "e.g. data.logit_cache=checkpoints/cache")
 
 
-def write_manifest(file: Path, manifest: dict) -> None:
-    """Write ``manifest.json`` atomically (a temporary file renamed over it), so a kill never leaves half a file."""
-    tmp = file.with_name(file.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(file)
-
-
 def read_manifest(path: str | Path) -> dict:
     """The manifest of a cache folder; SetupError if there is none or the cache is incomplete."""
     file = Path(path) / MANIFEST

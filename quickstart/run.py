@@ -751,11 +751,12 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
 
 
 def engine_costs(decoder, context: list[int]) -> tuple[float, list[float]]:
-    """The decoder's own cost model at batch 1 (:func:`decode.bench.measure.measure_costs`, a context of 64 tokens
-    at most): c = draft / target time of a single-token decode forward and ``[v_0 = 1, v_1, .., v_max]``, v_γ =
-    target forward over γ + 1 tokens / over one, for γ up to the decoder's ``max_auto_draft_tokens``. One
-    measurement per draft serves both the γ choice and the table's prediction."""
-    return measure_costs(decoder, [context], decoder.max_auto_draft_tokens, context_tokens=64, repeats=11)
+    """The decoder's own cost model at batch 1 (:func:`decode.bench.measure.measure_costs` on a context of 64 tokens,
+    as ``decode.costs.calibrate`` times): c = draft / target time of a single-token decode forward and
+    ``[v_0 = 1, v_1, .., v_max]``, v_γ = target forward over γ + 1 tokens / over one, for γ up to the decoder's
+    ``max_auto_draft_tokens``. One measurement per draft serves both the γ choice and the table's prediction."""
+    gammas = decoder.max_auto_draft_tokens  # 64 timed tokens, as calibrate() times: measure_costs leaves room for γ + 1
+    return measure_costs(decoder, [context], gammas, context_tokens=64 + gammas + 1, repeats=11)
 
 
 def _pool(outputs: dict, temps: list[float], set_names: list[str], drafts: list[str], costs: dict,

@@ -318,8 +318,8 @@ def _latest_to_resume(out: Path, log: Any) -> Path:
         raise CheckpointError(
             f"train.resume=true but the checkpoints of train.output_dir={out} ({name_list(old)}) are not draftkit "
             "checkpoints of this version: an earlier draftkit stored their state as pickles, which are never "
-            "unpickled (unpickling can run code). Re-run the training with this version (train.overwrite=true "
-            "starts over in this folder), or choose another train.output_dir")
+            "unpickled (unpickling can run code). Re-run the training with this version into another "
+            "train.output_dir (or with train.overwrite=true, which deletes those checkpoints)")
     if os.path.lexists(out / SET_ASIDE):  # "add train.overwrite=true" is refused while it is there
         raise CheckpointError(
             f"train.resume=true but train.output_dir={out} has no checkpoint: an earlier "

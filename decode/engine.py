@@ -35,7 +35,7 @@ from decode.cache import context_length
 from decode.compat import check_decodable, draft_input_substitute, substitute_draft_inputs, warn_chunk_dependent_rope
 from decode.compiling import check_compile, compiled_forward
 from decode.drafting import draft_tokens
-from decode.lookup import check_prompt_lookup, lookup_drafts
+from decode.lookup import chain_tokens, check_prompt_lookup, lookup_chains, lookup_drafts
 from decode.metrics import DecodeStats, peak_memory_bytes
 from decode.requests import (GenerationOutput, Request, RequestIds, RequestOutput, check_eos, check_max_new_tokens,
                              check_num_draft_tokens, check_prompt, check_sampling_args, check_seed, check_streamer,
@@ -55,8 +55,9 @@ class SpeculativeDecoder:
 
     Args:
         target: a Hugging Face causal LM (``PreTrainedModel``), used frozen.
-        draft: a causal LM sharing the target's tokenizer, or ``None`` for plain decoding only.
-        num_draft_tokens: γ, tokens drafted per verify step (None: 4 with a draft, 0 without; 0 = plain decoding;
+        draft: a causal LM sharing the target's tokenizer, or ``None``: plain decoding, or prompt lookup alone.
+        num_draft_tokens: γ, tokens drafted per verify step (None: 4 with a draft or prompt lookup, 0 without; 0 =
+            plain decoding;
             ``"auto"``: γ in ``[0, max_auto_draft_tokens]`` chosen each step by
             :class:`decode.speedup.AdaptiveGamma` from the acceptance so far and the cost model of the batch size,
             deterministically given ``auto_costs``; in :meth:`generate` over several prompts it plans for the
@@ -81,12 +82,15 @@ class SpeculativeDecoder:
         prompt_lookup_ngram: n > 0: a greedy request's next draft is, while its last n tokens (prompt, output and
             the step's drafts) occurred earlier, the token that followed their most recent occurrence
             (:mod:`decode.lookup`) instead of the draft's argmax; sampled requests always draft from the draft
-            model. 0 (default): off (docs/decode.md, "Prompt lookup").
+            model. Without a draft model, a greedy row drafts the lookup's chain (up to γ tokens) where its last n
+            tokens occurred earlier and nothing otherwise, and a sampled row takes plain steps. 0 (default): off
+            (docs/decode.md, "Prompt lookup").
 
     Raises:
         decode.compat.IncompatibleModelsError: the pair cannot share a vocabulary, or a model keeps state that
             cannot be rolled back (Mamba and other recurrent/hybrid models: :func:`decode.compat.check_cache_support`).
-        ValueError: a bad ``num_draft_tokens``, ``compile`` or ``prompt_lookup_ngram``.
+        ValueError: a bad ``num_draft_tokens`` (γ > 0 needs a draft or prompt lookup, ``"auto"`` a draft),
+            ``compile`` or ``prompt_lookup_ngram``.
     """
 
     def __init__(self, target: Any, draft: Any = None, num_draft_tokens: int | str | None = None,
@@ -100,9 +104,10 @@ class SpeculativeDecoder:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer)
         self.max_auto_draft_tokens = check_max_auto_draft_tokens(max_auto_draft_tokens)
-        self._num_draft_tokens = check_num_draft_tokens((4 if draft is not None else 0) if num_draft_tokens is None
-                                                        else num_draft_tokens, draft is not None)
-        self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram, draft is not None)
+        self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram)
+        drafts = draft is not None or self.prompt_lookup_ngram > 0
+        self._num_draft_tokens = self._check_gamma((4 if drafts else 0) if num_draft_tokens is None
+                                                   else num_draft_tokens)
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
@@ -128,6 +133,7 @@ class SpeculativeDecoder:
         self._waiting: list[Request] = []
         self._batch = RunningBatch(self.vocab_size)
         self._use_draft = False
+        self._lookup_alone = False  # drafts come from prompt lookup only (no draft model)
         self._adaptive: AdaptiveGamma | None = None
         self._gamma_override: int | str | None = None
         self._static_batch = False  # True inside generate(): auto γ minimizes the time to the last row's end
@@ -146,12 +152,18 @@ class SpeculativeDecoder:
 
     @num_draft_tokens.setter
     def num_draft_tokens(self, gamma: int | str) -> None:
-        gamma = check_num_draft_tokens(gamma, self.draft is not None)
+        gamma = self._check_gamma(gamma)
         if self.has_unfinished():
             raise RuntimeError("num_draft_tokens can change only between requests: step() until has_unfinished() "
                                "is False, or abort() the queued and active ones, first (generate(num_draft_tokens="
                                "...) sets it for one call)")
         self._num_draft_tokens = gamma
+
+    def _check_gamma(self, gamma: Any) -> int | str:
+        """γ checked: γ > 0 needs a draft model or prompt lookup, ``"auto"`` a draft model (its cost model)."""
+        if gamma == "auto" or self.draft is not None:
+            return check_num_draft_tokens(gamma, self.draft is not None)
+        return check_num_draft_tokens(gamma, self.prompt_lookup_ngram > 0)
 
     @property
     def state(self) -> DecodeState | None:
@@ -260,7 +272,11 @@ class SpeculativeDecoder:
                 late, self._undelivered = self._undelivered, []  # finished in a step whose on_tokens raised
                 return late
             gammas = self._row_gammas()
-            n_acc, new = self._speculative_step(max(gammas), gammas)
+            chains = None
+            if self._lookup_alone and max(gammas) > 0:  # a row drafts its lookup chain, or nothing (a plain step)
+                chains = lookup_chains(self._batch.rows, self._batch.state.committed, gammas, self.prompt_lookup_ngram)
+                gammas = [len(c) for c in chains]
+            n_acc, new = self._speculative_step(max(gammas), gammas, chains)
         if self._adaptive is not None and max(gammas) > 0:
             self._adaptive.update(sum(gammas), sum(n_acc),
                                   num_rejected=sum(1 for g, n in zip(gammas, n_acc) if 0 < g and n < g),
@@ -296,6 +312,7 @@ class SpeculativeDecoder:
                 warnings.warn(f"decode: the {name} is in training mode (dropout, if any, is active: {harm}); "
                               f"call {name}.eval() before decoding", stacklevel=4)
         self._use_draft = self.draft is not None and self._gamma_config() != 0
+        self._lookup_alone = self.draft is None and self.prompt_lookup_ngram > 0 and self._gamma_config() != 0
         self._adaptive = AdaptiveGamma(self.max_auto_draft_tokens) if self._gamma_config() == "auto" else None
         self._costs_bucket = None
 
@@ -335,7 +352,7 @@ class SpeculativeDecoder:
                                            for row, seq in zip(rows, self._batch.state.committed)])
             gamma = self._adaptive.next_gamma()
         else:
-            gamma = cfg if self._use_draft else 0
+            gamma = cfg if self._use_draft or self._lookup_alone else 0
         return row_gammas(gamma, self._batch.rows, self._batch.state.committed, self.context_length,
                           self.draft_context_length)
 
@@ -354,12 +371,15 @@ class SpeculativeDecoder:
         substitute id (:mod:`decode.compat`); ``ids`` itself for a draft that reads every id."""
         return substitute_draft_inputs(ids, self._draft_input)
 
-    def _draft(self, state: DecodeState, gammas: list[int], gamma: int,
-               draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft(self, state: DecodeState, gammas: list[int], gamma: int, draft_u: torch.Tensor,
+               chains: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft γ tokens per row (:func:`decode.drafting.draft_tokens`: prompt lookup's proposals beside the draft
-        model's guesses). Returns tokens ``(B, γ)`` and q ``(B, γ, V)`` (None when every row is greedy)."""
-        if gamma == 0:
+        model's guesses; ``chains``: prompt lookup alone, :func:`decode.lookup.chain_tokens`). Returns tokens
+        ``(B, γ)`` and q ``(B, γ, V)`` (None when every row is greedy)."""
+        if gamma == 0 or chains is not None:
             self._step_draft_forwards = 0
+            if gamma > 0:
+                return chain_tokens(chains, self.vocab_size, not self._batch.sampling.all_greedy, state.last.device)
             return state.last.new_zeros(len(gammas), 0), torch.zeros(len(gammas), 0, self.vocab_size,
                                                                      device=state.last.device)
         lookup = (lookup_drafts(self._batch.rows, state.committed, gammas, gamma, self.prompt_lookup_ngram,
@@ -382,12 +402,13 @@ class SpeculativeDecoder:
         max_pos = self.context_length - 1 if self.context_length else None
         return state.target_cache.forward(self.target, target_in, None, max_position=max_pos, call=self.target_call)
 
-    def _speculative_step(self, gamma: int, gammas: list[int]) -> tuple[list[int], list[list[int]]]:
-        """Draft -> verify -> roll back, for every active row. Returns ``(n_accepted per row, committed new tokens
-        per row before the eos/length trim)``."""
+    def _speculative_step(self, gamma: int, gammas: list[int],
+                          chains: list[list[int]] | None = None) -> tuple[list[int], list[list[int]]]:
+        """Draft -> verify -> roll back, for every active row (``chains``: the rows' drafts when prompt lookup
+        drafts alone). Returns ``(n_accepted per row, committed new tokens per row before the eos/length trim)``."""
         state, sampling = self._batch.state, self._batch.sampling
         draft_u, accept_u, sample_u = draw_uniforms(self._batch.rows, gammas, gamma, self.target.device)
-        drafts, q = self._draft(state, gammas, gamma, draft_u)  # (B, γ), (B, γ, V) or None
+        drafts, q = self._draft(state, gammas, gamma, draft_u, chains)  # (B, γ), (B, γ, V) or None
         logits = self.verify_forward(state, torch.cat([state.last[:, None], drafts], dim=1))  # (B, γ+1, V)
         counts, seen = window_counts(self._batch.counts, self._batch.seen, drafts, self.vocab_size)
         num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
@@ -401,7 +422,13 @@ class SpeculativeDecoder:
         if any(row[gamma + 1] >= self.vocab_size or max(row[:gamma], default=0) >= self.vocab_size for row in host):
             raise NonFiniteLogitsError(NON_FINITE)  # inverse-CDF sampling of NaN probabilities returns id V
         n_list = [row[gamma] for row in host]
-        batch.roll_back(state, gamma, drafts, n_acc, nxt, n_list)
+        if state.draft_cache is None and gamma > 0:  # prompt lookup alone: the target's cache is the only one
+            kept = torch.arange(gamma, device=drafts.device) < n_acc[:, None]
+            cache = state.target_cache
+            cache.roll_back(kept, n_list, [t + 1 + n for t, n in zip(cache.lens, n_list)])
+            state.last = nxt
+        else:
+            batch.roll_back(state, gamma, drafts, n_acc, nxt, n_list)
         self.num_target_forwards += 1
         self.num_draft_forwards += self._step_draft_forwards
         return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
@@ -464,7 +491,7 @@ class SpeculativeDecoder:
         """
         check_sampling_args(temperature, top_k, top_p, generator, sampling)
         max_new_tokens = check_max_new_tokens(max_new_tokens)
-        gamma = None if num_draft_tokens is None else check_num_draft_tokens(num_draft_tokens, self.draft is not None)
+        gamma = None if num_draft_tokens is None else self._check_gamma(num_draft_tokens)
         prompts = [check_prompt(p, self.vocab_size, self.context_length, name=f"prompt {i}")
                    for i, p in enumerate(pack_prompts(input_ids, attention_mask))]
         check_streamer(streamer, len(prompts))

@@ -3,9 +3,10 @@
 Prompt lookup decoding (Saxena, 2023, github.com/apoorvumang/prompt-lookup-decoding; in transformers as
 ``prompt_lookup_num_tokens``, in vLLM as the ``ngram`` proposer) drafts without a model: when the last n tokens of
 a sequence occurred earlier in it, the tokens that followed that occurrence are a free guess for what comes next.
-The decoder uses it beside the draft model, for greedy requests (``SpeculativeDecoder(prompt_lookup_ngram=n)``):
+The decoder uses it for greedy requests (``SpeculativeDecoder(prompt_lookup_ngram=n)``): beside the draft model,
 while the lookup has a match, a step's drafts are its tokens instead of the draft's argmaxes (docs/decode.md,
-"Prompt lookup"). It pays where the target repeats what is already in its context (loops, repeated code, quoted
+"Prompt lookup"); alone (``SpeculativeDecoder(target, None, prompt_lookup_ngram=n)``), a row drafts its lookup
+chain where it has one and nothing otherwise (a plain step), and a sampled row always takes plain steps. It pays where the target repeats what is already in its context (loops, repeated code, quoted
 text), which a small draft often fails to copy.
 
 Losslessness does not depend on it: a proposal is a function of the prefix only, and a greedy request keeps a
@@ -94,11 +95,11 @@ class LookupDrafts(NamedTuple):
         return tok, q
 
 
-def lookup_drafts(rows: Sequence[Any], committed: Sequence[list[int]], gammas: Sequence[int], gamma: int, n: int,
-                  device: Any) -> LookupDrafts | None:
-    """Prompt-lookup proposals of the greedy rows (``rows``: :class:`decode.requests.Request`, each keeping its
-    :class:`NgramLookup` of ``committed``), host-side; None when no row has a match. ``gammas``: γ_r per row,
-    ``gamma`` their max."""
+def lookup_chains(rows: Sequence[Any], committed: Sequence[list[int]], gammas: Sequence[int],
+                  n: int) -> list[list[int]]:
+    """Each row's prompt-lookup proposal of up to γ_r tokens (``gammas``), host-side: a greedy row's chain
+    (``rows``: :class:`decode.requests.Request`, each keeping its :class:`NgramLookup` of ``committed``), ``[]``
+    for a sampled row or one without a match."""
     chains = []
     for row, seq, g in zip(rows, committed, gammas):
         if row.params.greedy and g > 0:
@@ -107,6 +108,23 @@ def lookup_drafts(rows: Sequence[Any], committed: Sequence[list[int]], gammas: S
             chains.append(row.lookup.propose(seq, g))
         else:
             chains.append([])
+    return chains
+
+
+def chain_tokens(chains: Sequence[list[int]], vocab_size: int, with_q: bool,
+                 device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt lookup alone (no draft model): the step's drafts ``(B, γ)`` are the rows' chains (γ the longest, a
+    shorter chain padded with id 0 past its row's γ_r) and, if ``with_q``, their one-hot q ``(B, γ, V)``."""
+    gamma = max(len(c) for c in chains)
+    ids = torch.tensor([list(c) + [0] * (gamma - len(c)) for c in chains], dtype=torch.long).to(device)
+    return ids, (torch.nn.functional.one_hot(ids, vocab_size).float() if with_q else None)
+
+
+def lookup_drafts(rows: Sequence[Any], committed: Sequence[list[int]], gammas: Sequence[int], gamma: int, n: int,
+                  device: Any) -> LookupDrafts | None:
+    """Prompt-lookup proposals of the greedy rows beside the draft model (:func:`lookup_chains`); None when no row
+    has a match. ``gammas``: γ_r per row, ``gamma`` their max."""
+    chains = lookup_chains(rows, committed, gammas, n)
     if not any(chains):
         return None
     covered = min(gamma if len(chain) >= g else len(chain) for chain, g in zip(chains, gammas))
@@ -120,10 +138,11 @@ def lookup_drafts(rows: Sequence[Any], committed: Sequence[list[int]], gammas: S
 
 def check_prompt_lookup(value: object, has_draft: bool = True, name: str = "prompt_lookup_ngram") -> int:
     """``prompt_lookup_ngram`` checked: an integer >= 0 (0: off). Raises ``ValueError`` naming ``name`` (the
-    argument, or a CLI's option) for anything else, and for n > 0 without a draft model (the decoder drafts by
-    lookup only beside one)."""
+    argument, or a CLI's option) for anything else, and, with ``has_draft=False``, for n > 0 (for a caller that
+    uses prompt lookup only beside a draft model; the decoder itself also drafts by lookup alone)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0 (the n-gram length of prompt lookup; 0: off), got {value!r}")
     if value and not has_draft:
-        raise ValueError(f"{name}={value} needs a draft model (prompt lookup drafts beside it); pass a draft or 0")
+        raise ValueError(f"{name}={value} needs a draft model here (prompt lookup drafts beside it); pass a draft "
+                         "or 0")
     return value

@@ -61,10 +61,85 @@ def test_bad_ngram_lengths_are_named(bad):
         NgramLookup(0)
 
 
-def test_prompt_lookup_needs_a_draft():
+def test_without_a_draft_gamma_needs_prompt_lookup_and_auto_needs_a_draft():
     with pytest.raises(ValueError, match="needs a draft model"):
-        SpeculativeDecoder(tiny_llama(), None, prompt_lookup_ngram=3)
-    assert SpeculativeDecoder(tiny_llama(), None, prompt_lookup_ngram=0).prompt_lookup_ngram == 0
+        check_prompt_lookup(3, has_draft=False, name="--prompt-lookup-ngram")  # the CLIs' rule
+    with pytest.raises(ValueError, match="num_draft_tokens=2 needs a draft model"):
+        SpeculativeDecoder(tiny_llama(), None, num_draft_tokens=2)
+    with pytest.raises(ValueError, match="'auto' needs a draft model"):
+        SpeculativeDecoder(tiny_llama(), None, num_draft_tokens="auto", prompt_lookup_ngram=2)
+    assert SpeculativeDecoder(tiny_llama(), None, prompt_lookup_ngram=0).num_draft_tokens == 0
+    assert SpeculativeDecoder(tiny_llama(), None, prompt_lookup_ngram=3).num_draft_tokens == 4
+
+
+@torch.no_grad()
+def replay_lookup_alone(prompt, new_tokens, gamma, n):
+    """(accepted-length histogram, drafted, accepted) that prompt lookup alone must give on the target's greedy
+    text: a step drafts the lookup chain of the committed text (nothing when it has none) and keeps the prefix that
+    equals the text."""
+    seq = prompt + new_tokens
+    hist, t, drafted, accepted_total = [0] * (gamma + 1), len(prompt), 0, 0
+    while t < len(seq):
+        chain = scan_chain(seq[:t], n, min(gamma, len(seq) - t - 1))
+        accepted = 0
+        while accepted < len(chain) and chain[accepted] == seq[t + accepted]:
+            accepted += 1
+        if chain:
+            hist[accepted] += 1
+        drafted, accepted_total, t = drafted + len(chain), accepted_total + accepted, t + accepted + 1
+    return hist, drafted, accepted_total
+
+
+@pytest.mark.parametrize("static_cache", [None, False])
+@pytest.mark.parametrize("gamma,n", [(4, 2), (6, 3), (3, 1)])
+def test_lookup_alone_greedy_output_is_plain_greedy_output(looping_pair, gamma, n, static_cache):
+    """No draft model: a row with a match drafts the chain, one without takes a plain step; the output equals
+    plain greedy decoding, alone and in a batch whose rows match at different steps."""
+    target, _ = looping_pair
+    prompts = [[5, 17, 33, 5, 17, 40, 8], [60, 3, 91, 12], [44]]
+    dec = SpeculativeDecoder(target, None, num_draft_tokens=gamma, prompt_lookup_ngram=n, static_cache=static_cache)
+    refs = [reference_greedy(target, p, 40) for p in prompts]
+    drafted = 0
+    for prompt, ref in zip(prompts, refs):
+        out = dec.generate([prompt], max_new_tokens=40)
+        assert out.new_tokens[0].tolist() == ref
+        hist, n_drafted, n_accepted = replay_lookup_alone(prompt, ref, gamma, n)
+        assert out.stats.accepted_length_histogram[:gamma + 1] == hist
+        assert (out.stats.num_drafted, out.stats.num_accepted) == (n_drafted, n_accepted)
+        assert out.stats.num_draft_forwards == 0
+        drafted += n_drafted
+    assert drafted > 0  # the lookup really proposed: the target's text loops
+    batched = dec.generate(prompts, max_new_tokens=40)
+    assert [t.tolist() for t in batched.new_tokens] == refs
+    plain = SpeculativeDecoder(target, None).generate(prompts, max_new_tokens=40, eos_token_id=7)
+    stopped = dec.generate(prompts, max_new_tokens=40, eos_token_id=7)
+    assert [t.tolist() for t in stopped.new_tokens] == [t.tolist() for t in plain.new_tokens]
+
+
+def test_lookup_alone_at_a_temperature_is_plain_decoding_with_the_same_seed(looping_pair):
+    """Lookup drafts only for greedy rows: a sampled row takes plain steps, drawing what plain decoding draws from
+    its generator, so the same seed gives the same tokens (exactly, not only in distribution), also beside a greedy
+    row that drafts."""
+    target, _ = looping_pair
+    prompts = [[5, 17, 33, 5, 17, 40, 8], [60, 3, 91, 12]]
+    lookup = SpeculativeDecoder(target, None, num_draft_tokens=4, prompt_lookup_ngram=2)
+    plain = SpeculativeDecoder(target, None)
+    for seed in range(3):
+        a = lookup.generate(prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        b = plain.generate(prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        assert [t.tolist() for t in a.new_tokens] == [t.tolist() for t in b.new_tokens]
+        assert a.stats.num_drafted == 0
+    ids = [lookup.add_request(prompts[0], 30, temperature=0.0), lookup.add_request(prompts[1], 30, temperature=1.0,
+                                                                                 seed=11)]
+    outs = {}
+    while lookup.has_unfinished():
+        outs.update((o.request_id, o) for o in lookup.step())
+    plain.add_request(prompts[1], 30, temperature=1.0, seed=11, request_id="s")
+    ref = {}
+    while plain.has_unfinished():
+        ref.update((o.request_id, o) for o in plain.step())
+    assert outs[ids[0]].new_tokens == reference_greedy(target, prompts[0], 30)
+    assert outs[ids[1]].new_tokens == ref["s"].new_tokens
 
 
 @torch.no_grad()

@@ -31,7 +31,9 @@ Settings live in ``conf/experiment/quickstart.yaml`` (``quickstart_smoke.yaml`` 
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -56,15 +58,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from decode.bench.config import HF, BenchConfig, Method
+from decode.bench.hf_assisted import run_hf
 from decode.bench.measure import acceptance, decode_stats, measure_costs, predict, run_interleaved
 from decode.compiling import check_compile, check_cpu_compiler
 from decode.costs import warm_up
 from decode.engine import SpeculativeDecoder
-from decode.loading import load_causal_lm
+from decode.loading import chat_prompt_ids, load_causal_lm
 from decode.lookup import check_prompt_lookup
 from decode.metrics import DecodeStats
 from decode.outputs import replace_text
-from decode.prompts import checkout_root
+from decode.prompts import checkout_root, load_prompts as load_bench_prompts
+from decode.requests import GenerationOutput
+from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 from distill.checks import validate
 from distill.checkpoint import find_latest, is_complete
 from distill.config import SetupError, compose, conf_dir
@@ -310,16 +316,54 @@ def _distilled_checkpoint(qs, out: Path) -> Path | None:
 
 # ------------------------------------------------------------------------------------------------ evaluation
 
-def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int,
-                       skip: dict[str, int] | None = None) -> list[tuple[str, list[int]]]:
-    """``(set_name, token_ids)`` for the first ``n`` prompts of each set (after its first ``skip[set]`` ones),
-    keeping each prompt's last ``max_prompt_tokens`` tokens (the end is what the model continues; the target was
-    trained on short windows)."""
+# Spec-Bench (Xia et al. 2024) reports six categories: its 80 MT-Bench questions (eight categories, first turn
+# only) form one, the other five are its own.
+SPEC_BENCH = "spec_bench"
+SPEC_BENCH_GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_CATEGORIES = frozenset(("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                 "humanities"))
+LOOKUP, HF_ASSISTED = "lookup", "hf_assisted"  # the modes beside plain decoding and the drafts
+
+
+def spec_bench_prompts(n: int, skip: int = 0) -> list[tuple[str, str]]:
+    """``(category, text)`` of ``n`` Spec-Bench prompts after the first ``skip``, taken round-robin over its six
+    categories (``SPEC_BENCH_GROUPS``: ``n=12`` gives two of each; MT-Bench's own eight categories take turns
+    inside ``mt_bench``), so the timed prompts and the calibration prompts after them never overlap.
+
+    Raises:
+        ValueError: a prompt's category is none of Spec-Bench's.
+    """
+    every = load_bench_prompts(SPEC_BENCH)
+    groups: dict[str, list[str]] = {g: [] for g in SPEC_BENCH_GROUPS}
+    for p in load_bench_prompts(SPEC_BENCH, len(every)):  # round-robin over the raw categories
+        group = "mt_bench" if p.category in MT_BENCH_CATEGORIES else p.category
+        if group not in groups:
+            raise ValueError(f"Spec-Bench prompt {p.id} has category {p.category!r}, none of "
+                             f"{', '.join(SPEC_BENCH_GROUPS)} or MT-Bench's")
+        groups[group].append(p.text)
+    order = [(g, text) for row in itertools.zip_longest(*groups.values()) for g, text in zip(groups, row)
+             if text is not None]
+    return order[skip:skip + n]
+
+
+def encode_prompt_sets(tokenizer, sets: dict[str, int], max_prompt_tokens: int | None,
+                       skip: dict[str, int] | None = None, chat: bool = False) -> list[tuple[str, list[int]]]:
+    """``(label, token_ids)`` for the first ``n`` prompts of each set (after its first ``skip[set]`` ones); the
+    label is the set's name, or for ``spec_bench`` the prompt's category (:func:`spec_bench_prompts`).
+
+    ``chat``: each prompt is one user turn through the tokenizer's chat template with the assistant turn opened
+    (:func:`decode.loading.chat_prompt_ids`); else its raw text. ``max_prompt_tokens``: each prompt keeps its last
+    this many tokens (the end is what the model continues; the from-scratch target was trained on short windows);
+    None keeps all."""
     out = []
     for name, n in sets.items():
         first = int((skip or {}).get(name, 0))
-        for text in load_prompts(name, first + int(n))[first:]:
-            out.append((name, tokenizer(text)["input_ids"][-max_prompt_tokens:]))
+        texts = (spec_bench_prompts(int(n), first) if name == SPEC_BENCH
+                 else [(name, text) for text in load_prompts(name, first + int(n))[first:]])
+        for label, text in texts:
+            ids = (chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) if chat
+                   else list(tokenizer(text)["input_ids"]))
+            out.append((label, ids if max_prompt_tokens is None else ids[-max_prompt_tokens:]))
     return out
 
 
@@ -329,133 +373,259 @@ def _load_lm(path: str | Path, role: str = "draft"):
 
 
 def evaluate(target_dir: str | Path, drafts: dict[str, str | Path], ecfg, console=None) -> dict:
-    """Measure each draft against the target on held-out prompts, interleaved with plain target decoding.
+    """Measure each draft against the target on held-out prompts, interleaved with plain target decoding (and,
+    as configured, prompt lookup alone and Hugging Face assisted generation).
 
     Args:
         target_dir: Hugging Face checkpoint of the target (its tokenizer is used for every model).
-        drafts: name -> draft checkpoint, e.g. {"baseline": ..., "distilled": ...}.
-        ecfg: ``quickstart.eval`` settings: prompt_sets {name: n}, temperatures, num_draft_tokens (γ: an int for
-            every draft and temperature, or ``best``: chosen per draft and temperature by :func:`choose_gammas`
-            on ``calibration_prompts`` further prompts of each set, up to ``max_draft_tokens``), max_new_tokens,
-            max_prompt_tokens, seed, compile (the drafts' ``SpeculativeDecoder(compile=...)``: false, ``draft`` or
-            true; plain decoding is compiled only with true, the one setting that compiles the target),
-            prompt_lookup_ngram (the drafts' decoders' prompt lookup for greedy runs, :mod:`decode.lookup`; 0: off).
+        drafts: name -> draft checkpoint, e.g. {"baseline": ..., "distilled": ...}; the names are free, the table
+            shows them, and the last one's tokens/s and α are also given over the first one's.
+        ecfg: ``quickstart.eval`` settings: prompt_sets {name: n} (``spec_bench: n``: n prompts over its six
+            categories, a table row each), temperatures, num_draft_tokens (γ: an int for every draft and
+            temperature, or ``best``: chosen per draft and temperature by :func:`choose_gammas` on
+            ``calibration_prompts`` further prompts of each set, up to ``max_draft_tokens``), max_new_tokens,
+            max_prompt_tokens (null: no cut), chat_template (each prompt one user turn of the tokenizer's chat
+            template; default false: raw text), ignore_eos (default true: every run makes max_new_tokens; false:
+            runs stop at the tokenizer's eos), seed, compile (the drafts' ``SpeculativeDecoder(compile=...)``:
+            false, ``draft`` or true; plain decoding is compiled only with true, the one setting that compiles the
+            target), prompt_lookup_ngram (the drafts' decoders' prompt lookup for greedy runs, :mod:`decode.lookup`;
+            0: off), prompt_lookup_alone (n > 0: a ``lookup`` mode, the target with prompt lookup and no draft,
+            γ = the largest γ considered; default 0: none), hf_assisted (a draft's name: an ``hf_assisted`` mode,
+            Hugging Face assisted generation with that draft at its γ; default null: none).
         console: rich console for the progress bar (None: a new one).
 
     Returns:
-        dict with ``rows`` (one per temperature x prompt set, plus "all": plain tokens/s and, per draft, γ, α, τ,
-        tokens/s, speedup, verify-aware predicted speedup), ``cost_ratio`` and ``verify_costs`` per draft
-        (:func:`engine_costs`), ``gammas`` ({draft: {T: γ}}),
+        dict with ``rows`` (one per temperature x prompt label, plus "all": plain tokens/s and, per mode, γ, α,
+        τ, tokens/s, speedup, verify-aware predicted speedup for the drafts), ``modes``, ``drafts``,
+        ``cost_ratio`` and ``verify_costs`` per draft (:func:`engine_costs`), ``gammas`` ({mode: {T: γ}}),
         ``calibration`` (:func:`choose_gammas`' output, or None for a fixed γ), ``greedy_lossless`` (greedy
-        speculative outputs that equal plain greedy outputs / total) and the settings.
+        outputs of every mode that equal plain greedy outputs / total), ``draft_ratio`` and the settings.
 
     Raises:
         decode.compat.IncompatibleModelsError: a draft does not share the target's vocabulary.
-        ValueError: ``num_draft_tokens`` is neither a positive int nor ``best``.
+        ValueError: a bad setting (:func:`check_eval_settings`), or ``ignore_eos: false`` with a tokenizer that
+            has no eos.
     """
     console = console or Console()
     setting = check_eval_settings(ecfg)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     max_gamma = int(ecfg.get("max_draft_tokens", 8)) if setting == "best" else setting
-    compile = eval_compile(ecfg)
-    decoders = eval_decoders(target_dir, drafts, tokenizer, max_gamma, compile, eval_prompt_lookup(ecfg))
-    prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), int(ecfg.max_prompt_tokens))
+    compile, lookup_alone = eval_compile(ecfg), int(ecfg.get("prompt_lookup_alone", 0))
+    eos = eval_eos(ecfg, tokenizer)
+    decoders = eval_decoders(target_dir, drafts, tokenizer, max_gamma, compile, eval_prompt_lookup(ecfg),
+                             lookup_alone)
+    hf_draft = _hf_assisted_draft(ecfg, drafts, console)
+    if hf_draft is not None:
+        decoders[HF_ASSISTED] = HFAssisted(decoders["plain"].target, _full_vocab_draft(_load_lm(drafts[hf_draft])),
+                                           _pad_id(tokenizer))
+    max_prompt = eval_max_prompt_tokens(ecfg)
+    chat = bool(ecfg.get("chat_template", False))
+    prompts = encode_prompt_sets(tokenizer, dict(ecfg.prompt_sets), max_prompt, chat=chat)
     temps = [float(t) for t in ecfg.temperatures]
     new = int(ecfg.max_new_tokens)
-    _warm_up(decoders, prompts[0][1], temps, new, compile, console)
-    models = [n for n in decoders if n != "plain"]
-    calibration = None
-    if setting == "best":
-        calib = encode_prompt_sets(tokenizer, {k: int(ecfg.get("calibration_prompts", 2)) for k in ecfg.prompt_sets},
-                                   int(ecfg.max_prompt_tokens), skip=dict(ecfg.prompt_sets))
-        console.print(f"eval: choosing γ per draft and temperature on {len(calib)} further prompts (γ = {PROBE_GAMMA}"
-                      f" runs, measured costs, γ <= {max_gamma})")
-        calibration = choose_gammas({n: decoders[n] for n in models}, [ids for _, ids in calib], temps, new,
-                                    int(ecfg.seed), max_gamma)
-        gammas = {n: {t: calibration[n]["per_temperature"][t]["num_draft_tokens"] for t in temps} for n in models}
-        costs = {n: (calibration[n]["cost_ratio"], calibration[n]["verify_costs"]) for n in models}
-    else:
-        gammas = {n: {t: setting for t in temps} for n in models}
-        costs = {n: engine_costs(decoders[n], prompts[0][1]) for n in models}
-    outputs = timed_runs(decoders, prompts, temps, new, int(ecfg.seed), gammas, console)
-    return {"rows": _pool(outputs, temps, [p[0] for p in prompts], models, costs, gammas),
+    _warm_up(decoders, prompts[0][1], temps, new, compile, eos, console)
+    models = list(drafts)
+    calib = (encode_prompt_sets(tokenizer, {k: int(ecfg.get("calibration_prompts", 2)) for k in ecfg.prompt_sets},
+                                max_prompt, skip=dict(ecfg.prompt_sets), chat=chat) if setting == "best" else None)
+    gammas, costs, calibration = draft_gammas({n: decoders[n] for n in models}, setting, calib, prompts[0][1], temps,
+                                              new, int(ecfg.seed), max_gamma, eos, console)
+    if lookup_alone:
+        gammas[LOOKUP] = {t: max_gamma for t in temps}
+    if hf_draft is not None:
+        gammas[HF_ASSISTED] = dict(gammas[hf_draft])
+    outputs = timed_runs(decoders, prompts, temps, new, int(ecfg.seed), gammas, eos, console)
+    modes = [m for m in decoders if m != "plain"]
+    labels = [p[0] for p in prompts]
+    rows = _pool(outputs, temps, labels, modes, costs, gammas)
+    return {"rows": rows, "modes": modes, "drafts": models, "draft_ratio": draft_ratio(rows, models),
             "cost_ratio": {n: c for n, (c, _) in costs.items()}, "verify_costs": {n: v for n, (_, v) in costs.items()},
             "greedy_lossless": greedy_lossless(outputs, len(prompts), list(decoders)),
-            "num_prompts": {k: int(v) for k, v in dict(ecfg.prompt_sets).items()}, "num_draft_tokens": setting,
+            "num_prompts": dict(collections.Counter(labels)), "num_draft_tokens": setting,
             "gammas": {n: {str(t): g for t, g in per.items()} for n, per in gammas.items()},
-            "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": int(ecfg.max_prompt_tokens),
-            "temperatures": temps, "compile": compile, "prompt_lookup_ngram": eval_prompt_lookup(ecfg)}
+            "calibration": calibration, "max_new_tokens": new, "max_prompt_tokens": max_prompt,
+            "chat_template": chat, "eos_token_id": eos, "prompt_lookup_alone": lookup_alone,
+            "hf_assisted": hf_draft, "temperatures": temps, "compile": compile,
+            "prompt_lookup_ngram": eval_prompt_lookup(ecfg)}
 
 
 PROBE_GAMMA = 4  # γ of the calibration runs that measure α before γ is chosen
 
 
+def draft_gammas(decoders: dict, setting: int | str, calib: list[tuple[str, list[int]]] | None, context: list[int],
+                 temps: list[float], max_new_tokens: int, seed: int, max_gamma: int, eos: int | None,
+                 console) -> tuple[dict, dict, dict | None]:
+    """``(gammas {draft: {T: γ}}, costs {draft: (c, v)}, calibration)``: with ``setting`` ``best``, γ chosen on the
+    calibration prompts ``calib`` (:func:`choose_gammas`); else γ = ``setting`` everywhere and each draft's cost
+    model measured on ``context`` (:func:`engine_costs`), calibration None."""
+    if setting != "best":
+        return ({n: {t: setting for t in temps} for n in decoders},
+                {n: engine_costs(dec, context) for n, dec in decoders.items()}, None)
+    console.print(f"eval: choosing γ per draft and temperature on {len(calib)} further prompts (γ = {PROBE_GAMMA}"
+                  f" runs, measured costs, γ <= {max_gamma})")
+    calibration = choose_gammas(decoders, [ids for _, ids in calib], temps, max_new_tokens, seed, max_gamma, eos)
+    gammas = {n: {t: calibration[n]["per_temperature"][t]["num_draft_tokens"] for t in temps} for n in decoders}
+    costs = {n: (calibration[n]["cost_ratio"], calibration[n]["verify_costs"]) for n in decoders}
+    return gammas, costs, calibration
+
+
 def eval_decoders(target_dir: str | Path, drafts: dict[str, str | Path], tokenizer, max_gamma: int,
-                  compile: bool | str, lookup: int) -> dict[str, SpeculativeDecoder]:
-    """``{"plain": the target alone, draft name: the target with that draft}``; the drafts' decoders compiled as
-    ``compile`` says, plain decoding only with ``compile=True`` (the one setting that compiles the target)."""
+                  compile: bool | str, lookup: int, lookup_alone: int = 0) -> dict[str, SpeculativeDecoder]:
+    """``{"plain": the target alone, draft name: the target with that draft[, "lookup": the target with prompt
+    lookup of n = lookup_alone and no draft, γ = max_gamma]}``; the drafts' decoders compiled as ``compile`` says,
+    plain decoding and lookup only with ``compile=True`` (the one setting that compiles the target)."""
     target = _load_lm(target_dir, "target")
     decoders = {"plain": SpeculativeDecoder(target, None, num_draft_tokens=0, compile=compile is True)}
     for name, path in drafts.items():
         decoders[name] = SpeculativeDecoder(target, _load_lm(path), num_draft_tokens=PROBE_GAMMA, tokenizer=tokenizer,
                                             draft_tokenizer=tokenizer, max_auto_draft_tokens=max_gamma,
                                             compile=compile, prompt_lookup_ngram=lookup)
+    if lookup_alone:
+        decoders[LOOKUP] = SpeculativeDecoder(target, None, num_draft_tokens=max_gamma, tokenizer=tokenizer,
+                                              compile=compile is True, prompt_lookup_ngram=lookup_alone)
     return decoders
 
 
-def _generate(decoder: SpeculativeDecoder, ids: list[int], temperature: float, seed: int, max_new_tokens: int,
-              gamma: int):
-    """One timed run's call. eos is not a stop: every run generates max_new_tokens, so tokens/s compares equal
-    amounts of work."""
+class FullVocabHead(torch.nn.Module):
+    """A vocabulary-pruned draft's N-row head (:mod:`decode.vocab_map`) as a V-wide one: its N logits at the ids of
+    its map, -inf elsewhere, so a caller that reads ids off the head (Hugging Face assisted generation) gets target
+    ids and never proposes an id the draft does not score."""
+
+    def __init__(self, head: torch.nn.Module, vocab_map: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.head, self.vocab_size = head, vocab_size
+        self.register_buffer("vocab_map", vocab_map.clone(), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return scatter_to_vocab(self.head(hidden), self.vocab_map, self.vocab_size)  # (..., N) -> (..., V)
+
+
+def _full_vocab_draft(draft):
+    """``draft`` itself, or for a vocabulary-pruned one the same model with a :class:`FullVocabHead` (in place:
+    give it a copy that nothing else decodes with)."""
+    vocab_map = draft_vocab_map(draft)
+    if vocab_map is not None:
+        draft.set_output_embeddings(FullVocabHead(draft.get_output_embeddings(), vocab_map,
+                                                  int(draft.get_input_embeddings().weight.shape[0])))
+    return draft
+
+
+def _pad_id(tokenizer) -> int:
+    """The pad id Hugging Face ``generate`` is given (one prompt per call: no padding is ever written)."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+class HFAssisted:
+    """Hugging Face assisted generation (``target.generate(assistant_model=draft)``), called as
+    :meth:`decode.engine.SpeculativeDecoder.generate` is for one prompt. The call and its timing are the
+    benchmark's (:func:`decode.bench.hf_assisted.run_hf`: a fixed γ with a constant schedule and no confidence
+    stop, every logits processor neutral so it samples what our decoder samples; tokens/s = new tokens over the
+    wall time of the call). Its stats hold tokens and seconds only: HF does not report acceptance."""
+
+    def __init__(self, target, draft, pad_id: int):
+        self.target, self.draft, self.pad_id = target, draft, pad_id
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator, num_draft_tokens: int | None = None,
+                 eos_token_id: int | None = None) -> GenerationOutput:
+        method = Method(HF_ASSISTED, HF, num_draft_tokens, assisted=True)
+        rows, wall, ttft, peak = run_hf(self.target, self.draft, method, input_ids, torch.ones_like(input_ids),
+                                        temperature, BenchConfig(max_new_tokens=max_new_tokens), eos_token_id,
+                                        self.pad_id, generator.initial_seed(), self.target.device)
+        new = torch.tensor(rows[0], dtype=torch.long)
+        stats = DecodeStats(num_new_tokens=len(rows[0]), num_sequences=1, total_s=wall, peak_memory_bytes=peak,
+                            ttft_s=(ttft.ttft_s or 0.0) if ttft is not None else 0.0)
+        return GenerationOutput(sequences=[torch.cat([input_ids[0].cpu(), new])], new_tokens=[new], stats=stats)
+
+
+def _generate(decoder, ids: list[int], temperature: float, seed: int, max_new_tokens: int, gamma: int | None,
+              eos: int | None):
+    """One timed run's call (``gamma`` None: the decoder's own γ). ``eos`` None: eos is not a stop, every run
+    generates max_new_tokens, so tokens/s compares equal amounts of work."""
     return decoder.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=temperature,
-                            generator=torch.Generator().manual_seed(seed),
-                            num_draft_tokens=0 if decoder.draft is None else gamma)
+                            generator=torch.Generator().manual_seed(seed), num_draft_tokens=gamma,
+                            eos_token_id=eos)
 
 
-def _warm_up(decoders: dict[str, SpeculativeDecoder], ids: list[int], temps: list[float], max_new_tokens: int,
-             compile: bool | str, console) -> None:
+def _warm_up(decoders: dict, ids: list[int], temps: list[float], max_new_tokens: int, compile: bool | str,
+             eos: int | None, console) -> None:
     """Untimed: the first call of each model pays for lazy initialisation, and compilation: a full-length run per
     temperature meets the shapes the timed runs will."""
     for dec in decoders.values():
-        _generate(dec, ids[-16:], 0.0, 0, max_new_tokens, PROBE_GAMMA)
+        _generate(dec, ids[-16:], 0.0, 0, max_new_tokens, None, eos)
     if not compile:
         return
     console.print(f"eval: compiling ({'the drafts' if compile == 'draft' else 'both models'}' forwards, untimed)")
     for mode, dec in decoders.items():
-        if mode != "plain" or compile is True:
+        if isinstance(dec, SpeculativeDecoder) and (dec.draft is not None or compile is True):
             # every shape class at batch 1 (a step's draft input is 3+ tokens only where the prompt lookup covered
             # its leading drafts, which one run may never meet: a graph built in a timed run costs seconds)
             warm_up(dec, 1)
             for temperature in temps:
-                _generate(dec, ids, temperature, 0, max_new_tokens, PROBE_GAMMA)
+                _generate(dec, ids, temperature, 0, max_new_tokens, None, eos)
 
 
-def timed_runs(decoders: dict[str, SpeculativeDecoder], prompts: list[tuple[str, list[int]]], temps: list[float],
-               max_new_tokens: int, seed: int, gammas: dict, console) -> dict:
-    """Every decoder on every prompt and temperature, interleaved (:func:`decode.bench.measure.run_interleaved`:
-    plain, baseline and distilled runs on a prompt follow each other, the first rotating from prompt to prompt,
-    with the same generator seed), under a progress bar. Returns ``{(temperature, mode): [[output] per prompt]}``."""
+def timed_runs(decoders: dict, prompts: list[tuple[str, list[int]]], temps: list[float], max_new_tokens: int,
+               seed: int, gammas: dict, eos: int | None, console) -> dict:
+    """Every mode on every prompt and temperature, interleaved (:func:`decode.bench.measure.run_interleaved`: the
+    modes' runs on a prompt follow each other, the first rotating from prompt to prompt, with the same generator
+    seed), under a progress bar. Returns ``{(temperature, mode): [[output] per prompt]}``."""
     columns = (TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("", total=len(temps) * len(prompts) * len(decoders))
 
         def run(mode: str, i: int, temperature: float):
             out = _generate(decoders[mode], prompts[i][1], temperature, seed * 1_000_003 + i, max_new_tokens,
-                            gammas.get(mode, {}).get(temperature, 0))
+                            gammas.get(mode, {}).get(temperature), eos)
             bar.update(task, advance=1, description=f"T={temperature:g} {prompts[i][0]}")
             return out
 
         return run_interleaved(run, list(decoders), len(prompts), temps)
 
 
-def greedy_lossless(outputs: dict, num_prompts: int, modes: list[str]) -> dict[str, int]:
-    """Greedy speculative outputs equal to plain greedy decoding's on the same prompt, of all greedy runs."""
+def greedy_lossless(outputs: dict, num_prompts: int, modes: list[str]) -> dict:
+    """Greedy outputs of every mode but plain equal to plain greedy decoding's on the same prompt, of all greedy
+    runs (``equal``/``total``), and per mode (``by_mode``)."""
     if (0.0, "plain") not in outputs:
-        return {"equal": 0, "total": 0}
+        return {"equal": 0, "total": 0, "by_mode": {}}
     plain = [runs[0].new_tokens[0] for runs in outputs[(0.0, "plain")]]
-    same = [torch.equal(outputs[(0.0, m)][i][0].new_tokens[0], plain[i]) for m in modes if m != "plain"
-            for i in range(num_prompts)]
-    return {"equal": sum(same), "total": len(same)}
+    by_mode = {m: sum(torch.equal(outputs[(0.0, m)][i][0].new_tokens[0], plain[i]) for i in range(num_prompts))
+               for m in modes if m != "plain"}
+    return {"equal": sum(by_mode.values()), "total": num_prompts * len(by_mode), "by_mode": by_mode}
+
+
+def eval_eos(ecfg, tokenizer) -> int | None:
+    """The stop id of every run: None with ``quickstart.eval.ignore_eos`` true (the default: every run makes
+    max_new_tokens), else the tokenizer's eos (for a chat model, the end of its turn, e.g. ``<|im_end|>``).
+    Raises ValueError when the tokenizer has none."""
+    if ecfg.get("ignore_eos", True):
+        return None
+    if tokenizer.eos_token_id is None:
+        raise ValueError("quickstart.eval.ignore_eos=false: the target's tokenizer has no eos token to stop at; "
+                         "set eval.ignore_eos=true")
+    return int(tokenizer.eos_token_id)
+
+
+def eval_max_prompt_tokens(ecfg) -> int | None:
+    """``quickstart.eval.max_prompt_tokens``: an integer >= 1 (each prompt keeps its last this many tokens), or
+    null (no cut); 192 when absent."""
+    value = ecfg.get("max_prompt_tokens", 192)
+    return None if value is None else int(value)
+
+
+def _hf_assisted_draft(ecfg, drafts: dict, console) -> str | None:
+    """The draft ``quickstart.eval.hf_assisted`` names, or None: unset, or (said on ``console``) a draft this
+    evaluation does not have (a distillation that failed leaves the first draft only)."""
+    name = ecfg.get("hf_assisted")
+    if name is None:
+        return None
+    if name not in drafts:
+        console.print(f"[yellow]eval: quickstart.eval.hf_assisted={name!r} names no draft of this evaluation "
+                      f"({', '.join(drafts)}); Hugging Face assisted generation is left out")
+        return None
+    return name
 
 
 def eval_compile(ecfg) -> bool | str:
@@ -588,7 +758,16 @@ def check_eval_settings(ecfg) -> int | str:
     eval_prompt_lookup(ecfg)
     # the first token comes from the prefill: one more is the least that drafts
     _check_eval_count(ecfg, "max_new_tokens", 64, low=2)
-    _check_eval_count(ecfg, "max_prompt_tokens", 192)
+    if ecfg.get("max_prompt_tokens", 192) is not None:  # null: prompts are not cut
+        _check_eval_count(ecfg, "max_prompt_tokens", 192)
+    for key, default in (("chat_template", False), ("ignore_eos", True)):
+        if not isinstance(ecfg.get(key, default), bool):
+            raise ValueError(f"quickstart.eval.{key}={ecfg.get(key)!r}: use true or false")
+    check_prompt_lookup(ecfg.get("prompt_lookup_alone", 0), name="quickstart.eval.prompt_lookup_alone")
+    hf = ecfg.get("hf_assisted")
+    if hf is not None and (not isinstance(hf, str) or hf in ("plain", LOOKUP, HF_ASSISTED)):
+        raise ValueError(f"quickstart.eval.hf_assisted={hf!r}: give the name of a draft (e.g. distilled) for Hugging "
+                         "Face assisted generation with it, or null for none")
     _check_eval_count(ecfg, "seed", 0, low=0)
     if setting == "best":
         _check_eval_count(ecfg, "max_draft_tokens", 8)
@@ -604,7 +783,11 @@ def check_eval_settings(ecfg) -> int | str:
     sets = ecfg.get("prompt_sets")
     if not sets or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in dict(sets).values()):
         raise ValueError(f"quickstart.eval.prompt_sets={sets!r}: use {{set: number of prompts >= 1}}, e.g. "
-                         "{humaneval: 10, mbpp_code: 10, stdlib: 10}")
+                         "{humaneval: 10, mbpp_code: 10, stdlib: 10} or {spec_bench: 12}")
+    clash = sorted(set(dict(sets)) & set(SPEC_BENCH_GROUPS)) if SPEC_BENCH in sets else []
+    if clash:
+        raise ValueError(f"quickstart.eval.prompt_sets names {SPEC_BENCH} and {', '.join(clash)}, which is also a "
+                         f"Spec-Bench category (a table row each): leave {', '.join(clash)} out")
     return setting
 
 
@@ -709,7 +892,7 @@ def lock_out_dir(out: Path):
 
 
 def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
-                  seed: int, max_gamma: int) -> dict:
+                  seed: int, max_gamma: int, eos: int | None = None) -> dict:
     """Choose γ per draft and temperature from a calibration run, before any timed run.
 
     For each draft, the engine's own cost model is measured (:func:`engine_costs`: c and the verify costs v_γ for
@@ -725,6 +908,7 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
         prompts: token-id lists (the calibration prompts).
         temperatures: decoding temperatures; max_new_tokens: tokens per calibration run; seed: generator seed base.
         max_gamma: largest γ considered (>= 1).
+        eos: the runs' stop id (None: each run makes max_new_tokens).
 
     Returns:
         ``{name: {"cost_ratio": c, "verify_costs": [v_0 = 1, .., v_max], "per_temperature": {T: {"alpha": α,
@@ -743,7 +927,8 @@ def choose_gammas(decoders: dict, prompts: list[list[int]], temperatures: list[f
         per_t = {}
         for t in temperatures:
             seeds = [seed * 1_000_003 + 500_000 + i for i in range(len(prompts))]
-            alpha = decode_stats(dec, prompts, t, max_new_tokens, seeds, num_draft_tokens=PROBE_GAMMA).alpha
+            alpha = decode_stats(dec, prompts, t, max_new_tokens, seeds, eos_token_id=eos,
+                                 num_draft_tokens=PROBE_GAMMA).alpha
             g, predicted = predict(alpha, c, v, max_gamma=max_gamma)  # alpha: 0.0 with no trial
             per_t[t] = {"alpha": alpha, "num_draft_tokens": g, "predicted_speedup": predicted}
         out[name] = {"cost_ratio": c, "verify_costs": v, "per_temperature": per_t}
@@ -759,46 +944,82 @@ def engine_costs(decoder, context: list[int]) -> tuple[float, list[float]]:
     return measure_costs(decoder, [context], gammas, context_tokens=64 + gammas + 1, repeats=11)
 
 
-def _pool(outputs: dict, temps: list[float], set_names: list[str], drafts: list[str], costs: dict,
+def _pool(outputs: dict, temps: list[float], labels: list[str], modes: list[str], costs: dict,
           gammas: dict) -> list[dict]:
-    """One row per (temperature, prompt set) and (temperature, "all"), pooling DecodeStats over prompts."""
+    """One row per (temperature, prompt label) and (temperature, "all"), pooling DecodeStats over prompts; a cell
+    per mode (the drafts' with their cost model, ``costs``)."""
     rows = []
     for t in temps:
-        for s in list(dict.fromkeys(set_names)) + ["all"]:
-            plain = _pooled(outputs[(t, "plain")], set_names, s)
+        for s in list(dict.fromkeys(labels)) + ["all"]:
+            plain = _pooled(outputs[(t, "plain")], labels, s)
             row = {"temperature": t, "set": s, "plain_tokens_per_s": plain.tokens_per_s,
                    "plain_new_tokens": plain.num_new_tokens}
-            for d in drafts:
-                row[d] = _draft_cell(_pooled(outputs[(t, d)], set_names, s), plain, gammas[d][t], *costs[d])
+            for m in modes:
+                row[m] = _draft_cell(_pooled(outputs[(t, m)], labels, s), plain, gammas[m][t], *costs.get(m, (None,
+                                                                                                              None)))
             rows.append(row)
     return rows
 
 
-def _pooled(runs_per_prompt: list, set_names: list[str], prompt_set: str) -> DecodeStats:
-    """One decoder's stats at one temperature, pooled over the prompts of ``prompt_set`` (``"all"``: every one)."""
-    return DecodeStats.merge([runs[0].stats for name, runs in zip(set_names, runs_per_prompt)
+def _pooled(runs_per_prompt: list, labels: list[str], prompt_set: str) -> DecodeStats:
+    """One mode's stats at one temperature, pooled over the prompts labelled ``prompt_set`` (``"all"``: every
+    one)."""
+    return DecodeStats.merge([runs[0].stats for name, runs in zip(labels, runs_per_prompt)
                               if prompt_set in ("all", name)])
 
 
-def _draft_cell(st: DecodeStats, plain: DecodeStats, gamma: int, cost_ratio: float,
+def _draft_cell(st: DecodeStats, plain: DecodeStats, gamma: int, cost_ratio: float | None,
                 verify_costs: list[float] | None) -> dict:
-    """A draft's α, τ, tokens/s, speedup over plain and verify-aware prediction at its γ, from pooled stats."""
+    """A mode's α, τ, tokens/s, speedup over plain and (given its cost model) verify-aware prediction at its γ,
+    from pooled stats."""
     m = acceptance(st)
     return {"num_draft_tokens": gamma, "acceptance_rate": m["acceptance_rate"], "alpha": m["alpha"],
             "mean_accepted_length": m["mean_accepted_length"], "tokens_per_s": st.tokens_per_s,
             "speedup": st.tokens_per_s / plain.tokens_per_s,
             "predicted_speedup": (predict(m["alpha"], cost_ratio, verify_costs, gamma=gamma)[1]
-                                  if m["alpha"] is not None else None),
+                                  if m["alpha"] is not None and cost_ratio is not None else None),
             "num_new_tokens": st.num_new_tokens, "num_verify_steps": st.num_verify_steps,
             "accepted_length_histogram": m["accepted_length_histogram"]}
+
+
+def draft_ratio(rows: list[dict], drafts: list[str]) -> dict | None:
+    """The last draft over the first (e.g. distilled over the step-0 draft) on every prompt, per temperature:
+    tokens/s ratio and both α. None with fewer than two drafts."""
+    if len(drafts) < 2:
+        return None
+    first, last = drafts[0], drafts[-1]
+    return {"of": last, "over": first,
+            "per_temperature": {str(r["temperature"]): {
+                "tokens_per_s": r[last]["tokens_per_s"] / r[first]["tokens_per_s"],
+                "alpha": {first: r[first]["alpha"], last: r[last]["alpha"]}} for r in rows if r["set"] == "all"}}
 
 
 def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _eval_caption(ev: dict) -> str:
+    """The speed table's title: how γ was set, compilation, prompt lookup, prompts and the stop rule."""
+    chosen = ("γ chosen per draft and temperature on further prompts" if ev["num_draft_tokens"] == "best"
+              else f"γ={ev['num_draft_tokens']}")
+    chosen += {"draft": ", drafts compiled", True: ", both models compiled"}.get(ev.get("compile"), "")
+    if ev.get("prompt_lookup_ngram"):
+        chosen += f", prompt lookup (n = {ev['prompt_lookup_ngram']}) beside the drafts at T = 0"
+    if ev.get("prompt_lookup_alone"):
+        chosen += (f", lookup = prompt lookup alone (n = {ev['prompt_lookup_alone']}, no draft; greedy only: at "
+                   "T > 0 it is plain decoding)")
+    if ev.get("hf_assisted"):
+        chosen += f", hf_assisted = Hugging Face assisted generation with {ev['hf_assisted']} at its γ"
+    prompts = "chat-template prompts" if ev.get("chat_template") else "raw-text prompts"
+    stop = ("runs stop at eos: tokens/s = pooled new tokens / pooled seconds over prompts" if
+            ev.get("eos_token_id") is not None else
+            f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts")
+    return f"speculative decoding vs plain target decoding ({chosen}; {prompts}, {stop})"
+
+
 def render_table(results: dict, console) -> None:
-    """The quickstart's summary: models, then α / τ / tokens/s / speedup per draft, temperature and prompt set."""
+    """The quickstart's summary: models, then γ / α / τ / tokens/s / speedup per mode, temperature and prompt
+    label, and the last draft against the first."""
     models = Table(title="quickstart models (measured in this run)")
     for col in ("model", "params", "non-embedding", "val loss (nats/token)", "bits/byte", "tokens seen", "train s"):
         models.add_column(col, justify="right" if col != "model" else "left")
@@ -812,36 +1033,38 @@ def render_table(results: dict, console) -> None:
     ev = results.get("eval")
     if not ev:
         return
-    drafts = [d for d in ("baseline", "distilled") if d in ev["rows"][0]]
-    chosen = ("γ chosen per draft and temperature on further prompts" if ev["num_draft_tokens"] == "best"
-              else f"γ={ev['num_draft_tokens']}")
-    chosen += {"draft": ", drafts compiled", True: ", both models compiled"}.get(ev.get("compile"), "")
-    if ev.get("prompt_lookup_ngram"):
-        chosen += f", prompt lookup (n = {ev['prompt_lookup_ngram']}) beside the drafts at T = 0"
-    table = Table(title=f"speculative decoding vs plain target decoding ({chosen}, "
-                        f"{ev['max_new_tokens']} new tokens per prompt, tokens/s pooled over prompts)")
-    for col in ("T", "prompts", "draft", "γ", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup",
+    modes = ev.get("modes") or [k for k, v in ev["rows"][0].items() if isinstance(v, dict)]
+    table = Table(title=_eval_caption(ev))
+    for col in ("T", "prompts", "mode", "γ", "acc. rate", "α", "τ", "tokens/s", "plain tokens/s", "speedup",
                 "predicted"):
-        table.add_column(col, justify="left" if col in ("prompts", "draft") else "right")
+        table.add_column(col, justify="left" if col in ("prompts", "mode") else "right")
     for r in ev["rows"]:
         n = ev["num_prompts"].get(r["set"], sum(ev["num_prompts"].values()))
-        for i, d in enumerate(drafts):
+        for i, d in enumerate(modes):
             m = r[d]
             pred = f"{m['predicted_speedup']:.2f}x" if m.get("predicted_speedup") is not None else "-"
             table.add_row(f"{r['temperature']:g}" if i == 0 else "", f"{r['set']} ({n})" if i == 0 else "", d,
-                          str(m.get("num_draft_tokens", ev["num_draft_tokens"])), _fmt(m["acceptance_rate"], ".3f"),
+                          _fmt(m.get("num_draft_tokens", ev["num_draft_tokens"]), ""), _fmt(m["acceptance_rate"], ".3f"),
                           _fmt(m.get("alpha"), ".3f"),
                           _fmt(m["mean_accepted_length"], ".2f"), f"{m['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if i == 0 else "", f"{m['speedup']:.2f}x", pred,
-                          end_section=(i == len(drafts) - 1 and r["set"] == "all"))
+                          end_section=(i == len(modes) - 1 and r["set"] == "all"))
     console.print(table)
     costs = ", ".join(f"{d} c={c:.3f}" for d, c in ev["cost_ratio"].items() if c is not None)
     lossless = ev["greedy_lossless"]
+    per_mode = ", ".join(f"{m} {k}" for m, k in lossless.get("by_mode", {}).items())
     console.print(f"acc. rate = acceptance rate Σaccepted/Σdrafted; α = Leviathan et al.'s per-token acceptance "
                   f"probability (DecodeStats.alpha); predicted = (1 − α^(γ+1)) / ((1 − α)(γc + v_γ)) "
                   f"with the engine's measured draft/target forward cost ratio c ({costs or 'n/a'}) and verify cost "
-                  f"v_γ (a target forward over γ+1 tokens / over one). Greedy speculative output identical to plain "
-                  f"greedy output in {lossless['equal']}/{lossless['total']} runs.")
+                  f"v_γ (a target forward over γ+1 tokens / over one). Greedy output identical to plain greedy "
+                  f"output in {lossless['equal']}/{lossless['total']} runs"
+                  + (f" ({per_mode} of {ev['greedy_lossless']['total'] // max(len(lossless['by_mode']), 1)} each)."
+                     if per_mode else "."))
+    ratio = ev.get("draft_ratio")
+    if ratio:
+        per_t = "; ".join(f"T={float(t):g}: {x['tokens_per_s']:.2f}x tokens/s, α {_fmt(x['alpha'][ratio['over']], '.3f')}"
+                          f" -> {_fmt(x['alpha'][ratio['of']], '.3f')}" for t, x in ratio["per_temperature"].items())
+        console.print(f"{ratio['of']} vs {ratio['over']} on all prompts: {per_t}")
 
 
 # ------------------------------------------------------------------------------------------------ main

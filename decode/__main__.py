@@ -1,4 +1,4 @@
-"""``python -m decode generate|bench|serve|loadtest|certify``: the speculative decoder's command line."""
+"""``python -m decode generate|bench|serve|loadtest|certify|import-gguf``: the speculative decoder's command line."""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +13,8 @@ from rich.table import Table
 
 from decode.cli_args import num_draft_tokens_arg
 from decode.engine import SpeculativeDecoder
-from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
-                            load_target_tokenizer, run_offline)
+from decode.loading import (chat_prompt_ids, check_cached, check_device, import_gguf, load_causal_lm,
+                            load_draft_tokenizer, load_target_tokenizer, run_offline)
 from decode.lookup import check_prompt_lookup
 from decode.requests import check_seed
 from decode.sampling import validate_sampling_args
@@ -26,8 +26,8 @@ DEFAULT_GAMMA = 4  # γ of `generate` with a draft and no -g
 def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode generate",
                                 description="Stream a speculative completion of one prompt and print its metrics.")
-    p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
-    p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
+    p.add_argument("--target", required=True, help="target checkpoint: local folder, .gguf file or hub id")
+    p.add_argument("--draft", default=None, help="draft checkpoint or .gguf file (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=None,
@@ -134,19 +134,37 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def import_gguf_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decode import-gguf",
+                                description="Write a plain Hugging Face checkpoint (safetensors, config, tokenizer, "
+                                "generation config, gguf_source.json) of a GGUF file; its weights are dequantized.")
+    p.add_argument("gguf_file", metavar="FILE.gguf", help="the GGUF file (llama.cpp format)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) folder for the checkpoint")
+    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16")
+    return p
+
+
+def cmd_import_gguf(argv: list[str]) -> int:
+    args = import_gguf_parser().parse_args(argv)
+    out = import_gguf(args.gguf_file, args.out_dir, args.dtype)
+    print(f"wrote {out} (from {args.gguf_file})")
+    return 0
+
+
 COMMANDS = {
     "generate": ("decode.__main__", "cmd_generate", "stream a completion and print α, τ, TTFT, latency, memory"),
     "bench": ("decode.bench.cli", "main", "side-by-side benchmark: plain vs speculative vs HF assisted generation"),
     "serve": ("decode.serving.cli", "main", "OpenAI-compatible HTTP server (continuous batching, streaming)"),
     "loadtest": ("decode.serving.loadtest", "main", "N concurrent streaming clients against a local server"),
     "certify": ("decode.certify", "main", "chi-square certificate that a target/draft pair samples the target"),
+    "import-gguf": ("decode.__main__", "cmd_import_gguf", "write a plain checkpoint (safetensors) of a GGUF file"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m decode {generate,bench,serve,loadtest,certify} [options]\n")
+        print(f"usage: python -m decode {{{','.join(COMMANDS)}}} [options]\n")
         for name, (_, _, help_) in COMMANDS.items():
             print(f"  {name:10s} {help_}")
         return 0 if argv else 2

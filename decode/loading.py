@@ -1,9 +1,11 @@
-"""Load a target/draft pair and its tokenizer from local paths or hub ids, with clear errors."""
+"""Load a target/draft pair and its tokenizer from local paths, GGUF files or hub ids, with clear errors."""
 from __future__ import annotations
 
 import difflib
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,8 @@ from typing import Any
 import torch
 
 from decode.compat import IncompatibleModelsError, check_causal, check_tokenizers
+from decode.gguf import SOURCE_FILE, check_magic, find_gguf, load_gguf_model, load_gguf_tokenizer, source_record
+from decode.outputs import replace_dir, umask, write_json
 from decode.vocab_map import load_pretrained, pruned_size
 
 # huggingface_hub, transformers and peft are imported where they are used: `python -m decode bench` sets
@@ -130,14 +134,17 @@ def _shadow_hint(name: str) -> str:
 
 
 def check_model_path(name_or_path: str, role: str) -> None:
-    """A value that looks like a local path (:func:`looks_local`) must be a folder, as ``from_pretrained`` needs; a
-    hub id (``org/name``) is left to the loader (:func:`check_cached` checks it offline). Raises FileNotFoundError
-    naming ``role`` (e.g. ``draft`` or a CLI's ``--draft``) and whether the path is missing or a file."""
-    if looks_local(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
+    """A value that looks like a local path (:func:`looks_local`) must be a folder, as ``from_pretrained`` needs, or
+    a GGUF file (:func:`decode.gguf.find_gguf`); a hub id (``org/name``) is left to the loader (:func:`check_cached`
+    checks it offline). Raises FileNotFoundError naming ``role`` (e.g. ``draft`` or a CLI's ``--draft``) and whether
+    the path is missing, a file that is not GGUF, or a folder of several GGUF files."""
+    if not looks_local(name_or_path) or find_gguf(name_or_path, f"{role} path") is not None:
+        return
+    if not os.path.isdir(os.path.expanduser(name_or_path)):
         what = "is a file, not a checkpoint folder" if os.path.exists(os.path.expanduser(name_or_path)) else \
             "does not exist"
         raise FileNotFoundError(f"{role} path {shown_path(name_or_path)} {what}; pass a directory written by "
-                                "save_pretrained (or a hub id when online)")
+                                "save_pretrained or a .gguf file (or a hub id when online)")
 
 
 def shown_path(path: str | os.PathLike) -> str:
@@ -220,11 +227,7 @@ def _load_merged_adapter(folder: str, base: str, name_or_path: str, role: str, d
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise FileNotFoundError(f"could not apply the {role} adapter {name_or_path!r} to its base {base!r} "
                                 f"(base_model_name_or_path): {err}") from err
-    model.eval().requires_grad_(False)
-    if device is not None:
-        model.to(device)
-    check_causal(model, role)  # a masked LM loads as a causal-LM class with only a transformers warning
-    return model
+    return _ready(model, role, device)
 
 
 def untie_adapted_weights(peft_model: Any) -> bool:
@@ -272,6 +275,9 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
     its base (``base_model_name_or_path``, itself through this loader, so a vocabulary-pruned base keeps its head
     and map) with the adapter merged in (``PeftModel.merge_and_unload``): what base + adapter compute, as one model.
 
+    A GGUF file (``*.gguf``, or a folder with no ``config.json`` and one ``.gguf`` file) is dequantized to ``dtype``
+    and rebuilt as a plain model (:func:`decode.gguf.load_gguf_model`, which logs the file's tensor types).
+
     Raises:
         RemoteCodeError: (a ValueError) the checkpoint ships its own code, transformers has no class for its
             ``model_type``, and ``trust_remote_code`` is off.
@@ -285,6 +291,9 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
         device = check_device(device)  # before the weights load: a device this torch build lacks is a ValueError
     check_cached(name_or_path, role)
     kw = {"dtype": resolve_dtype(dtype)} if dtype is not None else {}
+    gguf_file = find_gguf(name_or_path, role) if looks_local(name_or_path) else None
+    if gguf_file is not None:
+        return _ready(load_gguf_model(gguf_file, kw.get("dtype"), role), role, device)
     folder = local_folder(name_or_path)  # a pruned draft's id map is read from its folder, a cached hub id's too
     base = peft_adapter_base(folder) if folder else None
     if base is not None:
@@ -317,6 +326,11 @@ def load_causal_lm(name_or_path: str, role: str = "model", dtype: str | torch.dt
                       f"{own}), which is not run: it was built with transformers' "
                       f"{type(model).__name__} (model_type {model.config.model_type!r}). Pass --trust-remote-code "
                       "(distill: *.trust_remote_code=true) to run its code instead, after reading it", stacklevel=2)
+    return _ready(model, role, device)
+
+
+def _ready(model: Any, role: str, device: str | None) -> Any:
+    """``model`` in eval mode with frozen weights, on ``device`` (None: where it is), checked to be a causal LM."""
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
@@ -337,7 +351,8 @@ def has_tokenizer_files(folder: str | None, files: tuple[str, ...] = TOKENIZER_F
 def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: bool = False,
                    trust_remote_code: bool = False, fix: str = "pass --tokenizer PATH") -> Any:
     """``AutoTokenizer.from_pretrained`` with a clear error when it is missing (a peft adapter folder saved without
-    a tokenizer gives its base's, ``base_model_name_or_path``). ``pad_from_eos``: a tokenizer
+    a tokenizer gives its base's, ``base_model_name_or_path``; a GGUF file gives the one in its metadata,
+    :func:`decode.gguf.load_gguf_tokenizer`). ``pad_from_eos``: a tokenizer
     without a pad token gets eos as pad (batched generation and training pad their rows). ``trust_remote_code``:
     see :func:`load_causal_lm`. ``fix``: how the caller's user names another tokenizer (a CLI flag, a setting).
 
@@ -348,6 +363,9 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
     from transformers import AutoTokenizer
 
     check_cached(str(name_or_path), role)
+    gguf_file = find_gguf(name_or_path, role) if looks_local(str(name_or_path)) else None
+    if gguf_file is not None:
+        return _with_pad(load_gguf_tokenizer(gguf_file, role), role, name_or_path, pad_from_eos)
     folder = local_folder(str(name_or_path))
     base = peft_adapter_base(folder) if folder else None
     own_files = has_tokenizer_files(folder)
@@ -369,7 +387,11 @@ def load_tokenizer(name_or_path: str, role: str = "tokenizer", pad_from_eos: boo
         raise FileNotFoundError(f"could not load the {role} from {name_or_path!r}: {err}. Save the tokenizer next to "
                                 f"the model (tokenizer.save_pretrained) or {fix}.{_shadow_hint(str(name_or_path))}"
                                 ) from err
-    tok = _as_saved(tok, str(name_or_path))
+    return _with_pad(_as_saved(tok, str(name_or_path)), role, name_or_path, pad_from_eos)
+
+
+def _with_pad(tok: Any, role: str, name_or_path: str, pad_from_eos: bool) -> Any:
+    """``tok``, with eos as its pad token when ``pad_from_eos`` and it has none (FileNotFoundError: no eos either)."""
     if pad_from_eos and tok.pad_token_id is None:
         if tok.eos_token is None:
             raise FileNotFoundError(f"the {role} {name_or_path!r} has neither a pad nor an eos token; add a pad token "
@@ -401,6 +423,45 @@ def _as_saved(tok: Any, name_or_path: str) -> Any:
     import transformers
 
     return getattr(transformers, named).from_pretrained(folder)
+
+
+def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | torch.dtype = "float32") -> Path:
+    """Write a plain Hugging Face checkpoint of a GGUF file into ``out_dir`` and return its path: ``config.json``,
+    ``model.safetensors`` (the weights dequantized to ``dtype``), ``generation_config.json`` (the GGUF's bos and eos),
+    the tokenizer's files (vocabulary, merges, chat template), and ``gguf_source.json``: the file's name, size,
+    sha256 and tensor types, and the dtype. The result loads with plain ``from_pretrained`` and every loader here.
+
+    The checkpoint is written into a temporary folder beside ``out_dir`` and renamed into place, so an interrupted
+    import leaves no partial ``out_dir``. ``python -m decode import-gguf FILE.gguf OUT_DIR [--dtype float32]``.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` is missing, a folder, or not a GGUF file (or one transformers cannot read).
+        FileExistsError: ``out_dir`` exists and is not an empty folder (nothing is overwritten).
+        ValueError: ``dtype`` is not a dtype name (``auto`` included: the import writes one dtype).
+    """
+    src, out = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
+    if not src.is_file():
+        what = "is a folder" if src.is_dir() else "does not exist"
+        raise FileNotFoundError(f"GGUF file {shown_path(gguf_path)} {what}; give the path of a .gguf file")
+    check_magic(src, "GGUF file")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"OUT_DIR {shown_path(out_dir)} exists and is not an empty folder; nothing there is "
+                              "overwritten: give a new folder (or remove that one yourself)")
+    torch_dtype = resolve_dtype(dtype)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"--dtype {dtype!r}: the import writes one dtype; use float32, bfloat16 or float16")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~umask())  # a folder like any other the user makes (mkdtemp's is private)
+        load_gguf_model(src, torch_dtype, "GGUF model").save_pretrained(tmp)
+        load_gguf_tokenizer(src).save_pretrained(tmp)
+        write_json(tmp / SOURCE_FILE, {**source_record(src), "dtype": str(torch_dtype).removeprefix("torch.")})
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def default_device() -> str:
@@ -436,8 +497,8 @@ def check_device(device: str | None) -> str:
 def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer a CLI decodes ``target`` with: ``tokenizer`` (its ``--tokenizer``) or else the target's own.
 
-    A ``--tokenizer`` is checked against the target's own tokenizer when the target's folder (or cached snapshot)
-    has one (:func:`decode.compat.check_tokenizers`: every shared id the same token, the same bos/eos/unk; then the
+    A ``--tokenizer`` is checked against the target's own tokenizer when the target's folder (or cached snapshot,
+    or GGUF file) has one (:func:`decode.compat.check_tokenizers`: every shared id the same token, the same bos/eos/unk; then the
     same size, which sets the lm_head rows the target may sample), so another chat template passes, and a tokenizer
     of another vocabulary or size does not: the target would silently read and write ids of the wrong tokens, or
     sample rows it was not trained on.
@@ -447,8 +508,8 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
         FileNotFoundError, RemoteCodeError: as :func:`load_tokenizer`.
     """
     tok = load_tokenizer(tokenizer or target, trust_remote_code=trust_remote_code)
-    folder = local_folder(str(target)) if tokenizer else None
-    if has_tokenizer_files(folder):
+    folder = _own_tokenizer(str(target)) if tokenizer else None
+    if folder is not None:
         own = load_tokenizer(folder, "target's tokenizer", trust_remote_code=trust_remote_code)
         try:
             check_tokenizers(own, tok, names=("the target's own", "--tokenizer"),
@@ -465,12 +526,22 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
 
 
 def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False) -> Any:
-    """The draft's own tokenizer if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`) has
-    one (so the pair can be checked), else the target's."""
-    folder = local_folder(draft_path)
-    if has_tokenizer_files(folder, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return load_tokenizer(folder, "draft tokenizer", trust_remote_code=trust_remote_code)
+    """The draft's own tokenizer if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`, or
+    its GGUF file) has one (so the pair can be checked), else the target's."""
+    own = _own_tokenizer(draft_path, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if own is not None:
+        return load_tokenizer(own, "draft tokenizer", trust_remote_code=trust_remote_code)
     return target_tokenizer
+
+
+def _own_tokenizer(name_or_path: str, files: tuple[str, ...] = TOKENIZER_FILES) -> str | None:
+    """Where a model's own tokenizer is: its GGUF file, or its folder (or cached snapshot) when that holds one of
+    ``files``; None when it has none."""
+    gguf_file = find_gguf(name_or_path) if looks_local(name_or_path) else None
+    if gguf_file is not None:
+        return str(gguf_file)
+    folder = local_folder(name_or_path)
+    return folder if has_tokenizer_files(folder, files) else None
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:

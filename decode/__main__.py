@@ -13,8 +13,9 @@ from rich.table import Table
 
 from decode.cli_args import num_draft_tokens_arg
 from decode.engine import SpeculativeDecoder
-from decode.loading import (chat_prompt_ids, check_cached, check_device, import_gguf, load_causal_lm,
-                            load_draft_tokenizer, load_target_tokenizer, run_offline)
+from decode.gguf import import_gguf
+from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
+                            load_target_tokenizer, run_offline)
 from decode.lookup import check_prompt_lookup
 from decode.requests import check_seed
 from decode.sampling import validate_sampling_args

@@ -9,20 +9,25 @@ dequantized (the file, its tensor types, the dtype the model now runs in). The t
 support): nothing is unpickled and no code runs.
 
 Use :func:`decode.loading.load_causal_lm` and :func:`decode.loading.load_tokenizer`, which call this module for a
-GGUF path, and ``python -m decode import-gguf FILE.gguf OUT_DIR`` (:func:`decode.loading.import_gguf`) to keep a
-plain checkpoint of it.
+GGUF path, and ``python -m decode import-gguf FILE.gguf OUT_DIR`` (:func:`import_gguf`) to keep a plain checkpoint
+of it.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import gguf
 import torch
+
+from decode.outputs import replace_dir, umask, write_json
 
 # transformers is imported where it is used: `python -m decode bench` sets HF_HUB_OFFLINE after `import decode`.
 
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"  # a GGUF file's first four bytes
 SOURCE_FILE = "gguf_source.json"  # import_gguf's record of the file a checkpoint was made from
+IMPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def find_gguf(name_or_path: str | Path, role: str = "model") -> Path | None:
@@ -154,3 +160,42 @@ def load_gguf_tokenizer(path: str | Path, role: str = "tokenizer") -> Any:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, NotImplementedError) as err:
         raise FileNotFoundError(f"could not load the {role} from the GGUF file {str(path)!r}: {err}") from err
+
+
+def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | torch.dtype = "float32") -> Path:
+    """Write a plain Hugging Face checkpoint of a GGUF file into ``out_dir`` and return its path: ``config.json``,
+    ``model.safetensors`` (the weights dequantized to ``dtype``: float32, bfloat16 or float16), ``generation_config.json``
+    (the GGUF's bos and eos), the tokenizer's files (vocabulary, merges, chat template), and ``gguf_source.json``
+    (:func:`source_record`, and the dtype). The result loads with plain ``from_pretrained``.
+
+    The checkpoint is written into a temporary folder beside ``out_dir`` and renamed into place, so an interrupted
+    import leaves no partial ``out_dir``. ``python -m decode import-gguf FILE.gguf OUT_DIR [--dtype float32]``.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` is missing, a folder, or not a GGUF file (or one transformers cannot read).
+        FileExistsError: ``out_dir`` exists and is not an empty folder (nothing is overwritten).
+        ValueError: ``dtype`` is not one of float32, bfloat16, float16.
+    """
+    src, out = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
+    if not src.is_file():
+        what = "is a folder" if src.is_dir() else "does not exist"
+        raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} {what}; give the path of a .gguf file")
+    check_magic(src, "GGUF file")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"OUT_DIR {str(out_dir)!r} exists and is not an empty folder; nothing there is "
+                              "overwritten: give a new folder (or remove that one yourself)")
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else IMPORT_DTYPES.get(str(dtype))
+    if torch_dtype not in IMPORT_DTYPES.values():
+        raise ValueError(f"--dtype {dtype!r}: the import writes {', '.join(IMPORT_DTYPES)}; use one of them")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~umask())  # a folder like any other the user makes (mkdtemp's is private)
+        load_gguf_model(src, torch_dtype, "GGUF model").save_pretrained(tmp)
+        load_gguf_tokenizer(src).save_pretrained(tmp)
+        write_json(tmp / SOURCE_FILE, {**source_record(src), "dtype": str(torch_dtype).removeprefix("torch.")})
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -4,8 +4,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,8 +11,7 @@ from typing import Any
 import torch
 
 from decode.compat import IncompatibleModelsError, check_causal, check_tokenizers
-from decode.gguf import SOURCE_FILE, check_magic, find_gguf, load_gguf_model, load_gguf_tokenizer, source_record
-from decode.outputs import replace_dir, umask, write_json
+from decode.gguf import find_gguf, load_gguf_model, load_gguf_tokenizer
 from decode.vocab_map import load_pretrained, pruned_size
 
 # huggingface_hub, transformers and peft are imported where they are used: `python -m decode bench` sets
@@ -423,45 +420,6 @@ def _as_saved(tok: Any, name_or_path: str) -> Any:
     import transformers
 
     return getattr(transformers, named).from_pretrained(folder)
-
-
-def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | torch.dtype = "float32") -> Path:
-    """Write a plain Hugging Face checkpoint of a GGUF file into ``out_dir`` and return its path: ``config.json``,
-    ``model.safetensors`` (the weights dequantized to ``dtype``), ``generation_config.json`` (the GGUF's bos and eos),
-    the tokenizer's files (vocabulary, merges, chat template), and ``gguf_source.json``: the file's name, size,
-    sha256 and tensor types, and the dtype. The result loads with plain ``from_pretrained`` and every loader here.
-
-    The checkpoint is written into a temporary folder beside ``out_dir`` and renamed into place, so an interrupted
-    import leaves no partial ``out_dir``. ``python -m decode import-gguf FILE.gguf OUT_DIR [--dtype float32]``.
-
-    Raises:
-        FileNotFoundError: ``gguf_path`` is missing, a folder, or not a GGUF file (or one transformers cannot read).
-        FileExistsError: ``out_dir`` exists and is not an empty folder (nothing is overwritten).
-        ValueError: ``dtype`` is not a dtype name (``auto`` included: the import writes one dtype).
-    """
-    src, out = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
-    if not src.is_file():
-        what = "is a folder" if src.is_dir() else "does not exist"
-        raise FileNotFoundError(f"GGUF file {shown_path(gguf_path)} {what}; give the path of a .gguf file")
-    check_magic(src, "GGUF file")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"OUT_DIR {shown_path(out_dir)} exists and is not an empty folder; nothing there is "
-                              "overwritten: give a new folder (or remove that one yourself)")
-    torch_dtype = resolve_dtype(dtype)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"--dtype {dtype!r}: the import writes one dtype; use float32, bfloat16 or float16")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o777 & ~umask())  # a folder like any other the user makes (mkdtemp's is private)
-        load_gguf_model(src, torch_dtype, "GGUF model").save_pretrained(tmp)
-        load_gguf_tokenizer(src).save_pretrained(tmp)
-        write_json(tmp / SOURCE_FILE, {**source_record(src), "dtype": str(torch_dtype).removeprefix("torch.")})
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
 
 
 def default_device() -> str:

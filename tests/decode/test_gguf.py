@@ -24,10 +24,11 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import distill.models
 from decode.__main__ import main
-from decode.gguf import SOURCE_FILE, find_gguf, quantization_types
-from decode.loading import (check_model_path, import_gguf, load_causal_lm, load_draft_tokenizer, load_target_tokenizer,
+from decode.gguf import SOURCE_FILE, find_gguf, import_gguf, quantization_types
+from decode.loading import (check_model_path, load_causal_lm, load_draft_tokenizer, load_target_tokenizer,
                             load_tokenizer)
-from distill.config import SetupError
+from distill.checks import validate
+from distill.config import SetupError, compose
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FF = 32, 2, 4, 2, 64
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -204,6 +205,17 @@ def test_distill_loaders_take_a_gguf_target_and_draft(gguf_file, tmp_path):
         distill.models.load_target(OmegaConf.create({"name_or_path": str(bad)}))
 
 
+def test_distill_preflight_takes_a_gguf_target_and_draft(gguf_file, tmp_path):
+    validate(compose([f"+target.name_or_path={gguf_file}", f"draft.name_or_path={gguf_file.parent}"]))
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copy(gguf_file, tmp_path / name)
+    with pytest.raises(SetupError, match=r"2 GGUF files \(a\.gguf, b\.gguf\); name one.*\+target\.name_or_path"):
+        validate(compose([f"+target.name_or_path={tmp_path}", "draft.num_hidden_layers=1"]))
+    (tmp_path / "c.gguf").write_text("text")
+    with pytest.raises(SetupError, match=r"is not a GGUF file.*draft\.name_or_path"):
+        validate(compose([f"+target.name_or_path={gguf_file}", f"draft.name_or_path={tmp_path / 'c.gguf'}"]))
+
+
 def test_decode_generate_takes_a_gguf_target(gguf_file, capsys):
     assert main(["generate", "--target", str(gguf_file), "--prompt", PROMPT, "--max-new-tokens", "6",
                  "--device", "cpu", "--json"]) == 0
@@ -242,7 +254,9 @@ def test_import_gguf_writes_a_plain_checkpoint_once(gguf_file, tmp_path, capsys)
         import_gguf(gguf_file, out)
 
 
-def test_import_gguf_refuses_a_missing_or_non_gguf_file(tmp_path, capsys):
+def test_import_gguf_refuses_a_missing_or_non_gguf_file_and_a_dtype_it_cannot_write(gguf_file, tmp_path, capsys):
+    assert main(["import-gguf", str(gguf_file), str(tmp_path / "out"), "--dtype", "auto"]) == 2
+    assert "--dtype 'auto': the import writes float32, bfloat16, float16" in capsys.readouterr().err
     assert main(["import-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "x.gguf").write_text("hello")

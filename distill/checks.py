@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from decode import outputs
+from decode.gguf import find_gguf
 from decode.loading import looks_local, shown_path
 from decode.prompts import GZIP_ERRORS
 from distill.checkpoint import LATEST_FILE, run_folder_hint
@@ -81,10 +82,16 @@ def _check_sources(cfg: DictConfig) -> None:
 
 def _check_model_dir(role: str, name: str, fix: str, tokenizer_only: bool = False) -> None:
     """A local model path must be a folder holding a ``config.json`` (what ``from_pretrained`` reads), a distill
-    checkpoint (``trainer_state.json``, e.g. ``<run>/best``) or a peft adapter (``adapter_config.json``); with
-    ``tokenizer_only`` (a target in cached mode, which is never loaded) a tokenizer's files are enough."""
+    checkpoint (``trainer_state.json``, e.g. ``<run>/best``), a peft adapter (``adapter_config.json``) or a GGUF
+    file (``*.gguf``, or a folder of one: :func:`decode.gguf.find_gguf`); with ``tokenizer_only`` (a target in cached
+    mode, which is never loaded) a tokenizer's files are enough."""
     if not looks_local(name):
         return
+    try:
+        if find_gguf(name, f"{role} path") is not None:
+            return
+    except FileNotFoundError as err:  # not a GGUF file, or a folder of several
+        raise SetupError(f"{err} (fix {fix})") from err
     path = Path(name).expanduser()
     if not path.exists():
         raise SetupError(f"{role} path {shown_path(name)} does not exist; fix {fix}")

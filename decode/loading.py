@@ -40,10 +40,11 @@ class RemoteCodeError(ValueError):
 
 
 def looks_local(name_or_path: str) -> bool:
-    """True for a filesystem path (starts with ``.``, ``/`` or ``~``, exists, or has more than one ``/`` before an
-    ``@revision``) rather than a hub id ``name`` or ``org/name``."""
+    """True for a filesystem path (starts with ``.``, ``/`` or ``~``, exists, names a ``.gguf`` file, or has more
+    than one ``/`` before an ``@revision``) rather than a hub id ``name`` or ``org/name``."""
     name = str(name_or_path)
-    return name.startswith((".", os.sep, "~")) or os.path.exists(name) or name.partition("@")[0].count("/") > 1
+    return (name.startswith((".", os.sep, "~")) or os.path.exists(name) or name.lower().endswith(".gguf")
+            or name.partition("@")[0].count("/") > 1)
 
 
 def recorded_name(name_or_path: str) -> str:

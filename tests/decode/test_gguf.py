@@ -118,6 +118,8 @@ def test_find_gguf_takes_a_file_or_a_folder_of_one(gguf_file, tmp_path):
     assert find_gguf(gguf_file) == gguf_file
     assert find_gguf(gguf_file.parent) == gguf_file  # a folder with no config.json and one .gguf file
     assert find_gguf(tmp_path) is None and find_gguf(tmp_path / "missing.gguf") is None
+    with pytest.raises(FileNotFoundError, match="--target path 'org/missing.gguf' .*does not exist"):
+        check_model_path("org/missing.gguf", "--target")  # a path, not a hub id to look up
     check_model_path(str(gguf_file), "--target")  # accepted where a checkpoint folder is
     check_model_path(str(gguf_file.parent), "--target")
     (tmp_path / "config.json").write_text("{}")

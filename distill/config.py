@@ -198,8 +198,10 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """``eval``: periodic α/τ measurement with the decoder, best-checkpoint selection."""
+    """``eval``: periodic α/τ measurement (teacher-forced or by generation), best-checkpoint selection."""
 
+    method: str = "teacher_forced"                  # teacher_forced (held-out target text) | generate
+    with_cached_logits: bool = False                # data.target_logits=cached: load the target to evaluate
     prompts: Optional[SourceConfig] = None          # a source like data.source; null: data.holdout examples
     num_prompts: int = 32                           # at most this many prompts
     every: int = 100                                # every N steps (0: only at the end)
@@ -448,6 +450,7 @@ CHOICES = {
     "train.progress": ("rich", "tqdm", "none"),
     "logger.name": ("none", "wandb"),
     "logger.mode": ("auto", "online", "offline", "disabled"),
+    "eval.method": ("teacher_forced", "generate"),
 }
 # The divergences of distill.losses (its DIVERGENCES, which a test compares with these names).
 LOSS_NAMES = ("fkl", "rkl", "jsd", "tvd", "acceptance")

@@ -303,10 +303,11 @@ HELDOUT_FIELDS = {"target": "+target.name_or_path", "target_hash": "+target.name
 
 
 def heldout_examples(path: str | Path, target: Any, target_name: str, prompts: list[list[int]], max_new_tokens: int,
-                     eos_token_id: Any, batch_size: int = 8, write: bool = True, log: Any = print) -> list[dict]:
+                     eos_token_id: Any, batch_size: int = 8, log: Any = print) -> tuple[list[dict], dict | None]:
     """The held-out evaluation text: ``prompts`` with the target's greedy responses (:func:`greedy_completions`),
-    generated once and kept in ``path`` (JSON: settings and responses) so that every later evaluation and a resumed
-    run score the same text. ``write=False`` (a process other than the main one) only reads the file.
+    read from ``path`` when a run already made them, so that every later evaluation and a resumed run score the same
+    text. Returns the examples and, when they were generated here, the record to keep with :func:`save_heldout`
+    (the run writes it with its first write, so that a setup that stops leaves its folder as it was).
 
     Raises:
         SetupError: ``path`` holds responses made with other settings (each differing one named with the setting
@@ -318,19 +319,21 @@ def heldout_examples(path: str | Path, target: Any, target_name: str, prompts: l
         try:
             saved = json.loads(path.read_text())
             completions, made_with = saved["completions"], saved["settings"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            diffs = [f"{k} (file {made_with.get(k)!r}, config {v!r}; set by {HELDOUT_FIELDS.get(k, k)})"
+                     for k, v in settings.items() if made_with.get(k) != v]
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             raise SetupError(f"{path} is not a held-out response file (JSON with settings and completions): it is "
                              "damaged; delete it to regenerate the held-out responses") from None
-        diffs = [f"{k} (file {made_with.get(k)!r}, config {v!r}; set by {HELDOUT_FIELDS.get(k, k)})"
-                 for k, v in settings.items() if made_with.get(k) != v]
         if diffs or len(completions) != len(prompts):
             raise SetupError(f"{path} holds the held-out responses of other settings: {'; '.join(diffs) or 'count'}."
                              " A run keeps its evaluation text; use the settings the run was made with, or start a "
                              "new run (another train.output_dir, or train.overwrite=true)")
-        return [{"prompt_ids": list(p), "completion_ids": list(c)} for p, c in zip(prompts, completions)]
-    if not write:
-        raise SetupError(f"{path} is missing: the main process writes it before the others read it")
-    log(f"eval: the target's greedy responses to {len(prompts)} held-out prompts -> {path} (once per run)")
+        return [{"prompt_ids": list(p), "completion_ids": list(c)} for p, c in zip(prompts, completions)], None
+    log(f"eval: the target's greedy responses to {len(prompts)} held-out prompts (kept in {path})")
     examples = greedy_completions(target, prompts, max_new_tokens, eos_token_id, batch_size)
-    replace_text(path, json.dumps({"settings": settings, "completions": [e["completion_ids"] for e in examples]}))
-    return examples
+    return examples, {"settings": settings, "completions": [e["completion_ids"] for e in examples]}
+
+
+def save_heldout(path: str | Path, record: dict) -> None:
+    """Write the record of :func:`heldout_examples` to ``path`` (whole or not at all)."""
+    replace_text(Path(path), json.dumps(record))

@@ -214,13 +214,27 @@ def _verify_markdown(ev: dict) -> str:
             "for it.")
 
 
+def _coverage(report: Any) -> dict:
+    """The run's held-out coverage of the kept ids (``trainer_state.json``'s ``vocab``: distill.vocab), if recorded."""
+    keys = ("heldout_mass", "heldout_token_share", "heldout_positions", "selection_mass", "selection_positions")
+    return {k: report[k] for k in keys if isinstance(report, dict) and report.get(k) is not None}
+
+
+def _coverage_words(pv: dict) -> str:
+    if pv.get("heldout_mass") is None:
+        return ""
+    return (f"; on {pv['heldout_positions']} held-out target tokens they carry {pv['heldout_mass']:.1%} of the "
+            f"target's probability mass and {pv['heldout_token_share']:.1%} of its greedy tokens are among them")
+
+
 def _pruned_markdown(card: dict) -> str:
     """The card's paragraph on a vocabulary-pruned head (empty for a full-vocabulary draft)."""
     pv = card.get("draft_vocab")
     if not pv:
         return ""
     return (f"\n**Vocabulary-pruned draft**: its lm_head scores {pv['kept_ids']} of the target's "
-            f"{pv['vocab_size'] or '?'} ids (the ids with the most target probability on the training data); the "
+            f"{pv['vocab_size'] or '?'} ids (the ids with the most target probability on the training data"
+            f"{_coverage_words(pv)}); the "
             "draft-to-target id map is the int64 tensor `draft_vocab_map` in `model.safetensors` (`config.json`: "
             "`draft_vocab_map_size`, `draft_vocab_tokenizer_hash`). Load it with `decode.loading.load_causal_lm` "
             "(draftkit's decoder puts q = 0 on the other ids, so decoding stays lossless); plain `from_pretrained` "
@@ -472,7 +486,8 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkp
     config = read_config(checkpoint)
     vocab_map = draft_vocab_map(draft)
     pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": state.get("vocab_size"),
-                                              "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0])}
+                                              "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0]),
+                                              **_coverage(state.get("vocab"))}
     card = {"target": state.get("target"), "target_revision": state.get("target_revision"),
             "earlier_target_revisions": state.get("earlier_target_revisions") or [],
             "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),

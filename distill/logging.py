@@ -97,7 +97,8 @@ class MetricsLogger:
 
     def log_eval(self, ev: dict, step: int) -> None:
         flat = {"eval/acceptance_rate": ev["acceptance_rate"], "eval/mean_accepted_length": ev["mean_accepted_length"],
-                "eval/predicted_speedup": ev["predicted_speedup"], "eval/cost_ratio": ev["cost_ratio"]}
+                "eval/predicted_speedup": ev["predicted_speedup"], "eval/cost_ratio": ev["cost_ratio"],
+                "eval/eval_s": ev.get("eval_s")}
         for t, m in ev["per_temperature"].items():
             for k in ("acceptance_rate", "alpha", "mean_accepted_length", "predicted_speedup", "best_gamma"):
                 flat[f"eval/T{t}/{k}"] = m[k]

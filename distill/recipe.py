@@ -10,8 +10,11 @@ decoding accepts more of the draft's tokens (DistillSpec, Zhou et al. ICLR 2024)
 3. the target scores each sequence in one forward pass (no grad), the draft in one forward pass with grad,
    and the divergence of ``loss.name`` between them drives the update (AdamW, warmup + cosine, clipping).
 
-Every ``eval.every`` steps the draft's acceptance rate α and mean accepted length τ are measured with the bundled
-decoder on held-out prompts; the best checkpoint by ``eval.select_by`` is kept in ``<output_dir>/best``.
+Every ``eval.every`` steps the draft's α and mean accepted length τ are measured on held-out prompts: by default
+teacher-forced on the target's greedy responses to them (generated once, kept in ``<output_dir>/eval_heldout.json``),
+with ``eval.method=generate`` by speculative decoding with the bundled decoder; the best checkpoint by
+``eval.select_by`` is kept in ``<output_dir>/best``. Each evaluation's wall time is logged (``eval_s``) and the
+summary gives the evaluation's share of the run's wall time.
 All randomness of step k (data order, the λ coin, rollout sampling) is a function of (seed, k): with the
 optimizer, scheduler and RNG states in the checkpoint, a resumed run continues exactly.
 """
@@ -39,7 +42,8 @@ from distill import checkpoint as ckpt, runfolder
 from distill.checks import check_inputs, check_output_dir, normalize_config
 from distill.config import SetupError
 from distill.data import collate_sequences, kept_positions, load_data, micro_batch_indices
-from distill.evaluate import acceptance_eval, resolve_costs
+from distill.evaluate import (HELDOUT_FILE, acceptance_eval, heldout_examples, resolve_costs, save_heldout,
+                              teacher_forced_eval)
 from distill.logging import MetricsLogger, Progress, StopFlag as _StopFlag, sigterm_raises
 from distill.logit_cache import cached_training_data, open_for_training, peak_memory_mb
 from distill.losses import cached_distill_loss, distill_loss, pruned_cached_distill_loss, pruned_distill_loss
@@ -48,7 +52,7 @@ from distill.models import (attach_lora, check_pair, is_local_path, load_draft, 
 from distill.precision import accelerator_precision, launcher_notes, plain_forward
 from distill.rollout import accepts_logits_to_keep, forward_kept_logits, rollout
 from distill.target_data import prepare_target_data
-from distill.vocab import prune_for_training
+from distill.vocab import heldout_coverage, prune_for_training, selection_warnings
 
 # ------------------------------------------------------------------------------------------------ setup
 
@@ -74,6 +78,10 @@ class Run:
     clock: dict = field(default_factory=lambda: {"elapsed_s": 0.0, "max_time_s": 0.0})  # for train.max_time_s
     logits_to_keep: dict = field(default_factory=dict)  # "target"/"draft" -> forward takes logits_to_keep
     progress: Progress = field(default_factory=lambda: Progress("none"))  # bars: steps, c measurement, α/τ eval
+    heldout: list[dict] | None = None  # held-out prompts + the target's greedy responses (teacher-forced eval, vocab)
+    heldout_record: dict | None = None  # those responses to keep in <output_dir>/eval_heldout.json (made by this setup)
+    vocab_report: dict | None = None   # a pruned draft's kept ids: selection data and held-out coverage
+    eval_time: dict = field(default_factory=lambda: {"eval_s": 0.0, "heldout_s": 0.0, "costs_s": 0.0})
 
 
 def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float, time_progress: float = 0.0) -> float:
@@ -134,9 +142,10 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     output_dir = Path(cfg.train.output_dir)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
                                trust_remote_code=bool(cfg.target.trust_remote_code))
-    # data.target_logits=cached: the target's distribution comes from a logit cache and the target is never loaded.
+    # data.target_logits=cached: the target's distribution comes from a logit cache; the target is loaded only to
+    # evaluate (eval.with_cached_logits=true), never to train.
     cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
-    target = load_target(cfg.target) if cache is None else None
+    target = load_target(cfg.target) if cache is None or cfg.eval.get("with_cached_logits") else None
     draft = load_draft(cfg.draft, target)
     check_draft_weights(cfg, draft)
     if cache is None:
@@ -154,18 +163,62 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
         examples = training_examples(cfg, target, draft, tokenizer, examples, accelerator, log)
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
+    eval_time = {"eval_s": 0.0, "heldout_s": 0.0, "costs_s": 0.0}
+    t0 = time.perf_counter()
+    heldout, heldout_record = heldout_text(cfg, target, draft, tokenizer, eval_prompts, log)
+    eval_time["heldout_s"] = time.perf_counter() - t0
     # draft.vocab.keep: the draft's lm_head keeps the N ids with the most target mass on these examples.
-    pruned_here = prune_for_training(cfg, draft, tokenizer, vocab, target, cache, examples, resume_from, log)
+    pruned_here, selection = prune_for_training(cfg, draft, tokenizer, vocab, target, cache, examples, resume_from,
+                                                log)
+    vocab_report = pruned_vocab_report(cfg, target, draft, tokenizer, vocab, selection, heldout, log)
     draft, draft_base = with_lora(cfg, draft, tokenizer, output_dir, pruned_here, accelerator)
+    t0 = time.perf_counter()
     cost_ratio, verify_costs = run_costs(cfg, target, draft, eval_prompts, cost_ratio, verify_costs, progress,
                                          accelerator)
+    eval_time["costs_s"] = time.perf_counter() - t0
     clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
     optimizer, scheduler = build_optimizer(draft, cfg, clock)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     return Run(cfg=cfg, accelerator=accelerator, tokenizer=tokenizer, target=target, draft=draft, vocab=vocab,
                examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
                cost_ratio=float(cost_ratio), verify_costs=verify_costs, draft_base=draft_base, output_dir=output_dir,
-               logit_cache=cache, clock=clock, progress=progress)
+               logit_cache=cache, clock=clock, progress=progress, heldout=heldout,
+               heldout_record=heldout_record, vocab_report=vocab_report, eval_time=eval_time)
+
+
+def heldout_text(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any, eval_prompts: list[list[int]],
+                 log: Any) -> tuple[list[dict] | None, dict | None]:
+    """The held-out prompts with the target's greedy responses (``eval.max_new_tokens`` tokens), which the
+    teacher-forced evaluation scores and a pruned draft's coverage is measured on: read from
+    ``<output_dir>/eval_heldout.json`` when the run made them before (a resumed run with other settings is refused),
+    else generated (every process the same greedy text), with the record the run keeps at its first write
+    (:func:`distill.evaluate.heldout_examples`). None when nothing needs them (``eval.method=generate`` with a
+    full-vocabulary draft) or no target is loaded (cached mode)."""
+    keep = (cfg.draft.get("vocab") or {}).get("keep")
+    if target is None or (str(cfg.eval.method) == "generate" and keep is None and draft_vocab_map(draft) is None):
+        return None, None
+    return heldout_examples(Path(cfg.train.output_dir) / HELDOUT_FILE, target, str(cfg.target.name_or_path),
+                            eval_prompts, int(cfg.eval.max_new_tokens), tokenizer.eos_token_id,
+                            int(cfg.eval.batch_size), log=log)
+
+
+def pruned_vocab_report(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any, vocab: int,
+                        selection: dict | None, heldout: list[dict] | None, log: Any) -> dict | None:
+    """For a pruned draft: the kept ids' coverage of the target on the held-out responses
+    (:func:`distill.vocab.heldout_coverage`, logged), with the selection's own numbers when the ids were chosen in
+    this setup, and a warning per :func:`distill.vocab.selection_warnings`. None for a full-vocabulary draft."""
+    ids = draft_vocab_map(draft)
+    if ids is None:
+        return None
+    report = {"keep": int(ids.numel()), **(selection or {})}
+    if heldout is not None:
+        report.update(heldout_coverage(target, heldout, ids, vocab, tokenizer.pad_token_id))
+        log(f"draft.vocab.keep={ids.numel()}: on {report['heldout_positions']} held-out target tokens the kept ids "
+            f"carry {report['heldout_mass']:.1%} of the target's probability mass (T = 1), and "
+            f"{report['heldout_token_share']:.1%} of the target's greedy tokens are kept ids")
+    for note in selection_warnings(int(ids.numel()), report.get("selection_positions"), report.get("heldout_mass")):
+        log(f"warning: {note}")
+    return report
 
 
 def make_accelerator(cfg: DictConfig, log: Any) -> Any:
@@ -509,20 +562,33 @@ def train_step(run: Run, step: int, micro_position: int | None = None) -> dict:
 # ------------------------------------------------------------------------------------------------ evaluate
 
 def evaluate(run: Run) -> dict | None:
-    """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed).
+    """α, τ, histogram and predicted speedup of the current draft (every process runs it: same weights, same seed),
+    by ``eval.method`` (:func:`distill.evaluate.teacher_forced_eval` or :func:`distill.evaluate.acceptance_eval`),
+    with its wall time ``eval_s`` (also summed in ``run.eval_time``).
 
     None in cached mode (no target loaded): measure afterwards with ``python -m distill eval``.
     """
     cfg, acc = run.cfg, run.accelerator
     if run.target is None:
         return None
+    t0 = time.perf_counter()
     # the draft as saved and exported (its own dtype), not under train.mixed_precision's autocast
     with run.progress.reporting() as report, plain_forward(acc.unwrap_model(run.draft)) as draft:
-        return acceptance_eval(run.target, draft, run.eval_prompts, run.tokenizer, list(cfg.eval.temperatures),
-                               num_draft_tokens=int(cfg.eval.num_draft_tokens),
-                               max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
-                               seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio, max_gamma=int(cfg.eval.max_gamma),
-                               progress=report, verify_costs=run.verify_costs)
+        if str(cfg.eval.method) == "teacher_forced":
+            ev = teacher_forced_eval(run.target, draft, run.heldout, list(cfg.eval.temperatures), run.vocab,
+                                     num_draft_tokens=int(cfg.eval.num_draft_tokens), cost_ratio=run.cost_ratio,
+                                     verify_costs=run.verify_costs, max_gamma=int(cfg.eval.max_gamma),
+                                     batch_size=int(cfg.eval.batch_size), pad_id=run.tokenizer.pad_token_id,
+                                     progress=report)
+        else:
+            ev = acceptance_eval(run.target, draft, run.eval_prompts, run.tokenizer, list(cfg.eval.temperatures),
+                                 num_draft_tokens=int(cfg.eval.num_draft_tokens),
+                                 max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
+                                 seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio,
+                                 max_gamma=int(cfg.eval.max_gamma), progress=report, verify_costs=run.verify_costs)
+    ev["eval_s"] = time.perf_counter() - t0
+    run.eval_time["eval_s"] += ev["eval_s"]
+    return ev
 
 
 class DivergedError(SetupError):
@@ -598,6 +664,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     """:func:`train` once the run folder is locked: setup (and the resumed checkpoint), the first write, the loop,
     the summary. ``closing`` finishes the metrics logger (its W&B run) however the run ends, so a failed call leaves
     no W&B run open for the next one in the process."""
+    started = time.perf_counter()
     run, state, resume_from, micro_position = start(cfg, normalized, main, log)
     cfg, acc, out = run.cfg, run.accelerator, run.output_dir
     log = log or acc.print
@@ -605,6 +672,8 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     logged_through = -1  # the last step an interrupted run logged (W&B holds it already)
     if acc.is_main_process:  # the new run starts writing: the run it replaces goes
         logged_through = runfolder.start_writing(out, OmegaConf.to_yaml(cfg), resume_from, int(state["step"]))
+        if run.heldout_record is not None:
+            save_heldout(out / HELDOUT_FILE, run.heldout_record)
     if resume_from is not None:
         for note in ckpt.resume_warnings(resume_from, cfg, state, world):
             log(f"warning: {note}")
@@ -614,6 +683,10 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
     state["num_processes"], state["batch_size"] = world, int(cfg.train.batch_size)
     stop_at = min(int(cfg.train.stop_at or max_steps), max_steps)
     announce(run, state, stop_at, log)
+    if run.vocab_report is not None:  # saved with each checkpoint: the export's card states it
+        state["vocab"] = run.vocab_report
+        if resume_from is None:
+            logger.log({f"vocab/{k}": v for k, v in run.vocab_report.items()}, 0)
     if resume_from is not None and state["step"] >= stop_at and (state["last_eval"] or {}).get("step") != stop_at:
         eval_and_save(run, state, logger, log, state["step"], force=True)  # killed between the save and its eval
     initial_eval(run, state, logger, log)
@@ -661,7 +734,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
                 log(f"train.max_time_s={max_time_s:.0f} reached at step {step} ({clock['elapsed_s']:.0f}s)")
                 break
     logger.finish()
-    return finish(run, state, loss_value, log)
+    return finish(run, state, loss_value, log, wall_s=time.perf_counter() - started)
 
 
 def start(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> tuple[Run, dict, Path | None, int]:
@@ -727,13 +800,15 @@ def initial_eval(run: Run, state: dict, logger: MetricsLogger, log: Any) -> None
     """The starting draft's α and τ (``eval.at_start``, step 0 only), kept as ``initial_eval``; in cached mode
     (no target loaded) a line saying how to measure the result instead."""
     if run.target is None:
-        log("cached target logits: no acceptance evaluation during training (the target is not loaded); measure the "
-            "result with python -m distill eval +target.name_or_path=T draft.name_or_path=<output_dir>/step_N")
+        log("cached target logits: no acceptance evaluation during training (the target is not loaded; "
+            "eval.with_cached_logits=true loads it to evaluate); measure the result with python -m distill eval "
+            "+target.name_or_path=T draft.name_or_path=<output_dir>/step_N")
     elif state["step"] == 0 and run.cfg.eval.get("at_start", True):
         ev = evaluate(run)
         state["initial_eval"] = ev
         logger.log_eval(ev, 0)
-        log(f"initial draft: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f}")
+        log(f"initial draft: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
+            f"({ev['method']}, {ev['eval_s']:.1f}s)")
 
 
 def any_process(acc: Any, flag: bool) -> bool:
@@ -778,7 +853,7 @@ def eval_and_save(run: Run, state: dict, logger: MetricsLogger, log: Any, step: 
     state["last_eval"] = {"step": step, **ev}
     logger.log_eval(ev, step)
     log(f"step {step}: acceptance rate={ev['acceptance_rate']:.3f} τ={ev['mean_accepted_length']:.2f} "
-        f"speedup≈{ev['predicted_speedup']:.2f} ({cfg.eval.select_by} selects)")
+        f"speedup≈{ev['predicted_speedup']:.2f} ({cfg.eval.select_by} selects; {ev['method']}, {ev['eval_s']:.1f}s)")
     value = ev[cfg.eval.select_by]
     if step > 0 and (state["best"] is None or value > state["best"]["value"]):
         state["best"] = {"metric": cfg.eval.select_by, "value": value, "step": step}
@@ -787,9 +862,24 @@ def eval_and_save(run: Run, state: dict, logger: MetricsLogger, log: Any, step: 
         ckpt.write_eval(path, state["last_eval"], state["best"])
 
 
-def finish(run: Run, state: dict, loss_value: float, log: Any) -> dict:
+def evaluation_share(run: Run, wall_s: float | None, log: Any) -> dict | None:
+    """The seconds this call spent evaluating (``eval_s``: the evaluations; ``heldout_s``: generating the held-out
+    responses; ``costs_s``: measuring c and v_γ) and their ``share`` of its wall time ``wall_s``, logged; None
+    without a wall time."""
+    if not wall_s:
+        return None
+    t = run.eval_time
+    spent = t["eval_s"] + t["heldout_s"] + t["costs_s"]
+    log(f"evaluation: {spent:.1f}s of {wall_s:.1f}s wall ({spent / wall_s:.1%}): evaluations {t['eval_s']:.1f}s, "
+        f"held-out responses {t['heldout_s']:.1f}s, c/v_γ measurement {t['costs_s']:.1f}s "
+        f"(eval.method={run.cfg.eval.method})")
+    return {**t, "wall_s": wall_s, "share": spent / wall_s}
+
+
+def finish(run: Run, state: dict, loss_value: float, log: Any, wall_s: float | None = None) -> dict:
     """The run's summary, written to ``<output_dir>/summary.json`` (whole or not at all) and returned; a warning
-    when best/ scores below the starting draft."""
+    when best/ scores below the starting draft. ``wall_s``: this call's wall time, of which the summary's
+    ``evaluation`` gives the evaluation's share (:func:`evaluation_share`)."""
     cfg, acc, out = run.cfg, run.accelerator, run.output_dir
     # null, not NaN (invalid JSON), when this call trained no step (a finished run resumed) or the loss diverged
     final_loss = loss_value if math.isfinite(loss_value) else None
@@ -797,7 +887,8 @@ def finish(run: Run, state: dict, loss_value: float, log: Any) -> dict:
                "tokens_seen": state["tokens_seen"], "best": state["best"], "last_eval": state["last_eval"],
                "initial_eval": state.get("initial_eval"), "num_processes": acc.num_processes, "output_dir": str(out),
                "elapsed_s": state.get("elapsed_s"), "target_logits": target_logits_mode(cfg),
-               "peak_memory_mb": peak_memory_mb(acc.device)}
+               "peak_memory_mb": peak_memory_mb(acc.device), "vocab": run.vocab_report,
+               "evaluation": evaluation_share(run, wall_s, log)}
     log(f"peak memory {summary['peak_memory_mb']:.0f} MiB ({'CUDA allocated' if acc.device.type == 'cuda' else 'RSS'}"
         f", target logits {summary['target_logits']})")
     initial, best = state.get("initial_eval") or {}, state["best"]

@@ -28,7 +28,7 @@ from distill.config import SetupError
 # What a training run writes into its output_dir (train.overwrite=true removes these, and only these): names only
 # a run writes (with the .tmp/.old of a save in progress), ...
 RUN_OWN = re.compile(r"(step_\d+|best|" + re.escape(LATEST_FILE) +
-                     r"|metrics\.jsonl|summary\.json|wandb_run_id|draft_base)(\.tmp|\.old)?")
+                     r"|metrics\.jsonl|summary\.json|wandb_run_id|draft_base|eval_heldout\.json)(\.tmp|\.old)?")
 # ... and names a run writes that a user's own folder may hold too: the run's only in a folder that holds a run.
 RUN_SHARED = ("config.yaml", "wandb")
 # Held (flock) by the run that trains into the folder: a second `distill train` into it is refused while it lives.

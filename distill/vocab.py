@@ -5,6 +5,13 @@ p_target(id) (from the logit cache: Σ exp(cached log-prob) per cached id; else 
 training sequences), plus the tokenizer's special ids so the draft can propose an end of sequence. EAGLE-3 (Li et
 al. 2025) chooses its draft vocabulary by token frequency; the target's mass is the quantity acceptance depends on
 (a kept id i lets the draft accept up to p(i) at a position). The model side is :mod:`decode.vocab_map`.
+
+How well the N ids cover the target is measured on held-out target text, never on the data they were chosen from
+(which flatters them: the ids were picked to cover exactly that data): :func:`heldout_coverage` gives the kept ids'
+share of the target's probability mass at each held-out response position and the share of the target's own
+response tokens that are kept ids (a greedy target token outside the set is a certain rejection).
+:func:`selection_warnings` names ``draft.vocab.keep`` and the data size keys when the selection data is too small
+to rank N ids or the held-out coverage is low.
 """
 from __future__ import annotations
 
@@ -115,8 +122,10 @@ def _check_resumed_keep(keep: Any, ids: torch.Tensor | None, resume_from: str | 
 
 def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target: Any = None, cache: Any = None,
                        examples: list[dict] | None = None, resume_from: str | Path | None = None,
-                       log: Any = print) -> bool:
-    """Apply ``draft.vocab.keep`` to the draft in place; returns True when it pruned the draft here.
+                       log: Any = print) -> tuple[bool, dict | None]:
+    """Apply ``draft.vocab.keep`` to the draft in place; returns whether it pruned the draft here and, when it chose
+    the ids here, the selection: ``{"keep": N, "selection_positions": positions scored, "selection_mass": the kept
+    ids' share of the target mass on that same data}``.
 
     - a draft that is already pruned (a pruned export, a run's checkpoint) keeps its own map; ``keep`` must be null
       or equal to its size (a map is never regenerated on a warm start);
@@ -137,12 +146,13 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
             raise SetupError(f"draft.vocab.keep={keep} but the draft {cfg.draft.name_or_path!r} is already pruned to "
                              f"{existing.numel()} ids; use draft.vocab.keep=null (keep its map) or start from its "
                              "full-vocabulary checkpoint")
-        pruned_here = False
+        pruned_here, selection = False, None
     else:
         ids = checkpoint_vocab_map(resume_from) if resume_from is not None else None
         _check_resumed_keep(keep, ids, resume_from)
         if keep is None:
-            return False
+            return False, None
+        selection = None
         if ids is not None:
             log(f"draft.vocab.keep={keep}: using the {ids.numel()}-id map of the checkpoint {resume_from}")
         else:
@@ -160,11 +170,60 @@ def prune_for_training(cfg: Any, draft: Any, tokenizer: Any, vocab: int, target:
                 raise SetupError(str(err)) from None
             covered = float(mass[ids].sum()) / max(float(total), 1e-30)
             log(f"draft.vocab.keep={keep}: the kept ids carry {covered:.1%} of the target's probability mass on "
-                f"the training data ({source})")
+                f"the data they were chosen from ({source}; held-out coverage follows)")
+            selection = {"keep": int(keep), "selection_positions": int(round(float(total))),
+                         "selection_mass": covered}
         prune_draft_head(draft, ids, vocab_fingerprint(tokenizer))
         pruned_here = True
     try:
         check_draft_vocab_map(draft, vocab, tokenizer)
     except IncompatibleModelsError as err:
         raise SetupError(f"incompatible target/draft pair: {err}") from None
-    return pruned_here
+    return pruned_here, selection
+
+
+# Below this many scored positions per kept id, the N-th id's rank is noise (most ids are seen a handful of times).
+MIN_POSITIONS_PER_ID = 20
+# Below this held-out share of the target's mass, the pruned head costs acceptance visibly.
+MIN_HELDOUT_MASS = 0.97
+
+
+def heldout_coverage(target: Any, examples: list[dict], ids: torch.Tensor, vocab: int, pad_id: int,
+                     batch_size: int = 4) -> dict[str, float | int]:
+    """How the kept ``ids`` cover the target on held-out ``examples`` (prompt + the target's response):
+    ``heldout_mass``, the mean over response positions of the target's probability (T = 1) on the kept ids;
+    ``heldout_token_share``, the share of the response tokens that are kept ids; ``heldout_positions``, the number
+    of response positions."""
+    kept = torch.zeros(vocab, dtype=torch.bool)
+    kept[ids.cpu()] = True
+    tokens = torch.tensor([t for e in examples for t in e["completion_ids"]], dtype=torch.long)
+    if not len(tokens):
+        raise ValueError("held-out coverage needs held-out responses; every example's completion is empty")
+    rows, to_keep, kept_mass = [e for e in examples if e["completion_ids"]], accepts_logits_to_keep(target), 0.0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            logits = completion_logits(target, rows[start:start + batch_size], pad_id, to_keep)  # (N, V')
+            p = logits[:, :vocab].float().softmax(-1)
+            kept_mass += float(p[:, kept.to(p.device)].double().sum())
+    share = float(kept[tokens[tokens < vocab]].sum()) / len(tokens)  # (an id past V is never a kept one)
+    return {"heldout_mass": kept_mass / len(tokens), "heldout_token_share": share,
+            "heldout_positions": int(len(tokens))}
+
+
+def selection_warnings(keep: int, selection_positions: int | None = None,
+                       heldout_mass: float | None = None) -> list[str]:
+    """Warnings (without the ``warning:`` prefix) when the data the N kept ids were chosen from is too small to rank
+    N ids (fewer than ``MIN_POSITIONS_PER_ID`` · N scored positions) or they cover less than ``MIN_HELDOUT_MASS`` of
+    the target's mass on held-out text; each names ``draft.vocab.keep`` and the data size keys."""
+    more_data = ("data.source.limit, data.max_new_tokens (longer responses) or data.logit_cache's data; or lower "
+                 "draft.vocab.keep")
+    out = []
+    if selection_positions is not None and selection_positions < MIN_POSITIONS_PER_ID * keep:
+        out.append(f"draft.vocab.keep={keep} ids were chosen from {selection_positions} scored positions, fewer than "
+                   f"{MIN_POSITIONS_PER_ID}·{keep} = {MIN_POSITIONS_PER_ID * keep}: too little data to rank {keep} ids "
+                   f"(the last ones are picked by chance). Raise {more_data}")
+    if heldout_mass is not None and heldout_mass < MIN_HELDOUT_MASS:
+        out.append(f"draft.vocab.keep={keep}: the kept ids carry only {heldout_mass:.1%} of the target's probability "
+                   f"mass on held-out target text (below {MIN_HELDOUT_MASS:.0%}): every token outside them is a "
+                   f"rejection. Choose them from more or broader data ({more_data}), or raise draft.vocab.keep")
+    return out

@@ -150,8 +150,8 @@ def test_eval_and_continue_from_a_distill_checkpoint(pair, tmp_path, capsys):
     from distill_helpers import compose
 
     run = tmp_path / "run"
-    train(compose(overrides(pair, run, "train.lora.enabled=true", "train.max_steps=1", "optim.lr=5e-2")),
-          log=lambda *_: None)
+    train(compose(overrides(pair, run, "train.lora.enabled=true", "train.max_steps=1", "optim.lr=5e-2",
+                            "eval.method=generate")), log=lambda *_: None)
     best = json.loads((run / "best" / "trainer_state.json").read_text())["last_eval"]
     out = tmp_path / "ev.json"
     main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}"), "--out", str(out)])
@@ -172,7 +172,8 @@ def test_the_recipe_evaluates_a_mixed_precision_run_as_distill_eval_measures_its
 
     run = tmp_path / "run"
     train(compose(overrides(pair, run, "train.mixed_precision=bf16", "train.max_steps=2", "optim.lr=5e-2",
-                            "eval.num_prompts=4", "eval.max_new_tokens=16")), log=lambda *_: None)
+                            "eval.num_prompts=4", "eval.max_new_tokens=16", "eval.method=generate")),
+          log=lambda *_: None)
     best = json.loads((run / "best" / "trainer_state.json").read_text())["last_eval"]
     out = tmp_path / "ev.json"
     main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}",

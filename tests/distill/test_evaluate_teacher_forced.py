@@ -12,7 +12,7 @@ from decode.vocab_map import prune_draft_head
 from distill import evaluate
 from distill.config import SetupError
 from distill.evaluate import (acceptance_eval, expected_acceptance, heldout_examples, position_acceptance,
-                              predicted_row, teacher_forced_alpha, teacher_forced_eval)
+                              predicted_row, save_heldout, teacher_forced_alpha, teacher_forced_eval)
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +162,13 @@ def test_heldout_responses_are_generated_once_and_other_settings_are_refused(mod
     target, _, tok = models
     ps, path = prompts(3), tmp_path / "eval_heldout.json"
     lines = []
-    first = heldout_examples(path, target, "t", ps, 5, tok.eos_token_id, log=lines.append)
-    assert len(lines) == 1 and json.loads(path.read_text())["settings"]["max_new_tokens"] == 5
+    first, record = heldout_examples(path, target, "t", ps, 5, tok.eos_token_id, log=lines.append)
+    assert len(lines) == 1 and not path.exists()  # the run writes it with its first write
     assert first == evaluate.greedy_completions(target, ps, 5, tok.eos_token_id)
+    save_heldout(path, record)
+    assert json.loads(path.read_text())["settings"]["max_new_tokens"] == 5
     monkeypatch.setattr(evaluate, "greedy_completions", lambda *a, **k: pytest.fail("generated again"))
-    assert heldout_examples(path, target, "t", ps, 5, tok.eos_token_id) == first
-    assert heldout_examples(path, target, "t", ps, 5, tok.eos_token_id, write=False) == first
+    assert heldout_examples(path, target, "t", ps, 5, tok.eos_token_id) == (first, None)
     with pytest.raises(SetupError, match=r"max_new_tokens \(file 5, config 6; set by eval.max_new_tokens\)"):
         heldout_examples(path, target, "t", ps, 6, tok.eos_token_id)
     with pytest.raises(SetupError, match=r"prompts_hash .*held-out prompts"):

@@ -113,15 +113,22 @@ def test_train_shows_cost_ratio_and_eval_progress(pair, tmp_path, monkeypatch):
     train(cfg, log=lambda *_: None)
     text = term.getvalue()
     assert _counts(text, "measuring cost ratio c")[-1] == (9, 9)
-    for t in ("0", "1"):  # eval.temperatures=[0.0,1.0]: at start and at step 2, 4 prompts in batches of 2
-        assert _counts(text, f"eval α/τ T={t}").count((4, 4)) == 2
-        assert (2, 4) in _counts(text, f"eval α/τ T={t}")
+    # teacher-forced (the default): one pass for every temperature, at start and at step 2, 4 sequences by 2
+    assert _counts(text, "eval α teacher-forced").count((4, 4)) == 2
+    assert (2, 4) in _counts(text, "eval α teacher-forced")
     assert _counts(text, "distill")[-1] == (2, 2)
+    generating = Terminal()
+    monkeypatch.setattr("sys.stderr", generating)
+    train(compose(overrides(pair, tmp_path / "generate", "train.progress=tqdm", "eval.every=2", "eval.batch_size=2",
+                            "train.max_steps=2", "eval.method=generate")), log=lambda *_: None)
+    for t in ("0", "1"):  # eval.temperatures=[0.0,1.0]: at start and at step 2, 4 prompts in batches of 2
+        assert _counts(generating.getvalue(), f"eval α/τ T={t}").count((4, 4)) == 2
+        assert (2, 4) in _counts(generating.getvalue(), f"eval α/τ T={t}")
     quiet = Terminal()
     monkeypatch.setattr("sys.stderr", quiet)
     train(compose(overrides(pair, tmp_path / "quiet", "eval.cost_ratio=null", "eval.every=2", "train.max_steps=2")),
           log=lambda *_: None)  # train.progress=none
-    assert "eval α/τ" not in quiet.getvalue() and COST_RATIO_PROGRESS not in quiet.getvalue()
+    assert "eval α" not in quiet.getvalue() and COST_RATIO_PROGRESS not in quiet.getvalue()
 
 
 WANDB_NETRC = "machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n"

@@ -1029,7 +1029,8 @@ def render_table(results: dict, console) -> None:
             models.add_row(name, f"{m['params'] / 1e6:.2f}M", f"{m['params_non_embedding'] / 1e6:.2f}M",
                            f"{m['val_loss']:.3f}", f"{m['val_bits_per_byte']:.3f}", f"{m['tokens_seen'] / 1e6:.2f}M",
                            f"{m['train_s']:.0f}")
-    console.print(models)
+    if models.row_count:  # a target imported rather than trained here has no pretraining record
+        console.print(models)
     ev = results.get("eval")
     if not ev:
         return

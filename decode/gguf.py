@@ -164,9 +164,9 @@ def load_gguf_tokenizer(path: str | Path, role: str = "tokenizer") -> Any:
 
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | torch.dtype = "float32") -> Path:
     """Write a plain Hugging Face checkpoint of a GGUF file into ``out_dir`` and return its path: ``config.json``,
-    ``model.safetensors`` (the weights dequantized to ``dtype``: float32, bfloat16 or float16), ``generation_config.json``
-    (the GGUF's bos and eos), the tokenizer's files (vocabulary, merges, chat template), and ``gguf_source.json``
-    (:func:`source_record`, and the dtype). The result loads with plain ``from_pretrained``.
+    ``model.safetensors`` (the weights dequantized to ``dtype``: float32, bfloat16 or float16),
+    ``generation_config.json`` (the GGUF's bos and eos), the tokenizer's files (vocabulary, merges, chat template),
+    and ``gguf_source.json`` (:func:`source_record`, and the dtype). The result loads with plain ``from_pretrained``.
 
     The checkpoint is written into a temporary folder beside ``out_dir`` and renamed into place, so an interrupted
     import leaves no partial ``out_dir``. ``python -m decode import-gguf FILE.gguf OUT_DIR [--dtype float32]``.

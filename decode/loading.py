@@ -457,10 +457,10 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
     """The tokenizer a CLI decodes ``target`` with: ``tokenizer`` (its ``--tokenizer``) or else the target's own.
 
     A ``--tokenizer`` is checked against the target's own tokenizer when the target's folder (or cached snapshot,
-    or GGUF file) has one (:func:`decode.compat.check_tokenizers`: every shared id the same token, the same bos/eos/unk; then the
-    same size, which sets the lm_head rows the target may sample), so another chat template passes, and a tokenizer
-    of another vocabulary or size does not: the target would silently read and write ids of the wrong tokens, or
-    sample rows it was not trained on.
+    or GGUF file) has one (:func:`decode.compat.check_tokenizers`: every shared id the same token, the same
+    bos/eos/unk; then the same size, which sets the lm_head rows the target may sample), so another chat template
+    passes, and a tokenizer of another vocabulary or size does not: the target would silently read and write ids of
+    the wrong tokens, or sample rows it was not trained on.
 
     Raises:
         decode.compat.IncompatibleModelsError: naming ``--tokenizer``, the ids or special tokens that differ.

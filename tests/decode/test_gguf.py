@@ -179,8 +179,8 @@ def test_the_tokenizer_comes_from_the_same_file(gguf_file):
     assert len(tok) == 3 + 256 + len(MERGES)
     assert tok.convert_tokens_to_ids(["Ġthe", "Ġan"]) == [259 + 2, 259 + 4]
     assert tok(" the")["input_ids"] == [261]
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # a --tokenizer is checked against the GGUF target's own; a GGUF draft brings its own tokenizer
     assert load_target_tokenizer(str(gguf_file), str(gguf_file)).get_vocab() == tok.get_vocab()
     assert load_draft_tokenizer(str(gguf_file), None).get_vocab() == tok.get_vocab()

@@ -265,9 +265,18 @@ def _acceptance_markdown(ev: dict) -> str:
 {header}
 {rows}
 
-Cost ratio c (draft / target forward time) used for the prediction: {c}.
+{_method_markdown(ev)}Cost ratio c (draft / target forward time) used for the prediction: {c}.
 {_verify_markdown(ev)}{_slower_markdown(ev)}
 """
+
+
+def _method_markdown(ev: dict) -> str:
+    """How the evaluation got α: teacher-forced (the rate and τ then follow from α) or counted while decoding."""
+    if ev.get("method") != "teacher_forced":
+        return ""
+    return ("α is teacher-forced: the mean over the target's greedy responses to the held-out prompts of Σ min(p, q) "
+            "(the chance that speculative sampling accepts the draft's token at each position; at T = 0 whether "
+            "both argmaxes agree); the acceptance rate and τ follow from α at γ.\n\n")
 
 
 def slower_temperatures(ev: dict | None) -> dict[str, float]:

@@ -409,8 +409,10 @@ def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
         raise SetupError(f"logit cache {cache.path} holds {cache.tail_samples} sampled tail ids per position, which "
                          f"give an unbiased gradient for loss=fkl only (loss={cfg.loss.name}): use loss=fkl, or a "
                          "cache built with data.logit_cache_tail_samples=0")
+    loaded = ("loaded to evaluate only (eval.with_cached_logits)" if cfg.get("eval") is not None
+              and cfg.eval.get("with_cached_logits") else "not loaded")
     log(f"cached target logits: {cache.path} (k={cache.k}, tail samples={cache.tail_samples}, {len(cache.ds)} "
-        "examples); the target is not loaded")
+        f"examples); the target is {loaded}")
     return cache
 
 

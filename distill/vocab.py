@@ -215,15 +215,16 @@ def selection_warnings(keep: int, selection_positions: int | None = None,
     """Warnings (without the ``warning:`` prefix) when the data the N kept ids were chosen from is too small to rank
     N ids (fewer than ``MIN_POSITIONS_PER_ID`` · N scored positions) or they cover less than ``MIN_HELDOUT_MASS`` of
     the target's mass on held-out text; each names ``draft.vocab.keep`` and the data size keys."""
-    more_data = ("data.source.limit, data.max_new_tokens (longer responses) or data.logit_cache's data; or lower "
-                 "draft.vocab.keep")
+    data = ("data.source.limit and data.max_new_tokens (with data.target_logits=cached, rebuild data.logit_cache "
+            "from that data)")
     out = []
     if selection_positions is not None and selection_positions < MIN_POSITIONS_PER_ID * keep:
         out.append(f"draft.vocab.keep={keep} ids were chosen from {selection_positions} scored positions, fewer than "
                    f"{MIN_POSITIONS_PER_ID}·{keep} = {MIN_POSITIONS_PER_ID * keep}: too little data to rank {keep} ids "
-                   f"(the last ones are picked by chance). Raise {more_data}")
+                   f"(the last ones are picked by chance). Raise {data}, or lower draft.vocab.keep")
     if heldout_mass is not None and heldout_mass < MIN_HELDOUT_MASS:
         out.append(f"draft.vocab.keep={keep}: the kept ids carry only {heldout_mass:.1%} of the target's probability "
                    f"mass on held-out target text (below {MIN_HELDOUT_MASS:.0%}): every token outside them is a "
-                   f"rejection. Choose them from more or broader data ({more_data}), or raise draft.vocab.keep")
+                   f"rejection. Choose them from more or broader data (raise {data}; data.source), or raise "
+                   "draft.vocab.keep")
     return out

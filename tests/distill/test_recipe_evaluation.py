@@ -96,3 +96,5 @@ def test_cached_mode_loads_the_target_to_evaluate_only_when_asked(pair, tmp_path
     # training read the cache all the same: the same losses as the run without a target
     losses = [[r["train/loss"] for r in _rows(tmp_path / d) if "train/loss" in r] for d in ("plain", "eval")]
     assert losses[0] == losses[1]
+    export(tmp_path / "eval" / "best", tmp_path / "export")  # the card says how α was measured
+    assert "α is teacher-forced" in (tmp_path / "export" / "README.md").read_text()

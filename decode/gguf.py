@@ -101,18 +101,25 @@ def source_record(path: str | Path) -> dict:
 
 
 def plain_copy(model: Any) -> Any:
-    """A model of ``model``'s class and config without ``quantization_config``, holding ``model``'s weights (in their
-    dtype) and generation config: what transformers' GGUF loading leaves marked as quantized (an ``hf_quantizer``
-    that refuses ``save_pretrained``) becomes an ordinary model. Tied embeddings stay tied."""
+    """A model of ``model``'s class and config without ``quantization_config``, holding ``model``'s weights (the
+    same tensors: no copy, so no second model's memory) and generation config: what transformers' GGUF loading
+    leaves marked as quantized (an ``hf_quantizer`` that refuses ``save_pretrained``) becomes an ordinary model.
+    Tied embeddings stay tied."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    dtype = next(model.parameters()).dtype
-    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plain.load_state_dict(model.state_dict(), strict=True)
+    with torch.device("meta"):  # the structure only: every tensor is replaced by model's below
+        plain = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
+    plain.load_state_dict(model.state_dict(), strict=True, assign=True)
+    for name, buf in model.named_buffers():  # the non-persistent ones (rotary frequencies) are not in the state dict
+        owner, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(owner), leaf, buf)
     plain.tie_weights()
+    left = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"rebuilding the GGUF model as a plain {type(plain).__name__} left {left} unset")
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain
 

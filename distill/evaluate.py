@@ -140,8 +140,9 @@ def temperature_row(decoder: SpeculativeDecoder, prompts: list[list[int]], token
 def expected_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """``(..., V), (..., V) -> (...)``: β = Σ_x min(p(x), q(x)), the probability that speculative sampling accepts
     the draft's token drawn from q when the target's distribution is p (Leviathan et al. 2023, §3.1). One-hot p and
-    q (greedy) give the indicator that both pick the same id."""
-    return torch.minimum(target_probs, draft_probs).sum(-1)
+    q (greedy) give the indicator that both pick the same id. Clamped at 1: float32 probabilities over a large
+    vocabulary can sum a hair above 1."""
+    return torch.minimum(target_probs, draft_probs).sum(-1).clamp(max=1.0)
 
 
 def position_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float, vocab: int,

@@ -39,6 +39,8 @@ def test_expected_acceptance_of_identical_disjoint_and_a_hand_computed_pair():
     assert expected_acceptance(p[1:], disjoint[1:]).item() == 0.0
     q = torch.tensor([0.2, 0.3, 0.5])  # min: 0.2 + 0.3 + 0.2
     assert expected_acceptance(p[0], q).item() == pytest.approx(0.7)
+    over = torch.full((4,), 0.25 + 1e-6)  # float round-off: Σ p a hair above 1 is still a probability of 1
+    assert expected_acceptance(over, over).item() == 1.0
 
 
 def test_greedy_acceptance_is_the_indicator_that_the_argmaxes_agree():

@@ -675,7 +675,7 @@ def _train(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any, closin
         if run.heldout_record is not None:
             save_heldout(out / HELDOUT_FILE, run.heldout_record)
     if resume_from is not None:
-        for note in ckpt.resume_warnings(resume_from, cfg, state, world):
+        for note in [*ckpt.resume_warnings(resume_from, cfg, state, world), *method_warning(cfg, state)]:
             log(f"warning: {note}")
     logger = closing.enter_context(MetricsLogger(cfg, out, acc.is_main_process, resumed=resume_from is not None,
                                                  resume_step=int(state["step"]), logged_through=logged_through,
@@ -762,6 +762,17 @@ def start(cfg: DictConfig, normalized: DictConfig, main: bool, log: Any) -> tupl
             runfolder.restore_set_aside(cfg.train.output_dir)
         raise
     return run, state, resume_from, micro_position
+
+
+def method_warning(cfg: DictConfig, state: dict) -> list[str]:
+    """A resumed run's ``eval.method`` against the one its evaluations so far used (a run without the record
+    generated): best/ then compares numbers measured two ways."""
+    last = state.get("last_eval") or state.get("initial_eval")
+    used = (last or {}).get("method", "generate")
+    if last is None or used == str(cfg.eval.method):
+        return []
+    return [f"eval.method={cfg.eval.method} but this run evaluated with {used} so far: best/ will compare numbers "
+            f"measured both ways; resume with eval.method={used} to keep them comparable"]
 
 
 def fresh_state(run: Run) -> dict:

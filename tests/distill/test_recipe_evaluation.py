@@ -41,9 +41,14 @@ def test_a_run_evaluates_teacher_forced_on_heldout_responses_and_times_it(pair, 
     more = train(compose(overrides(pair, out, "eval.every=2", "train.resume=true", "train.max_steps=6")),
                  log=lambda *_: None)
     assert more["steps"] == 6 and json.loads((out / "eval_heldout.json").read_text()) == saved
+    lines.clear()
+    train(compose(overrides(pair, out, "eval.method=generate", "train.resume=true", "train.max_steps=7")),
+          log=lines.append)
+    assert ("warning: eval.method=generate but this run evaluated with teacher_forced so far: best/ will compare "
+            "numbers measured both ways; resume with eval.method=teacher_forced to keep them comparable") in lines
     with pytest.raises(SetupError, match=r"eval_heldout.json holds the held-out responses of other settings: "
                                          r"max_new_tokens \(file 8, config 6; set by eval.max_new_tokens\)"):
-        train(compose(overrides(pair, out, "eval.max_new_tokens=6", "train.resume=true", "train.max_steps=8")),
+        train(compose(overrides(pair, out, "eval.max_new_tokens=6", "train.resume=true", "train.max_steps=9")),
               log=lambda *_: None)
 
 

@@ -227,7 +227,9 @@ def probe_logits(model: Any, runs: list[tuple[list[int], list[int]]], **kwargs: 
     try:
         model.eval()
         logits = []
-        with torch.no_grad():
+        # autocast off: the probes ask what the architecture does with slots, masks and later tokens, which a
+        # caller's bf16 autocast (distill's generate-data) would blur past the float32 tolerances
+        with torch.no_grad(), torch.autocast(param.device.type, enabled=False):
             for ids, mask in runs:
                 ids = torch.tensor([ids], device=param.device) % rows
                 mask = torch.tensor([mask], device=param.device)

@@ -23,6 +23,7 @@ from distill.checkpoint import name_list
 from distill.config import SetupError
 from distill.data import collate_prompts, ids_outside_vocab
 from distill.logit_cache import target_fingerprint
+from distill.precision import resolve_mixed_precision
 from distill.runfolder import other_entries
 
 
@@ -39,14 +40,22 @@ def prepare_target_data(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
     if accelerator is None or accelerator.is_main_process:  # (the settings hash every byte of the target: once)
         gen = {"temperature": float(tg.temperature), "max_new_tokens": int(cfg.data.max_new_tokens),
                "seed": int(cfg.train.seed), "shard_size": int(tg.shard_size)}
+        device = next(target.parameters()).device
+        precision = resolve_mixed_precision(str(cfg.train.mixed_precision), device.type)
+        if precision != "no":  # (recorded only then: caches made in full precision keep their key)
+            gen["precision"] = precision
         dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
         settings = target_data_settings(str(cfg.target.name_or_path), dtype, examples, gen)
-        log(f"target-generated data: {len(examples)} prompts -> {out_dir} (resumable)")
-        generate_target_data(target, tokenizer, examples, out_dir, cache_key(settings), temperature=gen["temperature"],
-                             max_new_tokens=gen["max_new_tokens"], batch_size=int(tg.batch_size),
-                             shard_size=gen["shard_size"], seed=gen["seed"],
-                             draft=draft if tg.get("use_draft", True) else None,
-                             progress=lambda i, n: log(f"  shard {i}/{n} done"), settings=settings)
+        log(f"target-generated data: {len(examples)} prompts -> {out_dir} (resumable"
+            f"{', ' + precision + ' autocast' if precision != 'no' else ''})")
+        # train.mixed_precision: the target generates under the autocast the recipe trains and caches logits with
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            generate_target_data(target, tokenizer, examples, out_dir, cache_key(settings),
+                                 temperature=gen["temperature"], max_new_tokens=gen["max_new_tokens"],
+                                 batch_size=int(tg.batch_size), shard_size=gen["shard_size"], seed=gen["seed"],
+                                 draft=draft if tg.get("use_draft", True) else None,
+                                 progress=lambda i, n: log(f"  shard {i}/{n} done"), settings=settings)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     return as_examples(datasets.load_from_disk(str(out_dir / "dataset")))
@@ -63,6 +72,7 @@ TARGET_DATA_FIELDS = {
     "temperature": "data.target_generated.temperature",
     "seed": "train.seed",
     "shard_size": "data.target_generated.shard_size",
+    "precision": "train.mixed_precision (the autocast the target generated under)",
 }
 
 
@@ -92,8 +102,8 @@ def _settings_diff(cached: Any, settings: dict | None) -> str:
     """What differs between a cache's stored settings and this run's, naming the setting that sets each field."""
     if not isinstance(cached, dict) or settings is None:
         return ("it records no settings (made by an earlier draftkit, or damaged), so they cannot be checked")
-    diffs = [f"{k} (cache {cached.get(k)!r}, config {v!r}; set by {TARGET_DATA_FIELDS.get(k, k)})"
-             for k, v in settings.items() if cached.get(k) != v]
+    diffs = [f"{k} (cache {cached.get(k)!r}, config {settings.get(k)!r}; set by {TARGET_DATA_FIELDS.get(k, k)})"
+             for k in dict.fromkeys([*settings, *cached]) if cached.get(k) != settings.get(k)]
     return "; ".join(diffs) or "the same settings, another key"
 
 

@@ -138,3 +138,30 @@ def test_a_full_disk_while_marking_the_target_data_cache_complete_keeps_its_shar
     assert len(full) == 4 and calls == []  # nothing generated again
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "shards").iterdir()} == shards
     assert json.loads((tmp_path / "a" / "meta.json").read_text())["complete"]
+
+
+def test_bf16_autocast_generation_is_recorded_and_a_change_of_it_named(pair, tok, tmp_path):
+    """train.mixed_precision=bf16: the target generates under bf16 autocast (as the recipe trains and caches logits),
+    the cache records it, and the same folder asked for with full precision is refused naming the setting."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from distill.target_data import prepare_target_data
+
+    target = AutoModelForCausalLM.from_pretrained(str(pair["target"])).eval()
+    ex = build_examples(source(path=str(pair["data"]), prompt_field="prompt", limit=4), tok, data_config())
+
+    def cfg(precision):
+        return OmegaConf.create({
+            "target": {"name_or_path": str(pair["target"])}, "train": {"seed": 0, "mixed_precision": precision,
+                                                                      "output_dir": str(tmp_path / "run")},
+            "data": {"max_new_tokens": 4, "target_generated": {"path": str(tmp_path / "td"), "temperature": 0.0,
+                                                                "batch_size": 2, "shard_size": 2, "use_draft": False}}})
+
+    rows = prepare_target_data(cfg("bf16"), target, None, tok, ex, log=lambda *_: None)
+    assert len(rows) == 4 and all(1 <= len(r["completion_ids"]) <= 4 for r in rows)
+    meta = json.loads((tmp_path / "td" / "meta.json").read_text())
+    assert meta["complete"] and meta["settings"]["precision"] == "bf16"
+    with pytest.raises(SetupError, match="train.mixed_precision"):
+        prepare_target_data(cfg("no"), target, None, tok, ex, log=lambda *_: None)
+    assert not torch.is_autocast_enabled("cpu")

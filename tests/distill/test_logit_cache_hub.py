@@ -44,3 +44,16 @@ def test_the_target_fingerprint_reads_every_byte_and_a_hash_of_another_form_is_r
                                          r"cache-logits"):
         check_manifest({"format": FORMAT_VERSION, "target": str(folder), "target_hash": "0123456789abcdef"}, expected,
                        "cache")
+
+
+def test_a_gguf_target_is_hashed_by_its_bytes(tmp_path):
+    """A GGUF file replaced at the same path is another target: caches made from the old one are refused."""
+    f = tmp_path / "m" / "model.gguf"
+    f.parent.mkdir()
+    f.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    first = target_fingerprint(str(f))
+    assert first == target_fingerprint(str(f.parent))  # the folder of one GGUF file stands for it
+    data = bytearray(f.read_bytes())
+    data[8000] ^= 1  # one byte in the middle
+    f.write_bytes(bytes(data))
+    assert target_fingerprint(str(f)) != first

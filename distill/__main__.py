@@ -44,7 +44,7 @@ from distill.cache_logits import build_cache
 from distill.checks import check_inputs, check_output_file, normalize_config, validate
 from distill.config import CONF_ENV, SetupError, compose, conf_dir, expand_target_shorthand, explain
 from distill.data import load_data
-from distill.evaluate import acceptance_eval
+from distill.evaluate import acceptance_eval, greedy_completions, resolve_costs, teacher_forced_eval
 from distill.export import export, slower_temperatures, stopped_export_notes
 from distill.logging import Progress
 from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
@@ -136,6 +136,22 @@ def _check_eval_keep(cfg: Any) -> None:
                          "by python -m distill train draft.vocab.keep=N)")
 
 
+def _teacher_forced(cfg: Any, target: Any, draft: Any, prompts: list[list[int]], tokenizer: Any,
+                    verify_costs: list[float] | None, report: Any) -> dict:
+    """``distill eval`` with ``eval.method=teacher_forced``: the target's greedy responses to the eval prompts, then
+    α by teacher forcing on them (:func:`distill.evaluate.teacher_forced_eval`), with c measured as the recipe does
+    (:func:`distill.evaluate.resolve_costs`)."""
+    examples = greedy_completions(target, prompts, int(cfg.eval.max_new_tokens), tokenizer.eos_token_id,
+                                  int(cfg.eval.batch_size))
+    cost_ratio, verify_costs = resolve_costs(target, draft, prompts, cfg.eval.get("cost_ratio"), verify_costs,
+                                             int(cfg.eval.max_gamma), progress=report)
+    vocab = check_pair(target, draft, tokenizer)
+    return teacher_forced_eval(target, draft, examples, list(cfg.eval.temperatures), vocab,
+                               num_draft_tokens=int(cfg.eval.num_draft_tokens), cost_ratio=cost_ratio,
+                               verify_costs=verify_costs, max_gamma=int(cfg.eval.max_gamma),
+                               batch_size=int(cfg.eval.batch_size), pad_id=tokenizer.pad_token_id, progress=report)
+
+
 def run_eval(cfg: Any, opts: dict) -> None:
     cfg = normalize_config(cfg)
     _check_eval_keep(cfg)
@@ -144,14 +160,17 @@ def run_eval(cfg: Any, opts: dict) -> None:
     _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None, training=False)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device), draft.to(device)
+    verify_costs = None if cfg.eval.get("verify_costs") is None else [float(v) for v in cfg.eval.verify_costs]
     with Progress(str(cfg.train.progress)).reporting() as report:
-        result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
-                                 num_draft_tokens=int(cfg.eval.num_draft_tokens),
-                                 max_new_tokens=int(cfg.eval.max_new_tokens),
-                                 batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
-                                 cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma),
-                                 progress=report, verify_costs=None if cfg.eval.get("verify_costs") is None
-                                 else [float(v) for v in cfg.eval.verify_costs])
+        if str(cfg.eval.get("method", "generate")) == "teacher_forced":
+            result = _teacher_forced(cfg, target, draft, prompts, tokenizer, verify_costs, report)
+        else:
+            result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
+                                     num_draft_tokens=int(cfg.eval.num_draft_tokens),
+                                     max_new_tokens=int(cfg.eval.max_new_tokens),
+                                     batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
+                                     cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma),
+                                     progress=report, verify_costs=verify_costs)
     text = json.dumps(result, indent=2)
     print(text)  # first: a results file that cannot be written (a full disk) loses nothing
     if opts.get("out"):

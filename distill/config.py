@@ -121,6 +121,7 @@ class DataConfig:
     append_eos: bool = True                     # end fixed completions with eos
     max_prompt_tokens: Optional[int] = 512      # prompt length bound (null: the context only)
     truncate_prompts: bool = False              # keep the last max_prompt_tokens instead of failing
+    train_prompt_tokens: Optional[int] = None   # training sequences keep their prompts' last N tokens (null: whole)
     max_new_tokens: int = 128                   # completion / rollout / generation length
     shuffle: bool = True                        # shuffle each epoch
     holdout: int = 32                           # eval prompts held out when eval.prompts is null
@@ -460,6 +461,7 @@ SELECT_BY = ("acceptance_rate", "predicted_speedup")
 AT_LEAST = {
     "data.source.prompt_tokens": 1, "data.source.completion_tokens": 1,
     "data.source.windows_per_doc": 1, "data.source.limit": 1, "data.max_prompt_tokens": 1, "data.max_new_tokens": 1,
+    "data.train_prompt_tokens": 1,
     "data.holdout": 0, "data.target_generated.batch_size": 1, "data.target_generated.shard_size": 1,
     "data.logit_cache_k": 1, "data.logit_cache_tail_samples": 0, "data.logit_cache_shard_size": 1,
     "loss.gamma": 1, "draft.vocab.keep": 1, "optim.warmup_steps": 0, "train.max_steps": 1, "train.stop_at": 1, "train.batch_size": 1,

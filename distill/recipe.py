@@ -163,6 +163,7 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
         examples = training_examples(cfg, target, draft, tokenizer, examples, accelerator, log)
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
+    examples = trim_prompts(examples, cfg.data.get("train_prompt_tokens"))
     eval_time = {"eval_s": 0.0, "heldout_s": 0.0, "costs_s": 0.0}
     t0 = time.perf_counter()
     heldout, heldout_record = heldout_text(cfg, target, draft, tokenizer, eval_prompts, log)
@@ -219,6 +220,17 @@ def pruned_vocab_report(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any
     for note in selection_warnings(int(ids.numel()), report.get("selection_positions"), report.get("heldout_mass")):
         log(f"warning: {note}")
     return report
+
+
+def trim_prompts(examples: list[dict], keep: int | None) -> list[dict]:
+    """``data.train_prompt_tokens``: each training sequence keeps only its prompt's last ``keep`` tokens (None: all).
+    The loss positions (the completion) and the target's distributions there stay as they are (online: computed on
+    the trimmed sequence; cached: the cache's rows, computed with the whole prompt, which the draft then predicts
+    from less context). The draft's forward and backward over long prompts (summaries, retrieved passages) cost far
+    more than its loss positions; the trimmed context is what it learns to predict from."""
+    if keep is None:
+        return examples
+    return [{**e, "prompt_ids": list(e["prompt_ids"])[-int(keep):]} for e in examples]
 
 
 def make_accelerator(cfg: DictConfig, log: Any) -> Any:

@@ -51,6 +51,7 @@ def test_eval_with_its_own_prompts_does_not_need_the_training_data(pair, tmp_pat
     main(["eval", *ov, "--out", str(tmp_path / "ev.json")])
     ev = json.loads((tmp_path / "ev.json").read_text())
     assert set(ev["per_temperature"]) == {"0.0", "1.0"}
+    assert ev["method"] == "teacher_forced" and ev["per_temperature"]["0.0"]["num_positions"] > 0  # eval.method
     with pytest.raises(SystemExit) as e:  # training reads it: still refused before any model loads
         main(["train", *ov])
     assert e.value.code == 2
@@ -154,7 +155,8 @@ def test_eval_and_continue_from_a_distill_checkpoint(pair, tmp_path, capsys):
                             "eval.method=generate")), log=lambda *_: None)
     best = json.loads((run / "best" / "trainer_state.json").read_text())["last_eval"]
     out = tmp_path / "ev.json"
-    main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}"), "--out", str(out)])
+    main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}", "eval.method=generate"),
+          "--out", str(out)])
     ev = json.loads(out.read_text())
     for t in ("0.0", "1.0"):  # same draft, prompts, seed: the recipe's last evaluation is reproduced
         assert ev["per_temperature"][t]["acceptance_rate"] == best["per_temperature"][t]["acceptance_rate"]
@@ -177,7 +179,7 @@ def test_the_recipe_evaluates_a_mixed_precision_run_as_distill_eval_measures_its
     best = json.loads((run / "best" / "trainer_state.json").read_text())["last_eval"]
     out = tmp_path / "ev.json"
     main(["eval", *overrides(pair, tmp_path / "x", f"draft.name_or_path={run / 'best'}",
-                             "eval.num_prompts=4", "eval.max_new_tokens=16"), "--out", str(out)])
+                             "eval.num_prompts=4", "eval.max_new_tokens=16", "eval.method=generate"), "--out", str(out)])
     ev = json.loads(out.read_text())
     for t in ("0.0", "1.0"):
         for key in ("acceptance_rate", "alpha", "mean_accepted_length"):

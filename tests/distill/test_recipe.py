@@ -457,3 +457,14 @@ def test_a_resume_into_another_wandb_project_says_so(pair, tmp_path, monkeypatch
     train(compose(overrides(pair, out, "logger=wandb", "train.max_steps=2", "train.resume=true",
                             "logger.project=other")), log=lines.append)
     assert any("logger.project=other differs from the checkpoint's draftkit" in x for x in lines)
+
+
+def test_train_prompt_tokens_trims_prompts_only():
+    from distill.recipe import trim_prompts
+
+    ex = [{"prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [6, 7], "cache_row": 0},
+          {"prompt_ids": [8], "completion_ids": [9, 10, 11], "cache_row": 1}]
+    assert trim_prompts(ex, None) is ex
+    assert trim_prompts(ex, 2) == [{"prompt_ids": [4, 5], "completion_ids": [6, 7], "cache_row": 0},
+                                   {"prompt_ids": [8], "completion_ids": [9, 10, 11], "cache_row": 1}]
+    assert ex[0]["prompt_ids"] == [1, 2, 3, 4, 5]  # the loaded examples are left as they were

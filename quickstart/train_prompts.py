@@ -8,7 +8,7 @@ responses (``python -m distill generate-data``); these prompts only have to ask 
 
     conversation    Code Alpaca instructions (+ their input), story writing, a Shakespeare scene to continue
     translation     "Translate English to German/French/Spanish: <a TinyStories sentence>"
-    summarization   "Summarize: <TinyStories stories, 1,000-3,000 characters>"
+    summarization   "Summarize: <TinyStories stories, 800-2,000 characters>"
     qa              short Code Alpaca questions, questions about a story's opening
     math_reasoning  GSM8K train questions
     rag             three TinyStories passages, then a question about one of them
@@ -107,7 +107,7 @@ def _passage(rng: random.Random, tales: list[str], low: int, high: int) -> str:
 
 def summarization(rng: random.Random, n: int) -> list[str]:
     tales = stories()
-    return [f"Summarize: {_passage(rng, tales, 1000, 3000)}" for _ in range(n)]
+    return [f"Summarize: {_passage(rng, tales, 800, 2000)}" for _ in range(n)]
 
 
 def qa(rng: random.Random, n: int) -> list[str]:
@@ -131,7 +131,7 @@ def rag(rng: random.Random, n: int) -> list[str]:
             "What lesson does the story that begins \"{}\" teach?")
     out = []
     for i in range(n):
-        passages = [_passage(rng, tales, 400, 1000) for _ in range(3)]
+        passages = [_passage(rng, tales, 300, 700) for _ in range(3)]
         out.append("\n".join(passages) + "\n" + asks[i % len(asks)].format(opening(rng.choice(passages))))
     return out
 
@@ -141,20 +141,27 @@ BUILDERS: dict[str, Callable[[random.Random, int], list[str]]] = {
     "math_reasoning": math_reasoning, "rag": rag}
 
 
-def build_prompts(per_kind: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[dict]:
-    """``per_kind`` prompts of each kind, ``{"prompt", "kind"}`` rows interleaved kind by kind (so that the recipe's
-    held-out tail, ``data.holdout``, covers every kind). Deterministic in ``seed``.
+def build_prompts(per_kind: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, tail_per_kind: int = 0) -> list[dict]:
+    """``per_kind`` prompts of each kind as ``{"prompt", "kind"}`` rows, deterministic in ``seed``: grouped by kind
+    (prompts of one kind have similar lengths, so batched generation pads little), except the last
+    ``tail_per_kind`` of each kind, which close the list interleaved kind by kind (the recipe holds out the last
+    ``data.holdout`` rows: ``tail_per_kind = holdout / len(kinds)`` gives a held-out set with every kind).
 
     Raises:
-        ValueError: ``per_kind < 1`` or an unknown kind.
+        ValueError: ``per_kind < 1``, a tail outside ``[0, per_kind]`` or an unknown kind.
     """
     if per_kind < 1:
         raise ValueError(f"quickstart.prompts.per_kind must be >= 1, got {per_kind}")
+    if not 0 <= tail_per_kind <= per_kind:
+        raise ValueError(f"the interleaved tail ({tail_per_kind} per kind) must lie in [0, per_kind={per_kind}]: "
+                         "lower data.holdout or raise quickstart.prompts.per_kind")
     unknown = [k for k in kinds if k not in BUILDERS]
     if unknown:
         raise ValueError(f"quickstart.prompts.kinds: unknown kind(s) {unknown}; choose from {list(KINDS)}")
     made = {k: BUILDERS[k](random.Random(f"{seed}:{k}"), per_kind) for k in kinds}
-    return [{"prompt": made[k][i], "kind": k} for i in range(per_kind) for k in kinds]
+    head = per_kind - tail_per_kind
+    grouped = [{"prompt": made[k][i], "kind": k} for k in kinds for i in range(head)]
+    return grouped + [{"prompt": made[k][i], "kind": k} for i in range(head, per_kind) for k in kinds]
 
 
 def write_prompts(path: str | Path, rows: list[dict]) -> Path:

@@ -96,7 +96,7 @@ def test_settings_load_with_overrides_and_fail_clearly():
     qs = quickstart.load_settings("quickstart", ["target.budget_s=5", "eval.prompt_sets.mbpp_code=3"])
     assert qs.target.budget_s == 5 and qs.eval.prompt_sets.mbpp_code == 3 and qs.draft.size == "draft"
     with pytest.raises(FileNotFoundError, match=r"conf/experiment with a 'quickstart:' section: quickstart, "
-                                                 r"quickstart_smoke$"):  # the choices (it named only the folder)
+                                                 r"quickstart_real, quickstart_real_smoke, quickstart_smoke$"):  # the choices (it named only the folder)
         quickstart.load_settings("no_such_experiment")
     with pytest.raises(KeyError, match="quickstart"):
         quickstart.load_settings("distillspec_qwen")

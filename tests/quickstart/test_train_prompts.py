@@ -9,16 +9,21 @@ from decode.prompts import load_prompts
 from quickstart import train_prompts as tp
 
 
-def test_every_kind_interleaved_and_deterministic():
+def test_every_kind_grouped_then_an_interleaved_tail_and_deterministic():
     rows = tp.build_prompts(4, seed=1)
     assert len(rows) == 4 * len(tp.KINDS)
-    assert [r["kind"] for r in rows[:len(tp.KINDS)]] == list(tp.KINDS)  # a held-out tail covers every kind
+    assert [r["kind"] for r in rows[:4]] == ["conversation"] * 4  # grouped: similar lengths batch together
+    tailed = tp.build_prompts(4, seed=1, tail_per_kind=1)
+    assert [r["kind"] for r in tailed[-len(tp.KINDS):]] == list(tp.KINDS)  # a held-out tail covers every kind
+    assert sorted(map(str, tailed)) == sorted(map(str, rows))
+    with pytest.raises(ValueError, match="data.holdout"):
+        tp.build_prompts(2, tail_per_kind=3)
     assert rows == tp.build_prompts(4, seed=1)
     assert rows != tp.build_prompts(4, seed=2)
     assert all(r["prompt"].strip() for r in rows)
     by = {k: [r["prompt"] for r in rows if r["kind"] == k] for k in tp.KINDS}
     assert all(p.startswith("Translate English to ") for p in by["translation"])
-    assert all(p.startswith("Summarize: ") and len(p) > 1000 for p in by["summarization"])
+    assert all(p.startswith("Summarize: ") and len(p) > 800 for p in by["summarization"])
     assert all(p.count("\n") >= 3 and p.endswith("?") for p in by["rag"])
 
 

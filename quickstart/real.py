@@ -40,7 +40,6 @@ from rich.table import Table
 
 from decode.gguf import import_gguf
 from decode.outputs import replace_text
-from distill.checkpoint import find_latest, is_complete
 from distill.checks import normalize_config, validate
 from distill.config import SetupError, compose
 from distill.export import CARD_JSON
@@ -163,12 +162,6 @@ def build_step0_draft(overrides: list[str], out_dir: Path, log: Any = print) -> 
     return out_dir
 
 
-def _distilled_checkpoint(qs, out: Path) -> Path | None:
-    run_dir = out / qs.distill.dir
-    best = run_dir / "best"
-    return best if is_complete(best) else find_latest(run_dir)
-
-
 def _cache_done(folder: Path) -> bool:
     """Whether ``folder`` holds a complete logit cache (its manifest says so; an interrupted build resumes)."""
     try:
@@ -236,7 +229,7 @@ def run_phases(qs, experiment: str, out: Path, extra: list[str], console, phases
     export_dir = out / qs.export.dir
     if _phase("export", (export_dir / "config.json").is_file(), export_dir, phases, console, lambda: False):
         return 0
-    ckpt = _distilled_checkpoint(qs, out)
+    ckpt = run._distilled_checkpoint(qs, out)
     ok = ckpt is not None and run.run_phase(
         "export", [sys.executable, "-m", "distill", "export", str(ckpt), str(export_dir)], phases, console, env=env)
     return 0 if ok else 1

@@ -19,6 +19,7 @@ from decode.loading import (chat_prompt_ids, check_cached, check_device, load_ca
 from decode.lookup import check_prompt_lookup
 from decode.requests import check_seed
 from decode.sampling import validate_sampling_args
+from decode.serving import check_serve_extra
 from decode.stops import stop_token_ids
 
 DEFAULT_GAMMA = 4  # γ of `generate` with a draft and no -g
@@ -174,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    try:  # before transformers and any model load: a missing extra is known at once
+        check_serve_extra(name)
+    except ModuleNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if name == "bench":  # bench loads local checkpoints only (decode/bench/cli.py); huggingface_hub reads this
         run_offline("decode bench")  # once, on import: before transformers, or a typo retries the hub
     from transformers.utils import logging as hf_logging
@@ -182,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fn = getattr(importlib.import_module(module), func)
     except ModuleNotFoundError as err:
-        hint = "; install the serve extra: pip install 'draftkit[serve]'" if name in ("serve", "loadtest") else ""
-        print(f"error: the {name!r} command is not available ({err}){hint}", file=sys.stderr)
+        print(f"error: the {name!r} command is not available ({err})", file=sys.stderr)
         return 2
     try:
         return fn(rest) or 0

@@ -15,6 +15,7 @@ import pytest
 import decode.__main__
 import decode.certify
 import decode.loading
+import decode.serving
 import decode.serving.cli
 from decode import costs
 from decode.__main__ import main as decode_main
@@ -200,3 +201,17 @@ def test_ctrl_c_during_the_warm_up_exits_130_without_a_traceback(tmp_path, monke
     assert code == 130 and calls == [4]
     assert "warm-up: measuring auto γ's cost model for batch sizes up to 4" in err
     assert "interrupted before the server listened" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command,module", [("serve", "prometheus_client"), ("serve", "fastapi"),
+                                            ("serve", "uvicorn"), ("loadtest", "httpx")])
+def test_a_missing_serve_extra_exits_2_naming_it_before_any_load(command, module, tmp_path, monkeypatch, capsys):
+    """Without the serve extra, `decode serve` died with a ModuleNotFoundError traceback."""
+    assert decode.serving.missing_serve_modules(command) == []
+    refuse_model_loads(monkeypatch)
+    monkeypatch.setitem(sys.modules, module, None)  # what an environment without the module gives an import
+    args = ["--target", str(tmp_path)] if command == "serve" else ["--url", "http://127.0.0.1:1"]
+    assert decode_main([command, *args]) == 2
+    err = capsys.readouterr().err
+    assert f"python -m decode {command} needs the serve extra: pip install 'draftkit[serve]' (missing: {module})" \
+        in err and "Traceback" not in err

@@ -122,8 +122,10 @@ def cmd_generate(argv: list[str]) -> int:
         ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
     else:
         ids = tok(prompt)["input_ids"]
-    # With --json, stdout carries only the JSON document (text included), so it stays machine-readable.
-    streamer = None if args.json else TextStreamer(tok, skip_prompt=False, skip_special_tokens=True)
+    # With --json, stdout carries only the JSON document (text included), so it stays machine-readable. A plain
+    # prompt streams with its continuation; a chat streams the answer only (the rendered prompt holds the template's
+    # markup and any system prompt it adds, which the user never wrote).
+    streamer = None if args.json else TextStreamer(tok, skip_prompt=args.chat, skip_special_tokens=True)
     out = dec.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, eos_token_id=stop_token_ids(tok, dec.target), streamer=streamer,
                        generator=torch.Generator(device=device).manual_seed(args.seed))

@@ -218,6 +218,23 @@ def test_generate_chat_uses_the_template(saved_pair, tmp_path):
     assert r.returncode == 2 and "no chat template" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_generate_chat_streams_the_answer_only(tmp_path):
+    """--chat streamed the whole rendered prompt, the template's hidden system prompt included, before the answer;
+    a plain prompt still streams with its continuation."""
+    tok = make_tokenizer()
+    tok.chat_template = "w7 w8 " + CHAT_TEMPLATE  # a template with a system prompt the user never wrote
+    tiny_llama(seed=0).float().save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    common = ("generate", "--target", str(tmp_path / "target"), "--prompt", "w4 w5", "--max-new-tokens", "6")
+    answer = json.loads(run(*common, "--chat", "--json").stdout)
+    r = run(*common, "--chat")
+    assert r.returncode == 0, r.stderr
+    assert answer["text"] and r.stdout == answer["text"] + "\n"
+    plain = json.loads(run(*common, "--json").stdout)
+    r = run(*common)
+    assert r.returncode == 0 and r.stdout == tok.decode(tok("w4 w5")["input_ids"] + plain["token_ids"]) + "\n"
+
+
 def test_serve_bad_port_is_a_clear_error(saved_pair):
     r = run("serve", "--target", str(saved_pair / "target"), "--port", "99999")
     assert r.returncode == 2 and "--port must be in 0..65535" in r.stderr and "Traceback" not in r.stderr

@@ -12,7 +12,8 @@ One job per module (see docs/bench.md):
 - ``hf_assisted``: the Hugging Face baseline (``generate`` alone and with ``assistant_model``);
 - ``bare_forward``: the bare HF decode forwards, the reference for the engine's cost ratio c;
 - ``pool``: per-prompt records -> metrics (``DecodeStats``), predictions (``decode.speedup``), summary;
-- ``report``: the highlights, the JSON schema, output paths, tables; ``plots``: PNG figures;
+- ``report``: the highlights, the verdict (whether drafting pays off), the JSON schema, output paths, tables;
+  ``plots``: PNG figures;
 - ``cli``: ``python -m decode bench``; ``synthetic_pair``: a target/draft pair built from configs for
   ``scripts/gpu_bench.sh``.
 
@@ -24,10 +25,11 @@ from decode.bench.cli import build_parser, main, run_cli
 from decode.bench.config import HF, OURS, BenchConfig, Method, build_methods, parse_gammas
 from decode.bench.hf_assisted import hf_generation_config, run_hf
 from decode.bench.pool import alpha_from_steps
-from decode.bench.report import OutputPaths, highlights, render_tables, validate_results, write_outputs
+from decode.bench.report import (OutputPaths, break_even_alpha, highlights, render_tables, validate_results, verdict,
+                                 write_outputs)
 from decode.bench.runs import SCHEMA_VERSION, compile_supported, run_benchmark, run_ours
 
 __all__ = ["BenchConfig", "Method", "OURS", "HF", "SCHEMA_VERSION", "OutputPaths", "alpha_from_steps",
-           "build_methods", "build_parser", "compile_supported", "hf_generation_config", "main",
+           "break_even_alpha", "build_methods", "build_parser", "compile_supported", "hf_generation_config", "main",
            "highlights", "parse_gammas", "render_tables", "run_benchmark", "run_cli",
-           "run_hf", "run_ours", "validate_results", "write_outputs"]
+           "run_hf", "run_ours", "validate_results", "verdict", "write_outputs"]

@@ -354,7 +354,7 @@ def test_highlights_relate_the_reported_numbers(bench_run):
         whole = checks[("measured_vs_end_to_end", None)]  # the same prediction with plain decoding's prefill share
         plain = runs["plain"]
         assert 0 <= plain["prefill_s"] < plain["ttft_s"] * plain["num_prompts"]  # an estimate (clamped at 0)
-        assert (whole["gamma"], whole["ours"], whole["goal"]) == (best["gamma"], best["ours"], ">= 0.95")
+        assert (whole["gamma"], whole["ours"]) == (best["gamma"], best["ours"])
         assert whole["reference"] == pytest.approx(end_to_end_speedup(
             best["reference"], plain["prefill_s"] / plain["total_s"], cost["bare"]["prefill_cost_ratio"]))
         decode = checks[("decode_vs_verify_aware", None)]
@@ -370,17 +370,16 @@ def test_highlights_relate_the_reported_numbers(bench_run):
             batch = [c for c in entry["checks"] if c["name"] == name and c["gamma"] == gamma][0]
             row = [b for b in results["batch"] if b["temperature"] == t and b["batch_size"] == 2
                    and b["num_draft_tokens"] == gamma and b["batching"] == batching][0]
-            assert batch["ratio"] == pytest.approx(row["speedup"]) and batch["goal"] is None and batch["met"] is None
+            assert batch["ratio"] == pytest.approx(row["speedup"]) and "goal" not in batch and "met" not in batch
         assert checks[("auto_vs_best_fixed", None)]["ratio"] == s["auto_vs_best_fixed"]
 
 
-def test_highlights_goals(bench_run):
+def test_highlights_are_ratios_without_goals(bench_run):
+    """The highlights relate numbers; they grade nothing (a pair on another machine has no goal to meet)."""
     results = json.loads(json.dumps(bench_run[0]))
-    results["cost"]["cost_ratio"] = 0.12
-    for bare, met in ((0.1, True), (0.09, False)):  # c / bare = 1.2 meets "<= 1.25"; 1.33 does not
-        results["cost"]["bare"]["cost_ratio"] = bare
-        check = highlights(results)[0]["checks"][0]
-        assert (check["name"], check["goal"], check["met"]) == ("cost_ratio_vs_bare", "<= 1.25", met)
+    results["cost"]["cost_ratio"], results["cost"]["bare"]["cost_ratio"] = 0.12, 0.1
+    check = highlights(results)[0]["checks"][0]
+    assert check == {"name": "cost_ratio_vs_bare", "ours": 0.12, "reference": 0.1, "ratio": pytest.approx(1.2)}
     edited = json.loads(json.dumps(results))
     for run in edited["runs"]:
         run["overall"]["prefill_s"] = -1.0  # an edited file: named, not a bare error from the formula
@@ -388,32 +387,26 @@ def test_highlights_goals(bench_run):
         highlights(edited)
     del results["cost"]["bare"]["prefill_cost_ratio"]  # a results.json from before the bare prefills (schema 3)
     whole = [c for c in highlights(results)[0]["checks"] if c["name"] == "measured_vs_end_to_end"]
-    assert [(c["reference"], c["ratio"], c["met"]) for c in whole] == [(None, None, None)]
+    assert [(c["reference"], c["ratio"]) for c in whole] == [(None, None)]
     with pytest.raises(ValueError, match=r"cost\.bare: missing keys \['prefill_cost_ratio'\]"):
         validate_results(results)  # a schema-4 file needs it (render_tables prints it)
-    for b in results["batch"]:
-        b["batch_size"] = {1: 1, 2: 8}[b["batch_size"]]
-    goals = {e["temperature"]: [(c["name"], c["goal"]) for c in e["checks"] if c["name"].startswith("batch_")]
-             for e in highlights(results)}
-    assert goals == {t: [("batch_speedup", goal)] * 2 + [("batch_continuous_speedup", goal)] * 2  # fixed γ, auto
-                     for t, goal in ((0.0, ">= 1"), (1.0, ">= 1.15"))}
     for b in results["batch"]:  # a file from before continuous batching: every row static
         del b["batching"]
     assert {c["name"] for e in highlights(results) for c in e["checks"]} & {"batch_continuous_speedup"} == set()
 
 
-def test_the_highlights_table_prints_a_missed_ratio_so_that_it_reads_missed():
-    """0.9469 against ">= 0.95" printed as "0.95 ... no"."""
+def test_the_highlights_table_prints_the_ratio_to_three_places_and_no_goal():
+    """0.9469 printed as 0.95 would read as another number."""
     from rich.console import Console
 
     from decode.bench.report import _render_highlights
 
-    ck = {"name": "cost_ratio_vs_bare", "ours": 0.2, "reference": 0.2112, "ratio": 0.9469, "goal": ">= 0.95",
-          "met": False}
+    ck = {"name": "cost_ratio_vs_bare", "ours": 0.2, "reference": 0.2112, "ratio": 0.9469}
     console = Console(record=True, width=200)
     _render_highlights({"report": [{"temperature": 0.0, "checks": [ck]}]}, console)
-    row = next(line for line in console.export_text().splitlines() if "engine c" in line)
-    assert "0.947" in row and "0.95 " not in row.replace(">= 0.95", "") and row.rstrip(" │").endswith("no")
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "engine c" in line)
+    assert row.rstrip(" │").endswith("0.947") and "goal" not in text and "met" not in text
 
 
 def test_bare_forwards_are_timed_on_the_same_context():
@@ -473,6 +466,10 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert "bare HF prefills of" in printed
     assert "decoding: 12/12 (" in captured.err  # progress shows in a log too (stderr is not a terminal here)
     assert "highlights: ours / reference" in printed and "ours / HF assisted speedup, γ=2" in printed
+    (entry,) = results["verdict"]["by_temperature"]  # the verdict is recorded and printed last
+    said = "drafting wins (T=0" if entry["drafting_wins"] else "drafting loses here (T=0"
+    flat = " ".join(printed.split())
+    assert flat.index(said) > flat.index("highlights: ours / reference")
     assert results["config"]["prompt_lookup_ngram"] == 0 and "prompt lookup" not in printed
     from decode.bench.report import render_tables
 
@@ -1037,23 +1034,23 @@ def test_highlights_compare_a_compiled_run_with_hf_assisted_and_its_own_predicti
         runs = {r["method"]: r["overall"] for r in results["runs"] if r["temperature"] == entry["temperature"]}
         checks = {c["name"]: c for c in entry["checks"] if c["name"] != "batch_speedup"}
         ck = checks["ours_compiled_vs_hf_assisted"]  # both over eager plain
-        assert (ck["gamma"], ck["compile"], ck["goal"]) == (3, compile, ">= 1.3")
+        assert (ck["gamma"], ck["compile"]) == (3, compile)
         assert ck["ours"] == runs["spec_g3_compiled"]["speedup"] and ck["reference"] == runs["hf_assisted_g3"]["speedup"]
         assert ck["ratio"] == pytest.approx(1.25 * checks["ours_vs_hf_assisted"]["ratio"])
         ck = checks["cost_ratio_compiled_vs_bare"]
-        assert (ck["ours"], ck["reference"], ck["goal"], ck["compile"]) == (
-            results["cost"]["compiled"]["cost_ratio"], results["cost"]["bare"]["cost_ratio"], "<= 1.25", compile)
+        assert (ck["ours"], ck["reference"], ck["compile"]) == (
+            results["cost"]["compiled"]["cost_ratio"], results["cost"]["bare"]["cost_ratio"], compile)
         assert ck["ratio"] == pytest.approx(0.5 * checks["cost_ratio_vs_bare"]["ratio"])
         g = s["best_gamma_measured"]
         for name, key, factor in (("measured", "speedup", 1.25 / 1.4), ("decode", "decode_speedup", 1.5 / 1.4)):
             ck = checks[f"{name}_compiled_vs_verify_aware"]
-            assert (ck["gamma"], ck["goal"], ck["compile"]) == (g, ">= 0.95", compile)
+            assert (ck["gamma"], ck["compile"]) == (g, compile)
             assert ck["ours"] == pytest.approx(runs[f"spec_g{g}_compiled"][key] / runs["plain_compiled"][key])
             assert ck["reference"] == runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"]
             assert ck["ratio"] == pytest.approx(factor / plain_factor[key] * checks[f"{name}_vs_verify_aware"]["ratio"])
         ck = checks["measured_compiled_vs_end_to_end"]  # the prefill share of the plain decoding it is over
         own = runs["plain" if compile == "draft" else "plain_compiled"]
-        assert (ck["gamma"], ck["goal"], ck["compile"]) == (g, ">= 0.95", compile)
+        assert (ck["gamma"], ck["compile"]) == (g, compile)
         assert ck["ours"] == checks["measured_compiled_vs_verify_aware"]["ours"]
         assert ck["reference"] == pytest.approx(end_to_end_speedup(
             runs[f"spec_g{g}_compiled"]["predicted_speedup_verify_aware"], own["prefill_s"] / own["total_s"],

@@ -131,33 +131,49 @@ def _special_ids(tok: Any) -> dict[str, Any]:
     return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "unk")}
 
 
-def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any, names: tuple[str, str] = ("target", "draft"),
-                     fix: str = "Use the target's tokenizer for the draft (train or convert the draft with the same "
-                                "tokenizer).") -> None:
+DRAFT_TOKENIZER_FIX = ("a draft must share the target's tokenizer. Train or convert the draft with it (a draft whose "
+                       "head is pruned to fewer ids keeps the target's tokenizer and lists the ids it scores in its "
+                       "config's draft_vocab_map, decode.vocab_map)")
+
+
+def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any,
+                     names: tuple[str, str] = ("the target's tokenizer", "the draft's tokenizer"),
+                     fix: str = DRAFT_TOKENIZER_FIX) -> None:
     """Raise :class:`IncompatibleModelsError` if the two tokenizers map any shared id to a different token or
     disagree on bos/eos/unk ids. Ids present in only one tokenizer are allowed (the sizes may differ), and so are
     different pad tokens (none, eos as pad, or a ``<pad>`` of its own): pad only fills batch rows, which the
-    attention mask and the loss leave out, so it changes no token either model sees. ``names`` and ``fix`` word the
-    message for other pairs of tokenizers (a ``--tokenizer`` against the target's own)."""
+    attention mask and the loss leave out, so it changes no token either model sees.
+
+    The vocabularies are compared first, and a message names both sizes when they differ, so a draft of another
+    vocabulary is named as such rather than by the first special token that happens to differ. ``names`` (the two
+    tokenizers as the message calls them) and ``fix`` (what to do, after a colon) word the message for other pairs
+    of tokenizers (a ``--tokenizer`` against the target's own)."""
     if target_tokenizer is None or draft_tokenizer is None or target_tokenizer is draft_tokenizer:
         return
     a, b = names
-    t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
-    for name in t_special:
-        if t_special[name] != d_special[name]:
-            raise IncompatibleModelsError(
-                f"{a} and {b} tokenizers disagree on the {name} token id: {a} {t_special[name]!r}, "
-                f"{b} {d_special[name]!r}. {fix}"
-            )
+    sizes = _sizes(names, len(target_tokenizer), len(draft_tokenizer))
     t_vocab = {i: t for t, i in target_tokenizer.get_vocab().items()}
     d_vocab = {i: t for t, i in draft_tokenizer.get_vocab().items()}
     diffs = [i for i in sorted(t_vocab.keys() & d_vocab.keys()) if t_vocab[i] != d_vocab[i]]
     if diffs:
-        shown = ", ".join(f"id {i}: {a} {t_vocab[i]!r} vs {b} {d_vocab[i]!r}" for i in diffs[:3])
+        shown = f"{a} vs {b}: " + ", ".join(f"id {i} {t_vocab[i]!r} vs {d_vocab[i]!r}" for i in diffs[:3])
         raise IncompatibleModelsError(
-            f"{a} and {b} tokenizers map {len(diffs)} shared ids to different tokens ({shown}). "
-            f"Speculative decoding needs one tokenizer: {fix[0].lower()}{fix[1:]}"
-        )
+            f"{sizes} map {len(diffs):,} shared ids to different tokens ({shown}): {fix}")
+    t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
+    for name in t_special:
+        if t_special[name] != d_special[name]:
+            raise IncompatibleModelsError(
+                f"{sizes} disagree on the {name} token id ({a} {t_special[name]!r}, {b} "
+                f"{d_special[name]!r}): {fix}")
+
+
+def _sizes(names: tuple[str, str], target_size: int, draft_size: int) -> str:
+    """The subject of a mismatch message, with both sizes: "B has N ids and A M, and they", or "A and B (both N
+    ids)"."""
+    a, b = names
+    if target_size == draft_size:
+        return f"{a} and {b} (both {target_size:,} ids)"
+    return f"{b} has {draft_size:,} ids and {a} {target_size:,}, and they"
 
 
 def check_cache_support(model: Any, role: str) -> None:

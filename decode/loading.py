@@ -471,9 +471,9 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
     if folder is not None:
         own = load_tokenizer(folder, "target's tokenizer", trust_remote_code=trust_remote_code)
         try:
-            check_tokenizers(own, tok, names=("the target's own", "--tokenizer"),
+            check_tokenizers(own, tok, names=("the target's own tokenizer", "--tokenizer"),
                              fix=f"leave --tokenizer out to use the target's own ({folder}), or give one of its "
-                                 "vocabulary.")
+                                 "vocabulary")
         except IncompatibleModelsError as err:
             raise IncompatibleModelsError(f"--tokenizer {tokenizer} does not fit the target: {err}") from None
         if len(own) != len(tok):  # the vocabulary size sets which lm_head rows the target may sample

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
-from decode.compat import IncompatibleModelsError, check_compatibility
+from decode.compat import IncompatibleModelsError, check_compatibility, vocab_fingerprint
+from decode.vocab_map import prune_draft_head
 from tests.conftest import VOCAB, make_tokenizer, perturbed_copy, tiny_llama
 
 
@@ -76,7 +77,8 @@ def test_a_draft_tokenizer_with_tokens_the_target_cannot_score_is_accepted():
 def test_different_special_ids():
     a = make_tokenizer()
     b = make_tokenizer(eos_token="w0")
-    with pytest.raises(IncompatibleModelsError, match="eos token id: target 2, draft 4"):
+    with pytest.raises(IncompatibleModelsError, match=r"both 96 ids\) disagree on the eos token id \(the target's "
+                       r"tokenizer 2, the draft's tokenizer 4\): a draft must share the target's tokenizer"):
         check_compatibility(tiny_llama(), tiny_llama(), a, b)
 
 
@@ -84,8 +86,30 @@ def test_shared_id_decoding_to_different_text():
     a = make_tokenizer()
     words = [f"w{i}" for i in range(VOCAB - 4)]
     words[10] = "other"
-    with pytest.raises(IncompatibleModelsError, match="id 14: target 'w10' vs draft 'other'"):
+    with pytest.raises(IncompatibleModelsError, match="the target's tokenizer vs the draft's tokenizer: id 14 'w10' "
+                       "vs 'other'"):
         SpeculativeDecoder(tiny_llama(), tiny_llama(), 2, tokenizer=a, draft_tokenizer=make_tokenizer(words))
+
+
+def test_a_draft_tokenizer_of_another_vocabulary_is_named_by_its_size_before_its_special_tokens():
+    """Found by a new user: a draft with its own 8,192-id tokenizer against a 49,152-id target was refused with
+    "tokenizers disagree on the unk token id", which hid the real difference (another vocabulary)."""
+    tok, small = make_tokenizer(), make_tokenizer([f"x{i}" for i in range(40)], unk_token="x0")
+    assert small.unk_token_id != tok.unk_token_id and len(small) == 44
+    with pytest.raises(IncompatibleModelsError) as err:
+        SpeculativeDecoder(tiny_llama(), tiny_llama(vocab_size=44, seed=1), 2, tokenizer=tok, draft_tokenizer=small)
+    message = str(err.value)
+    assert message.startswith("the draft's tokenizer has 44 ids and the target's tokenizer 96, and they map 40 "
+                              "shared ids to different tokens (the target's tokenizer vs the draft's tokenizer: id 4 "
+                              "'w0' vs 'x0'") and "a draft must share the target's tokenizer" in message
+    assert "unk" not in message
+    # A draft whose model head is pruned to fewer ids keeps the target's tokenizer: it decodes.
+    target = tiny_llama(seed=0)
+    draft = prune_draft_head(tiny_llama(seed=1, layers=1), torch.arange(0, 40), vocab_fingerprint(tok))
+    dec = SpeculativeDecoder(target, draft, 2, tokenizer=tok, draft_tokenizer=make_tokenizer())
+    out = dec.generate([[5, 6, 7]], max_new_tokens=6, eos_token_id=None)
+    plain = SpeculativeDecoder(target, None, 0).generate([[5, 6, 7]], max_new_tokens=6, eos_token_id=None)
+    assert out.new_tokens[0].tolist() == plain.new_tokens[0].tolist()
 
 
 def test_draft_lm_head_larger_than_target_without_tokenizer():

@@ -95,6 +95,13 @@ def test_draft_with_a_different_tokenizer_is_refused(saved_pair, tmp_path):
     r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(tmp_path / "draft"), "--prompt", "w1")
     assert r.returncode == 2
     assert "map 1 shared ids to different tokens" in r.stderr and "Traceback" not in r.stderr
+    # a draft with a tokenizer of its own, of another size: named by both sizes, not by a special token
+    make_tokenizer([f"x{i}" for i in range(40)], unk_token="x0").save_pretrained(tmp_path / "small")
+    tiny_llama(vocab_size=44, seed=2).float().save_pretrained(tmp_path / "small")
+    r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(tmp_path / "small"), "--prompt", "w1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: the draft's tokenizer has 44 ids and the target's tokenizer {VOCAB}, and they map 40 shared ids " \
+           "to different tokens" in r.stderr and "a draft must share the target's tokenizer" in r.stderr
 
 
 def test_unknown_command_and_bad_gamma(saved_pair):
@@ -152,9 +159,9 @@ def test_a_tokenizer_of_another_vocabulary_than_the_target_s_own_is_refused(save
         r = run(command, "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
                 "--tokenizer", str(tmp_path / "swapped"), *extra)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (command, r.stderr)
-        assert f"--tokenizer {tmp_path / 'swapped'} does not fit the target: the target's own and --tokenizer " \
-               "tokenizers map 2 shared ids to different tokens (id 9: the target's own 'w5' vs --tokenizer 'w6'" \
-               in r.stderr, (command, r.stderr)
+        assert f"--tokenizer {tmp_path / 'swapped'} does not fit the target: the target's own tokenizer and " \
+               f"--tokenizer (both {VOCAB} ids) map 2 shared ids to different tokens (the target's own tokenizer vs " \
+               "--tokenizer: id 9 'w5' vs 'w6'" in r.stderr, (command, r.stderr)
         assert "leave --tokenizer out to use the target's own" in r.stderr
     extra = make_tokenizer()
     extra.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})

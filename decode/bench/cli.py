@@ -262,4 +262,6 @@ def _encode(prompts, tokenizer, target, draft, cfg: BenchConfig, args) -> list[l
     if args.max_prompt_tokens is not None:
         max_prompt = args.max_prompt_tokens if max_prompt is None else min(max_prompt, args.max_prompt_tokens)
     cfg.max_prompt_tokens = max_prompt
+    cfg.chat_template = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    cfg.chat_template_source = getattr(tokenizer, "name_or_path", None) if cfg.chat_template else None
     return encode_prompts(prompts, tokenizer, chat_template=not args.no_chat_template, max_prompt_tokens=max_prompt)

@@ -51,6 +51,8 @@ class BenchConfig:
     prompts: str | None = None
     limit: int | None = None
     max_prompt_tokens: int | None = None  # prompts were cut to their last this-many tokens
+    chat_template: bool | None = None  # whether the prompts went through the tokenizer's chat template
+    chat_template_source: str | None = None  # the tokenizer whose template it was (its path or hub id)
     device: str | None = None
     dtype: str | None = None
 

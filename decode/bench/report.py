@@ -557,8 +557,15 @@ def _render_summary(results, console) -> None:
 def _render_categories(results, console) -> None:
     from rich.table import Table
 
-    cats = sorted(results["prompts"]["categories"])
+    counts = results["prompts"]["categories"]
+    cats = sorted(counts)
     if not cats:
+        return
+    if min(counts.values()) < 2:  # one prompt's ratio is that prompt's noise, not its category's
+        few = [c for c in cats if counts[c] < 2]
+        console.print(f"per-category tables left out: {len(few)} of {len(cats)} categories have one prompt "
+                      f"({', '.join(few)}); runs[].by_category in the JSON keeps each category's numbers with its "
+                      "num_prompts; --limit 2 prompts per category or more shows them", markup=False, highlight=False)
         return
     for s in results["summary"]:
         t, best = s["temperature"], s["best_gamma_measured"]

@@ -174,7 +174,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     return {
         "schema_version": SCHEMA_VERSION, "kind": "draftkit.bench",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "config": asdict(cfg), "environment": environment(device),
+        "config": {**asdict(cfg), "batching": batchings_run(cfg)}, "environment": environment(device),
         "prompts": {"source": cfg.prompts, "count": len(prompt_ids),
                     "categories": _count(c for c in categories if c is not None),
                     "mean_prompt_tokens": statistics.mean(len(r) for r in prompt_ids)},
@@ -183,6 +183,12 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         "compiled_graphs_during_timing": run.compiled_graphs if cfg.compile else None,
         "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
     }
+
+
+def batchings_run(cfg: BenchConfig) -> list[str]:
+    """The batchings of ``cfg.batching`` that run: continuous streams need a batch size > 1 (at 1 a stream is the
+    main pass), so at batch size 1 alone only static rows (the main pass's) are recorded."""
+    return [b for b in cfg.batching if b == "static" or max(cfg.batch_sizes, default=1) > 1]
 
 
 def _check_inputs(prompt_ids: list[list[int]], categories: list[str | None], cfg: BenchConfig) -> None:

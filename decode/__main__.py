@@ -11,7 +11,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from decode.cli_args import num_draft_tokens_arg
+from decode.cli_args import (DEFAULT_NUM_DRAFT_TOKENS, command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg,
+                             slowdown_warning)
 from decode.engine import SpeculativeDecoder
 from decode.gguf import import_gguf
 from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
@@ -22,9 +23,6 @@ from decode.sampling import validate_sampling_args
 from decode.serving import check_serve_extra
 from decode.stops import stop_token_ids
 
-DEFAULT_GAMMA = 4  # γ of `generate` with a draft and no -g
-
-
 def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode generate",
                                 description="Stream a speculative completion of one prompt and print its metrics.")
@@ -33,7 +31,9 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=None,
-                   help="γ, or 'auto' (default 4; needs --draft, without which the target decodes alone)")
+                   help=f"γ, or 'auto' (default {DEFAULT_NUM_DRAFT_TOKENS}: measures the draft/target costs at "
+                   "first use and picks γ each step, 0 where drafting does not pay; needs --draft, without which "
+                   "the target decodes alone)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
@@ -62,7 +62,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if args.prompt_lookup_ngram and (args.temperature > 0 or args.num_draft_tokens == 0):
         print(f"note: --prompt-lookup-ngram does nothing here: it drafts for greedy decoding (--temperature 0) with "
               f"γ > 0 only (this run: --temperature {args.temperature:g}, -g "
-              f"{DEFAULT_GAMMA if args.num_draft_tokens is None else args.num_draft_tokens})", file=sys.stderr)
+              f"{command_gamma(args.num_draft_tokens, True)})", file=sys.stderr)
     if not args.draft and args.num_draft_tokens not in (None, 0):  # the API refuses it too (--draft= is none)
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} needs a draft: pass --draft PATH, or leave "
                          "-g out to decode with the target alone")
@@ -78,7 +78,7 @@ def load_decoder(args: argparse.Namespace, device: Any) -> tuple[SpeculativeDeco
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
-    gamma = (DEFAULT_GAMMA if args.num_draft_tokens is None else args.num_draft_tokens) if draft is not None else 0
+    gamma = command_gamma(args.num_draft_tokens, draft is not None)
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok,
                              prompt_lookup_ngram=args.prompt_lookup_ngram)
     return dec, tok, gamma
@@ -135,7 +135,21 @@ def cmd_generate(argv: list[str]) -> int:
         print(json.dumps({"prompt": prompt, "text": text, "token_ids": out.new_tokens[0].tolist(), **metrics}))
     else:
         print_metrics_table(metrics)
+    warning = fixed_gamma_warning(dec, out.stats, gamma)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
+
+
+def fixed_gamma_warning(dec: SpeculativeDecoder, stats: Any, gamma: int | str) -> str | None:
+    """After a run with a fixed γ > 0 and a draft: the warning of :func:`decode.cli_args.slowdown_warning` when the
+    acceptance it measured predicts a slowdown, priced with a cost model measured now; else None. Prompt lookup is
+    left out: its drafts cost no draft forward, which the prediction does not model."""
+    fixed = isinstance(gamma, int) and gamma > 0 and dec.draft is not None
+    if not fixed or dec.prompt_lookup_ngram or not stats.num_drafted:
+        return None
+    return slowdown_warning(stats.alpha, stats.num_drafted, gamma, fixed_gamma_cost_model(dec),
+                            "use --num-draft-tokens auto (the default) or 0, or a better draft")
 
 
 def import_gguf_parser() -> argparse.ArgumentParser:

@@ -43,12 +43,12 @@ def test_generate_with_prompt_lookup_gives_the_same_greedy_text(saved_pair):
 
 def test_generate_streams_text_and_prints_metrics(saved_pair):
     r = run("generate", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
-            "--prompt", "w1 w2 w3", "--num-draft-tokens", "3", "--max-new-tokens", "12", "--json")
+            "--prompt", "w5", "--num-draft-tokens", "3", "--max-new-tokens", "12", "--json")
     assert r.returncode == 0, r.stderr
     metrics = json.loads(r.stdout)  # with --json, stdout is one JSON document
-    assert metrics["num_draft_tokens"] == 3 and 1 <= metrics["new_tokens"] <= 12
+    assert metrics["num_draft_tokens"] == 3 and 2 <= metrics["new_tokens"] <= 12  # w5 has no eos first
     assert 0.0 <= metrics["acceptance_rate"] <= metrics["alpha"] <= 1.0 and metrics["mean_accepted_length"] >= 1.0
-    assert metrics["prompt"] == "w1 w2 w3" and len(metrics["token_ids"]) == metrics["new_tokens"]
+    assert metrics["prompt"] == "w5" and len(metrics["token_ids"]) == metrics["new_tokens"]
     assert metrics["text"] == make_tokenizer().decode(metrics["token_ids"], skip_special_tokens=True)
     r = run("generate", "--target", str(saved_pair / "target"), "--prompt", "w1 w2 w3", "--max-new-tokens", "4")
     assert r.returncode == 0 and "w1 w2 w3" in r.stdout  # without --json the text streams to stdout
@@ -79,6 +79,26 @@ def test_generate_table_and_sampling(saved_pair):
     assert r.returncode == 0, r.stderr
     assert "acceptance_rate" in r.stderr and "mean_accepted_length" in r.stderr
     assert "Loading weights" not in r.stderr  # no per-model weight-loading bars
+
+
+def test_generate_defaults_to_auto_and_warns_when_a_fixed_gamma_predicts_a_slowdown(saved_pair, tmp_path):
+    """Found by a new user: a weak draft (α 0.05) ran at the default γ = 4, slower than the target alone, and nothing
+    said so. With a draft the default is auto; a fixed γ whose measured acceptance predicts a slowdown says so."""
+    tiny_llama(seed=7).float().save_pretrained(tmp_path / "unrelated")  # a draft that guesses at random
+    make_tokenizer().save_pretrained(tmp_path / "unrelated")
+    common = ("generate", "--target", str(saved_pair / "target"), "--draft", str(tmp_path / "unrelated"), "--prompt",
+              "w5", "--max-new-tokens", "16")
+    r = run(*common, "-g", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["num_draft_tokens"] == 4 and out["alpha"] < 0.5
+    assert "γ = 4 is predicted to run at" in r.stderr and "slower than the target alone: use --num-draft-tokens " \
+        "auto (the default) or 0, or a better draft" in r.stderr
+    r = run(*common, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["num_draft_tokens"] == "auto" and "predicted to run at" not in r.stderr
+    r = run(*common, "-g", "0", "--json")
+    assert r.returncode == 0 and "predicted to run at" not in r.stderr
 
 
 def test_missing_path_is_a_clear_error(saved_pair, tmp_path):

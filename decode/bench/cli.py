@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from decode import loading
 from decode.bench.config import BenchConfig, parse_gammas, parse_list
 from decode.bench.report import OutputPaths, render_tables, write_outputs
-from decode.bench.runs import compile_supported, run_benchmark
+from decode.bench.runs import compile_supported, plan_line, run_benchmark
 from decode.cache import context_length
 from decode.compat import check_compatibility, input_vocab_size, output_vocab_size
 from decode.compiling import check_cpu_compiler, compile_setting
@@ -41,14 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="humaneval | mbpp | mbpp_code | spec_bench | mt_bench | gsm8k | path/to/file.jsonl[.gz]")
     p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question, turns or "
                    "instruction), or another field of a named set")
-    p.add_argument("--limit", type=int, default=20, help="number of prompts (category-balanced for Spec-Bench)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gammas", default="1,2,4,8",
+    p.add_argument("--limit", type=int, default=4,
+                   help="number of prompts (category-balanced for Spec-Bench; default 4: a first try of a few "
+                        "minutes on a ~100M target on a CPU, 20 or more for numbers to report)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
+    p.add_argument("--gammas", default="1,2,4",
                    help="comma-separated γ list (sorted, duplicates dropped); add 'auto' or use --no-auto")
     p.add_argument("--no-auto", action="store_true", help="skip num_draft_tokens='auto'")
     p.add_argument("--auto-max-gamma", type=int, default=8, help="largest γ the adaptive controller may pick")
-    p.add_argument("--temperatures", default="0,1", help="comma-separated; duplicates dropped (0 and 0.0 are one)")
-    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated; duplicates dropped")
+    p.add_argument("--temperatures", default="0",
+                   help="comma-separated, e.g. 0,1; duplicates dropped (0 and 0.0 are one)")
+    p.add_argument("--batch-sizes", default="1",
+                   help="comma-separated, e.g. 1,4,8 (default 1: no batch pass beyond the main pass's rows); "
+                        "duplicates dropped")
     p.add_argument("--batching", default="static,continuous",
                    help="how the batch pass batches, comma-separated: static (generate() calls of --batch-sizes "
                         "rows; a batch ends with its slowest row) and/or continuous (a stream of requests, that many "
@@ -77,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-context", type=int,
                    help="context length (>= 2 tokens) for measuring c; it plus the largest γ must fit the models' "
                         "positions (default: mean prompt + N/2)")
-    p.add_argument("--cost-repeats", type=int, default=21,
+    p.add_argument("--cost-repeats", type=int, default=11,
                    help="timed rounds for c, v_γ and the bare reference (>= 3; spread over the main pass, a whole "
-                        "number before each prompt), and forwards per median of the auto-γ calibration (default 21)")
+                        "number before each prompt), and forwards per median of the auto-γ calibration (default 11)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs of each method on each prompt (and each batch), one after another in rotated "
                         "order; the run with the median wall time is recorded (default 1; 3 damps single-call "
@@ -182,6 +188,7 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     if len(prompts) < args.limit:  # said before the run; the JSON's prompts.count has it too
         print(f"note: --prompts {args.prompts} has {len(prompts)} prompt(s), fewer than --limit {args.limit}; "
               f"benchmarking {len(prompts)}", file=sys.stderr)
+    print(plan_line(cfg, len(prompts)), file=sys.stderr, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(cfg.device)  # checked by config_from_args
@@ -191,6 +198,9 @@ def run_cli(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer, draft_tokenizer = _load_tokenizers(args, draft_folder)
     target, draft = _load_pair(args, cfg, device, dtype, tokenizer, draft_tokenizer)
     prompt_ids = _encode(prompts, tokenizer, target, draft, cfg, args)
+    print(f"prompts: {len(prompt_ids)} of {args.prompts}, "
+          + (f"chat template of {cfg.chat_template_source} applied" if cfg.chat_template else "no chat template")
+          + f", {sum(map(len, prompt_ids)) / len(prompt_ids):.0f} tokens on average", file=sys.stderr, flush=True)
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -238,8 +248,8 @@ def _load_pair(args: argparse.Namespace, cfg: BenchConfig, device: torch.device,
                draft_tokenizer) -> tuple[Any, Any]:
     """The target and the draft, checked before any timing: a pair that cannot share a vocabulary fails here with
     the difference named, and so does one HF assisted generation cannot run."""
-    target = loading.load_causal_lm(args.target, "target", dtype, str(device), trust_remote_code=args.trust_remote_code)
-    draft = loading.load_causal_lm(args.draft, "draft", dtype, str(device), trust_remote_code=args.trust_remote_code)
+    target, draft = (_load_model(getattr(args, role), role, dtype, device, args.trust_remote_code)
+                     for role in ("target", "draft"))
     check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     sizes = {role: (output_vocab_size(m), input_vocab_size(m)) for role, m in (("target", target), ("draft", draft))}
     if cfg.hf and sizes["draft"] != sizes["target"]:  # ours runs such a pair losslessly; HF's generate refuses it
@@ -247,6 +257,17 @@ def _load_pair(args: argparse.Namespace, cfg: BenchConfig, device: torch.device,
                          f"draft {sizes['draft']}, target {sizes['target']}); Hugging Face assisted generation "
                          "needs them equal: pass --no-hf to benchmark plain decoding against ours")
     return target, draft
+
+
+def _load_model(path: str, role: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
+    """One model of the pair, said on stderr before (its path) and after (its size, the seconds it took)."""
+    print(f"loading the {role} {path} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    model = loading.load_causal_lm(path, role, dtype, str(device), trust_remote_code=trust_remote_code)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{role}: {params / 1e6:.1f}M parameters, {str(dtype).replace('torch.', '')} on {device} "
+          f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    return model
 
 
 def _encode(prompts, tokenizer, target, draft, cfg: BenchConfig, args) -> list[list[int]]:

@@ -153,15 +153,25 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     context = cost_context(prompt_ids, cfg, device)
     _check_cost_context_fits(context.shape[1], cfg, target, draft)
     eos = None if cfg.ignore_eos else eos_token_id
+    say = functools.partial(_say, progress)
+    say("building the decoders" + (" (compiling and warming up the compiled one)" if cfg.compile else ""))
     decoders = build_decoders(target, draft, cfg, tokenizer, draft_tokenizer)
     methods = build_methods(cfg)
+    say(f"measuring c and v_γ: bare and engine forwards at {context.shape[1]} tokens, untimed rounds first (the "
+        f"{cfg.cost_repeats} timed rounds are spread over the main pass)")
     timers = cost_timers(decoders, target, draft, context, cfg)
+    if cfg.auto:
+        say(f"calibrating the auto-γ cost model (batch sizes {cost_buckets(max(cfg.batch_sizes, default=1))}, "
+            f"γ up to {cfg.auto_max_gamma}, {cfg.cost_repeats} forwards per median)")
     auto_costs = calibrate_auto(decoders, prompt_ids, cfg)
     run = _Runner(decoders, target, draft, cfg, pad_token_id, eos, device)
     if cfg.warmup:  # first calls pay for allocator growth and lazy init (compilation: warm_up above)
+        say(f"warm-up: {len(methods) * len(cfg.temperatures)} untimed calls of up to {min(4, cfg.max_new_tokens)} "
+            "tokens (every method once)")
         for method in methods:
             for t in cfg.temperatures:
                 run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
+    say(f"main pass: {', '.join(m.name for m in methods)} on {len(prompt_ids)} prompt(s), interleaved")
     per_prompt = math.ceil(cfg.cost_repeats / len(prompt_ids))  # cost rounds before each prompt's runs
     records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress,
                          lambda: _cost_rounds(timers, per_prompt))
@@ -183,6 +193,42 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         "compiled_graphs_during_timing": run.compiled_graphs if cfg.compile else None,
         "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
     }
+
+
+def planned_calls(cfg: BenchConfig, num_prompts: int) -> dict[str, int]:
+    """The ``generate`` calls (and continuous streams) a run makes: ``{"main": timed calls of the main pass,
+    "batch": timed calls and streams of the batch pass, "warmup": untimed calls}``. The batch pass runs the best
+    measured fixed γ, which is one of ``cfg.gammas``, so the count is known before the run."""
+    methods = build_methods(cfg)
+    temps = len(cfg.temperatures)
+    g = cfg.batch_gamma or (cfg.gammas[0] if cfg.gammas else "auto")
+    group = (2 + int(cfg.auto and g != "auto")) * (2 if cfg.compile else 1)  # plain, γ, [auto]; [compiled twins]
+    units = jobs = 0
+    for bs in cfg.batch_sizes:
+        if bs == 1 and (g == "auto" or g in cfg.gammas):  # the main pass's rows are reused
+            continue
+        if "static" in cfg.batching:
+            units, jobs = units + math.ceil(num_prompts / bs), jobs + 1
+        if "continuous" in cfg.batching and bs > 1:
+            units, jobs = units + 1, jobs + 1
+    return {"main": num_prompts * cfg.repeats * temps * len(methods), "batch": units * group * cfg.repeats * temps,
+            "warmup": (len(methods) + jobs * group) * temps if cfg.warmup else 0}
+
+
+def plan_line(cfg: BenchConfig, num_prompts: int) -> str:
+    """One line saying what a run will do, printed before the models load."""
+    n = planned_calls(cfg, num_prompts)
+    methods = build_methods(cfg)
+    return (f"plan: {n['main'] + n['batch']} timed generate calls of up to {cfg.max_new_tokens} new tokens: "
+            f"{n['main']} in the main pass ({num_prompts} prompt(s) × {len(cfg.temperatures)} temperature(s) × "
+            f"{len(methods)} methods × {cfg.repeats} repeat(s)), {n['batch']} in the batch pass (batch sizes "
+            f"{cfg.batch_sizes}); {n['warmup']} untimed warm-up calls")
+
+
+def _say(enabled: bool, message: str) -> None:
+    """A progress line on stderr (the phases between the progress bars), when progress is on."""
+    if enabled:
+        print(message, file=sys.stderr, flush=True)
 
 
 def batchings_run(cfg: BenchConfig) -> list[str]:
@@ -321,7 +367,7 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
         def one(method: Method, i: int, t: float) -> dict:
             row = prompt_ids[i]
             new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
-            tick()
+            tick(f"last: {method.name} at T={t:g}")
             return {"key": i, "order": next(order), "prompt": names[i], "category": categories[i],
                     "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
                     "stats": stats if method.kind == OURS else None, "ttft_s": getattr(stats, "ttft_s", None)}
@@ -374,6 +420,9 @@ def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: b
                 rows = [prompt_ids[i % len(prompt_ids)] for i in range(max(len(prompt_ids), 2 * bs))]
                 jobs.append((t, group, bs, "continuous", [rows], None))
     total = sum(len(units) * len(group) for _, group, _, _, units, _ in jobs) * cfg.repeats
+    if total:
+        _say(progress, f"batch pass: {total} timed calls and streams at batch sizes "
+                       f"{sorted({bs for _, _, bs, _, _, _ in jobs})} ({', '.join(cfg.batching)})")
     with _progress(progress, total, "batches") as tick:
         for t, group, bs, batching, units, index in jobs:
             concurrency = bs if batching == "continuous" else None
@@ -457,22 +506,23 @@ class _progress:
         self.enabled, self.total, self.label = enabled and total > 0, total, label
 
     def __enter__(self):
+        """``tick(detail="")``: one unit done; ``detail`` (e.g. the method just run) goes into the plain line."""
         if not self.enabled:
-            return lambda: None
+            return lambda detail="": None
         if not sys.stderr.isatty():
             done, start, step = 0, time.perf_counter(), max(1, self.total // 10)
 
-            def tick():
+            def tick(detail: str = ""):
                 nonlocal done
                 done += 1
                 if done % step == 0 or done == self.total:
-                    print(f"{self.label}: {done}/{self.total} ({time.perf_counter() - start:.0f} s)",
-                          file=sys.stderr, flush=True)
+                    print(f"{self.label}: {done}/{self.total} ({time.perf_counter() - start:.0f} s"
+                          f"{'; ' + detail if detail else ''})", file=sys.stderr, flush=True)
             return tick
         self._p = Progress(transient=True)
         self._p.start()
         task = self._p.add_task(self.label, total=self.total)
-        return lambda: self._p.advance(task)
+        return lambda detail="": self._p.advance(task)
 
     def __exit__(self, *exc):
         if hasattr(self, "_p"):

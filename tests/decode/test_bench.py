@@ -465,6 +465,14 @@ def test_cli_end_to_end_on_saved_checkpoints(saved_pair, tmp_path, capsys):
     assert "cost ratio c =" in printed and "hf_assisted" in printed and "bare HF forwards" in printed
     assert "bare HF prefills of" in printed
     assert "decoding: 12/12 (" in captured.err  # progress shows in a log too (stderr is not a terminal here)
+    err = captured.err.splitlines()  # from the start: the plan, the loading, every phase, in this order
+    said = ["plan: 18 timed generate calls of up to 4 new tokens: 12 in the main pass", "loading the target",
+            "target: 0.", "loading the draft", "draft: 0.", "prompts: 2 of mt_bench, no chat template",
+            "building the decoders", "measuring c and v_γ", "calibrating the auto-γ cost model", "warm-up: 6 untimed",
+            "main pass: plain, spec_g2, spec_auto, hf_target, hf_assisted, hf_assisted_g2 on 2 prompt(s)",
+            "decoding: 12/12 (", "batch pass: 6 timed calls and streams at batch sizes [2] (static, continuous)"]
+    at = [next((i for i, line in enumerate(err) if line.startswith(s)), s) for s in said]
+    assert at == sorted(at)
     assert "highlights: ours / reference" in printed and "ours / HF assisted speedup, γ=2" in printed
     (entry,) = results["verdict"]["by_temperature"]  # the verdict is recorded and printed last
     said = "drafting wins (T=0" if entry["drafting_wins"] else "drafting loses here (T=0"

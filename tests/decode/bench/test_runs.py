@@ -44,3 +44,28 @@ def test_category_tables_need_two_prompts_in_every_category():
     results = _run(["a", "a"])
     shown = _printed(results)
     assert "T=0 by category: α / speedup" in shown and "left out" not in shown
+
+
+def test_the_planned_calls_are_the_calls_made(monkeypatch):
+    import decode.bench.runs as runs
+
+    made = {True: 0, False: 0}
+    call = runs._Runner.__call__
+
+    def counted(self, *args, timed=True, **kwargs):
+        made[timed] += 1
+        return call(self, *args, timed=timed, **kwargs)
+
+    monkeypatch.setattr(runs._Runner, "__call__", counted)
+    target = tiny_llama(seed=0, layers=2).to(TEST_DEVICE)
+    cfg = BenchConfig(gammas=[1, 2], auto=True, hf=False, temperatures=[0.0], batch_sizes=[1, 2], max_new_tokens=2,
+                      cost_repeats=3)
+    run_benchmark(target, perturbed_copy(target), [[1, 5, 6], [1, 7], [1, 8]], [None] * 3, cfg, pad_token_id=0,
+                  progress=False)
+    plan = runs.planned_calls(cfg, 3)
+    # main: 3 prompts × 4 methods; batch: plain, γ, auto × (2 static batches of 2 + 1 stream); warm-up: 4 + 3 × 2
+    assert plan == {"main": 12, "batch": 9, "warmup": 10}
+    assert (made[True], made[False]) == (plan["main"] + plan["batch"], plan["warmup"])
+    assert runs.plan_line(cfg, 3).startswith("plan: 21 timed generate calls of up to 2 new tokens: 12 in the main "
+                                             "pass (3 prompt(s) × 1 temperature(s) × 4 methods × 1 repeat(s)), 9 "
+                                             "in the batch pass")

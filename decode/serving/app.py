@@ -149,18 +149,21 @@ async def lifespan(app: FastAPI):
 
 def create_app(decoder: Any, tokenizer: Any, model_name: str = "draftkit", api_key: str | None = None,
                limits: ServerLimits | None = None, max_batch_size: int = 16, max_queue: int = 64,
-               info: dict | None = None) -> FastAPI:
+               info: dict | None = None, cost_model: dict | None = None) -> FastAPI:
     """Build the FastAPI app serving ``decoder`` (a :class:`decode.engine.SpeculativeDecoder` with the request
     API) under the model id ``model_name``.
 
     The stop set of every request is :func:`decode.stops.stop_token_ids` (tokenizer eos ∪ the target's
     ``generation_config`` eos ids) ∪ the request's ``stop_token_ids``. The scheduler thread starts with the app
-    (:func:`lifespan`) and, at shutdown, drains the requests still running.
+    (:func:`lifespan`) and, at shutdown, drains the requests still running. ``cost_model`` (the decoder's costs at
+    batch size 1, :func:`decode.cli_args.fixed_gamma_cost_model`) turns on the slowdown check of a fixed γ
+    (:class:`decode.serving.metrics.ServerMetrics`).
     """
     if api_key and not api_key.strip():  # stripped to b"", it would let "Authorization: Bearer " in
         raise ValueError("the API key is only whitespace; give a key, or None to serve without one")
     limits = limits or ServerLimits()
-    metrics = ServerMetrics()
+    gamma = getattr(decoder, "num_draft_tokens", None)
+    metrics = ServerMetrics(gamma if isinstance(gamma, int) else None, cost_model)
     scheduler = Scheduler(decoder, tokenizer, metrics, max_batch_size, max_queue)
     app = FastAPI(title="draftkit speculative decoder", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from decode import costs
-from decode.cli_args import num_draft_tokens_arg
+from decode.cli_args import DEFAULT_NUM_DRAFT_TOKENS, command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg
 from decode.compiling import check_cpu_compiler, compile_setting
 from decode.engine import SpeculativeDecoder
 from decode.loading import (check_cached, check_device, load_causal_lm, load_draft_tokenizer, load_target_tokenizer,
@@ -77,7 +77,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
     p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
-    p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=4, help="γ, or 'auto' (default 4)")
+    p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=None,
+                   help=f"γ, or 'auto' (default with --draft: {DEFAULT_NUM_DRAFT_TOKENS}, the cost model measured "
+                   "before the server listens, γ chosen each step, 0 where drafting does not pay); a fixed γ > 0 is "
+                   "checked against the acceptance measured while serving (a warning when it predicts a slowdown)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target "
@@ -150,15 +153,17 @@ def served_model_name(target: str, override: str | None = None) -> str:
     return os.path.basename(os.path.normpath(target)) if looks_local(target) else str(target)
 
 
-def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | str) -> tuple[Any, Any]:
+def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | str) -> tuple[Any, Any, dict | None]:
     """Load the pair and tokenizer, build the decoder and warm it up (compiled graphs, auto γ's cost model) before
-    the server listens, so no request waits for either. Returns ``(decoder, tokenizer)``."""
+    the server listens, so no request waits for either. Returns ``(decoder, tokenizer, cost_model)``: with a fixed
+    γ > 0 and a draft (no prompt lookup), the cost model at batch size 1 that prices the slowdown check
+    (:func:`decode.cli_args.fixed_gamma_cost_model`), else None."""
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
     draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
-    gamma = args.num_draft_tokens if draft is not None else 0
+    gamma = command_gamma(args.num_draft_tokens, draft is not None)
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok, compile=compile_,
                              prompt_lookup_ngram=args.prompt_lookup_ngram)
     if compile_ or gamma == "auto":
@@ -166,7 +171,12 @@ def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | st
                                             ("measuring auto γ's cost model", gamma == "auto")) if on)
         print(f"warm-up: {work} for batch sizes up to {args.max_batch_size} ...", file=sys.stderr, flush=True)
         print(f"warm-up done in {costs.warm_up(dec, args.max_batch_size):.1f} s", file=sys.stderr, flush=True)
-    return dec, tok
+    cost_model = None
+    if isinstance(gamma, int) and gamma > 0 and not args.prompt_lookup_ngram:
+        print(f"warm-up: measuring the draft/target costs that check γ = {gamma} against the acceptance measured "
+              "while serving ...", file=sys.stderr, flush=True)
+        cost_model = fixed_gamma_cost_model(dec)
+    return dec, tok, cost_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, option) is not None:
             check_cached(getattr(args, option), f"--{option}")
     try:
-        dec, tok = _load_and_warm_up(args, device, compile_)
+        dec, tok, cost_model = _load_and_warm_up(args, device, compile_)
     except KeyboardInterrupt:  # Ctrl-C while loading or compiling: nothing served yet, nothing to save
         print("interrupted before the server listened (loading or warm-up); nothing was served", file=sys.stderr)
         return 130
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens, args.body_timeout_s)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
                      info={"target": args.target, "draft": args.draft, "compile": args.compile or False,
-                           "prompt_lookup_ngram": args.prompt_lookup_ngram})
+                           "prompt_lookup_ngram": args.prompt_lookup_ngram}, cost_model=cost_model)
     server = make_server(app, args.host, args.port, args.graceful_shutdown_s)
     try:
         server.run()

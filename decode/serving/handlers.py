@@ -119,7 +119,8 @@ class OpenAIServing:
     def health(self) -> dict:
         return {"status": "ok", "model": self.rules.model_name,
                 "num_draft_tokens": getattr(self.decoder, "num_draft_tokens", None),
-                "running": self.scheduler.num_running, **self.info}
+                "running": self.scheduler.num_running, "warning": self.scheduler.metrics.slowdown_warning,
+                **self.info}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.rules.model_name, "object": "model", "created": self.created,

@@ -115,6 +115,7 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path, extra):
         assert url is not None and not url.endswith(":0"), "".join(lines)
         health = httpx.get(url + "/health", timeout=10)
         assert health.status_code == 200 and health.json()["compile"] == ("draft" if extra else False)
+        assert health.json()["num_draft_tokens"] == 3 and health.json()["warning"] is None
         body = {"model": "target", "prompt": "w5", "max_tokens": 4, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
         r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"}, timeout=30)
@@ -128,6 +129,8 @@ def test_serve_subprocess_with_key_then_sigterm(tmp_path, extra):
     assert proc.returncode in (0, -signal.SIGTERM), err
     assert "Application shutdown complete" in err and "Traceback" not in err
     assert "without an API key" not in err
+    costs_line = err.index("warm-up: measuring the draft/target costs that check γ = 3")  # the slowdown check's
+    assert costs_line < err.index("Uvicorn running on")
     if extra:
         warm = err.index("warm-up: compiling the forwards' graphs for batch sizes up to 4")
         assert warm < err.index("warm-up done in") < err.index("Uvicorn running on")
@@ -178,6 +181,35 @@ def test_an_uncached_hub_id_offline_exits_2_before_any_load(command, hub_cache, 
     assert decode_main([command, "--target", "org/not-cached", *extra]) == 2
     assert "--target 'org/not-cached' is not a local folder, and as a hub id it is not in the local Hugging Face " \
            "cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gamma_args,line", [
+    ([], "warm-up: measuring auto γ's cost model for batch sizes up to 4"),
+    (["-g", "4"], "warm-up: measuring the draft/target costs that check γ = 4 against the acceptance measured "
+                  "while serving"),
+], ids=["default", "fixed"])
+def test_serve_defaults_to_auto_and_measures_the_costs_of_a_fixed_gamma(gamma_args, line, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Found by a new user: serve's default γ was a fixed 4, slower than the target alone with a weak draft. With a
+    draft the default is auto (its cost model measured before the server listens); a fixed γ has its costs at batch
+    size 1 measured there too, for the slowdown check."""
+    assert serve_parser().parse_args(["--target", "t"]).num_draft_tokens is None
+    tok = make_tokenizer()
+    target = tiny_llama(seed=0).float()
+    for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    seen = []
+
+    def interrupted(decoder, *args, **kwargs):  # stop at the measurement, before the server listens
+        seen.append(decoder.num_draft_tokens)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(costs, "calibrate", interrupted)
+    code = decode_main(["serve", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                        "--max-batch-size", "4", "--port", "0", *gamma_args])
+    err = capsys.readouterr().err
+    assert code == 130 and seen == (["auto"] if not gamma_args else [4]) and line in err
 
 
 def test_ctrl_c_during_the_warm_up_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):

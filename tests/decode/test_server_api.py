@@ -268,6 +268,51 @@ def test_derived_metrics_follow_decode_stats_when_nothing_was_drafted():
     assert gauges(m) == {"draftkit_acceptance_rate": 0.75, "draftkit_mean_accepted_length": 4.0}
 
 
+def test_a_fixed_gamma_predicted_slower_than_plain_decoding_is_warned_once(caplog):
+    """Found by a new user: a weak draft at γ = 4 served at about 0.6× plain decoding while /metrics showed an
+    acceptance of 0.018 and nothing warned. After 200 drafted tokens the prediction at the measured α is a gauge,
+    and below 1 it is logged once and shown on /health."""
+    cost_model = {"cost_ratio": 0.1, "verify": [1.0, 1.1, 1.2, 1.3, 1.4]}
+
+    def predicted(m):
+        return next(s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
+                    if s.name == "draftkit_predicted_speedup")
+
+    m = ServerMetrics(4, cost_model)
+    m.record_stats(DecodeStats(num_drafted=196, num_accepted=2, num_verify_steps=49, num_rejections=48))
+    assert math.isnan(predicted(m)) and m.slowdown_warning is None  # 196 drafted: too few to judge
+    with caplog.at_level("WARNING", logger="decode.serving"):
+        for _ in range(3):
+            m.record_stats(DecodeStats(num_drafted=4, num_accepted=0, num_verify_steps=1, num_rejections=1))
+    alpha = 2 / 53  # Σaccepted / (Σaccepted + rejections)
+    assert predicted(m) == pytest.approx((1 - alpha ** 5) / ((1 - alpha) * 1.8))
+    warning = m.slowdown_warning  # from the first record that reached 200 drafted tokens
+    assert warning.startswith(f"warning: at the acceptance measured so far (α = {2 / 51:.3f} over 200 drafted "
+                              "tokens)") and "restart with --num-draft-tokens auto" in warning
+    assert [r.getMessage() for r in caplog.records] == [m.slowdown_warning]  # once, not per request
+    good = ServerMetrics(4, cost_model)
+    good.record_stats(DecodeStats(num_drafted=400, num_accepted=320, num_verify_steps=100, num_rejections=60))
+    assert predicted(good) > 1 and good.slowdown_warning is None
+    auto = ServerMetrics(None, cost_model)  # auto γ (or no draft): no fixed γ to judge
+    auto.record_stats(DecodeStats(num_drafted=400, num_accepted=0, num_verify_steps=100, num_rejections=100))
+    assert math.isnan(predicted(auto)) and auto.slowdown_warning is None
+
+
+def test_health_shows_the_slowdown_warning_of_a_fixed_gamma():
+    dec, tok = tiny_pair(gamma=4)
+    cost_model = {"cost_ratio": 1.0, "verify": [1.0, 2.0]}  # a draft as slow as its target: even α = 1 loses
+    with running_server(dec, tok, cost_model=cost_model) as (url, app, server):
+        assert httpx.get(url + "/health").json()["warning"] is None
+        for _ in range(8):
+            if metric(url, "draftkit_drafted_tokens_total") >= 200:
+                break
+            body = {"model": MODEL, "prompt": "w5", "max_tokens": 100, "temperature": 0}
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        warning = httpx.get(url + "/health").json()["warning"]
+        assert warning and "γ = 4 is predicted to run at" in warning
+        assert metric(url, "draftkit_predicted_speedup") < 1
+
+
 def test_full_queue_is_429_with_retry_after_and_shutdown_drains():
     dec, tok = tiny_pair()
     with running_server(dec, tok, max_batch_size=1, max_queue=1) as (url, app, server):

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from decode import cache as kv
-from decode.sampling import BatchSampling
+from decode.sampling import BatchSampling, greedy_ids, probs_from_logits, sample
 
 
 @dataclass
@@ -51,26 +51,47 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device: Any = None)
 
 
 def prefill_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor, lens: list[int],
-                  context: int | None) -> kv.DynamicKV:
-    """``model`` run on all but each row's last token of left-padded ``ids`` / ``mask`` ``(B, T)``, as a
-    :class:`decode.cache.DynamicKV` (``lens``: each row's prompt length - 1, known on the host). Prefill runs eager:
-    its shapes vary with every admission (compiling it only adds recompiles)."""
-    # The longest prompt fills the width, so no column of the prefix is all padding.
-    pre_ids, pre_mask = ids[:, :-1], mask[:, :-1]
-    cache, out_mask = kv.new_cache(model), pre_mask[:, :0]
-    if ids.shape[1] > 1:
-        _, out_mask = kv.forward(model, cache, out_mask, pre_ids, pre_mask, logits_to_keep=1,
-                                 max_position=context - 1 if context else None)
-    return kv.DynamicKV(cache, out_mask, lens)
+                  context: int | None) -> tuple[kv.DynamicKV, torch.Tensor | None]:
+    """``model`` run on left-padded ``ids`` / ``mask`` ``(B, T)`` (T may be 0), as a :class:`decode.cache.DynamicKV`
+    (``lens``: each row's real tokens, known on the host), and the logits ``(B, 1, V)`` after each row's last token
+    (None when T = 0). Prefill runs eager: its shapes vary with every admission (compiling it only adds
+    recompiles)."""
+    # The longest row fills the width, so no column is all padding.
+    cache, out_mask, logits = kv.new_cache(model), mask[:, :0], None
+    if ids.shape[1] > 0:
+        logits, out_mask = kv.forward(model, cache, out_mask, ids, mask, logits_to_keep=1,
+                                      max_position=context - 1 if context else None)
+    return kv.DynamicKV(cache, out_mask, lens), logits
 
 
-def new_state(target_cache: Any, draft_cache: Any, prompts: list[list[int]], last: torch.Tensor) -> DecodeState:
-    """The state after a prefill: the last prompt token is the target's next input and the draft's pending one."""
-    B = len(prompts)
-    draft_in = torch.stack([torch.zeros_like(last), last], dim=-1)
-    draft_in_mask = torch.tensor([[0, 1]], device=last.device).expand(B, 2).clone()
-    return DecodeState(target_cache=target_cache, draft_cache=draft_cache, last=last, draft_in=draft_in,
-                       draft_in_mask=draft_in_mask, committed=[list(p) for p in prompts], draft_pending=[1] * B)
+def new_state(target_cache: Any, draft_cache: Any, committed: list[list[int]], draft_in: torch.Tensor) -> DecodeState:
+    """The state after a prefill: ``committed`` (per row: prompt and any new tokens), whose last token is the target's
+    next input; ``draft_in`` ``(B, k)``: each row's last k committed tokens, the draft's pending input (the target's
+    cache holds all but the last committed token, the draft's all but the last k)."""
+    B, k = draft_in.shape
+    draft_in_mask = torch.ones(B, k, dtype=torch.long, device=draft_in.device)
+    if k < 2:  # the first draft forward reads at least two columns (a hole, then the pending token)
+        draft_in = torch.cat([torch.zeros_like(draft_in[:, :1]), draft_in], dim=1)
+        draft_in_mask = torch.cat([torch.zeros_like(draft_in_mask[:, :1]), draft_in_mask], dim=1)
+    return DecodeState(target_cache=target_cache, draft_cache=draft_cache, last=draft_in[:, -1],
+                       draft_in=draft_in, draft_in_mask=draft_in_mask, committed=[list(c) for c in committed],
+                       draft_pending=[k] * B)
+
+
+def first_tokens(logits: torch.Tensor, rows: Sequence[Any], vocab_size: int) -> list[int]:
+    """Each joining row's next token from the target's prefill logits ``(B, 1, V)`` after its context, drawn as a
+    plain decoding step draws it: its sampling settings and penalties (``rows``: :class:`decode.requests.Request`),
+    one uniform from its own generator for a sampled row, none for a greedy one (the argmax). An id >= ``vocab_size``
+    (inverse-CDF sampling of NaN probabilities) is returned as is, for the caller's check."""
+    sampling = BatchSampling([r.params for r in rows], logits.device)
+    counts, seen = penalty_counts(rows, vocab_size, logits.device) if sampling.penalized else (None, None)
+    args = (logits[:, -1:], sampling, vocab_size, counts[:, None] if counts is not None else None,
+            seen[:, None] if seen is not None else None)
+    if sampling.all_greedy:
+        return greedy_ids(*args)[:, 0].tolist()
+    u = torch.stack([torch.rand((), generator=r.generator) if not r.params.greedy else torch.zeros(())
+                     for r in rows]).to(logits.device)
+    return sample(probs_from_logits(*args)[:, 0], u=u).tolist()
 
 
 def to_static(cache: kv.DynamicKV, model: Any, device: Any, room: int) -> kv.StaticKV:

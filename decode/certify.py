@@ -1,7 +1,8 @@
 """``python -m decode certify``: a statistical certificate that a target/draft pair decodes losslessly.
 
 At M prefixes the speculative decoder draws the next two tokens K times (K copies of the prefix, in batches of at
-most ``batch_size`` rows; γ ≥ 2 so the second token also passes the acceptance rule), and the draws are compared
+most ``batch_size`` rows; the first comes from the target's prefill, the second from the first speculative step,
+whose acceptance rule it passes or whose residual draws it), and the draws are compared
 with the target's exact distribution after the same temperature/top-k/top-p processing
 (:func:`decode.sampling.logits_to_probs`):
 
@@ -286,14 +287,15 @@ def draw_two_tokens(decoder: Any, prefix: Sequence[int], samples: int, setting: 
     """K independent draws of the next two tokens through ``decoder.generate``: ``(K, 2)`` int64.
 
     K copies of the prefix go in batches of at most ``batch_size`` rows (rows are decoded independently, so the
-    batching changes which draws come out, not their distribution). ``max_new_tokens = γ + 1`` so the first step
-    drafts the full γ >= 2 tokens and the second token is a verified draft or a residual draw; no eos is passed, so
-    every row yields its tokens. Only the first two are kept.
+    batching changes which draws come out, not their distribution). The first token comes from the target's
+    prefill; ``max_new_tokens = γ + 2`` so the first step after it drafts the full γ tokens and the second token is
+    a verified draft or a residual draw; no eos is passed, so every row yields its tokens. Only the first two are
+    kept.
     """
     rows = []
     for start in range(0, samples, batch_size):
         ids = torch.tensor([list(prefix)] * min(batch_size, samples - start), device=device)
-        out = decoder.generate(ids, max_new_tokens=num_draft_tokens + 1, generator=generator,
+        out = decoder.generate(ids, max_new_tokens=num_draft_tokens + 2, generator=generator,
                                num_draft_tokens=num_draft_tokens, **setting.sampling())
         rows += [t[:2].tolist() for t in out.new_tokens]
     if any(len(r) < 2 for r in rows):
@@ -325,16 +327,17 @@ def _tests_at_prefix(draws: np.ndarray, p1: torch.Tensor, support: torch.Tensor,
 
 
 def max_prefix_length(target: Any, draft: Any, num_draft_tokens: int) -> tuple[int | None, str]:
-    """The longest prefix whose first step still drafts all γ tokens, and why: the engine cuts γ so that the prefix
-    and γ + 1 new tokens fit the target's context and the prefix and γ drafted tokens the draft's.
+    """The longest prefix whose first step still drafts all γ tokens, and why: the prefill gives one token, and the
+    engine cuts γ so that the prefix, that token and γ + 1 more fit the target's context and the prefix, that token
+    and γ drafted tokens the draft's.
 
     Returns:
         ``(limit, reason)``; ``limit`` is None when neither model states a context length.
     """
     g, ctx_t, ctx_d = num_draft_tokens, context_length(target), context_length(draft)
-    limits = [c for c in (ctx_t - g - 1 if ctx_t else None, ctx_d - g if ctx_d else None) if c is not None]
-    reason = (f"the prefix and its γ + 1 = {g + 1} new tokens must fit the target's context ({ctx_t}) and the prefix "
-              f"and γ = {g} drafted tokens the draft's ({ctx_d})")
+    limits = [c for c in (ctx_t - g - 2 if ctx_t else None, ctx_d - g - 1 if ctx_d else None) if c is not None]
+    reason = (f"the prefix and its γ + 2 = {g + 2} new tokens must fit the target's context ({ctx_t}) and the prefix, "
+              f"its first new token and γ = {g} drafted tokens the draft's ({ctx_d})")
     return (min(limits) if limits else None), reason
 
 

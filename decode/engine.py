@@ -30,6 +30,7 @@ from decode import batch
 from decode import cache as kv
 from decode import costs
 from decode import kernels
+from decode import profile as profiling
 from decode.batch import DecodeState, RunningBatch, left_pad
 from decode.cache import context_length
 from decode.compat import check_decodable, draft_input_substitute, substitute_draft_inputs, warn_chunk_dependent_rope
@@ -140,6 +141,8 @@ class SpeculativeDecoder:
         self._costs_bucket = None
         self._ids = RequestIds()
         self._undelivered: list[RequestOutput] = []  # finished in a step whose on_tokens callback raised
+        self._joining: list[Request] = []  # being admitted: their first token is out, the draft's prefill is not
+        self.profile: profiling.StepProfile | None = None  # attach one to time each step's parts (decode.profile)
         self._in_step = False  # a step is running (its on_tokens callbacks may not step again)
 
     @property
@@ -217,7 +220,7 @@ class SpeculativeDecoder:
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or active (or finished but not yet returned by :meth:`step`)."""
-        return bool(self._waiting or self._batch.rows or self._undelivered)
+        return bool(self._waiting or self._joining or self._batch.rows or self._undelivered)
 
     def num_active(self) -> int:
         """Rows decoding in the running batch (queued requests not counted)."""
@@ -229,6 +232,12 @@ class SpeculativeDecoder:
         for i, r in enumerate(self._waiting):
             if r.request_id == request_id:
                 del self._waiting[i]
+                self._ids.discard(request_id)
+                return True
+        for r in self._joining:
+            if r.request_id == request_id:
+                r.aborted = True
+                self._joining.remove(r)
                 self._ids.discard(request_id)
                 return True
         for i, r in enumerate(self._batch.rows):
@@ -256,7 +265,8 @@ class SpeculativeDecoder:
                                "callback may add_request() or abort(), and the caller's loop runs the next step")
         self._in_step = True
         try:
-            return self._step()
+            with profiling.step(self.profile):
+                return self._step()
         except IndexError as err:  # a NaN-drawn id (= V) reached an embedding before the step's host sync
             if "index out of range in self" not in str(err):  # torch's embedding message, not a list index
                 raise
@@ -290,19 +300,82 @@ class SpeculativeDecoder:
         return self.num_draft_tokens if self._gamma_override is None else self._gamma_override
 
     def _admit(self) -> None:
+        """Queued requests join the running batch (as many as it has room for), each with its first token out
+        before the draft's prefill runs (:meth:`_join`). An ``on_tokens`` callback's exception propagates once the
+        rows have joined; a failure of the admission itself (out of memory, Ctrl-C) queues the rows still joining
+        again (a row that has its first token prefills it with its prompt when it is admitted again)."""
         room = len(self._waiting) if self._max_rows is None else self._max_rows - len(self._batch.rows)
         if room <= 0:
             return
         new, self._waiting = self._waiting[:room], self._waiting[room:]
-        fresh = self._batch.state is None
-        if fresh:
+        if self._batch.state is None:
             self._start_batch()
+        self._joining = list(new)
         try:
-            self._batch.add(new, self.prefill([r.prompt for r in new], use_draft=self._use_draft, static=fresh),
-                            self.room())
-        except BaseException:  # (out of memory, Ctrl-C): they wait again, so abort() and generate()'s cleanup see them
-            self._waiting = new + self._waiting
+            with profiling.part(self.profile, "admission"):
+                error = self._join(new, fresh=self._batch.state is None)
+        except BaseException:  # so abort() and generate()'s cleanup see them
+            self._waiting = self._joining + self._waiting
             raise
+        finally:
+            self._joining = []
+        if error is not None:
+            raise error
+
+    def _join(self, new: list[Request], fresh: bool) -> BaseException | None:
+        """The target's prefill of each row's context (prompt and any tokens it has), its next token committed and
+        delivered (:meth:`_first_tokens`), then the draft's prefill of the rows still joining, which join the batch.
+        Returns the first exception an ``on_tokens`` callback raised (None if none did)."""
+        contexts = [r.prompt + r.new_tokens for r in new]
+        ids, mask = left_pad(contexts, 0, self.target.device)
+        with profiling.part(self.profile, "prefill_target"):
+            target, logits = batch.prefill_cache(self.target, ids, mask, [len(c) for c in contexts],
+                                                 self.context_length)
+        with profiling.part(self.profile, "first_token"):
+            firsts, error = self._first_tokens(new, contexts, logits)
+        keep = [i for i, r in enumerate(new) if r in self._joining]  # not finished, not aborted by a callback
+        if not keep:
+            return error
+        if len(keep) < len(new):
+            target.select_rows(keep)
+            ids, mask = ids[keep], mask[keep]
+        contexts = [contexts[i] + [firsts[i]] for i in keep]
+        draft = None
+        if self._use_draft:
+            with profiling.part(self.profile, "prefill_draft"):
+                draft, _ = batch.prefill_cache(self.draft, self.draft_input_ids(ids[:, :-1]), mask[:, :-1],
+                                               [len(c) - 2 for c in contexts], self.draft_context_length)
+        if fresh and self.static_cache["target"]:
+            target = batch.to_static(target, self.target, ids.device, self.room())
+        if fresh and draft is not None and self.static_cache["draft"]:
+            draft = batch.to_static(draft, self.draft, ids.device, self.room())
+        pending = torch.stack([ids[:, -1], torch.tensor([c[-1] for c in contexts], device=ids.device)], dim=1)
+        self._batch.add([new[i] for i in keep], batch.new_state(target, draft, contexts, pending), self.room())
+        return error
+
+    def _first_tokens(self, new: list[Request], contexts: list[list[int]],
+                      logits: torch.Tensor) -> tuple[list[int], BaseException | None]:
+        """Draw each joining row's next token from the target's prefill ``logits`` (:func:`decode.batch.first_tokens`),
+        commit it (a row that stops or fills its budget here finishes: it is returned by this step) and call
+        ``on_tokens``, before any draft work. Returns the tokens and the first exception a callback raised."""
+        firsts = batch.first_tokens(logits, new, self.vocab_size)
+        if max(firsts) >= self.vocab_size:
+            raise NonFiniteLogitsError(NON_FINITE)
+        now, error = time.perf_counter(), None
+        for row, context, token in zip(new, contexts, firsts):
+            tokens, stopped = row.trim([token], row.remaining(len(context), self.context_length))
+            row.commit_prefill(tokens, now)
+            if stopped or row.remaining(len(context) + len(tokens), self.context_length) <= 0:
+                self._joining.remove(row)
+                self._ids.discard(row.request_id)
+                self._undelivered.append(row.output("stop" if stopped else "length"))
+        for row in new:
+            if row.on_tokens is not None and not row.aborted and error is None:
+                try:
+                    row.on_tokens(row.request_id, list(row.new_tokens[-1:]))
+                except Exception as err:  # noqa: BLE001 - raised once the rows have joined
+                    error = err
+        return firsts, error
 
     def _start_batch(self) -> None:
         """A new running batch: warn about a model in training mode, choose whether it drafts and its γ control."""
@@ -323,21 +396,22 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], use_draft: bool = True, static: bool = True) -> DecodeState:
-        """Left-pad the prompts and run both models (the target only if ``use_draft`` is false) on all but each
-        prompt's last token. ``static``: a model on the static path gets its cache as a new
-        :class:`decode.cache.StaticKV` (a fresh batch); else both stay :class:`decode.cache.DynamicKV` (rows that
-        join a batch merge into its caches)."""
+        """A state whose rows have ``prompts`` and no new token yet: both models (the target only if ``use_draft``
+        is false) run on all but each prompt's last token, which is the target's next input and the draft's pending
+        one. ``static``: a model on the static path gets its cache as a new :class:`decode.cache.StaticKV` (a fresh
+        batch); else both stay :class:`decode.cache.DynamicKV`. (Requests join through :meth:`step`, which has the
+        target read the whole prompt and commits its next token before the draft's prefill.)"""
         device = self.target.device
         ids, mask = left_pad(prompts, 0, device)
         lens = [len(p) - 1 for p in prompts]
-        target = batch.prefill_cache(self.target, ids, mask, lens, self.context_length)
-        draft = (batch.prefill_cache(self.draft, self.draft_input_ids(ids), mask, lens, self.draft_context_length)
-                 if self.draft is not None and use_draft else None)
+        target, _ = batch.prefill_cache(self.target, ids[:, :-1], mask[:, :-1], lens, self.context_length)
+        draft = (batch.prefill_cache(self.draft, self.draft_input_ids(ids[:, :-1]), mask[:, :-1], lens,
+                                     self.draft_context_length)[0] if self.draft is not None and use_draft else None)
         if static and self.static_cache["target"]:
             target = batch.to_static(target, self.target, device, self.room())
         if static and draft is not None and self.static_cache["draft"]:
             draft = batch.to_static(draft, self.draft, device, self.room())
-        return batch.new_state(target, draft, prompts, ids[:, -1])
+        return batch.new_state(target, draft, prompts, ids[:, -1:])
 
     # ------------------------------------------------------------------ one step
     def _row_gammas(self) -> list[int]:
@@ -393,49 +467,67 @@ class SpeculativeDecoder:
         """One draft forward on ``inp`` ``(B, k)`` (``inp_mask`` ``(B, k)``: 0 for the holes of rows with fewer
         pending tokens; ``holes``: whether it has a 0) appended to the draft's cache; returns logits ``(B, 1, N)``."""
         max_pos = self.draft_context_length - 1 if self.draft_context_length else None
-        return state.draft_cache.forward(self.draft, self.draft_input_ids(inp), inp_mask if holes else None,
-                                         logits_to_keep=1, max_position=max_pos, call=self.draft_call, holes=holes)
+        with profiling.part(self.profile, "draft_forward"):
+            return state.draft_cache.forward(self.draft, self.draft_input_ids(inp), inp_mask if holes else None,
+                                             logits_to_keep=1, max_position=max_pos, call=self.draft_call,
+                                             holes=holes)
 
     def verify_forward(self, state: DecodeState, target_in: torch.Tensor) -> torch.Tensor:
         """The target's forward on ``target_in`` ``(B, γ+1)`` (the last committed token and the drafts) appended to
         its cache; returns logits ``(B, γ+1, V)``."""
         max_pos = self.context_length - 1 if self.context_length else None
-        return state.target_cache.forward(self.target, target_in, None, max_position=max_pos, call=self.target_call)
+        with profiling.part(self.profile, "verify_forward"):
+            return state.target_cache.forward(self.target, target_in, None, max_position=max_pos,
+                                              call=self.target_call)
 
     def _speculative_step(self, gamma: int, gammas: list[int],
                           chains: list[list[int]] | None = None) -> tuple[list[int], list[list[int]]]:
         """Draft -> verify -> roll back, for every active row (``chains``: the rows' drafts when prompt lookup
         drafts alone). Returns ``(n_accepted per row, committed new tokens per row before the eos/length trim)``."""
-        state, sampling = self._batch.state, self._batch.sampling
+        state = self._batch.state
         draft_u, accept_u, sample_u = draw_uniforms(self._batch.rows, gammas, gamma, self.target.device)
-        drafts, q = self._draft(state, gammas, gamma, draft_u, chains)  # (B, γ), (B, γ, V) or None
+        with profiling.part(self.profile, "drafting"):
+            drafts, q = self._draft(state, gammas, gamma, draft_u, chains)  # (B, γ), (B, γ, V) or None
         logits = self.verify_forward(state, torch.cat([state.last[:, None], drafts], dim=1))  # (B, γ+1, V)
-        counts, seen = window_counts(self._batch.counts, self._batch.seen, drafts, self.vocab_size)
-        num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
-        if sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
-            target_ids = greedy_ids(logits, sampling, self.vocab_size, counts, seen)
-            n_acc, nxt = verify_greedy(target_ids, drafts, num_draft)
-        else:
-            p = probs_from_logits(logits, sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
-            n_acc, nxt = verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
-        host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
+        with profiling.part(self.profile, "verify_math"):
+            n_acc, nxt = self._accept(logits, drafts, q, gammas, accept_u, sample_u)
+        with profiling.part(self.profile, "host_sync"):
+            host = torch.cat([drafts, n_acc[:, None], nxt[:, None]], dim=1).tolist()  # the step's one host sync
         if any(row[gamma + 1] >= self.vocab_size or max(row[:gamma], default=0) >= self.vocab_size for row in host):
             raise NonFiniteLogitsError(NON_FINITE)  # inverse-CDF sampling of NaN probabilities returns id V
         n_list = [row[gamma] for row in host]
-        if state.draft_cache is None and gamma > 0:  # prompt lookup alone: the target's cache is the only one
-            kept = torch.arange(gamma, device=drafts.device) < n_acc[:, None]
-            cache = state.target_cache
-            cache.roll_back(kept, n_list, [t + 1 + n for t, n in zip(cache.lens, n_list)])
-            state.last = nxt
-        else:
-            batch.roll_back(state, gamma, drafts, n_acc, nxt, n_list)
+        with profiling.part(self.profile, "roll_back"):
+            if state.draft_cache is None and gamma > 0:  # prompt lookup alone: the target's cache is the only one
+                kept = torch.arange(gamma, device=drafts.device) < n_acc[:, None]
+                cache = state.target_cache
+                cache.roll_back(kept, n_list, [t + 1 + n for t, n in zip(cache.lens, n_list)])
+                state.last = nxt
+            else:
+                batch.roll_back(state, gamma, drafts, n_acc, nxt, n_list)
         self.num_target_forwards += 1
         self.num_draft_forwards += self._step_draft_forwards
         return n_list, [row[:n] + [row[gamma + 1]] for row, n in zip(host, n_list)]
 
+    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, gammas: list[int],
+                accept_u: torch.Tensor, sample_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify math over the target's ``logits`` ``(B, γ+1, V)``: accepted drafts per row ``(B,)`` and the next
+        token ``(B,)`` (:func:`decode.verify.verify_greedy` on ids when every row is greedy, else
+        :func:`decode.verify.verify` on p and q)."""
+        sampling = self._batch.sampling
+        counts, seen = window_counts(self._batch.counts, self._batch.seen, drafts, self.vocab_size)
+        num_draft = None if len(set(gammas)) == 1 else torch.tensor(gammas, device=drafts.device)
+        if sampling.all_greedy:  # ids only: no (B, γ+1, V) one-hots
+            return verify_greedy(greedy_ids(logits, sampling, self.vocab_size, counts, seen), drafts, num_draft)
+        p = probs_from_logits(logits, sampling, self.vocab_size, counts, seen)  # (B, γ+1, V)
+        return verify(q, p, drafts, accept_u=accept_u, sample_u=sample_u, num_draft=num_draft)
+
     def _commit(self, gammas: list[int], n_acc: list[int], new: list[list[int]]) -> list[RequestOutput]:
         """Commit each row's tokens and retire finished rows (:meth:`decode.batch.RunningBatch.commit`), then call
         ``on_tokens``."""
+        with profiling.part(self.profile, "commit"):
+            return self._commit_rows(gammas, n_acc, new)
+
+    def _commit_rows(self, gammas: list[int], n_acc: list[int], new: list[list[int]]) -> list[RequestOutput]:
         finished, calls = self._batch.commit(gammas, n_acc, new, self._step_draft_forwards, self.context_length)
         for out in finished:
             self._ids.discard(out.request_id)
@@ -498,10 +590,15 @@ class SpeculativeDecoder:
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle decoder; finish or abort the queued requests first")
         seeds = row_seeds(generator, len(prompts))
-        on_tokens = (lambda _rid, tokens: streamer.put(torch.tensor(tokens))) if streamer is not None else None
         start, forwards = time.perf_counter(), (self.num_target_forwards, self.num_draft_forwards)
         outputs: dict[int, RequestOutput] = {}
-        first = None
+        first: list[float] = []  # when the first token was out (the time to first token)
+
+        def on_tokens(_rid: Any, tokens: list[int]) -> None:
+            if not first:
+                first.append(time.perf_counter())
+            if streamer is not None:
+                streamer.put(torch.tensor(tokens))
         self._gamma_override, self._static_batch = gamma, True
         try:
             for i, p in enumerate(prompts):
@@ -512,7 +609,6 @@ class SpeculativeDecoder:
             with kernels.few_row_linear(self.few_row_linear):  # one block: the packed weights are made once per call
                 while self.has_unfinished():
                     outputs.update((o.request_id, o) for o in self.step())
-                    first = first or time.perf_counter()
         finally:
             self._gamma_override, self._static_batch = None, False
             self._undelivered = []
@@ -524,7 +620,7 @@ class SpeculativeDecoder:
         stats = DecodeStats.merge([o.stats for o in ordered])
         stats.num_target_forwards = self.num_target_forwards - forwards[0]
         stats.num_draft_forwards = self.num_draft_forwards - forwards[1]
-        stats.ttft_s, stats.total_s = first - start, time.perf_counter() - start
+        stats.ttft_s, stats.total_s = first[0] - start, time.perf_counter() - start
         stats.peak_memory_bytes = peak_memory_bytes(self.target.device)
         return generation_output(prompts, ordered, stats)
 

@@ -84,6 +84,11 @@ class Request:
             self.stats.record_row_step(gamma, num_accepted, len(tokens))
         self.stats.num_target_forwards += 1
         self.stats.num_draft_forwards += min(gamma, draft_forwards)
+        self.commit_prefill(tokens, now)
+
+    def commit_prefill(self, tokens: list[int], now: float) -> None:
+        """Append kept tokens that need no step: the token the target's prefill gives when the request joins
+        (``now``: ``time.perf_counter()`` after it; the first tokens set the time to first token)."""
         if not self.new_tokens:
             self.stats.ttft_s = now - self.added_at
             self.stats.num_first_step_tokens = len(tokens)

@@ -334,12 +334,12 @@ def test_a_prefix_must_leave_room_for_the_draws():
     draft = small_vocab_llama(seed=7, layers=1)
     draft.config.max_position_embeddings = 15
     limit, reason = max_prefix_length(target, draft, 2)
-    assert limit == 13 and "(16)" in reason and "(15)" in reason  # min(16 - 3, 15 - 2)
-    assert max_prefix_length(target, draft, 3)[0] == 12
-    cert = certify(target, draft, [[3] * 13], [Setting(1.0)], samples=20, num_draft_tokens=2)  # the longest works
-    assert cert["prefix_lengths"] == [13]
-    with pytest.raises(ValueError, match=r"prefix 0 has 14 tokens, more than 13: the prefix and its γ \+ 1 = 3"):
-        certify(target, draft, [[3] * 14], [Setting(1.0)], samples=20, num_draft_tokens=2)
+    assert limit == 12 and "(16)" in reason and "(15)" in reason  # min(16 - 4, 15 - 3): the prefill's token, γ
+    assert max_prefix_length(target, draft, 3)[0] == 11
+    cert = certify(target, draft, [[3] * 12], [Setting(1.0)], samples=20, num_draft_tokens=2)  # the longest works
+    assert cert["prefix_lengths"] == [12]
+    with pytest.raises(ValueError, match=r"prefix 0 has 13 tokens, more than 12: the prefix and its γ \+ 2 = 4"):
+        certify(target, draft, [[3] * 13], [Setting(1.0)], samples=20, num_draft_tokens=2)
 
 
 def test_cli_prefix_tokens_over_the_context_exits_2_before_sampling(saved, tmp_path, capsys, monkeypatch):
@@ -347,9 +347,9 @@ def test_cli_prefix_tokens_over_the_context_exits_2_before_sampling(saved, tmp_p
     prompts.write_text(json.dumps({"prompt": " ".join(f"w{i % 90}" for i in range(300))}) + "\n")
     monkeypatch.setattr(certify_cli, "certify", lambda *a, **k: pytest.fail("sampled"))
     args = pair_args(saved)[:4] + ["--prompts", str(prompts), "-M", "1", "-K", "5", "--settings", "T=1"]
-    assert certify_cli.main([*args, "--prefix-tokens", "254"]) == 2
+    assert certify_cli.main([*args, "--prefix-tokens", "253"]) == 2
     err = capsys.readouterr().err
-    assert "--prefix-tokens 254 is more than 253" in err and "use --prefix-tokens <= 253" in err
+    assert "--prefix-tokens 253 is more than 252" in err and "use --prefix-tokens <= 252" in err
     assert certify_cli.main([*args, "--prefix-tokens", "40", "-g", "300"]) == 2
     err = capsys.readouterr().err  # it said "--prefix-tokens 40 is more than -45"
     assert "--num-draft-tokens 300 leaves no room for a prefix" in err and "lower --num-draft-tokens" in err

@@ -108,10 +108,10 @@ def test_plain_decoding_through_same_engine(pair, references):
     out = SpeculativeDecoder(target, drafts["random"], 4).generate(prompts, max_new_tokens=MAX_NEW, num_draft_tokens=0)
     assert [t.tolist() for t in out.new_tokens] == refs
     assert out.stats.num_drafted == 0 and out.stats.mean_accepted_length == 1.0
-    assert out.stats.num_target_forwards == MAX_NEW
+    assert out.stats.num_target_forwards == MAX_NEW - 1  # the prefill gives the first token
     only_target = SpeculativeDecoder(target, None, 0).generate(prompts, max_new_tokens=MAX_NEW)
     assert [t.tolist() for t in only_target.new_tokens] == refs
-    # without a draft, γ defaults to 0 (it was 4, so SpeculativeDecoder(target) raised "needs a draft model")
+    # without a draft, γ defaults to 0
     assert SpeculativeDecoder(target).num_draft_tokens == 0
     assert SpeculativeDecoder(target, drafts["random"]).num_draft_tokens == 4
 
@@ -339,3 +339,88 @@ def test_a_failed_prefill_leaves_the_decoder_usable():
     assert not dec.has_unfinished()
     out = dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
     assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, 4) for p in ([5, 6, 7], [8, 9])]
+
+
+# ---------------------------------------------------------------------------------------------- first token first
+def _recorded(target, draft):
+    """Forward hooks that log which model ran, and on how many positions."""
+    events = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args, kwargs, name=name: events.append(
+        (name, kwargs["input_ids"].shape[1])), with_kwargs=True) for name, m in (("target", target), ("draft", draft))]
+    return events, hooks
+
+
+@pytest.mark.parametrize("static_cache", [None, False])
+def test_the_first_token_is_out_before_the_drafts_prefill(pair, static_cache):
+    """The target reads the whole prompt and its next token is delivered before the draft runs at all, for a request
+    that starts a batch and one that joins a running batch; the output stays the target's greedy text."""
+    target, drafts = pair
+    draft = drafts["perturbed"]
+    dec = SpeculativeDecoder(target, draft, 3, static_cache=static_cache)  # (its checks run both models)
+    events, hooks = _recorded(target, draft)
+    try:
+        on_tokens = lambda rid, tokens: events.append(("tokens", rid, len(tokens)))  # noqa: E731
+        first, second = [5, 17, 33, 8, 9], [60, 3, 91]
+        dec.add_request(first, max_new_tokens=8, request_id="a", on_tokens=on_tokens)
+        out = dec.step()
+        assert events[:3] == [("target", 5), ("tokens", "a", 1), ("draft", 4)]  # prefill, its token, then the draft
+        assert events[3][0] == "draft" and events[3][1] == 2  # the first draft forward: last prompt token + the token
+        events.clear()
+        dec.add_request(second, max_new_tokens=8, request_id="b", on_tokens=on_tokens)
+        finished = out + dec.step()
+        assert events[:3] == [("target", 3), ("tokens", "b", 1), ("draft", 2)]
+        while dec.has_unfinished():
+            finished += dec.step()
+    finally:
+        for h in hooks:
+            h.remove()
+    got = {o.request_id: o.new_tokens for o in finished}
+    assert got == {"a": reference_greedy(target, first, 8), "b": reference_greedy(target, second, 8)}
+    assert all(o.stats.num_first_step_tokens == 1 for o in finished)
+
+
+def test_a_request_that_ends_at_its_first_token_never_runs_the_draft(pair):
+    """max_new_tokens=1, or a first token that is a stop id: the request finishes from the target's prefill alone."""
+    target, drafts = pair
+    draft = drafts["perturbed"]
+    prompt = [5, 17, 33, 8, 9]
+    ref = reference_greedy(target, prompt, 2)
+    dec = SpeculativeDecoder(target, draft, 3)
+    events, hooks = _recorded(target, draft)
+    try:
+        one = dec.generate([prompt], max_new_tokens=1)
+        stop = dec.generate([prompt], max_new_tokens=6, eos_token_id=ref[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert one.new_tokens[0].tolist() == stop.new_tokens[0].tolist() == ref[:1]
+    assert [e[0] for e in events] == ["target", "target"]
+    assert one.stats.num_target_forwards == 0 and one.stats.ttft_s > 0
+
+
+def test_callbacks_at_admission_may_abort_or_raise_and_the_rows_still_decode(pair):
+    """A callback that aborts another joining request drops it before the draft's prefill; one that raises
+    propagates after the rows have joined, which then decode to the target's greedy text."""
+    target, drafts = pair
+    dec = SpeculativeDecoder(target, drafts["perturbed"], 2)
+    prompts = {"x": [5, 17, 33], "y": [8, 9], "z": [60, 3, 91, 12]}
+
+    def on_tokens(rid, tokens):
+        if rid == "x" and len(got["x"]) == 0:
+            dec.abort("y")
+        got[rid].extend(tokens)
+        if rid == "z" and len(got["z"]) == 1:
+            raise RuntimeError("callback failed")
+
+    got = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        dec.add_request(p, max_new_tokens=6, request_id=rid, on_tokens=on_tokens)
+    with pytest.raises(RuntimeError, match="callback failed"):
+        dec.step()
+    assert dec.active_ids == ["x", "z"] and got["y"] == []
+    finished = []
+    while dec.has_unfinished():
+        finished += dec.step()
+    assert sorted(o.request_id for o in finished) == ["x", "z"]
+    for o in finished:
+        assert o.new_tokens == got[o.request_id] == reference_greedy(target, prompts[o.request_id], 6)

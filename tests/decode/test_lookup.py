@@ -146,10 +146,11 @@ def test_lookup_alone_at_a_temperature_is_plain_decoding_with_the_same_seed(loop
 def replay_histogram(target, draft, prompt, new_tokens, gamma, n):
     """The accepted-length histogram greedy speculative decoding with prompt lookup must give, from the target's
     greedy text and the draft's teacher-forced argmaxes: a step's drafts are the lookup chain while it lasts, then
-    the draft's argmaxes; it keeps the prefix equal to the target's text."""
+    the draft's argmaxes; it keeps the prefix equal to the target's text. The first new token comes from the
+    target's prefill, before any step."""
     seq = prompt + new_tokens
     draft_next = draft(torch.tensor([seq])).logits[0].argmax(-1).tolist()  # draft_next[j]: its guess for seq[j+1]
-    hist, t, total = [0] * (gamma + 1), len(prompt), len(seq)
+    hist, t, total = [0] * (gamma + 1), len(prompt) + 1, len(seq)  # the target's prefill gives the first token
     while t < total:
         g = min(gamma, total - t - 1)  # the decoder never drafts past the length budget
         chain = scan_chain(seq[:t], n, g)

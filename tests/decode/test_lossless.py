@@ -1,6 +1,7 @@
-"""End-to-end losslessness: the joint distribution of the first two generated tokens at a fixed prefix must be
-the target's own (after penalties/temperature/top-k/top-p/min-p), whatever the draft. Chi-square goodness of fit
-on 20k rows."""
+"""End-to-end losslessness: the joint distributions of the 1st and 2nd, and of the 2nd and 3rd generated tokens at a
+fixed prefix must be the target's own (after penalties/temperature/top-k/top-p/min-p), whatever the draft. The 1st
+token comes from the target's prefill, the 2nd and 3rd from the first speculative step (its window's 1st and 2nd
+positions). Chi-square goodness of fit on 20k rows."""
 import math
 
 import pytest
@@ -23,12 +24,19 @@ def small_vocab_llama(seed, layers):
 
 
 @torch.no_grad()
-def exact_joint(model, temperature, top_k, top_p):
-    """p(x1, x2 | PROMPT) under the processed sampling distribution, (V, V)."""
-    p1 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], temperature, top_k, top_p)
-    seqs = torch.tensor([PROMPT + [x] for x in range(V)])
-    p2 = logits_to_probs(model(seqs).logits[:, -1], temperature, top_k, top_p)
-    return p1[:, None] * p2
+def joints(probs):
+    """The exact ``(V, V)`` joints p(x1, x2 | PROMPT) and p(x2, x3 | PROMPT) (x1 summed out), from ``probs(seqs)``:
+    the next-token distributions ``(B, V)`` after each row of ``seqs`` ``(B, T)``."""
+    p1 = probs(torch.tensor([PROMPT]))[0]
+    p2 = probs(torch.tensor([PROMPT + [a] for a in range(V)]))  # [x1, x2]
+    p3 = probs(torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])).view(V, V, V)
+    j12 = p1[:, None] * p2
+    return j12, (j12[:, :, None] * p3).sum(0)
+
+
+def exact_joints(model, temperature, top_k, top_p):
+    """:func:`joints` under the processed sampling distribution."""
+    return joints(lambda seqs: logits_to_probs(model(seqs).logits[:, -1], temperature, top_k, top_p))
 
 
 def chi_square(counts, expected):
@@ -44,9 +52,20 @@ def critical(df):
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def joint_counts(out):
-    pairs = torch.stack([t[:2] for t in out.new_tokens])
+def joint_counts(out, i):
+    """Counts ``(V, V)`` of the pairs of new tokens at positions i and i + 1."""
+    pairs = torch.stack([t[i:i + 2] for t in out.new_tokens])
     return torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).view(V, V).double()
+
+
+def fits(out, expected):
+    """Whether both joints of ``out`` pass the chi-square test against ``expected`` (the two (V, V) joints times N),
+    and no pair of probability 0 was sampled."""
+    for i, e in enumerate(expected):
+        counts = joint_counts(out, i)
+        if counts[e == 0].sum() > 0 or chi_square(counts, e)[0] >= critical(chi_square(counts, e)[1]):
+            return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -62,29 +81,29 @@ def models():
 def test_first_two_tokens_follow_target(models, temperature, top_k, top_p, draft_kind, gamma):
     target, drafts = models
     draft = drafts[draft_kind]
-    expected = exact_joint(target, temperature, top_k, top_p).double() * N
+    expected = [j.double() * N for j in exact_joints(target, temperature, top_k, top_p)]
     dec = SpeculativeDecoder(target, draft, num_draft_tokens=gamma)
     g = torch.Generator().manual_seed(1234)
-    out = dec.generate([PROMPT] * N, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
-    counts = joint_counts(out)
-    assert counts[expected == 0].sum() == 0, "sampled a pair the target's top-k/top-p gives probability 0"
-    stat, df = chi_square(counts, expected)
-    assert stat < critical(df), (stat, df)
+    # γ + 2 new tokens: the prefill's token, then a full window of γ drafts
+    out = dec.generate([PROMPT] * N, max_new_tokens=gamma + 2, temperature=temperature, top_k=top_k, top_p=top_p,
+                       generator=g)
+    for i, e in enumerate(expected):
+        counts = joint_counts(out, i)
+        assert counts[e == 0].sum() == 0, "sampled a pair the target's top-k/top-p gives probability 0"
+        stat, df = chi_square(counts, e)
+        assert stat < critical(df), (i, stat, df)
     assert 0.0 < out.stats.acceptance_rate < 1.0  # the draft really differs from the target
 
     # Power: the draft's own samples fail the same test, so the check above can fail.
-    own = SpeculativeDecoder(draft, None, 0).generate([PROMPT] * N, max_new_tokens=2, temperature=temperature,
+    own = SpeculativeDecoder(draft, None, 0).generate([PROMPT] * N, max_new_tokens=3, temperature=temperature,
                                                       top_k=top_k, top_p=top_p, generator=g)
-    own_counts = joint_counts(own)
-    m = expected > 0
-    bad = own_counts[~m].sum() > 0 or chi_square(own_counts, expected)[0] > critical(df)
-    assert bad
+    assert not fits(own, expected)
 
 
 @torch.no_grad()
-def reference_joint(model, temperature=1.0, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
-                    repetition_penalty=1.0):
-    """p(x1, x2 | PROMPT) of the target's own sampling with these settings, built from Hugging Face's processors
+def reference_joints(model, temperature=1.0, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
+                     repetition_penalty=1.0):
+    """:func:`joints` of the target's own sampling with these settings, built from Hugging Face's processors
     (repetition penalty over prompt + generated ids, min-p) and vLLM's presence/frequency rule over generated ids."""
     from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper)
@@ -101,9 +120,7 @@ def reference_joint(model, temperature=1.0, min_p=None, presence_penalty=0.0, fr
             logits = MinPLogitsWarper(min_p)(seqs, logits)
         return logits.softmax(-1)
 
-    p1 = probs(torch.tensor([PROMPT]))[0]
-    p2 = probs(torch.tensor([PROMPT + [x] for x in range(V)]))
-    return p1[:, None] * p2
+    return joints(probs)
 
 
 @pytest.mark.parametrize("settings,gamma", [
@@ -116,18 +133,19 @@ def reference_joint(model, temperature=1.0, min_p=None, presence_penalty=0.0, fr
 def test_min_p_and_penalties_follow_target(models, settings, gamma):
     """p and q see the same counts: at window position i they include the drafts d_1..d_{i-1}."""
     target, drafts = models
-    expected = reference_joint(target, **settings).double() * N
+    expected = [j.double() * N for j in reference_joints(target, **settings)]
     dec = SpeculativeDecoder(target, drafts["perturbed"], num_draft_tokens=gamma)
-    # 3 new tokens so that γ_r >= 2: the 2nd token is often the window's 2nd draft, whose q and p count d_1.
-    out = dec.generate([PROMPT] * N, max_new_tokens=3, generator=torch.Generator().manual_seed(99),
+    # 4 new tokens so that γ_r >= 2: the 3rd token is often the window's 2nd draft, whose q and p count x1 and d_1.
+    out = dec.generate([PROMPT] * N, max_new_tokens=4, generator=torch.Generator().manual_seed(99),
                        **{"temperature": 1.0, **settings})
-    counts = joint_counts(out)
-    assert counts[expected == 0].sum() == 0, "sampled a pair the setting gives probability 0"
-    stat, df = chi_square(counts, expected)
-    assert stat < critical(df), (stat, df)
+    for i, e in enumerate(expected):
+        counts = joint_counts(out, i)
+        assert counts[e == 0].sum() == 0, "sampled a pair the setting gives probability 0"
+        stat, df = chi_square(counts, e)
+        assert stat < critical(df), (i, stat, df)
     assert 0.0 < out.stats.acceptance_rate < 1.0 and out.stats.accepted_length_histogram[2] > 0
 
     # Power: the target sampled without the setting fails the same test.
-    plain = reference_joint(target, temperature=settings.get("temperature", 1.0)).double() * N
-    m = expected > 0
-    assert chi_square(plain[m].round(), expected[m])[0] > critical(df) or (plain[~m] > 1).any()
+    plain = reference_joints(target, temperature=settings.get("temperature", 1.0))[1].double() * N
+    e, m = expected[1], expected[1] > 0
+    assert chi_square(plain[m].round(), e[m])[0] > critical(int(m.sum()) - 1) or (plain[~m] > 1).any()

@@ -150,18 +150,20 @@ def test_numpy_scalars_are_numbers_as_python_ones_are(pair):
 
 
 def test_stats_count_only_kept_tokens(pair):
-    """Copy draft, γ = 4, eos = the 2nd greedy token: the step keeps 2 tokens (one accepted draft + the eos)."""
+    """Copy draft, γ = 4, eos = the 3rd greedy token: the prefill gives the 1st, the first step keeps 2 tokens (one
+    accepted draft + the eos)."""
     target, _ = pair
     prompt = prompts_of([6], seed=11)[0]
     ref = reference_greedy(target, prompt, 8)
-    assert ref[1] not in ref[:1]
+    assert ref[2] not in ref[:2]
     dec = SpeculativeDecoder(target, target, 4)
-    out = dec.generate([prompt], max_new_tokens=20, eos_token_id=ref[1])
+    out = dec.generate([prompt], max_new_tokens=20, eos_token_id=ref[2])
     s = out.stats
-    assert out.new_tokens[0].tolist() == ref[:2]
+    assert out.new_tokens[0].tolist() == ref[:3]
     assert (s.num_drafted, s.num_accepted, s.num_verify_steps, s.num_rejections) == (1, 1, 1, 0)
     assert s.mean_accepted_length == 2.0 and s.acceptance_rate == 1.0
     assert s.accepted_length_histogram == [0, 1] and s.accepted_per_position == [1]
+    assert s.num_first_step_tokens == 1 and s.num_target_forwards == 1
 
 
 # ---------------------------------------------------------------- "auto" γ
@@ -230,7 +232,7 @@ def test_auto_gamma_plans_static_batches_from_each_rows_acceptance(pair, monkeyp
     out = dec.generate(prompts, max_new_tokens=12)
     assert [t.tolist() for t in out.new_tokens] == [reference_greedy(target, p, 12) for p in prompts]
     assert calls and all(len(rows) == len(left) >= 2 for rows, left in calls)
-    assert calls[0] == ([(0.0, 0.0)] * 3, [12] * 3)  # nothing made or learnt yet
+    assert calls[0] == ([(0.0, 0.0)] * 3, [11] * 3)  # nothing learnt yet; the prefill gave each row a token
     assert any(trials > 0 for rows, _ in calls[1:] for _, trials in rows)  # each row's own counts
     calls.clear()
     for p in prompts:

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
                    help="our speculative methods draft by prompt lookup in greedy runs while the last N tokens "
                         "occurred earlier (decode.lookup; 0: off, the default)")
+    p.add_argument("--profile", action="store_true",
+                   help="time each step of our methods by part (decode.profile: prefills, draft and verify forwards, "
+                        "the math around them, host sync, roll-back, commit) over the main pass, recorded as "
+                        "runs[].profile and printed as a per-step table; adds a little overhead to those runs")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize raw text even if a template exists")
     p.add_argument("--max-prompt-tokens", type=int,
@@ -148,7 +152,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cost_repeats=args.cost_repeats, repeats=args.repeats, warmup=not args.no_warmup, seed=args.seed,
         compile=compile_setting(args.compile),
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
-        prompt_lookup_ngram=args.prompt_lookup_ngram,
+        prompt_lookup_ngram=args.prompt_lookup_ngram, profile=args.profile,
         target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
     cfg.validate()
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:

@@ -43,6 +43,8 @@ class BenchConfig:
     few_row_linear: bool | None = None
     # SpeculativeDecoder(prompt_lookup_ngram=...) for our speculative methods: prompt lookup for greedy runs (0: off).
     prompt_lookup_ngram: int = 0
+    # Attach a decode.profile.StepProfile to our methods' timed main-pass calls (runs[].profile): a little overhead.
+    profile: bool = False
     # Descriptive, filled by the CLI.
     target: str | None = None
     draft: str | None = None

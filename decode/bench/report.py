@@ -18,6 +18,7 @@ from decode.bench.plots import PLOTS
 from decode.bench.pool import RUN_METRICS, batching_of
 from decode.bench.runs import SCHEMA_VERSION
 from decode.outputs import writable, write_new_file
+from decode.profile import PARTS
 from decode.speedup import end_to_end_speedup, predicted_speedup
 
 # ----------------------------------------------------------------------------------------------- highlights
@@ -479,6 +480,7 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     _render_summary(results, console)
     _render_categories(results, console)
     _render_batch(results, console)
+    _render_profile(results, console)
     if results.get("report"):
         _render_highlights(results, console)
     if results.get("compiled_graphs_during_timing"):
@@ -602,6 +604,50 @@ def _render_batch(results, console) -> None:
                       _fmt(b["tokens_per_s"], ".1f"), _fmt(b["speedup"]),
                       *((_fmt(b.get("predicted_speedup")),) if predicted else ()))
     console.print(table)
+
+
+def profile_rows(results: dict[str, Any], temperature: float) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The per-step breakdown of the runs profiled at ``temperature`` (``--profile``): (method names, rows of
+    (label, a cell per method)). One row per part of ``decode.profile.PARTS`` any of them entered (ms per step),
+    the whole step, then the forwards the bench measures without the engine (the bare HF forwards) and through it
+    (the cost measurement), and c, the same in every column: what a step spends beyond its forwards shows against
+    them."""
+    runs = [r for r in results["runs"] if r["temperature"] == temperature and r.get("profile")]
+    names = [r["method"] for r in runs]
+    rows = []
+    for part in PARTS:
+        if any(part in r["profile"]["parts"] for r in runs):
+            rows.append((part, [_fmt((r["profile"]["parts"].get(part) or {}).get("ms_per_step"), ".2f", none="0")
+                                for r in runs]))
+    rows.append(("step (all parts)", [_fmt(r["profile"]["step_ms"]) for r in runs]))
+    rows.append(("steps", [str(r["profile"]["steps"]) for r in runs]))
+    cost, bare = results["cost"], results["cost"].get("bare") or {}
+    for label, value, spec, scale in (("bare HF target forward (1 token)", bare.get("target_forward_s"), ".2f", 1e3),
+                                      ("bare HF draft forward (1 token)", bare.get("draft_forward_s"), ".2f", 1e3),
+                                      ("engine target forward (1 token)", cost["target_forward_s"], ".2f", 1e3),
+                                      ("engine draft forward (1 token)", cost["draft_forward_s"], ".2f", 1e3),
+                                      ("c (engine)", cost["cost_ratio"], ".3f", 1.0),
+                                      ("c (bare HF)", bare.get("cost_ratio"), ".3f", 1.0)):
+        rows.append((label, [_fmt(value, spec, scale)] * len(runs)))
+    return names, rows
+
+
+def _render_profile(results, console) -> None:
+    """With ``--profile``: one table per temperature, a column per profiled method, a row per part (ms per step)."""
+    from rich.table import Table
+
+    for s in results["summary"]:
+        names, rows = profile_rows(results, s["temperature"])
+        if not names:
+            continue
+        table = Table(title=f"per-step breakdown (ms per step), T={s['temperature']:g}: the main pass's steps by "
+                            "part; below the line, the one-token forwards the bench times, and c")
+        table.add_column("part")
+        for name in names:
+            table.add_column(name, justify="right")
+        for label, cells in rows:
+            table.add_row(label, *cells, end_section=label == "steps")
+        console.print(table)
 
 
 def _gamma(ck, prefix: str = "") -> str:

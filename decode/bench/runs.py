@@ -40,6 +40,7 @@ from decode.batch import left_pad
 from decode.cache import context_length
 from decode.engine import SpeculativeDecoder
 from decode.metrics import DecodeStats
+from decode.profile import StepProfile
 from decode.speedup import cost_buckets
 
 SCHEMA_VERSION = 4  # 3: Leviathan's prediction keys named *_leviathan; 4: prefill_s and the bare prefills
@@ -51,24 +52,30 @@ def compile_supported() -> bool:
 
 
 def run_ours(decoder, method: Method, ids: torch.Tensor, mask: torch.Tensor, temperature: float, cfg: BenchConfig,
-             eos, seed: int, device: torch.device):
+             eos, seed: int, device: torch.device, profile: StepProfile | None = None):
     """One timed ``decoder.generate`` call at γ = ``method.gamma``.
 
     Args:
         ids, mask: (B, T) left-padded int64 prompt ids and attention mask on ``device``.
         seed: seeds the call's own ``torch.Generator`` at T > 0 (same seed for every method on a prompt).
+        profile: attached to the decoder for this call (``decoder.profile``), which adds the call's steps to it;
+            None leaves the call unprofiled.
 
     Returns:
         (new tokens per row as lists, wall seconds, the call's ``DecodeStats``, peak memory bytes).
     """
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     reset_peak(device)
-    sync(device)
-    t0 = time.perf_counter()
-    out = decoder.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-                           eos_token_id=eos, generator=generator, num_draft_tokens=method.gamma)
-    sync(device)
-    wall = time.perf_counter() - t0
+    decoder.profile = profile
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        out = decoder.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                               eos_token_id=eos, generator=generator, num_draft_tokens=method.gamma)
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        decoder.profile = None
     return [t.tolist() for t in out.new_tokens], wall, out.stats, peak_bytes(device)
 
 
@@ -173,11 +180,15 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
                 run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
     say(f"main pass: {', '.join(m.name for m in methods)} on {len(prompt_ids)} prompt(s), interleaved")
     per_prompt = math.ceil(cfg.cost_repeats / len(prompt_ids))  # cost rounds before each prompt's runs
+    profiles: dict[tuple[float, str], StepProfile] | None = {} if cfg.profile else None
     records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress,
-                         lambda: _cost_rounds(timers, per_prompt))
+                         lambda: _cost_rounds(timers, per_prompt), profiles)
     cost = _cost_results(timers, decoders, auto_costs)
     timers.clear()  # their prefilled caches are not held through the batch pass (peak memory)
     runs, summary = pool(records, methods, cfg, cost, categories)
+    for entry in runs if profiles is not None else ():  # --profile: each of our methods' steps, by part
+        if (entry["temperature"], entry["method"]) in profiles:
+            entry["profile"] = profiles[(entry["temperature"], entry["method"])].summary()
     predict = functools.partial(_predict_batches, records, methods, len(prompt_ids), cfg, auto_costs,
                                 cost["bare"].get("prefill_cost_ratio"), eos)
     batch = _batch_pass(run, records, summary, prompt_ids, cfg, progress, predict)
@@ -325,7 +336,7 @@ class _Runner:
         self.compiled_graphs = 0
 
     def __call__(self, method: Method, rows, temperature: float, seed: int, max_new_tokens: int | None = None,
-                 timed: bool = True, concurrency: int | None = None):
+                 timed: bool = True, concurrency: int | None = None, profile: StepProfile | None = None):
         ids, mask = left_pad(rows, self.pad_token_id, self.device)
         c = self.cfg if max_new_tokens is None else replace(self.cfg, max_new_tokens=max_new_tokens)
         if method.kind != OURS:
@@ -333,7 +344,8 @@ class _Runner:
                           seed, self.device)
         before = _compiled_graphs()
         dec = self.decoders[method.compiled]
-        out = (run_ours(dec, method, ids, mask, temperature, c, self.eos, seed, self.device) if concurrency is None
+        out = (run_ours(dec, method, ids, mask, temperature, c, self.eos, seed, self.device, profile)
+               if concurrency is None
                else run_ours_stream(dec, method, rows, concurrency, temperature, c, self.eos, seed, self.device))
         self.compiled_graphs += (_compiled_graphs() - before) if timed else 0
         return out
@@ -355,18 +367,22 @@ def _predict_batches(records, methods: list[Method], num_prompts: int, cfg: Benc
 
 
 def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,
-               before_block=lambda: None):
+               before_block=lambda: None, profiles: dict | None = None):
     """Batch-1 runs, interleaved (:func:`decode.bench.measure.run_interleaved`): prompt i's runs (every temperature,
     every method, ``cfg.repeats`` times) form one block, and the method that opens each round of the block rotates;
-    ``before_block()`` runs before each block (the cost rounds). Returns {(temperature, method name): [record per
-    prompt]}, each the median of its repeats (``median_run``)."""
+    ``before_block()`` runs before each block (the cost rounds). With ``profiles`` (a dict), each of our methods'
+    timed calls run with the ``decode.profile.StepProfile`` of its (temperature, method name), made there on first
+    use: one profile per method and temperature over all its prompts and repeats. Returns {(temperature, method
+    name): [record per prompt]}, each the median of its repeats (``median_run``)."""
     names = prompt_names or [str(i) for i in range(len(prompt_ids))]
     total = len(prompt_ids) * cfg.repeats * len(cfg.temperatures) * len(methods)
     order = itertools.count()
     with _progress(progress, total, "decoding") as tick:
         def one(method: Method, i: int, t: float) -> dict:
             row = prompt_ids[i]
-            new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i))
+            prof = (profiles.setdefault((t, method.name), StepProfile(run.device))
+                    if profiles is not None and method.kind == OURS else None)
+            new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i), profile=prof)
             tick(f"last: {method.name} at T={t:g}")
             return {"key": i, "order": next(order), "prompt": names[i], "category": categories[i],
                     "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,

@@ -129,6 +129,7 @@ class SpeculativeDecoder:
         self.plan_static_batches = True
         self.num_target_forwards = 0  # batched forwards after prefill, over the decoder's life
         self.num_draft_forwards = 0
+        self.draft_prefill_s = 0.0  # seconds of the draft's prefills, over the decoder's life
         # Requests: none queued or running yet.
         self._step_draft_forwards = 0
         self._waiting: list[Request] = []
@@ -342,9 +343,15 @@ class SpeculativeDecoder:
         contexts = [contexts[i] + [firsts[i]] for i in keep]
         draft = None
         if self._use_draft:
+            start = time.perf_counter()
             with profiling.part(self.profile, "prefill_draft"):
                 draft, _ = batch.prefill_cache(self.draft, self.draft_input_ids(ids[:, :-1]), mask[:, :-1],
                                                [len(c) - 2 for c in contexts], self.draft_context_length)
+                profiling.sync(ids.device)
+            elapsed = time.perf_counter() - start
+            self.draft_prefill_s += elapsed
+            for i in keep:
+                new[i].stats.draft_prefill_s += elapsed
         if fresh and self.static_cache["target"]:
             target = batch.to_static(target, self.target, ids.device, self.room())
         if fresh and draft is not None and self.static_cache["draft"]:
@@ -590,7 +597,7 @@ class SpeculativeDecoder:
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle decoder; finish or abort the queued requests first")
         seeds = row_seeds(generator, len(prompts))
-        start, forwards = time.perf_counter(), (self.num_target_forwards, self.num_draft_forwards)
+        start, forwards = time.perf_counter(), (self.num_target_forwards, self.num_draft_forwards, self.draft_prefill_s)
         outputs: dict[int, RequestOutput] = {}
         first: list[float] = []  # when the first token was out (the time to first token)
 
@@ -620,6 +627,7 @@ class SpeculativeDecoder:
         stats = DecodeStats.merge([o.stats for o in ordered])
         stats.num_target_forwards = self.num_target_forwards - forwards[0]
         stats.num_draft_forwards = self.num_draft_forwards - forwards[1]
+        stats.draft_prefill_s = self.draft_prefill_s - forwards[2]
         stats.ttft_s, stats.total_s = first[0] - start, time.perf_counter() - start
         stats.peak_memory_bytes = peak_memory_bytes(self.target.device)
         return generation_output(prompts, ordered, stats)

@@ -28,7 +28,9 @@ class DecodeStats:
 
     ``num_verify_steps`` counts (row, target forward) pairs in which that row drafted at least one token;
     ``num_rejections`` those of them that rejected a draft (accepted fewer than drafted);
-    ``num_target_forwards`` counts batched target forwards after prefill.
+    ``num_target_forwards`` counts batched target forwards after prefill (the prefill gives each row its first
+    token); ``ttft_s`` is the time to the first token, ``draft_prefill_s`` the time the draft's prefill took after
+    it (0 without a draft).
     """
 
     num_drafted: int = 0
@@ -43,6 +45,7 @@ class DecodeStats:
     num_target_forwards: int = 0
     num_draft_forwards: int = 0
     ttft_s: float = 0.0
+    draft_prefill_s: float = 0.0
     num_first_step_tokens: int = 0
     total_s: float = 0.0
     peak_memory_bytes: int = 0
@@ -116,13 +119,13 @@ class DecodeStats:
 
     @property
     def per_token_latency_s(self) -> float:
-        """Seconds per new token of the decode phase: the time after the first step (``total_s - ttft_s``) over
-        the tokens committed after it (``num_new_tokens - num_first_step_tokens``; the first step of a
-        speculative decoder commits up to γ+1 tokens, of plain decoding one; callers that do not record it count
-        one per sequence). 0.0 when no token came after the first step."""
+        """Seconds per new token of the decode phase: the time after the first tokens, less the draft's prefill that
+        runs right after them (``total_s - ttft_s - draft_prefill_s``), over the tokens committed after them
+        (``num_new_tokens - num_first_step_tokens``: the decoder's prefill gives one token per sequence; callers
+        that do not record it count one per sequence). 0.0 when no token came after the first."""
         first = self.num_first_step_tokens or self.num_sequences
         n = self.num_new_tokens - first
-        return (self.total_s - self.ttft_s) / n if n > 0 else 0.0
+        return (self.total_s - self.ttft_s - self.draft_prefill_s) / n if n > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -144,7 +147,8 @@ class DecodeStats:
         out = cls()
         for s in stats:
             for name in ("num_drafted", "num_accepted", "num_verify_steps", "num_rejections", "num_new_tokens", "num_sequences",
-                         "num_target_forwards", "num_draft_forwards", "ttft_s", "num_first_step_tokens", "total_s"):
+                         "num_target_forwards", "num_draft_forwards", "ttft_s", "draft_prefill_s",
+                         "num_first_step_tokens", "total_s"):
                 setattr(out, name, getattr(out, name) + getattr(s, name))
             out.peak_memory_bytes = max(out.peak_memory_bytes, s.peak_memory_bytes)
             for name in ("accepted_per_position", "drafted_per_position", "accepted_length_histogram"):

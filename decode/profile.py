@@ -24,6 +24,12 @@ PARTS = ("admission", "prefill_target", "first_token", "prefill_draft", "draft_f
 _OFF = nullcontext()
 
 
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA; on CPU the kernels have run when they return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StepProfile:
     """Exclusive wall time per part (see :data:`PARTS`), over the steps run while it is attached to a decoder."""
 
@@ -36,8 +42,7 @@ class StepProfile:
         self._stack: list[float] = []  # per open part: the time its nested parts took
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:

@@ -376,7 +376,7 @@ def test_the_first_token_is_out_before_the_drafts_prefill(pair, static_cache):
             h.remove()
     got = {o.request_id: o.new_tokens for o in finished}
     assert got == {"a": reference_greedy(target, first, 8), "b": reference_greedy(target, second, 8)}
-    assert all(o.stats.num_first_step_tokens == 1 for o in finished)
+    assert all(o.stats.num_first_step_tokens == 1 and o.stats.draft_prefill_s > 0 for o in finished)
 
 
 def test_a_request_that_ends_at_its_first_token_never_runs_the_draft(pair):
@@ -395,7 +395,7 @@ def test_a_request_that_ends_at_its_first_token_never_runs_the_draft(pair):
             h.remove()
     assert one.new_tokens[0].tolist() == stop.new_tokens[0].tolist() == ref[:1]
     assert [e[0] for e in events] == ["target", "target"]
-    assert one.stats.num_target_forwards == 0 and one.stats.ttft_s > 0
+    assert one.stats.num_target_forwards == 0 and one.stats.ttft_s > 0 and one.stats.draft_prefill_s == 0
 
 
 def test_callbacks_at_admission_may_abort_or_raise_and_the_rows_still_decode(pair):

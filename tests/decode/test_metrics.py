@@ -38,6 +38,10 @@ def test_timing_metrics():
     assert s.per_token_latency_s == pytest.approx(2.0 / 16)
     merged = DecodeStats.merge([s, s])
     assert merged.num_first_step_tokens == 10 and merged.per_token_latency_s == pytest.approx(4.0 / 32)
+    # the draft's prefill runs after the first token: not part of the decode phase's per-token time
+    late = DecodeStats(num_new_tokens=21, num_sequences=1, ttft_s=0.5, draft_prefill_s=0.4, total_s=2.9)
+    assert late.per_token_latency_s == pytest.approx(2.0 / 20)
+    assert DecodeStats.merge([late, late]).draft_prefill_s == pytest.approx(0.8)
     assert s.tokens_per_s == pytest.approx(21 / 2.5)
     d = s.to_dict()
     assert d["tokens_per_s"] == pytest.approx(8.4) and "acceptance_by_position" in d

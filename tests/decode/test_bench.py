@@ -969,12 +969,12 @@ def test_continuous_run_streams_requests_at_most_concurrency_at_a_time(monkeypat
     draft = perturbed_copy(target, 0.6)
     rows = [[1, 5, 6, 7], [1, 8], [1, 9, 4, 4, 2, 3], [1, 2, 3], [1, 7, 7]]
     dec = SpeculativeDecoder(target, draft, num_draft_tokens=3)
-    cfg = BenchConfig(max_new_tokens=12)
+    cfg = BenchConfig(max_new_tokens=16)  # rows of one batch finish at different steps
     widths, step = [], SpeculativeDecoder.step
     monkeypatch.setattr(SpeculativeDecoder, "step", lambda self: widths.append(self.num_active()) or step(self))
     new, wall, stats, _ = run_ours_stream(dec, Method("spec_g2", OURS, 2), rows, 2, 0.0, cfg, None, 7,
                                           torch.device("cpu"))
-    assert new == [reference_greedy(target, r, 12) for r in rows] and wall > 0
+    assert new == [reference_greedy(target, r, 16) for r in rows] and wall > 0
     assert stats.num_sequences == 5 and stats.num_drafted <= 2 * stats.num_verify_steps
     # rows running as each step starts (a queued request joins inside it): never more than 2, and a request joined
     # a row still running (1 then 2), not only a fresh batch
@@ -984,7 +984,7 @@ def test_continuous_run_streams_requests_at_most_concurrency_at_a_time(monkeypat
                                        torch.device("cpu"))
     dec.num_draft_tokens = 2  # a seeded request's draws follow its γ schedule (docs/decode.md)
     for i in (0, 4):  # request i was seeded 7 + i
-        dec.add_request(rows[i], 12, 1.0, seed=7 + i, request_id="alone")
+        dec.add_request(rows[i], 16, 1.0, seed=7 + i, request_id="alone")
         while dec.has_unfinished():
             out = dec.step()
         assert out[0].new_tokens == sampled[i]

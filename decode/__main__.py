@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from decode import costs
 from decode.cli_args import (DEFAULT_NUM_DRAFT_TOKENS, command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg,
                              slowdown_warning)
 from decode.engine import SpeculativeDecoder
@@ -114,6 +115,9 @@ def cmd_generate(argv: list[str]) -> int:
     check_generate_args(args)
     device = check_device(args.device)
     dec, tok, gamma = load_decoder(args, device)
+    # Auto γ's cost model is measured now, not at the first step, where its timed forwards would count in the run's
+    # TTFT and latency.
+    costs.warm_up(dec, 1)
     # Imported here, not at the top: `python -m decode bench` goes offline before transformers loads (main).
     from transformers import TextStreamer
 

@@ -54,7 +54,7 @@ def slowdown_warning(alpha: float, num_drafted: int, gamma: int, cost_model: dic
     speedup = fixed_gamma_speedup(alpha, gamma, cost_model)
     if speedup >= 1.0:
         return None
-    return (f"warning: at the acceptance measured so far (α = {alpha:.3f} over {num_drafted:,} drafted tokens) and "
+    return (f"warning: at the measured acceptance (α = {alpha:.3f} over {num_drafted:,} drafted tokens) and "
             f"the measured costs (c = {cost_model['cost_ratio']:.3f}, v_{gamma} = "
             f"{verify_cost_at(cost_model['verify'], gamma):.2f}), γ = {gamma} is predicted to run at {speedup:.2f}× "
             f"plain decoding's speed, slower than the target alone: {fix}")

@@ -31,7 +31,7 @@ def test_slowdown_warning_when_the_measured_acceptance_predicts_a_fixed_gamma_sl
     # α = 0.05, γ = 4: (1 − 0.05^5) / (0.95 · (0.4 + 1.4)) = 0.585
     assert fixed_gamma_speedup(0.05, 4, costs) == pytest.approx((1 - 0.05 ** 5) / (0.95 * 1.8))
     message = slowdown_warning(0.05, 488, 4, costs, "use auto")
-    assert message == ("warning: at the acceptance measured so far (α = 0.050 over 488 drafted tokens) and the "
+    assert message == ("warning: at the measured acceptance (α = 0.050 over 488 drafted tokens) and the "
                        "measured costs (c = 0.100, v_4 = 1.40), γ = 4 is predicted to run at 0.58× plain decoding's "
                        "speed, slower than the target alone: use auto")
     assert fixed_gamma_speedup(0.8, 4, costs) > 1 and slowdown_warning(0.8, 488, 4, costs, "x") is None

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from decode import SpeculativeDecoder
+from decode import SpeculativeDecoder, costs
+from decode.__main__ import cmd_generate
 from decode.prompts import load_prompts
 from tests.conftest import VOCAB, make_tokenizer, perturbed_copy, tiny_llama
 from tests.decode.server_helpers import CHAT_TEMPLATE
@@ -99,6 +100,18 @@ def test_generate_defaults_to_auto_and_warns_when_a_fixed_gamma_predicts_a_slowd
     assert json.loads(r.stdout)["num_draft_tokens"] == "auto" and "predicted to run at" not in r.stderr
     r = run(*common, "-g", "0", "--json")
     assert r.returncode == 0 and "predicted to run at" not in r.stderr
+
+
+def test_generate_measures_auto_gamma_s_costs_before_the_run(saved_pair, monkeypatch, capsys):
+    """At the default auto γ the cost model was measured inside the first step: its timed forwards counted in the
+    run's TTFT and per-token latency (seconds on a real pair)."""
+    calls = []
+    calibrate, generate = costs.calibrate, SpeculativeDecoder.generate
+    monkeypatch.setattr(costs, "calibrate", lambda *a, **k: calls.append("calibrate") or calibrate(*a, **k))
+    monkeypatch.setattr(SpeculativeDecoder, "generate", lambda *a, **k: calls.append("generate") or generate(*a, **k))
+    assert cmd_generate(["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--prompt",
+                         "w5", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_draft_tokens"] == "auto" and calls == ["calibrate", "generate"]
 
 
 def test_missing_path_is_a_clear_error(saved_pair, tmp_path):

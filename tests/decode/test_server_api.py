@@ -287,7 +287,7 @@ def test_a_fixed_gamma_predicted_slower_than_plain_decoding_is_warned_once(caplo
     alpha = 2 / 53  # Σaccepted / (Σaccepted + rejections)
     assert predicted(m) == pytest.approx((1 - alpha ** 5) / ((1 - alpha) * 1.8))
     warning = m.slowdown_warning  # from the first record that reached 200 drafted tokens
-    assert warning.startswith(f"warning: at the acceptance measured so far (α = {2 / 51:.3f} over 200 drafted "
+    assert warning.startswith(f"warning: at the measured acceptance (α = {2 / 51:.3f} over 200 drafted "
                               "tokens)") and "restart with --num-draft-tokens auto" in warning
     assert [r.getMessage() for r in caplog.records] == [m.slowdown_warning]  # once, not per request
     good = ServerMetrics(4, cost_model)

@@ -6,7 +6,8 @@ early-exit draft), batch 1 and 16, on random prompts. Prints the bench tables; w
     python scripts/gpu_bench.py --tiny --out DIR     # any device, tiny sizes: checks the whole path in seconds
 
 Two stages, each its own interleaved ``run_benchmark`` and its own file, so a slow compilation cannot cost the
-eager results: ``gpu_bench.json`` (ours eager vs HF), then ``gpu_bench_compiled.json`` (ours eager vs compiled).
+eager results: ``gpu_bench.json`` (ours eager, with the per-step profile, vs HF), then ``gpu_bench_compiled.json``
+(ours eager vs compiled).
 """
 from __future__ import annotations
 
@@ -133,8 +134,10 @@ def main(argv=None) -> int:
                   max_new_tokens=args.max_new_tokens, ignore_eos=True, cost_repeats=11, seed=args.seed,
                   target="synthetic", draft="synthetic", prompts="random", limit=args.prompts, device=str(device),
                   dtype=str(dtype).replace("torch.", ""))
-    # Stage 1: ours (eager) vs HF, HF assisted at the same fixed γ as ours.
-    stage("gpu_bench", pair, prompts, BenchConfig(**common, hf=True, hf_gammas=gammas), paths["gpu_bench"], info)
+    # Stage 1: ours (eager, with the per-step profile: where a step's time goes on the GPU) vs HF, HF assisted at
+    # the same fixed γ as ours.
+    stage("gpu_bench", pair, prompts, BenchConfig(**common, hf=True, hf_gammas=gammas, profile=True),
+          paths["gpu_bench"], info)
     # Stage 2: ours eager vs compiled (no HF: its numbers are in stage 1).
     if compiled_decoder_works(pair, device):
         stage("gpu_bench_compiled", pair, prompts, BenchConfig(**{**common, "auto": False}, hf=False, compile=True),

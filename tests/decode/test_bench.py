@@ -1285,6 +1285,8 @@ def test_gpu_bench_script_end_to_end_on_cpu_with_tiny_sizes(tmp_path):
     assert {r["method"] for r in results["runs"]} == {"plain", "spec_g4", "spec_auto", "hf_target", "hf_assisted",
                                                       "hf_assisted_g4"}
     assert {b["batch_size"] for b in results["batch"]} == {1, 16} and results["pair"]["size"] == "tiny"
+    ours = [r for r in results["runs"] if r["method"] in ("plain", "spec_g4", "spec_auto")]
+    assert ours and all(r["profile"]["steps"] > 0 and "verify_forward" in r["profile"]["parts"] for r in ours)
     assert all(r["overall"]["matches_plain_greedy"] == 1.0 for r in results["runs"] if r["temperature"] == 0)
     assert "highlights: ours / reference" in done.stdout and "compiled:" in done.stdout
     assert (tmp_path / "bench.log").read_text().count("=== gpu_bench") >= 1

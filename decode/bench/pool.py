@@ -125,12 +125,10 @@ def decode_speedup(records: list[dict], plain_records: list[dict]) -> float | No
 
 
 def prefill_seconds(stats: DecodeStats) -> float:
-    """Seconds spent before the first step, estimated from pooled stats: the time to the first step's tokens
-    (``ttft_s``) less those tokens at the decode phase's per-token latency. For plain decoding the first step is one
-    target forward, so this is the prefill; for a speculative decoder, the prefill of both models (the draft's
-    included). The end-to-end prediction of the highlights takes plain decoding's share of it."""
-    first = stats.num_first_step_tokens or stats.num_sequences
-    return max(0.0, stats.ttft_s - first * stats.per_token_latency_s)
+    """Seconds of prefill, from pooled stats: the time to the first token (the target's prefill gives it) plus the
+    draft's prefill that follows it (``draft_prefill_s``, 0 for plain decoding). The end-to-end prediction of the
+    highlights takes plain decoding's share of it."""
+    return stats.ttft_s + stats.draft_prefill_s
 
 
 def pool(records: dict[tuple[float, str], list[dict]], methods: list[Method], cfg: BenchConfig, cost: dict,

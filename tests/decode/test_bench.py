@@ -47,17 +47,18 @@ def test_alpha_estimator_is_the_bernoulli_mle():
     assert alpha_from_steps([(0, [0])]) is None
 
 
-def test_prefill_seconds_leave_out_the_first_steps_tokens():
-    """Three calls of plain decoding, each 0.2 s of prefill, then 11 tokens at 0.1 s (the first one in the first
-    step): pooled, 0.6 s of prefill."""
+def test_prefill_seconds_are_the_time_to_the_first_token_and_the_drafts_prefill():
+    """Three calls of plain decoding, each 0.3 s to the first token (the target's prefill gives it), then 10 tokens
+    at 0.1 s: pooled, 0.9 s of prefill; a speculative call adds the draft's prefill after its first token."""
     from decode.bench.pool import prefill_seconds
     from decode.metrics import DecodeStats
 
     calls = [DecodeStats(num_new_tokens=11, num_sequences=1, num_first_step_tokens=1, ttft_s=0.3, total_s=1.3)
              for _ in range(3)]
-    assert prefill_seconds(DecodeStats.merge(calls)) == pytest.approx(0.6)
-    spec = DecodeStats(num_new_tokens=11, num_sequences=1, num_first_step_tokens=3, ttft_s=0.5, total_s=1.3)
-    assert prefill_seconds(spec) == pytest.approx(0.2)  # a first step of 3 tokens at 0.1 s per token
+    assert prefill_seconds(DecodeStats.merge(calls)) == pytest.approx(0.9)
+    spec = DecodeStats(num_new_tokens=11, num_sequences=1, num_first_step_tokens=1, ttft_s=0.3, draft_prefill_s=0.05,
+                       total_s=1.0)
+    assert prefill_seconds(spec) == pytest.approx(0.35)
 
 
 def test_alpha_estimator_recovers_alpha_on_simulated_steps():

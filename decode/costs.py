@@ -80,7 +80,7 @@ def check_timer_inputs(target, draft, context_ids: Any, verify_gammas: Sequence[
         if call is not None and not callable(call):
             raise ValueError(f"{name}_call must be callable (a model's forward, e.g. compiled) or None, got "
                              f"{type(call).__name__}")
-    need = context_ids.shape[1] + max(gammas, default=0)
+    need = context_ids.shape[1] + max(max(gammas, default=0), 1)  # the draft's catch-up writes two tokens
     for role, model in (("target", target), ("draft", draft)):
         limit = context_length(model)
         if limit is not None and need > limit:
@@ -122,8 +122,10 @@ class CostTimer:
         self._device, self.warmup_rounds, self.rounds = context_ids.device, warmup_rounds, 0
         prefix, self._last = context_ids[:, :-1], context_ids[:, -1:]
         B, self._width = prefix.shape
-        # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all.
-        self._jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1)]
+        # (label, model, cache name, tokens fed, logits kept): the draft keeps one position, the verify keeps all;
+        # draft2 is the draft's catch-up forward after a step that accepted all its drafts (two tokens pending).
+        self._jobs = [("target", target, "target", 1, None), ("draft", draft, "draft", 1, 1),
+                      ("draft2", draft, "draft", 2, 1)]
         self._jobs += [(f"verify{g}", target, "target", g + 1, None) for g in self.verify_gammas]
         self._base = {}
         with kernels.few_row_linear(few_row_linear):  # every forward of a decoder's measurement on its kernels
@@ -178,8 +180,10 @@ class CostTimer:
         t, d = statistics.median(s["target"]), statistics.median(s["draft"])
         verify = [{"gamma": g, "tokens": g + 1, "forward_s": statistics.median(s[f"verify{g}"]),
                    "relative_cost": statistics.median(s[f"verify{g}"]) / t} for g in self.verify_gammas]
+        d2 = statistics.median(s["draft2"])
         return {"context_tokens": self.context_tokens, "repeats": len(s["target"]), "target_forward_s": t,
-                "draft_forward_s": d, "cost_ratio": d / t, "target_forward_samples_s": list(s["target"]),
+                "draft_forward_s": d, "cost_ratio": d / t, "draft_catchup_forward_s": d2, "catchup_cost_ratio": d2 / t,
+                "target_forward_samples_s": list(s["target"]),
                 "draft_forward_samples_s": list(s["draft"]), "verify": verify}
 
 
@@ -218,8 +222,10 @@ def measure_cost_ratio(target, draft, context_ids: torch.Tensor, repeats: int = 
             when its ``few_row_linear`` is on).
 
     Returns:
-        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio, the
-        raw samples, and ``verify``: [{gamma, tokens, forward_s, relative_cost v_γ}].
+        dict with context_tokens, repeats, target_forward_s, draft_forward_s (medians, seconds), cost_ratio,
+        draft_catchup_forward_s and catchup_cost_ratio (the draft's forward over two tokens, the catch-up after a
+        step that accepted all its drafts), the raw samples, and ``verify``: [{gamma, tokens, forward_s,
+        relative_cost v_γ}].
 
     Raises:
         ValueError: no draft; ``context_ids`` not a (B, L >= 2) integer tensor, or with ids outside either model's
@@ -254,7 +260,9 @@ def calibrate(decoder: Any, context_ids: Sequence[int], batch_sizes: Sequence[in
 
     Returns:
         ``decoder.auto_costs``, ``{batch_size: {"cost_ratio": c, "verify": [v_0 = 1, v_1, .., v_max],
-        "target_forward_s": t}}``; the measured v_γ are made non-decreasing in γ and >= 1
+        "catchup_cost_ratio": c₂, "target_forward_s": t}}`` (c₂: the draft's two-token catch-up forward after a step
+        that accepted all its drafts, at least c; :func:`decode.speedup.catchup_cost`); the measured v_γ are made
+        non-decreasing in γ and >= 1
         (:func:`decode.speedup.smooth_verify_costs`); t (the target's one-token forward, seconds) is kept for
         :func:`decode.speedup.simulate_batch_speedup` and not used by the controller.
 
@@ -275,6 +283,7 @@ def calibrate(decoder: Any, context_ids: Sequence[int], batch_sizes: Sequence[in
                           verify_gammas=range(1, decoder.max_auto_draft_tokens + 1))
         decoder.auto_costs[b] = {"cost_ratio": m["cost_ratio"],
                                  "verify": smooth_verify_costs([v["relative_cost"] for v in m["verify"]]),
+                                 "catchup_cost_ratio": max(m["catchup_cost_ratio"], m["cost_ratio"]),
                                  "target_forward_s": m["target_forward_s"]}  # for simulate_batch_speedup
     return decoder.auto_costs
 

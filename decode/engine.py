@@ -444,7 +444,8 @@ class SpeculativeDecoder:
             return
         if bucket not in self.auto_costs:
             costs.calibrate(self, self._batch.state.committed[0], [bucket])
-        self._adaptive.set_costs(self.auto_costs[bucket]["cost_ratio"], self.auto_costs[bucket]["verify"])
+        entry = self.auto_costs[bucket]
+        self._adaptive.set_costs(entry["cost_ratio"], entry["verify"], entry.get("catchup_cost_ratio"))
         self._costs_bucket = bucket
 
     def draft_input_ids(self, ids: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,22 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
-    """Predicted speedup over plain target decoding, ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ))``.
+def catchup_cost(alpha: float, gamma: int, cost_ratio: float, catchup_cost_ratio: float | None) -> float:
+    """The expected extra cost per step, in target forwards, of the draft's catch-up input: after a step that accepted
+    all γ drafts (probability α^γ under i.i.d. acceptance) the γ-th draft was never fed to the draft, so the next
+    step's first draft forward reads two tokens, costing ``catchup_cost_ratio`` (c₂: a two-token draft forward / the
+    target's one-token forward) instead of c. ``α^γ · max(c₂ − c, 0)``; 0 for γ = 0 or c₂ None (not measured). Where
+    a two-token forward costs what a one-token one does (the few-row kernels, float32 on CPU) it is about 0; in
+    bfloat16 on CPU a two-token draft forward costs about twice a one-token one."""
+    if gamma <= 0 or catchup_cost_ratio is None:
+        return 0.0
+    return alpha ** gamma * max(float(catchup_cost_ratio) - cost_ratio, 0.0)
+
+
+def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: float = 1.0,
+                      catchup_cost_ratio: float | None = None) -> float:
+    """Predicted speedup over plain target decoding, ``(1 − α^(γ+1)) / ((1 − α)(γc + v_γ + e))``, e the draft's
+    catch-up (:func:`catchup_cost`; 0 without ``catchup_cost_ratio``).
 
     Args:
         alpha: per-token acceptance α in [0, 1] (Leviathan et al.'s α, not Σaccepted / Σdrafted).
@@ -37,6 +51,8 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: 
         verify_cost: v_γ, time of the target's forward over γ+1 tokens / its one-token forward (1.0 in Leviathan
             et al.'s model; larger where the verify is compute-bound: CPU, large batches). The step then costs
             ``γc + v_γ``.
+        catchup_cost_ratio: c₂, a two-token draft forward / the target's one-token forward, or None (the step
+            costs ``γc + v_γ`` alone); see :func:`catchup_cost`.
 
     Raises:
         ValueError: α outside [0, 1], γ < 0, c < 0 or NaN, or v_γ <= 0 or NaN.
@@ -45,7 +61,9 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: 
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
     if not verify_cost > 0:
         raise ValueError(f"verify_cost must be > 0, got {verify_cost}")
-    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + (verify_cost if gamma else 1.0))
+    step = gamma * cost_ratio + (verify_cost if gamma else 1.0) + catchup_cost(alpha, gamma, cost_ratio,
+                                                                            catchup_cost_ratio)
+    return expected_tokens_per_step(alpha, gamma) / step
 
 
 def end_to_end_speedup(decode_speedup: float, prefill_share: float, prefill_cost_ratio: float) -> float:
@@ -87,7 +105,7 @@ def verify_cost_at(verify_costs: Sequence[float] | None, gamma: int) -> float:
 
 
 def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: int = 0,
-               verify_costs: Sequence[float] | None = None) -> int:
+               verify_costs: Sequence[float] | None = None, catchup_cost_ratio: float | None = None) -> int:
     """The γ in ``[min_gamma, max_gamma]`` that maximizes :func:`predicted_speedup` (smallest on ties).
 
     Args:
@@ -96,6 +114,7 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
         verify_costs: v_γ indexed by γ (``verify_costs[γ]``, e.g. from :func:`measure_cost_ratio`'s ``verify``
             list), the verify-aware model; γ beyond its end takes its last value, None uses Leviathan et al.'s
             v = 1 (:func:`verify_cost_at`).
+        catchup_cost_ratio: c₂ of the draft's catch-up forward, or None (:func:`catchup_cost`).
 
     Raises:
         ValueError: ``max_gamma < min_gamma``, or α / c out of range (:func:`predicted_speedup`).
@@ -105,7 +124,7 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, min_gamma: 
     v = list(verify_costs) if verify_costs is not None else None
 
     def speed(g: int) -> float:
-        return predicted_speedup(alpha, g, cost_ratio, verify_cost_at(v, g))
+        return predicted_speedup(alpha, g, cost_ratio, verify_cost_at(v, g), catchup_cost_ratio)
 
     return max(range(min_gamma, max_gamma + 1), key=lambda g: (speed(g), -g))
 
@@ -130,9 +149,10 @@ def check_max_auto_draft_tokens(value: Any) -> int:
 
 def check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
     """``auto_costs`` as given (e.g. loaded from JSON, whose keys are strings) with int batch-size keys, checked:
-    every entry needs a finite c >= 0 and a non-empty ``verify`` list of finite, positive v_γ (other keys, such as
-    ``target_forward_s``, are kept as they are). The decoder's ``auto_costs=`` and :func:`simulate_batch_speedup`
-    read the cost model through it. Raises ValueError naming the entry."""
+    every entry needs a finite c >= 0, a non-empty ``verify`` list of finite, positive v_γ and, if it has one, a
+    finite ``catchup_cost_ratio`` c₂ >= 0 (other keys, such as ``target_forward_s``, are kept as they are). The
+    decoder's ``auto_costs=`` and :func:`simulate_batch_speedup` read the cost model through it. Raises ValueError
+    naming the entry."""
     out: dict[int, dict] = {}
     for key, entry in (auto_costs or {}).items():
         try:
@@ -141,10 +161,12 @@ def check_auto_costs(auto_costs: dict | None) -> dict[int, dict]:
         except (TypeError, ValueError, KeyError) as err:
             raise ValueError(f"auto_costs[{key!r}] must be {{'cost_ratio': c, 'verify': [v_0, .., v_max]}} under a "
                              f"batch-size key (what decode.costs.calibrate returns): {err!r}") from None
+        c2 = entry.get("catchup_cost_ratio")
         if (batch < 1 or not (math.isfinite(c) and c >= 0) or not verify
-                or not all(math.isfinite(v) and v > 0 for v in verify)):
-            raise ValueError(f"auto_costs[{key!r}] = {entry!r}: need a batch size >= 1, cost_ratio >= 0 and a "
-                             "non-empty verify list of positive costs")
+                or not all(math.isfinite(v) and v > 0 for v in verify)
+                or (c2 is not None and not (is_finite_number(c2) and c2 >= 0))):
+            raise ValueError(f"auto_costs[{key!r}] = {entry!r}: need a batch size >= 1, cost_ratio >= 0, a "
+                             "non-empty verify list of positive costs and, if given, catchup_cost_ratio >= 0")
         out[batch] = {**entry, "cost_ratio": c, "verify": verify}
     return out
 
@@ -317,6 +339,7 @@ class AdaptiveGamma:
         self._target_s = 1.0
         self._timed = False
         self._verify: list[float] | None = None
+        self._catchup: float | None = None  # c₂ − c: the draft's two-token catch-up forward over a one-token one
         self._idle = probe_every - 1  # the first step at γ = 0 probes
         self._choose()  # the choice at the prior and the guessed c, until set_costs
 
@@ -340,11 +363,16 @@ class AdaptiveGamma:
         """c·f: what one drafted position costs in target forwards, as the γ choice counts it."""
         return self.cost_ratio * self.draft_forward_share
 
-    def set_costs(self, cost_ratio: float, verify_costs: Sequence[float] | None = None) -> None:
-        """Fix the cost model: c >= 0, and ``verify_costs[γ]`` = v_γ for γ = 0..max_gamma (None: all 1.0; a shorter
-        list extends with its last value, :func:`verify_cost_at`). Raises ValueError for c < 0 or a v_γ <= 0."""
+    def set_costs(self, cost_ratio: float, verify_costs: Sequence[float] | None = None,
+                  catchup_cost_ratio: float | None = None) -> None:
+        """Fix the cost model: c >= 0, ``verify_costs[γ]`` = v_γ for γ = 0..max_gamma (None: all 1.0; a shorter
+        list extends with its last value, :func:`verify_cost_at`) and c₂, the draft's two-token catch-up forward
+        (None: as a one-token one, :func:`catchup_cost`). Raises ValueError for c < 0, a v_γ <= 0 or c₂ < 0."""
         if not cost_ratio >= 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+        if catchup_cost_ratio is not None and not catchup_cost_ratio >= 0:
+            raise ValueError(f"catchup_cost_ratio must be >= 0 or None, got {catchup_cost_ratio}")
+        self._catchup = None if catchup_cost_ratio is None else float(catchup_cost_ratio) - float(cost_ratio)
         if verify_costs is not None and not all(v > 0 for v in verify_costs):
             raise ValueError(f"verify_costs must all be > 0, got {list(verify_costs)}")
         self._draft_s, self._target_s, self._timed = float(cost_ratio), 1.0, True
@@ -353,7 +381,9 @@ class AdaptiveGamma:
 
     def _choose(self) -> None:
         a = min(max(self.alpha, 0.0), 1.0)
-        self.gamma = best_gamma(a, self.drafting_cost_ratio, self.max_gamma, self.min_gamma, verify_costs=self._verify)
+        c = self.drafting_cost_ratio
+        self.gamma = best_gamma(a, c, self.max_gamma, self.min_gamma, verify_costs=self._verify,
+                                catchup_cost_ratio=None if self._catchup is None else c + self._catchup)
 
     def plan_batch(self, rows: Sequence[AlphaEstimate], remaining: Sequence[int]) -> int:
         """Replace the pooled choice by :func:`makespan_gamma` for a static batch (all rows wait for the last):
@@ -436,7 +466,9 @@ def simulate_batch_speedup(gamma: int | Callable[[], AdaptiveGamma], alphas: Seq
     over plain decoding of the same batch, simulated with i.i.d. acceptance per row.
 
     As the decoder does: rows that finish leave, and a step over B active rows is timed with the costs of the
-    power of two >= B, ``t_B · (γc_B + v_B(γ))`` (``t_B`` = the target's one-token forward at that batch size);
+    power of two >= B, ``t_B · (γc_B + v_B(γ))`` (``t_B`` = the target's one-token forward at that batch size), plus
+    ``t_B · (c₂_B − c_B)`` where a row's previous step accepted all its drafts and the entry has
+    ``catchup_cost_ratio`` c₂ (the draft's first forward then reads two tokens, :func:`catchup_cost`);
     each row drafts ``min(γ, R_r − 1)``, accepts a run of Bernoulli(α_r) drafts that stops at the first rejection
     and commits accepted + 1 tokens. A controller gets ``set_costs`` at each batch-size change, per-row
     :class:`AlphaEstimate` counts and, with ``plan``, :meth:`AdaptiveGamma.plan_batch` before each step while more
@@ -495,12 +527,14 @@ def _simulate_batch_run(gamma: int | Callable[[], AdaptiveGamma], alphas: Sequen
     rows = [AlphaEstimate() for _ in alphas]
     made = [1] * len(alphas)
     active, bucket = list(range(len(alphas))), None
+    caught_up = [True] * len(alphas)  # False: the row's last step accepted all its drafts (two tokens pending)
     spec = 0.0
     while active:
         b = cost_bucket(len(active))
         entry = costs[b]
+        c2 = entry.get("catchup_cost_ratio")
         if ctl is not None and b != bucket:
-            ctl.set_costs(entry["cost_ratio"], entry["verify"])
+            ctl.set_costs(entry["cost_ratio"], entry["verify"], c2)
             bucket = b
         if ctl is None:
             g = int(gamma)
@@ -510,13 +544,16 @@ def _simulate_batch_run(gamma: int | Callable[[], AdaptiveGamma], alphas: Sequen
             g = ctl.next_gamma()
         gs = [min(g, max_new_tokens - made[i] - 1) for i in active]
         step_gamma = max(gs)
+        catchup = (max(c2 - entry["cost_ratio"], 0.0) if c2 is not None and step_gamma > 0
+                   and not all(caught_up[i] for i in active) else 0.0)  # the first draft forward reads two tokens
         spec += entry["target_forward_s"] * (step_gamma * entry["cost_ratio"]
-                                             + verify_cost_at(entry["verify"], step_gamma))
+                                             + verify_cost_at(entry["verify"], step_gamma) + catchup)
         accepted_total = rejected = 0
         for i, gi in zip(active, gs):
             accepted = 0
             while accepted < gi and rng.random() < alphas[i]:
                 accepted += 1
+            caught_up[i] = step_gamma > 0 and not (gi > 0 and accepted == gi)  # else tokens pending
             made[i] += accepted + 1
             rows[i].update(gi, accepted)
             accepted_total += accepted

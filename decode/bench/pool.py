@@ -54,14 +54,17 @@ RUN_METRICS = ("num_prompts", "num_new_tokens", "total_s", "tokens_per_s", "per_
 
 
 def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio: float, gamma, temperature: float,
-              auto_max_gamma: int = 8, verify_cost: dict | None = None) -> dict[str, Any]:
+              auto_max_gamma: int = 8, verify_cost: dict | None = None,
+              catchup_cost_ratio: float | None = None) -> dict[str, Any]:
     """Pool per-prompt records of one method (and optionally one category) into the METRICS of the JSON schema.
 
     Args:
         records: per prompt {"new_tokens", "wall_s", "ttft_s", "peak_memory_bytes", "key", "stats" (DecodeStats
             for our engine, else None)}.
         plain_records: the plain-decoding records of the same prompts (speedup, greedy equality), or None.
-        cost_ratio: c; gamma: the method's γ (0, int, "auto" or None for HF); verify_cost: {γ: v_γ}.
+        cost_ratio: c; gamma: the method's γ (0, int, "auto" or None for HF); verify_cost: {γ: v_γ};
+            catchup_cost_ratio: c₂ of the draft's two-token catch-up forward, in the verify-aware prediction
+            (:func:`decode.speedup.catchup_cost`; None: left out).
     """
     n_tokens = sum(len(r["new_tokens"]) for r in records)
     wall = sum(r["wall_s"] for r in records)
@@ -96,7 +99,8 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
             m["predicted_gamma"] = g
             if verify_cost and g in verify_cost:
                 m["predicted_speedup_verify_aware"] = predicted_speedup(m["alpha"], g, cost_ratio,
-                                                                        verify_cost=verify_cost[g])
+                                                                        verify_cost=verify_cost[g],
+                                                                        catchup_cost_ratio=catchup_cost_ratio)
     return m
 
 
@@ -135,33 +139,34 @@ def pool(records: dict[tuple[float, str], list[dict]], methods: list[Method], cf
          categories: list[str | None]) -> tuple[list[dict], list[dict]]:
     """All records -> (``runs``: one entry per temperature and method, overall and by category; ``summary``: one
     entry per temperature with the pooled α, the best γ by measurement and by prediction, auto and HF)."""
-    c = cost["cost_ratio"]
+    c, c2 = cost["cost_ratio"], cost.get("catchup_cost_ratio")
     v = {e["gamma"]: e["relative_cost"] for e in cost.get("verify", [])}
     # compiled methods are predicted from the costs of the compiled forwards (measured when the run compiles)
     compiled = cost.get("compiled") or cost
     c_comp, v_comp = compiled["cost_ratio"], {e["gamma"]: e["relative_cost"] for e in compiled.get("verify", [])}
+    c2_comp = compiled.get("catchup_cost_ratio")
     cats = sorted({x for x in categories if x is not None})
     runs, summary = [], []
     for t in cfg.temperatures:
         plain = records[(t, "plain")]
         for m in methods:
             rs = records[(t, m.name)]
-            mc, mv = (c_comp, v_comp) if m.compiled else (c, v)
+            mc, mv, mc2 = (c_comp, v_comp, c2_comp) if m.compiled else (c, v, c2)
             run = {"temperature": t, "method": m.name, "kind": m.kind,
                    "num_draft_tokens": None if m.kind == HF else m.gamma,
                    "hf_num_assistant_tokens": m.gamma if m.kind == HF else None, "compiled": m.compiled,
-                   "overall": aggregate(rs, plain, mc, m.gamma, t, cfg.auto_max_gamma, mv), "by_category": {}}
+                   "overall": aggregate(rs, plain, mc, m.gamma, t, cfg.auto_max_gamma, mv, mc2), "by_category": {}}
             for cat in cats:
                 run["by_category"][cat] = aggregate([r for r in rs if r["category"] == cat],
                                                     [r for r in plain if r["category"] == cat], mc, m.gamma, t,
-                                                    cfg.auto_max_gamma, mv)
+                                                    cfg.auto_max_gamma, mv, mc2)
             runs.append(run)
-        summary.append(_summarise(t, runs, records, methods, cfg, c, v))
+        summary.append(_summarise(t, runs, records, methods, cfg, c, v, c2))
     return runs, summary
 
 
 def _summarise(t: float, runs: list[dict], records, methods: list[Method], cfg: BenchConfig, c: float,
-               v: dict) -> dict[str, Any]:
+               v: dict, c2: float | None = None) -> dict[str, Any]:
     here = [r for r in runs if r["temperature"] == t]
     fixed = [r for r in here if r["kind"] == OURS and not r["compiled"] and isinstance(r["num_draft_tokens"], int)
              and r["num_draft_tokens"] > 0]
@@ -177,7 +182,8 @@ def _summarise(t: float, runs: list[dict], records, methods: list[Method], cfg: 
         bg = int(best_gamma(alpha, c, max_gamma=top))  # 0 means: speculation cannot pay off with this c
         curve = {g: float(predicted_speedup(alpha, g, c)) for g in range(0, top + 1)}
         tested = {g: curve[g] for g in cfg.gammas}
-        aware = {g: predicted_speedup(alpha, g, c, verify_cost=v[g]) for g in cfg.gammas if g in v}
+        aware = {g: predicted_speedup(alpha, g, c, verify_cost=v[g], catchup_cost_ratio=c2)
+                 for g in cfg.gammas if g in v}
         entry.update(best_gamma_leviathan=bg, predicted_speedup_leviathan_at_best=curve[bg],
                      best_gamma_leviathan_tested=max(tested, key=tested.get) if tested else None,
                      best_gamma_verify_aware_tested=max(aware, key=aware.get) if aware else None,

@@ -42,8 +42,10 @@ def test_measure_cost_ratio_times_the_given_calls_on_the_same_context_each_time(
                            static_cache=static_cache, target_call=counting("target", target),
                            draft_call=counting("draft", draft))
     assert m["cost_ratio"] > 0 and [v["gamma"] for v in m["verify"]] == [2]
-    assert len(seen["draft"]) == 5 and len(seen["target"]) == 10  # (3 timed + 2 untimed) x (1 token, verify)
-    assert all(pos == [[5]] * 2 for k, pos in seen["draft"])
+    assert m["catchup_cost_ratio"] == m["draft_catchup_forward_s"] / m["target_forward_s"] > 0
+    # (3 timed + 2 untimed) x (1 token, verify) on the target, x (1 token, the 2-token catch-up) on the draft
+    assert len(seen["draft"]) == 10 and len(seen["target"]) == 10
+    assert all(pos == [[5, 6][:k]] * 2 for k, pos in seen["draft"])
     assert all(pos == [[5, 6, 7][:k]] * 2 for k, pos in seen["target"])
     static = static_cache if isinstance(static_cache, dict) else dict.fromkeys(seen, static_cache)
     for name in seen:  # the static path writes into the StaticKV's transformers StaticCache
@@ -87,7 +89,7 @@ def test_cost_timers_name_a_bad_argument_before_any_forward():
                 ((target, None, ok), {}, "both are needed"), ((target, draft, [[5, 6, 7]]), {}, "got list"),
                 ((target, draft, torch.tensor([[5, 500]])), {}, "outside the target's embedding"),
                 ((target, draft, torch.ones(1, 257, dtype=torch.long)), {},
-                 "need 257 positions, more than the target's"),
+                 "need 258 positions, more than the target's"),
                 ((target, draft, ok), {"warmup_rounds": -1}, "warmup_rounds must be an integer >= 0"),
                 ((target, draft, ok), {"warmup_rounds": 2.5}, "warmup_rounds"),
                 ((target, draft, ok), {"few_row_linear": "yes"}, "few_row_linear must be True or False")):
@@ -150,9 +152,11 @@ def test_calibrate_times_the_forwards_the_steps_run(pair, monkeypatch):
 
     monkeypatch.setattr(costs, "measure_cost_ratio", spy)
     model = costs.calibrate(dec, [5, 6, 7, 8], (1,), repeats=2)
-    assert calls == [torch.Size([1, 1])] * 4  # 2 timed + 2 untimed one-token draft forwards
+    # 2 timed + 2 untimed rounds of a one-token draft forward and the two-token catch-up
+    assert calls == [torch.Size([1, 1]), torch.Size([1, 2])] * 4
     assert seen["static_cache"] == dec.static_cache and seen["target_call"] is None
     assert model[1]["cost_ratio"] > 0 and len(model[1]["verify"]) == 3
+    assert model[1]["catchup_cost_ratio"] >= model[1]["cost_ratio"]
     with pytest.raises(ValueError, match="no draft"):
         costs.measure_costs(SpeculativeDecoder(target, None), torch.tensor([[5, 6]]))
     with pytest.raises(ValueError, match=r"got list \(calibrate\(\) takes a list of ids\)"):

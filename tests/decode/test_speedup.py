@@ -365,3 +365,42 @@ def test_the_static_batch_planner_beats_the_pooled_choice_when_a_few_rows_accept
 def test_cost_buckets_are_the_powers_of_two_a_batch_passes_through():
     assert [cost_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
     assert cost_buckets(1) == [1] and cost_buckets(4) == [1, 2, 4] and cost_buckets(6) == [1, 2, 4, 8]
+
+
+def test_the_drafts_catch_up_forward_costs_its_excess_after_an_all_accepted_step():
+    """After a step that accepted all γ drafts the draft reads two tokens in its next first forward: α^γ (c₂ − c)
+    more per step, nothing where the two-token forward costs what a one-token one does."""
+    from decode.speedup import catchup_cost
+
+    assert catchup_cost(0.5, 2, 0.1, 0.3) == pytest.approx(0.25 * 0.2)
+    assert catchup_cost(0.5, 2, 0.1, None) == catchup_cost(0.5, 0, 0.1, 0.3) == catchup_cost(0.5, 2, 0.1, 0.05) == 0
+    base = predicted_speedup(0.6, 2, 0.1, 1.1)
+    assert predicted_speedup(0.6, 2, 0.1, 1.1, catchup_cost_ratio=0.1) == base
+    assert predicted_speedup(0.6, 2, 0.1, 1.1, catchup_cost_ratio=0.3) == pytest.approx(
+        expected_tokens_per_step(0.6, 2) / (0.2 + 1.1 + 0.36 * 0.2))
+    # an expensive catch-up weighs most on γ = 1 (α^γ is largest there): the choice moves off it
+    v = [1.0, 1.0, 1.25, 1.4, 1.55]
+    assert best_gamma(0.55, 0.1, 4, verify_costs=v) == 1
+    assert best_gamma(0.55, 0.1, 4, verify_costs=v, catchup_cost_ratio=0.8) == 2
+    ctl = AdaptiveGamma(4, prior_alpha=0.55, prior_weight=1e6)
+    ctl.set_costs(0.1, v)
+    assert ctl.gamma == 1
+    ctl.set_costs(0.1, v, catchup_cost_ratio=0.8)
+    assert ctl.gamma == 2
+    with pytest.raises(ValueError, match="catchup_cost_ratio must be >= 0"):
+        ctl.set_costs(0.1, v, catchup_cost_ratio=-1.0)
+
+
+def test_a_batch_pays_the_catch_up_when_any_row_accepted_all_its_drafts():
+    costs = {1: {"cost_ratio": 0.1, "verify": [1.0, 1.1], "target_forward_s": 0.05},
+             2: {"cost_ratio": 0.1, "verify": [1.0, 1.1], "target_forward_s": 0.06}}
+    dear = {b: {**e, "catchup_cost_ratio": 0.5} for b, e in costs.items()}
+    free = {b: {**e, "catchup_cost_ratio": 0.1} for b, e in costs.items()}
+    args = dict(alphas=[0.6, 0.6], max_new_tokens=32, runs=50)
+    base = simulate_batch_speedup(1, auto_costs=costs, **args)
+    assert simulate_batch_speedup(1, auto_costs=free, **args) == base
+    assert simulate_batch_speedup(1, auto_costs=dear, **args) < 0.85 * base
+    assert simulate_batch_speedup(1, alphas=[0.0, 0.0], auto_costs=dear, max_new_tokens=32, runs=5) == \
+        simulate_batch_speedup(1, alphas=[0.0, 0.0], auto_costs=costs, max_new_tokens=32, runs=5)  # never all accepted
+    with pytest.raises(ValueError, match="catchup_cost_ratio >= 0"):
+        simulate_batch_speedup(1, auto_costs={**costs, 1: {**costs[1], "catchup_cost_ratio": -1}}, **args)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -45,10 +45,8 @@ class StepProfile:
         sync(self.device)
 
     @contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        """Time the block as part ``name`` (one of :data:`PARTS`), less the parts timed inside it."""
-        if name not in self.seconds:
-            raise ValueError(f"unknown profile part {name!r}; the parts are {', '.join(PARTS)}")
+    def _span(self, done: Callable[[float, float], None]) -> Iterator[None]:
+        """Time the block; ``done(elapsed, nested)`` gets its seconds and those of the parts timed inside it."""
         self._sync()
         self._stack.append(0.0)
         start = time.perf_counter()
@@ -56,28 +54,31 @@ class StepProfile:
             yield
         finally:
             self._sync()
-            elapsed = time.perf_counter() - start
-            nested = self._stack.pop()
+            done(time.perf_counter() - start, self._stack.pop())
+
+    def part(self, name: str) -> ContextManager[None]:
+        """Time the block as part ``name`` (one of :data:`PARTS`), less the parts timed inside it."""
+        if name not in self.seconds:
+            raise ValueError(f"unknown profile part {name!r}; the parts are {', '.join(PARTS)}")
+
+        def done(elapsed: float, nested: float) -> None:
             self.seconds[name] += elapsed - nested
             self.calls[name] += 1
             if self._stack:
                 self._stack[-1] += elapsed
 
-    @contextmanager
-    def step(self) -> Iterator[None]:
+        return self._span(done)
+
+    def step(self) -> ContextManager[None]:
         """Time one whole step; what its parts leave over is counted as ``other``."""
-        self._sync()
-        self._stack.append(0.0)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            elapsed = time.perf_counter() - start
-            self.seconds["other"] += elapsed - self._stack.pop()
+
+        def done(elapsed: float, nested: float) -> None:
+            self.seconds["other"] += elapsed - nested
             self.calls["other"] += 1
             self.steps += 1
             self.step_s += elapsed
+
+        return self._span(done)
 
     def summary(self) -> dict[str, Any]:
         """JSON-able: ``{"steps", "step_ms" (mean per step), "parts": {name: {"calls", "total_s", "ms_per_step",

@@ -325,7 +325,8 @@ class SpeculativeDecoder:
 
     def _join(self, new: list[Request], fresh: bool) -> BaseException | None:
         """The target's prefill of each row's context (prompt and any tokens it has), its next token committed and
-        delivered (:meth:`_first_tokens`), then the draft's prefill of the rows still joining, which join the batch.
+        delivered (:meth:`_first_tokens`), then the draft's prefill of the rows still joining (the same context: the
+        new token is its one pending input, so its first forward reads one token), which join the batch.
         Returns the first exception an ``on_tokens`` callback raised (None if none did)."""
         contexts = [r.prompt + r.new_tokens for r in new]
         ids, mask = left_pad(contexts, 0, self.target.device)
@@ -345,8 +346,8 @@ class SpeculativeDecoder:
         if self._use_draft:
             start = time.perf_counter()
             with profiling.part(self.profile, "prefill_draft"):
-                draft, _ = batch.prefill_cache(self.draft, self.draft_input_ids(ids[:, :-1]), mask[:, :-1],
-                                               [len(c) - 2 for c in contexts], self.draft_context_length)
+                draft, _ = batch.prefill_cache(self.draft, self.draft_input_ids(ids), mask,
+                                               [len(c) - 1 for c in contexts], self.draft_context_length)
                 profiling.sync(ids.device)
             elapsed = time.perf_counter() - start
             self.draft_prefill_s += elapsed
@@ -356,7 +357,7 @@ class SpeculativeDecoder:
             target = batch.to_static(target, self.target, ids.device, self.room())
         if fresh and draft is not None and self.static_cache["draft"]:
             draft = batch.to_static(draft, self.draft, ids.device, self.room())
-        pending = torch.stack([ids[:, -1], torch.tensor([c[-1] for c in contexts], device=ids.device)], dim=1)
+        pending = torch.tensor([[c[-1]] for c in contexts], device=ids.device)  # the first token, which neither read
         self._batch.add([new[i] for i in keep], batch.new_state(target, draft, contexts, pending), self.room())
         return error
 

@@ -363,12 +363,12 @@ def test_the_first_token_is_out_before_the_drafts_prefill(pair, static_cache):
         first, second = [5, 17, 33, 8, 9], [60, 3, 91]
         dec.add_request(first, max_new_tokens=8, request_id="a", on_tokens=on_tokens)
         out = dec.step()
-        assert events[:3] == [("target", 5), ("tokens", "a", 1), ("draft", 4)]  # prefill, its token, then the draft
-        assert events[3][0] == "draft" and events[3][1] == 2  # the first draft forward: last prompt token + the token
+        assert events[:3] == [("target", 5), ("tokens", "a", 1), ("draft", 5)]  # prefill, its token, then the draft
+        assert events[3] == ("draft", 1)  # the first draft forward reads the new token alone
         events.clear()
         dec.add_request(second, max_new_tokens=8, request_id="b", on_tokens=on_tokens)
         finished = out + dec.step()
-        assert events[:3] == [("target", 3), ("tokens", "b", 1), ("draft", 2)]
+        assert events[:3] == [("target", 3), ("tokens", "b", 1), ("draft", 3)]
         while dec.has_unfinished():
             finished += dec.step()
     finally:

@@ -45,7 +45,7 @@ from distill.checks import check_inputs, check_output_file, normalize_config, va
 from distill.config import CONF_ENV, SetupError, compose, conf_dir, expand_target_shorthand, explain
 from distill.data import load_data
 from distill.evaluate import acceptance_eval, greedy_completions, resolve_costs, teacher_forced_eval
-from distill.export import export, slower_temperatures, stopped_export_notes
+from distill.export import export, export_notes, slower_temperatures, stopped_export_notes
 from distill.logging import Progress
 from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
 from distill.recipe import train
@@ -323,7 +323,8 @@ def run_hydra_command(name: str, argv: list[str]) -> None:
 
 def cmd_export(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m distill export", description=SUBCOMMANDS["export"])
-    p.add_argument("checkpoint", help="a checkpoint folder of a run: <output_dir>/best or <output_dir>/step_N")
+    p.add_argument("checkpoint", help="a checkpoint folder of a run (<output_dir>/best or <output_dir>/step_N), or an "
+                                      "earlier export (its card is carried over)")
     p.add_argument("out_dir", help="where to write the Hugging Face draft")
     p.add_argument("--dtype", default=None, help="save in this dtype (float32, bf16, fp16); default: as trained")
     p.add_argument("--overwrite", action="store_true",
@@ -333,14 +334,23 @@ def cmd_export(argv: list[str]) -> None:
                         "read that code first")
     p.add_argument("--lora-base", default=None,
                    help="a LoRA checkpoint's base draft, if it moved since training (default: the recorded one)")
+    p.add_argument("--full-vocab", action="store_true",
+                   help="expand a vocabulary-pruned head back to the full vocabulary (the other ids get zero rows), "
+                        "so vLLM and SGLang can serve the export")
+    p.add_argument("--draftkit-only", action="store_true",
+                   help="export a draft that vLLM or SGLang would reject, for draftkit's decoder only (the card has "
+                        "no vLLM/SGLang lines and says why)")
     args = p.parse_args(argv)
     for line in stopped_export_notes(args.out_dir):  # an earlier export killed mid-way: said, never deleted
         print(line, file=sys.stderr)
     try:
         card = export(args.checkpoint, args.out_dir, resolve_dtype(args.dtype) if args.dtype else None,
-                      overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, lora_base=args.lora_base)
+                      overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, lora_base=args.lora_base,
+                      full_vocab=args.full_vocab, draftkit_only=args.draftkit_only)
     except (FileNotFoundError, ValueError) as e:
         _fail(e)
+    for line in export_notes(card):
+        print(line, file=sys.stderr)
     if not card.get("target_found", True):
         print(f"warning: the run's target {card['target']} is not there now; the card names that path (edit it in "
               f"{args.out_dir}/README.md)", file=sys.stderr)

@@ -3,9 +3,15 @@
 The card (``README.md`` + ``draftkit_card.json``) names the target, holds the training config and the α/τ measured
 per temperature by the last evaluation of that checkpoint, so a draft is never shipped without its acceptance.
 The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and works as ``assistant_model`` in
-``transformers`` ``generate`` or as the draft of ``decode.SpeculativeDecoder``; a vocabulary-pruned draft
-(``draft.vocab.keep``) loads with ``decode.loading.load_causal_lm`` and decodes with draftkit's decoder only, and
-its card says so (no ``from_pretrained``/vLLM/SGLang lines, which cannot read its id map).
+``transformers`` ``generate`` or as the draft of ``decode.SpeculativeDecoder``.
+
+Before anything is written the draft is checked for what vLLM's ``draft_model`` speculation and SGLang's
+STANDALONE algorithm would reject (:mod:`distill.engine_checks`): a draft that fails is refused, or with
+``draftkit_only`` exported for draftkit's decoder with a card that has no vLLM/SGLang lines and says why. A
+vocabulary-pruned draft (``draft.vocab.keep``) loads with ``decode.loading.load_causal_lm`` and decodes with
+draftkit's decoder only, and its card says so; ``full_vocab`` expands its head back to the full vocabulary
+(:func:`decode.vocab_map.expand_draft_head`) so the engines can serve it. The checkpoint may also be an earlier
+export (a folder with ``draftkit_card.json``): its card is carried over and ``exported_from`` names it.
 """
 from __future__ import annotations
 
@@ -23,8 +29,10 @@ from decode.compat import output_vocab_size
 from decode.loading import (RemoteCodeError, load_causal_lm, load_tokenizer, local_folder, looks_local, run_draft_base,
                             untie_adapted_weights)
 from decode.outputs import check_output_dir, umask
-from decode.vocab_map import MAP_KEY, draft_vocab_map
+from decode.vllm_card import served_markdown
+from decode.vocab_map import MAP_KEY, draft_vocab_map, expand_draft_head
 from distill.checkpoint import CheckpointError, load_weights, load_tensors, read_config, read_state
+from distill.engine_checks import ENGINES, EngineProblem, engine_problems, read_target_config
 
 CARD_JSON = "draftkit_card.json"
 
@@ -166,20 +174,23 @@ def stopped_export_notes(out_dir: str | Path) -> list[str]:
 
 
 def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None,
-                     pruned: bool = False) -> dict:
+                     pruned: bool = False, engines_note: str | None = None) -> dict:
     """Command lines that serve the exported draft in vLLM and SGLang, with γ from the recipe's evaluation.
 
-    A vocabulary-pruned draft (``pruned``) has no vLLM/SGLang lines (``vllm``/``sglang`` are None: those engines
-    do not read its id map, and its N-row head does not fit its config's vocabulary); ``draftkit`` is the
-    ``python -m decode serve`` line, which does, in every card.
+    A vocabulary-pruned draft (``pruned``) or one that failed the engine checks (``engines_note``: why) has no
+    vLLM/SGLang lines (``vllm``/``sglang`` are None); ``draftkit`` is the ``python -m decode serve`` line, which
+    reads a pruned draft's id map, in every card.
 
     γ is the ``best_gamma`` the evaluation picked at its lowest measured temperature (greedy when measured; the
     table lists the best γ per temperature); without an evaluation it is the training config's
     ``eval.num_draft_tokens`` and ``gamma_source`` says so. vLLM's draft-model speculation takes
-    ``--speculative-config`` with ``model``, ``num_speculative_tokens`` and ``method: draft_model`` (older vLLM
-    releases infer the method and reject the key: drop it there); SGLang's STANDALONE algorithm runs a chain of
-    ``--speculative-num-steps`` draft steps with top-k 1, verifying γ + 1 tokens per step. Every argument is
-    shell-quoted (``shlex.split`` gives back the exact paths and the JSON).
+    ``--speculative-config`` with ``model``, ``num_speculative_tokens``, ``method: draft_model`` (older vLLM
+    releases infer the method and reject the key: drop it there) and ``draft_sample_method: probabilistic``: vLLM's
+    default drafts greedily and treats the draft as one-hot in the rejection rule, which accepts fewer tokens than
+    the card's α at T > 0 (greedy requests are unchanged). SGLang's STANDALONE algorithm runs a chain of
+    ``--speculative-num-steps`` draft steps with top-k 1, verifying γ + 1 tokens per step; draftkit does not run
+    SGLang, so that line is unmeasured (``sglang_note``). Every argument is shell-quoted (``shlex.split`` gives
+    back the exact paths and the JSON).
     """
     per_t = (evaluation or {}).get("per_temperature") or {}
     if per_t:
@@ -188,7 +199,8 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     else:
         gamma = int(((config or {}).get("eval") or {}).get("num_draft_tokens") or 4)
         source = "eval.num_draft_tokens of the training config (no evaluation recorded: γ was not measured)"
-    spec = json.dumps({"model": draft_dir, "num_speculative_tokens": gamma, "method": "draft_model"})
+    spec = json.dumps({"model": draft_dir, "num_speculative_tokens": gamma, "method": "draft_model",
+                       "draft_sample_method": "probabilistic"})
     vllm = shlex.join(["vllm", "serve", target, "--speculative-config", spec])
     sglang = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
                          "STANDALONE", "--speculative-draft-model-path", draft_dir, "--speculative-num-steps",
@@ -196,9 +208,17 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     draftkit = shlex.join(["python", "-m", "decode", "serve", "--target", target, "--draft", draft_dir,
                            "--num-draft-tokens", str(gamma)])
     if pruned:
+        engines_note = engines_note or PRUNED_NOTE
+    if engines_note:
         vllm = sglang = None
     return {"draft": draft_dir, "num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang,
+            "sglang_note": None if sglang is None else SGLANG_NOTE, "engines_note": engines_note,
             "draftkit": draftkit}
+
+
+PRUNED_NOTE = ("its lm_head is vocabulary-pruned, and vLLM and SGLang do not read its id map: re-export it with "
+               "--full-vocab (python -m distill export THIS_FOLDER NEW_FOLDER --full-vocab) for them")
+SGLANG_NOTE = "not run by draftkit: its acceptance in SGLang is unmeasured"
 
 
 def _verify_markdown(ev: dict) -> str:
@@ -238,7 +258,31 @@ def _pruned_markdown(card: dict) -> str:
             "draft-to-target id map is the int64 tensor `draft_vocab_map` in `model.safetensors` (`config.json`: "
             "`draft_vocab_map_size`, `draft_vocab_tokenizer_hash`). Load it with `decode.loading.load_causal_lm` "
             "(draftkit's decoder puts q = 0 on the other ids, so decoding stays lossless); plain `from_pretrained` "
-            "refuses the smaller head, and engines that do not read the map cannot use it.\n")
+            "refuses the smaller head, and vLLM and SGLang, which do not read the map, cannot use it: "
+            "`python -m distill export THIS_FOLDER NEW_FOLDER --full-vocab` writes a copy they can serve.\n")
+
+
+def _expanded_markdown(card: dict) -> str:
+    """The card's paragraph on a head expanded from a pruned one (empty otherwise)."""
+    kept = card.get("head_expanded_from")
+    if not kept:
+        return ""
+    return (f"\n**Head expanded from {kept} ids**: the draft was trained with an lm_head over {kept} of the "
+            "target's ids; this export gives it a full-vocabulary head whose other rows are zero (logit 0). "
+            "Greedy drafting proposes the same ids wherever the best kept logit is positive; a sampled draft puts "
+            "some probability on the other ids, so acceptance at T > 0 can differ from the table below "
+            "(`python -m decode vllm-check` measures what vLLM accepts).\n")
+
+
+def _engines_markdown(card: dict) -> str:
+    """The card's notes from the engine checks: why vLLM/SGLang lines are missing, and the warnings."""
+    note = (card.get("serving") or {}).get("engines_note")
+    lines = [] if not note or card.get("draft_vocab") else [f"\n**Not for vLLM or SGLang**: {note}.\n"]
+    warnings = [p for p in (card.get("engine_checks") or {}).get("problems") or [] if not p.get("error")]
+    if warnings:
+        lines.append("\nEngine notes:\n" + "".join(f"- `{p['field']}`: {p['what']}; fix: {p['fix']}.\n"
+                                                   for p in warnings))
+    return "".join(lines)
 
 
 def _acceptance_markdown(ev: dict) -> str:
@@ -298,10 +342,11 @@ def _slower_markdown(ev: dict) -> str:
 
 
 def _use_markdown(card: dict) -> str:
-    """The card's Use and Serve sections: transformers, vLLM and SGLang, or for a vocabulary-pruned draft (which
-    none of them can load with its id map) draftkit's decoder and server."""
+    """The card's Use and Serve sections: transformers, vLLM and SGLang, or for a draft they cannot serve (a
+    vocabulary-pruned one, whose id map none of them reads, or one that failed the engine checks) draftkit's
+    decoder and server."""
     serving = card["serving"]
-    if not card.get("draft_vocab"):
+    if serving.get("vllm"):
         return f"""## Use
 
 The paths are the target's and the one this draft was exported to; change them if you move either folder.
@@ -321,22 +366,29 @@ print(tokenizer.decode(out[0]))
 With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}){_serve_caveat(card)}:
 
 ```bash
+# vLLM: draft_sample_method "probabilistic" samples the draft at T > 0, as the acceptance above assumes
 {serving['vllm']}
+# SGLang ({serving.get('sglang_note') or SGLANG_NOTE})
 {serving['sglang']}
 ```
+
+`python -m decode vllm-check` runs this pair in vLLM and records its served acceptance in this card (docs/vllm.md).
 """
+    why = ("A vocabulary-pruned draft runs in draftkit's decoder, which reads its id map: `transformers` assisted "
+           "generation, vLLM and SGLang do not (plain `from_pretrained` refuses its smaller head)."
+           if card.get("draft_vocab") else "This draft runs in draftkit's decoder; vLLM and SGLang would reject it "
+           "(see above).")
+    tokenizer = serving["draft"] if card.get("tokenizer_saved", True) else str(card["target"])
     return f"""## Use
 
-The paths are the target's and the one this draft was exported to; change them if you move either folder. A
-vocabulary-pruned draft runs in draftkit's decoder, which reads its id map: `transformers` assisted generation,
-vLLM and SGLang do not (plain `from_pretrained` refuses its smaller head).
+The paths are the target's and the one this draft was exported to; change them if you move either folder. {why}
 
 ```python
 from decode import SpeculativeDecoder
 from decode.loading import load_causal_lm, load_tokenizer
 target = load_causal_lm({str(card['target'])!r}, "target")
 draft = load_causal_lm({serving['draft']!r}, "draft")
-tokenizer = load_tokenizer({serving['draft']!r})
+tokenizer = load_tokenizer({tokenizer!r})
 prompt_ids = tokenizer("def fibonacci(n):")["input_ids"]
 decoder = SpeculativeDecoder(target, draft, {serving['num_draft_tokens']}, tokenizer=tokenizer)
 out = decoder.generate([prompt_ids], max_new_tokens=128)
@@ -388,8 +440,9 @@ def _dtype_markdown(card: dict) -> str:
 
 
 def _card_markdown(card: dict) -> str:
-    # a vocabulary-pruned draft does not load with transformers alone (its head is smaller than its config says)
-    library = "" if card.get("draft_vocab") else "library_name: transformers\n"
+    # a vocabulary-pruned draft does not load with transformers alone (its head is smaller than its config says),
+    # and one that failed the engine checks may not serve as the draft that was measured
+    library = "library_name: transformers\n" if (card.get("serving") or {}).get("vllm") else ""
     return f"""---
 {library}tags: [speculative-decoding, draft-model, distillation, draftkit]
 ---
@@ -397,17 +450,37 @@ def _card_markdown(card: dict) -> str:
 
 A draft model for speculative decoding, distilled against the frozen target `{card['target']}`{_revision(card)} with
 draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
-LoRA merged: {card['lora_merged']}. {_dtype_markdown(card)}
-{_target_markdown(card)}{_pruned_markdown(card)}
+LoRA merged: {card['lora_merged']}. {_dtype_markdown(card)}{_exported_from(card)}
+{_target_markdown(card)}{_pruned_markdown(card)}{_expanded_markdown(card)}{_engines_markdown(card)}
 {_acceptance_markdown(card.get('evaluation') or {})}
 {_use_markdown(card)}
 The full training config is in `{CARD_JSON}` (key `config`).
-"""
+{_served(card)}"""
+
+
+def _served(card: dict) -> str:
+    """vLLM's served acceptance recorded by ``python -m decode vllm-check`` (kept by a re-export), if any."""
+    section = served_markdown(card)
+    return "\n" + section if section else ""
+
+
+def _exported_from(card: dict) -> str:
+    source = card.get("exported_from")
+    return f"\nRe-exported from the earlier export `{source}`." if source else ""
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overwrite: bool = False,
-           trust_remote_code: bool = False, lora_base: str | Path | None = None) -> dict:
+           trust_remote_code: bool = False, lora_base: str | Path | None = None, full_vocab: bool = False,
+           draftkit_only: bool = False) -> dict:
     """Write the merged draft, its tokenizer and the card to ``out_dir``; returns the card dict.
+
+    ``checkpoint`` is a training checkpoint (``step_N``/``best``) or an earlier export (its card is carried over,
+    ``exported_from`` names it). Before anything is written the draft is checked for what vLLM and SGLang would
+    reject (:func:`distill.engine_checks.engine_problems`, recorded as the card's ``engine_checks``): a
+    full-vocabulary draft with an error is refused unless ``draftkit_only``, which exports it for draftkit's
+    decoder with a card without vLLM/SGLang lines that says why. A vocabulary-pruned draft is exported for
+    draftkit's decoder (the card says vLLM/SGLang need ``full_vocab``); ``full_vocab`` expands its head to the
+    full vocabulary first (:func:`decode.vocab_map.expand_draft_head`; the card's ``head_expanded_from``).
 
     Everything is written to a temporary folder next to ``out_dir`` and renamed into place at the end, so a failed
     export leaves nothing half-written and an earlier export is replaced only when complete. The card lists the
@@ -415,27 +488,29 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     ``lora_base``: where a LoRA checkpoint's base is now, if it moved (:func:`load_checkpoint_draft`).
 
     Raises:
-        CheckpointError: ``checkpoint`` is not a complete checkpoint (a run folder: the message names its newest
-            checkpoint, :func:`distill.checkpoint.check_complete`), or ``out_dir`` is not empty or holds more than
-            an earlier export (see :func:`check_export_dir`), checked before anything loads.
+        CheckpointError: ``checkpoint`` is not a complete checkpoint nor an export (a run folder: the message names
+            its newest checkpoint, :func:`distill.checkpoint.check_complete`), ``out_dir`` is ``checkpoint`` (or
+            inside an earlier export read as ``checkpoint``), or ``out_dir`` is not empty or holds more than an earlier export (see
+            :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
         CheckpointError: the draft ships its own Python code (``auto_map``) and ``trust_remote_code`` is off.
+        CheckpointError: the draft fails an engine check and ``draftkit_only`` is off; nothing was written.
         CheckpointError: the file system refused a write (a full disk, a quota); ``out_dir`` is left as it was.
     """
-    checkpoint, out_dir = Path(checkpoint), check_export_dir(out_dir, overwrite)
-    read_state(checkpoint)
-    try:
-        draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code, lora_base)
-    except RemoteCodeError as err:  # (its message names decode's --trust-remote-code, which export does not take)
-        raise CheckpointError(f"{checkpoint}: the draft, its LoRA base or its tokenizer ships its own Python code "
-                              "(auto_map), which export does not run; nothing was written. Read that code first; "
-                              "--trust-remote-code (export(..., trust_remote_code=True)) runs it") from err
+    checkpoint = Path(checkpoint)
+    _check_not_into_source(checkpoint, out_dir)
+    out_dir = check_export_dir(out_dir, overwrite)
+    draft, tokenizer, source = _load_source(checkpoint, dtype, trust_remote_code, lora_base)
+    if full_vocab and draft_vocab_map(draft) is not None:
+        source["head_expanded_from"] = int(draft_vocab_map(draft).numel())
+        expand_draft_head(draft, int(draft.config.vocab_size))
+    checks = _engine_checks(draft, tokenizer, str(source.get("target")), draftkit_only, checkpoint)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the export is an ordinary folder
     try:
         try:
-            card = _write_export(tmp, draft, tokenizer, state, checkpoint, final_dir=out_dir)
+            card = _write_export(tmp, draft, tokenizer, source, checks, final_dir=out_dir)
         except Exception as err:  # noqa: BLE001  (tokenizers reports a full disk as a plain Exception)
             if not _is_write_error(err):
                 raise
@@ -451,6 +526,122 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return card
+
+
+def _check_not_into_source(checkpoint: Path, out_dir: str | Path) -> None:
+    """Refuse an ``out_dir`` that is the checkpoint (or earlier export) being read, or a folder inside an earlier
+    export (a later ``--overwrite`` of that export would find the new one there and refuse)."""
+    source, out = checkpoint.expanduser().resolve(), Path(out_dir).expanduser().resolve()
+    if out == source or (source in out.parents and is_export(source)):
+        raise CheckpointError(f"OUT_DIR {out} is CHECKPOINT {source} or inside it; an export never writes into the "
+                              "folder it reads. Choose another OUT_DIR")
+
+
+def is_export(folder: str | Path) -> bool:
+    """True for a folder written by :func:`export` (it holds ``draftkit_card.json``)."""
+    return (Path(folder) / CARD_JSON).is_file()
+
+
+def _load_source(checkpoint: Path, dtype: Any, trust_remote_code: bool,
+                 lora_base: str | Path | None) -> tuple[Any, Any, dict]:
+    """(draft, tokenizer or None, the card fields it brings) of a training checkpoint or an earlier export."""
+    try:
+        if is_export(checkpoint):
+            return load_export_draft(checkpoint, dtype, trust_remote_code)
+        state = read_state(checkpoint)
+        draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code, lora_base)
+    except RemoteCodeError as err:  # (its message names decode's --trust-remote-code, which export does not take)
+        raise CheckpointError(f"{checkpoint}: the draft, its LoRA base or its tokenizer ships its own Python code "
+                              "(auto_map), which export does not run; nothing was written. Read that code first; "
+                              "--trust-remote-code (export(..., trust_remote_code=True)) runs it") from err
+    return draft, tokenizer, _checkpoint_fields(checkpoint, state)
+
+
+# The fields of an earlier export's card that a re-export carries over (the rest describe the new folder).
+CARRIED_FIELDS = ("target", "target_revision", "earlier_target_revisions", "checkpoint", "steps", "tokens_seen",
+                  "lora_merged", "loss", "evaluation", "initial_evaluation", "best", "config", "evaluated_dtype",
+                  "head_expanded_from", "served")
+
+
+def load_export_draft(folder: str | Path, dtype: Any = None,
+                      trust_remote_code: bool = False) -> tuple[Any, Any, dict]:
+    """(draft, tokenizer or None when the folder has none, card fields) of an earlier export: the fields of
+    :data:`CARRIED_FIELDS`, the pruned head's recorded coverage, and ``exported_from``."""
+    folder = Path(folder)
+    try:
+        card = json.loads((folder / CARD_JSON).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder / CARD_JSON} could not be read ({err}); export from the training "
+                              "checkpoint instead") from None
+    if not isinstance(card, dict):
+        raise CheckpointError(f"{folder / CARD_JSON} does not hold a JSON object; export from the training checkpoint")
+    draft = load_causal_lm(str(folder), "draft", dtype, trust_remote_code=trust_remote_code).eval()
+    try:
+        tokenizer = load_tokenizer(str(folder), "draft tokenizer", trust_remote_code=trust_remote_code)
+    except FileNotFoundError:
+        tokenizer = None  # named by the engine checks
+    fields = {k: card[k] for k in CARRIED_FIELDS if k in card}
+    fields["vocab_report"] = {k: v for k, v in (card.get("draft_vocab") or {}).items()
+                              if k not in ("kept_ids", "lm_head_rows")}
+    fields["exported_from"] = str(folder.resolve())
+    return draft, tokenizer, fields
+
+
+def _checkpoint_fields(checkpoint: Path, state: dict) -> dict:
+    """The card fields a training checkpoint brings: its target, steps, evaluation, config, ..."""
+    config = read_config(checkpoint)
+    return {"target": state.get("target"), "target_revision": state.get("target_revision"),
+            "earlier_target_revisions": state.get("earlier_target_revisions") or [],
+            "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
+            "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
+            "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
+            "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
+            "evaluated_dtype": _checkpoint_dtype(checkpoint, state),
+            "vocab_report": {"vocab_size": state.get("vocab_size"), **_coverage(state.get("vocab"))}}
+
+
+def _engine_checks(draft: Any, tokenizer: Any, target: str, draftkit_only: bool, checkpoint: Path) -> dict:
+    """The card's ``engine_checks``: the problems vLLM/SGLang would hit, the note on the target's config when it
+    was not read, and ``servable``. Refuses a full-vocabulary draft with an error unless ``draftkit_only``."""
+    target_config, note = read_target_config(target)
+    problems = engine_problems(draft, tokenizer, target_config)
+    pruned = draft_vocab_map(draft) is not None
+    errors = [p for p in problems if p.error and not (pruned and p.field == "lm_head")]
+    if errors and not draftkit_only:
+        raise CheckpointError(
+            f"{checkpoint}: {ENGINES} would not serve this draft as measured; nothing was written:\n"
+            + "\n".join(f"  {p}" for p in errors)
+            + "\nFix it, or pass --draftkit-only (export(..., draftkit_only=True)) to export it for draftkit's "
+            "decoder only (its card then has no vLLM/SGLang lines)")
+    return {"engines": ENGINES, "problems": [p.as_dict() for p in problems], "target_config_note": note,
+            "servable": not pruned and not errors and not draftkit_only, "draftkit_only": draftkit_only}
+
+
+def _engines_note(checks: dict, pruned: bool) -> str | None:
+    """Why the card has no vLLM/SGLang lines (None when it has them)."""
+    if checks["servable"]:
+        return None
+    if pruned:
+        return PRUNED_NOTE
+    errors = [EngineProblem(**p) for p in checks["problems"] if p["error"]]
+    if errors:
+        return "exported with --draftkit-only: " + "; ".join(f"{p.field}: {p.what} (fix: {p.fix})" for p in errors)
+    return "exported with --draftkit-only"
+
+
+def export_notes(card: dict) -> list[str]:
+    """Lines for stderr after an export: why the card has no vLLM/SGLang lines, the engine checks' warnings, and
+    a target config that was not compared."""
+    checks = card.get("engine_checks") or {}
+    note = (card.get("serving") or {}).get("engines_note")
+    lines = [f"note: no vLLM/SGLang lines in the card: {note}"] if note else []
+    lines += [f"{EngineProblem(**p)}" for p in checks.get("problems") or [] if not p["error"]]
+    if checks.get("target_config_note"):
+        lines.append(f"note: {checks['target_config_note']}")
+    if card.get("head_expanded_from"):
+        lines.append(f"note: the lm_head was expanded from {card['head_expanded_from']} ids to the full vocabulary "
+                     "(zero rows for the other ids; the card says what that means for sampled drafting)")
+    return lines
 
 
 def _is_write_error(err: Exception) -> bool:
@@ -485,30 +676,31 @@ def _checkpoint_dtype(checkpoint: Path, state: dict) -> str | None:
     return None
 
 
-def _write_export(out_dir: Path, draft: Any, tokenizer: Any, state: dict, checkpoint: Path,
+def _write_export(out_dir: Path, draft: Any, tokenizer: Any, source: dict, checks: dict,
                   final_dir: Path | None = None) -> dict:
     """Write the export into ``out_dir`` (the temporary folder); the card's serving lines name ``final_dir``."""
     draft.save_pretrained(str(out_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
     _usual_permissions(out_dir)
     files = sorted({p.name for p in out_dir.iterdir()} | {CARD_JSON, "README.md"})
-    config = read_config(checkpoint)
+    source = dict(source)
+    report = source.pop("vocab_report", None) or {}
     vocab_map = draft_vocab_map(draft)
-    pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": state.get("vocab_size"),
+    pruned = None if vocab_map is None else {"kept_ids": int(vocab_map.numel()), "vocab_size": report.get("vocab_size"),
                                               "lm_head_rows": int(draft.get_output_embeddings().weight.shape[0]),
-                                              **_coverage(state.get("vocab"))}
-    card = {"target": state.get("target"), "target_revision": state.get("target_revision"),
-            "earlier_target_revisions": state.get("earlier_target_revisions") or [],
-            "checkpoint": str(checkpoint.resolve()), "steps": state.get("step"),
-            "tokens_seen": state.get("tokens_seen"), "lora_merged": bool(state.get("lora")),
-            "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
-            "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
-            "draft_vocab": pruned, "files": files, "dtype": str(draft.dtype).removeprefix("torch."),
-            "evaluated_dtype": _checkpoint_dtype(checkpoint, state)}
+                                              **{k: v for k, v in report.items() if k != "vocab_size"}}
+    card = {field: source.get(field) for field in CARRIED_FIELDS if field != "served"}
+    card.update({"draft_vocab": pruned, "files": files, "dtype": str(draft.dtype).removeprefix("torch."),
+                 "exported_from": source.get("exported_from"), "tokenizer_saved": tokenizer is not None,
+                 "engine_checks": checks})
+    if source.get("served"):
+        card["served"] = source["served"]
     target = str(card["target"])  # a hub id not in this machine's cache may still be on the hub
     card["target_found"] = local_folder(target) is not None if looks_local(target) else True
-    card["serving"] = serving_commands(str(card["target"]), str((final_dir or out_dir).resolve()),
-                                       card["evaluation"], config, pruned=pruned is not None)
+    card["serving"] = serving_commands(target, str((final_dir or out_dir).resolve()), card["evaluation"],
+                                       card["config"], pruned=pruned is not None,
+                                       engines_note=_engines_note(checks, pruned is not None))
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))
     (out_dir / "README.md").write_text(_card_markdown(card))
     return card

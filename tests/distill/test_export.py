@@ -138,7 +138,10 @@ def test_serving_commands_use_the_evaluated_gamma():
     assert cmds["num_draft_tokens"] == 6 and "0.0" in cmds["gamma_source"]
     spec = json.loads(cmds["vllm"].split("--speculative-config ", 1)[1].strip("'"))
     assert cmds["vllm"].startswith("vllm serve /m/target ")
-    assert spec == {"model": "/m/draft", "num_speculative_tokens": 6, "method": "draft_model"}
+    # probabilistic: vLLM's default (greedy) treats the draft as one-hot and accepts fewer than α at T > 0
+    assert spec == {"model": "/m/draft", "num_speculative_tokens": 6, "method": "draft_model",
+                    "draft_sample_method": "probabilistic"}
+    assert "not run by draftkit" in cmds["sglang_note"] and cmds["engines_note"] is None
     assert cmds["sglang"].split() == ["python", "-m", "sglang.launch_server", "--model-path", "/m/target",
                                       "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
                                       "/m/draft", "--speculative-num-steps", "6", "--speculative-eagle-topk", "1",

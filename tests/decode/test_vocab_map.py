@@ -7,8 +7,8 @@ from decode import SpeculativeDecoder
 from decode.compat import (IncompatibleModelsError, check_compatibility, check_tokenizers, tokenizer_fingerprint,
                            vocab_fingerprint)
 from decode.loading import load_causal_lm
-from decode.vocab_map import (HASH_FIELD, MAP_KEY, SIZE_FIELD, draft_vocab_map, prune_draft_head, scatter_to_vocab,
-                              select_kept_ids)
+from decode.vocab_map import (HASH_FIELD, MAP_KEY, SIZE_FIELD, draft_vocab_map, expand_draft_head, prune_draft_head,
+                              scatter_to_vocab, select_kept_ids)
 from tests.conftest import VOCAB, make_tokenizer, perturbed_copy, tiny_llama
 from tests.decode.test_lossless import (N, PROMPT, V, chi_square, critical, exact_joints, joint_counts,
                                         reference_joints, small_vocab_llama)
@@ -83,6 +83,46 @@ def test_saved_pruned_draft_reloads_with_head_and_map(tmp_path):
     # Plain from_pretrained cannot silently give a V-row random head: the size mismatch is an error.
     with pytest.raises(RuntimeError):
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_expanded_head_gives_the_kept_ids_their_logits_and_the_others_zero(tie, tmp_path):
+    """For vLLM/SGLang, which build a config.vocab_size-row head and read no map: row map[i] is the pruned head's
+    row i, the rest zero; the result saves and loads with plain from_pretrained as an ordinary draft."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([0, 2, 5, 17, 40, 95])
+    draft = prune_draft_head(tiny_llama(seed=3, layers=1, tie_word_embeddings=tie), ids, tokenizer_hash="abc")
+    x = torch.tensor([[1, 7, 60, 3, 5]])
+    pruned = draft(x).logits  # (1, 5, N)
+    embed = draft.get_input_embeddings().weight.detach().clone()
+    assert expand_draft_head(draft, VOCAB) is draft
+    full = draft(x).logits  # (1, 5, V)
+    assert full.shape[-1] == VOCAB and draft.lm_head.weight.shape == (VOCAB, 32)
+    torch.testing.assert_close(full[..., ids], pruned, rtol=1e-12, atol=1e-12)  # matmul blocking differs
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[ids] = False
+    assert torch.equal(full[..., others], torch.zeros_like(full[..., others]))
+    positive = pruned.max(-1).values > 0  # greedy drafting is unchanged where the best kept logit is positive
+    assert positive.any()
+    assert torch.equal(full.argmax(-1)[positive], ids[pruned.argmax(-1)][positive])
+    assert draft_vocab_map(draft) is None and MAP_KEY not in dict(draft.named_buffers())
+    assert not hasattr(draft.config, SIZE_FIELD) and not hasattr(draft.config, HASH_FIELD)
+    assert not draft.config.tie_word_embeddings and torch.equal(draft.get_input_embeddings().weight, embed)
+    draft.save_pretrained(tmp_path / "d")
+    config = (tmp_path / "d" / "config.json").read_text()
+    assert SIZE_FIELD not in config and HASH_FIELD not in config
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"), dtype=torch.float64)
+    assert torch.equal(back(x).logits, full)
+
+
+def test_expand_refuses_a_full_head_and_a_map_past_the_vocabulary():
+    with pytest.raises(ValueError, match="already covers the full vocabulary"):
+        expand_draft_head(tiny_llama(layers=1), VOCAB)
+    draft = prune_draft_head(tiny_llama(layers=1), torch.tensor([1, 50, 90]))
+    with pytest.raises(ValueError, match="outside"):
+        expand_draft_head(draft, 60)
+    assert draft_vocab_map(draft) is not None and draft.lm_head.weight.shape[0] == 3  # unchanged on refusal
 
 
 def test_a_pruned_gpt_neox_draft_reloads_though_its_head_is_stored_as_embed_out(tmp_path):

@@ -490,8 +490,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     Raises:
         CheckpointError: ``checkpoint`` is not a complete checkpoint nor an export (a run folder: the message names
             its newest checkpoint, :func:`distill.checkpoint.check_complete`), ``out_dir`` is ``checkpoint`` (or
-            inside an earlier export read as ``checkpoint``), or ``out_dir`` is not empty or holds more than an earlier export (see
-            :func:`check_export_dir`), checked before anything loads.
+            inside an earlier export read as ``checkpoint``), or ``out_dir`` is not empty or holds more than an
+            earlier export (see :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
         CheckpointError: the draft ships its own Python code (``auto_map``) and ``trust_remote_code`` is off.
         CheckpointError: the draft fails an engine check and ``draftkit_only`` is off; nothing was written.

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.export import export, load_checkpoint_draft
+from distill.export import CARD_JSON, export, load_checkpoint_draft
 from distill.recipe import train
-from distill_helpers import PY, REPO, compose, overrides, subprocess_env
+from distill_helpers import PY, REPO, compose, make_llama, overrides, subprocess_env
 
 CHECK = r"""
 import json, sys, torch
@@ -513,3 +513,147 @@ def test_card_names_dtype_conversion_slower_temperatures_and_a_missing_relative_
     assert card["target_found"] is False
     assert f"**The target was not found at `{(tmp_path / 'tgt').resolve()}` when this draft was exported**" in (
         tmp_path / "e2" / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ engine checks
+
+def _hand_export(pair, folder, vocab=None, tokenizer=True, drop_architectures=False):
+    """An earlier export written by hand: a 1-layer draft (``vocab`` rows), the pair's tokenizer and a card."""
+    from transformers import AutoTokenizer
+
+    make_llama(folder, vocab or pair["vocab"], layers=1, seed=4)
+    if tokenizer:
+        AutoTokenizer.from_pretrained(str(pair["tokenizer"])).save_pretrained(str(folder))
+    if drop_architectures:
+        config = json.loads((folder / "config.json").read_text())
+        del config["architectures"]
+        (folder / "config.json").write_text(json.dumps(config))
+    card = {"target": str(pair["target"]), "checkpoint": "/runs/r/best", "steps": 7, "tokens_seen": 900,
+            "lora_merged": False, "loss": "fkl", "evaluation": None, "config": {"eval": {"num_draft_tokens": 3}}}
+    (folder / CARD_JSON).write_text(json.dumps(card))
+    return card
+
+
+@pytest.mark.parametrize("case,field,words", [
+    ("vocab", "vocab_size", "verify_equal_vocab_size_if_draft_model"),
+    ("architectures", "architectures", "missing or empty"),
+    ("tokenizer", "tokenizer files", "no tokenizer")])
+def test_a_draft_an_engine_would_reject_is_refused_or_exported_for_draftkit_only(pair, tmp_path, capsys, case, field,
+                                                                                 words):
+    from distill.__main__ import main
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    _hand_export(pair, src, vocab=pair["vocab"] + 8 if case == "vocab" else None, tokenizer=case != "tokenizer",
+                 drop_architectures=case == "architectures")
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(src), str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not out.exists()
+    assert f"vLLM (draft_model) and SGLang (STANDALONE): {field}: " in err and words in err
+    assert "fix: " in err and "nothing was written" in err and "--draftkit-only" in err
+
+    main(["export", str(src), str(out), "--draftkit-only"])
+    err = capsys.readouterr().err
+    card = json.loads((out / CARD_JSON).read_text())
+    assert card["serving"]["vllm"] is None and card["serving"]["sglang"] is None
+    assert "--draftkit-only" in card["serving"]["engines_note"] and field in card["serving"]["engines_note"]
+    assert card["engine_checks"]["draftkit_only"] and not card["engine_checks"]["servable"]
+    assert f"note: no vLLM/SGLang lines in the card: exported with --draftkit-only: {field}" in err
+    readme = (out / "README.md").read_text()
+    assert "vllm serve" not in readme and "sglang.launch_server" not in readme and "library_name" not in readme
+    assert "**Not for vLLM or SGLang**: exported with --draftkit-only" in readme
+    assert card["serving"]["draftkit"] in readme
+    # the draftkit snippet loads a tokenizer that is there: the target's when the export has none
+    assert (f"load_tokenizer({str(pair['target'])!r})" in readme) == (case == "tokenizer")
+    assert card["tokenizer_saved"] == (case != "tokenizer") and card["steps"] == 7
+
+
+def test_a_warning_is_recorded_and_printed_but_the_export_is_servable(pair, tmp_path, capsys):
+    """The draft's context is shorter than the target's: vLLM stops drafting past it, which is worth saying."""
+    from distill.__main__ import main
+
+    src = tmp_path / "src"
+    _hand_export(pair, src)
+    config = json.loads((src / "config.json").read_text())
+    config["max_position_embeddings"] = 64  # the pair's target has 128
+    (src / "config.json").write_text(json.dumps(config))
+    main(["export", str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    card = json.loads((tmp_path / "out" / CARD_JSON).read_text())
+    assert card["engine_checks"]["servable"] and card["serving"]["vllm"] is not None
+    assert [p["field"] for p in card["engine_checks"]["problems"]] == ["max_position_embeddings"]
+    assert "warning: vLLM (draft_model) and SGLang (STANDALONE): max_position_embeddings: " in err
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "- `max_position_embeddings`: the draft's is 64, the target's 128" in readme
+
+
+def test_a_pruned_export_expands_to_the_full_vocabulary_and_re_exports_carry_the_card(pair, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from decode.loading import load_causal_lm
+    from decode.vllm_card import record_served
+    from decode.vocab_map import SIZE_FIELD, draft_vocab_map
+    from distill.__main__ import main
+
+    keep, run = 60, tmp_path / "run"
+    train(compose(overrides(pair, run, f"draft.vocab.keep={keep}", "train.max_steps=2")), log=lambda *_: None)
+    pruned, full = tmp_path / "pruned", tmp_path / "full"
+    main(["export", str(run / "best"), str(pruned)])
+    assert "re-export it with --full-vocab" in capsys.readouterr().err
+    old = json.loads((pruned / CARD_JSON).read_text())
+    assert old["draft_vocab"]["kept_ids"] == keep and old["serving"]["vllm"] is None
+    assert [p["field"] for p in old["engine_checks"]["problems"]] == ["lm_head"]
+    assert "--full-vocab` writes a copy they can serve" in (pruned / "README.md").read_text()
+
+    main(["export", str(pruned), str(full), "--full-vocab"])
+    assert "expanded from 60 ids" in capsys.readouterr().err
+    card = json.loads((full / CARD_JSON).read_text())
+    assert card["head_expanded_from"] == keep and card["draft_vocab"] is None
+    assert card["exported_from"] == str(pruned.resolve()) and card["engine_checks"]["problems"] == []
+    for key in ("target", "checkpoint", "steps", "tokens_seen", "loss", "evaluation", "config", "best"):
+        assert card[key] == old[key], key
+    assert card["serving"]["vllm"] is not None and str(full.resolve()) in card["serving"]["vllm"]
+    readme = (full / "README.md").read_text()
+    assert "**Head expanded from 60 ids**" in readme
+    assert f"Re-exported from the earlier export `{pruned.resolve()}`" in readme
+    assert SIZE_FIELD not in (full / "config.json").read_text()
+
+    small = load_causal_lm(str(pruned), "draft")
+    big = AutoModelForCausalLM.from_pretrained(str(full)).eval()  # plain transformers, as vLLM's loader needs
+    ids, kept = torch.tensor([[1, 20, 33, 47, 60, 71]]), draft_vocab_map(small)
+    with torch.no_grad():
+        a, b = small(ids).logits, big(ids).logits  # (1, 6, N), (1, 6, V)
+    torch.testing.assert_close(b[..., kept], a, rtol=1e-6, atol=1e-6)
+    others = torch.ones(pair["vocab"], dtype=torch.bool)
+    others[kept] = False
+    assert torch.equal(b[..., others], torch.zeros_like(b[..., others]))
+    positive = a.max(-1).values > 0
+    assert positive.any() and torch.equal(b.argmax(-1)[positive], kept[a.argmax(-1)][positive])
+    # from the training checkpoint directly: the same weights
+    direct = export(run / "best", tmp_path / "direct", full_vocab=True)
+    assert direct["head_expanded_from"] == keep and direct["exported_from"] is None
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / "direct")).eval()(ids).logits, b)
+
+    # vLLM's served figures recorded on the export survive a re-export
+    served = {"version": "0.32.0", "device": "cpu", "dtype": "float32", "num_draft_tokens": 3, "num_prompts": 2,
+              "prompts": "p.jsonl", "max_new_tokens": 8, "date": "2026-12-07", "command": "python -m decode vllm-check",
+              "per_temperature": {"0.0": {"acceptance_rate": 0.5, "mean_accepted_length": 1.5}}}
+    assert record_served(full, served)
+    again = export(full, tmp_path / "again")
+    assert again["served"]["vllm"] == served and again["exported_from"] == str(full.resolve())
+    assert again["head_expanded_from"] == keep
+    assert "## Served acceptance" in (tmp_path / "again" / "README.md").read_text()
+
+
+def test_an_export_never_writes_into_the_export_it_reads(pair, tmp_path, capsys):
+    from distill.__main__ import main
+
+    src = tmp_path / "src"
+    _hand_export(pair, src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for out in (src, src / "inside"):
+        with pytest.raises(SystemExit) as e:
+            main(["export", str(src), str(out), "--overwrite"])
+        assert e.value.code == 2 and "never writes into the folder it reads" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before

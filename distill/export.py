@@ -548,7 +548,7 @@ def _load_source(checkpoint: Path, dtype: Any, trust_remote_code: bool,
     try:
         if is_export(checkpoint):
             return load_export_draft(checkpoint, dtype, trust_remote_code)
-        state = read_state(checkpoint)
+        read_state(checkpoint)  # a run folder or an incomplete checkpoint is named before anything loads
         draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code, lora_base)
     except RemoteCodeError as err:  # (its message names decode's --trust-remote-code, which export does not take)
         raise CheckpointError(f"{checkpoint}: the draft, its LoRA base or its tokenizer ships its own Python code "

@@ -120,6 +120,45 @@ def prune_draft_head(model: Any, kept_ids: torch.Tensor, tokenizer_hash: str | N
     return model
 
 
+def expand_draft_head(model: Any, vocab_size: int) -> Any:
+    """Give a pruned draft back a ``vocab_size``-row lm_head (in place; returns the model), for engines that cannot
+    read the id map (vLLM, SGLang, transformers' assisted generation).
+
+    Row ``map[i]`` of the new head is row i of the pruned head; every other row is zero, so those ids get logit 0
+    (a bias-free head cannot give them -inf). Greedy drafting proposes the same ids wherever the best kept logit is
+    positive; a sampled draft puts some probability on the other ids, so its acceptance can differ from the pruned
+    draft's (``python -m decode vllm-check`` measures it). Drops the map and the config's pruning fields; the head
+    stays untied from the input embedding.
+
+    Raises:
+        ValueError: the model is not pruned, or its map reaches past ``vocab_size``.
+    """
+    ids = draft_vocab_map(model)
+    if ids is None:
+        raise ValueError("this draft's head already covers the full vocabulary (no vocabulary map)")
+    check_map(ids.cpu(), vocab_size, "the draft's vocabulary map")
+    head = model.get_output_embeddings()
+    new = torch.nn.Linear(head.weight.shape[1], vocab_size, bias=getattr(head, "bias", None) is not None,
+                          device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        new.weight.zero_()
+        new.weight.index_copy_(0, ids.to(head.weight.device), head.weight)
+        if new.bias is not None:
+            new.bias.zero_()
+            new.bias.index_copy_(0, ids.to(head.bias.device), head.bias)
+    model.set_output_embeddings(new)
+    owner = model
+    while not hasattr(owner, "_buffers") or MAP_KEY not in owner._buffers:  # the pruned model itself, or inside a wrapper
+        owner = getattr(owner, "module", None) or owner.get_base_model()
+    del owner._buffers[MAP_KEY]
+    for cfg in _configs(model):
+        cfg.tie_word_embeddings = False
+        for name in (SIZE_FIELD, HASH_FIELD):
+            if hasattr(cfg, name):
+                delattr(cfg, name)
+    return model
+
+
 def check_map(ids: torch.Tensor, vocab_size: int, what: str = "the draft's vocabulary map") -> None:
     """Raise ValueError unless ``ids`` is a non-empty 1-D int tensor, sorted, unique, within ``[0, vocab_size)``."""
     if ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int64, torch.int32):

@@ -1,4 +1,4 @@
-"""``python -m decode generate|bench|serve|loadtest|certify|import-gguf``: the speculative decoder's command line."""
+"""``python -m decode generate|bench|serve|loadtest|certify|import-gguf|vllm-check``: the speculative decoder's command line."""
 from __future__ import annotations
 
 import argparse
@@ -180,6 +180,7 @@ COMMANDS = {
     "loadtest": ("decode.serving.loadtest", "main", "N concurrent streaming clients against a local server"),
     "certify": ("decode.certify", "main", "chi-square certificate that a target/draft pair samples the target"),
     "import-gguf": ("decode.__main__", "cmd_import_gguf", "write a plain checkpoint (safetensors) of a GGUF file"),
+    "vllm-check": ("decode.vllm_check", "main", "run the pair in vLLM and draftkit: served acceptance, greedy output"),
 }
 
 

@@ -178,6 +178,23 @@ def check_context_length(draft_config: dict, target_config: dict | None) -> list
         "encoding extends that far (rotary does), or keep requests shorter", error=False)]
 
 
+# vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes, vLLM 0.32)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_head_size(draft_config: dict) -> list[EngineProblem]:
+    """vLLM's CPU build refuses an attention head size outside :data:`VLLM_CPU_HEAD_SIZES` at its first forward
+    ("Unsupported CPU attention configuration"); its GPU backends take more sizes."""
+    heads = draft_config.get("num_attention_heads")
+    size = draft_config.get("head_dim") or (draft_config.get("hidden_size") // heads if heads else None)
+    if size is None or size in VLLM_CPU_HEAD_SIZES:
+        return []
+    return [EngineProblem(
+        "head_dim", f"the draft's attention head size is {size}; vLLM's CPU build runs only "
+        f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} (its GPU backends take more)",
+        "serve it on a GPU, or build the draft with hidden_size / num_attention_heads in that list", error=False)]
+
+
 def read_target_config(target: str) -> tuple[dict | None, str | None]:
     """The target's ``config.json`` (a local folder, or a hub id in the local cache) and a note when it is not
     read: a GGUF file (its metadata is not read here) or a target not on this machine."""
@@ -203,4 +220,4 @@ def engine_problems(draft: Any, tokenizer: Any, target_config: dict | None) -> l
     return [*check_architectures(config), *check_vocab_size(config, target_config),
             *check_head_rows(config, int(head.shape[0])), *check_tied_head(config, head, embedding),
             *check_quantization(config), *check_remote_code(config), *check_tokenizer(tokenizer, config),
-            *check_context_length(config, target_config)]
+            *check_context_length(config, target_config), *check_head_size(config)]

@@ -49,12 +49,13 @@ from quickstart import INTERRUPTED_EXIT
 
 # Model shapes. target: ~27M parameters, enough that a verify forward costs ~10x a draft forward on CPU, small
 # enough to learn Python structure in minutes on 2 cores. draft: < 1/10 of the target (what a user would have as
-# an off-the-shelf small model). smoke_*: seconds, for the end-to-end test.
+# an off-the-shelf small model). smoke_*: seconds, for the end-to-end test; head size 32, the smallest vLLM's CPU
+# attention takes, so the smoke pair also runs in vLLM (python -m decode vllm-check).
 SIZES: dict[str, dict] = {
     "target": dict(hidden_size=512, num_hidden_layers=7, intermediate_size=1408, num_attention_heads=8),
     "draft": dict(hidden_size=192, num_hidden_layers=2, intermediate_size=512, num_attention_heads=3),
-    "smoke_target": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160, num_attention_heads=4),
-    "smoke_draft": dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2),
+    "smoke_target": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160, num_attention_heads=2),
+    "smoke_draft": dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=1),
 }
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 RESULT_FILE = "pretrain.json"

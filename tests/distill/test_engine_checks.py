@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distill.engine_checks import (EngineProblem, check_architectures, check_context_length, check_head_rows,
+                                   check_head_size,
                                    check_quantization, check_remote_code, check_tied_head, check_tokenizer,
                                    check_vocab_size, engine_problems, read_target_config, target_vocab_size)
 from distill_helpers import make_llama
@@ -21,6 +22,13 @@ def test_a_draft_that_fits_the_target_has_no_problems():
     assert check_architectures(LLAMA) == [] and check_quantization(LLAMA) == [] and check_remote_code(LLAMA) == []
     assert check_context_length(LLAMA, {"max_position_embeddings": 128}) == []
     assert check_vocab_size(LLAMA, None) == [] and check_context_length(LLAMA, None) == []  # target not read
+
+
+def test_a_head_size_vllm_s_cpu_build_cannot_run_is_a_warning():
+    assert check_head_size({"hidden_size": 576, "num_attention_heads": 9}) == []  # SmolLM2: 64
+    assert check_head_size({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}) == []  # head_dim wins
+    [p] = check_head_size({"hidden_size": 64, "num_attention_heads": 4})
+    assert not p.error and p.field == "head_dim" and "16" in p.what and "CPU" in p.what and "GPU" in p.fix
 
 
 def test_a_vocab_size_other_than_the_targets_is_an_error_naming_vllms_check():
@@ -110,9 +118,10 @@ def test_engine_problems_of_a_loaded_draft(tmp_path):
     served with the embedding as its head."""
     draft = make_llama(tmp_path / "draft", 100, layers=1, tie=False)
     assert engine_problems(draft, None, {"vocab_size": 100, "max_position_embeddings": 128}) == [
-        EngineProblem(**check_tokenizer(None, LLAMA)[0].as_dict())]
+        EngineProblem(**check_tokenizer(None, LLAMA)[0].as_dict()),
+        *check_head_size(draft.config.to_dict())]  # head size 8: a warning for vLLM's CPU build
     draft.config.tie_word_embeddings = True
     draft.config.vocab_size = 100
     fields = [p.field for p in engine_problems(draft, None, {"vocab_size": 120})]
-    assert fields == ["vocab_size", "tie_word_embeddings", "tokenizer files"]
+    assert fields == ["vocab_size", "tie_word_embeddings", "tokenizer files", "head_dim"]
     assert json.loads(json.dumps([p.as_dict() for p in engine_problems(draft, None, None)]))  # card-ready

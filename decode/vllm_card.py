@@ -39,7 +39,16 @@ def served_markdown(card: dict) -> str:
             f"({served['device']}, {served['dtype']}, γ = {served['num_draft_tokens']}, draft sampled from its own "
             f"distribution at T > 0), measured on {served['num_prompts']} prompts of `{served['prompts']}`, "
             f"{served['max_new_tokens']} new tokens each, beside draftkit's decoder on the same prompts "
-            f"({served['date']}):\n\n{table}\n\n```bash\n{served['command']}\n```\n{SERVED_END}\n")
+            f"({served['date']}):\n\n{table}\n{_failures(served)}\n```bash\n{served['command']}\n```\n{SERVED_END}\n")
+
+
+def _failures(served: dict) -> str:
+    """The check's failures under the table ("" when it passed), so a figure it did not trust is never read alone."""
+    lines = served.get("failures") or []
+    if not lines:
+        return ""
+    return "\n**The check failed** (vLLM's figures above are what it measured):\n\n" + "".join(
+        f"- {line}\n" for line in lines)
 
 
 def with_served_section(markdown: str, card: dict) -> str:

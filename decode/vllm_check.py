@@ -252,7 +252,8 @@ def served_figures(report: dict) -> dict:
                 "draftkit_acceptance_rate": r["draftkit"]["acceptance_rate"],
                 "draftkit_mean_accepted_length": r["draftkit"]["mean_accepted_length"]}
             for t, r in report["per_temperature"].items()}
-    return {"version": report["vllm_version"], **{k: report[k] for k in keep}, "per_temperature": rows}
+    return {"version": report["vllm_version"], **{k: report[k] for k in keep}, "per_temperature": rows,
+            "failures": list(report.get("failures") or [])}
 
 
 def _f(value: Any, digits: int = 3) -> str:

@@ -104,7 +104,9 @@ def test_served_section_is_a_table_sorted_by_temperature_and_replaced_in_place()
     section = served_markdown({"served": {"vllm": SERVED}})
     assert "Served acceptance in vLLM 0.32.0 (cpu, float32, γ = 2" in section
     assert section.index("| 0 | 0.300") < section.index("| 1 | 0.200 | 0.210 | 1.40 | 1.42 | 0.30, 0.10 |")
-    assert served_markdown({}) == ""
+    assert served_markdown({}) == "" and "failed" not in section
+    failed = served_markdown({"served": {"vllm": {**SERVED, "failures": ["T=1.0: vLLM's acceptance rate 0.005"]}}})
+    assert "**The check failed**" in failed and "- T=1.0: vLLM's acceptance rate 0.005" in failed
     readme = with_served_section("# Draft\n\ntext\n", {"served": {"vllm": SERVED}})
     again = with_served_section(readme, {"served": {"vllm": {**SERVED, "version": "0.33.0"}}})
     assert again.count(SERVED_BEGIN) == 1 and again.count(SERVED_END) == 1 and "vLLM 0.33.0" in again
@@ -210,6 +212,7 @@ def test_the_recipe_reports_passes_or_fails_and_writes_the_card(saved_pair, tmp_
     card = json.loads((draft / "draftkit_card.json").read_text())
     assert card["served"]["vllm"]["per_temperature"]["0.0"]["acceptance_rate"] == row["vllm"]["acceptance_rate"]
     assert "Served acceptance in vLLM 0.0-test" in (draft / "README.md").read_text()
+    assert card["served"]["vllm"]["failures"] == report["failures"]
     err = capsys.readouterr().err
     if tamper is None:
         assert code == 0 and report["failures"] == [] and "PASS" in err

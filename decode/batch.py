@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from decode import cache as kv
-from decode.sampling import BatchSampling, greedy_ids, probs_from_logits, sample
+from decode.sampling import BatchSampling, next_token
 
 
 @dataclass
@@ -85,13 +85,10 @@ def first_tokens(logits: torch.Tensor, rows: Sequence[Any], vocab_size: int) -> 
     (inverse-CDF sampling of NaN probabilities) is returned as is, for the caller's check."""
     sampling = BatchSampling([r.params for r in rows], logits.device)
     counts, seen = penalty_counts(rows, vocab_size, logits.device) if sampling.penalized else (None, None)
-    args = (logits[:, -1:], sampling, vocab_size, counts[:, None] if counts is not None else None,
-            seen[:, None] if seen is not None else None)
-    if sampling.all_greedy:
-        return greedy_ids(*args)[:, 0].tolist()
-    u = torch.stack([torch.rand((), generator=r.generator) if not r.params.greedy else torch.zeros(())
-                     for r in rows]).to(logits.device)
-    return sample(probs_from_logits(*args)[:, 0], u=u).tolist()
+    u = None if sampling.all_greedy else torch.stack(
+        [torch.rand((), generator=r.generator) if not r.params.greedy else torch.zeros(()) for r in rows]
+    ).to(logits.device)
+    return next_token(logits, sampling, vocab_size, counts, seen, u)[0].tolist()
 
 
 def to_static(cache: kv.DynamicKV, model: Any, device: Any, room: int) -> kv.StaticKV:

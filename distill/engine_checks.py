@@ -20,6 +20,7 @@ import torch
 
 from decode.gguf import find_gguf
 from decode.loading import local_folder
+from decode.vllm_env import VLLM_CPU_HEAD_SIZES
 
 ENGINES = "vLLM (draft_model) and SGLang (STANDALONE)"
 
@@ -178,13 +179,9 @@ def check_context_length(draft_config: dict, target_config: dict | None) -> list
         "encoding extends that far (rotary does), or keep requests shorter", error=False)]
 
 
-# vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes, vLLM 0.32)
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
 def check_head_size(draft_config: dict) -> list[EngineProblem]:
-    """vLLM's CPU build refuses an attention head size outside :data:`VLLM_CPU_HEAD_SIZES` at its first forward
-    ("Unsupported CPU attention configuration"); its GPU backends take more sizes."""
+    """vLLM's CPU build refuses an attention head size outside :data:`decode.vllm_env.VLLM_CPU_HEAD_SIZES` at its
+    first forward ("Unsupported CPU attention configuration"); its GPU backends take more sizes."""
     heads = draft_config.get("num_attention_heads")
     size = draft_config.get("head_dim") or (draft_config.get("hidden_size") // heads if heads else None)
     if size is None or size in VLLM_CPU_HEAD_SIZES:

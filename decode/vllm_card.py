@@ -35,9 +35,12 @@ def served_markdown(card: dict) -> str:
                     f"{_fmt(row.get('draftkit_mean_accepted_length'), 2)} | {by_pos} |")
     table = "\n".join(["| T | acceptance rate, vLLM | draftkit | τ, vLLM | draftkit | vLLM by position |",
                        "| --- | --- | --- | --- | --- | --- |", *rows])
+    sampled = (", the draft sampled from its own distribution at T > 0"
+               if any(float(t) > 0 for t in served["per_temperature"]) else "")
+    target = f" with the target `{served['target']}`" if served.get("target") else ""
     return (f"{SERVED_BEGIN}\n## Served acceptance\n\nServed acceptance in vLLM {served['version']} "
-            f"({served['device']}, {served['dtype']}, γ = {served['num_draft_tokens']}, draft sampled from its own "
-            f"distribution at T > 0), measured on {served['num_prompts']} prompts of `{served['prompts']}`, "
+            f"({served['device']}, {served['dtype']}, γ = {served['num_draft_tokens']}{sampled}){target}, "
+            f"measured on {served['num_prompts']} prompts of `{served['prompts']}`, "
             f"{served['max_new_tokens']} new tokens each, beside draftkit's decoder on the same prompts "
             f"({served['date']}):\n\n{table}\n{_failures(served)}\n```bash\n{served['command']}\n```\n{SERVED_END}\n")
 

@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ from decode.outputs import check_output_dir
 from decode.prompts import encode_prompts, load_prompts
 from decode.stops import stop_token_ids
 from decode.vllm_card import CARD_JSON, record_served
-from decode.vllm_env import default_env_dir, default_package, ensure_env, run_worker
+from decode.vllm_env import VLLM_CPU_HEAD_SIZES, VllmError, default_env_dir, default_package, ensure_env, run_worker
 from decode.vocab_map import pruned_size
 
 DEFAULT_TOLERANCE = 0.03
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
 def check_args(args: argparse.Namespace) -> dict | None:
     """Every check that needs no model; returns the draft's card (None: not a draftkit export).
 
@@ -147,32 +151,18 @@ def check_args(args: argparse.Namespace) -> dict | None:
         ValueError / FileNotFoundError / FileExistsError naming the option and the fix.
     """
     args.temperatures = _temperatures(args.temperatures)
-    for name, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--num-draft-tokens", args.num_draft_tokens, 1)):
-        if value is not None and value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    if not 0 <= args.tolerance <= 1:
-        raise ValueError(f"--tolerance must lie in [0, 1] (an acceptance-rate difference), got {args.tolerance}")
-    for option in ("target", "draft"):
-        check_cached(getattr(args, option), f"--{option}")
-        if not Path(getattr(args, option)).is_dir():
-            raise ValueError(f"--{option} {getattr(args, option)} must be a local checkpoint folder (vLLM loads it "
-                             "from there; a .gguf file: `python -m decode import-gguf FILE OUT` first)")
-    if pruned_size(args.draft) is not None:
-        raise ValueError(f"--draft {args.draft} has a vocabulary-pruned head ({pruned_size(args.draft)} rows), "
-                         "which vLLM cannot read: export it with its head expanded to the target's vocabulary, "
-                         f"`python -m distill export {args.draft} NEW_DIR --full-vocab`, and check NEW_DIR")
-    configs = {role: json.loads((Path(getattr(args, role)) / "config.json").read_text()) for role in ("target", "draft")}
-    sizes = {role: config.get("vocab_size") for role, config in configs.items()}
-    if sizes["target"] != sizes["draft"]:
-        raise ValueError(f"vLLM refuses a draft whose vocab_size ({sizes['draft']}) differs from the target's "
-                         f"({sizes['target']}): pair the target with a draft of its vocabulary")
+    _check_numbers(args)
+    configs = _check_models(args)
     if args.out is not None:
         if args.out.exists():
             raise FileExistsError(f"--out {args.out} exists; pass a new file name (nothing was run)")
         check_output_dir(args.out.parent, "--out's folder")
+    longest = int(configs["target"].get("max_position_embeddings") or 2048)
     if args.max_model_len is None:
-        args.max_model_len = min(2048, int(configs["target"].get("max_position_embeddings") or 2048))
+        args.max_model_len = min(2048, longest)
+    elif args.max_model_len > longest:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the target's max_position_embeddings "
+                         f"({longest}), which vLLM refuses: pass at most {longest}")
     if args.max_model_len <= args.max_new_tokens + 2 * (args.num_draft_tokens or 4):
         raise ValueError(f"--max-model-len {args.max_model_len} leaves no room for a prompt before "
                          f"--max-new-tokens {args.max_new_tokens}: raise it or generate fewer tokens")
@@ -183,6 +173,61 @@ def check_args(args: argparse.Namespace) -> dict | None:
     return card
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric options, as vLLM would take them."""
+    for name, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--num-draft-tokens", args.num_draft_tokens, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    if not 0 <= args.tolerance <= 1:
+        raise ValueError(f"--tolerance must lie in [0, 1] (an acceptance-rate difference), got {args.tolerance}")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if not 0 <= args.seed < 2**32 - args.limit:  # vLLM's seeds lie in [0, 2**32 - 1]; prompt i gets SEED + i
+        raise ValueError(f"--seed must lie in [0, 2**32 - 1 - --limit], got {args.seed}")
+    for name, value in (("--kv-cache-gib", args.kv_cache_gib), ("--timeout", args.timeout)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _check_models(args: argparse.Namespace) -> dict[str, dict]:
+    """The target's and the draft's config.json, once each is known to be a model folder vLLM can run with the
+    other (same vocabulary size, a full-vocabulary head, a head size vLLM's CPU build runs when there is no GPU)."""
+    configs = {}
+    for role in ("target", "draft"):
+        path = getattr(args, role)
+        check_cached(path, f"--{role}")
+        if not Path(path).is_dir():
+            raise ValueError(f"--{role} {path} must be a local model folder (vLLM loads it from there; a .gguf "
+                             "file: `python -m decode import-gguf FILE OUT` first; a hub id: download it, e.g. "
+                             "`huggingface-cli download ID --local-dir DIR`)")
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"--{role} {path} has no config.json: pass a model folder (a training checkpoint: "
+                             "export it first, `python -m distill export CHECKPOINT OUT_DIR`)")
+        configs[role] = json.loads((Path(path) / "config.json").read_text())
+    if pruned_size(args.draft) is not None:
+        raise ValueError(f"--draft {args.draft} has a vocabulary-pruned head ({pruned_size(args.draft)} rows), "
+                         "which vLLM cannot read: export it with its head expanded to the target's vocabulary, "
+                         f"`python -m distill export {args.draft} NEW_DIR --full-vocab`, and check NEW_DIR")
+    sizes = {role: config.get("vocab_size") for role, config in configs.items()}
+    if sizes["target"] != sizes["draft"]:
+        raise ValueError(f"vLLM refuses a draft whose vocab_size ({sizes['draft']}) differs from the target's "
+                         f"({sizes['target']}): pair the target with a draft of its vocabulary")
+    if not torch.cuda.is_available():
+        for role, config in configs.items():
+            size = head_size(config)
+            if size is not None and size not in VLLM_CPU_HEAD_SIZES:
+                raise ValueError(f"--{role}: its attention head size is {size}, which vLLM's CPU build does not run "
+                                 f"(it runs {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); run the check on a GPU")
+    return configs
+
+
+def head_size(config: dict) -> int | None:
+    """A config dict's attention head size: ``head_dim``, else ``hidden_size / num_attention_heads``."""
+    heads = config.get("num_attention_heads")
+    return config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
+
+
 def _temperatures(text: str) -> list[float]:
     try:
         values = [float(t) for t in str(text).split(",") if t.strip()]
@@ -190,7 +235,30 @@ def _temperatures(text: str) -> list[float]:
         raise ValueError(f"--temperatures {text!r} must be comma-separated numbers, e.g. 0,1") from None
     if not values or any(t < 0 for t in values):
         raise ValueError(f"--temperatures {text!r} must be one or more numbers >= 0")
+    if len(set(values)) < len(values):
+        raise ValueError(f"--temperatures {text!r} names a temperature twice")
     return values
+
+
+def card_target_matches(card: dict, target: str) -> bool | None:
+    """Whether ``target`` is the model the card names: the same folder, or a folder with the same config.json and
+    the same weight file sizes (a copy). None when the card's target is not on this machine (cannot tell)."""
+    named = Path(str(card.get("target") or "")).expanduser()
+    here = Path(target).expanduser()
+    if not named.is_dir():
+        return None
+    if named.resolve() == here.resolve():
+        return True
+    return _model_signature(named) == _model_signature(here)
+
+
+def _model_signature(folder: Path) -> tuple:
+    """config.json (less the fields save_pretrained rewrites) and the sizes of the weight files."""
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
+    for key in ("transformers_version", "_name_or_path"):
+        (config or {}).pop(key, None)
+    sizes = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    return json.dumps(config, sort_keys=True), tuple(sizes)
 
 
 def run_draftkit(args: argparse.Namespace, prompts: list[list[int]], say) -> dict:
@@ -209,6 +277,7 @@ def run_draftkit(args: argparse.Namespace, prompts: list[list[int]], say) -> dic
                                       eos_token_id=eos, generator=gen)
             outputs.append(result.new_tokens[0].tolist())
             stats.append(result.stats)
+            say(f"draftkit T={temperature:g}: prompt {i + 1}/{len(prompts)}")
         seconds = time.perf_counter() - start
         out[temperature] = {"outputs": outputs, "stats": DecodeStats.merge(stats), "seconds": seconds}
         say(f"draftkit T={temperature:g}: {sum(map(len, outputs))} tokens in {seconds:.1f} s")
@@ -245,7 +314,8 @@ def build_report(args: argparse.Namespace, card: dict | None, vllm: dict, ours: 
 
 def served_figures(report: dict) -> dict:
     """What the card keeps of the report (``card["served"]["vllm"]``, :func:`decode.vllm_card.served_markdown`)."""
-    keep = ("num_draft_tokens", "prompts", "num_prompts", "max_new_tokens", "dtype", "device", "date", "command")
+    keep = ("target", "num_draft_tokens", "prompts", "num_prompts", "max_new_tokens", "dtype", "device", "date",
+            "command")
     rows = {t: {"acceptance_rate": r["vllm"]["acceptance_rate"],
                 "mean_accepted_length": r["vllm"]["mean_accepted_length"],
                 "acceptance_by_position": r["vllm"]["acceptance_by_position"],
@@ -262,64 +332,107 @@ def _f(value: Any, digits: int = 3) -> str:
 
 def print_report(report: dict, console: Console) -> None:
     """The side-by-side table: one row per temperature and engine."""
-    table = Table(title=f"vLLM {report['vllm_version']} ({report['device']}) vs draftkit, γ = "
+    plain = ", ".join(f"T={float(t):g} {row['vllm_tokens_per_s']['plain']:.1f}"
+                      for t, row in report["per_temperature"].items())
+    table = Table(title=f"vLLM {report['vllm_version']} ({report['device']}) and draftkit, γ = "
                         f"{report['num_draft_tokens']}, {report['num_prompts']} prompts × {report['max_new_tokens']} "
-                        "tokens")
-    for col in ("T", "engine", "acceptance rate", "τ", "by position", "tokens/s", "greedy = vLLM plain"):
+                        "tokens",
+                  caption=f"vLLM's tokens/s with the target alone: {plain} (all prompts in one batch); card: its "
+                          "teacher-forced evaluation, on its own prompts")
+    for col in ("T", "engine", "accept. rate", "τ", "by position", "tokens/s", "greedy = plain"):
         table.add_column(col, no_wrap=True)
     for t, row in report["per_temperature"].items():
-        for engine in ("vllm", "draftkit", "card"):
+        for engine, label in (("vllm", "vLLM"), ("draftkit", "draftkit"), ("card", "card")):
             fig = row[engine]
             if fig is None:
                 continue
-            by_pos = " ".join(_f(x, 2) for x in fig["acceptance_by_position"])
-            speed = {"vllm": f"{row['vllm_tokens_per_s']['speculative']:.1f} (plain "
-                             f"{row['vllm_tokens_per_s']['plain']:.1f}: {row['vllm_speedup']:.2f}×)",
+            speed = {"vllm": f"{row['vllm_tokens_per_s']['speculative']:.1f} ({row['vllm_speedup']:.2f}× plain)",
                      "draftkit": f"{row['draftkit_tokens_per_s']:.1f} (batch 1)", "card": ""}[engine]
-            agree = {"vllm": row.get("vllm_speculative_vs_plain"), "draftkit": row.get("draftkit_vs_vllm_plain")}
-            a = agree.get(engine)
-            table.add_row(f"{float(t):g}", {"card": "card (teacher-forced)"}.get(engine, engine),
-                          _f(fig["acceptance_rate"]), _f(fig["mean_accepted_length"], 2), by_pos, speed,
-                          "" if a is None else f"{a['num_equal']}/{a['num_prompts']} (prefix {a['common_prefix']:.2f})")
+            a = {"vllm": row.get("vllm_speculative_vs_plain"), "draftkit": row.get("draftkit_vs_vllm_plain")}.get(engine)
+            table.add_row(f"{float(t):g}", label, _f(fig["acceptance_rate"]), _f(fig["mean_accepted_length"], 2),
+                          " ".join(_f(x, 2) for x in fig["acceptance_by_position"]), speed,
+                          "" if a is None else f"{a['num_equal']}/{a['num_prompts']} ({a['common_prefix']:.2f})")
     console.print(table)
+
+
+def say(msg: str) -> None:
+    """One progress line on stderr (plain print: a long path is never wrapped mid-line)."""
+    print(f"vllm-check: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     card = check_args(args)
-    console = Console(stderr=True)
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # a job runner's stop also stops vLLM's processes
+    try:
+        report = run_check(args, card)
+    except VllmError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("vllm-check: interrupted; vLLM's processes were stopped and nothing was recorded", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for line in report["failures"]:
+        print(f"FAIL {line}", file=sys.stderr)
+    if not report["failures"]:
+        say(f"PASS: vLLM's greedy output equals its plain output; acceptance rates within {args.tolerance}")
+    return 1 if report["failures"] else 0
 
-    def say(msg: str) -> None:
-        console.print(f"vllm-check: {msg}", highlight=False, markup=False)
 
+def _interrupted(signum, frame) -> None:  # noqa: ARG001
+    raise KeyboardInterrupt
+
+
+def run_check(args: argparse.Namespace, card: dict | None) -> dict:
+    """Run vLLM (building its environment first when needed) and draftkit on the prompts; print, write and record
+    the report; returns it."""
     env_dir = args.vllm_env or default_env_dir()
     log = (args.out.with_suffix(".vllm.log") if args.out is not None
-           else env_dir.parent / "vllm-check-logs" / f"{datetime.datetime.now():%Y%m%d-%H%M%S}.log")
+           else default_env_dir().parent / "vllm-check-logs" / f"{datetime.datetime.now():%Y%m%d-%H%M%S}.log")
     tokenizer = load_target_tokenizer(None, args.target)
-    prompts = encode_prompts(load_prompts(args.prompts, limit=args.limit), tokenizer,
+    try:
+        rows = load_prompts(args.prompts, limit=args.limit)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"--prompts {args.prompts}: {err}") from err
+    prompts = encode_prompts(rows, tokenizer,
                              max_prompt_tokens=args.max_model_len - args.max_new_tokens - args.num_draft_tokens - 1)
     python, _ = ensure_env(env_dir, args.vllm_package or default_package(torch.cuda.is_available()), say, log)
     job = {"target": str(Path(args.target).resolve()), "draft": str(Path(args.draft).resolve()),
            "num_draft_tokens": args.num_draft_tokens, "prompts": prompts, "temperatures": args.temperatures,
            "max_tokens": args.max_new_tokens, "seed": args.seed, "dtype": args.dtype, "ignore_eos": args.ignore_eos,
            "max_model_len": args.max_model_len, "enforce_eager": True}
-    say(f"vLLM runs {len(prompts)} prompts at T = {', '.join(f'{t:g}' for t in args.temperatures)} with the target "
-        f"alone, then with the draft (γ = {args.num_draft_tokens}); its output goes to {log}")
+    say(f"vLLM runs {len(prompts)} prompts at T = {', '.join(f'{t:g}' for t in args.temperatures)}, the target "
+        f"alone and then with the draft (γ = {args.num_draft_tokens}); its log: {log}")
     vllm = run_worker(python, job, log, say, kv_cache_gib=args.kv_cache_gib, timeout_s=args.timeout)
-    say("draftkit's decoder on the same prompts")
+    say("draftkit's decoder on the same prompts, one at a time")
     report = build_report(args, card, vllm, run_draftkit(args, prompts, say), len(prompts))
     report["failures"] = failures(report, args.tolerance)
     report["vllm_log"] = str(log)
-    print_report(report, Console(width=max(Console().width, 130)))
+    print_report(report, Console(width=max(Console().width, 100)))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
         say(f"report: {args.out}")
-    if card is not None and not args.no_card:
-        record_served(args.draft, served_figures(report))
-        say(f"served figures written to the card in {args.draft} (README.md, {CARD_JSON})")
-    for line in report["failures"]:
-        console.print(f"[red]FAIL[/red] {line}", highlight=False)
-    if not report["failures"]:
-        say(f"PASS: vLLM's greedy output equals its plain output; acceptance rates within {args.tolerance}")
-    return 1 if report["failures"] else 0
+    _record(args, card, report)
+    return report
+
+
+def _record(args: argparse.Namespace, card: dict | None, report: dict) -> None:
+    """Write the served figures into the draft's card when it has one and names this target."""
+    if args.no_card:
+        return
+    if card is None:
+        say(f"{args.draft} has no draftkit card: the figures are in the report only")
+        return
+    same = card_target_matches(card, args.target)
+    if same is False:
+        say(f"the card in {args.draft} names the target {card.get('target')}, not --target {args.target}: the "
+            "figures were not recorded in it (run the check with the card's target)")
+        return
+    if same is None:
+        say(f"the card's target {card.get('target')} is not on this machine, so --target {args.target} could not be "
+            "compared with it; the served section names the target it was measured with")
+    record_served(args.draft, served_figures(report))
+    say(f"served figures written to the card in {args.draft} (README.md, {CARD_JSON})")

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import decode.vllm_worker as worker_module
 
@@ -104,16 +107,41 @@ def _tail(log: Path, lines: int = 25) -> str:
     return "\n".join(kept[-lines:])
 
 
+class VllmError(RuntimeError):
+    """vLLM could not run the job (it failed, or ran past its time limit); the message names the root cause found
+    in vLLM's output and the log."""
+
+
+# vLLM's messages that only say an earlier error happened (the root cause is the first other one)
+_WRAPPERS = ("EngineDeadError", "Engine core initialization failed", "EngineCore encountered", "Worker failed with",
+             "See root cause above", "See stack trace")
+_ERROR_LINE = re.compile(r"\b([A-Za-z_.]*(?:Error|Exception)): (.+)$")
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first exception line of vLLM's output that is not a wrapper of an earlier one (``RuntimeError:
+    Unsupported CPU attention configuration: head_dim=16 ...``), without vLLM's process/level prefixes; None when
+    there is none."""
+    for line in log_text.splitlines():
+        match = _ERROR_LINE.search(line)
+        if match and not any(w in line for w in _WRAPPERS):
+            return f"{match.group(1)}: {match.group(2).strip()}"
+    return None
+
+
 def run_worker(python: Path, job: dict, log: Path, say: Callable[[str], None], kv_cache_gib: float = 2.0,
                timeout_s: float | None = None) -> dict:
     """Run :mod:`decode.vllm_worker` on ``job`` with ``python`` (vLLM's environment) and return its result.
 
-    vLLM's own output goes to ``log``; the worker's progress lines (``vllm-check: ...``) are passed to ``say``.
-    ``kv_cache_gib`` caps the KV cache of vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``; it otherwise takes most
-    of the machine's memory). ``-I`` keeps the worker's folder (this package) off its ``sys.path``.
+    vLLM's own output goes to ``log`` (line by line, so an interrupted run keeps it); the worker's progress lines
+    (``vllm-check: ...``) are passed to ``say``. ``kv_cache_gib`` caps the KV cache of vLLM's CPU backend
+    (``VLLM_CPU_KVCACHE_SPACE``; it otherwise takes most of the machine's memory). ``-I`` keeps the worker's folder
+    (this package) off its ``sys.path``. The worker runs in its own process group: past ``timeout_s``, or when this
+    process is interrupted (Ctrl-C, or SIGTERM turned into an exception by the caller), the whole group (vLLM's
+    engine processes included) is killed before the exception propagates.
 
     Raises:
-        RuntimeError: the worker failed or ran past ``timeout_s`` (the message holds the end of vLLM's log).
+        VllmError: the worker failed or ran past ``timeout_s``.
     """
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
@@ -122,18 +150,41 @@ def run_worker(python: Path, job: dict, log: Path, say: Callable[[str], None], k
         job_path.write_text(json.dumps(job))
         cmd = [str(python), "-I", worker_module.__file__, str(job_path), str(out_path)]
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a", encoding="utf-8") as f:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        with open(log, "a", encoding="utf-8", buffering=1) as f:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    start_new_session=True)
+            reader = threading.Thread(target=_pump, args=(proc.stdout, f, say), daemon=True)
+            reader.start()
             try:
-                for line in proc.stdout:  # type: ignore[union-attr]
-                    f.write(line)
-                    if line.startswith(worker_module.PROGRESS):
-                        say(line.removeprefix(worker_module.PROGRESS).strip())
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _kill_group(proc)
                 code = None
+            except BaseException:
+                _kill_group(proc)
+                raise
+            reader.join(timeout=10)
         if code != 0 or not out_path.is_file():
-            why = "ran past its time limit" if code is None else f"failed (exit {code})"
-            raise RuntimeError(f"vLLM {why}:\n{_tail(log)}\n(vLLM's full output: {log})")
+            why = f"ran past --timeout {timeout_s:g} s and was stopped" if code is None else f"failed (exit {code})"
+            cause = root_cause(log.read_text(encoding="utf-8", errors="replace"))
+            if cause is None:
+                cause = "no error message; the end of its output:\n" + _tail(log)
+            raise VllmError(f"vLLM {why}: {cause}\n(vLLM's full output: {log})")
         return json.loads(out_path.read_text())
+
+
+def _pump(stream: Any, log: Any, say: Callable[[str], None]) -> None:
+    """Copy the worker's output to ``log`` and pass its progress lines to ``say``."""
+    for line in stream:
+        log.write(line)
+        if line.startswith(worker_module.PROGRESS):
+            say(line.removeprefix(worker_module.PROGRESS).strip())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the worker's process group (the worker and vLLM's engine processes) and reap the worker."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -5,8 +5,10 @@ result is built from the tiny pair's own greedy outputs, so the recipe around vL
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from tests.conftest import make_tokenizer, perturbed_copy, tiny_llama
 def saved_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     tok = make_tokenizer()
-    target = tiny_llama(seed=0).float()
+    target = tiny_llama(seed=0, head_dim=32).float()  # a head size vLLM's CPU build runs
     for name, model in (("target", target), ("draft", perturbed_copy(target, 0.3))):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
@@ -137,7 +139,11 @@ def test_bad_input_exits_2_naming_the_option_before_anything_runs(saved_pair, tm
     (tmp_path / "taken.json").write_text("{}")
     for args, words in ((["--temperatures", "0,x"], "--temperatures"), (["--tolerance", "2"], "--tolerance"),
                         (["--limit", "0"], "--limit"), (["--out", str(tmp_path / "taken.json")], "--out"),
-                        (["--max-model-len", "40"], "--max-model-len")):
+                        (["--max-model-len", "40"], "--max-model-len"),
+                        (["--max-model-len", "4096"], "max_position_embeddings (256)"),
+                        (["--dtype", "fp8"], "--dtype"), (["--kv-cache-gib", "-1"], "--kv-cache-gib"),
+                        (["--seed", "-5"], "--seed"), (["--timeout", "0"], "--timeout"),
+                        (["--temperatures", "0,0"], "twice"), (["--prompts", str(tmp_path / "nope.jsonl")], "--prompts")):
         done = run_cli(*pair, "--vllm-env", str(tmp_path / "env"), *args)
         assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
     assert not (tmp_path / "env").exists()  # nothing was built
@@ -153,6 +159,12 @@ def test_a_pruned_draft_or_another_vocabulary_is_refused_with_the_fix(saved_pair
     tiny_llama(vocab_size=100, seed=1).float().save_pretrained(tmp_path / "wide")
     done = run_cli("--target", str(saved_pair / "target"), "--draft", str(tmp_path / "wide"))
     assert done.returncode == 2 and "vocab_size (100)" in done.stderr and "(96)" in done.stderr
+    tiny_llama(seed=1).float().save_pretrained(tmp_path / "head8")  # head size 8: vLLM's CPU build refuses it
+    done = run_cli("--target", str(saved_pair / "target"), "--draft", str(tmp_path / "head8"))
+    assert done.returncode == 2 and "--draft: its attention head size is 8" in done.stderr
+    (tmp_path / "checkpoint").mkdir()  # a folder without config.json, like a training checkpoint
+    done = run_cli("--target", str(saved_pair / "target"), "--draft", str(tmp_path / "checkpoint"))
+    assert done.returncode == 2 and "no config.json" in done.stderr and "distill export" in done.stderr
 
 
 def _fake_vllm(outputs_of, tamper=None):
@@ -186,7 +198,7 @@ def _draftkit_outputs(job, temperature):
 def _export(saved_pair, tmp_path):
     """A draft folder with a draftkit card, as `distill export` leaves it."""
     folder = tmp_path / "export"
-    draft = perturbed_copy(tiny_llama(seed=0).float(), 0.3)
+    draft = perturbed_copy(tiny_llama(seed=0, head_dim=32).float(), 0.3)
     draft.save_pretrained(folder)
     make_tokenizer().save_pretrained(folder)
     (folder / "draftkit_card.json").write_text(json.dumps({"target": str(saved_pair / "target"),
@@ -245,3 +257,47 @@ def test_a_worker_that_fails_reports_the_end_of_its_output(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)vLLM failed .*No module named 'vllm'") as err:
         vllm_env.run_worker(Path(sys.executable), {"target": "t"}, tmp_path / "vllm.log", lambda msg: None)
     assert str(tmp_path / "vllm.log") in str(err.value) and "ModuleNotFoundError" in (tmp_path / "vllm.log").read_text()
+
+
+def test_the_root_cause_of_a_vllm_failure_is_its_first_error_that_wraps_none():
+    log = "\n".join([
+        "(Worker pid=1) INFO 12-07 08:00:52 [core.py:1] loading",
+        "(Worker pid=1) ERROR 12-07 08:00:52 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU attention "
+        "configuration: head_dim=16 isa=2 kv_cache_idx=0",
+        "(EngineCore pid=2) ERROR 12-07 08:00:52 [core.py:1512] RuntimeError: Worker failed with error 'x'",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above)"])
+    assert vllm_env.root_cause(log) == ("RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 "
+                                        "kv_cache_idx=0")
+    assert vllm_env.root_cause("INFO all fine\n") is None
+
+
+def test_a_worker_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    fake = tmp_path / "python"  # stands in for vLLM's interpreter: starts a child, then hangs
+    fake.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {tmp_path / 'child'}\necho started\nsleep 300\n")
+    fake.chmod(0o755)
+    with pytest.raises(vllm_env.VllmError, match="ran past --timeout 2 s"):
+        vllm_env.run_worker(fake, {}, tmp_path / "vllm.log", lambda msg: None, timeout_s=2)
+    child = int((tmp_path / "child").read_text())
+    with pytest.raises(ProcessLookupError):  # the whole process group is gone (a zombie is reaped by init)
+        for _ in range(50):
+            os.kill(child, 0)
+            if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+                raise ProcessLookupError
+            time.sleep(0.1)
+    assert "started" in (tmp_path / "vllm.log").read_text()  # the log kept what the worker wrote
+
+
+def test_the_card_is_not_written_when_it_names_another_target(saved_pair, tmp_path, monkeypatch, capsys):
+    draft = _export(saved_pair, tmp_path)
+    other = tmp_path / "other-target"
+    tiny_llama(seed=5, head_dim=32, layers=1).float().save_pretrained(other)
+    card = json.loads((draft / "draftkit_card.json").read_text())
+    assert vllm_check.card_target_matches(card, str(saved_pair / "target")) is True
+    assert vllm_check.card_target_matches(card, str(other)) is False
+    assert vllm_check.card_target_matches({"target": str(tmp_path / "gone")}, str(other)) is None
+    shutil.copytree(saved_pair / "target", tmp_path / "copy")  # a copy of the card's target is the same model
+    assert vllm_check.card_target_matches(card, str(tmp_path / "copy")) is True
+    before = (draft / "README.md").read_text()
+    args = vllm_check.build_parser().parse_args(["--target", str(other), "--draft", str(draft)])
+    vllm_check._record(args, card, {"per_temperature": {}})
+    assert "not --target" in capsys.readouterr().err and (draft / "README.md").read_text() == before

@@ -21,9 +21,10 @@ import json
 import os
 import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from decode.compat import output_vocab_size
 from decode.loading import (RemoteCodeError, load_causal_lm, load_tokenizer, local_folder, looks_local, run_draft_base,
@@ -31,8 +32,9 @@ from decode.loading import (RemoteCodeError, load_causal_lm, load_tokenizer, loc
 from decode.outputs import check_output_dir, umask
 from decode.vllm_card import served_markdown
 from decode.vocab_map import MAP_KEY, draft_vocab_map, expand_draft_head
-from distill.checkpoint import CheckpointError, load_weights, load_tensors, read_config, read_state
-from distill.engine_checks import ENGINES, EngineProblem, engine_problems, read_target_config
+from distill.checkpoint import (MANIFEST_FILE, CheckpointError, load_weights, load_tensors, read_config,
+                                read_state)
+from distill.engine_checks import ENGINES, EngineProblem, check_quantization, engine_problems, read_target_config
 
 CARD_JSON = "draftkit_card.json"
 
@@ -459,9 +461,18 @@ The full training config is in `{CARD_JSON}` (key `config`).
 
 
 def _served(card: dict) -> str:
-    """vLLM's served acceptance recorded by ``python -m decode vllm-check`` (kept by a re-export), if any."""
+    """vLLM's served acceptance recorded by ``python -m decode vllm-check`` (kept by a re-export with the same
+    weights, which the section then says), if any."""
     section = served_markdown(card)
-    return "\n" + section if section else ""
+    if not section:
+        return ""
+    if card.get("exported_from"):
+        heading = "## Served acceptance\n\n"
+        section = section.replace(heading, heading + (
+            f"These figures were measured on the earlier export `{card['exported_from']}` (or an export before it) "
+            "with the same weights as this one; the command below names the folder it ran on, and "
+            "`python -m decode vllm-check` on this folder measures it again.\n\n"), 1)
+    return "\n" + section
 
 
 def _exported_from(card: dict) -> str:
@@ -471,7 +482,7 @@ def _exported_from(card: dict) -> str:
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overwrite: bool = False,
            trust_remote_code: bool = False, lora_base: str | Path | None = None, full_vocab: bool = False,
-           draftkit_only: bool = False) -> dict:
+           draftkit_only: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Write the merged draft, its tokenizer and the card to ``out_dir``; returns the card dict.
 
     ``checkpoint`` is a training checkpoint (``step_N``/``best``) or an earlier export (its card is carried over,
@@ -487,23 +498,38 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     files written (``files``), so a later ``overwrite`` can tell them from files added to the folder since.
     ``lora_base``: where a LoRA checkpoint's base is now, if it moved (:func:`load_checkpoint_draft`).
 
+    vLLM's served figures (the card's ``served``, from ``python -m decode vllm-check``) describe the weights they
+    were measured on: a re-export that keeps the weights (same dtype, no head expanded) carries them, one that
+    changes them does not, and ``overwrite`` replaces an earlier export's figures with the source's (none from a
+    training checkpoint). ``log`` takes each note on what this export did to the head or the served figures
+    (default: print on stderr).
+
     Raises:
         CheckpointError: ``checkpoint`` is not a complete checkpoint nor an export (a run folder: the message names
-            its newest checkpoint, :func:`distill.checkpoint.check_complete`), ``out_dir`` is ``checkpoint`` (or
+            its newest checkpoint, :func:`distill.checkpoint.check_complete`; a plain Hugging Face model folder:
+            the message says what export takes), ``out_dir`` is ``checkpoint`` (or
             inside an earlier export read as ``checkpoint``), or ``out_dir`` is not empty or holds more than an
             earlier export (see :func:`check_export_dir`), checked before anything loads.
         FileNotFoundError: the LoRA base is missing.
         CheckpointError: the draft ships its own Python code (``auto_map``) and ``trust_remote_code`` is off.
+        CheckpointError: the draft's ``config.json`` has a ``quantization_config`` (checked before it loads).
         CheckpointError: the draft fails an engine check and ``draftkit_only`` is off; nothing was written.
         CheckpointError: the file system refused a write (a full disk, a quota); ``out_dir`` is left as it was.
     """
     checkpoint = Path(checkpoint)
     _check_not_into_source(checkpoint, out_dir)
     out_dir = check_export_dir(out_dir, overwrite)
+    earlier_served = (_read_card(out_dir) or {}).get("served")
     draft, tokenizer, source = _load_source(checkpoint, dtype, trust_remote_code, lora_base)
+    notes = []
     if full_vocab and draft_vocab_map(draft) is not None:
         source["head_expanded_from"] = int(draft_vocab_map(draft).numel())
         expand_draft_head(draft, int(draft.config.vocab_size))
+        notes.append(f"note: the lm_head was expanded from {source['head_expanded_from']} ids to the full vocabulary "
+                     "(zero rows for the other ids; the card says what that means for sampled drafting)")
+    dropped = not _keep_served(source, draft, expanded=bool(notes))
+    if dropped or (earlier_served and earlier_served != source.get("served")):  # overwritten by other figures
+        notes.append(SERVED_NOT_CARRIED)
     checks = _engine_checks(draft, tokenizer, str(source.get("target")), draftkit_only, checkpoint)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -525,7 +551,39 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for line in notes:
+        (log or _stderr)(line)
     return card
+
+
+def _keep_served(source: dict, draft: Any, expanded: bool) -> bool:
+    """Drop the source's served figures from ``source`` when this export changes the weights they were measured
+    on (the head expanded, another dtype than the earlier export's); False when it dropped some."""
+    source_dtype = source.pop("source_dtype", None)
+    if not source.get("served"):
+        return True
+    if expanded or (source_dtype and source_dtype != str(draft.dtype).removeprefix("torch.")):
+        del source["served"]
+        return False
+    return True
+
+
+SERVED_NOT_CARRIED = (
+    "note: the earlier export's served figures (vLLM's acceptance from python -m decode vllm-check, measured on the "
+    "earlier weights) are not carried over; python -m decode vllm-check measures the new export")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _read_card(folder: Path) -> dict | None:
+    """The draftkit card in ``folder`` as a dict, or None when it has none (or one that does not read)."""
+    try:
+        card = json.loads((folder / CARD_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return card if isinstance(card, dict) else None
 
 
 def _check_not_into_source(checkpoint: Path, out_dir: str | Path) -> None:
@@ -547,14 +605,37 @@ def _load_source(checkpoint: Path, dtype: Any, trust_remote_code: bool,
     """(draft, tokenizer or None, the card fields it brings) of a training checkpoint or an earlier export."""
     try:
         if is_export(checkpoint):
+            _refuse_quantized(checkpoint, checkpoint)
             return load_export_draft(checkpoint, dtype, trust_remote_code)
+        if (checkpoint / "config.json").is_file() and not (checkpoint / MANIFEST_FILE).is_file():
+            raise CheckpointError(
+                f"{checkpoint} is a plain Hugging Face model (a config.json, no {CARD_JSON} nor {MANIFEST_FILE}), "
+                "not a draftkit checkpoint or export: export takes <run>/best, <run>/step_N or an earlier export's "
+                "folder. Train it with python -m distill train (draft.name_or_path set to this folder) and export "
+                "the run's checkpoint")
         read_state(checkpoint)  # a run folder or an incomplete checkpoint is named before anything loads
+        _refuse_quantized(checkpoint / "draft", checkpoint)
         draft, tokenizer, state = load_checkpoint_draft(checkpoint, dtype, trust_remote_code, lora_base)
     except RemoteCodeError as err:  # (its message names decode's --trust-remote-code, which export does not take)
         raise CheckpointError(f"{checkpoint}: the draft, its LoRA base or its tokenizer ships its own Python code "
                               "(auto_map), which export does not run; nothing was written. Read that code first; "
                               "--trust-remote-code (export(..., trust_remote_code=True)) runs it") from err
     return draft, tokenizer, _checkpoint_fields(checkpoint, state)
+
+
+def _refuse_quantized(folder: Path, checkpoint: Path) -> None:
+    """Refuse a draft whose ``config.json`` in ``folder`` has a ``quantization_config``, before transformers loads
+    it (and fails on the quantization's own package), with the engine check's words
+    (:func:`distill.engine_checks.check_quantization`)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no readable config: the load names it
+    problems = check_quantization(config) if isinstance(config, dict) else []
+    if problems:
+        raise CheckpointError(f"{checkpoint}: {ENGINES} would not serve this draft as measured, and export does not "
+                              "load a quantized draft; nothing was written:\n"
+                              + "\n".join(f"  {p}" for p in problems))
 
 
 # The fields of an earlier export's card that a re-export carries over (the rest describe the new folder).
@@ -584,6 +665,7 @@ def load_export_draft(folder: str | Path, dtype: Any = None,
     fields["vocab_report"] = {k: v for k, v in (card.get("draft_vocab") or {}).items()
                               if k not in ("kept_ids", "lm_head_rows")}
     fields["exported_from"] = str(folder.resolve())
+    fields["source_dtype"] = card.get("dtype") or _config_dtype(folder / "config.json")  # (served figures)
     return draft, tokenizer, fields
 
 
@@ -638,9 +720,6 @@ def export_notes(card: dict) -> list[str]:
     lines += [f"{EngineProblem(**p)}" for p in checks.get("problems") or [] if not p["error"]]
     if checks.get("target_config_note"):
         lines.append(f"note: {checks['target_config_note']}")
-    if card.get("head_expanded_from"):
-        lines.append(f"note: the lm_head was expanded from {card['head_expanded_from']} ids to the full vocabulary "
-                     "(zero rows for the other ids; the card says what that means for sampled drafting)")
     return lines
 
 
@@ -667,13 +746,19 @@ def _checkpoint_dtype(checkpoint: Path, state: dict) -> str | None:
     for folder in (checkpoint / "draft", run_draft_base(checkpoint.resolve().parent, state.get("draft_base"))):
         path = Path(folder) / "config.json" if folder else None
         if path is not None and path.is_file():
-            try:
-                config = json.loads(path.read_text())
-            except (OSError, ValueError):
-                return None
-            dtype = config.get("dtype") or config.get("torch_dtype")
-            return str(dtype) if dtype else None
+            return _config_dtype(path)
     return None
+
+
+def _config_dtype(path: Path) -> str | None:
+    """The dtype a ``config.json`` records (``dtype``, or the older ``torch_dtype``); None when it records none or
+    does not read."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return str(dtype) if dtype else None
 
 
 def _write_export(out_dir: Path, draft: Any, tokenizer: Any, source: dict, checks: dict,

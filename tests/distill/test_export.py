@@ -595,6 +595,7 @@ def test_a_pruned_export_expands_to_the_full_vocabulary_and_re_exports_carry_the
     from decode.vllm_card import record_served
     from decode.vocab_map import SIZE_FIELD, draft_vocab_map
     from distill.__main__ import main
+    from distill.export import SERVED_NOT_CARRIED
 
     keep, run = 60, tmp_path / "run"
     train(compose(overrides(pair, run, f"draft.vocab.keep={keep}", "train.max_steps=2")), log=lambda *_: None)
@@ -606,10 +607,13 @@ def test_a_pruned_export_expands_to_the_full_vocabulary_and_re_exports_carry_the
     assert [p["field"] for p in old["engine_checks"]["problems"]] == ["lm_head", "head_dim"]
     assert "--full-vocab` writes a copy they can serve" in (pruned / "README.md").read_text()
 
+    assert record_served(pruned, SERVED)  # measured on the pruned head: not the expanded draft's figures
+    capsys.readouterr()
     main(["export", str(pruned), str(full), "--full-vocab"])
-    assert "expanded from 60 ids" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "expanded from 60 ids" in err and SERVED_NOT_CARRIED in err
     card = json.loads((full / CARD_JSON).read_text())
-    assert card["head_expanded_from"] == keep and card["draft_vocab"] is None
+    assert card["head_expanded_from"] == keep and card["draft_vocab"] is None and "served" not in card
     assert card["exported_from"] == str(pruned.resolve())
     assert [p["field"] for p in card["engine_checks"]["problems"]] == ["head_dim"]  # a warning only
     for key in ("target", "checkpoint", "steps", "tokens_seen", "loss", "evaluation", "config", "best"):
@@ -637,14 +641,14 @@ def test_a_pruned_export_expands_to_the_full_vocabulary_and_re_exports_carry_the
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / "direct")).eval()(ids).logits, b)
 
-    # vLLM's served figures recorded on the export survive a re-export
-    served = {"version": "0.32.0", "device": "cpu", "dtype": "float32", "num_draft_tokens": 3, "num_prompts": 2,
-              "prompts": "p.jsonl", "max_new_tokens": 8, "date": "2026-12-07", "command": "python -m decode vllm-check",
-              "per_temperature": {"0.0": {"acceptance_rate": 0.5, "mean_accepted_length": 1.5}}}
-    assert record_served(full, served)
+    # vLLM's served figures recorded on the export survive a re-export that changes nothing, which expands nothing
+    assert record_served(full, SERVED)
+    capsys.readouterr()
     again = export(full, tmp_path / "again")
-    assert again["served"]["vllm"] == served and again["exported_from"] == str(full.resolve())
+    assert again["served"]["vllm"] == SERVED and again["exported_from"] == str(full.resolve())
     assert again["head_expanded_from"] == keep
+    err = capsys.readouterr().err
+    assert "expanded" not in err and SERVED_NOT_CARRIED not in err
     assert "## Served acceptance" in (tmp_path / "again" / "README.md").read_text()
 
 
@@ -659,3 +663,98 @@ def test_an_export_never_writes_into_the_export_it_reads(pair, tmp_path, capsys)
             main(["export", str(src), str(out), "--overwrite"])
         assert e.value.code == 2 and "never writes into the folder it reads" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+# ------------------------------------------------------------------------------------------------ what a user hit
+
+SERVED = {"version": "0.32.0", "device": "cpu", "dtype": "float32", "num_draft_tokens": 3, "num_prompts": 2,
+          "prompts": "p.jsonl", "max_new_tokens": 8, "date": "2026-12-07", "command": "python -m decode vllm-check",
+          "per_temperature": {"0.0": {"acceptance_rate": 0.5, "mean_accepted_length": 1.5}}}
+QUANTIZED = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+
+
+def _add_quantization(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = QUANTIZED
+    config_path.write_text(json.dumps(config))
+
+
+def test_a_quantized_draft_is_refused_before_it_loads(pair, tmp_path, capsys):
+    """transformers would fail on bitsandbytes (an ImportError, exit 1); the engine check's words, exit 2."""
+    from distill.__main__ import main
+    from distill.engine_checks import check_quantization
+
+    words = str(check_quantization({"quantization_config": QUANTIZED})[0])
+    src = tmp_path / "src"
+    _hand_export(pair, src)
+    _add_quantization(src / "config.json")
+    run = tmp_path / "run"
+    train(compose(overrides(pair, run, "train.max_steps=1")), log=lambda *_: None)
+    ckpt = run / "best" if (run / "best").is_dir() else run / "step_000001"
+    _add_quantization(ckpt / "draft" / "config.json")
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # the edit keeps the checkpoint complete
+    manifest["files"]["draft/config.json"] = (ckpt / "draft" / "config.json").stat().st_size
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    for source in (src, ckpt):
+        for extra in ([], ["--draftkit-only"]):
+            with pytest.raises(SystemExit) as e:
+                main(["export", str(source), str(tmp_path / "out"), *extra])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and not (tmp_path / "out").exists()
+            assert words in err and "(bitsandbytes)" in err and "nothing was written" in err
+
+
+def test_a_plain_hugging_face_model_folder_is_named_as_such(pair, tmp_path, capsys):
+    from distill.__main__ import main
+
+    plain = tmp_path / "plain"
+    make_llama(plain, pair["vocab"], layers=1, seed=4)
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(plain), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is a plain Hugging Face model" in err and "not a draftkit checkpoint" in err
+    assert "<run>/best, <run>/step_N or an earlier export's folder" in err and "interrupted" not in err
+
+
+def test_served_figures_go_only_with_the_weights_they_were_measured_on(pair, tmp_path, capsys):
+    from decode.vllm_card import record_served
+    from distill.__main__ import main
+    from distill.export import SERVED_NOT_CARRIED
+
+    src = tmp_path / "src"
+    _hand_export(pair, src)
+    assert record_served(src, SERVED)
+    capsys.readouterr()
+    # the same weights (the source's dtype, given or not): kept, and the card says where they were measured
+    for name, extra in (("same", []), ("same32", ["--dtype", "float32"])):
+        main(["export", str(src), str(tmp_path / name), *extra])
+        assert SERVED_NOT_CARRIED not in capsys.readouterr().err
+        card = json.loads((tmp_path / name / CARD_JSON).read_text())
+        assert card["served"]["vllm"] == SERVED
+        readme = (tmp_path / name / "README.md").read_text()
+        assert f"measured on the earlier export `{src.resolve()}`" in readme and "## Served acceptance" in readme
+    # another dtype: other weights, so the figures are dropped and said to be
+    main(["export", str(src), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    assert SERVED_NOT_CARRIED in capsys.readouterr().err
+    card = json.loads((tmp_path / "bf16" / CARD_JSON).read_text())
+    assert card["dtype"] == "bfloat16" and "served" not in card
+    assert "Served acceptance" not in (tmp_path / "bf16" / "README.md").read_text()
+
+
+def test_overwrite_from_a_checkpoint_says_the_served_figures_are_not_carried(pair, tmp_path, capsys):
+    from decode.vllm_card import record_served
+    from distill.__main__ import main
+    from distill.export import SERVED_NOT_CARRIED
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    train(compose(overrides(pair, run, "train.max_steps=1")), log=lambda *_: None)
+    ckpt = run / "best" if (run / "best").is_dir() else run / "step_000001"
+    main(["export", str(ckpt), str(out)])
+    assert SERVED_NOT_CARRIED not in capsys.readouterr().err
+    main(["export", str(ckpt), str(out), "--overwrite"])  # nothing served yet: nothing to say
+    assert SERVED_NOT_CARRIED not in capsys.readouterr().err
+    assert record_served(out, SERVED)
+    main(["export", str(ckpt), str(out), "--overwrite"])
+    assert SERVED_NOT_CARRIED in capsys.readouterr().err
+    assert "served" not in json.loads((out / CARD_JSON).read_text())
+    assert "Served acceptance" not in (out / "README.md").read_text()

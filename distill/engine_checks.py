@@ -20,7 +20,7 @@ import torch
 
 from decode.gguf import find_gguf
 from decode.loading import local_folder
-from decode.vllm_env import VLLM_CPU_HEAD_SIZES
+from decode.vllm_env import VLLM_CPU_HEAD_SIZES, config_vocab_size, head_size
 
 ENGINES = "vLLM (draft_model) and SGLang (STANDALONE)"
 
@@ -56,20 +56,11 @@ class EngineProblem:
         return asdict(self)
 
 
-def target_vocab_size(config: dict) -> int | None:
-    """The vocabulary size an engine reads from a config dict: its own ``vocab_size``, else its ``text_config``'s
-    (a multimodal target)."""
-    size = config.get("vocab_size")
-    if size is None:
-        size = (config.get("text_config") or {}).get("vocab_size")
-    return int(size) if size is not None else None
-
-
 def check_vocab_size(draft_config: dict, target_config: dict | None) -> list[EngineProblem]:
     """The draft's ``vocab_size`` must equal the target's (vLLM raises otherwise)."""
     if target_config is None:
         return []
-    draft, target = draft_config.get("vocab_size"), target_vocab_size(target_config)
+    draft, target = draft_config.get("vocab_size"), config_vocab_size(target_config)
     if target is None or draft == target:
         return []
     return [EngineProblem(
@@ -182,8 +173,7 @@ def check_context_length(draft_config: dict, target_config: dict | None) -> list
 def check_head_size(draft_config: dict) -> list[EngineProblem]:
     """vLLM's CPU build refuses an attention head size outside :data:`decode.vllm_env.VLLM_CPU_HEAD_SIZES` at its
     first forward ("Unsupported CPU attention configuration"); its GPU backends take more sizes."""
-    heads = draft_config.get("num_attention_heads")
-    size = draft_config.get("head_dim") or (draft_config.get("hidden_size") // heads if heads else None)
+    size = head_size(draft_config)
     if size is None or size in VLLM_CPU_HEAD_SIZES:
         return []
     return [EngineProblem(

@@ -40,8 +40,7 @@ import torch
 
 # tokenizer_fingerprint: the cache's tokenizer_hash (pruned drafts record vocab_fingerprint)
 from decode.compat import IncompatibleModelsError, check_tokenizers, tokenizer_fingerprint
-from decode.gguf import find_gguf
-from decode.loading import hub_revision, local_folder, looks_local
+from decode.loading import TARGET_HASH_PREFIX, hub_revision, looks_local, target_fingerprint
 from distill.checkpoint import name_list
 from distill.config import SetupError
 from distill.data import ids_outside_vocab, load_data
@@ -61,39 +60,6 @@ DEFAULTS = {"tail_samples": 0}
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
-
-# Prefix of target_fingerprint's hashes: a recorded target_hash without it comes from another scheme and is refused.
-TARGET_HASH_PREFIX = "2:"
-
-
-def target_fingerprint(name_or_path: str) -> str:
-    """A hash of a local checkpoint: ``config.json`` and ``generation_config.json`` in full, and every weight file
-    (``*.safetensors``, ``*.bin``; a GGUF target's file, :func:`decode.gguf.find_gguf`) by name, size and every byte (sha256: about 1.5 GB/s on one core of this CPU, so
-    ~10 s for an 8B bf16 target, once per run). A hub id is hashed as the snapshot its ``refs/main`` points to in the
-    local Hugging Face cache (``decode.loading.local_folder``), so a downloaded update of the target is a changed
-    target; a hub id not in the cache hashes its name only. Returns ``"2:"`` + 16 hex digits. Every byte, because a
-    change confined to the middle of a file (a LoRA merged into a few layers) is still another target.
-    """
-    h = hashlib.sha256()
-    gguf = find_gguf(str(name_or_path), "target")  # a GGUF file (or a folder of one): its every byte
-    folder = local_folder(str(name_or_path)) if gguf is None else None
-    if gguf is None and folder is None:
-        h.update(str(name_or_path).encode())
-        return TARGET_HASH_PREFIX + h.hexdigest()[:16]
-    path = Path(folder) if folder is not None else gguf.parent
-    for name in ("config.json", "generation_config.json"):
-        if gguf is None and (path / name).exists():
-            h.update(name.encode() + (path / name).read_bytes())
-    chunk = 1 << 20
-    weights = [gguf] if gguf is not None else sorted(list(path.glob("*.safetensors")) + list(path.glob("*.bin")))
-    for f in weights:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            while block := fh.read(16 * chunk):
-                h.update(block)
-    return TARGET_HASH_PREFIX + h.hexdigest()[:16]
-
 
 def data_fingerprint(examples: list[dict], cfg: Any) -> str:
     """A hash of the training examples as ``load_data`` makes them (before target generation) and of the settings

@@ -17,12 +17,11 @@ import torch
 from omegaconf import DictConfig
 
 from decode import SpeculativeDecoder
-from decode.loading import recorded_name
+from decode.loading import recorded_name, target_fingerprint
 from decode.outputs import replace_text
 from distill.checkpoint import name_list
 from distill.config import SetupError
 from distill.data import collate_prompts, ids_outside_vocab
-from distill.logit_cache import target_fingerprint
 from distill.precision import resolve_mixed_precision
 from distill.runfolder import other_entries
 
@@ -80,7 +79,7 @@ def target_data_settings(target_name: str, target_dtype: str, examples: list[dic
     """The settings a target-data cache is made with (the keys of :data:`TARGET_DATA_FIELDS`), stored in its
     ``meta.json`` so that a changed one is named: the target by its path (a local one resolved, so relative and
     absolute spellings agree) and, for a local folder or a cached hub snapshot, by its config and weight files
-    (:func:`distill.logit_cache.target_fingerprint`: a target retrained or replaced at the same path would otherwise
+    (:func:`decode.loading.target_fingerprint`: a target retrained or replaced at the same path would otherwise
     reuse the old one's completions), its load dtype (``"bfloat16"``: greedy completions can differ by dtype), the
     prompts (count and hash of their ids) and ``gen_cfg`` (``max_new_tokens``, ``temperature``, ``seed``,
     ``shard_size``: each shard's sampling generator is seeded from its index, so the shard size shapes sampled data).

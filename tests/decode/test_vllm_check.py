@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from decode import vllm_check, vllm_env
+from decode.bench.measure import acceptance
 from decode.metrics import DecodeStats
 from decode.vllm_card import SERVED_BEGIN, SERVED_END, record_served, served_markdown, with_served_section
 from decode.vocab_map import prune_draft_head
@@ -56,7 +57,7 @@ def test_draftkit_figures_use_the_same_definitions_as_vllm_s():
     stats = DecodeStats()
     for accepted in (2, 0, 1, 2):  # γ = 2, four verify steps
         stats.record_row_step(2, accepted, accepted + 1)
-    ours = vllm_check.draftkit_acceptance(stats)
+    ours = acceptance(stats)  # what vllm-check reports for draftkit
     theirs = vllm_check.vllm_acceptance(counters(4, 8, 5, [3, 2]), 2)
     for key in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position"):
         assert ours[key] == pytest.approx(theirs[key])

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
+from decode.vllm_env import config_vocab_size
 from distill.engine_checks import (EngineProblem, check_architectures, check_context_length, check_head_rows,
-                                   check_head_size,
-                                   check_quantization, check_remote_code, check_tied_head, check_tokenizer,
-                                   check_vocab_size, engine_problems, read_target_config, target_vocab_size)
+                                   check_head_size, check_quantization, check_remote_code, check_tied_head,
+                                   check_tokenizer, check_vocab_size, engine_problems, read_target_config)
 from distill_helpers import make_llama
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "tie_word_embeddings": False,
@@ -36,7 +36,7 @@ def test_a_vocab_size_other_than_the_targets_is_an_error_naming_vllms_check():
     assert p.error and p.field == "vocab_size" and "100" in p.what and "120" in p.what
     assert "verify_equal_vocab_size_if_draft_model" in p.what and "--draftkit-only" in p.fix
     # a multimodal target keeps its vocabulary in text_config, as vLLM's get_vocab_size reads it
-    assert target_vocab_size({"text_config": {"vocab_size": 120}}) == 120
+    assert config_vocab_size({"text_config": {"vocab_size": 120}}) == 120
     assert len(check_vocab_size(LLAMA, {"text_config": {"vocab_size": 120}})) == 1
     assert str(p).startswith("error: vLLM (draft_model) and SGLang (STANDALONE): vocab_size: ")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from distill.target_data import cache_key, target_data_settings
-from distill.logit_cache import FORMAT_VERSION, check_manifest, target_fingerprint
+from decode.loading import target_fingerprint
+from distill.logit_cache import FORMAT_VERSION, check_manifest
 from distill.config import SetupError
 from tests.conftest import put_snapshot, tiny_llama
 

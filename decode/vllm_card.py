@@ -13,7 +13,7 @@ from typing import Any
 
 from decode.outputs import replace_text
 
-CARD_JSON = "draftkit_card.json"
+CARD_JSON = "draftkit_card.json"  # the card of a draftkit export (distill.export writes it)
 SERVED_BEGIN = "<!-- served: written by python -m decode vllm-check -->"
 SERVED_END = "<!-- /served -->"
 

@@ -30,13 +30,11 @@ from decode.compat import output_vocab_size
 from decode.loading import (RemoteCodeError, load_causal_lm, load_tokenizer, local_folder, looks_local, run_draft_base,
                             untie_adapted_weights)
 from decode.outputs import check_output_dir, umask
-from decode.vllm_card import served_markdown
+from decode.vllm_card import CARD_JSON, served_markdown
 from decode.vocab_map import MAP_KEY, draft_vocab_map, expand_draft_head
 from distill.checkpoint import (MANIFEST_FILE, CheckpointError, load_weights, load_tensors, read_config,
                                 read_state)
 from distill.engine_checks import ENGINES, EngineProblem, check_quantization, engine_problems, read_target_config
-
-CARD_JSON = "draftkit_card.json"
 
 
 def load_checkpoint_draft(checkpoint: str | Path, dtype: Any = None, trust_remote_code: bool = False,
@@ -139,7 +137,7 @@ def check_export_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
         if not overwrite:
             raise CheckpointError(f"OUT_DIR {out_dir} is not empty; nothing was written. Choose a new folder, or pass "
                                   "--overwrite (overwrite=True from Python) to replace an earlier export there")
-        if not (out_dir / CARD_JSON).is_file():
+        if not is_export(out_dir):
             raise CheckpointError(f"OUT_DIR {out_dir} holds files that are not a draftkit export (no {CARD_JSON}); "
                                   "--overwrite only replaces an earlier export. Choose a new folder")
         foreign = _not_export_files(out_dir)
@@ -162,7 +160,7 @@ def stopped_export_folders(out_dir: str | Path) -> dict[str, list[Path]]:
     if not out_dir.parent.is_dir():
         return {"moved_aside": [], "partial": []}
     found = sorted(p for p in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*") if p.is_dir())
-    return {"moved_aside": [p for p in found if p.name.endswith(".old") and (p / CARD_JSON).is_file()],
+    return {"moved_aside": [p for p in found if p.name.endswith(".old") and is_export(p)],
             "partial": [p for p in found if p.name.endswith(".tmp")]}
 
 

@@ -58,7 +58,7 @@ from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
 
 from decode.cache import context_length
-from decode.compat import check_argument_types, check_compatibility
+from decode.compat import check_argument_types, check_compatibility, shares_vocabulary
 from decode.engine import SpeculativeDecoder
 from decode.loading import (check_cached, check_device, hub_revision, load_causal_lm, load_draft_tokenizer,
                             load_target_tokenizer)
@@ -377,7 +377,8 @@ def certify(target: Any, draft: Any, prefixes: Sequence[Sequence[int]], settings
     if decoder is None:
         decoder = SpeculativeDecoder(target, draft, num_draft_tokens, tokenizer=tokenizer,
                                      draft_tokenizer=draft_tokenizer)
-    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer,
+                                     cross_vocab=not shares_vocabulary(tokenizer, draft_tokenizer))
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     start = time.perf_counter()

@@ -347,8 +347,22 @@ def check_argument_types(target: Any, draft: Any = None, target_tokenizer: Any =
                         f"{str(tok)[:80]!r}.{hint}")
 
 
-def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
+def shares_vocabulary(target_tokenizer: Any, draft_tokenizer: Any) -> bool:
+    """Whether a draft with ``draft_tokenizer`` reads and writes the target's ids (:func:`check_tokenizers` passes;
+    True when either is None); otherwise it drafts through the tokens both share (:mod:`decode.cross_vocab`)."""
+    try:
+        check_tokenizers(target_tokenizer, draft_tokenizer)
+    except IncompatibleModelsError:
+        return False
+    return True
+
+
+def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = None, draft_tokenizer: Any = None,
+                        cross_vocab: bool = False) -> int:
     """Check that ``draft`` can propose tokens for ``target`` and return the shared vocabulary size V.
+
+    ``cross_vocab``: the draft has a vocabulary of its own (:mod:`decode.cross_vocab`): V is the target's, and a
+    pruned draft's map is checked against the draft's tokenizer.
 
     V is ``len(target_tokenizer)`` when a tokenizer is given (grown to the draft tokenizer's size where the target's
     lm_head has rows for those ids), else the target's lm_head size. Ids beyond V that only a draft's tokenizer has
@@ -369,6 +383,14 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
             f"the target is a vocabulary-pruned draft (its lm_head scores {output_vocab_size(target)} ids, listed "
             "in its draft_vocab_map): it cannot be a target. Give it as the draft, and the full model it was "
             "pruned for as the target")
+    if cross_vocab:
+        if target_tokenizer is None or draft_tokenizer is None:
+            raise IncompatibleModelsError("a draft with a tokenizer of its own needs both tokenizers: pass "
+                                          "tokenizer= (the target's) and draft_tokenizer= (the draft's)")
+        vocab = check_compatibility(target, None, target_tokenizer)
+        if draft is not None:
+            check_draft_vocab_map(draft, len(draft_tokenizer), draft_tokenizer)
+        return vocab
     check_tokenizers(target_tokenizer, draft_tokenizer)
     v_target = output_vocab_size(target)
     if target_tokenizer is not None:
@@ -400,11 +422,12 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     return vocab
 
 
-def check_decodable(target: Any, draft: Any, tokenizer: Any = None, draft_tokenizer: Any = None) -> int:
-    """The pair checked for speculative decoding (:func:`check_compatibility`: a shared vocabulary; each model's cache
-    rolls back, :func:`check_cache_support`; causal attention, :func:`check_causal`); returns the shared vocabulary
-    size. ``draft_tokenizer`` defaults to ``tokenizer``."""
-    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer)
+def check_decodable(target: Any, draft: Any, tokenizer: Any = None, draft_tokenizer: Any = None,
+                    cross_vocab: bool = False) -> int:
+    """The pair checked for speculative decoding (:func:`check_compatibility`: a shared vocabulary, or with
+    ``cross_vocab`` the target's; each model's cache rolls back, :func:`check_cache_support`; causal attention,
+    :func:`check_causal`); returns the shared vocabulary size. ``draft_tokenizer`` defaults to ``tokenizer``."""
+    vocab_size = check_compatibility(target, draft, tokenizer, draft_tokenizer or tokenizer, cross_vocab)
     for name, model in (("target", target), ("draft", draft)):
         if model is not None:
             check_cache_support(model, name)

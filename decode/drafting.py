@@ -25,18 +25,23 @@ from decode.vocab_map import scatter_to_vocab
 DraftForward = Callable[[DecodeState, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
-def draft_logits(logits: torch.Tensor, draft_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+def draft_logits(logits: torch.Tensor, draft_map: torch.Tensor | None, vocab_size: int,
+                 columns: torch.Tensor | None = None) -> torch.Tensor:
     """The draft's ``(B, 1, N)`` logits as a row over the target's ids: a pruned draft's N logits go to the ids of its
     map (``draft_map``, None for a full-vocabulary draft) and every other id gets -inf, so q = 0 there and the
-    residual max(p − q, 0) gives those ids exactly their target probability."""
+    residual max(p − q, 0) gives those ids exactly their target probability. A draft of another vocabulary
+    (:mod:`decode.cross_vocab`) gives ``columns``, its logit columns of the shared tokens, and ``draft_map``,
+    their target ids."""
     if draft_map is None:
         return logits
-    return scatter_to_vocab(logits, draft_map.to(logits.device), vocab_size)
+    return scatter_to_vocab(logits, draft_map.to(logits.device), vocab_size,
+                            None if columns is None else columns.to(logits.device))
 
 
 def draft_tokens(state: DecodeState, gamma: int, lookup: LookupDrafts | None, forward: DraftForward,
                  sampling: BatchSampling, vocab_size: int, draft_map: torch.Tensor | None, counts: Any, seen: Any,
-                 draft_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+                 draft_u: torch.Tensor, draft_columns: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Draft γ >= 1 tokens per row: the lookup's proposal where it has one, else the draft model's guess.
 
     Args:
@@ -45,6 +50,7 @@ def draft_tokens(state: DecodeState, gamma: int, lookup: LookupDrafts | None, fo
         forward: one draft forward on the draft's cache (the engine's ``draft_forward``).
         counts, seen: ``(B, V)`` penalty counts of the rows, or None.
         draft_u: ``(B, γ)`` the rows' uniforms for sampled drafts.
+        draft_map, draft_columns: where the draft's logits go among the target's ids (:func:`draft_logits`).
 
     Returns:
         tokens ``(B, γ)``, q ``(B, γ, V)`` (None when every row is greedy) and the number of draft forwards run.
@@ -62,7 +68,7 @@ def draft_tokens(state: DecodeState, gamma: int, lookup: LookupDrafts | None, fo
             inp = torch.cat([inp, tok[:, None]], dim=1)
             inp_mask = torch.cat([inp_mask, torch.ones_like(inp_mask[:, :1])], dim=1)
         else:
-            logits = draft_logits(forward(state, inp, inp_mask, holes), draft_map, vocab_size)
+            logits = draft_logits(forward(state, inp, inp_mask, holes), draft_map, vocab_size, draft_columns)
             tok, q = next_token(logits, sampling, vocab_size, counts, seen, draft_u[:, i])
             if lookup is not None:
                 tok, q = lookup.overlay(i, tok, q, vocab_size)

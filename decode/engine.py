@@ -33,7 +33,9 @@ from decode import kernels
 from decode import profile as profiling
 from decode.batch import DecodeState, RunningBatch, left_pad
 from decode.cache import context_length
-from decode.compat import check_decodable, draft_input_substitute, substitute_draft_inputs, warn_chunk_dependent_rope
+from decode.compat import (check_decodable, draft_input_substitute, shares_vocabulary, substitute_draft_inputs,
+                           warn_chunk_dependent_rope)
+from decode.cross_vocab import draft_intersection
 from decode.compiling import check_compile, compiled_forward
 from decode.drafting import draft_tokens
 from decode.lookup import chain_tokens, check_prompt_lookup, lookup_chains, lookup_drafts
@@ -65,7 +67,10 @@ class SpeculativeDecoder:
             batch's last row, :meth:`decode.speedup.AdaptiveGamma.plan_batch`, unless ``plan_static_batches`` is
             set False).
         tokenizer, draft_tokenizer: if given, checked for compatibility and used to set the shared vocabulary
-            (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output.
+            (see :func:`decode.compat.check_compatibility`); ids beyond it never appear in the output. A
+            ``draft_tokenizer`` of another vocabulary than ``tokenizer`` (needs both) makes the draft read the
+            target's tokens mapped into its vocabulary and propose the tokens both share
+            (:mod:`decode.cross_vocab`, :attr:`intersection`); the output stays the target's.
         max_auto_draft_tokens: upper bound on γ in ``"auto"`` mode.
         auto_costs: the cost model of ``"auto"``, ``{batch_size: {"cost_ratio": c, "verify": [v_0, .., v_max]}}``
             for batch sizes 1, 2, 4, 8, ... (B rows use the next power of two; keys may be strings, as after a JSON
@@ -103,7 +108,14 @@ class SpeculativeDecoder:
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer)
+        cross = draft is not None and not shares_vocabulary(tokenizer, draft_tokenizer)
+        self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer, cross_vocab=cross)
+        # A draft with a tokenizer of its own drafts through the tokens both vocabularies share (decode.cross_vocab).
+        self.intersection = draft_intersection(draft, tokenizer, draft_tokenizer, self.vocab_size) if cross else None
+        if self.intersection is not None:
+            warnings.warn(f"decode: the draft's tokenizer differs from the target's; it drafts through the "
+                          f"{self.intersection.summary()} (docs/decode.md, \"Drafts with their own tokenizer\")",
+                          stacklevel=2)
         self.max_auto_draft_tokens = check_max_auto_draft_tokens(max_auto_draft_tokens)
         self.prompt_lookup_ngram = check_prompt_lookup(prompt_lookup_ngram)
         drafts = draft is not None or self.prompt_lookup_ngram > 0
@@ -112,9 +124,16 @@ class SpeculativeDecoder:
         self.context_length = context_length(target)
         self.draft_context_length = context_length(draft) if draft is not None else None
         # (limit, substitute): the draft reads ids >= limit as substitute (see decode.compat); None: it reads all.
-        self._draft_input = draft_input_substitute(draft, self.vocab_size, tokenizer) if draft is not None else None
-        # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft.
+        self._draft_input = (draft_input_substitute(draft, self.vocab_size, tokenizer)
+                             if draft is not None and not cross else None)
+        # A vocabulary-pruned draft's (N,) draft-to-target id map (checked above), None for a full-vocabulary draft;
+        # for a draft of another vocabulary, the shared tokens' target ids and the draft's logit columns of them.
         self._draft_map = draft_vocab_map(draft) if draft is not None else None
+        self._draft_columns = None
+        if self.intersection is not None:
+            device = next(draft.parameters()).device
+            self.intersection = self.intersection.to(device)
+            self._draft_map, self._draft_columns = self.intersection.target_ids, self.intersection.columns
         self.compile = check_compile(compile, draft is not None)
         warn_chunk_dependent_rope(target)
         # Per model: the preallocated static cache (decode.cache.StaticKV) or the DynamicCache path.
@@ -452,6 +471,8 @@ class SpeculativeDecoder:
     def draft_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` (LongTensor, any shape) as the draft reads them: ids its input embedding lacks replaced by the
         substitute id (:mod:`decode.compat`); ``ids`` itself for a draft that reads every id."""
+        if self.intersection is not None:
+            return self.intersection.draft_ids(ids)
         return substitute_draft_inputs(ids, self._draft_input)
 
     def _draft(self, state: DecodeState, gammas: list[int], gamma: int, draft_u: torch.Tensor,
@@ -469,7 +490,7 @@ class SpeculativeDecoder:
                                 self.target.device) if self.prompt_lookup_ngram else None)
         drafts, q, self._step_draft_forwards = draft_tokens(
             state, gamma, lookup, self.draft_forward, self._batch.sampling, self.vocab_size, self._draft_map,
-            self._batch.counts, self._batch.seen, draft_u)
+            self._batch.counts, self._batch.seen, draft_u, self._draft_columns)
         return drafts, q
 
     def draft_forward(self, state: DecodeState, inp: torch.Tensor, inp_mask: torch.Tensor, holes: bool) -> torch.Tensor:

@@ -169,11 +169,15 @@ def check_map(ids: torch.Tensor, vocab_size: int, what: str = "the draft's vocab
         raise ValueError(f"{what} must be sorted ascending without repeats")
 
 
-def scatter_to_vocab(logits: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def scatter_to_vocab(logits: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int,
+                     columns: torch.Tensor | None = None) -> torch.Tensor:
     """``(..., N)`` logits over the kept ids -> ``(..., vocab_size)`` with ``-inf`` on every other id (q = 0 there).
 
-    Differentiable in ``logits``; ``vocab_map`` (N,) int64 on the logits' device.
+    Differentiable in ``logits``; ``vocab_map`` (N,) int64 on the logits' device. ``columns`` (N,) int64: take
+    those columns of ``logits`` first (a draft of another vocabulary, :mod:`decode.cross_vocab`).
     """
+    if columns is not None:
+        logits = logits.index_select(-1, columns)
     full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
     return full.index_copy(-1, vocab_map, logits)
 

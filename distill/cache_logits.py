@@ -20,10 +20,11 @@ from decode.cache import context_length
 from decode.outputs import write_json
 from distill.checks import check_output_dir, normalize_config
 from distill.config import SetupError, check_tail_samples_loss
+from distill.cross_vocab import is_cross_vocab
 from distill.data import load_data
 from distill.logit_cache import (FORMAT_VERSION, MANIFEST, check_cache_dir, check_manifest, expected_manifest,
                                  load_manifest, missing_shards, summarize, write_shards)
-from distill.models import check_pair, load_draft, load_target, load_tokenizer
+from distill.models import check_pair, load_draft, load_draft_tokenizer, load_target, load_tokenizer
 from distill.precision import accelerator_precision
 from distill.target_data import prepare_target_data
 
@@ -136,7 +137,9 @@ def _scored_examples(cfg: DictConfig, target: Any, tokenizer: Any, acc: Any, log
     completions for ``data.completions=target|both`` (as ``train`` makes them)."""
     examples, _ = load_data(cfg, tokenizer, context_length(target))
     if cfg.data.completions in ("target", "both"):
-        draft = load_draft(cfg.draft, target).eval().to(acc.device) if cfg.draft.get("name_or_path") else None
+        # a draft with a tokenizer of its own would need that tokenizer to draft; the target's text is the same
+        own = cfg.draft.get("name_or_path") and not is_cross_vocab(tokenizer, load_draft_tokenizer(cfg.draft))
+        draft = load_draft(cfg.draft, target).eval().to(acc.device) if own else None
         generated = prepare_target_data(cfg, target, draft, tokenizer, examples, acc, log)
         examples = generated if cfg.data.completions == "target" else examples + generated
     return examples

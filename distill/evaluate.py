@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from decode.bench.measure import acceptance, decode_stats, measure_costs, predict
+from decode.cross_vocab import VocabIntersection
 from decode.engine import SpeculativeDecoder
 from decode.outputs import replace_text
 from decode.sampling import logits_to_probs
@@ -67,13 +68,16 @@ def resolve_costs(target: Any, draft: Any, prompts: list[list[int]], cost_ratio:
 def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer: Any, temperatures: list[float],
                     num_draft_tokens: int = 4, max_new_tokens: int = 32, batch_size: int = 8, seed: int = 0,
                     cost_ratio: float | None = None, max_gamma: int = 8,
-                    progress: ProgressFn | None = None, verify_costs: list[float] | None = None) -> dict[str, Any]:
+                    progress: ProgressFn | None = None, verify_costs: list[float] | None = None,
+                    draft_tokenizer: Any = None) -> dict[str, Any]:
     """α, τ, accepted-length histogram and predicted speedup of ``draft`` for ``target``, per temperature.
 
     Args:
         target, draft: causal LMs (the draft unwrapped from DDP/peft wrappers is fine, peft models work as is).
         prompts: token-id lists (held-out prompts, chat template already applied).
         tokenizer: the shared tokenizer (eos, pad, and the decoder's compatibility check).
+        draft_tokenizer: the draft's own tokenizer when it differs from the target's (the decoder then drafts
+            through the tokens both share, :mod:`decode.cross_vocab`); None: the target's.
         temperatures: sampling temperatures; 0 is greedy.
         num_draft_tokens: γ used for the measurement.
         seed: seeds the decoder's generator for each temperature, so evaluations are repeatable.
@@ -99,7 +103,8 @@ def acceptance_eval(target: Any, draft: Any, prompts: list[list[int]], tokenizer
     was_training = draft.training
     draft.eval()
     try:
-        dec = SpeculativeDecoder(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer)
+        dec = SpeculativeDecoder(target, draft, num_draft_tokens=num_draft_tokens, tokenizer=tokenizer,
+                                 draft_tokenizer=draft_tokenizer)
         cost_ratio, verify_costs = resolve_costs(target, draft, prompts, cost_ratio, verify_costs, max_gamma,
                                                  progress, decoder=dec)
         per_t = {str(float(t)): temperature_row(dec, prompts, tokenizer, float(t), max_new_tokens, batch_size, seed,
@@ -169,24 +174,41 @@ def position_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor,
 @torch.no_grad()
 def teacher_forced_sums(target: Any, draft: Any, examples: list[dict], temperatures: list[float], vocab: int,
                         pad_id: int = 0, batch_size: int = 8,
-                        progress: Callable[[int, int], None] | None = None) -> tuple[dict[float, float], int]:
+                        progress: Callable[[int, int], None] | None = None,
+                        intersection: VocabIntersection | None = None) -> tuple[dict[float, float], int]:
     """``({T: Σβ}, positions)`` over the completion positions of ``examples`` (``{"prompt_ids", "completion_ids"}``):
     one target forward and one draft forward per batch of ``batch_size`` (only the completion positions reach the
-    lm_heads, :func:`distill.rollout.completion_logits`); ``progress(done, total)`` after each batch."""
-    vocab_map = draft_vocab_map(draft)
+    lm_heads, :func:`distill.rollout.completion_logits`); ``progress(done, total)`` after each batch.
+
+    ``intersection``: for a draft with a tokenizer of its own, the pairing it drafts through
+    (:mod:`decode.cross_vocab`): it reads the examples' target ids mapped into its vocabulary and its q covers
+    only the shared tokens, as in the decoder."""
+    vocab_map = draft_vocab_map(draft) if intersection is None else intersection.target_ids
+    d_pad = pad_id if intersection is None else int(intersection.draft_input[pad_id])
     keep_t, keep_d = accepts_logits_to_keep(target), accepts_logits_to_keep(draft)
     sums, positions = {float(t): 0.0 for t in temperatures}, 0
     for start in range(0, len(examples), batch_size):
         rows = [e for e in examples[start:start + batch_size] if e["completion_ids"]]
         if rows:
             target_logits = completion_logits(target, rows, pad_id, keep_t)  # (N, V')
-            draft_logits = completion_logits(draft, rows, pad_id, keep_d)    # (N, V'') or (N, K) pruned
+            draft_logits = completion_logits(draft, draft_rows(rows, intersection), d_pad, keep_d)  # (N, V''|K)
+            if intersection is not None:
+                draft_logits = draft_logits.index_select(-1, intersection.columns.to(draft_logits.device))
             for t in sums:
                 sums[t] += float(position_acceptance(target_logits, draft_logits, t, vocab, vocab_map).double().sum())
             positions += target_logits.shape[0]
         if progress is not None:
             progress(min(start + batch_size, len(examples)), len(examples))
     return sums, positions
+
+
+def draft_rows(rows: list[dict], intersection: VocabIntersection | None) -> list[dict]:
+    """The examples as the draft reads them: target ids mapped into its vocabulary when it has its own."""
+    if intersection is None:
+        return rows
+    table = intersection.draft_input.tolist()
+    return [{**e, "prompt_ids": [table[i] for i in e["prompt_ids"]],
+             "completion_ids": [table[i] for i in e["completion_ids"]]} for e in rows]
 
 
 def teacher_forced_alpha(target: Any, draft: Any, sequences: list[list[int]], prompt_lens: list[int],
@@ -237,12 +259,14 @@ def predicted_row(alpha: float, num_draft_tokens: int, cost_ratio: float, verify
 def teacher_forced_eval(target: Any, draft: Any, examples: list[dict], temperatures: list[float], vocab: int,
                         num_draft_tokens: int = 4, cost_ratio: float = 1.0, verify_costs: list[float] | None = None,
                         max_gamma: int = 8, batch_size: int = 8, pad_id: int = 0,
-                        progress: ProgressFn | None = None) -> dict[str, Any]:
+                        progress: ProgressFn | None = None,
+                        intersection: VocabIntersection | None = None) -> dict[str, Any]:
     """:func:`acceptance_eval`'s result, with α teacher-forced on ``examples`` (held-out prompts with the target's
     responses) instead of counted while generating: per temperature α (:func:`teacher_forced_sums`) and what
     follows from it (:func:`predicted_row`: τ at γ = ``num_draft_tokens``, acceptance rate, histogram as
     probabilities, the speedup at the best γ with c and v_γ), ``num_positions`` (response tokens scored) and
     ``"method": "teacher_forced"``. ``progress`` is told ``("eval α teacher-forced", done, total, "sequences")``.
+    ``intersection``: a draft with a tokenizer of its own (:func:`teacher_forced_sums`).
 
     Raises:
         ValueError: no example has a response token.
@@ -252,7 +276,7 @@ def teacher_forced_eval(target: Any, draft: Any, examples: list[dict], temperatu
     draft.eval()
     try:
         sums, positions = teacher_forced_sums(target, draft, examples, temperatures, vocab, pad_id, batch_size,
-                                              report)
+                                              report, intersection)
     finally:
         draft.train(was_training)
     if not positions:

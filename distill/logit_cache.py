@@ -386,13 +386,18 @@ def open_for_training(cfg: Any, tokenizer: Any, log: Any = print) -> LogitCache:
 
 
 def cached_training_data(cache: LogitCache, draft: Any, tokenizer: Any, draft_tokenizer: Any,
-                         context: int | None) -> tuple[int, list[dict], list[list[int]]]:
+                         context: int | None, cross_vocab: bool = False) -> tuple[int, list[dict], list[list[int]]]:
     """``(vocab, examples, eval_prompts)`` for training on the cache; checks the draft's tokenizer and context.
 
-    Raises SetupError naming the fix when the tokenizers differ or a cached sequence exceeds the draft's context.
+    The cache is keyed on the target's tokens: a draft with a tokenizer of its own (``cross_vocab``) reads them
+    through the token-level intersection (:mod:`distill.cross_vocab`), so its tokenizer is not compared.
+
+    Raises SetupError naming the fix when the tokenizers differ (without ``cross_vocab``) or a cached sequence
+    exceeds the draft's context.
     """
     try:
-        check_tokenizers(tokenizer, draft_tokenizer)
+        if not cross_vocab:
+            check_tokenizers(tokenizer, draft_tokenizer)
     except IncompatibleModelsError as e:
         raise SetupError(f"incompatible target/draft pair: {e}") from e
     vocab = int(cache.manifest["vocab"])

@@ -49,7 +49,8 @@ def load_draft_tokenizer(cfg: Any) -> Any:
     """The tokenizer saved with an existing draft checkpoint (None for a built draft or a folder without one), via
     ``decode.loading.load_draft_tokenizer``; a run's checkpoint folder keeps it in ``draft/``.
 
-    The recipe trains with the target's tokenizer; the draft's own is loaded only to check that they agree.
+    The recipe trains on the target's tokens; a draft whose own tokenizer differs reads them through the
+    token-level intersection (:mod:`distill.cross_vocab`), and its tokenizer is saved with its checkpoints.
     """
     if not cfg.get("name_or_path"):
         return None
@@ -198,10 +199,11 @@ def attach_lora(draft: Any, cfg: Any) -> Any:
                          f"are {names} ({e})") from e
 
 
-def check_pair(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any = None) -> int:
-    """Shared vocabulary size V; raises SetupError (from decode.compat's IncompatibleModelsError) naming the fix."""
+def check_pair(target: Any, draft: Any, tokenizer: Any, draft_tokenizer: Any = None, cross_vocab: bool = False) -> int:
+    """Shared vocabulary size V (the target's for a draft with a tokenizer of its own, ``cross_vocab``:
+    :mod:`distill.cross_vocab`); raises SetupError (from decode.compat's IncompatibleModelsError) naming the fix."""
     try:
-        return check_compatibility(target, draft, tokenizer, draft_tokenizer)
+        return check_compatibility(target, draft, tokenizer, draft_tokenizer, cross_vocab=cross_vocab)
     except IncompatibleModelsError as e:
         raise SetupError(f"incompatible target/draft pair: {e}") from e
 

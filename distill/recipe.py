@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decode import SpeculativeDecoder
 from decode.cache import context_length
 from decode.compat import input_vocab_size
 from decode.loading import hub_revision, recorded_name
@@ -41,6 +42,8 @@ from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt, runfolder
 from distill.checks import check_inputs, check_output_dir, normalize_config
 from distill.config import SetupError
+from distill.cross_vocab import (check_cross_vocab_settings, draft_inputs, is_cross_vocab, pair_vocabularies,
+                                 pairing_record, shared_columns)
 from distill.data import collate_sequences, kept_positions, load_data, micro_batch_indices
 from distill.evaluate import (HELDOUT_FILE, acceptance_eval, heldout_examples, resolve_costs, save_heldout,
                               teacher_forced_eval)
@@ -62,7 +65,7 @@ class Run:
 
     cfg: DictConfig                 # the normalized config
     accelerator: Any                # accelerate.Accelerator
-    tokenizer: Any                  # the target's tokenizer (the pair shares it)
+    tokenizer: Any                  # the target's tokenizer (the pair shares it, unless intersection is set)
     target: Any                     # frozen target, on the accelerator's device
     draft: Any                      # the trainable draft (LoRA-wrapped when train.lora.enabled), prepared
     vocab: int                      # shared vocabulary size V (logits are sliced to it)
@@ -82,6 +85,8 @@ class Run:
     heldout_record: dict | None = None  # those responses to keep in <output_dir>/eval_heldout.json (made by this setup)
     vocab_report: dict | None = None   # a pruned draft's kept ids: selection data and held-out coverage
     eval_time: dict = field(default_factory=lambda: {"eval_s": 0.0, "heldout_s": 0.0, "costs_s": 0.0})
+    draft_tokenizer: Any = None     # the draft's own tokenizer when it differs from the target's (saved with it)
+    intersection: Any = None        # decode.cross_vocab.VocabIntersection the draft trains through, with its own
 
 
 def lr_lambda(step: int, warmup: int, total: int, kind: str, min_ratio: float, time_progress: float = 0.0) -> float:
@@ -142,6 +147,10 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     output_dir = Path(cfg.train.output_dir)
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
                                trust_remote_code=bool(cfg.target.trust_remote_code))
+    draft_tokenizer = load_draft_tokenizer(cfg.draft)
+    cross = is_cross_vocab(tokenizer, draft_tokenizer)  # a draft of another vocabulary: decode.cross_vocab's view
+    if cross:
+        check_cross_vocab_settings(cfg)
     # data.target_logits=cached: the target's distribution comes from a logit cache; the target is loaded only to
     # evaluate (eval.with_cached_logits=true), never to train.
     cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None
@@ -149,18 +158,20 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     draft = load_draft(cfg.draft, target)
     check_draft_weights(cfg, draft)
     if cache is None:
-        vocab = check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
+        vocab = check_pair(target, draft, tokenizer, draft_tokenizer, cross)
         ctx = [c for c in (context_length(target), context_length(draft)) if c]
         examples, eval_prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None)
     else:
-        vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, load_draft_tokenizer(cfg.draft),
-                                                             context_length(draft))
-    check_draft_inputs(cfg, draft, vocab)
+        vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, draft_tokenizer,
+                                                             context_length(draft), cross)
+    intersection = pair_vocabularies(draft, tokenizer, draft_tokenizer, vocab, log) if cross else None
+    if intersection is None:
+        check_draft_inputs(cfg, draft, vocab)
     if target is not None:
         target.to(accelerator.device)
     draft.to(accelerator.device)
     if cache is None:  # (the cache holds the scored sequences, target-generated ones included)
-        examples = training_examples(cfg, target, draft, tokenizer, examples, accelerator, log)
+        examples = training_examples(cfg, target, None if cross else draft, tokenizer, examples, accelerator, log)
     if not examples:
         raise SetupError("no training examples after loading; check data.source")
     examples = trim_prompts(examples, cfg.data.get("train_prompt_tokens"))
@@ -172,10 +183,11 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     pruned_here, selection = prune_for_training(cfg, draft, tokenizer, vocab, target, cache, examples, resume_from,
                                                 log)
     vocab_report = pruned_vocab_report(cfg, target, draft, tokenizer, vocab, selection, heldout, log)
-    draft, draft_base = with_lora(cfg, draft, tokenizer, output_dir, pruned_here, accelerator)
+    draft, draft_base = with_lora(cfg, draft, draft_tokenizer if cross else tokenizer, output_dir, pruned_here,
+                                  accelerator)
     t0 = time.perf_counter()
     cost_ratio, verify_costs = run_costs(cfg, target, draft, eval_prompts, cost_ratio, verify_costs, progress,
-                                         accelerator)
+                                         accelerator, (tokenizer, draft_tokenizer) if cross else None)
     eval_time["costs_s"] = time.perf_counter() - t0
     clock = {"elapsed_s": 0.0, "max_time_s": float(cfg.train.get("max_time_s") or 0)}
     optimizer, scheduler = build_optimizer(draft, cfg, clock)
@@ -184,7 +196,8 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
                examples=examples, eval_prompts=eval_prompts, optimizer=optimizer, scheduler=scheduler,
                cost_ratio=float(cost_ratio), verify_costs=verify_costs, draft_base=draft_base, output_dir=output_dir,
                logit_cache=cache, clock=clock, progress=progress, heldout=heldout,
-               heldout_record=heldout_record, vocab_report=vocab_report, eval_time=eval_time)
+               heldout_record=heldout_record, vocab_report=vocab_report, eval_time=eval_time,
+               draft_tokenizer=draft_tokenizer if cross else None, intersection=intersection)
 
 
 def heldout_text(cfg: DictConfig, target: Any, draft: Any, tokenizer: Any, eval_prompts: list[list[int]],
@@ -318,9 +331,12 @@ def with_lora(cfg: DictConfig, draft: Any, tokenizer: Any, output_dir: Path, pru
 
 
 def run_costs(cfg: DictConfig, target: Any, draft: Any, eval_prompts: list[list[int]], cost_ratio: float | None,
-              verify_costs: list[float] | None, progress: Progress, accelerator: Any) -> tuple[float, Any]:
+              verify_costs: list[float] | None, progress: Progress, accelerator: Any,
+              tokenizers: tuple[Any, Any] | None = None) -> tuple[float, Any]:
     """c and v_γ of the run: ``eval.verify_costs`` when set (also over a resumed run's own), else the given ones,
-    else ``eval.cost_ratio``, else measured (the same on every process); c is NaN in cached mode (no target)."""
+    else ``eval.cost_ratio``, else measured (the same on every process); c is NaN in cached mode (no target).
+    ``tokenizers``: (the target's, the draft's) for a draft with a tokenizer of its own, measured through the
+    decoder's intersection."""
     if cfg.eval.get("verify_costs") is not None:
         verify_costs = [float(v) for v in cfg.eval.verify_costs]
     if cost_ratio is None:
@@ -329,8 +345,10 @@ def run_costs(cfg: DictConfig, target: Any, draft: Any, eval_prompts: list[list[
         return float("nan"), verify_costs  # no target to time; the recipe does not evaluate in cached mode
     if cost_ratio is None:
         with progress.reporting() as report:
+            decoder = None if tokenizers is None else SpeculativeDecoder(target, draft, tokenizer=tokenizers[0],
+                                                                         draft_tokenizer=tokenizers[1])
             cost_ratio, verify_costs = resolve_costs(target, draft, eval_prompts, None, verify_costs,
-                                                     int(cfg.eval.max_gamma), report)
+                                                     int(cfg.eval.max_gamma), report, decoder)
         if accelerator.num_processes > 1:  # timings differ per process; one cost model keeps selection in step
             from accelerate.utils import broadcast_object_list
 
@@ -439,6 +457,18 @@ def target_top1(kind: str, target_side: Any, vocab: int) -> torch.Tensor:
     return _vocab_slice(target_side, vocab).argmax(-1)
 
 
+def draft_side(run: Run, batch: dict[str, torch.Tensor], where: tuple) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(vocab_map, logits)`` of the draft at the kept positions: ``(N, V')`` logits and None for a draft of the
+    target's vocabulary; for a vocabulary-pruned draft its ``(N, K)`` logits and its map ``(K,)`` of target ids;
+    for a draft with a tokenizer of its own (``run.intersection``), which reads the target's tokens mapped into its
+    ids, the ``(N, K)`` logits of the K shared tokens and their target ids: the same pruned form."""
+    if run.intersection is None:
+        return draft_vocab_map(run.draft), kept_logits(run, "draft", batch, where)
+    logits, target_ids = shared_columns(kept_logits(run, "draft", draft_inputs(batch, run.intersection), where),
+                                        run.intersection)
+    return target_ids, logits
+
+
 def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tensor,
                   on_policy: bool = False) -> torch.Tensor:
     """Target side (online forward or cache), the draft forward (grad); the divergence over completion tokens
@@ -461,8 +491,7 @@ def loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens: torch.Tens
     kind, target_side = target_distribution(run, batch, rows, where)
     if _ce_labels(cfg) == "target":
         labels = target_top1(kind, target_side, run.vocab)
-    vocab_map = draft_vocab_map(run.draft)  # (N,) for a pruned draft (its logits are N wide)
-    draft_kept = kept_logits(run, "draft", batch, where)
+    vocab_map, draft_kept = draft_side(run, batch, where)  # vocab_map (N,): a pruned or cross-vocabulary draft
     draft_kept = (draft_kept if vocab_map is not None else _vocab_slice(draft_kept, run.vocab)).unsqueeze(0)
     kw = dict(labels=labels.to(acc.device).unsqueeze(0), beta=float(cfg.loss.beta),
               temperature=float(cfg.loss.temperature), ce_weight=ce_weight(cfg, on_policy),
@@ -509,8 +538,8 @@ def _acceptance_loss_on_batch(run: Run, batch: dict[str, torch.Tensor], n_tokens
     shape = (mask.shape[0], width, -1)
     if _ce_labels(cfg) == "target":
         labels = target_top1(kind, target_side.view(shape), run.vocab)
-    vocab_map = draft_vocab_map(run.draft)
-    draft_seq = kept_logits(run, "draft", batch, where).view(shape)  # (B, C, V) or (B, C, N) when pruned
+    vocab_map, draft_seq = draft_side(run, batch, where)
+    draft_seq = draft_seq.view(shape)  # (B, C, V) or (B, C, N) when pruned or of another vocabulary
     kw = dict(labels=labels.to(acc.device), beta=float(cfg.loss.beta), temperature=float(cfg.loss.temperature),
               ce_weight=ce_weight(cfg, on_policy), gamma=int(cfg.loss.gamma))
     target_seq = _vocab_slice(target_side.view(shape), run.vocab)
@@ -591,13 +620,14 @@ def evaluate(run: Run) -> dict | None:
                                      num_draft_tokens=int(cfg.eval.num_draft_tokens), cost_ratio=run.cost_ratio,
                                      verify_costs=run.verify_costs, max_gamma=int(cfg.eval.max_gamma),
                                      batch_size=int(cfg.eval.batch_size), pad_id=run.tokenizer.pad_token_id,
-                                     progress=report)
+                                     progress=report, intersection=run.intersection)
         else:
             ev = acceptance_eval(run.target, draft, run.eval_prompts, run.tokenizer, list(cfg.eval.temperatures),
                                  num_draft_tokens=int(cfg.eval.num_draft_tokens),
                                  max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size),
                                  seed=int(cfg.eval.seed), cost_ratio=run.cost_ratio,
-                                 max_gamma=int(cfg.eval.max_gamma), progress=report, verify_costs=run.verify_costs)
+                                 max_gamma=int(cfg.eval.max_gamma), progress=report, verify_costs=run.verify_costs,
+                                 draft_tokenizer=run.draft_tokenizer)
     ev["eval_s"] = time.perf_counter() - t0
     run.eval_time["eval_s"] += ev["eval_s"]
     return ev
@@ -629,7 +659,7 @@ def check_finite(run: Run, step: int, out: Path) -> None:
 
 def save(run: Run, state: dict, path: Path) -> Path:
     """A full checkpoint at ``path`` with the current trainer state."""
-    return ckpt.save_checkpoint(run.accelerator, run.draft, run.tokenizer, run.scheduler, run.optimizer, state,
+    return ckpt.save_checkpoint(run.accelerator, run.draft, run.draft_tokenizer or run.tokenizer, run.scheduler, run.optimizer, state,
                                 OmegaConf.to_yaml(run.cfg), path)
 
 
@@ -796,7 +826,9 @@ def fresh_state(run: Run) -> dict:
             "lora": bool(cfg.train.lora.enabled), "target": recorded_name(str(cfg.target.name_or_path)),
             "target_revision": hub_revision(str(cfg.target.name_or_path)), "vocab_size": run.vocab,
             "cost_ratio": recorded_c, "verify_costs": run.verify_costs, "batch_size": int(cfg.train.batch_size),
-            "num_processes": run.accelerator.num_processes, "examples_consumed": 0}
+            "num_processes": run.accelerator.num_processes, "examples_consumed": 0,
+            "tokenizer_pairing": None if run.intersection is None else
+            pairing_record(run.tokenizer, run.draft_tokenizer, run.intersection)}
 
 
 def announce(run: Run, state: dict, stop_at: int, log: Any) -> None:

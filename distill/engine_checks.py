@@ -56,13 +56,22 @@ class EngineProblem:
         return asdict(self)
 
 
-def check_vocab_size(draft_config: dict, target_config: dict | None) -> list[EngineProblem]:
-    """The draft's ``vocab_size`` must equal the target's (vLLM raises otherwise)."""
+def check_vocab_size(draft_config: dict, target_config: dict | None,
+                     cross_vocab: bool = False) -> list[EngineProblem]:
+    """The draft's ``vocab_size`` must equal the target's (vLLM raises otherwise), unless the draft has a tokenizer
+    of its own (``cross_vocab``): vLLM then serves it with ``use_heterogeneous_vocab`` (its token-level
+    intersection, ``vllm/v1/spec_decode/vocab_mapping.py``, greedy draft sampling only), a note."""
     if target_config is None:
         return []
     draft, target = draft_config.get("vocab_size"), config_vocab_size(target_config)
     if target is None or draft == target:
         return []
+    if cross_vocab:
+        return [EngineProblem(
+            "vocab_size", f"the draft's is {draft}, the target's {target} (the draft has a tokenizer of its own): "
+            "vLLM serves it only with use_heterogeneous_vocab true in --speculative-config (its token-level "
+            "intersection, greedy draft sampling only; not run by draftkit), SGLang not at all",
+            "serve it with the card's vLLM line or draftkit's decoder", error=False)]
     return [EngineProblem(
         "vocab_size", f"the draft's is {draft}, the target's {target}: vLLM raises 'Target and draft model should "
         "have the same vocabulary size' (verify_equal_vocab_size_if_draft_model)",
@@ -198,13 +207,15 @@ def read_target_config(target: str) -> tuple[dict | None, str | None]:
         return None, f"the target's {path} could not be read ({err}): it was not compared with the draft's"
 
 
-def engine_problems(draft: Any, tokenizer: Any, target_config: dict | None) -> list[EngineProblem]:
+def engine_problems(draft: Any, tokenizer: Any, target_config: dict | None,
+                    cross_vocab: bool = False) -> list[EngineProblem]:
     """Every :class:`EngineProblem` of a loaded draft (a transformers causal LM) with its tokenizer against the
-    target's config dict (None: the checks that need it are skipped)."""
+    target's config dict (None: the checks that need it are skipped). ``cross_vocab``: the draft has a tokenizer
+    of its own (:func:`check_vocab_size`)."""
     config = draft.config.to_dict()
     head = draft.get_output_embeddings().weight.detach()
     embedding = draft.get_input_embeddings().weight.detach()
-    return [*check_architectures(config), *check_vocab_size(config, target_config),
+    return [*check_architectures(config), *check_vocab_size(config, target_config, cross_vocab),
             *check_head_rows(config, int(head.shape[0])), *check_tied_head(config, head, embedding),
             *check_quantization(config), *check_remote_code(config), *check_tokenizer(tokenizer, config),
             *check_context_length(config, target_config), *check_head_size(config)]

@@ -174,7 +174,7 @@ def stopped_export_notes(out_dir: str | Path) -> list[str]:
 
 
 def serving_commands(target: str, draft_dir: str, evaluation: dict | None, config: dict | None,
-                     pruned: bool = False, engines_note: str | None = None) -> dict:
+                     pruned: bool = False, engines_note: str | None = None, cross_vocab: bool = False) -> dict:
     """Command lines that serve the exported draft in vLLM and SGLang, with γ from the recipe's evaluation.
 
     A vocabulary-pruned draft (``pruned``) or one that failed the engine checks (``engines_note``: why) has no
@@ -191,6 +191,10 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
     ``--speculative-num-steps`` draft steps with top-k 1, verifying γ + 1 tokens per step; draftkit does not run
     SGLang, so that line is unmeasured (``sglang_note``). Every argument is shell-quoted (``shlex.split`` gives
     back the exact paths and the JSON).
+
+    A draft with a tokenizer of its own (``cross_vocab``) gets a vLLM line with ``use_heterogeneous_vocab: true``
+    (vLLM's token-level intersection, the method it was trained with; vLLM then reads the draft's tokenizer from its
+    folder and allows greedy draft sampling only), marked not run by draftkit (``vllm_note``), and no SGLang line.
     """
     per_t = (evaluation or {}).get("per_temperature") or {}
     if per_t:
@@ -200,7 +204,8 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
         gamma = int(((config or {}).get("eval") or {}).get("num_draft_tokens") or 4)
         source = "eval.num_draft_tokens of the training config (no evaluation recorded: γ was not measured)"
     spec = json.dumps({"model": draft_dir, "num_speculative_tokens": gamma, "method": "draft_model",
-                       "draft_sample_method": "probabilistic"})
+                       **({"use_heterogeneous_vocab": True, "draft_sample_method": "greedy"} if cross_vocab
+                          else {"draft_sample_method": "probabilistic"})})
     vllm = shlex.join(["vllm", "serve", target, "--speculative-config", spec])
     sglang = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
                          "STANDALONE", "--speculative-draft-model-path", draft_dir, "--speculative-num-steps",
@@ -211,14 +216,19 @@ def serving_commands(target: str, draft_dir: str, evaluation: dict | None, confi
         engines_note = engines_note or PRUNED_NOTE
     if engines_note:
         vllm = sglang = None
+    if cross_vocab:
+        sglang = None
     return {"draft": draft_dir, "num_draft_tokens": gamma, "gamma_source": source, "vllm": vllm, "sglang": sglang,
             "sglang_note": None if sglang is None else SGLANG_NOTE, "engines_note": engines_note,
-            "draftkit": draftkit}
+            "draftkit": draftkit, "vllm_note": CROSS_VLLM_NOTE if cross_vocab and vllm else None}
 
 
 PRUNED_NOTE = ("its lm_head is vocabulary-pruned, and vLLM and SGLang do not read its id map: re-export it with "
                "--full-vocab (python -m distill export THIS_FOLDER NEW_FOLDER --full-vocab) for them")
 SGLANG_NOTE = "not run by draftkit: its acceptance in SGLang is unmeasured"
+CROSS_VLLM_NOTE = ("not run by draftkit: vLLM's use_heterogeneous_vocab drafts through the token-level intersection "
+                   "(vllm/v1/spec_decode/vocab_mapping.py) with greedy draft sampling only, so at T > 0 it accepts "
+                   "fewer tokens than the table's α")
 
 
 def _verify_markdown(ev: dict) -> str:
@@ -260,6 +270,23 @@ def _pruned_markdown(card: dict) -> str:
             "(draftkit's decoder puts q = 0 on the other ids, so decoding stays lossless); plain `from_pretrained` "
             "refuses the smaller head, and vLLM and SGLang, which do not read the map, cannot use it: "
             "`python -m distill export THIS_FOLDER NEW_FOLDER --full-vocab` writes a copy they can serve.\n")
+
+
+def _pairing_markdown(card: dict) -> str:
+    """The card's paragraph on a draft with a tokenizer of its own (empty for a draft of the target's)."""
+    pairing = card.get("tokenizer_pairing")
+    if not pairing:
+        return ""
+    return (f"\n**A draft with its own tokenizer**: this folder holds the draft's tokenizer (vocabulary "
+            f"`{pairing['draft_vocab_hash']}`, {pairing['draft_vocab_size']:,} ids), not the target's (vocabulary "
+            f"`{pairing['target_vocab_hash']}`, {pairing['target_vocab_size']:,} ids). The two share "
+            f"{pairing['shared_tokens']:,} tokens ({pairing['coverage']:.1%} of the target's). The draft was "
+            "trained and is decoded through their token-level intersection (Timor et al., ICML 2025, \"Accelerating "
+            "LLM Inference with Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies\"): it "
+            "reads the target's tokens mapped one to one into its vocabulary and proposes only shared tokens, so "
+            "verification is the ordinary rule on the target's tokens and the output is the target's "
+            "distribution. draftkit's decoder does this when given both tokenizers (`draft_tokenizer=`, or "
+            "the draft's own tokenizer found in its folder).\n")
 
 
 def _expanded_markdown(card: dict) -> str:
@@ -346,6 +373,8 @@ def _use_markdown(card: dict) -> str:
     vocabulary-pruned one, whose id map none of them reads, or one that failed the engine checks) draftkit's
     decoder and server."""
     serving = card["serving"]
+    if card.get("tokenizer_pairing"):
+        return _cross_use_markdown(card)
     if serving.get("vllm"):
         return f"""## Use
 
@@ -405,6 +434,40 @@ With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}){_serve_cavea
 """
 
 
+def _cross_use_markdown(card: dict) -> str:
+    """The Use and Serve sections of a draft with a tokenizer of its own: draftkit's decoder with both tokenizers,
+    its server, and vLLM's heterogeneous-vocabulary line (not run by draftkit)."""
+    serving = card["serving"]
+    vllm = (f"# vLLM ({serving['vllm_note']})\n{serving['vllm']}\n" if serving.get("vllm") else "")
+    return f"""## Use
+
+The paths are the target's and the one this draft was exported to; change them if you move either folder.
+
+```python
+from decode import SpeculativeDecoder
+from decode.loading import load_causal_lm, load_tokenizer
+target = load_causal_lm({str(card['target'])!r}, "target")
+draft = load_causal_lm({serving['draft']!r}, "draft")
+tokenizer = load_tokenizer({str(card['target'])!r})
+draft_tokenizer = load_tokenizer({serving['draft']!r})
+prompt_ids = tokenizer("def fibonacci(n):")["input_ids"]
+decoder = SpeculativeDecoder(target, draft, {serving['num_draft_tokens']}, tokenizer=tokenizer,
+                             draft_tokenizer=draft_tokenizer)
+out = decoder.generate([prompt_ids], max_new_tokens=128)
+print(tokenizer.decode(out.sequences[0]))
+```
+
+## Serve
+
+With γ = {serving['num_draft_tokens']} ({serving['gamma_source']}){_serve_caveat(card)}:
+
+```bash
+# draftkit's OpenAI-compatible server (reads the draft's tokenizer from its folder)
+{serving['draftkit']}
+{vllm}```
+"""
+
+
 def _serve_caveat(card: dict) -> str:
     slower = slower_temperatures(card.get("evaluation"))
     return f"; predicted slower than plain decoding at temperature {', '.join(slower)}: see above" if slower else ""
@@ -451,7 +514,7 @@ def _card_markdown(card: dict) -> str:
 A draft model for speculative decoding, distilled against the frozen target `{card['target']}`{_revision(card)} with
 draftkit (`python -m distill train`, loss `{card['loss']}`, {card['steps']} steps).
 LoRA merged: {card['lora_merged']}. {_dtype_markdown(card)}{_exported_from(card)}
-{_target_markdown(card)}{_pruned_markdown(card)}{_expanded_markdown(card)}{_engines_markdown(card)}
+{_target_markdown(card)}{_pairing_markdown(card)}{_pruned_markdown(card)}{_expanded_markdown(card)}{_engines_markdown(card)}
 {_acceptance_markdown(card.get('evaluation') or {})}
 {_use_markdown(card)}
 The full training config is in `{CARD_JSON}` (key `config`).
@@ -528,7 +591,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: Any = None, overw
     dropped = not _keep_served(source, draft, expanded=bool(notes))
     if dropped or (earlier_served and earlier_served != source.get("served")):  # overwritten by other figures
         notes.append(SERVED_NOT_CARRIED)
-    checks = _engine_checks(draft, tokenizer, str(source.get("target")), draftkit_only, checkpoint)
+    checks = _engine_checks(draft, tokenizer, str(source.get("target")), draftkit_only, checkpoint,
+                            bool(source.get("tokenizer_pairing")))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the export is an ordinary folder
@@ -639,7 +703,7 @@ def _refuse_quantized(folder: Path, checkpoint: Path) -> None:
 # The fields of an earlier export's card that a re-export carries over (the rest describe the new folder).
 CARRIED_FIELDS = ("target", "target_revision", "earlier_target_revisions", "checkpoint", "steps", "tokens_seen",
                   "lora_merged", "loss", "evaluation", "initial_evaluation", "best", "config", "evaluated_dtype",
-                  "head_expanded_from", "served")
+                  "head_expanded_from", "served", "tokenizer_pairing")
 
 
 def load_export_draft(folder: str | Path, dtype: Any = None,
@@ -677,14 +741,17 @@ def _checkpoint_fields(checkpoint: Path, state: dict) -> dict:
             "loss": (config or {}).get("loss", {}).get("name"), "evaluation": state.get("last_eval"),
             "initial_evaluation": state.get("initial_eval"), "best": state.get("best"), "config": config,
             "evaluated_dtype": _checkpoint_dtype(checkpoint, state),
-            "vocab_report": {"vocab_size": state.get("vocab_size"), **_coverage(state.get("vocab"))}}
+            "vocab_report": {"vocab_size": state.get("vocab_size"), **_coverage(state.get("vocab"))},
+            "tokenizer_pairing": state.get("tokenizer_pairing")}
 
 
-def _engine_checks(draft: Any, tokenizer: Any, target: str, draftkit_only: bool, checkpoint: Path) -> dict:
+def _engine_checks(draft: Any, tokenizer: Any, target: str, draftkit_only: bool, checkpoint: Path,
+                   cross_vocab: bool = False) -> dict:
     """The card's ``engine_checks``: the problems vLLM/SGLang would hit, the note on the target's config when it
-    was not read, and ``servable``. Refuses a full-vocabulary draft with an error unless ``draftkit_only``."""
+    was not read, and ``servable``. Refuses a full-vocabulary draft with an error unless ``draftkit_only``.
+    ``cross_vocab``: the draft has a tokenizer of its own (another vocabulary size is then a note)."""
     target_config, note = read_target_config(target)
-    problems = engine_problems(draft, tokenizer, target_config)
+    problems = engine_problems(draft, tokenizer, target_config, cross_vocab)
     pruned = draft_vocab_map(draft) is not None
     errors = [p for p in problems if p.error and not (pruned and p.field == "lm_head")]
     if errors and not draftkit_only:
@@ -783,7 +850,8 @@ def _write_export(out_dir: Path, draft: Any, tokenizer: Any, source: dict, check
     card["target_found"] = local_folder(target) is not None if looks_local(target) else True
     card["serving"] = serving_commands(target, str((final_dir or out_dir).resolve()), card["evaluation"],
                                        card["config"], pruned=pruned is not None,
-                                       engines_note=_engines_note(checks, pruned is not None))
+                                       engines_note=_engines_note(checks, pruned is not None),
+                                       cross_vocab=bool(card.get("tokenizer_pairing")))
     (out_dir / CARD_JSON).write_text(json.dumps(card, indent=2))
     (out_dir / "README.md").write_text(_card_markdown(card))
     return card

@@ -93,15 +93,18 @@ def test_a_dangling_symlink_as_output_dir_is_named_as_one(pair, tmp_path):
         train(compose(overrides(pair, tmp_path / "dang")), log=lambda *_: None)
 
 
-def test_incompatible_tokenizer(pair, tmp_path):
+def test_a_draft_with_its_own_tokenizer_refuses_what_it_cannot_train_with(pair, tmp_path):
+    """A draft whose tokenizer differs trains through the token-level intersection (test_cross_vocab_training.py);
+    pruning its head is refused, naming the setting."""
     from transformers import AutoModelForCausalLM
 
-    bad = tmp_path / "bad_draft"
-    AutoModelForCausalLM.from_pretrained(str(pair["draft"])).save_pretrained(str(bad))
-    other = make_tokenizer(bad, vocab_size=280)
-    other.add_special_tokens({"pad_token": "<pad2>"})
-    other.save_pretrained(str(bad))
-    _fails(pair, tmp_path, f"draft.name_or_path={bad}", match="incompatible target/draft pair")
+    other = tmp_path / "other_draft"
+    AutoModelForCausalLM.from_pretrained(str(pair["draft"])).save_pretrained(str(other))
+    tok = make_tokenizer(other, vocab_size=280)
+    tok.add_special_tokens({"pad_token": "<pad2>"})
+    tok.save_pretrained(str(other))
+    _fails(pair, tmp_path, f"draft.name_or_path={other}", "draft.vocab.keep=50",
+           match="draft.vocab.keep=50, but the draft has a tokenizer of its own")
 
 
 def test_empty_data(pair, tmp_path):

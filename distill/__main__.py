@@ -36,6 +36,7 @@ from hydra.types import RunMode
 from omegaconf import open_dict
 from transformers.utils import logging as hf_logging
 
+from decode import SpeculativeDecoder
 from decode.cache import context_length
 from decode.loading import resolve_dtype
 from decode.vocab_map import pruned_size
@@ -43,6 +44,7 @@ from distill.bench_step import bench_step
 from distill.cache_logits import build_cache
 from distill.checks import check_inputs, check_output_file, normalize_config, validate
 from distill.config import CONF_ENV, SetupError, compose, conf_dir, expand_target_shorthand, explain
+from distill.cross_vocab import is_cross_vocab
 from distill.data import load_data
 from distill.evaluate import acceptance_eval, greedy_completions, resolve_costs, teacher_forced_eval
 from distill.export import export, export_notes, slower_temperatures, stopped_export_notes
@@ -85,16 +87,20 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
 # ------------------------------------------------------------------------------------------------ commands
 
-def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any]:
-    """(tokenizer, target, draft or None), the pair checked with the decoder's compatibility rule."""
+def _load_pair(cfg: Any, with_draft: bool = True) -> tuple[Any, Any, Any, Any]:
+    """(tokenizer, target, draft or None, the draft's own tokenizer when it differs from the target's, else None),
+    the pair checked with the decoder's compatibility rule (:mod:`distill.cross_vocab` for a draft of another
+    vocabulary)."""
     tokenizer = load_tokenizer(cfg.target.tokenizer or cfg.target.name_or_path,
                                trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
     target = load_target(cfg.target)
-    draft = None
+    draft = draft_tokenizer = None
     if with_draft:
         draft = load_draft(cfg.draft, target).eval()
-        check_pair(target, draft, tokenizer, load_draft_tokenizer(cfg.draft))
-    return tokenizer, target, draft
+        own = load_draft_tokenizer(cfg.draft)
+        draft_tokenizer = own if is_cross_vocab(tokenizer, own) else None
+        check_pair(target, draft, tokenizer, own, draft_tokenizer is not None)
+    return tokenizer, target, draft, draft_tokenizer
 
 
 def run_train(cfg: Any, opts: dict) -> None:
@@ -109,7 +115,8 @@ def run_generate_data(cfg: Any, opts: dict) -> None:
     use_draft = bool(cfg.data.target_generated.get("use_draft", True) and cfg.draft.get("name_or_path"))
     # The draft is loaded even when it does not draft: its context limits the prompts as in train(), whose
     # examples (and so the cache key) must be exactly these.
-    tokenizer, target, draft = _load_pair(cfg)
+    tokenizer, target, draft, draft_tokenizer = _load_pair(cfg)
+    use_draft = use_draft and draft_tokenizer is None  # a draft of another vocabulary does not draft here
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
     target.to(device)
     ctx = [c for c in (context_length(target), context_length(draft)) if c]
@@ -137,25 +144,27 @@ def _check_eval_keep(cfg: Any) -> None:
 
 
 def _teacher_forced(cfg: Any, target: Any, draft: Any, prompts: list[list[int]], tokenizer: Any,
-                    verify_costs: list[float] | None, report: Any) -> dict:
+                    verify_costs: list[float] | None, report: Any, draft_tokenizer: Any = None) -> dict:
     """``distill eval`` with ``eval.method=teacher_forced``: the target's greedy responses to the eval prompts, then
     α by teacher forcing on them (:func:`distill.evaluate.teacher_forced_eval`), with c measured as the recipe does
-    (:func:`distill.evaluate.resolve_costs`)."""
+    (:func:`distill.evaluate.resolve_costs`); a draft with its own ``draft_tokenizer`` through the intersection the
+    decoder drafts through."""
     examples = greedy_completions(target, prompts, int(cfg.eval.max_new_tokens), tokenizer.eos_token_id,
                                   int(cfg.eval.batch_size))
+    decoder = SpeculativeDecoder(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     cost_ratio, verify_costs = resolve_costs(target, draft, prompts, cfg.eval.get("cost_ratio"), verify_costs,
-                                             int(cfg.eval.max_gamma), progress=report)
-    vocab = check_pair(target, draft, tokenizer)
-    return teacher_forced_eval(target, draft, examples, list(cfg.eval.temperatures), vocab,
+                                             int(cfg.eval.max_gamma), progress=report, decoder=decoder)
+    return teacher_forced_eval(target, draft, examples, list(cfg.eval.temperatures), decoder.vocab_size,
                                num_draft_tokens=int(cfg.eval.num_draft_tokens), cost_ratio=cost_ratio,
                                verify_costs=verify_costs, max_gamma=int(cfg.eval.max_gamma),
-                               batch_size=int(cfg.eval.batch_size), pad_id=tokenizer.pad_token_id, progress=report)
+                               batch_size=int(cfg.eval.batch_size), pad_id=tokenizer.pad_token_id, progress=report,
+                               intersection=decoder.intersection)
 
 
 def run_eval(cfg: Any, opts: dict) -> None:
     cfg = normalize_config(cfg)
     _check_eval_keep(cfg)
-    tokenizer, target, draft = _load_pair(cfg)
+    tokenizer, target, draft, draft_tokenizer = _load_pair(cfg)
     ctx = [c for c in (context_length(target), context_length(draft)) if c]
     _, prompts = load_data(cfg, tokenizer, min(ctx) if ctx else None, training=False)
     device = "cuda" if torch.cuda.is_available() and not cfg.train.get("cpu") else "cpu"
@@ -163,14 +172,14 @@ def run_eval(cfg: Any, opts: dict) -> None:
     verify_costs = None if cfg.eval.get("verify_costs") is None else [float(v) for v in cfg.eval.verify_costs]
     with Progress(str(cfg.train.progress)).reporting() as report:
         if str(cfg.eval.get("method", "generate")) == "teacher_forced":
-            result = _teacher_forced(cfg, target, draft, prompts, tokenizer, verify_costs, report)
+            result = _teacher_forced(cfg, target, draft, prompts, tokenizer, verify_costs, report, draft_tokenizer)
         else:
             result = acceptance_eval(target, draft, prompts, tokenizer, list(cfg.eval.temperatures),
                                      num_draft_tokens=int(cfg.eval.num_draft_tokens),
                                      max_new_tokens=int(cfg.eval.max_new_tokens),
                                      batch_size=int(cfg.eval.batch_size), seed=int(cfg.eval.seed),
                                      cost_ratio=cfg.eval.get("cost_ratio"), max_gamma=int(cfg.eval.max_gamma),
-                                     progress=report, verify_costs=verify_costs)
+                                     progress=report, verify_costs=verify_costs, draft_tokenizer=draft_tokenizer)
     text = json.dumps(result, indent=2)
     print(text)  # first: a results file that cannot be written (a full disk) loses nothing
     if opts.get("out"):

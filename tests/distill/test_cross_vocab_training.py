@@ -155,3 +155,20 @@ def test_export_keeps_the_draft_tokenizer_records_the_pairing_and_decodes_lossle
     spec = SpeculativeDecoder(target, draft, 3, tokenizer=cross["t_tok"],
                               draft_tokenizer=exported_tok).generate(prompts, max_new_tokens=16)
     assert all(torch.equal(a, b) for a, b in zip(plain.sequences, spec.sequences))
+
+
+def test_generate_evaluation_measured_costs_and_distill_eval(cross, tmp_path, capsys):
+    """eval.method=generate decodes through the intersection, c is measured on the pair's decoder, and
+    python -m distill eval measures such a draft both ways."""
+    from distill.__main__ import main
+
+    ov = overrides(cross, tmp_path / "run", "train.max_steps=2", "eval.every=2", "eval.method=generate",
+                   "eval.cost_ratio=null", "eval.max_gamma=2")
+    summary = train(compose(ov), log=_quiet)
+    ev = summary["last_eval"]
+    assert ev["method"] == "generate" and 0 < ev["per_temperature"]["0.0"]["alpha"] <= 1 and ev["cost_ratio"] > 0
+    for method in ("teacher_forced", "generate"):
+        main(["eval", *overrides(cross, tmp_path / "e", f"eval.method={method}"), "--out",
+              str(tmp_path / f"{method}.json")])
+        result = json.loads((tmp_path / f"{method}.json").read_text())
+        assert result["method"] == method and 0 < result["per_temperature"]["1.0"]["alpha"] < 1

@@ -69,6 +69,7 @@ class DraftConfig:
     """``draft``: an existing checkpoint, or a model built from the target's config with these overrides."""
 
     name_or_path: Optional[str] = None          # existing draft (hub id, local path, or a run's checkpoint)
+    tokenizer: Optional[str] = None             # the draft's own tokenizer; null: the one saved with name_or_path
     num_hidden_layers: Optional[int] = None     # built draft: layers
     hidden_size: Optional[int] = None           # built draft: width
     intermediate_size: Optional[int] = None     # built draft: MLP width

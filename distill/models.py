@@ -46,19 +46,24 @@ def load_tokenizer(name_or_path: str, key: str = "+target.name_or_path (or +targ
 
 
 def load_draft_tokenizer(cfg: Any) -> Any:
-    """The tokenizer saved with an existing draft checkpoint (None for a built draft or a folder without one), via
-    ``decode.loading.load_draft_tokenizer``; a run's checkpoint folder keeps it in ``draft/``.
+    """``draft.tokenizer`` when set, else the tokenizer saved with an existing draft checkpoint (None for a built
+    draft or a folder without one), via ``decode.loading.load_draft_tokenizer``; a run's checkpoint folder keeps it
+    in ``draft/``.
 
     The recipe trains on the target's tokens; a draft whose own tokenizer differs reads them through the
     token-level intersection (:mod:`distill.cross_vocab`), and its tokenizer is saved with its checkpoints.
     """
+    own = cfg.get("tokenizer")
     if not cfg.get("name_or_path"):
+        if own:
+            raise SetupError(f"draft.tokenizer={own} needs draft.name_or_path: a draft built from the target's config "
+                             "has the target's vocabulary. Give the draft checkpoint, or set draft.tokenizer=null")
         return None
     path = Path(cfg.name_or_path) / "draft" if (Path(cfg.name_or_path) / "trainer_state.json").exists() \
         else Path(cfg.name_or_path)
     trust = bool(cfg.get("trust_remote_code", False))
-    return _loaded(lambda: loading.load_draft_tokenizer(str(path), None, trust), f"draft tokenizer {str(path)!r}",
-                   "draft.name_or_path")
+    return _loaded(lambda: loading.load_draft_tokenizer(str(path), None, trust, str(own) if own else None),
+                   f"draft tokenizer {str(own or path)!r}", "draft.tokenizer" if own else "draft.name_or_path")
 
 
 def load_target(cfg: Any) -> Any:

@@ -172,3 +172,25 @@ def test_generate_evaluation_measured_costs_and_distill_eval(cross, tmp_path, ca
               str(tmp_path / f"{method}.json")])
         result = json.loads((tmp_path / f"{method}.json").read_text())
         assert result["method"] == method and 0 < result["per_temperature"]["1.0"]["alpha"] < 1
+
+
+def test_draft_tokenizer_key_gives_the_draft_s_tokenizer(cross, tmp_path):
+    """draft.tokenizer names the draft's own tokenizer when its folder has none; without draft.name_or_path (a
+    draft built from the target's config) it is refused."""
+    import shutil
+
+    from distill.recipe import setup
+
+    bare, tok_dir = tmp_path / "bare", tmp_path / "tok"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        if (cross["draft"] / f).exists():
+            shutil.copy(cross["draft"] / f, bare / f)
+    cross["d_tok"].save_pretrained(str(tok_dir))
+    run = setup(compose(overrides(cross, tmp_path / "run", f"draft.name_or_path={bare}",
+                                  f"draft.tokenizer={tok_dir}")), log=_quiet)
+    assert run.intersection.size == intersect_vocabularies(cross["t_tok"], cross["d_tok"]).size
+    ov = [o for o in overrides(cross, tmp_path / "built", f"draft.tokenizer={tok_dir}", "draft.num_hidden_layers=1")
+          if not o.startswith("draft.name_or_path")]
+    with pytest.raises(SetupError, match="draft.tokenizer=.* needs draft.name_or_path"):
+        setup(compose(ov), log=_quiet)

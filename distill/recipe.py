@@ -164,7 +164,8 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     else:
         vocab, examples, eval_prompts = cached_training_data(cache, draft, tokenizer, draft_tokenizer,
                                                              context_length(draft), cross)
-    intersection = pair_vocabularies(draft, tokenizer, draft_tokenizer, vocab, log) if cross else None
+    intersection = pair_vocabularies(draft, tokenizer, draft_tokenizer, vocab, log).to(accelerator.device) \
+        if cross else None
     if intersection is None:
         check_draft_inputs(cfg, draft, vocab)
     if target is not None:

@@ -3,6 +3,7 @@ through the token-level intersection (online and on the logit cache), is evaluat
 exactly, keeps its own tokenizer in its checkpoints and export, and the export decodes greedy-equal to plain
 greedy; settings that cannot work are refused before any model loads."""
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -13,13 +14,15 @@ from decode import SpeculativeDecoder
 from decode.compat import vocab_fingerprint
 from decode.cross_vocab import intersect_vocabularies
 from decode.loading import load_causal_lm, load_tokenizer
+from distill.__main__ import main
 from distill.cache_logits import build_cache
 from distill.config import SetupError
 from distill.data import collate_sequences, kept_positions
 from distill.evaluate import teacher_forced_sums
 from distill.export import export
 from distill.losses import pruned_distill_loss
-from distill.recipe import draft_side, train
+import distill.recipe as recipe
+from distill.recipe import draft_side, setup, train
 from distill_helpers import compose, corpus_lines, overrides
 from tests.decode.test_cross_vocab import metaspace_bpe, transplant
 
@@ -120,8 +123,6 @@ def test_a_draft_that_is_the_target_on_shared_tokens_has_zero_fkl_and_alpha_the_
     (("data.on_policy_fraction=0.5",), "data.on_policy_fraction=0.5, but the draft has a tokenizer of its own"),
 ])
 def test_what_cannot_work_is_refused_before_models_load(cross, tmp_path, monkeypatch, extra, match):
-    import distill.recipe as recipe
-
     monkeypatch.setattr(recipe, "load_target", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     with pytest.raises(SetupError, match=match):
         train(compose(overrides(cross, tmp_path / "run", *extra)), log=_quiet)
@@ -155,13 +156,14 @@ def test_export_keeps_the_draft_tokenizer_records_the_pairing_and_decodes_lossle
     spec = SpeculativeDecoder(target, draft, 3, tokenizer=cross["t_tok"],
                               draft_tokenizer=exported_tok).generate(prompts, max_new_tokens=16)
     assert all(torch.equal(a, b) for a, b in zip(plain.sequences, spec.sequences))
+    for onward in (run / "best", out):  # training on from the run's checkpoint or the export keeps the pairing
+        again = setup(compose(overrides(cross, tmp_path / "again", f"draft.name_or_path={onward}")), log=_quiet)
+        assert again.intersection is not None and again.intersection.size == x.size
 
 
 def test_generate_evaluation_measured_costs_and_distill_eval(cross, tmp_path, capsys):
     """eval.method=generate decodes through the intersection, c is measured on the pair's decoder, and
     python -m distill eval measures such a draft both ways."""
-    from distill.__main__ import main
-
     ov = overrides(cross, tmp_path / "run", "train.max_steps=2", "eval.every=2", "eval.method=generate",
                    "eval.cost_ratio=null", "eval.max_gamma=2")
     summary = train(compose(ov), log=_quiet)
@@ -177,10 +179,6 @@ def test_generate_evaluation_measured_costs_and_distill_eval(cross, tmp_path, ca
 def test_draft_tokenizer_key_gives_the_draft_s_tokenizer(cross, tmp_path):
     """draft.tokenizer names the draft's own tokenizer when its folder has none; without draft.name_or_path (a
     draft built from the target's config) it is refused."""
-    import shutil
-
-    from distill.recipe import setup
-
     bare, tok_dir = tmp_path / "bare", tmp_path / "tok"
     bare.mkdir()
     for f in ("config.json", "model.safetensors", "generation_config.json"):

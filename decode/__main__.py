@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from decode import costs
-from decode.cli_args import (DEFAULT_NUM_DRAFT_TOKENS, command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg,
-                             slowdown_warning)
+from decode.cli_args import (DEFAULT_NUM_DRAFT_TOKENS, add_draft_tokenizer_arg, check_draft_tokenizer_arg,
+                             command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg, slowdown_warning)
 from decode.engine import SpeculativeDecoder
 from decode.gguf import import_gguf
 from decode.loading import (chat_prompt_ids, check_cached, check_device, load_causal_lm, load_draft_tokenizer,
@@ -30,6 +30,7 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target checkpoint: local folder, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="draft checkpoint or .gguf file (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    add_draft_tokenizer_arg(p)
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=None,
                    help=f"γ, or 'auto' (default {DEFAULT_NUM_DRAFT_TOKENS}: measures the draft/target costs at "
@@ -60,6 +61,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed, "--seed", none_ok=False)
     check_prompt_lookup(args.prompt_lookup_ngram, bool(args.draft), "--prompt-lookup-ngram")
+    check_draft_tokenizer_arg(args.draft, args.draft_tokenizer)
     if args.prompt_lookup_ngram and (args.temperature > 0 or args.num_draft_tokens == 0):
         print(f"note: --prompt-lookup-ngram does nothing here: it drafts for greedy decoding (--temperature 0) with "
               f"γ > 0 only (this run: --temperature {args.temperature:g}, -g "
@@ -71,14 +73,14 @@ def check_generate_args(args: argparse.Namespace) -> None:
 
 def load_decoder(args: argparse.Namespace, device: Any) -> tuple[SpeculativeDecoder, Any, int | str]:
     """The target (and draft) of ``args`` loaded on ``device``: ``(decoder, tokenizer, γ)``."""
-    for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
+    for option in ("target", "draft", "tokenizer", "draft_tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
-            check_cached(getattr(args, option), f"--{option}")
+            check_cached(getattr(args, option), f"--{option.replace('_', '-')}")
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust)
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust) if args.draft else None
-    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok, trust, args.draft_tokenizer) if args.draft else None
     gamma = command_gamma(args.num_draft_tokens, draft is not None)
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok,
                              prompt_lookup_ngram=args.prompt_lookup_ngram)

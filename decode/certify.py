@@ -58,6 +58,7 @@ from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
 
 from decode.cache import context_length
+from decode.cli_args import add_draft_tokenizer_arg, check_draft_tokenizer_arg
 from decode.compat import check_argument_types, check_compatibility, shares_vocabulary
 from decode.engine import SpeculativeDecoder
 from decode.loading import (check_cached, check_device, hub_revision, load_causal_lm, load_draft_tokenizer,
@@ -565,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
     p.add_argument("--draft", required=True, help="draft checkpoint: local path or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    add_draft_tokenizer_arg(p)
     p.add_argument("--prompts", default="humaneval", help="prompt set name or .jsonl path the prefixes come from")
     p.add_argument("--prompt-field", default=None, help="text field of a local jsonl, or another field of a named set")
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
@@ -602,6 +604,7 @@ def _check_args(args: argparse.Namespace) -> list[Setting]:
     elif args.overwrite:
         raise ValueError("--overwrite replaces an existing --out file, and no --out was given (nothing is written "
                          "without one); add --out FILE or drop --overwrite")
+    check_draft_tokenizer_arg(args.draft, args.draft_tokenizer)
     for option in ("target", "draft", "tokenizer"):
         if getattr(args, option) is not None:
             check_cached(getattr(args, option), f"--{option}")
@@ -643,7 +646,7 @@ def _run(args: argparse.Namespace) -> int:
     prefixes = encode_prompts(prompts, tok, chat_template=False, max_prompt_tokens=args.prefix_tokens)
     target = load_causal_lm(args.target, "target", args.dtype, device)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device)
-    draft_tok = load_draft_tokenizer(args.draft, tok)
+    draft_tok = load_draft_tokenizer(args.draft, tok, tokenizer_path=args.draft_tokenizer)
     limit, reason = max_prefix_length(target, draft, args.num_draft_tokens)
     if limit is not None and limit < 1:  # no prefix fits: γ itself is too large for the models' context
         print(f"error: --num-draft-tokens {args.num_draft_tokens} leaves no room for a prefix: {reason}; lower "
@@ -657,7 +660,8 @@ def _run(args: argparse.Namespace) -> int:
                    alpha=args.alpha, seed=args.seed, tokenizer=tok, draft_tokenizer=draft_tok,
                    max_enumerate=args.max_enumerate, log=lambda line: print(line, file=sys.stderr, flush=True))
     cert.update(target=args.target, target_revision=hub_revision(args.target), draft=args.draft,
-                draft_revision=hub_revision(args.draft), prompts=args.prompts, prompt_ids=[p.id for p in prompts])
+                draft_revision=hub_revision(args.draft), draft_tokenizer=args.draft_tokenizer, prompts=args.prompts,
+                prompt_ids=[p.id for p in prompts])
     print(format_certificate(cert))
     if args.out is not None:
         out = Path(args.out).expanduser()

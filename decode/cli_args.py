@@ -1,11 +1,13 @@
 """What the commands of ``python -m decode`` (``generate``, ``serve``) share: the ``--num-draft-tokens`` argument and
-its default with a draft (``auto``), and the slowdown warning of a fixed γ (:func:`slowdown_warning`)."""
+its default with a draft (``auto``), ``--draft-tokenizer`` (every command that takes ``--draft``), and the slowdown
+warning of a fixed γ (:func:`slowdown_warning`)."""
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
 from decode import costs
+from decode.loading import check_cached
 from decode.speedup import predicted_speedup, verify_cost_at
 
 DEFAULT_NUM_DRAFT_TOKENS = "auto"  # γ of `generate` and `serve` with a draft and no -g: the calibrated choice
@@ -23,6 +25,27 @@ def num_draft_tokens_arg(value: str) -> int | str:
     if g < 0:
         raise argparse.ArgumentTypeError(f"--num-draft-tokens must be >= 0, got {g}")
     return g
+
+
+DRAFT_TOKENIZER_HELP = ("the draft's tokenizer: folder, .gguf file or hub id (default: the draft's own when its "
+                        "checkpoint has one, else the target's); one of another vocabulary than the target's drafts "
+                        "through the tokens both share (docs/decode.md, \"Drafts with their own tokenizer\")")
+
+
+def add_draft_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
+    """``--draft-tokenizer PATH`` (checked by :func:`check_draft_tokenizer_arg`)."""
+    parser.add_argument("--draft-tokenizer", default=None, metavar="PATH", help=DRAFT_TOKENIZER_HELP)
+
+
+def check_draft_tokenizer_arg(draft: str | None, draft_tokenizer: str | None) -> None:
+    """Before any model loads: ``--draft-tokenizer`` needs ``--draft``, and its path must exist (a hub id must be
+    in the local cache when offline). Raises ValueError / FileNotFoundError naming the option."""
+    if draft_tokenizer is None:
+        return
+    if not draft:
+        raise ValueError(f"--draft-tokenizer {draft_tokenizer} is the draft's tokenizer, and no --draft was given: "
+                         "add --draft PATH, or drop --draft-tokenizer")
+    check_cached(draft_tokenizer, "--draft-tokenizer")
 
 
 def command_gamma(num_draft_tokens: int | str | None, has_draft: bool) -> int | str:

@@ -485,9 +485,15 @@ def load_target_tokenizer(tokenizer: str | None, target: str, trust_remote_code:
     return tok
 
 
-def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False) -> Any:
-    """The draft's own tokenizer if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`, or
-    its GGUF file) has one (so the pair can be checked), else the target's."""
+def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_code: bool = False,
+                         tokenizer_path: str | None = None) -> Any:
+    """The draft's tokenizer: ``tokenizer_path`` (a CLI's ``--draft-tokenizer``) when given, else the draft's own
+    if its checkpoint folder (or a cached hub id's snapshot, :func:`local_folder`, or its GGUF file) has one (so the
+    pair can be checked), else the target's. A tokenizer of another vocabulary than the target's makes the decoder
+    draft through the tokens both share (:mod:`decode.cross_vocab`)."""
+    if tokenizer_path is not None:
+        return load_tokenizer(tokenizer_path, "draft tokenizer", trust_remote_code=trust_remote_code,
+                              fix="pass --draft-tokenizer PATH (a folder or hub id with the draft's tokenizer)")
     own = _own_tokenizer(draft_path, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     if own is not None:
         return load_tokenizer(own, "draft tokenizer", trust_remote_code=trust_remote_code)

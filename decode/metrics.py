@@ -8,6 +8,11 @@ Definitions (Leviathan et al. 2023; Spec-Bench, Xia et al. 2024):
   counts them as failures and falls as γ grows even when α_tok does not;
 - mean accepted length τ = Σ (accepted + 1) / number of verify steps (tokens per target forward, counting
   the correction or bonus token; 1.0 for plain decoding);
+- characters per verify step = (Σ characters of the generated text / Σ new tokens) × τ: the text one target forward
+  commits, with the text decoded by the target's tokenizer (special tokens skipped). α and τ count target tokens;
+  this counts text, so drafts of different tokenizers (:mod:`decode.cross_vocab`) and targets of different
+  vocabularies compare. It needs the decoded text, so the benchmark computes it (:func:`chars_per_verify_step`),
+  not the decoder's step loop;
 - acceptance by draft position i = number of verify steps whose draft token i was accepted;
 - time to first token (TTFT): seconds from the call until the first new token is committed (prefill + first step);
 - per-token latency: seconds per new token after the first; throughput: new tokens / total seconds;
@@ -157,6 +162,15 @@ class DecodeStats:
                 for i, v in enumerate(b):
                     a[i] += v
         return out
+
+
+def chars_per_verify_step(num_chars: int, num_new_tokens: int, mean_accepted_length: float | None) -> float | None:
+    """Characters of generated text per verify step: ``num_chars / num_new_tokens × τ``, with ``num_chars`` the
+    length of the new tokens' text decoded by the target's tokenizer and τ the mean accepted length
+    (:attr:`DecodeStats.mean_accepted_length`). None with no token or no τ."""
+    if not num_new_tokens or mean_accepted_length is None:
+        return None
+    return num_chars / num_new_tokens * mean_accepted_length
 
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:

@@ -34,8 +34,11 @@ from rich.console import Console
 from rich.table import Table
 
 from decode.bench.measure import acceptance
+from decode.cli_args import add_draft_tokenizer_arg, check_draft_tokenizer_arg
+from decode.compat import shares_vocabulary
 from decode.engine import SpeculativeDecoder
-from decode.loading import check_cached, load_causal_lm, load_target_tokenizer, target_fingerprint
+from decode.loading import (check_cached, load_causal_lm, load_draft_tokenizer, load_target_tokenizer,
+                            target_fingerprint)
 from decode.metrics import DecodeStats
 from decode.outputs import check_output_dir, write_results
 from decode.prompts import encode_prompts, load_prompts
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode vllm-check", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target checkpoint folder (vLLM loads it too)")
     p.add_argument("--draft", required=True, help="draft checkpoint folder, e.g. a `python -m distill export`")
+    add_draft_tokenizer_arg(p)
     p.add_argument("--prompts", default="spec_bench", help="prompt set or .jsonl (as `decode bench`)")
     p.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
@@ -198,6 +202,7 @@ def _check_models(args: argparse.Namespace) -> dict[str, dict]:
             raise ValueError(f"--{role} {path} has no config.json: pass a model folder (a training checkpoint: "
                              "export it first, `python -m distill export CHECKPOINT OUT_DIR`)")
         configs[role] = json.loads((Path(path) / "config.json").read_text())
+    _check_one_vocabulary(args)
     if pruned_size(args.draft) is not None:
         raise ValueError(f"--draft {args.draft} has a vocabulary-pruned head ({pruned_size(args.draft)} rows), "
                          "which vLLM cannot read: export it with its head expanded to the target's vocabulary, "
@@ -213,6 +218,20 @@ def _check_models(args: argparse.Namespace) -> dict[str, dict]:
                 raise ValueError(f"--{role}: its attention head size is {size}, which vLLM's CPU build does not run "
                                  f"(it runs {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); run the check on a GPU")
     return configs
+
+
+def _check_one_vocabulary(args: argparse.Namespace) -> None:
+    """vLLM's ``draft_model`` speculation reads the draft's ids as the target's: a draft whose tokenizer (its own, or
+    ``--draft-tokenizer``) has another vocabulary is refused (draftkit's decoder runs such a pair)."""
+    check_draft_tokenizer_arg(args.draft, args.draft_tokenizer)
+    target_tok = load_target_tokenizer(None, args.target)
+    draft_tok = load_draft_tokenizer(args.draft, target_tok, tokenizer_path=args.draft_tokenizer)
+    if not shares_vocabulary(target_tok, draft_tok):
+        raise ValueError(f"--draft {args.draft} has a tokenizer of another vocabulary than the target's"
+                         f"{' (--draft-tokenizer)' if args.draft_tokenizer else ''}; vllm-check runs vLLM's draft_model "
+                         "speculation, which needs one vocabulary: check a draft of the target's tokenizer, or "
+                         "measure this pair with `python -m decode bench` (docs/decode.md, \"Drafts with their own "
+                         "tokenizer\")")
 
 
 def _temperatures(text: str) -> list[float]:

@@ -21,7 +21,8 @@ from decode.bench.config import BenchConfig, parse_gammas, parse_list
 from decode.bench.report import OutputPaths, render_tables, write_outputs
 from decode.bench.runs import compile_supported, plan_line, run_benchmark
 from decode.cache import context_length
-from decode.compat import check_compatibility, input_vocab_size, output_vocab_size
+from decode.cli_args import add_draft_tokenizer_arg, check_draft_tokenizer_arg
+from decode.compat import check_compatibility, input_vocab_size, output_vocab_size, shares_vocabulary
 from decode.compiling import check_cpu_compiler, compile_setting
 from decode.prompts import encode_prompts, load_prompts
 from decode.requests import check_seed
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target checkpoint: local path or HF id (loaded offline)")
     p.add_argument("--draft", required=True, help="draft checkpoint: local path or HF id")
     p.add_argument("--tokenizer", help="tokenizer path (default: the target's, else the draft's)")
+    add_draft_tokenizer_arg(p)
     p.add_argument("--prompts", default="humaneval",
                    help="humaneval | mbpp | mbpp_code | spec_bench | mt_bench | gsm8k | path/to/file.jsonl[.gz]")
     p.add_argument("--prompt-field", help="text field of a local jsonl (default: prompt, text, question, turns or "
@@ -153,8 +155,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         compile=compile_setting(args.compile),
         few_row_linear={"auto": None, "on": True, "off": False}[args.few_row_linear],
         prompt_lookup_ngram=args.prompt_lookup_ngram, profile=args.profile,
-        target=args.target, draft=args.draft, prompts=args.prompts, limit=args.limit)
+        target=args.target, draft=args.draft, draft_tokenizer=args.draft_tokenizer, prompts=args.prompts,
+        limit=args.limit)
     cfg.validate()
+    check_draft_tokenizer_arg(args.draft, args.draft_tokenizer)
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
     if args.threads is not None and args.threads < 1:
@@ -236,27 +240,37 @@ def _check_model_paths(args: argparse.Namespace, cfg: BenchConfig) -> str | None
 
 
 def _load_tokenizers(args: argparse.Namespace, draft_folder: str | None) -> tuple[Any, Any]:
-    """(the target's tokenizer: ``--tokenizer``, else the target's, else the draft's; the draft's own tokenizer
-    when its folder has one and no ``--tokenizer`` was given, else None)."""
+    """(the target's tokenizer: ``--tokenizer``, else the target's, else the draft's; the draft's tokenizer:
+    ``--draft-tokenizer``, else its own when its folder has one and no ``--tokenizer`` was given, else None)."""
     if args.tokenizer:
         tokenizer = loading.load_target_tokenizer(args.tokenizer, args.target, args.trust_remote_code)
     else:
         tokenizer = _load_tokenizer([args.target, args.draft], args.trust_remote_code)
     draft_tokenizer = None
-    if not args.tokenizer and draft_folder and (Path(draft_folder) / "tokenizer_config.json").exists():
+    if args.draft_tokenizer:
+        draft_tokenizer = loading.load_draft_tokenizer(args.draft, tokenizer, args.trust_remote_code,
+                                                       args.draft_tokenizer)
+    elif not args.tokenizer and draft_folder and (Path(draft_folder) / "tokenizer_config.json").exists():
         draft_tokenizer = _load_tokenizer([args.draft], args.trust_remote_code)
     return tokenizer, draft_tokenizer
 
 
 def _load_pair(args: argparse.Namespace, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, tokenizer,
                draft_tokenizer) -> tuple[Any, Any]:
-    """The target and the draft, checked before any timing: a pair that cannot share a vocabulary fails here with
-    the difference named, and so does one HF assisted generation cannot run."""
+    """The target and the draft, checked before any timing: a pair that cannot share a vocabulary (nor draft
+    through the tokens two vocabularies share) fails here with the difference named, and so does one HF assisted
+    generation cannot run. Sets ``cfg.cross_vocab``."""
     target, draft = (_load_model(getattr(args, role), role, dtype, device, args.trust_remote_code)
                      for role in ("target", "draft"))
-    check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    cfg.cross_vocab = not shares_vocabulary(tokenizer, draft_tokenizer)
+    check_compatibility(target, draft, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                        cross_vocab=cfg.cross_vocab)
     sizes = {role: (output_vocab_size(m), input_vocab_size(m)) for role, m in (("target", target), ("draft", draft))}
-    if cfg.hf and sizes["draft"] != sizes["target"]:  # ours runs such a pair losslessly; HF's generate refuses it
+    if cfg.hf and cfg.cross_vocab and sizes["draft"] == sizes["target"]:  # HF then takes them for one vocabulary
+        raise ValueError(f"--draft {args.draft} has a tokenizer of another vocabulary but as many rows as the target "
+                         f"({sizes['draft']}); Hugging Face assisted generation reads such a pair as one vocabulary "
+                         "and refuses the two tokenizers: pass --no-hf to benchmark plain decoding against ours")
+    if cfg.hf and not cfg.cross_vocab and sizes["draft"] != sizes["target"]:  # ours runs it; HF's generate refuses
         raise ValueError(f"--draft {args.draft} has another vocabulary size than the target (lm_head, embedding rows: "
                          f"draft {sizes['draft']}, target {sizes['target']}); Hugging Face assisted generation "
                          "needs them equal: pass --no-hf to benchmark plain decoding against ours")

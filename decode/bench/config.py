@@ -50,6 +50,10 @@ class BenchConfig:
     draft: str | None = None
     target_revision: str | None = None  # the hub snapshot commit of a hub id (decode.loading.hub_revision)
     draft_revision: str | None = None
+    draft_tokenizer: str | None = None  # --draft-tokenizer as given (None: the draft's own, else the target's)
+    # the draft's tokenizer has another vocabulary than the target's (decode.cross_vocab; HF: universal assisted
+    # decoding)
+    cross_vocab: bool = False
     prompts: str | None = None
     limit: int | None = None
     max_prompt_tokens: int | None = None  # prompts were cut to their last this-many tokens

@@ -76,13 +76,18 @@ class AssistantSettings:
 
 
 def run_hf(target, draft, method: Method, ids: torch.Tensor, mask: torch.Tensor, temperature: float,
-           cfg: BenchConfig, eos, pad_id: int, seed: int, device: torch.device):
+           cfg: BenchConfig, eos, pad_id: int, seed: int, device: torch.device, tokenizer=None,
+           assistant_tokenizer=None):
     """One timed HF ``generate`` call.
 
     Args:
         ids, mask: (B, T) left-padded int64 prompt ids and attention mask; B must be 1 for assisted generation
-            (an HF limitation). Token ids go in directly, so no tokenizer is needed (the pair shares the
-            vocabulary, checked before the run).
+            (an HF limitation). Token ids go in directly, so no tokenizer is needed when the pair shares the
+            vocabulary (checked before the run).
+        tokenizer, assistant_tokenizer: for a draft of another vocabulary, the target's and the draft's: assisted
+            runs then use HF's universal assisted decoding (greedy: the draft re-reads the text in its own tokens;
+            sampling: ``UniversalSpeculativeDecodingGenerator``, drafting through the tokens both vocabularies
+            share). It prunes ``draft``'s head in place at T > 0: pass a copy (``runs.hf_assistant``).
         eos: int, list of ints, or None (never stop early).
         seed: seeds HF's global generator at T > 0 (HF samples from it).
 
@@ -94,6 +99,8 @@ def run_hf(target, draft, method: Method, ids: torch.Tensor, mask: torch.Tensor,
     kwargs: dict[str, Any] = {"streamer": ttft} if ttft is not None else {}
     if method.assisted:
         kwargs["assistant_model"] = draft
+        if assistant_tokenizer is not None:
+            kwargs.update(tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
     if temperature > 0:
         torch.manual_seed(seed)  # HF draws from the global generator
     reset_peak(device)

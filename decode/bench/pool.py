@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from decode.bench.config import HF, OURS, BenchConfig, Method
 from decode.bench.measure import acceptance, alpha_of, predict
-from decode.metrics import DecodeStats
+from decode.metrics import DecodeStats, chars_per_verify_step
 from decode.speedup import (AdaptiveGamma, best_gamma, end_to_end_speedup, is_count, is_finite_number,
                             predicted_speedup, simulate_batch_speedup)
 
@@ -89,9 +89,13 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
             by_key = {r["key"]: r["new_tokens"] for r in plain_records}
             same = sum(by_key.get(r["key"]) == r["new_tokens"] for r in records)
             m["num_matching_plain_greedy"], m["matches_plain_greedy"] = same, same / len(records)
+    m.update(text_rates(records, n_tokens))
     stats = [r["stats"] for r in records if r.get("stats") is not None]
     if stats and gamma not in (0, None):
         m.update(acceptance(DecodeStats.merge(stats)))
+        if m["chars_per_token"] is not None:
+            m["chars_per_verify_step"] = chars_per_verify_step(sum(r["num_chars"] for r in records), n_tokens,
+                                                               m["mean_accepted_length"])
         if m["alpha"] is not None:
             # For "auto" the fair prediction is at the γ its controller should settle on (same bounds as it).
             g, m["predicted_speedup_leviathan"] = predict(m["alpha"], cost_ratio, None,
@@ -102,6 +106,16 @@ def aggregate(records: list[dict], plain_records: list[dict] | None, cost_ratio:
                                                                         verify_cost=verify_cost[g],
                                                                         catchup_cost_ratio=catchup_cost_ratio)
     return m
+
+
+def text_rates(records: list[dict], num_tokens: int) -> dict[str, float | None]:
+    """``chars_per_token``: Σ characters of the records' decoded new text (``num_chars``, the target's tokenizer)
+    / Σ new tokens; ``chars_per_verify_step`` starts as None (:func:`aggregate` sets it for a speculative method of
+    our engine: :func:`decode.metrics.chars_per_verify_step`). Both None when a record has no
+    ``num_chars`` (no tokenizer) or no token was generated."""
+    chars = [r.get("num_chars") for r in records]
+    known = bool(chars) and all(c is not None for c in chars) and num_tokens > 0
+    return {"chars_per_token": sum(chars) / num_tokens if known else None, "chars_per_verify_step": None}
 
 
 def median_run(repeats: Sequence[dict]) -> dict:

@@ -500,8 +500,8 @@ def _render_methods(results, s, console) -> None:
         best = (f"best γ: measured {s['best_gamma_measured']}, predicted {s['best_gamma_leviathan']} (among tested "
                 f"{s['best_gamma_leviathan_tested']}, verify-aware {s['best_gamma_verify_aware_tested']})")
     table = Table(title=f"T={t:g}  α={_fmt(s['alpha'], '.3f')}  {best}")
-    for col in ("method", "γ", "α", "τ", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted", "pred. v-aware",
-                "=greedy", "peak MiB"):
+    for col in ("method", "γ", "α", "τ", "chars/step", "TTFT ms", "ms/token", "tok/s", "speedup", "predicted",
+                "pred. v-aware", "=greedy", "peak MiB"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for run in (r for r in results["runs"] if r["temperature"] == t):
         m = run["overall"]
@@ -509,7 +509,8 @@ def _render_methods(results, s, console) -> None:
         if g == "auto" and m["mean_gamma"] is not None:
             g = f"auto ({m['mean_gamma']:.1f})"  # the mean γ the controller actually used
         table.add_row(run["method"], "-" if g is None else str(g), _fmt(m["alpha"], ".3f"),
-                      _fmt(m["mean_accepted_length"]), _fmt(m["ttft_s"], ".1f", 1e3),
+                      _fmt(m["mean_accepted_length"]), _fmt(m.get("chars_per_verify_step"), ".1f"),
+                      _fmt(m["ttft_s"], ".1f", 1e3),
                       _fmt(m["per_token_latency_s"], ".2f", 1e3), _fmt(m["tokens_per_s"], ".1f"), _x(m["speedup"]),
                       _x(m["predicted_speedup_leviathan"]), _x(m["predicted_speedup_verify_aware"]),
                       _fmt(m["matches_plain_greedy"], ".0%"), _fmt(m["peak_memory_bytes"], ".0f", 2 ** -20))

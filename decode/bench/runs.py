@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import functools
 import inspect
@@ -171,7 +172,9 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         say(f"calibrating the auto-γ cost model (batch sizes {cost_buckets(max(cfg.batch_sizes, default=1))}, "
             f"γ up to {cfg.auto_max_gamma}, {cfg.cost_repeats} forwards per median)")
     auto_costs = calibrate_auto(decoders, prompt_ids, cfg)
-    run = _Runner(decoders, target, draft, cfg, pad_token_id, eos, device)
+    cfg.cross_vocab = decoders[False].intersection is not None
+    run = _Runner(decoders, target, draft, cfg, pad_token_id, eos, device, hf_assistant(draft, cfg, tokenizer,
+                                                                                        draft_tokenizer))
     if cfg.warmup:  # first calls pay for allocator growth and lazy init (compilation: warm_up above)
         say(f"warm-up: {len(methods) * len(cfg.temperatures)} untimed calls of up to {min(4, cfg.max_new_tokens)} "
             "tokens (every method once)")
@@ -183,6 +186,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     profiles: dict[tuple[float, str], StepProfile] | None = {} if cfg.profile else None
     records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress,
                          lambda: _cost_rounds(timers, per_prompt), profiles)
+    add_text_lengths(records, tokenizer)
     cost = _cost_results(timers, decoders, auto_costs)
     timers.clear()  # their prefilled caches are not held through the batch pass (peak memory)
     runs, summary = pool(records, methods, cfg, cost, categories)
@@ -324,15 +328,39 @@ def _cost_results(timers: dict[str, Any], decoders: dict[bool, Any], auto_costs:
     return cost
 
 
+def hf_assistant(draft, cfg: BenchConfig, tokenizer=None, draft_tokenizer=None) -> dict[str, Any]:
+    """What HF assisted generation runs with: ``{"draft": the model for greedy runs, "sampling_draft": for T > 0}``,
+    and for a draft of another vocabulary (``cfg.cross_vocab``) universal assisted decoding's ``tokenizer`` and
+    ``assistant_tokenizer``, with a copy of the draft for sampling: HF's sampling path prunes and re-indexes the
+    assistant's lm_head and input embedding in place (``AssistantToTargetTranslator``), which must touch neither
+    the draft our decoder runs nor the one HF's greedy path reads."""
+    if not (cfg.hf and cfg.cross_vocab):
+        return {"draft": draft, "sampling_draft": draft}
+    sampling = copy.deepcopy(draft) if any(t > 0 for t in cfg.temperatures) else draft
+    return {"draft": draft, "sampling_draft": sampling, "tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
+
+
+def add_text_lengths(records: dict[tuple[float, str], list[dict]], tokenizer=None) -> None:
+    """Give every record ``num_chars``: the characters of its new tokens decoded by the target's tokenizer
+    (special tokens skipped), the text behind :func:`decode.bench.pool.aggregate`'s characters per verify step.
+    Without a tokenizer the records are left as they are."""
+    if tokenizer is None:
+        return
+    for recs in records.values():
+        for r in recs:
+            r["num_chars"] = len(tokenizer.decode(r["new_tokens"], skip_special_tokens=True))
+
+
 class _Runner:
     """One timed call of a method: ``run(method, rows, temperature, seed)`` runs ``rows`` as one static batch, or
     (``concurrency``, our engine) as a continuous stream; it counts the graphs torch.compile built inside timed
     runs (their wall time includes the compilation)."""
 
     def __init__(self, decoders: dict[bool, Any], target, draft, cfg: BenchConfig, pad_token_id: int, eos,
-                 device: torch.device):
+                 device: torch.device, hf: dict[str, Any] | None = None):
         self.decoders, self.target, self.draft, self.cfg = decoders, target, draft, cfg
         self.pad_token_id, self.eos, self.device = pad_token_id, eos, device
+        self.hf = hf or {"draft": draft, "sampling_draft": draft}  # hf_assistant(): HF's drafts (and tokenizers)
         self.compiled_graphs = 0
 
     def __call__(self, method: Method, rows, temperature: float, seed: int, max_new_tokens: int | None = None,
@@ -340,8 +368,10 @@ class _Runner:
         ids, mask = left_pad(rows, self.pad_token_id, self.device)
         c = self.cfg if max_new_tokens is None else replace(self.cfg, max_new_tokens=max_new_tokens)
         if method.kind != OURS:
-            return run_hf(self.target, self.draft, method, ids, mask, temperature, c, self.eos, self.pad_token_id,
-                          seed, self.device)
+            draft = self.hf["sampling_draft" if temperature > 0 else "draft"]
+            return run_hf(self.target, draft, method, ids, mask, temperature, c, self.eos,
+                          self.pad_token_id, seed, self.device, self.hf.get("tokenizer"),
+                          self.hf.get("assistant_tokenizer"))
         before = _compiled_graphs()
         dec = self.decoders[method.compiled]
         out = (run_ours(dec, method, ids, mask, temperature, c, self.eos, seed, self.device, profile)

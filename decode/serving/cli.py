@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 from decode import costs
-from decode.cli_args import DEFAULT_NUM_DRAFT_TOKENS, command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg
+from decode.cli_args import (DEFAULT_NUM_DRAFT_TOKENS, add_draft_tokenizer_arg, check_draft_tokenizer_arg,
+                             command_gamma, fixed_gamma_cost_model, num_draft_tokens_arg)
 from decode.compiling import check_cpu_compiler, compile_setting
 from decode.engine import SpeculativeDecoder
 from decode.loading import (check_cached, check_device, load_causal_lm, load_draft_tokenizer, load_target_tokenizer,
@@ -77,6 +78,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target checkpoint: local path or hub id")
     p.add_argument("--draft", default=None, help="draft checkpoint (omit for plain target decoding)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    add_draft_tokenizer_arg(p)
     p.add_argument("--num-draft-tokens", "-g", type=num_draft_tokens_arg, default=None,
                    help=f"γ, or 'auto' (default with --draft: {DEFAULT_NUM_DRAFT_TOKENS}, the cost model measured "
                    "before the server listens, γ chosen each step, 0 where drafting does not pay); a fixed γ > 0 is "
@@ -162,7 +164,7 @@ def _load_and_warm_up(args: argparse.Namespace, device: Any, compile_: bool | st
     target = load_causal_lm(args.target, "target", args.dtype, device, trust_remote_code=trust)
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)
     draft = load_causal_lm(args.draft, "draft", args.dtype, device, trust_remote_code=trust) if args.draft else None
-    draft_tok = load_draft_tokenizer(args.draft, tok, trust) if args.draft else None
+    draft_tok = load_draft_tokenizer(args.draft, tok, trust, args.draft_tokenizer) if args.draft else None
     gamma = command_gamma(args.num_draft_tokens, draft is not None)
     dec = SpeculativeDecoder(target, draft, gamma, tokenizer=tok, draft_tokenizer=draft_tok, compile=compile_,
                              prompt_lookup_ngram=args.prompt_lookup_ngram)
@@ -194,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if compile_ and str(device).startswith("cpu"):
         check_cpu_compiler("--compile", "drop --compile")
     check_prompt_lookup(args.prompt_lookup_ngram, bool(args.draft), "--prompt-lookup-ngram")
-    for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load
+    check_draft_tokenizer_arg(args.draft, args.draft_tokenizer)
+    for option in ("target", "draft", "tokenizer", "draft_tokenizer"):  # every path before the first (slow) load
         if getattr(args, option) is not None:
-            check_cached(getattr(args, option), f"--{option}")
+            check_cached(getattr(args, option), f"--{option.replace('_', '-')}")
     try:
         dec, tok, cost_model = _load_and_warm_up(args, device, compile_)
     except KeyboardInterrupt:  # Ctrl-C while loading or compiling: nothing served yet, nothing to save
@@ -206,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(args.max_body_bytes, args.max_tokens_limit, args.max_prompt_tokens, args.body_timeout_s)
     app = create_app(dec, tok, name, args.api_key, limits, args.max_batch_size, args.max_queue,
                      info={"target": args.target, "draft": args.draft, "compile": args.compile or False,
-                           "prompt_lookup_ngram": args.prompt_lookup_ngram}, cost_model=cost_model)
+                           "prompt_lookup_ngram": args.prompt_lookup_ngram,
+                           # a draft of another vocabulary: how many tokens it shares with the target's
+                           "vocab_intersection": dec.intersection.summary() if dec.intersection is not None else None},
+                     cost_model=cost_model)
     server = make_server(app, args.host, args.port, args.graceful_shutdown_s)
     try:
         server.run()

@@ -227,9 +227,10 @@ def _check_one_vocabulary(args: argparse.Namespace) -> None:
     target_tok = load_target_tokenizer(None, args.target)
     draft_tok = load_draft_tokenizer(args.draft, target_tok, tokenizer_path=args.draft_tokenizer)
     if not shares_vocabulary(target_tok, draft_tok):
-        raise ValueError(f"--draft {args.draft} has a tokenizer of another vocabulary than the target's"
-                         f"{' (--draft-tokenizer)' if args.draft_tokenizer else ''}; vllm-check runs vLLM's draft_model "
-                         "speculation, which needs one vocabulary: check a draft of the target's tokenizer, or "
+        named = " (--draft-tokenizer)" if args.draft_tokenizer else ""
+        raise ValueError(f"--draft {args.draft} has a tokenizer of another vocabulary than the target's{named}; "
+                         "vllm-check runs vLLM's draft_model speculation, which needs one vocabulary: check a draft "
+                         "of the target's tokenizer, or "
                          "measure this pair with `python -m decode bench` (docs/decode.md, \"Drafts with their own "
                          "tokenizer\")")
 

@@ -9,7 +9,6 @@ import sys
 import httpx
 import openai
 import pytest
-import torch
 
 from decode import SpeculativeDecoder
 from decode.__main__ import main as decode_main

@@ -164,6 +164,8 @@ def pool(records: dict[tuple[float, str], list[dict]], methods: list[Method], cf
     for t in cfg.temperatures:
         plain = records[(t, "plain")]
         for m in methods:
+            if (t, m.name) not in records:  # a Hugging Face method whose generate raised (results["hf_failures"])
+                continue
             rs = records[(t, m.name)]
             mc, mv, mc2 = (c_comp, v_comp, c2_comp) if m.compiled else (c, v, c2)
             run = {"temperature": t, "method": m.name, "kind": m.kind,

@@ -478,6 +478,9 @@ def render_tables(results: dict[str, Any], console=None) -> None:
     for s in results["summary"]:
         _render_methods(results, s, console)
     _render_summary(results, console)
+    for key, message in results.get("hf_failures", {}).items():
+        console.print(f"not run: {key.split('/', 1)[1]} at T={float(key.split('/', 1)[0]):g}: Hugging Face's "
+                      f"generate raised ({message})")
     _render_categories(results, console)
     _render_batch(results, console)
     _render_profile(results, console)

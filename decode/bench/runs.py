@@ -31,7 +31,7 @@ from rich.progress import Progress
 
 from decode import costs, kernels
 from decode.bench.bare_forward import BareTimer
-from decode.bench.config import OURS, BenchConfig, Method, build_methods
+from decode.bench.config import HF, OURS, BenchConfig, Method, build_methods
 from decode.bench.hf_assisted import run_hf
 from decode.bench.measure import cost_context_ids, run_interleaved
 from decode.bench.pool import (batch_row, median_run, pool, predicted_batch_speedup, prefill_seconds, prompt_alphas,
@@ -175,17 +175,23 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     cfg.cross_vocab = decoders[False].intersection is not None
     run = _Runner(decoders, target, draft, cfg, pad_token_id, eos, device, hf_assistant(draft, cfg, tokenizer,
                                                                                         draft_tokenizer))
+    hf_failures: dict[tuple[float, str], str] = {}  # HF methods whose generate raised (_main_pass)
     if cfg.warmup:  # first calls pay for allocator growth and lazy init (compilation: warm_up above)
         say(f"warm-up: {len(methods) * len(cfg.temperatures)} untimed calls of up to {min(4, cfg.max_new_tokens)} "
             "tokens (every method once)")
         for method in methods:
             for t in cfg.temperatures:
-                run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
+                try:
+                    run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
+                except Exception as err:  # noqa: BLE001 - as in the main pass: that HF row is not run
+                    if method.kind != HF:
+                        raise
+                    hf_failures[(t, method.name)] = f"warm-up: {type(err).__name__}: {err}"[:300]
     say(f"main pass: {', '.join(m.name for m in methods)} on {len(prompt_ids)} prompt(s), interleaved")
     per_prompt = math.ceil(cfg.cost_repeats / len(prompt_ids))  # cost rounds before each prompt's runs
     profiles: dict[tuple[float, str], StepProfile] | None = {} if cfg.profile else None
     records = _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg, progress,
-                         lambda: _cost_rounds(timers, per_prompt), profiles)
+                         lambda: _cost_rounds(timers, per_prompt), profiles, hf_failures)
     add_text_lengths(records, tokenizer)
     cost = _cost_results(timers, decoders, auto_costs)
     timers.clear()  # their prefilled caches are not held through the batch pass (peak memory)
@@ -207,6 +213,8 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
         # with --compile: graphs torch.compile built inside timed runs (> 0: those timings include compilation)
         "compiled_graphs_during_timing": run.compiled_graphs if cfg.compile else None,
         "records": {f"{t}/{name}": _strip(rs) for (t, name), rs in records.items()},
+        # Hugging Face methods whose generate raised, {"T/method": error}: not run at that temperature
+        "hf_failures": {f"{t}/{name}": message for (t, name), message in hf_failures.items()},
     }
 
 
@@ -397,22 +405,36 @@ def _predict_batches(records, methods: list[Method], num_prompts: int, cfg: Benc
 
 
 def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,
-               before_block=lambda: None, profiles: dict | None = None):
+               before_block=lambda: None, profiles: dict | None = None, hf_failures: dict | None = None):
     """Batch-1 runs, interleaved (:func:`decode.bench.measure.run_interleaved`): prompt i's runs (every temperature,
     every method, ``cfg.repeats`` times) form one block, and the method that opens each round of the block rotates;
     ``before_block()`` runs before each block (the cost rounds). With ``profiles`` (a dict), each of our methods'
     timed calls run with the ``decode.profile.StepProfile`` of its (temperature, method name), made there on first
     use: one profile per method and temperature over all its prompts and repeats. Returns {(temperature, method
-    name): [record per prompt]}, each the median of its repeats (``median_run``)."""
+    name): [record per prompt]}, each the median of its repeats (``median_run``). A Hugging Face method whose
+    ``generate`` raises (universal assisted decoding fails on some pairs) is not run further at that temperature:
+    its error goes into ``hf_failures`` {(temperature, method name): message} and it has no records."""
+    hf_failures = {} if hf_failures is None else hf_failures
     names = prompt_names or [str(i) for i in range(len(prompt_ids))]
     total = len(prompt_ids) * cfg.repeats * len(cfg.temperatures) * len(methods)
     order = itertools.count()
     with _progress(progress, total, "decoding") as tick:
-        def one(method: Method, i: int, t: float) -> dict:
+        def one(method: Method, i: int, t: float) -> dict | None:
             row = prompt_ids[i]
             prof = (profiles.setdefault((t, method.name), StepProfile(run.device))
                     if profiles is not None and method.kind == OURS else None)
-            new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i), profile=prof)
+            if (t, method.name) in hf_failures:
+                tick(f"skipped: {method.name} at T={t:g}")
+                return None
+            try:
+                new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i), profile=prof)
+            except Exception as err:  # noqa: BLE001 - HF's generate fails on some pairs: that row is not run
+                if method.kind != HF:
+                    raise
+                hf_failures[(t, method.name)] = f"prompt {names[i]}: {type(err).__name__}: {err}"[:300]
+                _say(progress, f"{method.name} at T={t:g} is not run: Hugging Face's generate raised "
+                               f"{hf_failures[(t, method.name)]}")
+                return None
             tick(f"last: {method.name} at T={t:g}")
             return {"key": i, "order": next(order), "prompt": names[i], "category": categories[i],
                     "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,
@@ -420,7 +442,8 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
 
         blocks = run_interleaved(one, methods, len(prompt_ids), cfg.temperatures, cfg.repeats,
                                  lambda i: before_block())
-    return {(t, m.name): [median_run(repeats) for repeats in per_prompt] for (t, m), per_prompt in blocks.items()}
+    return {(t, m.name): [median_run(repeats) for repeats in per_prompt] for (t, m), per_prompt in blocks.items()
+            if (t, m.name) not in hf_failures}
 
 
 def _batch_pass(run, records, summary, prompt_ids, cfg: BenchConfig, progress: bool, predict=None) -> list[dict]:

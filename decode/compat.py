@@ -131,9 +131,10 @@ def _special_ids(tok: Any) -> dict[str, Any]:
     return {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "unk")}
 
 
-DRAFT_TOKENIZER_FIX = ("a draft must share the target's tokenizer. Train or convert the draft with it (a draft whose "
-                       "head is pruned to fewer ids keeps the target's tokenizer and lists the ids it scores in its "
-                       "config's draft_vocab_map, decode.vocab_map)")
+DRAFT_TOKENIZER_FIX = ("a draft of another vocabulary drafts through the tokens both share when it is given as one "
+                       "(check_compatibility(..., cross_vocab=True); SpeculativeDecoder does so by itself, "
+                       "decode.cross_vocab), else it needs the target's tokenizer (a draft whose head is pruned to "
+                       "fewer ids keeps it and lists the ids it scores in its config's draft_vocab_map)")
 
 
 def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any,
@@ -362,7 +363,7 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
     """Check that ``draft`` can propose tokens for ``target`` and return the shared vocabulary size V.
 
     ``cross_vocab``: the draft has a vocabulary of its own (:mod:`decode.cross_vocab`): V is the target's, and a
-    pruned draft's map is checked against the draft's tokenizer.
+    vocabulary-pruned draft is refused (its map names ids of the tokenizer it was pruned with).
 
     V is ``len(target_tokenizer)`` when a tokenizer is given (grown to the draft tokenizer's size where the target's
     lm_head has rows for those ids), else the target's lm_head size. Ids beyond V that only a draft's tokenizer has
@@ -387,10 +388,13 @@ def check_compatibility(target: Any, draft: Any = None, target_tokenizer: Any = 
         if target_tokenizer is None or draft_tokenizer is None:
             raise IncompatibleModelsError("a draft with a tokenizer of its own needs both tokenizers: pass "
                                           "tokenizer= (the target's) and draft_tokenizer= (the draft's)")
-        vocab = check_compatibility(target, None, target_tokenizer)
-        if draft is not None:
-            check_draft_vocab_map(draft, len(draft_tokenizer), draft_tokenizer)
-        return vocab
+        if draft is not None and draft_vocab_map(draft) is not None:
+            raise IncompatibleModelsError(
+                "the draft is vocabulary-pruned (its lm_head scores the ids of its draft_vocab_map, ids of the "
+                "tokenizer it was pruned with) and was given a tokenizer of another vocabulary than the target's: "
+                "a pruned draft keeps the target's tokenizer. Drop the draft tokenizer (--draft-tokenizer, "
+                "draft_tokenizer=, draft.tokenizer), or use a full-vocabulary draft with its own tokenizer")
+        return check_compatibility(target, None, target_tokenizer)
     check_tokenizers(target_tokenizer, draft_tokenizer)
     v_target = output_vocab_size(target)
     if target_tokenizer is not None:

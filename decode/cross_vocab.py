@@ -30,7 +30,7 @@ from typing import Any, Hashable
 import torch
 
 from decode.compat import input_vocab_size, output_vocab_size, shares_vocabulary
-from decode.vocab_map import draft_vocab_map, scatter_to_vocab
+from decode.vocab_map import scatter_to_vocab
 
 SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -104,8 +104,7 @@ class VocabIntersection:
 
     Attributes:
         target_ids: ``(N,)`` int64, the shared tokens' target ids, sorted ascending.
-        columns: ``(N,)`` int64, the draft logit column that scores each of them (the draft id, or for a draft
-            whose head is pruned, :mod:`decode.vocab_map`, the head row of that id).
+        columns: ``(N,)`` int64, the draft logit column (the draft id) that scores each of them.
         draft_input: ``(V_target,)`` int64, the draft id each target id is read as.
         target_size, draft_size: the two vocabularies (ids ``[0, V)`` of each tokenizer the models can use).
     """
@@ -148,7 +147,7 @@ class VocabIntersection:
 
 
 def intersect_vocabularies(target_tokenizer: Any, draft_tokenizer: Any, target_size: int | None = None,
-                           draft_size: int | None = None, head_ids: torch.Tensor | None = None) -> VocabIntersection:
+                           draft_size: int | None = None) -> VocabIntersection:
     """Pair the tokens two tokenizers share (:func:`token_keys`) and choose how the draft reads every target id.
 
     Args:
@@ -156,8 +155,6 @@ def intersect_vocabularies(target_tokenizer: Any, draft_tokenizer: Any, target_s
         target_size: ids ``[0, target_size)`` the target uses (default ``len(target_tokenizer)``).
         draft_size: ids ``[0, draft_size)`` the draft can read and score (default ``len(draft_tokenizer)``; the
             decoder passes the smaller of that and the draft's embedding rows).
-        head_ids: for a draft whose lm_head is pruned (:mod:`decode.vocab_map`), the ``(M,)`` draft ids its rows
-            score; only those can be proposed, and ``columns`` index the rows.
 
     Where one vocabulary holds several ids for the same key, the lowest id is paired. Pairs are one to one, so q
     stays a distribution over distinct target ids.
@@ -183,15 +180,10 @@ def intersect_vocabularies(target_tokenizer: Any, draft_tokenizer: Any, target_s
             pairs[i] = j
             used.add(j)
     draft_input = _draft_inputs(target_tokenizer, draft_tokenizer, t_keys, pairs, target_size, draft_size)
-    columns_of = {int(d): c for c, d in enumerate(head_ids.tolist())} if head_ids is not None else None
-    target_ids, columns = [], []
-    for i in sorted(pairs):
-        column = pairs[i] if columns_of is None else columns_of.get(pairs[i])
-        if column is not None:
-            target_ids.append(i)
-            columns.append(column)
-    return VocabIntersection(torch.tensor(target_ids, dtype=torch.long), torch.tensor(columns, dtype=torch.long),
-                             draft_input, target_size, draft_size)
+    target_ids = sorted(pairs)
+    return VocabIntersection(torch.tensor(target_ids, dtype=torch.long),
+                             torch.tensor([pairs[i] for i in target_ids], dtype=torch.long), draft_input, target_size,
+                             draft_size)
 
 
 def _draft_inputs(target_tokenizer: Any, draft_tokenizer: Any, t_keys: dict[int, Hashable], pairs: dict[int, int],
@@ -217,12 +209,9 @@ def draft_intersection(draft: Any, tokenizer: Any, draft_tokenizer: Any,
                        target_size: int | None = None) -> VocabIntersection | None:
     """The pairing a decoder drafts through when ``draft_tokenizer`` is not the target's ``tokenizer``
     (:func:`decode.compat.shares_vocabulary`), else None. The draft's usable ids are those its tokenizer, input
-    embedding and (unless pruned) lm_head all have."""
+    embedding and lm_head all have (a vocabulary-pruned draft keeps the target's tokenizer:
+    :func:`decode.compat.check_compatibility` refuses it here)."""
     if draft is None or tokenizer is None or draft_tokenizer is None or shares_vocabulary(tokenizer, draft_tokenizer):
         return None
-    head_ids = draft_vocab_map(draft)
-    sizes = [len(draft_tokenizer), input_vocab_size(draft) or len(draft_tokenizer)]
-    if head_ids is None:
-        sizes.append(output_vocab_size(draft))
-    return intersect_vocabularies(tokenizer, draft_tokenizer, target_size, min(sizes),
-                                  None if head_ids is None else head_ids.cpu())
+    sizes = [len(draft_tokenizer), input_vocab_size(draft) or len(draft_tokenizer), output_vocab_size(draft)]
+    return intersect_vocabularies(tokenizer, draft_tokenizer, target_size, min(sizes))

@@ -33,7 +33,7 @@ from decode import kernels
 from decode import profile as profiling
 from decode.batch import DecodeState, RunningBatch, left_pad
 from decode.cache import context_length
-from decode.compat import (check_decodable, draft_input_substitute, shares_vocabulary, substitute_draft_inputs,
+from decode.compat import (check_argument_types, check_decodable, draft_input_substitute, shares_vocabulary, substitute_draft_inputs,
                            warn_chunk_dependent_rope)
 from decode.cross_vocab import draft_intersection
 from decode.compiling import check_compile, compiled_forward
@@ -108,6 +108,10 @@ class SpeculativeDecoder:
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None (the default choice), True or False, got {value!r}")
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        check_argument_types(target, draft, tokenizer, draft_tokenizer)  # before any tokenizer is read
+        if draft_tokenizer is not None and tokenizer is None:
+            raise ValueError("draft_tokenizer= needs tokenizer= (the target's tokenizer) too: without it the decoder "
+                             "cannot tell whether the draft's vocabulary is the target's. Pass both")
         cross = draft is not None and not shares_vocabulary(tokenizer, draft_tokenizer)
         self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer, cross_vocab=cross)
         # A draft with a tokenizer of its own drafts through the tokens both vocabularies share (decode.cross_vocab).

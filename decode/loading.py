@@ -493,7 +493,8 @@ def load_draft_tokenizer(draft_path: str, target_tokenizer: Any, trust_remote_co
     draft through the tokens both share (:mod:`decode.cross_vocab`)."""
     if tokenizer_path is not None:
         return load_tokenizer(tokenizer_path, "draft tokenizer", trust_remote_code=trust_remote_code,
-                              fix="pass --draft-tokenizer PATH (a folder or hub id with the draft's tokenizer)")
+                              fix="give a folder, .gguf file or hub id that holds the draft's tokenizer "
+                                  "(tokenizer.json or tokenizer_config.json)")
     own = _own_tokenizer(draft_path, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     if own is not None:
         return load_tokenizer(own, "draft tokenizer", trust_remote_code=trust_remote_code)

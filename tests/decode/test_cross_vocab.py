@@ -141,14 +141,23 @@ def test_target_logits_put_the_shared_columns_at_their_target_ids_and_minus_inf_
     assert torch.equal(logits.grad, shared)  # gradient reaches the shared columns, and only them
 
 
-def test_a_pruned_draft_of_another_vocabulary_proposes_only_its_head_ids():
+def test_a_pruned_draft_with_a_tokenizer_of_another_vocabulary_is_refused_naming_the_fix():
+    from decode.compat import IncompatibleModelsError
+    from decode.vocab_map import prune_draft_head
+
     t_tok, d_tok = byte_level_bpe(700), metaspace_bpe(600)
-    head_ids = torch.arange(0, 600, 3)
-    x = intersect_vocabularies(t_tok, d_tok, head_ids=head_ids)
-    full = intersect_vocabularies(t_tok, d_tok)
-    paired = dict(zip(full.columns.tolist(), full.target_ids.tolist()))
-    assert 0 < x.size < len(head_ids)
-    assert all(paired[int(head_ids[c])] == t for c, t in zip(x.columns.tolist(), x.target_ids.tolist()))
+    target = tiny_llama(vocab_size=700)
+    pruned = prune_draft_head(tiny_llama(vocab_size=700, seed=2), torch.arange(0, 700, 2))
+    with pytest.raises(IncompatibleModelsError, match="vocabulary-pruned.*Drop the draft tokenizer"):
+        SpeculativeDecoder(target, pruned, 2, tokenizer=t_tok, draft_tokenizer=d_tok)
+
+
+def test_tokenizers_given_wrongly_are_named():
+    target, draft, tok = tiny_llama(vocab_size=700), tiny_llama(vocab_size=600), byte_level_bpe(700)
+    with pytest.raises(ValueError, match="draft_tokenizer= needs tokenizer="):
+        SpeculativeDecoder(target, draft, 2, draft_tokenizer=metaspace_bpe(600))
+    with pytest.raises(TypeError, match="draft_tokenizer must be a tokenizer object"):
+        SpeculativeDecoder(target, draft, 2, tokenizer=tok, draft_tokenizer="path/to/draft")
 
 
 def test_a_draft_of_the_same_vocabulary_is_not_paired():

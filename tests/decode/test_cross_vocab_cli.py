@@ -56,7 +56,7 @@ def test_the_draft_tokenizer_is_the_option_else_the_draft_s_own_else_the_target_
     assert given.get_vocab() == t_tok.get_vocab()
     tiny_llama(vocab_size=600).save_pretrained(tmp_path / "bare")  # no tokenizer of its own: the target's
     assert load_draft_tokenizer(str(tmp_path / "bare"), t_tok) is t_tok
-    with pytest.raises(FileNotFoundError, match="--draft-tokenizer"):
+    with pytest.raises(FileNotFoundError, match="draft tokenizer folder .*bare has no tokenizer files"):
         load_draft_tokenizer(str(saved / "draft"), t_tok, tokenizer_path=str(tmp_path / "bare"))
 
 
@@ -181,3 +181,17 @@ def test_bench_runs_a_pair_of_two_tokenizers_with_hf_universal_assisted_decoding
         assert runs[(float(t), "hf_assisted")]["chars_per_verify_step"] is None  # HF reports no τ
     assert json.loads(out.read_text())["runs"][1]["overall"]["chars_per_verify_step"] is not None
 
+
+
+def test_certify_passes_the_pair_from_the_command_line(saved, tmp_path):
+    """``decode certify`` on the saved pair: the draft's own tokenizer (another vocabulary) is picked up, and the
+    draws pass against the target's exact distributions at T = 1 and under top-k."""
+    from decode.certify import main as certify_main
+
+    out = tmp_path / "cert.json"
+    code = certify_main(["--target", str(saved / "target"), "--draft", str(saved / "draft"), "--prompts",
+                         str(saved / "prompts.jsonl"), "-M", "2", "-K", "300", "--prefix-tokens", "4", "--settings",
+                         "T=1; T=0.8,top_k=5", "--out", str(out)])
+    cert = json.loads(out.read_text())
+    assert code == 0 and cert["verdict"] == "PASS", cert["verdict"]
+    assert cert["samples_per_prefix"] == 300 and len(cert["prefix_lengths"]) == 2

@@ -201,7 +201,7 @@ def test_recipe_acceptance_on_the_column_span_equals_the_full_sequence_layout(pa
     cfg = SimpleNamespace(loss=SimpleNamespace(name="acceptance", gamma=3, beta=0.5, temperature=1.0, ce_weight=0.0))
     acc = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
     run = SimpleNamespace(cfg=cfg, accelerator=acc, target=target, draft=draft, vocab=vocab, logit_cache=None,
-                          logits_to_keep={})
+                          logits_to_keep={}, intersection=None)
     n = int(mask.sum())
     got = loss_on_batch(run, batch, n)
     (g_got,) = torch.autograd.grad(got, draft.lm_head.weight)
@@ -266,7 +266,7 @@ def test_ce_labels_target_is_the_cross_entropy_to_the_target_s_greedy_choice(pai
         cfg = OmegaConf.create({"loss": dict(name=name, gamma=3, beta=0.5, temperature=1.0, ce_weight=1.0,
                                              ce_labels=which, fused=True)})
         run = SimpleNamespace(cfg=cfg, accelerator=acc, target=target, draft=draft, vocab=vocab, logit_cache=None,
-                              logits_to_keep={})
+                              logits_to_keep={}, intersection=None)
         got[which] = loss_on_batch(run, batch, n).item()
     draft_logits = draft(input_ids=ids).logits[..., :vocab]
     assert got["target"] == pytest.approx(cross_entropy(draft_logits, greedy, mask, n).item(), rel=1e-10)

@@ -47,6 +47,31 @@ def check_cross_vocab_settings(cfg: Any) -> None:
                          "data.on_policy_fraction=0 (data.completions=target trains on the target's own text)")
 
 
+def check_resumed_pairing(saved: dict | None, draft_tokenizer: Any, resume_from: Any) -> None:
+    """Refuse to resume a checkpoint with another draft tokenizer than it was trained with (before any model loads).
+
+    Args:
+        saved: the checkpoint's ``tokenizer_pairing`` (:func:`pairing_record`; None: the draft had the target's
+            tokenizer).
+        draft_tokenizer: this run's draft tokenizer when it differs from the target's, else None.
+
+    Raises:
+        SetupError: naming ``draft.tokenizer`` and the tokenizer the checkpoint keeps (``<checkpoint>/draft``).
+    """
+    was = (saved or {}).get("draft_vocab_hash")
+    now = vocab_fingerprint(draft_tokenizer) if draft_tokenizer is not None else None
+    if was == now:
+        return
+    kept, current = f"{resume_from}/draft", now or "the target's"
+    if was is None:
+        raise SetupError(f"the checkpoint {resume_from} was trained with the target's tokenizer, and this run's draft "
+                         f"tokenizer has another vocabulary ({now}): resume with draft.tokenizer=null, or start a new "
+                         "run (train.resume=false) for a draft with its own tokenizer")
+    raise SetupError(f"the checkpoint {resume_from} was trained with a draft tokenizer of vocabulary {was} (kept in "
+                     f"{kept}), and this run's draft tokenizer is {current}: its embedding rows would "
+                     f"name other tokens. Resume with draft.tokenizer={kept}, or start a new run (train.resume=false)")
+
+
 def pair_vocabularies(draft: Any, tokenizer: Any, draft_tokenizer: Any, vocab: int,
                       log: Any = print) -> VocabIntersection:
     """The intersection the run trains through (the decoder's own, :func:`decode.cross_vocab.draft_intersection`),

@@ -42,8 +42,8 @@ from decode.vocab_map import draft_vocab_map
 from distill import checkpoint as ckpt, runfolder
 from distill.checks import check_inputs, check_output_dir, normalize_config
 from distill.config import SetupError
-from distill.cross_vocab import (check_cross_vocab_settings, draft_inputs, is_cross_vocab, pair_vocabularies,
-                                 pairing_record, shared_columns)
+from distill.cross_vocab import (check_cross_vocab_settings, check_resumed_pairing, draft_inputs, is_cross_vocab,
+                                 pair_vocabularies, pairing_record, shared_columns)
 from distill.data import collate_sequences, kept_positions, load_data, micro_batch_indices
 from distill.evaluate import (HELDOUT_FILE, acceptance_eval, heldout_examples, resolve_costs, save_heldout,
                               teacher_forced_eval)
@@ -151,6 +151,9 @@ def setup(cfg: DictConfig, log: Any = print, cost_ratio: float | None = None,
     cross = is_cross_vocab(tokenizer, draft_tokenizer)  # a draft of another vocabulary: decode.cross_vocab's view
     if cross:
         check_cross_vocab_settings(cfg)
+    if resume_from is not None:  # a resumed draft keeps the tokenizer it was trained with
+        check_resumed_pairing(ckpt.read_state(resume_from).get("tokenizer_pairing"),
+                              draft_tokenizer if cross else None, resume_from)
     # data.target_logits=cached: the target's distribution comes from a logit cache; the target is loaded only to
     # evaluate (eval.with_cached_logits=true), never to train.
     cache = open_for_training(cfg, tokenizer, log) if target_logits_mode(cfg) == "cached" else None

@@ -24,7 +24,7 @@ from distill.losses import pruned_distill_loss
 import distill.recipe as recipe
 from distill.recipe import draft_side, setup, train
 from distill_helpers import compose, corpus_lines, overrides
-from tests.decode.test_cross_vocab import metaspace_bpe, transplant
+from tests.decode.test_cross_vocab import byte_level_bpe, metaspace_bpe, transplant
 
 
 def _quiet(*_):
@@ -192,3 +192,27 @@ def test_draft_tokenizer_key_gives_the_draft_s_tokenizer(cross, tmp_path):
           if not o.startswith("draft.name_or_path")]
     with pytest.raises(SetupError, match="draft.tokenizer=.* needs draft.name_or_path"):
         setup(compose(ov), log=_quiet)
+
+
+def test_resuming_with_another_draft_tokenizer_is_refused_naming_draft_tokenizer(cross, tmp_path):
+    """Found by a new user: a resume with another draft.tokenizer (or none, so the target's) trained the restored
+    embedding rows under other tokens and kept the old pairing in the records."""
+    bare, tok_dir, other_dir = tmp_path / "bare", tmp_path / "tok", tmp_path / "other"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        if (cross["draft"] / f).exists():
+            shutil.copy(cross["draft"] / f, bare / f)
+    cross["d_tok"].save_pretrained(str(tok_dir))
+    other = byte_level_bpe(300, corpus=corpus_lines())  # another vocabulary, the same text
+    assert vocab_fingerprint(other) != vocab_fingerprint(cross["d_tok"])
+    other.save_pretrained(str(other_dir))
+    run = tmp_path / "run"
+    base = (f"draft.name_or_path={bare}", "train.max_steps=2")
+    train(compose(overrides(cross, run, *base, f"draft.tokenizer={tok_dir}")), log=_quiet)
+    for tok in (f"draft.tokenizer={other_dir}", "draft.tokenizer=null"):
+        with pytest.raises(SetupError, match=r"trained with a draft tokenizer .*Resume with draft\.tokenizer="):
+            train(compose(overrides(cross, run, *base, tok, "train.max_steps=3", "train.resume=true")), log=_quiet)
+    assert not (run / "step_000003").exists()
+    train(compose(overrides(cross, run, *base, f"draft.tokenizer={run}/step_000002/draft", "train.max_steps=3",
+                            "train.resume=true")), log=_quiet)
+    assert (run / "step_000003").is_dir()

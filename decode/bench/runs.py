@@ -179,14 +179,7 @@ def run_benchmark(target, draft, prompt_ids: list[list[int]], categories: list[s
     if cfg.warmup:  # first calls pay for allocator growth and lazy init (compilation: warm_up above)
         say(f"warm-up: {len(methods) * len(cfg.temperatures)} untimed calls of up to {min(4, cfg.max_new_tokens)} "
             "tokens (every method once)")
-        for method in methods:
-            for t in cfg.temperatures:
-                try:
-                    run(method, prompt_ids[:1], t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
-                except Exception as err:  # noqa: BLE001 - as in the main pass: that HF row is not run
-                    if method.kind != HF:
-                        raise
-                    hf_failures[(t, method.name)] = f"warm-up: {type(err).__name__}: {err}"[:300]
+        _warm_up(run, methods, prompt_ids[:1], cfg, hf_failures)
     say(f"main pass: {', '.join(m.name for m in methods)} on {len(prompt_ids)} prompt(s), interleaved")
     per_prompt = math.ceil(cfg.cost_repeats / len(prompt_ids))  # cost rounds before each prompt's runs
     profiles: dict[tuple[float, str], StepProfile] | None = {} if cfg.profile else None
@@ -402,6 +395,19 @@ def _predict_batches(records, methods: list[Method], num_prompts: int, cfg: Benc
     return predicted_batch_speedup(gamma, rows, [r["wall_s"] for r in plain_recs],
                                    [r["prefill_s"] for r in plain_recs], auto_costs, cfg.max_new_tokens,
                                    prefill_ratio, cfg.auto_max_gamma)
+
+
+def _warm_up(run, methods: list[Method], prompt: list[list[int]], cfg: BenchConfig, hf_failures: dict) -> None:
+    """One untimed call of every method at every temperature; an HF method whose generate raises is not run
+    further at that temperature (its error goes into ``hf_failures``, as in :func:`_main_pass`)."""
+    for method in methods:
+        for t in cfg.temperatures:
+            try:
+                run(method, prompt, t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
+            except Exception as err:  # noqa: BLE001 - HF's generate fails on some pairs: that row is not run
+                if method.kind != HF:
+                    raise
+                hf_failures[(t, method.name)] = f"warm-up: {type(err).__name__}: {err}"[:300]
 
 
 def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,

@@ -73,9 +73,9 @@ def check_generate_args(args: argparse.Namespace) -> None:
 
 def load_decoder(args: argparse.Namespace, device: Any) -> tuple[SpeculativeDecoder, Any, int | str]:
     """The target (and draft) of ``args`` loaded on ``device``: ``(decoder, tokenizer, γ)``."""
-    for option in ("target", "draft", "tokenizer", "draft_tokenizer"):  # every path before the first (slow) load
-        if getattr(args, option) is not None:
-            check_cached(getattr(args, option), f"--{option.replace('_', '-')}")
+    for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load (--draft-tokenizer:
+        if getattr(args, option) is not None:                # check_draft_tokenizer_arg, already)
+            check_cached(getattr(args, option), f"--{option}")
     trust = args.trust_remote_code
     target = load_causal_lm(args.target, "target", args.dtype, device, trust)
     tok = load_target_tokenizer(args.tokenizer, args.target, trust)

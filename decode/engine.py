@@ -33,10 +33,10 @@ from decode import kernels
 from decode import profile as profiling
 from decode.batch import DecodeState, RunningBatch, left_pad
 from decode.cache import context_length
-from decode.compat import (check_argument_types, check_decodable, draft_input_substitute, shares_vocabulary, substitute_draft_inputs,
+from decode.compat import (check_argument_types, check_decodable, draft_input_substitute, substitute_draft_inputs,
                            warn_chunk_dependent_rope)
-from decode.cross_vocab import draft_intersection
 from decode.compiling import check_compile, compiled_forward
+from decode.cross_vocab import draft_intersection
 from decode.drafting import draft_tokens
 from decode.lookup import chain_tokens, check_prompt_lookup, lookup_chains, lookup_drafts
 from decode.metrics import DecodeStats, peak_memory_bytes
@@ -112,11 +112,12 @@ class SpeculativeDecoder:
         if draft_tokenizer is not None and tokenizer is None:
             raise ValueError("draft_tokenizer= needs tokenizer= (the target's tokenizer) too: without it the decoder "
                              "cannot tell whether the draft's vocabulary is the target's. Pass both")
-        cross = draft is not None and not shares_vocabulary(tokenizer, draft_tokenizer)
+        # A draft with a tokenizer of its own drafts through the tokens both vocabularies share (decode.cross_vocab;
+        # None: one vocabulary). Its target side is len(tokenizer), the vocabulary check_decodable returns for it.
+        self.intersection = draft_intersection(draft, tokenizer, draft_tokenizer)
+        cross = self.intersection is not None
         self.vocab_size = check_decodable(target, draft, tokenizer, draft_tokenizer, cross_vocab=cross)
-        # A draft with a tokenizer of its own drafts through the tokens both vocabularies share (decode.cross_vocab).
-        self.intersection = draft_intersection(draft, tokenizer, draft_tokenizer, self.vocab_size) if cross else None
-        if self.intersection is not None:
+        if cross:
             warnings.warn(f"decode: the draft's tokenizer differs from the target's; it drafts through the "
                           f"{self.intersection.summary()} (docs/decode.md, \"Drafts with their own tokenizer\")",
                           stacklevel=2)

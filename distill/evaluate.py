@@ -39,6 +39,7 @@ from decode.sampling import logits_to_probs
 from decode.speedup import expected_tokens_per_step
 from decode.vocab_map import draft_vocab_map, scatter_to_vocab
 from distill.config import SetupError
+from distill.cross_vocab import shared_columns
 from distill.rollout import accepts_logits_to_keep, completion_logits
 from distill.target_data import target_data_settings
 
@@ -183,7 +184,7 @@ def teacher_forced_sums(target: Any, draft: Any, examples: list[dict], temperatu
     ``intersection``: for a draft with a tokenizer of its own, the pairing it drafts through
     (:mod:`decode.cross_vocab`): it reads the examples' target ids mapped into its vocabulary and its q covers
     only the shared tokens, as in the decoder."""
-    vocab_map = draft_vocab_map(draft) if intersection is None else intersection.target_ids
+    vocab_map = draft_vocab_map(draft)
     d_pad = pad_id if intersection is None else int(intersection.draft_input[pad_id])
     keep_t, keep_d = accepts_logits_to_keep(target), accepts_logits_to_keep(draft)
     sums, positions = {float(t): 0.0 for t in temperatures}, 0
@@ -192,8 +193,8 @@ def teacher_forced_sums(target: Any, draft: Any, examples: list[dict], temperatu
         if rows:
             target_logits = completion_logits(target, rows, pad_id, keep_t)  # (N, V')
             draft_logits = completion_logits(draft, draft_rows(rows, intersection), d_pad, keep_d)  # (N, V''|K)
-            if intersection is not None:
-                draft_logits = draft_logits.index_select(-1, intersection.columns.to(draft_logits.device))
+            if intersection is not None:  # the shared columns, scoring the target ids of vocab_map
+                draft_logits, vocab_map = shared_columns(draft_logits, intersection)
             for t in sums:
                 sums[t] += float(position_acceptance(target_logits, draft_logits, t, vocab, vocab_map).double().sum())
             positions += target_logits.shape[0]

@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         check_cpu_compiler("--compile", "drop --compile")
     check_prompt_lookup(args.prompt_lookup_ngram, bool(args.draft), "--prompt-lookup-ngram")
     check_draft_tokenizer_arg(args.draft, args.draft_tokenizer)
-    for option in ("target", "draft", "tokenizer", "draft_tokenizer"):  # every path before the first (slow) load
-        if getattr(args, option) is not None:
-            check_cached(getattr(args, option), f"--{option.replace('_', '-')}")
+    for option in ("target", "draft", "tokenizer"):  # every path before the first (slow) load (--draft-tokenizer:
+        if getattr(args, option) is not None:                # check_draft_tokenizer_arg, already)
+            check_cached(getattr(args, option), f"--{option}")
     try:
         dec, tok, cost_model = _load_and_warm_up(args, device, compile_)
     except KeyboardInterrupt:  # Ctrl-C while loading or compiling: nothing served yet, nothing to save

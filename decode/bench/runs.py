@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -397,17 +397,25 @@ def _predict_batches(records, methods: list[Method], num_prompts: int, cfg: Benc
                                    prefill_ratio, cfg.auto_max_gamma)
 
 
+def _recording_hf_failures(call: Callable[[], Any], method: Method, t: float, hf_failures: dict, where: str) -> Any:
+    """``call()``'s result; when ``method`` is an HF one and its generate raises (universal assisted decoding fails
+    on some pairs), None, with the error kept in ``hf_failures[(t, method name)]`` (``where`` says which call)."""
+    try:
+        return call()
+    except Exception as err:  # noqa: BLE001 - that HF row is not run further
+        if method.kind != HF:
+            raise
+        hf_failures[(t, method.name)] = f"{where}: {type(err).__name__}: {err}"[:300]
+        return None
+
+
 def _warm_up(run, methods: list[Method], prompt: list[list[int]], cfg: BenchConfig, hf_failures: dict) -> None:
     """One untimed call of every method at every temperature; an HF method whose generate raises is not run
-    further at that temperature (its error goes into ``hf_failures``, as in :func:`_main_pass`)."""
+    further at that temperature (:func:`_recording_hf_failures`, as in :func:`_main_pass`)."""
     for method in methods:
         for t in cfg.temperatures:
-            try:
-                run(method, prompt, t, 0, max_new_tokens=min(4, cfg.max_new_tokens), timed=False)
-            except Exception as err:  # noqa: BLE001 - HF's generate fails on some pairs: that row is not run
-                if method.kind != HF:
-                    raise
-                hf_failures[(t, method.name)] = f"warm-up: {type(err).__name__}: {err}"[:300]
+            _recording_hf_failures(lambda: run(method, prompt, t, 0, max_new_tokens=min(4, cfg.max_new_tokens),
+                                               timed=False), method, t, hf_failures, "warm-up")
 
 
 def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchConfig, progress: bool,
@@ -432,15 +440,13 @@ def _main_pass(run, methods, prompt_ids, categories, prompt_names, cfg: BenchCon
             if (t, method.name) in hf_failures:
                 tick(f"skipped: {method.name} at T={t:g}")
                 return None
-            try:
-                new, wall, stats, peak = run(method, [row], t, seed_for(cfg, i), profile=prof)
-            except Exception as err:  # noqa: BLE001 - HF's generate fails on some pairs: that row is not run
-                if method.kind != HF:
-                    raise
-                hf_failures[(t, method.name)] = f"prompt {names[i]}: {type(err).__name__}: {err}"[:300]
+            result = _recording_hf_failures(lambda: run(method, [row], t, seed_for(cfg, i), profile=prof), method,
+                                            t, hf_failures, f"prompt {names[i]}")
+            if result is None:
                 _say(progress, f"{method.name} at T={t:g} is not run: Hugging Face's generate raised "
                                f"{hf_failures[(t, method.name)]}")
                 return None
+            new, wall, stats, peak = result
             tick(f"last: {method.name} at T={t:g}")
             return {"key": i, "order": next(order), "prompt": names[i], "category": categories[i],
                     "prompt_tokens": len(row), "new_tokens": new[0], "wall_s": wall, "peak_memory_bytes": peak,

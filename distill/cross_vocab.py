@@ -83,8 +83,8 @@ def pair_vocabularies(draft: Any, tokenizer: Any, draft_tokenizer: Any, vocab: i
     if draft_vocab_map(draft) is not None:
         raise SetupError("the draft has a tokenizer of its own and a vocabulary-pruned head: train it from its "
                          "full-vocabulary checkpoint (draft.name_or_path)")
-    x = draft_intersection(draft, tokenizer, draft_tokenizer, vocab)
-    if x is None or x.size == 0:
+    x = draft_intersection(draft, tokenizer, draft_tokenizer, vocab)  # not None: the caller found two vocabularies
+    if x.size == 0:
         raise SetupError("the draft's tokenizer and the target's share no token: give a draft whose vocabulary "
                          "overlaps the target's (draft.name_or_path)")
     log(f"the draft has a tokenizer of its own: it trains through the token-level intersection, {x.summary()}")

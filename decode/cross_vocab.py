@@ -24,16 +24,31 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Hashable
 
 import torch
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from decode.compat import input_vocab_size, output_vocab_size, shares_vocabulary
 from decode.vocab_map import scatter_to_vocab
 
 SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet read back: the printable character standing for each of the 256 bytes."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _decoder_kinds(tokenizer: Any) -> set[str]:
@@ -60,7 +75,7 @@ def token_keys(tokenizer: Any) -> dict[int, Hashable]:
     byte-fallback tokens are that byte, ``▁`` is a space and the rest is the token's UTF-8 text. A ``<0xNN>`` token
     is that byte in either kind of vocabulary."""
     byte_level = "ByteLevel" in _decoder_kinds(tokenizer)
-    alphabet = {c: b for b, c in bytes_to_unicode().items()}  # GPT-2's byte alphabet, read back
+    alphabet = _byte_decoder()
     special = {str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
     added = {int(i): t for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
     keys: dict[int, Hashable] = {}
